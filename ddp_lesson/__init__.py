@@ -1,0 +1,13 @@
+"""ddp-lesson: data-parallel training with PyTorch, taught from scratch and checked against torch.
+
+Also an IPython extension: ``%load_ext ddp_lesson`` registers the ``%%torchrun`` cell magic.
+Importing the package is cheap (torch is imported by the modules that need it).
+"""
+__version__ = "0.1.0"
+
+
+def load_ipython_extension(ipython):
+    """Register ``%%torchrun`` (see :mod:`ddp_lesson.launch`)."""
+    from .launch import load_ipython_extension as _load
+
+    _load(ipython)

@@ -1,0 +1,71 @@
+"""Bootstrap that :func:`ddp_lesson.launch.run_torchrun` puts between torchrun and your code.
+
+torchrun starts ``python -m ddp_lesson._worker OUTDIR (--module NAME | --script PATH) ARGS...``
+once per rank. Before running the real target this:
+
+1. sends the rank's stdout and stderr (file descriptors 1 and 2, so C++ and child-process
+   output too) to ``OUTDIR/rank{RANK}.out`` / ``.err``, line-buffered, so the launcher can show
+   each rank's output grouped in rank order and follow progress live;
+2. records its pid in ``OUTDIR/rank{RANK}.pid`` and asks Linux to kill it if torchrun dies
+   (``PR_SET_PDEATHSIG``): torchrun starts every worker in a session of its own, so without
+   this a SIGKILL to the launcher alone would leave orphans.
+
+Then it runs the target as ``__main__``, exactly as ``python -m NAME`` / ``python PATH`` would.
+Kept free of heavy imports: it runs before torch is imported.
+"""
+from __future__ import annotations
+
+import os
+import runpy
+import signal
+import sys
+
+
+def _die_with_parent() -> None:
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        PR_SET_PDEATHSIG = 1
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        # The parent may have died between fork and prctl: then we are already orphaned.
+        if os.getppid() == 1:
+            os._exit(1)
+    except OSError:
+        pass
+
+
+def _redirect(outdir: str, rank: str) -> None:
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    for fd, suffix in ((1, "out"), (2, "err")):
+        path = os.path.join(outdir, f"rank{rank}.{suffix}")
+        target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(target, fd)
+        os.close(target)
+    sys.stdout.reconfigure(line_buffering=True)
+    sys.stderr.reconfigure(line_buffering=True)
+    if restart:
+        print(f"[restart {restart}]")
+    with open(os.path.join(outdir, f"rank{rank}.pid"), "w") as f:
+        f.write(str(os.getpid()))
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) < 3 or argv[1] not in ("--module", "--script"):
+        raise SystemExit("usage: python -m ddp_lesson._worker OUTDIR (--module NAME | --script PATH) [ARGS...]")
+    outdir, kind, target, args = argv[0], argv[1], argv[2], argv[3:]
+    _die_with_parent()
+    _redirect(outdir, os.environ.get("RANK", "0"))
+    if kind == "--module":
+        sys.argv = [target, *args]
+        runpy.run_module(target, run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = [target, *args]
+        sys.path.insert(0, os.path.dirname(os.path.abspath(target)))
+        runpy.run_path(target, run_name="__main__")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,94 @@
+"""The ``ddp-lesson`` command.
+
+``ddp-lesson train --nproc-per-node 2 [trainer flags]`` runs the main job, data-parallel
+training of the seed's segmentation model, through torchrun. It prints the equivalent
+``torchrun`` command first, so you can run the same thing without this package, then runs the
+real launcher with this terminal as its output (rank 0's progress bar is live).
+Trainer flags are those of ``python -m ddp_lesson.train --help``.
+"""
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+
+from .env import BACKENDS, choose_backend
+
+
+def _train_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="ddp-lesson train",
+        description="Data-parallel training of the seed's DeepLab-style model under torchrun. "
+                    "Flags not listed here go to the trainer (see python -m ddp_lesson.train --help).")
+    p.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=2,
+                   help="processes on this machine (default 2)")
+    p.add_argument("--nnodes", type=int, default=1,
+                   help="machines in the job; >1 needs --rdzv-endpoint (see README)")
+    p.add_argument("--node-rank", type=int, default=None, help="this machine's rank (static rendezvous)")
+    p.add_argument("--rdzv-endpoint", default=None, help="HOST:PORT of the rendezvous, for --nnodes > 1")
+    p.add_argument("--rdzv-id", default="ddp-lesson", help="job id shared by every node")
+    p.add_argument("--max-restarts", type=int, default=0, help="torchrun's --max-restarts")
+    p.add_argument("--backend", choices=BACKENDS, default="auto",
+                   help="collective backend (default: nccl when each process can have a GPU, else gloo)")
+    return p
+
+
+def torchrun_argv(opts: argparse.Namespace) -> list[str]:
+    """torchrun's own flags for ``opts`` (without the program)."""
+    if opts.nproc_per_node < 1:
+        raise SystemExit(f"--nproc-per-node must be >= 1, got {opts.nproc_per_node}")
+    if opts.nnodes < 1:
+        raise SystemExit(f"--nnodes must be >= 1, got {opts.nnodes}")
+    flags = []
+    if opts.nnodes == 1:
+        flags.append("--standalone")
+    else:
+        if not opts.rdzv_endpoint:
+            raise SystemExit(f"--nnodes {opts.nnodes} needs --rdzv-endpoint HOST:PORT "
+                             "(the address of the first node)")
+        flags += ["--nnodes", str(opts.nnodes), "--rdzv-backend", "c10d",
+                  "--rdzv-endpoint", opts.rdzv_endpoint, "--rdzv-id", opts.rdzv_id]
+        if opts.node_rank is not None:
+            flags += ["--node-rank", str(opts.node_rank)]
+    flags += ["--nproc-per-node", str(opts.nproc_per_node)]
+    if opts.max_restarts:
+        flags += ["--max-restarts", str(opts.max_restarts)]
+    return flags
+
+
+def train(argv: list[str]) -> int:
+    """Run the trainer under torchrun; returns torchrun's exit status."""
+    import shlex
+
+    from .launch import launch_env
+
+    opts, trainer_args = _train_parser().parse_known_args(argv)
+    flags = torchrun_argv(opts)
+    program = ["-m", "ddp_lesson.train", "--backend", opts.backend, *trainer_args]
+    print("equivalent command: " + shlex.join(["torchrun", *flags, *program]), flush=True)
+    chosen, _ = choose_backend(opts.nproc_per_node, opts.backend)
+    env = launch_env(None, chosen, opts.nproc_per_node, announced=False)
+    cmd = [sys.executable, "-m", "torch.distributed.run", *flags, *program]
+    # torchrun stays in our process group, so Ctrl-C reaches it and it stops its workers.
+    try:
+        return subprocess.run(cmd, env=env).returncode
+    except KeyboardInterrupt:
+        return 130
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(prog="ddp-lesson", description=__doc__.split("\n\n")[0])
+    parser.add_argument("command", choices=["train"], help="train: the main job under torchrun")
+    if not argv or argv[0] in ("-h", "--help"):
+        parser.print_help()
+        return 0
+    cmd, rest = argv[0], argv[1:]
+    if cmd == "train":
+        return train(rest)
+    parser.error(f"unknown command {cmd!r}")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,244 @@
+"""Who am I in the job? Rank, local rank and world size from torchrun, and the backend choice.
+
+torchrun (``python -m torch.distributed.run``) starts one Python process per rank and tells
+each one its place through environment variables:
+
+=================  ==========================================================
+``RANK``           global rank, 0 .. WORLD_SIZE-1
+``LOCAL_RANK``     rank on this machine, 0 .. LOCAL_WORLD_SIZE-1 (picks the GPU)
+``WORLD_SIZE``     number of processes in the whole job
+``LOCAL_WORLD_SIZE`` processes on this machine
+``MASTER_ADDR``/``MASTER_PORT``  where the rendezvous store listens
+=================  ==========================================================
+
+This module reads them into a :class:`DistEnv`, chooses the backend and device with one rule
+(NCCL on ``cuda:{local_rank}`` when every local rank can have a GPU of its own, gloo on CPU
+otherwise), and wraps ``init_process_group`` / ``destroy_process_group`` with an explicit
+timeout and a safe teardown. Source: the torchrun documentation,
+https://pytorch.org/docs/stable/elastic/run.html ("Environment variables").
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import sys
+from dataclasses import dataclass
+
+#: Environment variable that overrides the backend choice ("gloo", "nccl" or "auto").
+BACKEND_ENV = "DDP_LESSON_BACKEND"
+BACKENDS = ("auto", "gloo", "nccl")
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """One process's place in the job, as torchrun describes it.
+
+    Attributes:
+        rank: global rank in ``[0, world_size)``.
+        local_rank: rank on this node in ``[0, local_world_size)``; selects the GPU.
+        world_size: number of processes in the job (``num_replicas`` for a sampler).
+        local_world_size: number of processes on this node.
+        backend: ``"nccl"`` or ``"gloo"``.
+        device: ``"cuda:{local_rank}"`` or ``"cpu"``.
+        reason: one line saying why this backend was chosen.
+    """
+
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    backend: str
+    device: str
+    reason: str
+
+    @property
+    def is_main(self) -> bool:
+        """True on rank 0, the process that prints and writes files."""
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        """True when a process group is (to be) used, i.e. started by torchrun."""
+        return self.world_size > 1 or "TORCHELASTIC_RUN_ID" in os.environ
+
+
+def _int_env(name: str, default: int, environ) -> int:
+    raw = environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={raw!r} is not an integer") from None
+
+
+def choose_backend(local_world_size: int, requested: str | None = None,
+                   cuda_device_count: int | None = None) -> tuple[str, str]:
+    """Choose the collective backend for ``local_world_size`` processes on this node.
+
+    Rule: NCCL when CUDA is available and every local rank can have a GPU of its own
+    (``cuda_device_count >= local_world_size``); gloo on CPU otherwise. NCCL needs one GPU
+    per process, gloo runs anywhere. An explicit ``requested`` backend (argument, else the
+    ``DDP_LESSON_BACKEND`` variable) wins over the rule.
+
+    Args:
+        local_world_size: processes on this node (>= 1).
+        requested: ``"auto"``, ``"gloo"``, ``"nccl"`` or None (read ``DDP_LESSON_BACKEND``).
+        cuda_device_count: GPUs visible; None asks torch.
+
+    Returns:
+        ``(backend, reason)``, where reason is one line for the log, e.g.
+        ``"4 processes but 1 GPU: using gloo on CPU"``.
+
+    Raises:
+        ValueError: unknown backend, ``local_world_size < 1``, or ``nccl`` requested with
+            fewer GPUs than processes.
+    """
+    if local_world_size < 1:
+        raise ValueError(f"local_world_size must be >= 1, got {local_world_size}")
+    if requested is None:
+        requested = os.environ.get(BACKEND_ENV, "auto") or "auto"
+    requested = requested.lower()
+    if requested not in BACKENDS:
+        raise ValueError(f"backend {requested!r} is not one of {', '.join(BACKENDS)}")
+    if cuda_device_count is None:
+        import torch
+
+        cuda_device_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    procs = f"{local_world_size} process{'es' if local_world_size != 1 else ''}"
+    gpus = f"{cuda_device_count} GPU{'s' if cuda_device_count != 1 else ''}"
+    if requested == "gloo":
+        return "gloo", f"{procs}, gloo requested: using gloo on CPU"
+    if requested == "nccl":
+        if cuda_device_count < local_world_size:
+            raise ValueError(f"nccl needs one GPU per process: {procs} but {gpus} visible")
+        return "nccl", f"{procs}, nccl requested: using nccl, one GPU per process"
+    if cuda_device_count == 0:
+        return "gloo", f"{procs} and no GPU: using gloo on CPU"
+    if cuda_device_count < local_world_size:
+        return "gloo", f"{procs} but {gpus}: using gloo on CPU"
+    return "nccl", f"{procs} and {gpus}: using nccl, one GPU per process"
+
+
+def read_env(backend: str | None = None, environ=None) -> DistEnv:
+    """Read this process's :class:`DistEnv` from torchrun's variables.
+
+    Outside torchrun (no variables set) it describes a single process: rank 0 of 1.
+
+    Args:
+        backend: ``"auto"``/``"gloo"``/``"nccl"`` or None (``DDP_LESSON_BACKEND``, else auto).
+        environ: mapping to read instead of ``os.environ`` (tests).
+
+    Raises:
+        ValueError: a variable is not an integer, or the ranks are inconsistent
+            ("rank 3 is outside [0, 1]").
+    """
+    environ = os.environ if environ is None else environ
+    world_size = _int_env("WORLD_SIZE", 1, environ)
+    rank = _int_env("RANK", 0, environ)
+    local_rank = _int_env("LOCAL_RANK", 0, environ)
+    local_world_size = _int_env("LOCAL_WORLD_SIZE", world_size, environ)
+    if world_size < 1:
+        raise ValueError(f"WORLD_SIZE must be >= 1, got {world_size}")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is outside [0, {world_size - 1}]")
+    if not 1 <= local_world_size <= world_size:
+        raise ValueError(f"LOCAL_WORLD_SIZE {local_world_size} is outside [1, {world_size}]")
+    if not 0 <= local_rank < local_world_size:
+        raise ValueError(f"local_rank {local_rank} is outside [0, {local_world_size - 1}]")
+    if backend is None:
+        backend = environ.get(BACKEND_ENV, "auto") or "auto"
+    chosen, reason = choose_backend(local_world_size, backend)
+    device = f"cuda:{local_rank}" if chosen == "nccl" else "cpu"
+    return DistEnv(rank, local_rank, world_size, local_world_size, chosen, device, reason)
+
+
+def resolve_local_rank(argv: list[str] | None = None, environ=None) -> int:
+    """The local rank, from the ``LOCAL_RANK`` variable or the legacy command-line flag.
+
+    ``torch.distributed.launch`` used to pass ``--local_rank=N`` (``--local-rank=N`` since
+    PyTorch 2.0); torchrun passes no flag and sets ``LOCAL_RANK`` instead. Scripts written
+    for the old launcher (like the seed's) read only the flag and silently get its default
+    under torchrun. This accepts both spellings and prefers the variable when both are set
+    (shared/cases C1: ``--local-rank=1`` -> 1, ``--local_rank=1`` -> 1, ``LOCAL_RANK=3`` -> 3,
+    nothing -> 0).
+    """
+    environ = os.environ if environ is None else environ
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--local-rank", "--local_rank", type=int, default=None, dest="local_rank")
+    args, _ = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    if environ.get("LOCAL_RANK") not in (None, ""):
+        return _int_env("LOCAL_RANK", 0, environ)
+    return 0 if args.local_rank is None else args.local_rank
+
+
+def print0(*args, env: DistEnv | None = None, **kwargs) -> None:
+    """``print`` on rank 0 only (every rank printing the same line is noise). Never syncs."""
+    rank = env.rank if env is not None else _int_env("RANK", 0, os.environ)
+    if rank == 0:
+        kwargs.setdefault("flush", True)
+        print(*args, **kwargs)
+
+
+def init_distributed(timeout: float = 60.0, backend: str | None = None,
+                     announce: bool | None = None) -> DistEnv:
+    """Join the job's process group (a synchronisation point: returns once every rank joined).
+
+    Reads :func:`read_env`, sets the CUDA device for NCCL, and calls
+    ``torch.distributed.init_process_group`` with an explicit ``timeout`` so a missing peer
+    or a mismatched collective fails with an error instead of hanging for the default 10
+    minutes (30 for NCCL). Outside torchrun with world size 1 no group is created.
+
+    Args:
+        timeout: seconds any collective may wait for its peers before raising.
+        backend: see :func:`choose_backend`.
+        announce: rank 0 prints the backend choice and why. None: yes, unless the
+            ``%%torchrun`` launcher already printed it (it sets
+            ``DDP_LESSON_LAUNCHER_ANNOUNCED``).
+
+    Returns:
+        This process's :class:`DistEnv`.
+
+    Raises:
+        ValueError: inconsistent torchrun variables or an impossible backend.
+        RuntimeError / DistBackendError: a peer did not join within ``timeout``.
+    """
+    import torch
+    import torch.distributed as dist
+
+    env = read_env(backend)
+    if env.backend == "nccl":
+        torch.cuda.set_device(env.local_rank)
+    if env.distributed and not dist.is_initialized():
+        kwargs = {}
+        if env.backend == "nccl":
+            kwargs["device_id"] = torch.device(env.device)
+        dist.init_process_group(backend=env.backend, rank=env.rank, world_size=env.world_size,
+                                timeout=datetime.timedelta(seconds=timeout), **kwargs)
+    if announce is None:
+        announce = not os.environ.get("DDP_LESSON_LAUNCHER_ANNOUNCED")
+    if announce:
+        print0(f"world_size={env.world_size}: {env.reason}", env=env)
+    return env
+
+
+def cleanup() -> None:
+    """Leave the process group: a barrier, then ``destroy_process_group`` (synchronises ranks).
+
+    The barrier matters on gloo: a rank that tears down while a peer is still finishing a
+    collective can make that peer abort ("Connection closed by peer"). Waiting for everyone
+    first makes teardown safe. Does nothing when no group exists.
+    """
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        try:
+            if dist.get_backend() == "nccl":
+                import torch
+
+                dist.barrier(device_ids=[torch.cuda.current_device()])
+            else:
+                dist.barrier()
+        finally:
+            dist.destroy_process_group()

@@ -1,0 +1,578 @@
+"""Launch real multi-process runs with torchrun, from a notebook cell or from Python.
+
+Two faces of one launcher:
+
+* ``run_torchrun(...)`` for scripts and tests;
+* the ``%%torchrun`` cell magic (``%load_ext ddp_lesson``) for notebooks, and its line form
+  ``%torchrun --nproc-per-node 2 -m ddp_lesson.train --epochs 1``.
+
+Both start the real launcher, ``python -m torch.distributed.run`` (torchrun), in a subprocess;
+nothing here spawns workers by hand. What the launcher adds around torchrun:
+
+* a free rendezvous port: ``--standalone`` makes torchrun bind port 0 itself, so two
+  launches at once never collide (several simulated nodes get a port picked here);
+* one backend/device choice, made with :func:`ddp_lesson.env.choose_backend`, printed once
+  and passed to every rank through ``DDP_LESSON_BACKEND``;
+* ``OMP_NUM_THREADS`` set explicitly (cores / processes) when you have not set it, which is
+  what silences torchrun's starred OMP banner (shared/cases C5);
+* each rank's stdout captured to a file of its own and shown grouped in rank order after the
+  run, so a deterministic program gives a deterministic cell output (nbval replays it);
+  stderr is shown when a rank fails (or with ``--show-stderr``);
+* live status while it runs: in a notebook an ipywidgets Label, created with a constant text
+  and then updated through its ``value`` trait (nbval compares only the initial text form);
+* a failing rank raises :class:`TorchrunError` carrying that rank's traceback;
+* a wall-clock timeout (:class:`TorchrunTimeout`) and, on timeout or interrupt, every process
+  ended: torchrun gets SIGTERM (it forwards it), then SIGKILL, then any worker still alive is
+  killed by pid (torchrun puts each worker in its own session, so killing the launcher's
+  process group alone would orphan them).
+
+Source: torchrun's documentation, https://pytorch.org/docs/stable/elastic/run.html.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .env import BACKEND_ENV, BACKENDS, choose_backend
+
+#: Set for the workers so that ``init_distributed`` does not print the backend choice again.
+ANNOUNCED_ENV = "DDP_LESSON_LAUNCHER_ANNOUNCED"
+DEFAULT_TIMEOUT_S = 300.0
+_POLL_S = 0.25
+_TERM_GRACE_S = 5.0
+
+
+class TorchrunError(RuntimeError):
+    """A rank exited with an error. ``rank``, ``exitcode``, ``traceback`` and ``result`` tell which."""
+
+    def __init__(self, message: str, rank: int | None, exitcode: int, traceback: str,
+                 result: "TorchrunResult"):
+        super().__init__(message)
+        self.rank = rank
+        self.exitcode = exitcode
+        self.traceback = traceback
+        self.result = result
+
+    def _render_traceback_(self):  # IPython shows this instead of the launcher's own frames
+        lines = [f"TorchrunError: {self}"]
+        if self.traceback:
+            lines += ["", *self.traceback.rstrip().splitlines()]
+        return lines
+
+
+class TorchrunTimeout(subprocess.TimeoutExpired):
+    """The run outlived its timeout; every process it started has been ended."""
+
+    def __init__(self, cmd, timeout: float, result: "TorchrunResult"):
+        super().__init__(cmd, timeout, output=result.stdout, stderr=result.launcher_stderr)
+        self.result = result
+
+    def __str__(self):
+        return (f"torchrun did not finish within {self.timeout:g} s; all its processes were "
+                "ended (a rank waiting in a collective its peers never reach hangs until "
+                "the process group's timeout)")
+
+
+@dataclass
+class TorchrunResult:
+    """What a run left behind.
+
+    Attributes:
+        returncode: torchrun's exit status (0 when every rank succeeded).
+        outputs: global rank -> that rank's stdout (all restarts, in order).
+        errors: global rank -> that rank's stderr.
+        launcher_stderr: torchrun's own stderr (its log lines and failure summary).
+        command: the command actually run.
+        torchrun_command: the equivalent command to type in a terminal.
+        backend, backend_reason: the launcher's backend choice and why.
+        wall_s: seconds from start to exit.
+    """
+
+    returncode: int
+    outputs: dict[int, str]
+    errors: dict[int, str]
+    launcher_stderr: str
+    command: list[str]
+    torchrun_command: str
+    backend: str
+    backend_reason: str
+    wall_s: float = 0.0
+    failed_rank: int | None = field(default=None)
+
+    @property
+    def stdout(self) -> str:
+        """Every rank's stdout in rank order, each line prefixed ``[rank N] ``."""
+        return format_rank_outputs(self.outputs)
+
+    def rank_lines(self, rank: int) -> list[str]:
+        """Lines rank ``rank`` printed to stdout."""
+        return self.outputs.get(rank, "").splitlines()
+
+
+def format_rank_outputs(outputs: dict[int, str], ranks=None) -> str:
+    """Join per-rank outputs in rank order, each line prefixed ``[rank N] ``."""
+    lines = []
+    for rank in sorted(outputs):
+        if ranks is not None and rank not in ranks:
+            continue
+        lines += [f"[rank {rank}] {line}" for line in outputs[rank].splitlines()]
+    return "\n".join(lines) + ("\n" if lines else "")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago (bind to port 0, read it, close)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def torchrun_command(target: str, args=(), *, module: bool = False, nproc_per_node: int = 2,
+                     nnodes: int = 1, max_restarts: int = 0, extra=()) -> str:
+    """The terminal command equivalent to a run (what to type without this package).
+
+    >>> torchrun_command("ddp_lesson.train", ["--epochs", "1"], module=True)
+    'torchrun --standalone --nproc-per-node 2 -m ddp_lesson.train --epochs 1'
+    """
+    parts = ["torchrun"]
+    if nnodes == 1:
+        parts.append("--standalone")
+    else:
+        parts += ["--nnodes", str(nnodes), "--rdzv-backend", "c10d",
+                  "--rdzv-endpoint", "HOST:PORT", "--rdzv-id", "JOB_ID"]
+    parts += ["--nproc-per-node", str(nproc_per_node)]
+    if max_restarts:
+        parts += ["--max-restarts", str(max_restarts)]
+    parts += list(extra)
+    parts += (["-m", target] if module else [target]) + [str(a) for a in args]
+    return shlex.join(parts)
+
+
+def _validate(nproc_per_node: int, nnodes: int, max_restarts: int, timeout: float) -> None:
+    if not isinstance(nproc_per_node, int) or nproc_per_node < 1:
+        raise ValueError(f"nproc_per_node must be an integer >= 1, got {nproc_per_node!r}")
+    if not isinstance(nnodes, int) or nnodes < 1:
+        raise ValueError(f"nnodes must be an integer >= 1, got {nnodes!r}")
+    if max_restarts < 0:
+        raise ValueError(f"max_restarts must be >= 0, got {max_restarts}")
+    if timeout is not None and timeout <= 0:
+        raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
+
+
+def launch_env(base, backend: str, nprocs_here: int, announced: bool = True) -> dict:
+    """The environment torchrun and its workers get: backend, thread count, import path.
+
+    ``announced`` tells the workers that the launcher printed the backend choice already.
+    """
+    env = dict(os.environ if base is None else base)
+    env[BACKEND_ENV] = backend
+    if announced:
+        env[ANNOUNCED_ENV] = "1"
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    if "OMP_NUM_THREADS" not in env:
+        # Set explicitly: torchrun otherwise prints its starred banner and picks 1 anyway.
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nprocs_here))
+    # Let the workers import this package even when it is not installed (a plain checkout).
+    pkg_root = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, env.get("PYTHONPATH")) if p)
+    return env
+
+
+def _die_with_parent() -> None:
+    """In the torchrun child, before exec: SIGKILL it if the launching thread dies.
+
+    If the notebook kernel is killed, torchrun then dies too, and its workers follow through
+    their own PR_SET_PDEATHSIG (see ``ddp_lesson._worker``): no orphans in any case.
+    """
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace")
+    except FileNotFoundError:
+        return ""
+
+
+def _collect(outdir: Path) -> tuple[dict[int, str], dict[int, str]]:
+    outputs, errors = {}, {}
+    for p in outdir.glob("rank*.out"):
+        outputs[int(p.stem[4:])] = _read(p)
+    for p in outdir.glob("rank*.err"):
+        errors[int(p.stem[4:])] = _read(p)
+    return outputs, errors
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
+
+
+def _terminate(procs: list[subprocess.Popen], outdir: Path) -> None:
+    """End torchrun agents and every worker they started (see the module docstring)."""
+    for p in procs:
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+    deadline = time.monotonic() + _TERM_GRACE_S
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.wait()
+    for pidfile in outdir.glob("rank*.pid"):
+        try:
+            pid = int(pidfile.read_text())
+        except ValueError:
+            continue
+        if _alive(pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+_ROOT_CAUSE = re.compile(r"Root Cause.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", re.S)
+
+
+def _failed_rank(launcher_stderr: str, errors: dict[int, str]) -> tuple[int | None, int | None]:
+    m = _ROOT_CAUSE.search(launcher_stderr)
+    if m:
+        return int(m.group(1)), int(m.group(2))
+    for rank in sorted(errors):
+        if "Traceback (most recent call last)" in errors[rank]:
+            return rank, None
+    return None, None
+
+
+def _clean_traceback(text: str, script: Path | None, label: str) -> str:
+    """The rank's traceback without the bootstrap's frames, the cell file shown as ``label``."""
+    if script is not None:
+        text = text.replace(str(script), label)
+    start = text.rfind("Traceback (most recent call last):")
+    if start < 0:
+        return text[-4000:]
+    tb = text[start:].splitlines()
+    frames, i = [tb[0]], 1
+    skip = ("ddp_lesson/_worker.py", "<frozen runpy>", "/runpy.py")
+    while i < len(tb):
+        line = tb[i]
+        if line.startswith("  File "):
+            block = [line]
+            i += 1
+            while i < len(tb) and tb[i].startswith("    "):
+                block.append(tb[i])
+                i += 1
+            if not any(s in line for s in skip):
+                frames += block
+        else:
+            frames.append(line)
+            i += 1
+    return "\n".join(frames)
+
+
+class _LiveStatus:
+    """A one-line live status: an ipywidgets Label in a notebook, nothing elsewhere."""
+
+    def __init__(self, enabled: bool, nprocs: int):
+        self.label = None
+        if not enabled:
+            return
+        try:
+            from IPython import get_ipython
+            from IPython.display import display
+
+            ip = get_ipython()
+            if ip is None or not hasattr(ip, "kernel"):
+                return
+            import ipywidgets
+
+            # Constant initial text: nbval compares only this form, never later updates.
+            self.label = ipywidgets.Label(value=f"torchrun: {nprocs} processes running")
+            display(self.label)
+        except Exception:  # no widgets, no kernel: the run goes on without live status
+            self.label = None
+
+    def update(self, text: str) -> None:
+        if self.label is not None:
+            self.label.value = text
+
+
+def _last_line(text: str) -> str:
+    text = text.replace("\r", "\n").rstrip()
+    return text.rsplit("\n", 1)[-1][:160] if text else ""
+
+
+def run_torchrun(target: str | None = None, args=(), *, code: str | None = None,
+                 module: bool = False, nproc_per_node: int = 2, nnodes: int = 1,
+                 max_restarts: int = 0, timeout: float | None = DEFAULT_TIMEOUT_S,
+                 backend: str | None = None, env: dict | None = None, cwd=None,
+                 live: bool = True, check: bool = True, torchrun_args=()) -> TorchrunResult:
+    """Run a program on ``nnodes * nproc_per_node`` processes with torchrun and collect each rank's output.
+
+    Give exactly one of ``code`` (source text, run as a script: what ``%%torchrun`` does),
+    ``target`` with ``module=True`` (like ``torchrun -m NAME``) or ``target`` as a script path.
+    With ``nnodes > 1`` it starts that many torchrun agents on this host, one per simulated
+    node, joined by c10d rendezvous on 127.0.0.1 (as separate machines would be).
+
+    Args:
+        target: module name or script path.
+        args: the program's command-line arguments.
+        code: Python source to run on every rank instead of ``target``.
+        module: ``target`` is a module name.
+        nproc_per_node: processes per node (torchrun's ``--nproc-per-node``).
+        nnodes: number of torchrun agents (simulated nodes) to start here.
+        max_restarts: torchrun's ``--max-restarts``.
+        timeout: wall-clock seconds for the whole run; None waits forever (not advised).
+        backend: ``"auto"``, ``"gloo"``, ``"nccl"``; None reads ``DDP_LESSON_BACKEND``.
+        env: environment for the run (default: this process's).
+        cwd: working directory of the workers.
+        live: show a live status widget when running in a notebook kernel.
+        check: raise :class:`TorchrunError` when a rank fails.
+        torchrun_args: further torchrun flags, passed through unchanged.
+
+    Returns:
+        A :class:`TorchrunResult`; ``result.stdout`` is every rank's output in rank order.
+
+    Raises:
+        ValueError: bad arguments (named with their values).
+        TorchrunError: a rank failed (``check=True``); carries its traceback.
+        TorchrunTimeout: the run outlived ``timeout``; all processes were ended.
+        KeyboardInterrupt: re-raised after ending every process.
+    """
+    if (code is None) == (target is None):
+        raise ValueError("give exactly one of code= or target=")
+    _validate(nproc_per_node, nnodes, max_restarts, timeout)
+    total = nproc_per_node * nnodes
+    chosen, reason = choose_backend(nproc_per_node, backend)
+    outdir = Path(tempfile.mkdtemp(prefix="ddp_lesson_run_"))
+    script = None
+    try:
+        if code is not None:
+            script = outdir / "torchrun_cell.py"
+            script.write_text(code)
+            kind, what = "--script", str(script)
+        elif module:
+            kind, what = "--module", target
+        else:
+            if not Path(target).is_file():
+                raise FileNotFoundError(f"script {target!r} not found (cwd {os.getcwd()})")
+            kind, what = "--script", str(Path(target).resolve())
+        program = ["-m", "ddp_lesson._worker", str(outdir), kind, what, *map(str, args)]
+        child_env = launch_env(env, chosen, nproc_per_node)
+        commands = []
+        base = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+                str(nproc_per_node), "--max-restarts", str(max_restarts), *map(str, torchrun_args)]
+        if nnodes == 1:
+            commands.append(base[:3] + ["--standalone"] + base[3:] + program)
+        else:
+            endpoint = f"127.0.0.1:{free_port()}"
+            run_id = uuid.uuid4().hex[:8]
+            for node in range(nnodes):
+                commands.append(base + ["--nnodes", str(nnodes), "--rdzv-backend", "c10d",
+                                        "--rdzv-endpoint", endpoint, "--rdzv-id", run_id,
+                                        "--node-rank", str(node), *program])
+        equivalent = torchrun_command(target if code is None else "cell.py", args,
+                                      module=module and code is None,
+                                      nproc_per_node=nproc_per_node, nnodes=nnodes,
+                                      max_restarts=max_restarts, extra=list(map(str, torchrun_args)))
+        status = _LiveStatus(live, total)
+        start = time.monotonic()
+        errfiles = [open(outdir / f"launcher{n}.err", "w+b") for n in range(len(commands))]
+        procs = []
+        try:
+            for cmd, err in zip(commands, errfiles):
+                procs.append(subprocess.Popen(cmd, env=child_env, cwd=cwd, stdin=subprocess.DEVNULL,
+                                              stdout=err, stderr=subprocess.STDOUT,
+                                              start_new_session=True,
+                                              preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None))
+            timed_out = False
+            while any(p.poll() is None for p in procs):
+                elapsed = time.monotonic() - start
+                if timeout is not None and elapsed > timeout:
+                    timed_out = True
+                    break
+                if status.label is not None:
+                    rank0 = _last_line(_read(outdir / "rank0.err")) or _last_line(_read(outdir / "rank0.out"))
+                    status.update(f"torchrun: {total} processes, {elapsed:.0f} s"
+                                  + (f" | rank 0: {rank0}" if rank0 else ""))
+                time.sleep(_POLL_S)
+        except BaseException:
+            _terminate(procs, outdir)
+            status.update("torchrun: interrupted; every process ended")
+            raise
+        if timed_out:
+            _terminate(procs, outdir)
+        wall = time.monotonic() - start
+        launcher_stderr = ""
+        for err in errfiles:
+            err.seek(0)
+            launcher_stderr += err.read().decode(errors="replace")
+            err.close()
+        outputs, errors = _collect(outdir)
+        returncode = next((p.returncode for p in procs if p.returncode), 0)
+        result = TorchrunResult(returncode, outputs, errors, launcher_stderr, commands[0],
+                                equivalent, chosen, reason, wall)
+        if timed_out:
+            status.update(f"torchrun: timed out after {timeout:g} s; every process ended")
+            raise TorchrunTimeout(equivalent, timeout, result)
+        status.update(f"torchrun: {total} processes finished in {wall:.1f} s (exit {returncode})")
+        if returncode != 0:
+            rank, code_ = _failed_rank(launcher_stderr, errors)
+            result.failed_rank = rank
+            if check:
+                tb = _clean_traceback(errors.get(rank, "") if rank is not None else launcher_stderr,
+                                      script, "<torchrun cell>")
+                where = f"rank {rank} of {total}" if rank is not None else "torchrun"
+                raise TorchrunError(f"{where} failed (exit code "
+                                    f"{code_ if code_ is not None else returncode})",
+                                    rank, code_ if code_ is not None else returncode, tb, result)
+        return result
+    finally:
+        shutil.rmtree(outdir, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------- cell magic
+
+def _magic_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="%%torchrun", add_help=False,
+        description="Run the cell (or -m MODULE / SCRIPT) on several processes with torchrun.")
+    p.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=2,
+                   help="processes per node (default 2)")
+    p.add_argument("--nnodes", type=int, default=1, help="simulated nodes on this host (default 1)")
+    p.add_argument("--max-restarts", "--max_restarts", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
+                   help=f"seconds before every process is ended (default {DEFAULT_TIMEOUT_S:g})")
+    p.add_argument("--backend", choices=BACKENDS, default=None,
+                   help="override the automatic choice (also: DDP_LESSON_BACKEND)")
+    p.add_argument("--ranks", default=None,
+                   help="comma-separated ranks whose output to show (default: all)")
+    p.add_argument("--show-stderr", action="store_true",
+                   help="also show each rank's stderr (warnings, progress bars)")
+    p.add_argument("--quiet", action="store_true", help="do not print the backend line")
+    p.add_argument("-h", "--help", action="store_true")
+    return p
+
+
+_VALUED = {"--nproc-per-node", "--nproc_per_node", "--nnodes", "--max-restarts",
+           "--max_restarts", "--timeout", "--backend", "--ranks"}
+
+
+def split_magic_line(line: str) -> tuple[list[str], str | None, bool, list[str]]:
+    """Split ``%torchrun`` options from the program: ``(options, target, is_module, args)``.
+
+    Everything after ``-m NAME`` or after the first bare word (a script path) belongs to the
+    program, so ``%torchrun --nproc-per-node 2 -m ddp_lesson.train --epochs 1`` passes
+    ``--epochs 1`` to the trainer.
+    """
+    tokens = shlex.split(line)
+    opts, i = [], 0
+    while i < len(tokens):
+        tok = tokens[i]
+        if tok == "-m":
+            if i + 1 >= len(tokens):
+                raise ValueError("-m needs a module name")
+            return opts, tokens[i + 1], True, tokens[i + 2:]
+        if tok == "--":
+            rest = tokens[i + 1:]
+            return (opts, rest[0], False, rest[1:]) if rest else (opts, None, False, [])
+        if tok.startswith("-"):
+            opts.append(tok)
+            if tok in _VALUED:
+                if i + 1 >= len(tokens):
+                    raise ValueError(f"{tok} needs a value")
+                opts.append(tokens[i + 1])
+                i += 1
+        else:
+            return opts, tok, False, tokens[i + 1:]
+        i += 1
+    return opts, None, False, []
+
+
+def torchrun_magic(line: str, cell: str | None = None):
+    """``%%torchrun [options]`` runs the cell; ``%torchrun [options] -m MODULE|SCRIPT [args]`` runs a program.
+
+    Options (torchrun's own names): ``--nproc-per-node N`` (default 2), ``--nnodes N``,
+    ``--max-restarts N``, plus ``--timeout S``, ``--backend {auto,gloo,nccl}``,
+    ``--ranks 0,2``, ``--show-stderr``, ``--quiet``. Prints the backend choice once, then each
+    rank's output in rank order; raises when a rank fails. Returns nothing (the result is
+    kept as ``_torchrun_result`` in the user namespace).
+    """
+    parser = _magic_parser()
+    opt_tokens, target, is_module, args = split_magic_line(line)
+    try:
+        opts = parser.parse_args(opt_tokens)
+    except SystemExit:
+        raise ValueError(f"could not parse %%torchrun options {line!r}; see %torchrun --help") from None
+    if opts.help:
+        print(torchrun_magic.__doc__)
+        return None
+    body = cell if cell is not None and cell.strip() else None
+    if body is None and target is None:
+        raise ValueError("%%torchrun needs code in the cell, or %torchrun -m MODULE / SCRIPT")
+    if body is not None and target is not None:
+        raise ValueError("give either a cell body or a program after %%torchrun, not both")
+    ranks = None if opts.ranks is None else {int(r) for r in opts.ranks.split(",") if r.strip()}
+    if not opts.quiet:
+        _, reason = choose_backend(opts.nproc_per_node, opts.backend)
+        print(f"[torchrun] {reason}")
+    try:
+        result = run_torchrun(target, args, code=body, module=is_module,
+                              nproc_per_node=opts.nproc_per_node, nnodes=opts.nnodes,
+                              max_restarts=opts.max_restarts, timeout=opts.timeout,
+                              backend=opts.backend)
+    except TorchrunError as e:
+        out = format_rank_outputs(e.result.outputs, ranks)
+        if out:
+            print(out, end="")
+        raise
+    except TorchrunTimeout as e:
+        out = format_rank_outputs(e.result.outputs, ranks)
+        if out:
+            print(out, end="")
+        raise
+    print(format_rank_outputs(result.outputs, ranks), end="")
+    if opts.show_stderr:
+        err = format_rank_outputs({r: t for r, t in result.errors.items() if t.strip()}, ranks)
+        if err:
+            print(err, end="", file=sys.stderr)
+    try:
+        from IPython import get_ipython
+
+        ip = get_ipython()
+        if ip is not None:
+            ip.user_ns["_torchrun_result"] = result
+    except ImportError:
+        pass
+    return None
+
+
+def load_ipython_extension(ipython) -> None:
+    """Register ``%%torchrun`` / ``%torchrun`` (called by ``%load_ext ddp_lesson``)."""
+    ipython.register_magic_function(torchrun_magic, magic_kind="line_cell", magic_name="torchrun")

@@ -1,0 +1,262 @@
+"""The launcher's contract (design.md, "The torchrun cell contract"), on real torchrun runs."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from ddp_lesson.launch import (
+    TorchrunError,
+    TorchrunTimeout,
+    format_rank_outputs,
+    run_torchrun,
+    split_magic_line,
+    torchrun_command,
+    torchrun_magic,
+)
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie still answers kill(0); it holds no resources but is not running
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _wait_dead(pids, seconds=10.0) -> list[int]:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        alive = [p for p in pids if _alive(p)]
+        if not alive:
+            return []
+        time.sleep(0.1)
+    return [p for p in pids if _alive(p)]
+
+
+def test_outputs_come_back_in_rank_order_whatever_the_finishing_order():
+    # rank 0 prints last; the result is still grouped rank 0, 1, 2
+    code = textwrap.dedent("""
+        import os, time
+        rank = int(os.environ["RANK"])
+        time.sleep(0.3 * (2 - rank))
+        print(f"hello from {rank}")
+        print(f"second line {rank}")
+    """)
+    result = run_torchrun(code=code, nproc_per_node=3, timeout=90, live=False)
+    assert result.returncode == 0
+    assert result.stdout.splitlines() == [
+        "[rank 0] hello from 0", "[rank 0] second line 0",
+        "[rank 1] hello from 1", "[rank 1] second line 1",
+        "[rank 2] hello from 2", "[rank 2] second line 2",
+    ]
+    assert result.rank_lines(2) == ["hello from 2", "second line 2"]
+
+
+def test_workers_get_backend_threads_and_a_real_process_group():
+    code = textwrap.dedent("""
+        import os, torch, torch.distributed as dist
+        from ddp_lesson.env import init_distributed, cleanup
+        env = init_distributed(timeout=30)
+        t = torch.tensor([env.rank + 1])
+        dist.all_reduce(t)
+        print(env.backend, os.environ["DDP_LESSON_BACKEND"], os.environ["OMP_NUM_THREADS"], int(t))
+        cleanup()
+    """)
+    result = run_torchrun(code=code, nproc_per_node=2, timeout=90, live=False,
+                          env={**os.environ, "OMP_NUM_THREADS": "2"})
+    # the user's OMP_NUM_THREADS is kept; backend gloo on a CPU machine; 1 + 2 = 3
+    assert result.rank_lines(0) == ["gloo gloo 2 3"]
+    assert result.rank_lines(1) == ["gloo gloo 2 3"]
+    assert result.backend == "gloo"
+
+
+def test_omp_banner_silenced_and_threads_set_when_unset():
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    result = run_torchrun(code="import os; print(os.environ['OMP_NUM_THREADS'])",
+                          nproc_per_node=2, timeout=90, live=False, env=env)
+    expected = str(max(1, (os.cpu_count() or 1) // 2))
+    assert result.rank_lines(0) == [expected] and result.rank_lines(1) == [expected]
+    assert "OMP_NUM_THREADS" not in result.launcher_stderr  # no starred banner (cases C5)
+
+
+def test_failing_rank_raises_with_its_traceback():
+    code = textwrap.dedent("""
+        import os
+        rank = int(os.environ["RANK"])
+        print("before", rank)
+        def load_batch():
+            raise ValueError(f"bad batch on rank {rank}")
+        if rank == 2:
+            load_batch()
+    """)
+    with pytest.raises(TorchrunError) as info:
+        run_torchrun(code=code, nproc_per_node=3, timeout=90, live=False)
+    err = info.value
+    assert err.rank == 2
+    assert err.exitcode == 1
+    assert "rank 2 of 3 failed" in str(err)
+    assert err.traceback.splitlines()[-1] == "ValueError: bad batch on rank 2"
+    assert 'File "<torchrun cell>"' in err.traceback
+    assert "_worker.py" not in err.traceback and "runpy" not in err.traceback
+    assert err.result.rank_lines(2) == ["before 2"]
+
+
+def test_check_false_returns_the_failure_instead():
+    result = run_torchrun(code="import sys; sys.exit(3)", nproc_per_node=2, timeout=90,
+                          live=False, check=False)
+    assert result.returncode != 0
+    assert result.failed_rank in (0, 1)
+
+
+def test_timeout_ends_every_process(tmp_path):
+    code = textwrap.dedent(f"""
+        import os, time
+        open(os.path.join({str(tmp_path)!r}, "pid" + os.environ["RANK"]), "w").write(str(os.getpid()))
+        time.sleep(600)
+    """)
+    start = time.monotonic()
+    with pytest.raises(TorchrunTimeout) as info:
+        run_torchrun(code=code, nproc_per_node=2, timeout=8, live=False)
+    assert time.monotonic() - start < 30
+    assert isinstance(info.value, subprocess.TimeoutExpired)
+    pids = [int((tmp_path / f"pid{r}").read_text()) for r in (0, 1)]
+    assert _wait_dead(pids) == []
+
+
+def _interrupt_script(tmp_path: Path, signum: int) -> tuple[list[int], int, str]:
+    """Start run_torchrun in a separate Python, wait until both workers run, send ``signum``."""
+    driver = tmp_path / "driver.py"
+    worker = (f"import os, time\n"
+              f"open(os.path.join({str(tmp_path)!r}, 'pid' + os.environ['RANK']), 'w')"
+              f".write(str(os.getpid()))\n"
+              f"time.sleep(600)\n")
+    driver.write_text(
+        "import sys\n"
+        "from ddp_lesson.launch import run_torchrun\n"
+        "try:\n"
+        f"    run_torchrun(code={worker!r}, nproc_per_node=2, timeout=300, live=False)\n"
+        "except KeyboardInterrupt:\n"
+        "    print('interrupted', flush=True)\n"
+        "    sys.exit(130)\n")
+    proc = subprocess.Popen([sys.executable, str(driver)], stdout=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not all((tmp_path / f"pid{r}").exists() and (tmp_path / f"pid{r}").read_text()
+                  for r in (0, 1)):
+        assert time.monotonic() < deadline, "workers did not start"
+        assert proc.poll() is None, "driver died early"
+        time.sleep(0.1)
+    pids = [int((tmp_path / f"pid{r}").read_text()) for r in (0, 1)]
+    assert all(_alive(p) for p in pids)
+    os.kill(proc.pid, signum)
+    out, _ = proc.communicate(timeout=60)
+    return pids, proc.returncode, out
+
+
+def test_interrupt_leaves_no_process(tmp_path):
+    pids, code, out = _interrupt_script(tmp_path, signal.SIGINT)
+    assert code == 130 and "interrupted" in out
+    assert _wait_dead(pids) == []
+
+
+def test_killing_the_launcher_outright_leaves_no_orphans(tmp_path):
+    # a notebook kernel killed with SIGKILL cannot clean up: the death signals must do it
+    pids, code, _ = _interrupt_script(tmp_path, signal.SIGKILL)
+    assert code == -signal.SIGKILL
+    assert _wait_dead(pids, seconds=20) == []
+
+
+def test_two_launches_at_once_get_different_ports():
+    code = textwrap.dedent("""
+        import os, time
+        import torch.distributed as dist
+        dist.init_process_group("gloo")
+        time.sleep(1)
+        print(os.environ["MASTER_PORT"])
+        dist.destroy_process_group()
+    """)
+    results = [None, None]
+
+    def go(i):
+        results[i] = run_torchrun(code=code, nproc_per_node=2, timeout=90, live=False)
+
+    threads = [threading.Thread(target=go, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    ports = [r.rank_lines(0)[0] for r in results]
+    assert all(r.rank_lines(1) == r.rank_lines(0) for r in results)  # one port per job
+    assert ports[0] != ports[1]
+
+
+def test_module_and_script_targets_get_their_arguments(tmp_path):
+    script = tmp_path / "show_args.py"
+    script.write_text("import os, sys; print(os.environ['RANK'], sys.argv[1:])\n")
+    result = run_torchrun(str(script), ["--epochs", "3"], nproc_per_node=2, timeout=90, live=False)
+    assert result.stdout.splitlines() == ["[rank 0] 0 ['--epochs', '3']", "[rank 1] 1 ['--epochs', '3']"]
+    pkg = tmp_path / "lab_pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "hello.py").write_text("import os, sys\nif __name__ == '__main__':\n    print('module', os.environ['RANK'], sys.argv[1:])\n")
+    result = run_torchrun("lab_pkg.hello", ["x"], module=True, nproc_per_node=2, timeout=90,
+                          live=False, cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": str(tmp_path)})
+    assert result.rank_lines(0) == ["module 0 ['x']"] and result.rank_lines(1) == ["module 1 ['x']"]
+
+
+def test_bad_arguments_name_the_numbers(tmp_path):
+    with pytest.raises(ValueError, match="nproc_per_node must be an integer >= 1, got 0"):
+        run_torchrun(code="pass", nproc_per_node=0)
+    with pytest.raises(ValueError, match="timeout must be > 0 seconds, got -1"):
+        run_torchrun(code="pass", timeout=-1)
+    with pytest.raises(ValueError, match="exactly one of"):
+        run_torchrun("x.py", code="pass")
+    with pytest.raises(FileNotFoundError, match="no_such.py"):
+        run_torchrun(str(tmp_path / "no_such.py"))
+
+
+def test_equivalent_command_and_formatting():
+    assert torchrun_command("ddp_lesson.train", ["--epochs", 1], module=True) == \
+        "torchrun --standalone --nproc-per-node 2 -m ddp_lesson.train --epochs 1"
+    assert torchrun_command("a.py", nproc_per_node=4, max_restarts=2) == \
+        "torchrun --standalone --nproc-per-node 4 --max-restarts 2 a.py"
+    assert format_rank_outputs({1: "b\n", 0: "a\nc\n"}) == "[rank 0] a\n[rank 0] c\n[rank 1] b\n"
+    assert format_rank_outputs({1: "b\n", 0: "a\n"}, ranks={1}) == "[rank 1] b\n"
+
+
+def test_magic_line_splitting():
+    assert split_magic_line("--nproc-per-node 2") == (["--nproc-per-node", "2"], None, False, [])
+    assert split_magic_line("--nproc-per-node 2 -m ddp_lesson.train --epochs 1 --out runs/x") == (
+        ["--nproc-per-node", "2"], "ddp_lesson.train", True, ["--epochs", "1", "--out", "runs/x"])
+    assert split_magic_line("--nnodes 2 train.py -b 4") == (["--nnodes", "2"], "train.py", False, ["-b", "4"])
+    with pytest.raises(ValueError, match="-m needs a module name"):
+        split_magic_line("--nproc-per-node 2 -m")
+
+
+def test_magic_prints_backend_once_then_ranks_in_order(capsys):
+    torchrun_magic("--nproc-per-node 2 --timeout 90 --backend gloo",
+                   "import os\nprint('hi', os.environ['RANK'])\n")
+    assert capsys.readouterr().out.splitlines() == [
+        "[torchrun] 2 processes, gloo requested: using gloo on CPU",
+        "[rank 0] hi 0",
+        "[rank 1] hi 1",
+    ]
+    with pytest.raises(ValueError, match="needs code in the cell"):
+        torchrun_magic("--nproc-per-node 2", "   ")
+    with pytest.raises(ValueError, match="could not parse"):
+        torchrun_magic("--nproc-per-node two", "print(1)")

@@ -1,0 +1,174 @@
+"""The training entry point: config and flags, derived values, and real runs (1 and 2 processes)."""
+import dataclasses
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+from torch.utils.data import DataLoader
+
+import ddp_lesson.train as train
+from ddp_lesson.sampler import DistributedSampler
+from ddp_lesson.train import TrainConfig, build_parser, derived_values, parse_config
+
+
+# ---- config and flags --------------------------------------------------------------------
+
+def test_defaults():
+    cfg = parse_config([])
+    assert cfg == TrainConfig()
+    assert (cfg.epochs, cfg.batch_size, cfg.workers) == (2, 8, 0)
+    assert (cfg.lr, cfg.momentum, cfg.weight_decay, cfg.seed) == (0.05, 0.9, 1e-4, 0)
+    assert (cfg.model, cfg.backend, cfg.data_root, cfg.out) == ("deeplab", "auto", None,
+                                                               "runs/main")
+    assert cfg.timeout_s == 120 and cfg.local_rank is None
+
+
+def test_seed_flag_names():
+    # The seed's spellings, including the three it read but never declared.
+    cfg = parse_config(["--epochs", "3", "-b", "4", "-j", "2", "--lr", "0.1",
+                        "--momentum", "0.8", "--weight-decay", "0.001"])
+    assert (cfg.epochs, cfg.batch_size, cfg.workers) == (3, 4, 2)
+    assert (cfg.lr, cfg.momentum, cfg.weight_decay) == (0.1, 0.8, 0.001)
+    cfg = parse_config(["--batch-size", "5", "--workers", "1"])
+    assert (cfg.batch_size, cfg.workers) == (5, 1)
+
+
+def test_new_flags():
+    cfg = parse_config(["--backend", "gloo", "--seed", "7", "--out", "x/y", "--data-root", "/d",
+                        "--num-train", "10", "--num-val", "3", "--size", "32", "48",
+                        "--model", "tiny", "--width", "8", "--timeout-s", "30"])
+    assert (cfg.backend, cfg.seed, cfg.out, cfg.data_root) == ("gloo", 7, "x/y", "/d")
+    assert (cfg.num_train, cfg.num_val, cfg.size) == (10, 3, (32, 48))
+    assert (cfg.model, cfg.width, cfg.timeout_s) == ("tiny", 8, 30.0)
+
+
+@pytest.mark.parametrize("argv", [["--local_rank=1"], ["--local-rank=1"], ["--local_rank", "1"]])
+def test_legacy_local_rank_accepted(argv):
+    assert parse_config(argv).local_rank == 1
+
+
+def test_every_field_is_a_flag_with_a_note():
+    parser = build_parser()
+    dests = {a.dest: a for a in parser._actions}
+    for f in dataclasses.fields(TrainConfig):
+        assert f.name in dests, f.name
+        assert dests[f.name].help and dests[f.name].help == f.metadata["help"]
+        assert dests[f.name].default == f.default
+    text = parser.format_help()
+    for flag in ("-b", "--batch-size", "-j", "--workers", "--lr", "--momentum",
+                 "--weight-decay", "--local_rank", "--local-rank", "--backend", "--out"):
+        assert flag in text
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--epochs", "0"], "epochs must be >= 1, got 0"),
+    (["-b", "0"], "batch_size must be >= 1, got 0"),
+    (["-j", "-1"], "workers must be >= 0, got -1"),
+    (["--lr", "0"], "lr must be > 0, got 0.0"),
+    (["--lr", "-0.1"], "lr must be > 0, got -0.1"),
+    (["--momentum", "1"], "momentum must be in [0, 1), got 1.0"),
+    (["--weight-decay", "-1"], "weight_decay must be >= 0, got -1.0"),
+    (["--num-train", "0"], "num_train must be >= 1, got 0"),
+    (["--num-val", "0"], "num_val must be >= 1, got 0"),
+    (["--size", "4", "64"], "size must be two numbers H W, each >= 16, got (4, 64)"),
+    (["--width", "0"], "width must be >= 1, got 0"),
+    (["--timeout-s", "0"], "timeout_s must be > 0, got 0.0"),
+    (["--backend", "mpi"], "invalid choice: 'mpi'"),
+])
+def test_validation_errors_show_numbers(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        parse_config(argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_config_checks_on_construction():
+    with pytest.raises(ValueError, match="epochs must be >= 1, got -2"):
+        TrainConfig(epochs=-2)
+
+
+# ---- derived values ----------------------------------------------------------------------
+
+def test_derived_values_default_on_two_ranks():
+    d = derived_values(TrainConfig(), world_size=2)
+    assert d == {"world_size": 2, "batch_size": 8, "global_batch": 16, "samples_per_rank": 128,
+                 "samples_per_epoch": 256, "steps_per_epoch": 16}
+
+
+@pytest.mark.parametrize("num_train, world_size, batch_size", [
+    (32, 2, 4), (33, 2, 8), (7, 3, 2), (5, 1, 8), (2, 3, 1), (256, 2, 8)])
+def test_steps_per_epoch_matches_the_loader(num_train, world_size, batch_size):
+    # ceil(ceil(N / R) / B) on every rank: the sampler pads, so all ranks step equally often.
+    cfg = TrainConfig(num_train=num_train, batch_size=batch_size)
+    d = derived_values(cfg, world_size)
+    assert d["steps_per_epoch"] == math.ceil(math.ceil(num_train / world_size) / batch_size)
+    assert d["global_batch"] == batch_size * world_size
+    data = list(range(num_train))
+    for rank in range(world_size):
+        sampler = DistributedSampler(data, num_replicas=world_size, rank=rank)
+        loader = DataLoader(data, batch_size=batch_size, sampler=sampler, drop_last=False)
+        assert len(loader) == d["steps_per_epoch"]
+        assert len(sampler) == d["samples_per_rank"]
+
+
+def test_docstring_starts_with_the_torchrun_command():
+    first = train.__doc__.strip().splitlines()[0]
+    assert first.startswith("torchrun --standalone --nproc-per-node 2 -m ddp_lesson.train")
+
+
+# ---- real runs ---------------------------------------------------------------------------
+
+TINY = ["--epochs", "1", "--num-train", "32", "--num-val", "8", "-b", "4",
+        "--size", "32", "64", "--width", "8", "--out", "out"]
+
+
+def _run(cmd, cwd):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("DDP_LESSON_BACKEND", None)
+    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((cwd / "out" / "summary.json").read_text())
+    return proc, summary
+
+
+def _check_summary(s, world_size, batch_size=4):
+    assert s["world_size"] == world_size
+    assert s["backend"] == "gloo" and s["device"] == "cpu"
+    assert s["epochs"] == 1 and s["batch_size"] == batch_size
+    assert s["global_batch"] == batch_size * world_size
+    assert s["steps_per_epoch"] == math.ceil(math.ceil(32 / world_size) / batch_size)
+    assert math.isfinite(s["final_train_loss"]) and s["final_train_loss"] > 0
+    assert 0.0 <= s["val_miou"] <= 1.0
+    assert 0.0 <= s["val_pixel_accuracy"] <= 1.0
+    assert len(s["per_class_iou"]) == 19
+    assert all(v is None or 0.0 <= v <= 1.0 for v in s["per_class_iou"])
+    assert s["samples_per_s"] > 0 and s["wall_s"] > 0
+    assert s["config"]["num_train"] == 32 and s["torch"]
+
+
+def test_single_process_run(tmp_path):
+    """One plain process (no torchrun): world size 1, no process group, no DDP wrapper."""
+    proc, s = _run([sys.executable, "-m", "ddp_lesson.train", *TINY, "--local_rank=0"], tmp_path)
+    _check_summary(s, world_size=1)
+    assert "note: --local_rank=0 is the legacy" in proc.stdout
+    assert "epoch 1/1  train_loss " in proc.stdout
+    assert "wrote out/summary.json" in proc.stdout
+
+
+@pytest.mark.timeout(240)
+class TestMultiProcess:
+    """Multi-process: a real 2-rank gloo job under torchrun (python -m torch.distributed.run)."""
+
+    def test_two_process_training_run(self, tmp_path):
+        proc, s = _run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                        "--nproc-per-node", "2", "-m", "ddp_lesson.train", *TINY], tmp_path)
+        _check_summary(s, world_size=2)
+        out = proc.stdout
+        # Rank 0 alone prints: each line once.
+        assert out.count("world_size 2  backend gloo") == 1
+        assert "global batch 8 (= 4 x 2)  steps per epoch 2  samples per epoch 32" in out
+        assert out.count("epoch 1/1  train_loss ") == 1
+        assert out.count("wrote out/summary.json") == 1
