@@ -64,10 +64,11 @@ def train(argv: list[str]) -> int:
 
     opts, trainer_args = _train_parser().parse_known_args(argv)
     flags = torchrun_argv(opts)
-    program = ["-m", "ddp_lesson.train", "--backend", opts.backend, *trainer_args]
+    backend = None if opts.backend == "auto" else opts.backend
+    program = ["-m", "ddp_lesson.train", *(["--backend", backend] if backend else []), *trainer_args]
     print("equivalent command: " + shlex.join(["torchrun", *flags, *program]), flush=True)
-    chosen, _ = choose_backend(opts.nproc_per_node, opts.backend)
-    env = launch_env(None, chosen, opts.nproc_per_node, announced=False)
+    choose_backend(opts.nproc_per_node, opts.backend)  # fail here, clearly, for nccl without GPUs
+    env = launch_env(None, backend, opts.nproc_per_node, announced=False)
     cmd = [sys.executable, "-m", "torch.distributed.run", *flags, *program]
     # torchrun stays in our process group, so Ctrl-C reaches it and it stops its workers.
     try:

@@ -55,6 +55,7 @@ __all__ = [
     "SyntheticCityscapes",
     "CityscapesFolder",
     "make_datasets",
+    "render_scene",
 ]
 
 #: Target value that losses and metrics skip (``CrossEntropyLoss(ignore_index=255)``).
@@ -267,16 +268,29 @@ class _Scene:
         self.walk_left = self.half * rng.uniform(0.30, 0.65)
         self.walk_right = self.half * rng.uniform(0.30, 0.65)
 
-    def fill(self, y0, y1, x0, x1, cls: int, tint=None) -> bool:
-        """Label the rectangle rows [y0, y1) x cols [x0, x1), clipped; False if empty."""
+    def _clip(self, y0, y1, x0, x1) -> tuple[slice, slice] | None:
+        """Rows [y0, y1) x cols [x0, x1) clipped to the frame, or None if nothing is left."""
         y0, y1 = max(int(y0), 0), min(int(y1), self.h)
         x0, x1 = max(int(x0), 0), min(int(x1), self.w)
         if y0 >= y1 or x0 >= x1:
+            return None
+        return slice(y0, y1), slice(x0, x1)
+
+    def fill(self, y0, y1, x0, x1, cls: int, tint=None) -> bool:
+        """Label a rectangle ``cls`` (and set its tint); False if it lies outside the frame."""
+        box = self._clip(y0, y1, x0, x1)
+        if box is None:
             return False
-        self.label[y0:y1, x0:x1] = cls
+        self.label[box] = cls
         if tint is not None:
-            self.tint[y0:y1, x0:x1] = tint
+            self.tint[box] = tint
         return True
+
+    def shade(self, y0, y1, x0, x1, delta: float) -> None:
+        """Brighten (delta > 0) or darken a rectangle without changing its label."""
+        box = self._clip(y0, y1, x0, x1)
+        if box is not None:
+            self.tint[box] += delta
 
     def object_tint(self, spread: float = 0.05) -> np.ndarray:
         """A random RGB offset that makes one object differ from others of its class."""
@@ -311,7 +325,7 @@ def _draw_sky_and_skyline(s: _Scene) -> None:
             s.fill(s.horizon - low, s.horizon, x, x + bw, _ID["wall"], s.object_tint())
         elif kind < 0.24:
             if s.fill(s.horizon - low, s.horizon, x, x + bw, _ID["fence"], s.object_tint()):
-                s.tint[max(s.horizon - low, 0):s.horizon, x:x + bw:2] -= 0.10  # slats
+                s.tint[max(s.horizon - low, 0):s.horizon, x:x + bw:2] -= 0.10  # posts
         x += bw
 
 
@@ -375,9 +389,9 @@ def _draw_poles(s: _Scene) -> None:
             s.fill(top, top + box, x_mid - box / 2, x_mid + box / 2, _ID["traffic sign"],
                    s.object_tint(0.04))
         elif kind < 0.90:
-            if s.fill(top, top + 2 * box, x_mid - box / 2, x_mid + box / 2,
-                      _ID["traffic light"], s.object_tint(0.04)):
-                s.tint[max(top, 0):top + box, int(max(x_mid - box / 2, 0)):int(x_mid + box / 2)] += 0.1
+            s.fill(top, top + 2 * box, x_mid - box / 2, x_mid + box / 2,
+                   _ID["traffic light"], s.object_tint(0.04))
+            s.shade(top, top + box, x_mid - box / 2, x_mid + box / 2, 0.1)  # the lit lamp
 
 
 def _vehicle(s: _Scene, y_base: int):
@@ -396,9 +410,8 @@ def _vehicle(s: _Scene, y_base: int):
     top = y_base - max(2, int(height))
     x0, x1 = x_mid - width / 2, x_mid + width / 2
     if s.fill(top, y_base, x0, x1, cls, s.object_tint(0.06)):
-        band = max(1, int(height / 3))
-        s.tint[max(top, 0):max(top + band, 0), int(max(x0, 0)):int(max(x1, 0))] -= 0.06  # windows
-        s.tint[max(y_base - 1, 0):y_base, int(max(x0, 0)):int(max(x1, 0))] -= 0.06  # wheels
+        s.shade(top, top + max(1, int(height / 3)), x0, x1, -0.06)  # windows
+        s.shade(y_base - 1, y_base, x0, x1, -0.06)  # wheels
 
 
 def _pedestrian(s: _Scene, y_base: int):
@@ -411,9 +424,9 @@ def _pedestrian(s: _Scene, y_base: int):
     height = max(3, int(s.h * rng.uniform(0.18, 0.28) * (0.3 + 0.7 * s.t[r])))
     width = max(1, int(round(height * 0.35)))
     top = y_base - height
-    if s.fill(top, y_base, x_mid - width / 2, x_mid + width / 2, _ID["person"], s.object_tint(0.06)):
-        head = max(1, height // 5)
-        s.tint[max(top, 0):max(top + head, 0), int(max(x_mid - width / 2, 0)):int(max(x_mid + width / 2, 0))] += 0.15
+    x0, x1 = x_mid - width / 2, x_mid + width / 2
+    if s.fill(top, y_base, x0, x1, _ID["person"], s.object_tint(0.06)):
+        s.shade(top, top + max(1, height // 5), x0, x1, 0.15)  # head
 
 
 def _cyclist(s: _Scene, y_base: int):
@@ -430,7 +443,8 @@ def _cyclist(s: _Scene, y_base: int):
     bike = _ID["bicycle"] if rng.random() < 0.7 else _ID["motorcycle"]
     s.fill(y_base - bike_h - rider_h + 1, y_base - bike_h + 1, x_mid - rider_w / 2,
            x_mid + rider_w / 2, _ID["rider"], s.object_tint(0.06))
-    s.fill(y_base - bike_h, y_base, x_mid - bike_w / 2, x_mid + bike_w / 2, bike, s.object_tint(0.06))
+    s.fill(y_base - bike_h, y_base, x_mid - bike_w / 2, x_mid + bike_w / 2, bike,
+           s.object_tint(0.06))
 
 
 def _draw_traffic(s: _Scene) -> None:
@@ -459,7 +473,8 @@ def _draw_ego_vehicle(s: _Scene) -> None:
     s.tint[mask] = 0.0
 
 
-def render_scene(rng: np.random.Generator, height: int, width: int) -> tuple[np.ndarray, np.ndarray]:
+def render_scene(rng: np.random.Generator, height: int,
+                 width: int) -> tuple[np.ndarray, np.ndarray]:
     """Draw one synthetic street scene.
 
     Args:
@@ -600,7 +615,8 @@ class CityscapesFolder(Dataset):
         self.root = Path(root)
         self.split = split
         self.size = None if size is None else _check_size(size, minimum=1)
-        if max_samples is not None and (isinstance(max_samples, bool) or max_samples < 0):
+        if max_samples is not None and (isinstance(max_samples, bool) or not isinstance(
+                max_samples, (int, np.integer)) or max_samples < 0):
             raise ValueError(f"max_samples must be None or an int >= 0, got {max_samples!r}")
         self.classes = CITYSCAPES_CLASSES
         self.mean, self.std = CITYSCAPES_MEAN, CITYSCAPES_STD

@@ -170,16 +170,22 @@ def _validate(nproc_per_node: int, nnodes: int, max_restarts: int, timeout: floa
         raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
 
 
-def launch_env(base, backend: str, nprocs_here: int, announced: bool = True) -> dict:
-    """The environment torchrun and its workers get: backend, thread count, import path.
+def launch_env(base, backend: str | None, nprocs_here: int, announced: bool = True) -> dict:
+    """The environment torchrun and its workers get: backend override, threads, import path.
 
-    ``announced`` tells the workers that the launcher printed the backend choice already.
+    Args:
+        base: environment to start from (None: this process's).
+        backend: an explicit ``"gloo"``/``"nccl"``/``"auto"`` passed on to every rank as
+            ``DDP_LESSON_BACKEND``; None leaves the variable as it is, so each rank applies
+            the same automatic rule the launcher applied.
+        nprocs_here: processes per node, for ``OMP_NUM_THREADS``.
+        announced: tell the workers the launcher printed the backend choice already.
     """
     env = dict(os.environ if base is None else base)
-    env[BACKEND_ENV] = backend
+    if backend is not None:
+        env[BACKEND_ENV] = backend
     if announced:
         env[ANNOUNCED_ENV] = "1"
-    env.setdefault("PYTHONUNBUFFERED", "1")
     if "OMP_NUM_THREADS" not in env:
         # Set explicitly: torchrun otherwise prints its starred banner and picks 1 anyway.
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nprocs_here))
@@ -384,7 +390,7 @@ def run_torchrun(target: str | None = None, args=(), *, code: str | None = None,
                 raise FileNotFoundError(f"script {target!r} not found (cwd {os.getcwd()})")
             kind, what = "--script", str(Path(target).resolve())
         program = ["-m", "ddp_lesson._worker", str(outdir), kind, what, *map(str, args)]
-        child_env = launch_env(env, chosen, nproc_per_node)
+        child_env = launch_env(env, backend, nproc_per_node)
         commands = []
         base = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
                 str(nproc_per_node), "--max-restarts", str(max_restarts), *map(str, torchrun_args)]

@@ -74,12 +74,12 @@ def test_workers_get_backend_threads_and_a_real_process_group():
         env = init_distributed(timeout=30)
         t = torch.tensor([env.rank + 1])
         dist.all_reduce(t)
-        print(env.backend, os.environ["DDP_LESSON_BACKEND"], os.environ["OMP_NUM_THREADS"], int(t))
+        print(env.backend, os.environ.get("DDP_LESSON_BACKEND"), os.environ["OMP_NUM_THREADS"], int(t))
         cleanup()
     """)
-    result = run_torchrun(code=code, nproc_per_node=2, timeout=90, live=False,
+    result = run_torchrun(code=code, nproc_per_node=2, timeout=90, live=False, backend="gloo",
                           env={**os.environ, "OMP_NUM_THREADS": "2"})
-    # the user's OMP_NUM_THREADS is kept; backend gloo on a CPU machine; 1 + 2 = 3
+    # an explicit backend reaches every rank; the user's OMP_NUM_THREADS is kept; 1 + 2 = 3
     assert result.rank_lines(0) == ["gloo gloo 2 3"]
     assert result.rank_lines(1) == ["gloo gloo 2 3"]
     assert result.backend == "gloo"

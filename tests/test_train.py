@@ -19,7 +19,8 @@ from ddp_lesson.train import TrainConfig, build_parser, derived_values, parse_co
 def test_defaults():
     cfg = parse_config([])
     assert cfg == TrainConfig()
-    assert (cfg.epochs, cfg.batch_size, cfg.workers) == (2, 8, 0)
+    assert (cfg.epochs, cfg.batch_size, cfg.workers) == (6, 8, 0)
+    assert (cfg.num_train, cfg.num_val, cfg.size, cfg.width) == (1024, 128, (64, 128), 16)
     assert (cfg.lr, cfg.momentum, cfg.weight_decay, cfg.seed) == (0.05, 0.9, 1e-4, 0)
     assert (cfg.model, cfg.backend, cfg.data_root, cfg.out) == ("deeplab", "auto", None,
                                                                "runs/main")
@@ -94,8 +95,8 @@ def test_config_checks_on_construction():
 
 def test_derived_values_default_on_two_ranks():
     d = derived_values(TrainConfig(), world_size=2)
-    assert d == {"world_size": 2, "batch_size": 8, "global_batch": 16, "samples_per_rank": 128,
-                 "samples_per_epoch": 256, "steps_per_epoch": 16}
+    assert d == {"world_size": 2, "batch_size": 8, "global_batch": 16, "samples_per_rank": 512,
+                 "samples_per_epoch": 1024, "steps_per_epoch": 64}
 
 
 @pytest.mark.parametrize("num_train, world_size, batch_size", [
@@ -160,15 +161,18 @@ def test_single_process_run(tmp_path):
 
 @pytest.mark.timeout(240)
 class TestMultiProcess:
-    """Multi-process: a real 2-rank gloo job under torchrun (python -m torch.distributed.run)."""
+    """Multi-process: the README's main command, a real 2-rank gloo job under torchrun."""
 
     def test_two_process_training_run(self, tmp_path):
-        proc, s = _run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                        "--nproc-per-node", "2", "-m", "ddp_lesson.train", *TINY], tmp_path)
+        proc, s = _run([sys.executable, "-m", "ddp_lesson.cli", "train", "--nproc-per-node", "2",
+                        *TINY], tmp_path)
         _check_summary(s, world_size=2)
         out = proc.stdout
+        # the CLI shows what to type without this package, then runs exactly that
+        assert out.splitlines()[0] == ("equivalent command: torchrun --standalone --nproc-per-node 2 "
+                                       "-m ddp_lesson.train " + " ".join(TINY))
         # Rank 0 alone prints: each line once.
         assert out.count("world_size 2  backend gloo") == 1
-        assert "global batch 8 (= 4 x 2)  steps per epoch 2  samples per epoch 32" in out
+        assert "global batch 8 (= 4 x 2)  steps per epoch 4  samples per epoch 32" in out
         assert out.count("epoch 1/1  train_loss ") == 1
         assert out.count("wrote out/summary.json") == 1
