@@ -260,3 +260,41 @@ def test_magic_prints_backend_once_then_ranks_in_order(capsys):
         torchrun_magic("--nproc-per-node 2", "   ")
     with pytest.raises(ValueError, match="could not parse"):
         torchrun_magic("--nproc-per-node two", "print(1)")
+
+
+def test_two_simulated_nodes_form_one_job():
+    # two torchrun agents on this host joined by c10d rendezvous, as two machines would be
+    code = textwrap.dedent("""
+        import os, torch, torch.distributed as dist
+        dist.init_process_group("gloo")
+        t = torch.tensor([dist.get_rank() + 1.0])
+        dist.all_reduce(t)
+        print(os.environ["RANK"], os.environ["LOCAL_RANK"], os.environ["GROUP_RANK"],
+              os.environ["WORLD_SIZE"], int(t.item()))
+        dist.destroy_process_group()
+    """)
+    result = run_torchrun(code=code, nproc_per_node=1, nnodes=2, timeout=90, live=False)
+    # global ranks 0 and 1, each local rank 0 on its own node (GROUP_RANK), sum 1 + 2
+    assert result.stdout.splitlines() == ["[rank 0] 0 0 0 2 3", "[rank 1] 1 0 1 2 3"]
+    assert "--nnodes 2 --rdzv-backend c10d" in result.torchrun_command
+
+
+@pytest.mark.parametrize("nproc, preset, expect_banner, expect_seen", [
+    (2, None, True, "1"),      # unset: torchrun sets 1 per worker and prints its starred banner
+    (2, "2", False, "2"),      # set: no banner, the value is kept
+    (1, None, False, "unset"),  # one process: torchrun overrides nothing
+])
+def test_raw_torchrun_omp_banner(tmp_path, nproc, preset, expect_banner, expect_seen):
+    """shared/cases C5, on plain torchrun: why the launcher sets OMP_NUM_THREADS itself."""
+    script = tmp_path / "omp.py"
+    script.write_text("import os; print(os.environ.get('OMP_NUM_THREADS', 'unset'))\n")
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    if preset is not None:
+        env["OMP_NUM_THREADS"] = preset
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc-per-node", str(nproc), str(script)],
+                          env=env, capture_output=True, text=True, timeout=90)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == [expect_seen] * nproc
+    assert ("Setting OMP_NUM_THREADS environment variable" in proc.stderr) == expect_banner
+    assert proc.stderr.count("Setting OMP_NUM_THREADS") == (1 if expect_banner else 0)
