@@ -1,0 +1,117 @@
+"""Who got which samples? Every rank iterates its sampler; rank 0 gathers the shards and checks the partition.
+
+    torchrun --standalone --nproc-per-node 3 -m ddp_lesson.labs.sampler_shards
+
+Every rank builds a :class:`ddp_lesson.sampler.DistributedSampler` (reading its rank and the
+world size from the process group, as a training script does), runs one epoch of a
+``DataLoader`` over it, and the lists are gathered on every rank with ``all_gather_object``.
+Rank 0 prints them with the facts that matter: are the shards *disjoint* (no sample seen
+twice) and do they *cover the dataset* (no sample missed)? Four settings:
+
+1. N divisible by R, every rank on the same seed and epoch: disjoint and covering;
+2. N not divisible by R (``drop_last=False``): covering, but the padding repeats samples;
+3. the same with ``drop_last=True``: disjoint, but the tail is dropped;
+4. every rank seeding with its own rank (shared/cases A2): overlaps *and* misses.
+Notebook 02 runs this with ``%%torchrun --nproc-per-node 3``.
+"""
+from __future__ import annotations
+
+import argparse
+from collections import Counter
+
+
+def local_shard(n: int, shuffle: bool = True, seed: int = 0, epoch: int = 0,
+                drop_last: bool = False, batch_size: int = 2) -> list[int]:
+    """The indices this rank's DataLoader yields in one epoch (local; needs a process group).
+
+    ``num_replicas`` and ``rank`` are left to the sampler, which reads them from the default
+    process group (a local query, not a collective).
+    """
+    from torch.utils.data import DataLoader
+
+    from ..sampler import DistributedSampler
+
+    dataset = range(n)
+    sampler = DistributedSampler(dataset, shuffle=shuffle, seed=seed, drop_last=drop_last)
+    sampler.set_epoch(epoch)
+    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, shuffle=False)
+    return [i for batch in loader for i in batch.tolist()]
+
+
+def gather_shards(n: int, shuffle: bool = True, seed: int = 0, epoch: int = 0,
+                  drop_last: bool = False) -> list[list[int]]:
+    """Every rank's one-epoch index list, on every rank: ``shards[r]`` is rank r's.
+
+    A collective (``all_gather_object``): every rank must call it with its own arguments.
+    Ranks may pass different ``seed``/``epoch`` to show what that breaks (A2).
+    """
+    import torch.distributed as dist
+
+    mine = local_shard(n, shuffle, seed, epoch, drop_last)
+    shards = [None] * dist.get_world_size()
+    dist.all_gather_object(shards, mine)
+    return shards
+
+
+def partition_facts(shards: list[list[int]], n: int) -> dict:
+    """Disjoint? Covering? Which samples repeat, which are missed? Pure, no process group.
+
+    Returns:
+        dict with ``disjoint`` (no index in two places), ``covers`` (every index of
+        ``range(n)`` somewhere), ``repeated`` (sorted extra occurrences: an index seen k
+        times appears k-1 times), ``missing`` (sorted indices seen nowhere), ``total``.
+    """
+    counts = Counter(i for shard in shards for i in shard)
+    repeated = sorted(i for i, c in counts.items() for _ in range(c - 1))
+    missing = [i for i in range(n) if i not in counts]
+    return {"disjoint": not repeated, "covers": not missing, "repeated": repeated,
+            "missing": missing, "total": sum(counts.values())}
+
+
+def _report(title: str, shards: list[list[int]], n: int) -> None:
+    f = partition_facts(shards, n)
+    print(title)
+    for r, shard in enumerate(shards):
+        print(f"  rank {r}: {shard}")
+    line = f"  disjoint: {f['disjoint']} | covers the dataset: {f['covers']}"
+    if f["repeated"]:
+        line += f" | repeated: {f['repeated']}"
+    if f["missing"]:
+        line += f" | never seen: {f['missing']}"
+    print(line)
+
+
+def main(seed: int = 0, epoch: int = 0) -> None:
+    """Run under torchrun (best with 3 processes); rank 0 prints the four settings.
+
+    Synchronises: one ``all_gather_object`` per setting, plus setup and teardown.
+    """
+    from ..env import cleanup, init_distributed
+
+    env = init_distributed(timeout=60)
+    R = env.world_size
+    # 4R - 2 is not a multiple of an odd R >= 3; 4R - 1 is not a multiple of an even R
+    n_even, n_odd = 4 * R, (4 * R - 2 if R % 2 else 4 * R - 1)
+    cases = [
+        (f"N={n_even}, shuffle=True, seed={seed}, set_epoch({epoch}) on every rank:",
+         n_even, dict(seed=seed, epoch=epoch)),
+        (f"N={n_odd} (not divisible by {R}), drop_last=False: padded by wrapping round",
+         n_odd, dict(seed=seed, epoch=epoch)),
+        (f"N={n_odd}, drop_last=True: the tail is cut",
+         n_odd, dict(seed=seed, epoch=epoch, drop_last=True)),
+        (f"N={n_even}, each rank seeds with its own rank number (the A2 bug):",
+         n_even, dict(seed=env.rank, epoch=epoch)),
+    ]
+    for title, n, kw in cases:
+        shards = gather_shards(n, **kw)
+        if env.is_main:
+            _report(title, shards, n)
+    cleanup()
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--epoch", type=int, default=0)
+    a = p.parse_args()
+    main(a.seed, a.epoch)

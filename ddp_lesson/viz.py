@@ -1,0 +1,422 @@
+"""Matplotlib figures used by the notebooks; each function returns a ``matplotlib.figure.Figure``.
+
+Figures are drawn with pyplot (so a notebook cell ends with ``plt.show()`` and the image is
+stored as a small PNG); a caller that only wants the picture (a widget, a test) closes the
+figure with ``plt.close(fig)``. matplotlib is imported inside the functions, so importing this
+module costs nothing.
+
+Sections: sampler figures (notebook 02); collective and ring figures (notebook 03).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = [
+    "SamplerLayout",
+    "sampler_layout",
+    "sampler_heatmap",
+    "assignment_over_epochs",
+]
+
+
+# =========================================================================== sampler figures
+
+@dataclass
+class SamplerLayout:
+    """Where every dataset index goes in one epoch of a :class:`ddp_lesson.sampler.DistributedSampler`.
+
+    Built by :func:`sampler_layout` from the package's pure index functions (no process
+    group). Position ``j`` of rank ``r`` is entry ``p = j * R + r`` of the padded global
+    order; it is *padding* when ``p >= N`` (a wrapped-round repeat of an earlier index).
+
+    Attributes:
+        n: dataset length N.
+        num_replicas: world size R.
+        num_samples: indices per rank (``len(sampler)`` on every rank).
+        total_size: ``num_samples * R``.
+        shards: ``shards[r]`` = the indices rank r yields, in order (length num_samples).
+        is_padding: ``is_padding[r][j]`` True when ``shards[r][j]`` is a padded repeat.
+        padding: the padded (repeated) indices in padded-order position order.
+        dropped: indices of the global order cut by ``drop_last=True`` (not seen this epoch).
+        order: the global order before padding/cutting (length N).
+    """
+
+    n: int
+    num_replicas: int
+    num_samples: int
+    total_size: int
+    shards: list[list[int]]
+    is_padding: list[list[bool]]
+    padding: list[int] = field(default_factory=list)
+    dropped: list[int] = field(default_factory=list)
+    order: list[int] = field(default_factory=list)
+
+
+def sampler_layout(n: int, num_replicas: int, shuffle: bool = False, seed: int = 0,
+                   epoch: int = 0, drop_last: bool = False) -> SamplerLayout:
+    """Every rank's shard for one epoch, with padding and dropped indices marked.
+
+    Pure index arithmetic from :mod:`ddp_lesson.sampler` (same indices as torch's
+    ``DistributedSampler`` with ``set_epoch(epoch)``); no process group, no synchronisation.
+
+    Args:
+        n: dataset length N, ``>= 0``.
+        num_replicas: world size R, ``>= 1``.
+        shuffle, seed, epoch, drop_last: as in ``DistributedSampler`` (``epoch`` is the value
+            the sampler holds, i.e. what ``set_epoch`` last set).
+
+    Returns:
+        A :class:`SamplerLayout`.
+
+    Raises:
+        ValueError: ``n < 0`` or ``num_replicas < 1``.
+    """
+    from .sampler import global_order, num_samples_per_rank, padded_order, shard_indices
+
+    num_samples = num_samples_per_rank(n, num_replicas, drop_last)
+    total_size = num_samples * num_replicas
+    order = global_order(n, shuffle, seed, epoch)
+    padded = padded_order(n, num_replicas, shuffle, seed, epoch, drop_last)
+    shards = [shard_indices(n, num_replicas, r, shuffle, seed, epoch, drop_last)
+              for r in range(num_replicas)]
+    is_padding = [[j * num_replicas + r >= n for j in range(num_samples)]
+                  for r in range(num_replicas)]
+    return SamplerLayout(
+        n=n, num_replicas=num_replicas, num_samples=num_samples, total_size=total_size,
+        shards=shards, is_padding=is_padding,
+        padding=padded[n:] if total_size > n else [],
+        dropped=order[total_size:] if total_size < n else [],
+        order=order,
+    )
+
+
+def sampler_heatmap(n: int, num_replicas: int, shuffle: bool = False, seed: int = 0,
+                    epoch: int = 0, drop_last: bool = False, figsize=None, annotate=None):
+    """Rank x position grid of one epoch's assignment, padded repeats outlined and hatched.
+
+    Row ``r`` is what rank ``r`` yields, left to right; each cell is coloured and labelled
+    with its dataset index. Padded repeats (``drop_last=False``) get a red hatched outline;
+    indices cut by ``drop_last=True`` are listed under the grid. Same indices as torch's
+    ``DistributedSampler``; no process group.
+
+    Args:
+        n, num_replicas, shuffle, seed, epoch, drop_last: as :func:`sampler_layout`.
+        figsize: inches; default grows with the grid, about (6, 0.9 + 0.45 R).
+        annotate: write the index in each cell; default when the grid has <= 200 cells.
+
+    Returns:
+        The ``Figure`` (one Axes). Its image holds the ``(R, num_samples)`` index matrix
+        (``fig.axes[0].images[0].get_array()``); padding outlines are patches with
+        ``gid == "padding"``.
+
+    Raises:
+        ValueError: ``n < 0`` or ``num_replicas < 1``.
+    """
+    import matplotlib.pyplot as plt
+    import numpy as np
+    from matplotlib.patches import Rectangle
+
+    lay = sampler_layout(n, num_replicas, shuffle, seed, epoch, drop_last)
+    R, k = lay.num_replicas, lay.num_samples
+    if figsize is None:
+        figsize = (6, min(0.9 + 0.45 * R, 5))
+    fig, ax = plt.subplots(figsize=figsize, dpi=80)
+    title = (f"N={n}, R={R}, shuffle={shuffle}, drop_last={drop_last}"
+             + (f", seed+epoch={seed}+{epoch}" if shuffle else "")
+             + f": {k} per rank")
+    ax.set_title(title, fontsize=9)
+    if k == 0:
+        ax.text(0.5, 0.5, "every rank gets 0 samples", ha="center", va="center",
+                transform=ax.transAxes, fontsize=10)
+        ax.set_xticks([])
+        ax.set_yticks(range(R))
+        ax.set_yticklabels([f"rank {r}" for r in range(R)], fontsize=8)
+        ax.set_ylim(R - 0.5, -0.5)
+    else:
+        grid = np.array(lay.shards, dtype=float)
+        ax.imshow(grid, cmap="viridis", vmin=0, vmax=max(n - 1, 1), aspect="auto",
+                  interpolation="nearest")
+        if annotate is None:
+            annotate = R * k <= 200
+        for r in range(R):
+            for j in range(k):
+                if annotate:
+                    # light text on the dark end of viridis, dark text on the light end
+                    light = grid[r, j] < 0.6 * max(n - 1, 1)
+                    ax.text(j, r, str(lay.shards[r][j]), ha="center", va="center",
+                            fontsize=8 if k <= 16 else 6,
+                            color="white" if light else "black")
+                if lay.is_padding[r][j]:
+                    ax.add_patch(Rectangle((j - 0.5, r - 0.5), 1, 1, fill=False,
+                                           edgecolor="red", linewidth=2, hatch="//",
+                                           gid="padding"))
+        ax.set_xticks(range(k))
+        ax.set_xticklabels([str(j) for j in range(k)], fontsize=7)
+        ax.set_yticks(range(R))
+        ax.set_yticklabels([f"rank {r}" for r in range(R)], fontsize=8)
+    notes = []
+    if lay.padding:
+        notes.append(f"red hatched = padding, repeats of {sorted(set(lay.padding))}")
+    if lay.dropped:
+        notes.append(f"dropped (drop_last): {sorted(lay.dropped)}")
+    ax.set_xlabel("position in the rank's list" + ("\n" + "; ".join(notes) if notes else ""),
+                  fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def assignment_over_epochs(n: int, num_replicas: int, epochs: int = 3, seed: int = 0,
+                           drop_last: bool = False, figsize=(6, 3)):
+    """Which rank gets each dataset index, epoch after epoch, without and with ``set_epoch``.
+
+    Two panels, rows = epochs, columns = dataset index, colour = the rank that receives the
+    index (shuffle=True). Left: the loop never calls ``set_epoch``, so the sampler keeps
+    epoch 0 and every row is the same. Right: ``set_epoch(e)`` before epoch ``e``, so the
+    permutation is reseeded with ``seed + e`` and every index moves between ranks. An index
+    that a rank also gets as padding is marked with a white dot (it has two owners); an
+    index cut by ``drop_last`` is grey.
+
+    Args:
+        n: dataset length N (columns).
+        num_replicas: world size R.
+        epochs: number of epochs (rows).
+        seed: the sampler's seed.
+        drop_last: the sampler's ``drop_last``.
+        figsize: inches.
+
+    Returns:
+        The ``Figure`` with two Axes; ``fig.axes[i].images[0].get_array()`` is the
+        ``(epochs, N)`` owner matrix (masked where dropped), panel 0 without, 1 with
+        ``set_epoch``. No process group.
+
+    Raises:
+        ValueError: ``n < 1`` or ``num_replicas < 1``.
+    """
+    import matplotlib.pyplot as plt
+    import numpy as np
+    from matplotlib.colors import ListedColormap
+
+    if n < 1:
+        raise ValueError(f"n must be >= 1 to draw the assignment, got {n}")
+    base = plt.get_cmap("tab10")
+    cmap = ListedColormap([base(r % 10) for r in range(num_replicas)]).with_extremes(
+        bad="lightgrey")
+    fig, axes = plt.subplots(1, 2, figsize=figsize, dpi=80, sharey=True)
+    for ax, call_set_epoch in zip(axes, (False, True)):
+        owner = np.ma.masked_all((epochs, n))
+        dup_x, dup_y = [], []
+        for e in range(epochs):
+            lay = sampler_layout(n, num_replicas, True, seed, e if call_set_epoch else 0,
+                                 drop_last)
+            for r in range(num_replicas):
+                for idx, pad in zip(lay.shards[r], lay.is_padding[r]):
+                    if pad:
+                        dup_x.append(idx)
+                        dup_y.append(e)
+                    else:
+                        owner[e, idx] = r
+        ax.imshow(owner, cmap=cmap, vmin=-0.5, vmax=num_replicas - 0.5, aspect="auto",
+                  interpolation="nearest")
+        if dup_x:
+            ax.scatter(dup_x, dup_y, s=12, c="white", edgecolors="black", linewidths=0.5,
+                       gid="padding")
+        ax.set_title("with set_epoch(e)" if call_set_epoch else "without set_epoch",
+                     fontsize=9)
+        ax.set_xlabel("dataset index", fontsize=8)
+        ax.set_xticks(range(0, n, max(1, n // 6)))
+        ax.tick_params(labelsize=7)
+    axes[0].set_yticks(range(epochs))
+    axes[0].set_ylabel("epoch", fontsize=8)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=cmap(r)) for r in range(num_replicas)]
+    fig.legend(handles, [f"rank {r}" for r in range(num_replicas)], loc="lower center",
+               ncol=min(num_replicas, 8), fontsize=7, frameon=False)
+    fig.tight_layout(rect=(0, 0.1, 1, 1))
+    return fig
+
+
+# =========================================================================== gradient figures (notebook 01)
+
+def per_rank_gradients_figure(shard_grads, full_grad, max_params: int = 10, figsize=(6, 3)):
+    """Each rank's shard gradient, their average, and the full-batch gradient, per parameter.
+
+    Bars: rank r's gradient entries (one colour per rank). Black bar outline: the average of
+    the ranks' gradients (what the all-reduce delivers). Red x: the gradient of the mean loss
+    on the whole global batch — it sits exactly on the average for equal shards.
+
+    Args:
+        shard_grads: list of R 1-D tensors (flattened gradients, one per rank).
+        full_grad: 1-D tensor, the single-process gradient on the global batch.
+        max_params: how many leading entries to draw.
+        figsize: inches.
+
+    Returns:
+        The ``Figure`` (one Axes). No process group needed.
+
+    Raises:
+        ValueError: no gradients, or gradients of different lengths.
+    """
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    if not shard_grads:
+        raise ValueError("no shard gradients to draw")
+    n = full_grad.numel()
+    if any(g.numel() != n for g in shard_grads):
+        raise ValueError(f"every gradient needs {n} entries, got "
+                         f"{[g.numel() for g in shard_grads]}")
+    k = min(max_params, n)
+    grads = np.stack([g.detach().cpu().double().numpy()[:k] for g in shard_grads])
+    avg = grads.mean(axis=0)
+    full = full_grad.detach().cpu().double().numpy()[:k]
+    R = len(shard_grads)
+    fig, ax = plt.subplots(figsize=figsize, dpi=80)
+    width = 0.8 / R
+    xs = np.arange(k)
+    for r in range(R):
+        ax.bar(xs - 0.4 + width * (r + 0.5), grads[r], width=width, label=f"rank {r}",
+               color=plt.get_cmap("tab10")(r % 10), alpha=0.75)
+    ax.bar(xs, avg, width=0.86, fill=False, edgecolor="black", linewidth=1.2,
+           label="average of ranks")
+    ax.scatter(xs, full, marker="x", color="red", s=40, zorder=5, label="full batch")
+    ax.axhline(0, color="grey", linewidth=0.5)
+    ax.set_xticks(xs)
+    ax.set_xlabel("parameter entry", fontsize=8)
+    ax.set_ylabel("gradient", fontsize=8)
+    ax.set_title(f"{R} shard gradients, their average and the full-batch gradient", fontsize=9)
+    ax.tick_params(labelsize=7)
+    ax.legend(fontsize=7, ncol=min(R + 2, 6), loc="upper center", bbox_to_anchor=(0.5, -0.18),
+              frameon=False)
+    fig.tight_layout()
+    return fig
+
+
+# =========================================================================== collective figures (notebook 03)
+
+_METHOD_STYLE = {
+    "gloo": dict(color="tab:blue", marker="o", label="gloo all_reduce"),
+    "ring": dict(color="tab:orange", marker="s", label="ring (send/recv)"),
+    "pipelined": dict(color="tab:green", marker="^", label="pipelined ring"),
+    "naive": dict(color="tab:red", marker="v", label="naive (via rank 0)"),
+    "sendrecv": dict(color="grey", linestyle="--", marker="", label="send/recv, 2 ranks"),
+    "shift": dict(color="grey", linestyle=":", marker="", label="shift, all ranks"),
+}
+
+
+def _size_label(nbytes: float) -> str:
+    for unit, div in (("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= div:
+            return f"{nbytes / div:g} {unit}"
+    return f"{nbytes:g} B"
+
+
+def allreduce_bandwidth_figure(rows, figsize=(7, 3)):
+    """Bus bandwidth against message size, one panel per process count (``benchmarks/allreduce.csv``).
+
+    All-reduce methods are drawn as bus bandwidth (algbw · 2(R-1)/R, nccl-tests'
+    PERFORMANCE.md) so they can be read against the link: the grey lines are the measured
+    send/recv bandwidth per direction (dashed: ranks 0 and 1 alone; dotted: every rank
+    sending at once).
+
+    Args:
+        rows: dicts as :func:`ddp_lesson.bench.read_results` returns.
+        figsize: inches.
+
+    Returns:
+        The ``Figure`` (one Axes per process count).
+
+    Raises:
+        ValueError: no rows.
+    """
+    import matplotlib.pyplot as plt
+
+    if not rows:
+        raise ValueError("no benchmark rows to draw")
+    nprocs = sorted({r["nprocs"] for r in rows})
+    fig, axes = plt.subplots(1, len(nprocs), figsize=figsize, dpi=80, sharey=True, squeeze=False)
+    lo = min(r["size_bytes"] for r in rows if r["method"] not in ("sendrecv", "shift")) \
+        if any(r["method"] not in ("sendrecv", "shift") for r in rows) else 0
+    for ax, R in zip(axes[0], nprocs):
+        for method, style in _METHOD_STYLE.items():
+            pts = sorted((r["size_bytes"], r["busbw_GBps"]) for r in rows
+                         if r["nprocs"] == R and r["method"] == method and r["size_bytes"] >= lo)
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], linewidth=1.3, markersize=4,
+                        **style)
+        cpus = max(r["cpus"] for r in rows if r["nprocs"] == R)
+        note = f" ({R} procs on {cpus} cores)" if R > cpus else ""
+        ax.set_title(f"R = {R}{note}", fontsize=9)
+        ax.set_xscale("log", base=2)
+        ticks = sorted({r["size_bytes"] for r in rows if r["nprocs"] == R and r["size_bytes"] >= lo})
+        ax.set_xticks(ticks)
+        ax.set_xticklabels([_size_label(t) for t in ticks], rotation=45, fontsize=7)
+        ax.set_xlabel("tensor size", fontsize=8)
+        ax.tick_params(labelsize=7)
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("bus bandwidth (GB/s)", fontsize=8)
+    axes[0][-1].legend(fontsize=7, loc="best")
+    fig.tight_layout()
+    return fig
+
+
+def cost_model_figure(rows, figsize=(7, 3)):
+    """The α-β model of naive, tree and ring all-reduce against measured all-reduce times.
+
+    α and β are fitted to the two-rank send/recv times (:func:`ddp_lesson.collectives.fit_alpha_beta`),
+    then the model's curves (:func:`~ddp_lesson.collectives.naive_allreduce_time`,
+    ``tree_allreduce_time``, ``ring_allreduce_time``) are drawn for each process count with
+    the measured times of gloo, the ring and the pipelined ring as points.
+
+    Args:
+        rows: dicts as :func:`ddp_lesson.bench.read_results` returns (needs ``sendrecv`` rows).
+        figsize: inches.
+
+    Returns:
+        The ``Figure``; ``fig.alpha_beta`` holds the fitted ``(alpha_s, beta_s_per_byte)``.
+
+    Raises:
+        ValueError: no send/recv rows to fit.
+    """
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    from .collectives import (fit_alpha_beta, naive_allreduce_time, ring_allreduce_time,
+                              tree_allreduce_time)
+
+    link = [r for r in rows if r["method"] == "sendrecv"]
+    if not link:
+        raise ValueError("no send/recv rows: run the benchmark with the sendrecv method")
+    fit_R = min(r["nprocs"] for r in link)
+    link = [r for r in link if r["nprocs"] == fit_R]
+    alpha, beta = fit_alpha_beta([r["size_bytes"] for r in link], [r["seconds"] for r in link])
+    nprocs = sorted({r["nprocs"] for r in rows})
+    fig, axes = plt.subplots(1, len(nprocs), figsize=figsize, dpi=80, sharey=True, squeeze=False)
+    sizes = np.logspace(10, 27, 60, base=2)
+    for ax, R in zip(axes[0], nprocs):
+        for fn, name, style in ((naive_allreduce_time, "naive model", "r-"),
+                                (tree_allreduce_time, "tree model", "m-."),
+                                (ring_allreduce_time, "ring model", "k-")):
+            ax.plot(sizes, [fn(s, R, alpha, beta) * 1e3 for s in sizes], style, linewidth=1,
+                    label=name)
+        for method in ("gloo", "ring", "pipelined", "naive"):
+            pts = sorted((r["size_bytes"], r["seconds"]) for r in rows
+                         if r["nprocs"] == R and r["method"] == method)
+            if pts:
+                st = _METHOD_STYLE[method]
+                ax.scatter([p[0] for p in pts], [p[1] * 1e3 for p in pts], s=14,
+                           color=st["color"], marker=st["marker"], label=st["label"], zorder=5)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_title(f"R = {R}", fontsize=9)
+        ax.set_xlabel("tensor size (bytes)", fontsize=8)
+        ax.tick_params(labelsize=7)
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("time per all-reduce (ms)", fontsize=8)
+    axes[0][-1].legend(fontsize=6, loc="upper left")
+    fig.suptitle(f"α = {alpha * 1e6:.0f} µs, 1/β = {1 / beta / 1e9:.2f} GB/s "
+                 f"(fitted to send/recv, R = {fit_R})", fontsize=9)
+    fig.tight_layout()
+    fig.alpha_beta = (alpha, beta)
+    return fig
+
+
+__all__ += ["per_rank_gradients_figure", "allreduce_bandwidth_figure", "cost_model_figure"]

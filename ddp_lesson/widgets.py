@@ -1,0 +1,329 @@
+"""ipywidgets explorers for the notebooks.
+
+Each explorer is an ipywidgets container that can be built without a display (in a test, a
+plain Python process): its controls are ordinary widget traits that code can set, and what it
+shows is also available as plain text (``.text``), so tests drive it without a browser. Its
+``repr`` is short and constant for given settings, because nbval compares a displayed widget's
+text form. ipywidgets and matplotlib are imported when an explorer is built, not at import.
+
+Explorers: :func:`sampler_explorer` (notebook 02); ring all-reduce stepper (notebook 03).
+"""
+from __future__ import annotations
+
+import functools
+
+__all__ = [
+    "sampler_report",
+    "sampler_explorer",
+]
+
+
+# =========================================================================== sampler explorer
+
+def _fmt(indices, marks=None) -> str:
+    if marks is None:
+        return "[" + ", ".join(str(i) for i in indices) + "]"
+    return "[" + ", ".join(f"{i}*" if m else str(i) for i, m in zip(indices, marks)) + "]"
+
+
+def sampler_report(n: int, world_size: int, epoch: int = 0, seed: int = 0,
+                   shuffle: bool = False, drop_last: bool = False,
+                   call_set_epoch: bool = True) -> str:
+    """What every rank's ``DistributedSampler`` yields in one epoch, as plain text.
+
+    The text :func:`sampler_explorer` shows. ``epoch`` is the training loop's epoch; the
+    sampler only sees it when ``call_set_epoch`` is True (otherwise it keeps epoch 0, case
+    A1). Padded repeats are marked ``*``. Pure: no process group, no synchronisation.
+
+    Args:
+        n: dataset length N, ``>= 0``.
+        world_size: number of ranks R (``num_replicas``), ``>= 1``.
+        epoch: the loop's epoch.
+        seed: the sampler's seed (the same on every rank).
+        shuffle, drop_last: the sampler's flags.
+        call_set_epoch: whether the loop calls ``sampler.set_epoch(epoch)``.
+
+    Returns:
+        Lines: the settings, how ``num_samples`` is computed, where the order comes from,
+        ``rank r: [...]`` for every rank, the padded repeats and the dropped indices.
+
+    Raises:
+        ValueError: ``n < 0`` or ``world_size < 1``.
+    """
+    from .viz import sampler_layout
+
+    sampler_epoch = epoch if call_set_epoch else 0
+    lay = sampler_layout(n, world_size, shuffle, seed, sampler_epoch, drop_last)
+    R, k = world_size, lay.num_samples
+    lines = [f"N={n}, world size R={R}, shuffle={shuffle}, drop_last={drop_last}, "
+             f"seed={seed}, epoch={epoch}, set_epoch called: {call_set_epoch}"]
+    if n % R == 0:
+        how = f"N / R = {n} / {R} = {k}"
+    elif drop_last:
+        how = f"ceil((N - R) / R) = ceil(({n} - {R}) / {R}) = {k}  (drop_last)"
+    else:
+        how = f"ceil(N / R) = ceil({n} / {R}) = {k}"
+    lines.append(f"num_samples per rank: {how}; total_size = {lay.total_size}")
+    if not shuffle:
+        lines.append("order: 0..N-1 (shuffle=False: seed and epoch change nothing)")
+    elif call_set_epoch:
+        lines.append(f"order: permutation seeded with seed + epoch = {seed} + {epoch} "
+                     f"= {seed + epoch}")
+    else:
+        lines.append(f"order: permutation seeded with seed + epoch = {seed} + 0 = {seed} "
+                     f"(set_epoch never called: the sampler's epoch stays 0, "
+                     f"whatever the loop's epoch)")
+    for r in range(R):
+        lines.append(f"rank {r}: {_fmt(lay.shards[r], lay.is_padding[r])}")
+    if lay.padding:
+        lines.append(f"padding (* = a repeat: seen more than once this epoch): {_fmt(lay.padding)}")
+    else:
+        lines.append("padding: none")
+    if lay.dropped:
+        lines.append(f"dropped (not seen this epoch): {_fmt(sorted(lay.dropped))}")
+    else:
+        lines.append("dropped: none")
+    if k == 0 and n > 0:
+        lines.append("every rank gets 0 samples: an epoch runs zero steps")
+    return "\n".join(lines)
+
+
+def _png(fig) -> bytes:
+    import io
+
+    import matplotlib.pyplot as plt
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=80)
+    plt.close(fig)
+    return buf.getvalue()
+
+
+_CONTROLS = ("n", "world_size", "epoch", "seed", "shuffle", "drop_last", "call_set_epoch")
+
+
+@functools.lru_cache(maxsize=None)
+def _explorer_class():
+    import ipywidgets as W
+
+    class SamplerExplorer(W.VBox):
+        """Sliders and toggles for a DistributedSampler; redraws the heatmap and the text.
+
+        Controls (ipywidgets, set ``.value`` to drive them): ``n``, ``world_size``,
+        ``epoch``, ``seed`` (IntSliders), ``shuffle``, ``drop_last``, ``call_set_epoch``
+        (Checkboxes). Views: ``image`` (an ``ipywidgets.Image`` holding the heatmap PNG,
+        when ``show_figure``), ``report`` (an ``ipywidgets.HTML``), ``text`` (the report as
+        plain text). ``set(**values)`` changes several controls with one redraw;
+        ``redraws`` counts redraws.
+        """
+
+        def __init__(self, n, world_size, epoch, seed, shuffle, drop_last, call_set_epoch,
+                     show_figure, max_n, max_world_size, max_epoch):
+            style = {"description_width": "90px"}
+            self.n = W.IntSlider(value=n, min=0, max=max_n, description="N (samples)",
+                                 style=style)
+            self.world_size = W.IntSlider(value=world_size, min=1, max=max_world_size,
+                                          description="world size", style=style)
+            self.epoch = W.IntSlider(value=epoch, min=0, max=max_epoch,
+                                     description="epoch", style=style)
+            self.seed = W.IntSlider(value=seed, min=0, max=99, description="seed",
+                                    style=style)
+            self.shuffle = W.Checkbox(value=shuffle, description="shuffle")
+            self.drop_last = W.Checkbox(value=drop_last, description="drop_last")
+            self.call_set_epoch = W.Checkbox(value=call_set_epoch,
+                                             description="call set_epoch")
+            self.show_figure = show_figure
+            self.image = W.Image(format="png") if show_figure else None
+            self.report = W.HTML()
+            self.text = ""
+            self.redraws = 0
+            self._hold = False
+            sliders = W.VBox([self.n, self.world_size, self.epoch, self.seed])
+            toggles = W.VBox([self.shuffle, self.drop_last, self.call_set_epoch])
+            children = [W.HBox([sliders, toggles])]
+            if self.image is not None:
+                children.append(self.image)
+            children.append(self.report)
+            super().__init__(children=children)
+            for name in _CONTROLS:
+                getattr(self, name).observe(self._on_change, names="value")
+            self.refresh()
+
+        def values(self) -> dict:
+            """The current settings, by control name."""
+            return {name: getattr(self, name).value for name in _CONTROLS}
+
+        def set(self, **values) -> None:
+            """Set several controls at once (names as :meth:`values`), then redraw once."""
+            unknown = set(values) - set(_CONTROLS)
+            if unknown:
+                raise TypeError(f"unknown control(s) {sorted(unknown)}; "
+                                f"controls are {list(_CONTROLS)}")
+            self._hold = True
+            try:
+                for name, value in values.items():
+                    getattr(self, name).value = value
+            finally:
+                self._hold = False
+            self.refresh()
+
+        def _on_change(self, change) -> None:
+            if not self._hold:
+                self.refresh()
+
+        def refresh(self) -> None:
+            """Recompute the text and redraw the heatmap from the controls."""
+            import html
+
+            from .viz import sampler_heatmap
+
+            v = self.values()
+            self.text = sampler_report(**v)
+            self.report.value = f"<pre>{html.escape(self.text)}</pre>"
+            if self.image is not None:
+                epoch = v["epoch"] if v["call_set_epoch"] else 0
+                self.image.value = _png(sampler_heatmap(
+                    v["n"], v["world_size"], v["shuffle"], v["seed"], epoch, v["drop_last"]))
+            self.redraws += 1
+
+        def __repr__(self) -> str:
+            v = self.values()
+            return (f"SamplerExplorer(N={v['n']}, world_size={v['world_size']}, "
+                    f"epoch={v['epoch']}, seed={v['seed']}, shuffle={v['shuffle']}, "
+                    f"drop_last={v['drop_last']}, set_epoch={v['call_set_epoch']})")
+
+    return SamplerExplorer
+
+
+def sampler_explorer(n: int = 10, world_size: int = 3, epoch: int = 0, seed: int = 0,
+                     shuffle: bool = False, drop_last: bool = False,
+                     call_set_epoch: bool = True, show_figure: bool = True,
+                     max_n: int = 40, max_world_size: int = 8, max_epoch: int = 9):
+    """An explorer of how ``DistributedSampler`` deals a dataset out to ranks.
+
+    Sliders for N, world size, epoch and seed; toggles for shuffle, drop_last and "call
+    set_epoch". Every change redraws the rank x position heatmap
+    (:func:`ddp_lesson.viz.sampler_heatmap`) and the text of :func:`sampler_report`: each
+    rank's indices, the padded repeats and the dropped indices. Constructible without a
+    display; nothing communicates (pure index arithmetic).
+
+    Args:
+        n, world_size, epoch, seed, shuffle, drop_last, call_set_epoch: initial settings.
+        show_figure: draw the heatmap (off: text only, faster).
+        max_n, max_world_size, max_epoch: slider ranges.
+
+    Returns:
+        A ``SamplerExplorer`` (an ``ipywidgets.VBox``); display it, or drive its controls
+        (``explorer.n.value = 11``, ``explorer.set(shuffle=True, epoch=2)``) and read
+        ``explorer.text``.
+
+    Raises:
+        ValueError: an initial value outside its slider's range (named with the numbers).
+    """
+    for name, value, lo, hi in (("n", n, 0, max_n), ("world_size", world_size, 1, max_world_size),
+                                ("epoch", epoch, 0, max_epoch), ("seed", seed, 0, 99)):
+        if not lo <= value <= hi:
+            raise ValueError(f"{name}={value} is outside the slider range [{lo}, {hi}]")
+    cls = _explorer_class()
+    return cls(n, world_size, epoch, seed, shuffle, drop_last, call_set_epoch, show_figure,
+               max_n, max_world_size, max_epoch)
+
+
+# =========================================================================== ring all-reduce stepper (notebook 03)
+
+@functools.lru_cache(maxsize=None)
+def _stepper_class():
+    import ipywidgets as W
+
+    class RingAllReduceStepper(W.VBox):
+        """Step through a ring all-reduce: every rank's chunks after each of the 2(R-1) steps.
+
+        Controls: ``world_size`` and ``step`` (IntSliders; set ``.value`` to drive them).
+        Views: ``view`` (an ``ipywidgets.HTML`` table, ranks x chunks, coloured by how many
+        ranks' inputs a chunk already sums), ``text`` (the same as plain text, from
+        :func:`ddp_lesson.collectives.ring_state_text`). ``states`` is the list of
+        :class:`ddp_lesson.collectives.RingState` from
+        :func:`ddp_lesson.collectives.simulate_ring_all_reduce`; ``state`` the one shown.
+        """
+
+        def __init__(self, world_size, step, values, max_world_size):
+            from .collectives import simulate_ring_all_reduce
+
+            self._values = values
+            self._values_world_size = world_size if values is not None else None
+            self.states = simulate_ring_all_reduce(world_size, values)
+            style = {"description_width": "80px"}
+            self.world_size = W.IntSlider(value=world_size, min=1, max=max_world_size,
+                                          description="world size", style=style)
+            self.step = W.IntSlider(value=step, min=0, max=len(self.states) - 1,
+                                    description="step", style=style)
+            self.view = W.HTML()
+            self.text = ""
+            super().__init__(children=[W.HBox([self.world_size, self.step]), self.view])
+            self.world_size.observe(self._on_world_size, names="value")
+            self.step.observe(lambda change: self.refresh(), names="value")
+            self.refresh()
+
+        @property
+        def state(self):
+            """The :class:`~ddp_lesson.collectives.RingState` on show."""
+            return self.states[self.step.value]
+
+        def _on_world_size(self, change) -> None:
+            from .collectives import simulate_ring_all_reduce
+
+            R = change["new"]
+            values = self._values if R == self._values_world_size else None
+            self.states = simulate_ring_all_reduce(R, values)
+            self.step.value = min(self.step.value, len(self.states) - 1)
+            self.step.max = len(self.states) - 1
+            self.refresh()
+
+        def refresh(self) -> None:
+            """Redraw the table and the text for the current step."""
+            from .collectives import ring_state_html, ring_state_text
+
+            self.text = ring_state_text(self.state)
+            self.view.value = ring_state_html(self.state)
+
+        def __repr__(self) -> str:
+            return (f"RingAllReduceStepper(world_size={self.world_size.value}, "
+                    f"step={self.step.value} of {len(self.states) - 1})")
+
+    return RingAllReduceStepper
+
+
+def ring_allreduce_stepper(world_size: int = 3, step: int = 0, values=None,
+                           max_world_size: int = 6):
+    """A step-by-step picture of the ring all-reduce (reduce-scatter, then all-gather).
+
+    Shows every rank's chunks after each of the 2(R-1) steps: which chunk moved where, what
+    each rank holds, and which ranks' inputs are already summed into it. The states come from
+    :func:`ddp_lesson.collectives.simulate_ring_all_reduce` — the same schedule
+    (:func:`~ddp_lesson.collectives.ring_send_chunk`) that
+    :func:`~ddp_lesson.collectives.ring_all_reduce` runs with real send/recv. Constructible
+    without a display; nothing communicates.
+
+    Args:
+        world_size: number of ranks R (1 .. max_world_size).
+        step: initial step, 0 (inputs) .. 2(R-1) (done).
+        values: ``values[rank]`` = that rank's numbers (default: rank r holds
+            ``[1, 2, ..., R] · 10^r``, so the sums read digit by digit: 111, 222, 333).
+        max_world_size: the world-size slider's maximum.
+
+    Returns:
+        A ``RingAllReduceStepper`` (an ``ipywidgets.VBox``); drive it with
+        ``stepper.step.value = 2`` and read ``stepper.text`` / ``stepper.state``.
+
+    Raises:
+        ValueError: ``world_size`` or ``step`` out of range (named with the numbers).
+    """
+    if not 1 <= world_size <= max_world_size:
+        raise ValueError(f"world_size={world_size} is outside [1, {max_world_size}]")
+    last = 2 * (world_size - 1)
+    if not 0 <= step <= last:
+        raise ValueError(f"step={step} is outside [0, {last}] for world_size {world_size}")
+    return _stepper_class()(world_size, step, values, max_world_size)
+
+
+__all__ += ["ring_allreduce_stepper"]
