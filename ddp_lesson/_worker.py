@@ -11,10 +11,16 @@ once per rank. Before running the real target this:
    this a SIGKILL to the launcher alone would leave orphans.
 
 Then it runs the target as ``__main__``, exactly as ``python -m NAME`` / ``python PATH`` would.
+When the target finishes normally, the process runs its ``atexit`` handlers, flushes its output
+and leaves with ``os._exit``: skipping the interpreter's teardown avoids a known gloo abort
+(a DDP reducer still holding a process group whose worker threads are torn down at exit,
+"terminate called without an active exception", pytorch/pytorch#179291), seen here in about
+one run in twenty, after all output was printed. Failures exit as usual, with their traceback.
 Kept free of heavy imports: it runs before torch is imported.
 """
 from __future__ import annotations
 
+import atexit
 import os
 import runpy
 import signal
@@ -58,13 +64,28 @@ def main(argv: list[str]) -> None:
     outdir, kind, target, args = argv[0], argv[1], argv[2], argv[3:]
     _die_with_parent()
     _redirect(outdir, os.environ.get("RANK", "0"))
-    if kind == "--module":
-        sys.argv = [target, *args]
-        runpy.run_module(target, run_name="__main__", alter_sys=True)
-    else:
-        sys.argv = [target, *args]
-        sys.path.insert(0, os.path.dirname(os.path.abspath(target)))
-        runpy.run_path(target, run_name="__main__")
+    sys.argv = [target, *args]
+    try:
+        if kind == "--module":
+            runpy.run_module(target, run_name="__main__", alter_sys=True)
+        else:
+            sys.path.insert(0, os.path.dirname(os.path.abspath(target)))
+            runpy.run_path(target, run_name="__main__")
+    except SystemExit as e:
+        if e.code not in (None, 0):
+            raise
+    _finish()
+
+
+def _finish() -> None:
+    """Leave a successful run without interpreter teardown (see the module docstring)."""
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -80,13 +80,18 @@ def train(argv: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog="ddp-lesson", description=__doc__.split("\n\n")[0])
-    parser.add_argument("command", choices=["train"], help="train: the main job under torchrun")
+    parser.add_argument("command", choices=["train", "bench"],
+                        help="train: the main job under torchrun; bench {allreduce,ddp,scaling}: benchmarks")
     if not argv or argv[0] in ("-h", "--help"):
         parser.print_help()
         return 0
     cmd, rest = argv[0], argv[1:]
     if cmd == "train":
         return train(rest)
+    elif cmd == "bench":
+        from .bench import main as bench_main
+
+        return bench_main(rest)
     parser.error(f"unknown command {cmd!r}")
     return 2
 

@@ -228,11 +228,18 @@ def cleanup() -> None:
 
     The barrier matters on gloo: a rank that tears down while a peer is still finishing a
     collective can make that peer abort ("Connection closed by peer"). Waiting for everyone
-    first makes teardown safe. Does nothing when no group exists.
+    first makes teardown safe. Does nothing when no group exists. Drop your own references to
+    DDP wrappers before calling it (``del model``), so they are freed while the group lives.
     """
+    import gc
+
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
+        # Free unreachable DDP reducers and work handles while the group still exists: torn
+        # down later, at interpreter exit, they have made gloo abort ("terminate called
+        # without an active exception") after all output was printed.
+        gc.collect()
         try:
             if dist.get_backend() == "nccl":
                 import torch

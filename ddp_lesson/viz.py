@@ -5,7 +5,8 @@ stored as a small PNG); a caller that only wants the picture (a widget, a test) 
 figure with ``plt.close(fig)``. matplotlib is imported inside the functions, so importing this
 module costs nothing.
 
-Sections: sampler figures (notebook 02); collective and ring figures (notebook 03).
+Sections: sampler figures (notebook 02); collective and ring figures (notebook 03);
+training figures: loss curves, predicted masks, the scaling study (notebook 05).
 """
 from __future__ import annotations
 
@@ -236,7 +237,7 @@ def assignment_over_epochs(n: int, num_replicas: int, epochs: int = 3, seed: int
 
 # =========================================================================== gradient figures (notebook 01)
 
-def per_rank_gradients_figure(shard_grads, full_grad, max_params: int = 10, figsize=(6, 3)):
+def per_rank_gradients_figure(shard_grads, full_grad, max_params: int | None = None, figsize=(7, 3)):
     """Each rank's shard gradient, their average, and the full-batch gradient, per parameter.
 
     Bars: rank r's gradient entries (one colour per rank). Black bar outline: the average of
@@ -246,7 +247,7 @@ def per_rank_gradients_figure(shard_grads, full_grad, max_params: int = 10, figs
     Args:
         shard_grads: list of R 1-D tensors (flattened gradients, one per rank).
         full_grad: 1-D tensor, the single-process gradient on the global batch.
-        max_params: how many leading entries to draw.
+        max_params: how many leading entries to draw (None: all).
         figsize: inches.
 
     Returns:
@@ -264,7 +265,7 @@ def per_rank_gradients_figure(shard_grads, full_grad, max_params: int = 10, figs
     if any(g.numel() != n for g in shard_grads):
         raise ValueError(f"every gradient needs {n} entries, got "
                          f"{[g.numel() for g in shard_grads]}")
-    k = min(max_params, n)
+    k = n if max_params is None else min(max_params, n)
     grads = np.stack([g.detach().cpu().double().numpy()[:k] for g in shard_grads])
     avg = grads.mean(axis=0)
     full = full_grad.detach().cpu().double().numpy()[:k]
@@ -420,3 +421,334 @@ def cost_model_figure(rows, figsize=(7, 3)):
 
 
 __all__ += ["per_rank_gradients_figure", "allreduce_bandwidth_figure", "cost_model_figure"]
+
+
+# =========================================================================== training figures (notebook 05)
+
+def loss_curves_figure(curves, title: str = "training loss per optimizer step",
+                       reference: str | None = None, figsize=None):
+    """Loss curves overlaid, one line per run, x = optimizer step (1-based).
+
+    Args:
+        curves: ``{label: [loss per step, ...]}`` (e.g. ``summary["step_losses"]`` of runs
+            with 1 and 2 processes at the same global batch). Later lines are drawn dashed
+            so that curves that coincide stay visible.
+        title: title of the loss axes.
+        reference: a label of ``curves``; when given, a second panel shows every other
+            curve's ``|loss - reference loss|`` per step on a log scale (curves that look
+            the same on the left may differ by 1e-7 or by 1e-3: the right panel tells).
+        figsize: default ``(6, 3)``, or ``(9, 3)`` with a reference panel.
+
+    Returns:
+        The figure.
+    """
+    import matplotlib.pyplot as plt
+
+    panels = 2 if reference is not None else 1
+    fig, axes = plt.subplots(1, panels, figsize=figsize or ((9, 3) if panels == 2 else (6, 3)),
+                             dpi=80, squeeze=False)
+    ax = axes[0][0]
+    styles = ["-", "--", ":", "-."]
+    for i, (label, losses) in enumerate(curves.items()):
+        ax.plot(range(1, len(losses) + 1), losses, styles[i % len(styles)],
+                lw=max(0.8, 2 - 0.4 * i), label=label)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("loss (mean over labelled pixels)")
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    if reference is not None:
+        bx = axes[0][1]
+        ref = curves[reference]
+        for i, (label, losses) in enumerate(curves.items()):
+            if label == reference:
+                continue
+            # 0 cannot be drawn on a log scale: exact agreement shows at the floor, 1e-9
+            delta = [max(abs(a - b), 1e-9) for a, b in zip(losses, ref)]
+            bx.semilogy(range(1, len(delta) + 1), delta, "o" + styles[i % len(styles)],
+                        color=f"C{i}", ms=3, label=label)
+        bx.set_xlabel("optimizer step")
+        bx.set_ylabel(f"|loss - loss of '{reference}'|", fontsize=8)
+        bx.set_title("difference from the reference", fontsize=10)
+        bx.grid(alpha=0.3, which="both")
+        bx.legend(fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
+def masks_figure(images, targets, preds, figsize=None):
+    """Image, ground truth and prediction side by side, in the official Cityscapes colours.
+
+    Args:
+        images: ``(N, 3, H, W)`` normalised images (as the data sets return them).
+        targets: ``(N, H, W)`` trainIds 0..18 or 255 (void, drawn black).
+        preds: ``(N, H, W)`` predicted trainIds (``logits.argmax(1)``).
+        figsize: default ``(6, 1.1 * N + 0.4)``.
+
+    Returns:
+        The figure: one row per sample, columns image | ground truth | prediction.
+    """
+    import matplotlib.pyplot as plt
+
+    from .data import colorize_target, denormalize_image
+
+    n = len(images)
+    fig, axes = plt.subplots(n, 3, figsize=figsize or (6, 1.1 * n + 0.4), dpi=80, squeeze=False)
+    for i in range(n):
+        panels = (denormalize_image(images[i]), colorize_target(targets[i]),
+                  colorize_target(preds[i]))
+        for j, (ax, panel) in enumerate(zip(axes[i], panels)):
+            ax.imshow(panel, interpolation="nearest")
+            ax.set_xticks([])
+            ax.set_yticks([])
+            if i == 0:
+                ax.set_title(("image", "ground truth", "prediction")[j], fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def scaling_figure(rows, figsize=(8, 3)):
+    """The scaling study: samples/s against processes (left), step-time breakdown (right).
+
+    Args:
+        rows: rows of ``benchmarks/scaling.csv`` (:func:`ddp_lesson.bench_scaling.read_csv`):
+            mode, nprocs, samples_per_s, samples_per_s_min/max, efficiency and the phase
+            seconds data_s, forward_s, backward_s, comm_exposed_s, optimizer_s, other_s.
+
+    Returns:
+        The figure. Left: measured samples/s per mode with min-max bars over repeats, and the
+        ideal line (R x the 1-process rate). Right: one stacked bar per (mode, R), the
+        median seconds per step in each phase.
+    """
+    import matplotlib.pyplot as plt
+
+    phases = ("data", "forward", "backward", "comm_exposed", "optimizer", "other")
+    colors = ("#8c8c8c", "#4c72b0", "#55a868", "#c44e52", "#dd8452", "#cccccc")
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=figsize, dpi=80,
+                                 gridspec_kw={"width_ratios": [1, 1.3]})
+    modes = [m for m in ("weak", "strong") if any(r["mode"] == m for r in rows)]
+    for mode, color, dy in zip(modes, ("#4c72b0", "#dd8452"), (5, -12)):
+        rs = sorted((r for r in rows if r["mode"] == mode), key=lambda r: r["nprocs"])
+        x = [r["nprocs"] for r in rs]
+        y = [r["samples_per_s"] for r in rs]
+        err = [[r["samples_per_s"] - r["samples_per_s_min"] for r in rs],
+               [r["samples_per_s_max"] - r["samples_per_s"] for r in rs]]
+        ax.errorbar(x, y, yerr=err, marker="o", color=color, capsize=3, label=f"{mode} scaling")
+        one = next((r["samples_per_s"] for r in rs if r["nprocs"] == 1), None)
+        if one:
+            ax.plot(x, [one * n for n in x], ":", color=color, lw=1, label=f"{mode}: ideal")
+            for xi, r in zip(x, rs):
+                ax.annotate(f"{r['efficiency']:.2f}", (xi, r["samples_per_s"]),
+                            textcoords="offset points", xytext=(4, dy), fontsize=7,
+                            color=color)
+    ax.set_xlabel("processes R")
+    ax.set_ylabel("samples / s")
+    ax.set_xticks(sorted({r["nprocs"] for r in rows}))
+    ax.set_title("throughput (labels: efficiency)", fontsize=9)
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    labels, bottoms = [], []
+    bars = [r for m in modes for r in sorted((r for r in rows if r["mode"] == m),
+                                             key=lambda r: r["nprocs"])]
+    for i, r in enumerate(bars):
+        labels.append(f"{r['mode'][0]}{r['nprocs']}")
+        bottom = 0.0
+        for phase, color in zip(phases, colors):
+            h = r[f"{phase}_s"] * 1e3
+            bx.bar(i, h, bottom=bottom, color=color, label=phase if i == 0 else None)
+            bottom += h
+        bottoms.append(bottom)
+    bx.set_xticks(range(len(bars)))
+    bx.set_xticklabels(labels, fontsize=8)
+    bx.set_xlabel("mode (w = weak, s = strong) and R")
+    bx.set_ylabel("ms per step")
+    bx.set_title("where a step's time goes (rank 0)", fontsize=9)
+    bx.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.tight_layout()
+    return fig
+
+
+__all__ += ["loss_curves_figure", "masks_figure", "scaling_figure"]
+
+
+# =========================================================================== DDP wrapper figures (notebook 04)
+
+def _as_step_record(rec):
+    from .ddp import StepRecord
+
+    return rec if isinstance(rec, StepRecord) else StepRecord.from_dict(rec)
+
+
+def ddp_timeline_figure(panels, figsize=(7, 3.4), align: bool = True):
+    """Per-rank timeline of one training step: backward, gradient-ready ticks, all-reduces.
+
+    One panel per scenario (e.g. NaiveDDP, buckets without overlap, buckets with overlap),
+    sharing the time axis. In each, every rank has two lanes: the upper one is backward
+    (grey bar from the end of forward to the end of autograd, a tick where each gradient was
+    accumulated), the lower one its all-reduces (alternating colours, one box per bucket or
+    per parameter) and, hatched in red, the time between the end of that rank's backward
+    and the moment its ``backward()`` returned with averaged gradients (communication, or
+    waiting for a slower rank). Each panel's title gives the job's exposed communication
+    (:func:`ddp_lesson.ddp.job_exposed_s`).
+
+    Args:
+        panels: ``[(title, records), ...]`` where ``records`` holds one
+            :class:`ddp_lesson.ddp.StepRecord` (or its ``to_dict()``) per rank, in rank order.
+        figsize: inches.
+        align: shift each rank by its ``t0_s`` (when its forward returned, on the machine's
+            monotonic clock) so that the ranks share one time axis, starting at the earliest
+            rank; False: every rank starts at 0 (use for ranks on different machines).
+
+    Returns:
+        The ``Figure``, one Axes per panel. Exposed spans are patches with
+        ``gid == "exposed"``, all-reduce boxes ``gid == "comm"``.
+    """
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    fig, axes = plt.subplots(len(panels), 1, figsize=figsize, dpi=80, sharex=True,
+                             squeeze=False)
+    colours = ("tab:blue", "tab:orange")
+    for ax, (title, records) in zip(axes[:, 0], panels):
+        records = [_as_step_record(r) for r in records]
+        first = min(r.t0_s for r in records) if align else 0.0
+        for row, rec in enumerate(records):
+            y = len(records) - 1 - row
+            shift = (rec.t0_s - first) * 1e3 if align else 0.0
+            ax.broken_barh([(shift, rec.backward_end_s * 1e3)], (y + 0.05, 0.4),
+                           facecolors="lightgrey", edgecolors="grey", linewidth=0.5)
+            ticks = [shift + t * 1e3 for t in rec.grad_ready_s.values()]
+            ax.vlines(ticks, y + 0.05, y + 0.45, colors="black", linewidth=0.5)
+            for k, e in enumerate(rec.comm):
+                ax.broken_barh([(shift + e.start_s * 1e3,
+                                 max(e.end_s - e.start_s, 1e-5) * 1e3)],
+                               (y - 0.45, 0.4), facecolors=colours[k % 2], edgecolors="white",
+                               linewidth=0.3, gid="comm")
+            if rec.exposed_s > 0:
+                ax.broken_barh([(shift + rec.backward_end_s * 1e3, rec.exposed_s * 1e3)],
+                               (y - 0.5, 1.0), facecolors="none", edgecolors="red",
+                               hatch="///", linewidth=0.8, gid="exposed")
+        ax.set_yticks(range(len(records)))
+        ax.set_yticklabels([f"rank {len(records) - 1 - i}" for i in range(len(records))],
+                           fontsize=7)
+        ax.set_ylim(-0.6, len(records) - 0.4)
+        if align:
+            from .ddp import job_exposed_s
+
+            exposed = job_exposed_s(records) * 1e3
+            what = "after the last rank's backward"
+        else:
+            exposed, what = max(r.exposed_s for r in records) * 1e3, "on the slowest rank"
+        ax.set_title(f"{title}: {exposed:.0f} ms of communication exposed {what}", fontsize=8)
+        ax.tick_params(labelsize=7)
+    axes[-1, 0].set_xlabel("ms since the first rank's forward returned" if align
+                           else "ms since the end of forward", fontsize=8)
+    handles = [Patch(facecolor="lightgrey", edgecolor="grey", label="backward (| = grad ready)"),
+               Patch(facecolor=colours[0], label="all-reduce"),
+               Patch(facecolor="none", edgecolor="red", hatch="///",
+                     label="after backward (communication or waiting)")]
+    fig.legend(handles=handles, loc="lower center", ncol=3, fontsize=7, frameon=False)
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
+    return fig
+
+
+def bucket_sweep_figure(predicted, measured=None, figsize=(6, 3)):
+    """Exposed communication against bucket cap: the cost model's curve and measured points.
+
+    Args:
+        predicted: rows of :func:`ddp_lesson.ddp.predict_bucket_sweep` (the last row, with
+            ``cap_mb=None``, is NaiveDDP and is drawn as a horizontal line).
+        measured: optional ``[(cap_mb, exposed_s), ...]`` (several per cap allowed);
+            ``cap_mb=None`` marks NaiveDDP measurements.
+        figsize: inches.
+
+    Returns:
+        The ``Figure`` (one Axes, log-scaled x). The model's line has ``gid == "model"``,
+        the measured points ``gid == "measured"``.
+    """
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=figsize, dpi=80)
+    caps = [r for r in predicted if r["cap_mb"] is not None]
+    naive = [r for r in predicted if r["cap_mb"] is None]
+    xs = [max(r["cap_mb"], 1e-3) for r in caps]
+    ys = [r["exposed_s"] * 1e3 for r in caps]
+    ax.plot(xs, ys, "-o", color="tab:blue", markersize=4, label="cost model", gid="model")
+    for x, y, r in zip(xs, ys, caps):
+        ax.annotate(str(r["buckets"]), (x, y), textcoords="offset points", xytext=(0, 5),
+                    fontsize=6, ha="center", color="tab:blue")
+    best = min(range(len(ys)), key=ys.__getitem__)
+    ax.plot([xs[best]], [ys[best]], "*", color="tab:green", markersize=12,
+            label=f"model optimum: {caps[best]['cap_mb']:g} MB")
+    if naive:
+        ax.axhline(naive[0]["exposed_s"] * 1e3, color="tab:red", linestyle="--", linewidth=1,
+                   label="NaiveDDP (model)")
+    if measured:
+        pts = [(max(c, 1e-3), e * 1e3) for c, e in measured if c is not None]
+        if pts:
+            ax.scatter(*zip(*pts), s=12, color="black", zorder=3, label="measured",
+                       gid="measured")
+        nv = [e * 1e3 for c, e in measured if c is None]
+        if nv:
+            ax.scatter([xs[0]] * len(nv), nv, s=12, marker="x", color="tab:red", zorder=3,
+                       label="NaiveDDP measured")
+    ax.set_xscale("log")
+    # every cap gets its own tick; a cap of 0 (one bucket per parameter) sits at 1e-3
+    ax.set_xticks(xs, ["0" if r["cap_mb"] == 0 else f"{r['cap_mb']:g}" for r in caps])
+    ax.minorticks_off()
+    ax.set_xlabel("bucket_cap_mb (numbers: buckets)", fontsize=8)
+    ax.set_ylabel("exposed communication (ms)", fontsize=8)
+    ax.tick_params(labelsize=7)
+    ax.legend(fontsize=7, frameon=False)
+    fig.tight_layout()
+    return fig
+
+
+def ddp_benchmark_figure(rows, figsize=(7, 3)):
+    """Steps/s of torch's DDP, NaiveDDP and BucketedDDP, without and with a simulated link.
+
+    Args:
+        rows: rows of ``benchmarks/ddp.csv`` (:func:`ddp_lesson.bench_ddp.read_results`):
+            ``variant``, ``link``, ``steps_per_s`` (median), ``steps_per_s_min``/``_max``,
+            ``exposed_share``.
+        figsize: inches.
+
+    Returns:
+        The ``Figure``: left, no link; right, under the link, each bar labelled with its
+        exposed-communication share where measured. Error bars span min..max over rounds.
+    """
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=figsize, dpi=80)
+    colours = {"torch": "tab:grey", "naive": "tab:red", "bucketed": "tab:blue",
+               "bucketed-no-overlap": "tab:cyan"}
+    for ax, link in zip(axes, (False, True)):
+        mine = [r for r in rows if bool(r["link"]) == link]
+        names = [r["variant"] for r in mine]
+        med = [float(r["steps_per_s"]) for r in mine]
+        lo = [m - float(r["steps_per_s_min"]) for m, r in zip(med, mine)]
+        hi = [float(r["steps_per_s_max"]) - m for m, r in zip(med, mine)]
+        ax.bar(range(len(mine)), med, yerr=[lo, hi], capsize=3,
+               color=[colours.get(n, "tab:purple") for n in names])
+        for i, r in enumerate(mine):
+            if r.get("exposed_share") not in (None, ""):
+                ax.text(i, med[i] / 2, f"exposed\n{float(r['exposed_share']):.0%}",
+                        ha="center", va="center", fontsize=6, color="white")
+        ax.set_xticks(range(len(mine)))
+        ax.set_xticklabels([n.replace("-no-overlap", "\nno overlap") for n in names],
+                           fontsize=7)
+        ax.set_ylabel("steps/s (median of rounds)", fontsize=8)
+        ax.tick_params(labelsize=7)
+        described = [r for r in mine if r.get("latency_ms") not in (None, "")]
+        if link and described:
+            ax.set_title(f"simulated link: {float(described[0]['latency_ms']):g} ms, "
+                         f"{float(described[0]['bandwidth_MBps']):g} MB/s", fontsize=8)
+        elif link:
+            ax.set_title("simulated link", fontsize=8)
+        else:
+            ax.set_title("gloo on this machine (no link model)", fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+__all__ += ["ddp_timeline_figure", "bucket_sweep_figure", "ddp_benchmark_figure"]

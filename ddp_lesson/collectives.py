@@ -1,0 +1,781 @@
+"""All-reduce built from point-to-point messages: the ring, a pipelined ring, a naive one, and their cost.
+
+Run the check against torch's own all_reduce on 3 CPU processes::
+
+    torchrun --standalone --nproc-per-node 3 -m ddp_lesson.labs.collectives_check
+
+What is here
+------------
+* :func:`ring_all_reduce` — the bandwidth-optimal ring: a **reduce-scatter** (R-1 steps; after
+  it, rank r holds the fully reduced chunk (r+1) mod R) followed by an **all-gather** (R-1 more
+  steps that pass the reduced chunks round the ring). Every rank sends and receives
+  2(R-1)/R of the tensor in total, whatever R is. Built only from ``isend``/``irecv``.
+* :func:`pipelined_ring_all_reduce` — the same schedule with each chunk cut into pieces, and
+  each piece forwarded as soon as it has been reduced, so sending, receiving and adding
+  overlap (what NCCL and gloo do in C++).
+* :func:`naive_all_reduce` — gather everything to rank 0, reduce there, send the result back:
+  rank 0's link carries 2(R-1) full tensors.
+* The α-β cost model (:func:`ring_allreduce_time`, :func:`tree_allreduce_time`,
+  :func:`naive_allreduce_time`), algorithm and bus bandwidth (:func:`algbw`, :func:`busbw`),
+  and a least-squares fit of α and β (:func:`fit_alpha_beta`).
+* A pure-Python simulation of the ring (:func:`simulate_ring_all_reduce`) that the stepper
+  widget (``ddp_lesson.widgets.ring_allreduce_stepper``) draws, with no process group needed.
+
+Sources
+-------
+* P. Patarasuk and X. Yuan, "Bandwidth optimal all-reduce algorithms for clusters of
+  workstations", J. Parallel Distrib. Comput. 69(2), 2009 — the ring is bandwidth-optimal.
+* A. Gibiansky, "Bringing HPC techniques to deep learning" (Baidu Research, 2017) and
+  baidu-research/baidu-allreduce — the ring all-reduce as used for data-parallel training.
+* R. Thakur, R. Rabenseifner and W. Gropp, "Optimization of collective communication
+  operations in MPICH", IJHPCA 19(1), 2005 — the α-β(-γ) cost model, tree and ring costs.
+* NVIDIA nccl-tests, doc/PERFORMANCE.md — algorithm bandwidth vs bus bandwidth,
+  busbw = algbw · 2(R-1)/R for all-reduce.
+
+Every collective in this module is a **synchronisation point**: it returns on a rank only
+after that rank has exchanged its messages with its neighbours, and no rank can finish before
+every rank has entered the call. All ranks must call it with tensors of the same shape, dtype
+and the same ``op`` (and the same ``piece_numel`` for the pipelined ring), like any collective.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "OPS", "chunk_bounds", "piece_bounds", "ring_send_chunk", "ring_recv_chunk", "ring_schedule",
+    "ring_all_reduce", "pipelined_ring_all_reduce", "naive_all_reduce", "ring_reduce_scatter",
+    "holdings_line", "naive_allreduce_time", "tree_allreduce_time", "ring_allreduce_time",
+    "ring_bytes_sent_per_rank", "algbw", "busbw", "bus_factor", "fit_alpha_beta",
+    "RingState", "simulate_ring_all_reduce", "ring_state_text", "ring_state_html",
+    "clear_buffer_cache", "default_piece_numel",
+]
+
+#: Reduction names accepted by this module (``dist.ReduceOp`` members are accepted too).
+OPS = ("sum", "avg", "product", "min", "max")
+
+# ----------------------------------------------------------------------------- ops
+
+
+def _op_name(op) -> str:
+    """``dist.ReduceOp.SUM`` or ``"sum"`` -> ``"sum"``; raises for anything else."""
+    if isinstance(op, str):
+        name = op.lower()
+        if name in OPS:
+            return name
+        raise ValueError(f"reduce op {op!r} is not one of {', '.join(OPS)}")
+    for name in OPS:
+        member = getattr(dist.ReduceOp, name.upper(), None)
+        if member is not None and op == member:
+            return name
+    raise ValueError(f"reduce op {op!r} is not supported here; use one of "
+                     f"{', '.join('ReduceOp.' + n.upper() for n in OPS)}")
+
+
+def _check_dtype(tensor: torch.Tensor, name: str) -> None:
+    if tensor.is_complex():
+        raise TypeError(f"complex tensors ({tensor.dtype}) are not supported; reduce "
+                        "torch.view_as_real(tensor) instead")
+    if name == "avg" and not tensor.is_floating_point():
+        raise TypeError(f"ReduceOp.AVG of an integer tensor ({tensor.dtype}) has no exact "
+                        "integer result; use SUM and divide, or convert to float first")
+
+
+def _reduce_(acc: torch.Tensor, other: torch.Tensor, name: str) -> None:
+    """``acc = acc (op) other`` in place (AVG adds here and divides once at the end)."""
+    if name in ("sum", "avg"):
+        acc.add_(other)
+    elif name == "product":
+        acc.mul_(other)
+    elif name == "max":
+        torch.maximum(acc, other, out=acc)
+    elif name == "min":
+        torch.minimum(acc, other, out=acc)
+    else:  # pragma: no cover - _op_name already refused it
+        raise ValueError(name)
+
+
+def _finish_avg_(flat: torch.Tensor, name: str, world_size: int) -> None:
+    # Average = sum / world_size: the same rule gloo uses for ReduceOp.AVG (and what you must
+    # write yourself on a backend without an average op).
+    if name == "avg" and world_size > 1:
+        flat.div_(world_size)
+
+
+# ----------------------------------------------------------------------------- schedule
+
+
+def chunk_bounds(numel: int, world_size: int) -> list[tuple[int, int]]:
+    """Split ``numel`` elements into ``world_size`` contiguous chunks ``[(start, stop), ...]``.
+
+    Sizes differ by at most one: the first ``numel % world_size`` chunks get one extra element.
+    With ``numel < world_size`` some chunks are empty (``start == stop``) — the ring still
+    works, those chunks simply carry no message.
+
+    >>> chunk_bounds(7, 3)
+    [(0, 3), (3, 5), (5, 7)]
+    >>> chunk_bounds(2, 3)
+    [(0, 1), (1, 2), (2, 2)]
+
+    Raises:
+        ValueError: ``numel < 0`` or ``world_size < 1``.
+    """
+    if numel < 0:
+        raise ValueError(f"numel must be >= 0, got {numel}")
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    base, extra = divmod(numel, world_size)
+    bounds, start = [], 0
+    for c in range(world_size):
+        stop = start + base + (1 if c < extra else 0)
+        bounds.append((start, stop))
+        start = stop
+    return bounds
+
+
+def piece_bounds(start: int, stop: int, piece_numel: int) -> list[tuple[int, int]]:
+    """Cut the chunk ``[start, stop)`` into pieces of ``piece_numel`` elements (the last may be shorter).
+
+    >>> piece_bounds(10, 15, 2)
+    [(10, 12), (12, 14), (14, 15)]
+
+    Raises:
+        ValueError: ``piece_numel < 1``.
+    """
+    if piece_numel < 1:
+        raise ValueError(f"piece_numel must be >= 1, got {piece_numel}")
+    return [(a, min(a + piece_numel, stop)) for a in range(start, stop, piece_numel)]
+
+
+def ring_send_chunk(rank: int, step: int, world_size: int) -> int:
+    """Chunk that ``rank`` sends to ``rank + 1`` at ``step`` (0-based, ``0 <= step < 2(R-1)``).
+
+    Reduce-scatter steps ``s = 0 .. R-2``: chunk ``(rank - s) mod R``. All-gather steps
+    ``s = R-1 .. 2R-3``: chunk ``(rank + 1 - (s - (R-1))) mod R``. The chunk a rank receives at
+    one step is the chunk it sends at the next, which is what lets a pipelined ring forward
+    each piece as soon as it arrives.
+    """
+    _check_step(step, world_size)
+    if step < world_size - 1:
+        return (rank - step) % world_size
+    return (rank + 1 - (step - (world_size - 1))) % world_size
+
+
+def ring_recv_chunk(rank: int, step: int, world_size: int) -> int:
+    """Chunk that ``rank`` receives from ``rank - 1`` at ``step``.
+
+    Reduce-scatter: ``(rank - s - 1) mod R``, reduced into the local copy; all-gather:
+    ``(rank - (s - (R-1))) mod R``, copied over the local copy. Equal to
+    ``ring_send_chunk(rank - 1, step, R)``.
+    """
+    _check_step(step, world_size)
+    if step < world_size - 1:
+        return (rank - step - 1) % world_size
+    return (rank - (step - (world_size - 1))) % world_size
+
+
+def _check_step(step: int, world_size: int) -> None:
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if not 0 <= step < 2 * (world_size - 1):
+        raise ValueError(f"step {step} is outside [0, {2 * (world_size - 1) - 1}] "
+                         f"for world_size {world_size}")
+
+
+def ring_schedule(world_size: int) -> list[list[tuple[int, int, int]]]:
+    """Every message of the ring: ``schedule[step] = [(src, dst, chunk), ...]`` (one per rank).
+
+    ``2(R-1)`` steps; empty for ``world_size == 1``.
+    """
+    return [[(r, (r + 1) % world_size, ring_send_chunk(r, s, world_size))
+             for r in range(world_size)]
+            for s in range(2 * (world_size - 1))]
+
+
+# ----------------------------------------------------------------------------- group plumbing
+
+
+def _world(group) -> tuple[int, int, int, int]:
+    """(rank, world_size, global rank of the left neighbour, global rank of the right one)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("no process group: call ddp_lesson.env.init_distributed() "
+                           "(or torch.distributed.init_process_group) first")
+    rank = dist.get_rank(group)
+    world_size = dist.get_world_size(group)
+    if rank < 0:
+        raise RuntimeError("this process is not a member of the group it was given")
+
+    def glob(r: int) -> int:
+        return r if group is None else dist.get_global_rank(group, r)
+
+    return rank, world_size, glob((rank - 1) % world_size), glob((rank + 1) % world_size)
+
+
+def _flat_view(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A contiguous 1-D tensor to work on, and the contiguous tensor it views."""
+    work = tensor if tensor.is_contiguous() else tensor.contiguous()
+    return work.view(-1), work
+
+
+# Receive buffers are kept between calls: a fresh multi-MiB allocation costs a page fault per
+# 4 KiB page on first touch, which on a small CPU machine takes longer than the transfer.
+_SCRATCH: dict[tuple, torch.Tensor] = {}
+
+
+def _scratch(numel: int, dtype: torch.dtype, device: torch.device, slot: int = 0) -> torch.Tensor:
+    """A reusable 1-D buffer of at least ``numel`` elements (contents undefined)."""
+    key = (dtype, str(device), slot)
+    buf = _SCRATCH.get(key)
+    if buf is None or buf.numel() < numel:
+        buf = torch.empty(max(numel, 1), dtype=dtype, device=device)
+        _SCRATCH[key] = buf
+    return buf[:numel]
+
+
+def clear_buffer_cache() -> None:
+    """Free the receive buffers the all-reduce functions keep between calls."""
+    _SCRATCH.clear()
+
+
+def _tag(step: int, piece: int = 0, pieces_per_step: int = 1) -> int:
+    # gloo matches a receive to a send by (peer, tag): a distinct tag per message keeps
+    # pieces that are in flight at the same time from ever being confused.
+    return step * pieces_per_step + piece
+
+
+# ----------------------------------------------------------------------------- ring
+
+
+def ring_all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None) -> torch.Tensor:
+    """All-reduce ``tensor`` in place with the ring: reduce-scatter, then all-gather.
+
+    The tensor is viewed as 1-D and split into R chunks (:func:`chunk_bounds`). In each of
+    2(R-1) steps every rank sends one chunk to its right neighbour and receives one from its
+    left neighbour, at the same time (``isend`` + ``irecv``), so every link is busy in both
+    directions. Per rank it sends ``2(R-1)/R · n`` elements in total: as R grows this tends to
+    2n, independent of R, which is why the ring is bandwidth-optimal (Patarasuk & Yuan 2009;
+    Baidu's ring all-reduce).
+
+    Args:
+        tensor: any shape, float or integer dtype, identical shape/dtype on every rank.
+            Non-contiguous tensors are handled through a contiguous copy.
+        op: ``dist.ReduceOp.SUM`` (default), ``AVG``, ``PRODUCT``, ``MIN``, ``MAX``, or their
+            lower-case names. ``AVG`` is computed as SUM then ``÷ world_size`` (floats only).
+        group: process group (None: the default group). Ranks are the group's ranks.
+
+    Returns:
+        ``tensor`` itself, now holding the reduction over all ranks. Integer results are
+        bit-identical to ``dist.all_reduce``'s; float results agree within rounding (the
+        additions happen in a different order).
+
+    Raises:
+        RuntimeError: no process group.
+        ValueError: unsupported ``op``.
+        TypeError: ``AVG`` of an integer tensor, or a complex tensor.
+
+    Synchronisation: yes — a collective; every rank of ``group`` must call it.
+    """
+    name = _op_name(op)
+    _check_dtype(tensor, name)
+    rank, world_size, left, right = _world(group)
+    flat, work = _flat_view(tensor)
+    if world_size > 1 and flat.numel() > 0:
+        bounds = chunk_bounds(flat.numel(), world_size)
+        buf = _scratch(max(b - a for a, b in bounds), flat.dtype, flat.device)
+        for step in range(2 * (world_size - 1)):
+            sa, sb = bounds[ring_send_chunk(rank, step, world_size)]
+            ra, rb = bounds[ring_recv_chunk(rank, step, world_size)]
+            reduce_phase = step < world_size - 1
+            target = buf[: rb - ra] if reduce_phase else flat[ra:rb]
+            reqs = []
+            if rb > ra:
+                reqs.append(dist.irecv(target, src=left, group=group, tag=_tag(step)))
+            if sb > sa:
+                reqs.append(dist.isend(flat[sa:sb], dst=right, group=group, tag=_tag(step)))
+            for req in reqs:  # both must finish before the next step touches these chunks
+                req.wait()
+            if reduce_phase and rb > ra:
+                _reduce_(flat[ra:rb], target, name)
+        _finish_avg_(flat, name, world_size)
+    if work is not tensor:
+        tensor.copy_(work)
+    return tensor
+
+
+def ring_reduce_scatter(tensor: torch.Tensor, op=dist.ReduceOp.SUM,
+                        group=None) -> tuple[int, int]:
+    """The ring's first half alone: after it, this rank's chunk ``(rank + 1) mod R`` is reduced.
+
+    Runs the R-1 reduce-scatter steps of :func:`ring_all_reduce` in place. The other chunks of
+    ``tensor`` are left partially reduced (garbage for the caller). ``dist.reduce_scatter``
+    gives each rank chunk ``rank`` instead; the difference is only a relabelling of chunks.
+
+    Args:
+        tensor: as for :func:`ring_all_reduce` (must be contiguous).
+        op: as for :func:`ring_all_reduce` (AVG divides the owned chunk by world_size).
+        group: process group (None: default).
+
+    Returns:
+        ``(start, stop)``: the flat element range of the chunk this rank now owns, reduced.
+
+    Raises:
+        ValueError: a non-contiguous tensor or an unsupported op; TypeError as for the ring.
+
+    Synchronisation: yes — a collective.
+    """
+    name = _op_name(op)
+    _check_dtype(tensor, name)
+    if not tensor.is_contiguous():
+        raise ValueError("ring_reduce_scatter needs a contiguous tensor")
+    rank, world_size, left, right = _world(group)
+    flat = tensor.view(-1)
+    bounds = chunk_bounds(flat.numel(), world_size)
+    own = bounds[(rank + 1) % world_size]
+    if world_size == 1 or flat.numel() == 0:
+        return own
+    buf = _scratch(max(b - a for a, b in bounds), flat.dtype, flat.device)
+    for step in range(world_size - 1):
+        sa, sb = bounds[ring_send_chunk(rank, step, world_size)]
+        ra, rb = bounds[ring_recv_chunk(rank, step, world_size)]
+        reqs = []
+        if rb > ra:
+            reqs.append(dist.irecv(buf[: rb - ra], src=left, group=group, tag=_tag(step)))
+        if sb > sa:
+            reqs.append(dist.isend(flat[sa:sb], dst=right, group=group, tag=_tag(step)))
+        for req in reqs:
+            req.wait()
+        if rb > ra:
+            _reduce_(flat[ra:rb], buf[: rb - ra], name)
+    _finish_avg_(flat[own[0]:own[1]], name, world_size)
+    return own
+
+
+#: The pipelined ring's default: each chunk in this many pieces ...
+DEFAULT_PIECES_PER_CHUNK = 4
+#: ... of at least this many elements (256 KiB of float32): smaller pieces cost more in
+#: per-message overhead than they gain in overlap (see benchmarks/allreduce.csv).
+MIN_PIECE_NUMEL = 64 * 1024
+
+
+def default_piece_numel(numel: int, world_size: int) -> int:
+    """The pipelined ring's piece size for a tensor of ``numel`` elements on ``world_size`` ranks.
+
+    ``max(ceil(chunk / 4), 65536)`` with ``chunk = ceil(numel / world_size)``: four pieces per
+    chunk for large tensors, whole chunks for small ones. Depends only on its arguments, so
+    every rank computes the same value.
+    """
+    chunk = -(-numel // max(world_size, 1))
+    return max(-(-chunk // DEFAULT_PIECES_PER_CHUNK), MIN_PIECE_NUMEL, 1)
+
+
+def pipelined_ring_all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None,
+                              piece_numel: int | None = None) -> torch.Tensor:
+    """Ring all-reduce with every chunk cut into pieces that flow round the ring independently.
+
+    Same schedule and result as :func:`ring_all_reduce`, but a piece is forwarded to the right
+    neighbour as soon as it has arrived and been reduced, instead of waiting for the whole
+    chunk. Receiving piece k+1, adding piece k and sending piece k-1 then happen at the same
+    time, and the next step's first piece leaves before this step's last piece has arrived:
+    the ring behaves like a pipeline, the trick NCCL (slices/steps) and gloo (segments) use.
+    The next step's receives are posted before this step's pieces are waited for, so data
+    never waits for a receive to be posted. Each rank keeps two chunk-sized receive buffers
+    (double buffering), reused between calls.
+
+    Args:
+        tensor, op, group: as for :func:`ring_all_reduce`.
+        piece_numel: elements per piece (identical on every rank); None:
+            :func:`default_piece_numel`. Small pieces overlap better but pay the per-message
+            latency more often.
+
+    Returns:
+        ``tensor``, reduced in place (bit-identical to :func:`ring_all_reduce` for integers,
+        and for floats too: the additions happen in the same order).
+
+    Raises:
+        as :func:`ring_all_reduce`; ValueError for ``piece_numel < 1``.
+
+    Synchronisation: yes — a collective.
+    """
+    name = _op_name(op)
+    _check_dtype(tensor, name)
+    if piece_numel is not None and piece_numel < 1:
+        raise ValueError(f"piece_numel must be >= 1, got {piece_numel}")
+    rank, world_size, left, right = _world(group)
+    flat, work = _flat_view(tensor)
+    if piece_numel is None:
+        piece_numel = default_piece_numel(flat.numel(), world_size)
+    n_steps = 2 * (world_size - 1)
+    if world_size > 1 and flat.numel() > 0:
+        bounds = chunk_bounds(flat.numel(), world_size)
+        pieces = [piece_bounds(a, b, piece_numel) for a, b in bounds]
+        max_pieces = max(len(p) for p in pieces)
+        longest = max(b - a for a, b in bounds)
+        bufs = [_scratch(longest, flat.dtype, flat.device, slot) for slot in (0, 1)]
+        sends: dict[tuple[int, int], object] = {}   # (step, piece) -> send request
+
+        def recv_target(step: int, k: int) -> torch.Tensor:
+            c = ring_recv_chunk(rank, step, world_size)
+            a, b = pieces[c][k]
+            if step < world_size - 1:           # reduce-scatter: into a buffer, then added
+                c0 = bounds[c][0]
+                return bufs[step % 2][a - c0: b - c0]
+            # all-gather: straight into the tensor. This chunk left this rank as a send at
+            # reduce-scatter step j = step - (R-1); that send must be done before we overwrite.
+            req = sends.pop((step - (world_size - 1), k), None)
+            if req is not None:
+                req.wait()
+            return flat[a:b]
+
+        def post_recv(step: int, k: int):
+            return dist.irecv(recv_target(step, k), src=left, group=group,
+                              tag=_tag(step, k, max_pieces))
+
+        def post_send(step: int, k: int) -> None:
+            a, b = pieces[ring_send_chunk(rank, step, world_size)][k]
+            sends[(step, k)] = dist.isend(flat[a:b], dst=right, group=group,
+                                          tag=_tag(step, k, max_pieces))
+
+        def n_recv_pieces(step: int) -> int:
+            return len(pieces[ring_recv_chunk(rank, step, world_size)])
+
+        recvs = {(0, k): post_recv(0, k) for k in range(n_recv_pieces(0))}
+        for k in range(len(pieces[ring_send_chunk(rank, 0, world_size)])):
+            post_send(0, k)
+        for step in range(n_steps):
+            c = ring_recv_chunk(rank, step, world_size)
+            nxt = step + 1
+            n_next = n_recv_pieces(nxt) if nxt < n_steps else 0
+            # Post the next step's receives now, so the left neighbour's pieces can flow as
+            # soon as it forwards them — unless they land on a chunk whose send may still be
+            # in flight (R = 2: the all-gather overwrites the chunk sent at step 0); those are
+            # posted piece by piece below, once that piece's send is done.
+            if nxt < n_steps and (nxt < world_size - 1 or world_size > 2):
+                for k in range(n_next):
+                    recvs[(nxt, k)] = post_recv(nxt, k)
+            for k, (a, b) in enumerate(pieces[c]):
+                recvs.pop((step, k)).wait()
+                if step < world_size - 1:
+                    c0 = bounds[c][0]
+                    _reduce_(flat[a:b], bufs[step % 2][a - c0: b - c0], name)
+                if nxt < n_steps:
+                    # The piece just finished is the next step's piece k: forward it now,
+                    # while the rest of this step's pieces are still arriving.
+                    if k < n_next and (nxt, k) not in recvs:
+                        recvs[(nxt, k)] = post_recv(nxt, k)
+                    post_send(nxt, k)
+            for k in range(n_next):  # the next chunk may have one piece more than this one
+                if (nxt, k) not in recvs:
+                    recvs[(nxt, k)] = post_recv(nxt, k)
+        for req in sends.values():
+            req.wait()
+        _finish_avg_(flat, name, world_size)
+    if work is not tensor:
+        tensor.copy_(work)
+    return tensor
+
+
+def naive_all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None) -> torch.Tensor:
+    """All-reduce by gathering every tensor to rank 0, reducing there, and sending the result back.
+
+    The textbook baseline: rank 0 receives R-1 whole tensors and sends R-1 whole tensors, so
+    its link carries ``2(R-1) · n`` elements, while every other link idles most of the time —
+    compare the ring's ``2(R-1)/R · n`` per rank. Built from ``isend``/``irecv``.
+
+    Args, Returns, Raises: as :func:`ring_all_reduce`. Rank 0 reduces the contributions in
+    rank order 0, 1, ..., R-1.
+
+    Synchronisation: yes — a collective; ranks other than 0 wait for rank 0's result.
+    """
+    name = _op_name(op)
+    _check_dtype(tensor, name)
+    rank, world_size, _, _ = _world(group)
+    flat, work = _flat_view(tensor)
+
+    def glob(r: int) -> int:
+        return r if group is None else dist.get_global_rank(group, r)
+
+    if world_size > 1 and flat.numel() > 0:
+        if rank == 0:
+            bufs = {r: _scratch(flat.numel(), flat.dtype, flat.device, r) for r in range(1, world_size)}
+            reqs = {r: dist.irecv(bufs[r], src=glob(r), group=group, tag=_tag(0)) for r in bufs}
+            for r in range(1, world_size):
+                reqs[r].wait()
+                _reduce_(flat, bufs[r], name)
+            _finish_avg_(flat, name, world_size)
+            for req in [dist.isend(flat, dst=glob(r), group=group, tag=_tag(1)) for r in bufs]:
+                req.wait()
+        else:
+            dist.isend(flat, dst=glob(0), group=group, tag=_tag(0)).wait()
+            dist.irecv(flat, src=glob(0), group=group, tag=_tag(1)).wait()
+    if work is not tensor:
+        tensor.copy_(work)
+    return tensor
+
+
+def holdings_line(label: str, before, after) -> str:
+    """One line of a "who holds what" picture: ``"broadcast    before [0, 0]  after [10, 11]"``.
+
+    ``before``/``after`` are tensors, lists or None (nothing held). Whole numbers print without
+    a decimal point, others with up to 4 significant digits, so the line is the same on
+    every machine. Never synchronises.
+    """
+    return f"{label:<15} before {_fmt(before):<18} after {_fmt(after)}"
+
+
+def _fmt(values) -> str:
+    if values is None:
+        return "-"
+    if isinstance(values, torch.Tensor):
+        values = values.detach().cpu().reshape(-1).tolist()
+    if isinstance(values, (list, tuple)):
+        return "[" + ", ".join(_fmt(v) for v in values) + "]"
+    if isinstance(values, float) and values.is_integer():
+        return str(int(values))
+    if isinstance(values, float):
+        return f"{values:.4g}"
+    return str(values)
+
+
+# ----------------------------------------------------------------------------- cost model
+# Thakur, Rabenseifner & Gropp (2005): sending a message of n bytes costs alpha + n * beta
+# (alpha: latency in seconds; beta: seconds per byte = 1 / link bandwidth).
+
+
+def _check_cost_args(nbytes: float, world_size: int, alpha_s: float, beta_s_per_byte: float) -> None:
+    if nbytes < 0:
+        raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if alpha_s < 0 or beta_s_per_byte < 0:
+        raise ValueError(f"alpha_s and beta_s_per_byte must be >= 0, got {alpha_s}, {beta_s_per_byte}")
+
+
+def naive_allreduce_time(nbytes: float, world_size: int, alpha_s: float,
+                         beta_s_per_byte: float) -> float:
+    """Seconds for gather-to-rank-0 + broadcast-from-rank-0 done as R-1 sends each way.
+
+    ``T = 2 (R-1) (α + n β)``: rank 0's link carries every message, one after another.
+    """
+    _check_cost_args(nbytes, world_size, alpha_s, beta_s_per_byte)
+    return 2 * (world_size - 1) * (alpha_s + nbytes * beta_s_per_byte)
+
+
+def tree_allreduce_time(nbytes: float, world_size: int, alpha_s: float,
+                        beta_s_per_byte: float) -> float:
+    """Seconds for a binomial-tree reduce followed by a binomial-tree broadcast.
+
+    ``T = 2 ⌈log2 R⌉ (α + n β)``: few messages (good for small n), but each carries the whole
+    tensor (bad for large n). Thakur et al. (2005), section 4.
+    """
+    _check_cost_args(nbytes, world_size, alpha_s, beta_s_per_byte)
+    rounds = math.ceil(math.log2(world_size)) if world_size > 1 else 0
+    return 2 * rounds * (alpha_s + nbytes * beta_s_per_byte)
+
+
+def ring_allreduce_time(nbytes: float, world_size: int, alpha_s: float,
+                        beta_s_per_byte: float) -> float:
+    """Seconds for the ring: ``T = 2 (R-1) α + 2 (R-1)/R · n β``.
+
+    2(R-1) steps, each sending n/R bytes. The bandwidth term is at most ``2 n β`` for any R,
+    the lower bound for all-reduce (Patarasuk & Yuan 2009); the latency term grows with R.
+    """
+    _check_cost_args(nbytes, world_size, alpha_s, beta_s_per_byte)
+    return 2 * (world_size - 1) * alpha_s + 2 * (world_size - 1) / world_size * nbytes * beta_s_per_byte
+
+
+def ring_bytes_sent_per_rank(nbytes: float, world_size: int) -> float:
+    """Bytes each rank sends in a ring all-reduce of ``nbytes``: ``2 (R-1)/R · n``."""
+    return bus_factor(world_size) * nbytes
+
+
+def bus_factor(world_size: int) -> float:
+    """``2 (R-1) / R``: busbw / algbw for all-reduce (nccl-tests PERFORMANCE.md)."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    return 2 * (world_size - 1) / world_size
+
+
+def algbw(nbytes: float, seconds: float) -> float:
+    """Algorithm bandwidth in bytes/s: the tensor's size over the time of one all-reduce."""
+    if seconds <= 0:
+        raise ValueError(f"seconds must be > 0, got {seconds}")
+    return nbytes / seconds
+
+
+def busbw(algbw_bytes_per_s: float, world_size: int) -> float:
+    """Bus bandwidth in bytes/s: ``algbw · 2(R-1)/R`` (nccl-tests PERFORMANCE.md).
+
+    The rate at which each rank's link actually moved data in a bandwidth-optimal all-reduce,
+    so it can be compared with the link's own speed (and across world sizes).
+    """
+    return algbw_bytes_per_s * bus_factor(world_size)
+
+
+def fit_alpha_beta(nbytes, seconds) -> tuple[float, float]:
+    """Least-squares fit of ``seconds ≈ α + nbytes · β`` (relative errors, α clipped at 0).
+
+    Args:
+        nbytes: message sizes in bytes (at least two different sizes).
+        seconds: measured time of one message of each size.
+
+    Returns:
+        ``(alpha_s, beta_s_per_byte)``.
+
+    Raises:
+        ValueError: fewer than two distinct sizes or mismatched lengths.
+    """
+    xs, ts = [float(x) for x in nbytes], [float(t) for t in seconds]
+    if len(xs) != len(ts) or len(set(xs)) < 2:
+        raise ValueError("need at least two distinct message sizes, one time each")
+    # weight each point by 1/t so small and large messages count alike (relative error)
+    w = [1.0 / t for t in ts]
+    sw = sum(wi * wi for wi in w)
+    sx = sum(wi * wi * x for wi, x in zip(w, xs))
+    sxx = sum(wi * wi * x * x for wi, x in zip(w, xs))
+    st = sum(wi * wi * t for wi, t in zip(w, ts))
+    sxt = sum(wi * wi * x * t for wi, x, t in zip(w, xs, ts))
+    det = sw * sxx - sx * sx
+    alpha = (sxx * st - sx * sxt) / det
+    beta = (sw * sxt - sx * st) / det
+    if alpha < 0:  # latency cannot be negative: refit the slope alone
+        alpha, beta = 0.0, sxt / sxx
+    return alpha, beta
+
+
+# ----------------------------------------------------------------------------- simulation
+
+
+@dataclass(frozen=True)
+class RingState:
+    """Every rank's chunks after ``step`` steps of the ring (step 0: before anything moved).
+
+    Attributes:
+        step: steps done, ``0 .. 2(R-1)``.
+        phase: ``"start"``, ``"reduce-scatter"``, ``"all-gather"``.
+        values: ``values[rank][chunk]`` — the numbers that rank holds for that chunk.
+        contributors: ``contributors[rank][chunk]`` — the ranks whose inputs are summed in it.
+        moves: the messages of this step, ``(src, dst, chunk)``.
+    """
+
+    step: int
+    phase: str
+    values: tuple
+    contributors: tuple
+    moves: tuple
+
+    @property
+    def world_size(self) -> int:
+        return len(self.values)
+
+
+def _default_values(world_size: int) -> list[list[float]]:
+    # rank r holds 1..R scaled by 10^r: the sum reads digit by digit (R=3: 111, 222, 333)
+    return [[float((c + 1) * 10 ** r) for c in range(world_size)] for r in range(world_size)]
+
+
+def simulate_ring_all_reduce(world_size: int = 3, values=None) -> list[RingState]:
+    """Play the ring sum all-reduce in pure Python and return the state after every step.
+
+    Args:
+        world_size: R >= 1.
+        values: ``values[rank]`` = that rank's list of numbers (same length on every rank);
+            default: rank r holds ``[1, 2, ..., R] · 10^r``.
+
+    Returns:
+        ``2(R-1) + 1`` :class:`RingState` objects (step 0 = inputs). In the last one every
+        rank holds every chunk's full sum, contributed by all ranks.
+
+    Raises:
+        ValueError: ``world_size < 1`` or ``values`` of the wrong shape.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if values is None:
+        values = _default_values(world_size)
+    if len(values) != world_size:
+        raise ValueError(f"values has {len(values)} ranks, world_size is {world_size}")
+    numel = len(values[0])
+    if any(len(v) != numel for v in values):
+        raise ValueError("every rank needs the same number of values")
+    bounds = chunk_bounds(numel, world_size)
+    held = [[list(values[r][a:b]) for a, b in bounds] for r in range(world_size)]
+    who = [[frozenset([r]) for _ in bounds] for r in range(world_size)]
+
+    def snapshot(step: int, phase: str, moves) -> RingState:
+        return RingState(step, phase,
+                         tuple(tuple(tuple(c) for c in row) for row in held),
+                         tuple(tuple(row) for row in who), tuple(moves))
+
+    states = [snapshot(0, "start", ())]
+    for step in range(2 * (world_size - 1)):
+        reduce_phase = step < world_size - 1
+        # every rank sends simultaneously: read all outgoing messages first
+        msgs = []
+        for r in range(world_size):
+            c = ring_send_chunk(r, step, world_size)
+            msgs.append(((r + 1) % world_size, c, list(held[r][c]), who[r][c], r))
+        moves = []
+        for dst, c, data, contrib, src in msgs:
+            if reduce_phase:
+                held[dst][c] = [x + y for x, y in zip(held[dst][c], data)]
+                who[dst][c] = who[dst][c] | contrib
+            else:
+                held[dst][c] = data
+                who[dst][c] = contrib
+            moves.append((src, dst, c))
+        states.append(snapshot(step + 1, "reduce-scatter" if reduce_phase else "all-gather", moves))
+    return states
+
+
+def _state_title(state: RingState) -> str:
+    total = 2 * (state.world_size - 1)
+    if state.step == 0:
+        return f"step 0 of {total}: inputs, nothing sent yet"
+    done = " (done: every rank holds the full sum)" if state.step == total else ""
+    return f"step {state.step} of {total}: {state.phase}{done}"
+
+
+def ring_state_text(state: RingState) -> str:
+    """Plain-text picture of one :class:`RingState`: a row per rank, a column per chunk.
+
+    Each cell shows the chunk's numbers and, after ``Σ``, the ranks summed into it.
+    """
+    lines = [_state_title(state)]
+    if state.moves:
+        lines.append("moves: " + ", ".join(f"r{s}->r{d} c{c}" for s, d, c in state.moves))
+    for r, row in enumerate(state.values):
+        cells = []
+        for c, vals in enumerate(row):
+            contrib = "".join(str(i) for i in sorted(state.contributors[r][c]))
+            cells.append(f"c{c}={_fmt(list(vals))} Σ{contrib}")
+        lines.append(f"rank {r}: " + "  ".join(cells))
+    return "\n".join(lines)
+
+
+def ring_state_html(state: RingState) -> str:
+    """HTML table of one :class:`RingState` (the stepper widget's picture).
+
+    Green: a chunk summed over every rank; yellow: partly summed; grey: only the rank's own
+    input. A bold border marks the chunk that arrived at this step.
+    """
+    full = frozenset(range(state.world_size))
+    arrived = {(d, c) for _, d, c in state.moves}
+    head = "".join(f"<th style='padding:2px 8px'>chunk {c}</th>" for c in range(len(state.values[0])))
+    rows = []
+    for r, row in enumerate(state.values):
+        cells = []
+        for c, vals in enumerate(row):
+            contrib = state.contributors[r][c]
+            color = "#b7e4b0" if contrib == full else ("#ffe9a8" if len(contrib) > 1 else "#eeeeee")
+            border = "2px solid #333" if (r, c) in arrived else "1px solid #ccc"
+            label = "+".join(f"r{i}" for i in sorted(contrib))
+            cells.append(f"<td style='background:{color};border:{border};padding:2px 8px;"
+                         f"text-align:center'>{_fmt(list(vals))}<br><small>{label}</small></td>")
+        rows.append(f"<tr><th style='padding:2px 8px'>rank {r}</th>{''.join(cells)}</tr>")
+    moves = ", ".join(f"rank {s} → rank {d}: chunk {c}" for s, d, c in state.moves) or "—"
+    return (f"<div><b>{_state_title(state)}</b><br><small>messages: {moves}</small>"
+            f"<table style='border-collapse:collapse;margin-top:4px'><tr><th></th>{head}</tr>"
+            f"{''.join(rows)}</table></div>")

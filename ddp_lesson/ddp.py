@@ -1,0 +1,1036 @@
+"""Data-parallel gradient averaging from scratch: NaiveDDP, BucketedDDP, a simulated link, a recorder.
+
+Run the three-way comparison (torch's DDP, NaiveDDP, BucketedDDP give the same weights)::
+
+    torchrun --standalone --nproc-per-node 2 -m ddp_lesson.labs.ddp_three_ways
+
+Both wrappers are drop-in replacements for ``torch.nn.parallel.DistributedDataParallel`` in an
+ordinary loop: wrap the model, run ``loss = f(model(x)); loss.backward()``, and when
+``backward()`` returns every gradient is already the average over ranks. Nothing else to call.
+
+How the gradients get averaged
+------------------------------
+* At construction every parameter and buffer is broadcast from rank 0, so every rank starts
+  from the same weights whatever it initialised (shared/cases B8).
+* A *post-accumulate-grad hook* on each trainable parameter
+  (``Tensor.register_post_accumulate_grad_hook``) fires inside ``backward()`` the moment that
+  parameter's ``.grad`` is final for this pass. The first hook of a pass also queues a
+  callback that autograd runs when the whole pass is done
+  (``Variable._execution_engine.queue_callback``): there the wrapper waits for its
+  all-reduces and writes the averages into ``.grad``, so ``backward()`` returns with them.
+* :class:`NaiveDDP` does all the work in that final callback: one blocking ``all_reduce`` per
+  parameter, one after the other, once backward has finished. Simple, correct, slow: many
+  small messages (each pays the link's latency) and no communication while backward computes.
+* :class:`BucketedDDP` groups the parameters into buckets of about ``bucket_cap_mb``, in
+  *reverse* registration order, because backward produces gradients from the last layer to
+  the first. When the last gradient of a bucket arrives, the bucket is copied into one flat
+  tensor and all-reduced *asynchronously* (``async_op=True``) while backward goes on with
+  the earlier layers: communication overlaps computation. The final callback only waits for
+  what is still in flight. Buckets are launched strictly in bucket order on every rank,
+  because collectives are matched by the order in which ranks issue them.
+
+The design follows PyTorch's own DDP: S. Li et al., "PyTorch Distributed: Experiences on
+Accelerating Data Parallel Training", VLDB 2020 (arXiv:2006.15704), sections 3.2-3.3
+(gradient bucketing, overlap, ``no_sync``, unused parameters), and
+``torch/csrc/distributed/c10d/reducer.cpp``. Differences from torch are named in each
+docstring; the main one is a small extra collective per step that lets every rank raise the
+same clear error (instead of hanging) when a parameter got no gradient.
+
+Also here: the bucket assignment as a pure function (:func:`assign_buckets`, equal to torch's
+``_compute_bucket_assignment_by_size`` applied in reverse order), :class:`SimulatedLink` (an
+α-β network on top of the real all-reduce, so the benefit of buckets and overlap shows on a
+CPU machine whose loopback is nearly free), :class:`Recorder` (when each gradient was ready and
+each all-reduce ran, per rank, and how much communication was exposed), and the cost-model
+predictions the notebook's bucket-size sweep prints (:func:`predict_bucket_sweep`).
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+import warnings
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .collectives import ring_allreduce_time
+
+__all__ = [
+    "MB", "assign_buckets", "NaiveDDP", "BucketedDDP", "SimulatedLink", "Recorder",
+    "StepRecord", "CommEvent", "gather_records", "job_exposed_s", "job_exposed_share",
+    "union_length", "predict_overlap",
+    "model_ready_times", "predict_bucket_sweep", "default_all_reduce", "walk_autograd_graph",
+]
+
+#: Bytes in one "MB" of ``bucket_cap_mb`` (torch uses 1024 * 1024).
+MB = 1024 * 1024
+
+
+# =========================================================================== bucket assignment
+
+
+def assign_buckets(nbytes: Sequence[int], bucket_cap_bytes: int,
+                   keys: Sequence | None = None) -> list[list[int]]:
+    """Group parameters into buckets, filling them in *reverse* registration order.
+
+    Walks the parameters from the last to the first (the order in which backward produces
+    their gradients) and appends each to the open bucket of its ``key`` (dtype and device:
+    one bucket is one flat tensor, so it holds one dtype). A bucket is closed as soon as it
+    holds **at least** ``bucket_cap_bytes``, so a bucket can pass the cap by its last
+    parameter, and a parameter larger than the cap gets a bucket of its own. This is torch's
+    rule (``torch.distributed._compute_bucket_assignment_by_size``, used by DDP), applied to
+    the reversed list.
+
+    Pure function, no process group.
+
+    Args:
+        nbytes: bytes of each parameter's gradient, in registration order
+            (``p.numel() * p.element_size()``).
+        bucket_cap_bytes: the cap, ``>= 0`` (0: every parameter in a bucket of its own).
+        keys: one hashable per parameter (e.g. ``(dtype, device)``); parameters with
+            different keys never share a bucket. None: all the same.
+
+    Returns:
+        Buckets in launch order; each is a list of parameter indices in the order their
+        gradients become ready (descending indices). Every index appears exactly once.
+
+    Raises:
+        ValueError: a negative cap or size, or ``keys`` of the wrong length.
+
+    >>> assign_buckets([16, 16, 16, 16, 16], 32)
+    [[4, 3], [2, 1], [0]]
+    """
+    if bucket_cap_bytes < 0:
+        raise ValueError(f"bucket_cap_bytes must be >= 0, got {bucket_cap_bytes}")
+    if keys is None:
+        keys = [None] * len(nbytes)
+    if len(keys) != len(nbytes):
+        raise ValueError(f"{len(keys)} keys for {len(nbytes)} parameters")
+    open_buckets: dict = {}  # key -> (indices, bytes so far)
+    closed: list[list[int]] = []
+    for i in reversed(range(len(nbytes))):
+        if nbytes[i] < 0:
+            raise ValueError(f"parameter {i} has a negative size {nbytes[i]}")
+        indices, size = open_buckets.pop(keys[i], ([], 0))
+        indices.append(i)
+        size += nbytes[i]
+        if size >= bucket_cap_bytes:
+            closed.append(indices)
+        else:
+            open_buckets[keys[i]] = (indices, size)
+    closed.extend(indices for indices, _ in open_buckets.values())
+    # launch order = the order of each bucket's first-ready (highest-index) parameter
+    closed.sort(key=lambda b: -b[0])
+    return closed
+
+
+# =========================================================================== communication
+
+
+def default_all_reduce(tensor: torch.Tensor, process_group=None):
+    """The communication step both wrappers use unless given another: an async SUM all_reduce.
+
+    Returns the ``dist.Work`` handle (``.wait()`` blocks until the sum is in ``tensor``).
+    A collective: every rank of ``process_group`` must call it, in the same order.
+    """
+    return dist.all_reduce(tensor, group=process_group, async_op=True)
+
+
+class _LinkWork:
+    """The handle :class:`SimulatedLink` returns: the real all-reduce plus a modelled finish time."""
+
+    def __init__(self, work, start_s: float, done_at_s: float):
+        self.work = work
+        self.start_s = start_s
+        self.done_at_s = done_at_s
+
+    def get_future(self):
+        return self.work.get_future()
+
+    def is_completed(self) -> bool:
+        return self.work.is_completed() and time.perf_counter() >= self.done_at_s
+
+    def wait(self) -> bool:
+        self.work.wait()
+        remaining = self.done_at_s - time.perf_counter()
+        if remaining > 0:
+            time.sleep(remaining)
+        return True
+
+
+class SimulatedLink:
+    """A network with latency α and bandwidth 1/β, laid over the real (nearly free) all-reduce.
+
+    Each all-reduce is given the time the α-β model gives a ring all-reduce of ``n`` bytes on
+    ``R`` ranks (:func:`ddp_lesson.collectives.ring_allreduce_time`)::
+
+        T(n) = 2 (R-1) α + 2 (R-1)/R · n / bandwidth
+
+    and the link carries one all-reduce at a time: a message starts when it is issued or
+    when the previous one has finished, whichever is later. The real all-reduce runs as
+    usual (so the numbers are right); waiting on the returned handle additionally sleeps
+    until the modelled finish time. Because the model runs on a clock while backward keeps
+    computing, an all-reduce issued early (a bucket) is hidden behind backward, exactly as
+    on a real network; one issued after backward (NaiveDDP) is all exposed.
+
+    Use it as a wrapper's ``comm_hook`` (``BucketedDDP(model, comm_hook=link)``), or with
+    torch's DDP: ``ddp.register_comm_hook(link, SimulatedLink.torch_hook)``.
+
+    Args:
+        latency_s: α, seconds per message step (>= 0).
+        bandwidth_bytes_per_s: bytes per second of one link direction (> 0).
+
+    Raises:
+        ValueError: a negative latency or a non-positive bandwidth.
+
+    Source: the α-β model of R. Thakur, R. Rabenseifner, W. Gropp, "Optimization of collective
+    communication operations in MPICH", IJHPCA 2005.
+    """
+
+    def __init__(self, latency_s: float, bandwidth_bytes_per_s: float):
+        if latency_s < 0:
+            raise ValueError(f"latency_s must be >= 0, got {latency_s}")
+        if not bandwidth_bytes_per_s > 0:
+            raise ValueError(f"bandwidth_bytes_per_s must be > 0, got {bandwidth_bytes_per_s}")
+        self.latency_s = float(latency_s)
+        self.bandwidth_bytes_per_s = float(bandwidth_bytes_per_s)
+        self._free_at = 0.0
+
+    def __repr__(self) -> str:
+        return (f"SimulatedLink(latency_s={self.latency_s:g}, "
+                f"bandwidth_bytes_per_s={self.bandwidth_bytes_per_s:g})")
+
+    def cost_s(self, nbytes: float, world_size: int) -> float:
+        """Modelled seconds for one ring all-reduce of ``nbytes`` on ``world_size`` ranks."""
+        return ring_allreduce_time(nbytes, world_size, self.latency_s,
+                                   1.0 / self.bandwidth_bytes_per_s)
+
+    def reserve(self, nbytes: float, world_size: int) -> tuple[float, float]:
+        """Book the link for one all-reduce issued now: ``(start_s, done_at_s)`` (perf_counter clock)."""
+        now = time.perf_counter()
+        start = max(now, self._free_at)
+        self._free_at = start + self.cost_s(nbytes, world_size)
+        return start, self._free_at
+
+    def __call__(self, tensor: torch.Tensor, process_group=None) -> _LinkWork:
+        """All-reduce (SUM) ``tensor`` asynchronously; ``.wait()`` returns at the modelled finish.
+
+        A collective, like ``dist.all_reduce``: every rank must call it, in the same order.
+        """
+        world_size = dist.get_world_size(process_group)
+        start, done_at = self.reserve(tensor.numel() * tensor.element_size(), world_size)
+        return _LinkWork(dist.all_reduce(tensor, group=process_group, async_op=True),
+                         start, done_at)
+
+    @staticmethod
+    def torch_hook(state, bucket):  # no annotations: torch checks them against its own types
+        """A DDP communication hook for ``torch.nn.parallel.DistributedDataParallel``.
+
+        ``ddp.register_comm_hook(link, SimulatedLink.torch_hook)``: averages the bucket like
+        torch's default hook (divide by R, all-reduce SUM, on the default process group) and
+        completes the future no earlier than the link's modelled finish time. The wait runs
+        in the callback of the all-reduce's future, on gloo's thread, not in backward.
+        """
+        tensor = bucket.buffer()
+        group = dist.group.WORLD
+        world_size = dist.get_world_size(group)
+        tensor.div_(world_size)
+        _, done_at = state.reserve(tensor.numel() * tensor.element_size(), world_size)
+        fut = dist.all_reduce(tensor, group=group, async_op=True).get_future()
+
+        def _arrive(f):
+            remaining = done_at - time.perf_counter()
+            if remaining > 0:
+                time.sleep(remaining)
+            return f.value()[0]
+
+        return fut.then(_arrive)
+
+
+# =========================================================================== recorder
+
+
+@dataclass
+class CommEvent:
+    """One all-reduce issued by a wrapper (a bucket, or one parameter for NaiveDDP).
+
+    Times are seconds since the step's forward returned, on this rank's clock.
+
+    Attributes:
+        index: bucket index (NaiveDDP: parameter index).
+        nbytes: bytes all-reduced.
+        params: names of the parameters in it.
+        issued_s: when the wrapper issued it.
+        start_s: when it started: ``issued_s``, or later on a :class:`SimulatedLink` that was
+            still busy with the previous message.
+        end_s: when it finished (the real completion, or the simulated link's finish if later).
+    """
+
+    index: int
+    nbytes: int
+    params: list[str]
+    issued_s: float
+    start_s: float
+    end_s: float = math.nan
+
+
+@dataclass
+class StepRecord:
+    """What one rank did in one synchronised backward pass.
+
+    Attributes:
+        rank: this process's rank.
+        step: 0-based count of synchronised steps seen by the recorder.
+        grad_ready_s: parameter name -> seconds (since forward returned) when its gradient
+            was accumulated.
+        comm: the all-reduces, in issue order.
+        backward_end_s: when autograd finished computing (the final callback started).
+        sync_end_s: when ``backward()`` was about to return with averaged gradients.
+        t0_s: ``time.perf_counter()`` when forward returned: the origin of the other times.
+            A monotonic clock, comparable between processes of one machine (Linux
+            ``CLOCK_MONOTONIC``), which lets a figure align the ranks' timelines.
+    """
+
+    rank: int
+    step: int
+    t0_s: float = math.nan
+    grad_ready_s: dict[str, float] = field(default_factory=dict)
+    comm: list[CommEvent] = field(default_factory=list)
+    backward_end_s: float = math.nan
+    sync_end_s: float = math.nan
+
+    @property
+    def comm_s(self) -> float:
+        """Seconds during which at least one all-reduce was in flight (union of intervals)."""
+        return union_length([(e.start_s, e.end_s) for e in self.comm])
+
+    @property
+    def exposed_s(self) -> float:
+        """Communication not hidden behind backward: ``sync_end_s - backward_end_s``."""
+        return max(0.0, self.sync_end_s - self.backward_end_s)
+
+    @property
+    def exposed_share(self) -> float:
+        """``exposed_s / comm_s`` (0 when nothing was communicated); 1.0 = nothing overlapped."""
+        comm = self.comm_s
+        return min(1.0, self.exposed_s / comm) if comm > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        """Plain data (JSON-able)."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "StepRecord":
+        """Inverse of :meth:`to_dict`."""
+        d = dict(d)
+        d["comm"] = [CommEvent(**e) for e in d.get("comm", [])]
+        return cls(**d)
+
+
+class Recorder:
+    """Collects a :class:`StepRecord` per synchronised backward pass of a wrapper.
+
+    Attach with ``BucketedDDP(..., recorder=Recorder())`` or ``ddp.recorder = Recorder()``.
+    Recording costs a few ``time.perf_counter()`` calls per parameter; it changes no number.
+
+    Attributes:
+        steps: the records, oldest first.
+    """
+
+    def __init__(self):
+        self.steps: list[StepRecord] = []
+        self._current: StepRecord | None = None
+        self._t0 = 0.0
+
+    def clear(self) -> None:
+        """Forget every record."""
+        self.steps.clear()
+        self._current = None
+
+    def _now(self) -> float:
+        return time.perf_counter() - self._t0
+
+    def _begin(self, rank: int) -> None:
+        self._t0 = time.perf_counter()
+        self._current = StepRecord(rank=rank, step=len(self.steps), t0_s=self._t0)
+
+    def _grad(self, name: str) -> None:
+        if self._current is not None:
+            self._current.grad_ready_s[name] = self._now()
+
+    def _comm_start(self, index: int, nbytes: int, names: list[str], work) -> CommEvent | None:
+        if self._current is None:
+            return None
+        issued = self._now()
+        link_start = getattr(work, "start_s", None)
+        event = CommEvent(index, nbytes, names, issued,
+                          issued if link_start is None else link_start - self._t0)
+        event._real_end = math.nan  # set by the future's callback, on the communication thread
+        getter = getattr(work, "get_future", None)
+        if getter is not None:
+            try:
+                getter().add_done_callback(
+                    lambda _f, e=event: setattr(e, "_real_end", self._now()))
+            except RuntimeError:  # a backend without futures: fall back to the wait time
+                pass
+        event._done_at = getattr(work, "done_at_s", None)
+        self._current.comm.append(event)
+        return event
+
+    def _comm_end(self, event: CommEvent | None) -> None:
+        if event is None:
+            return
+        end = event._real_end if not math.isnan(event._real_end) else self._now()
+        if event._done_at is not None:
+            end = max(end, event._done_at - self._t0)
+        event.end_s = end
+        del event._real_end, event._done_at
+
+    def _backward_end(self) -> None:
+        if self._current is not None:
+            self._current.backward_end_s = self._now()
+
+    def _finish(self) -> None:
+        if self._current is not None:
+            self._current.sync_end_s = self._now()
+            self.steps.append(self._current)
+            self._current = None
+
+    def exposed_shares(self) -> list[float]:
+        """:attr:`StepRecord.exposed_share` of every recorded step."""
+        return [s.exposed_share for s in self.steps]
+
+
+def union_length(intervals: Sequence[tuple[float, float]]) -> float:
+    """Total length covered by ``[(start, end), ...]`` (overlaps counted once).
+
+    >>> union_length([(0, 2), (1, 3), (5, 6)])
+    4
+    """
+    total, cur_start, cur_end = 0, None, None
+    for start, end in sorted(intervals):
+        if cur_end is None or start > cur_end:
+            if cur_end is not None:
+                total += cur_end - cur_start
+            cur_start, cur_end = start, end
+        else:
+            cur_end = max(cur_end, end)
+    if cur_end is not None:
+        total += cur_end - cur_start
+    return total
+
+
+def job_exposed_s(records: Sequence[StepRecord]) -> float:
+    """Exposed communication of one step of the whole job (one record per rank).
+
+    From the moment the *last* rank finished backward to the moment the last rank had its
+    averaged gradients: the communication nobody's computation hid. A rank that finished
+    backward early and waits for a slow peer is waiting for the straggler, not for the
+    network, and this measure does not count it (a per-rank ``exposed_s`` does). Uses each
+    record's ``t0_s``, so the ranks must share a clock (processes of one machine).
+    """
+    last_backward = max(r.t0_s + r.backward_end_s for r in records)
+    last_sync = max(r.t0_s + r.sync_end_s for r in records)
+    return max(0.0, last_sync - last_backward)
+
+
+def job_exposed_share(records: Sequence[StepRecord]) -> float:
+    """:func:`job_exposed_s` over the communication time of the rank that finished backward last."""
+    last = max(records, key=lambda r: r.t0_s + r.backward_end_s)
+    return min(1.0, job_exposed_s(records) / last.comm_s) if last.comm_s > 0 else 0.0
+
+
+def gather_records(recorder: Recorder, process_group=None) -> list[list[StepRecord]]:
+    """Every rank's records, on every rank: ``result[rank][step]``.
+
+    A collective (``all_gather_object``): every rank of ``process_group`` must call it.
+    """
+    world_size = dist.get_world_size(process_group)
+    mine = [s.to_dict() for s in recorder.steps]
+    out: list = [None] * world_size
+    dist.all_gather_object(out, mine, group=process_group)
+    return [[StepRecord.from_dict(d) for d in rank_steps] for rank_steps in out]
+
+
+# =========================================================================== the wrappers
+
+
+def _find_tensors(obj) -> list[torch.Tensor]:
+    """Tensors inside a (nested) tuple/list/dict output."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (list, tuple)):
+        return [t for o in obj for t in _find_tensors(o)]
+    if isinstance(obj, dict):
+        return [t for o in obj.values() for t in _find_tensors(o)]
+    return []
+
+
+def walk_autograd_graph(outputs) -> tuple[int, set[int]]:
+    """Walk the autograd graph back from ``outputs``: ``(nodes visited, ids of leaves reached)``.
+
+    Follows ``grad_fn.next_functions`` from every tensor in ``outputs`` (nested
+    tuples/lists/dicts are searched); a leaf shows up as an ``AccumulateGrad`` node whose
+    ``.variable`` is the parameter, so ``id(p) in leaves`` says whether ``p`` took part in
+    computing ``outputs``. This walk, after every forward, is what
+    ``find_unused_parameters=True`` costs (torch's DDP does the same in C++). No
+    synchronisation.
+
+    Returns:
+        ``(number of autograd nodes visited, {id(leaf tensor), ...})``.
+    """
+    stack = [t.grad_fn for t in _find_tensors(outputs) if t.grad_fn is not None]
+    seen, found = set(), set()
+    while stack:
+        fn = stack.pop()
+        if fn in seen:
+            continue
+        seen.add(fn)
+        variable = getattr(fn, "variable", None)
+        if variable is not None:
+            found.add(id(variable))
+        stack.extend(nxt for nxt, _ in fn.next_functions if nxt is not None)
+    return len(seen), found
+
+
+def _broadcast_coalesced(tensors: list[torch.Tensor], src: int, process_group) -> None:
+    """Overwrite ``tensors`` with ``src``'s copies: one broadcast per (dtype, device).
+
+    A collective (synchronises ranks). Flattening many tensors into one message avoids paying
+    the per-message latency once per tensor, the same reason gradients go in buckets.
+    """
+    groups: dict = {}
+    for t in tensors:
+        groups.setdefault((t.dtype, t.device), []).append(t)
+    with torch.no_grad():
+        for same in groups.values():
+            flat = torch.cat([t.reshape(-1) for t in same])
+            dist.broadcast(flat, src=src, group=process_group)
+            offset = 0
+            for t in same:
+                t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                offset += t.numel()
+
+
+class _GradSyncBase(nn.Module):
+    """What NaiveDDP and BucketedDDP share: construction broadcast, hooks, no_sync, checks.
+
+    Subclasses implement ``_grad_ready(index)`` (a gradient arrived during a synchronised
+    backward) and ``_after_backward()`` (autograd finished; make ``.grad`` the average).
+    """
+
+    def __init__(self, module: nn.Module, process_group=None, *,
+                 find_unused_parameters: bool = False, broadcast_buffers: bool = True,
+                 comm_hook: Callable | None = None, recorder: Recorder | None = None):
+        super().__init__()
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError(f"{type(self).__name__} needs a process group: call "
+                               "ddp_lesson.env.init_distributed() (or "
+                               "torch.distributed.init_process_group) first")
+        self.module = module
+        self.process_group = process_group
+        self.world_size = dist.get_world_size(process_group)
+        self.rank = dist.get_rank(process_group)
+        if self.rank < 0:
+            raise RuntimeError("this process is not a member of the process group it was given")
+        self.find_unused_parameters = find_unused_parameters
+        self.broadcast_buffers = broadcast_buffers
+        self.comm_hook = comm_hook if comm_hook is not None else default_all_reduce
+        self.recorder = recorder
+        #: like torch's DDP: False inside ``no_sync()``; read by ``forward``.
+        self.require_backward_grad_sync = True
+        # named_parameters() lists a shared (tied) parameter once: it is reduced once.
+        # Frozen parameters get no gradient and are left alone.
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        if not named:
+            raise ValueError(f"{type(self).__name__}: the module has no parameter with "
+                             "requires_grad=True, so there is nothing to synchronise")
+        self.param_names = [n for n, _ in named]
+        self._params = [p for _, p in named]
+        self._module_buffers = list(module.buffers())
+        self._src = 0 if process_group is None else dist.get_global_rank(process_group, 0)
+        # B8: whatever each rank initialised, everyone starts from rank 0's weights.
+        _broadcast_coalesced([p.detach() for p in module.parameters()] + self._module_buffers,
+                             self._src, process_group)
+        self._used = [False] * len(self._params)   # got a gradient since the last sync
+        self._ready = [False] * len(self._params)  # got it in this synchronised backward
+        self._armed = False                        # the last forward asked for a sync
+        self._in_backward = False
+        self._buffers_need_sync = True
+        self._warned_no_unused = False
+        self._hook_handles = [p.register_post_accumulate_grad_hook(self._make_hook(i))
+                              for i, p in enumerate(self._params)]
+
+    # ------------------------------------------------------------------ user-facing
+
+    def forward(self, *inputs, **kwargs):
+        """Run the wrapped module; decide here whether the next backward synchronises.
+
+        As in torch's DDP the decision is taken in ``forward``: the backward of a forward run
+        inside :meth:`no_sync` (or with grad disabled) only accumulates locally. Buffers
+        (BatchNorm running statistics) are broadcast from rank 0 before a forward that
+        follows a synchronised one (torch's ``broadcast_buffers=True`` rule), so a
+        collective may run here.
+        """
+        sync = torch.is_grad_enabled() and self.require_backward_grad_sync
+        if self.broadcast_buffers and self._buffers_need_sync and self._module_buffers:
+            _broadcast_coalesced(self._module_buffers, self._src, self.process_group)
+        self._buffers_need_sync = sync
+        output = self.module(*inputs, **kwargs)
+        self._armed = sync
+        if sync:
+            self._ready = [False] * len(self._params)
+            if self.recorder is not None:
+                self.recorder._begin(self.rank)
+            self._prepare_backward(output)
+        return output
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulate gradients locally: backward passes of forwards run inside skip the all-reduce.
+
+        The usual pattern with ``k`` micro-batches: the first ``k-1`` (forward *and* backward)
+        inside ``no_sync()``, the last one outside, so its backward all-reduces the
+        accumulated ``.grad`` (shared/cases B4: local grads 1+3 and 1+6 give 5.5 on both
+        ranks; syncing the first micro-batch instead leaves 4.0 and 7.0). Like torch, the
+        forward decides: a ``no_sync()`` around ``backward()`` only does nothing.
+        """
+        old = self.require_backward_grad_sync
+        self.require_backward_grad_sync = False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = old
+
+    # ------------------------------------------------------------------ hooks
+
+    def _make_hook(self, index: int):
+        def hook(param: torch.Tensor) -> None:
+            self._used[index] = True
+            if not self._armed:
+                return  # a no_sync backward: the gradient just accumulates
+            if not self._in_backward:
+                # First gradient of this pass: ask autograd to call us when the pass is done.
+                self._in_backward = True
+                torch.autograd.Variable._execution_engine.queue_callback(self._final_callback)
+                self._backward_started()
+            if self.recorder is not None:
+                self.recorder._grad(self.param_names[index])
+            if not self._ready[index]:  # (already counted if the graph walk missed it)
+                self._ready[index] = True
+                self._grad_ready(index)
+        return hook
+
+    def _final_callback(self) -> None:
+        self._in_backward = False
+        self._armed = False
+        if self.recorder is not None:
+            self.recorder._backward_end()
+        try:
+            self._after_backward()
+        finally:
+            self._used = [False] * len(self._params)
+            if self.recorder is not None:
+                self.recorder._finish()
+
+    # ------------------------------------------------------------------ for subclasses
+
+    def _prepare_backward(self, output) -> None:
+        """Called after a synchronised forward."""
+
+    def _backward_started(self) -> None:
+        """Called at the first gradient of a synchronised backward."""
+
+    def _grad_ready(self, index: int) -> None:
+        raise NotImplementedError
+
+    def _after_backward(self) -> None:
+        raise NotImplementedError
+
+    def _flags(self) -> torch.Tensor:
+        """Row ``rank`` of an ``(R, P)`` int32 matrix; all-reduced, everyone sees every rank's row.
+
+        Without ``find_unused_parameters`` a 1 means "its gradient arrived in this backward";
+        with it, "it got a gradient since the last sync" (``no_sync`` passes included).
+        """
+        mine = self._used if self.find_unused_parameters else self._ready
+        device = self._params[0].device
+        flags = torch.zeros(self.world_size, len(self._params), dtype=torch.int32, device=device)
+        flags[self.rank] = torch.tensor(mine, dtype=torch.int32, device=device)
+        return flags
+
+    def _check_flags(self, flags: torch.Tensor) -> list[bool]:
+        """After the flags' all-reduce: which parameters to write (used on some rank).
+
+        Raises the same RuntimeError on every rank (they all hold the same matrix) when,
+        without ``find_unused_parameters``, some rank produced no gradient for a parameter.
+        """
+        flags = flags.cpu()
+        if not self.find_unused_parameters and not bool(flags.all()):
+            lines = []
+            for r in range(self.world_size):
+                missing = [f"{self.param_names[i]} (index {i})"
+                           for i in range(len(self._params)) if not flags[r, i]]
+                if missing:
+                    lines.append(f"rank {r}: {', '.join(missing)}")
+            raise RuntimeError(
+                f"{type(self).__name__}: these parameters received no gradient in this "
+                f"backward pass, so their all-reduce could never complete — "
+                f"{'; '.join(lines)}. torch's DDP would hang here or fail in the next "
+                "iteration with 'Expected to have finished reduction in the prior "
+                "iteration'. Make every parameter take part in the loss on every rank, "
+                "freeze it (requires_grad=False), or pass find_unused_parameters=True.")
+        used = (flags.sum(0) > 0).tolist()
+        if self.find_unused_parameters and not self._warned_no_unused:
+            self._warned_no_unused = True
+            if all(self._used):
+                warnings.warn(
+                    f"{type(self).__name__}(find_unused_parameters=True): every parameter got "
+                    "a gradient in the first synchronised step on this rank. The flag costs "
+                    "a walk of the autograd graph after every forward (and makes buckets wait "
+                    "for the end of backward when something is unused); if the model never "
+                    "has unused parameters, leave it False.", UserWarning, stacklevel=2)
+        return used
+
+    def _agree_on_used(self) -> list[bool]:
+        """All-reduce the who-produced-which-gradient table (blocking), then check it."""
+        flags = self._flags()
+        dist.all_reduce(flags, group=self.process_group)
+        return self._check_flags(flags)
+
+    def _all_reduce(self, tensor: torch.Tensor, index: int, names: list[str]):
+        """Issue the SUM all-reduce of ``tensor`` through ``comm_hook``; returns a handle for :meth:`_wait`."""
+        work = self.comm_hook(tensor, self.process_group)
+        event = None
+        if self.recorder is not None:
+            event = self.recorder._comm_start(index, tensor.numel() * tensor.element_size(),
+                                              names, work)
+        return work, event
+
+    def _wait(self, handle) -> None:
+        """Block until the all-reduce behind ``handle`` has finished."""
+        work, event = handle
+        work.wait()
+        if self.recorder is not None:
+            self.recorder._comm_end(event)
+
+    def _write_grad(self, index: int, value: torch.Tensor) -> None:
+        p = self._params[index]
+        if p.grad is None:
+            p.grad = value.view(p.shape).clone()
+        else:
+            p.grad.copy_(value.view(p.shape))
+
+
+class NaiveDDP(_GradSyncBase):
+    """Data parallelism the simplest way: after backward, one all-reduce per parameter.
+
+    A drop-in replacement for ``torch.nn.parallel.DistributedDataParallel(module)``: when
+    ``loss.backward()`` returns, every ``p.grad`` is the mean over ranks. It is slow on
+    purpose: every parameter is its own message (each pays the link latency α), and nothing
+    is sent until backward has finished (no overlap). :class:`BucketedDDP` fixes both.
+
+    Args:
+        module: the model (already on this rank's device).
+        process_group: group to average over (None: the default group).
+        find_unused_parameters: False (default): a parameter that gets no gradient on some
+            rank raises RuntimeError on every rank, naming it. True: its local gradient
+            counts as zero in the average (torch's behaviour); one unused on every rank keeps
+            ``.grad`` unchanged (``None``).
+        broadcast_buffers: broadcast rank 0's buffers before forwards (torch's default).
+        comm_hook: ``hook(tensor, process_group) -> work`` that SUM-all-reduces ``tensor``
+            (default :func:`default_all_reduce`; a :class:`SimulatedLink` fits).
+        recorder: a :class:`Recorder` to fill, or None.
+
+    Attributes:
+        module: the wrapped model (save ``ddp.module.state_dict()``).
+        param_names: names of the synchronised (trainable) parameters, registration order.
+
+    Raises:
+        RuntimeError: no process group.
+        ValueError: no trainable parameter.
+
+    Synchronisation: construction (broadcast), forwards that broadcast buffers, and every
+    synchronised backward are collectives: all ranks must do them together. Besides the
+    per-parameter all-reduces, each synchronised backward all-reduces an ``(R, P)`` int32
+    table of who produced which gradient (the safety check torch does not make), so a
+    missing gradient is an error on every rank instead of a hang.
+    """
+
+    def __init__(self, module: nn.Module, process_group=None, find_unused_parameters: bool = False,
+                 *, broadcast_buffers: bool = True, comm_hook: Callable | None = None,
+                 recorder: Recorder | None = None):
+        super().__init__(module, process_group, find_unused_parameters=find_unused_parameters,
+                         broadcast_buffers=broadcast_buffers, comm_hook=comm_hook,
+                         recorder=recorder)
+
+    def _grad_ready(self, index: int) -> None:
+        pass  # nothing to do until backward has finished
+
+    def _after_backward(self) -> None:
+        used = self._agree_on_used()  # a tiny all-reduce: which rank produced which gradient
+        for i, p in enumerate(self._params):
+            if not used[i]:
+                continue  # unused on every rank: .grad stays as it is (None), like torch
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)  # unused here, used elsewhere: contributes 0
+            handle = self._all_reduce(p.grad, i, [self.param_names[i]])  # SUM over ranks
+            self._wait(handle)                # one message at a time, after backward
+            p.grad.div_(self.world_size)      # sum -> mean
+
+
+@dataclass
+class _Bucket:
+    index: int
+    params: list[int]                  # parameter indices, in gradient-ready order
+    offsets: list[tuple[int, int]]     # their [start, stop) in ``flat``
+    flat: torch.Tensor                 # the message: every gradient of the bucket, flattened
+    pending: int = 0                   # gradients still missing in this backward
+    handle: object = None              # the all-reduce in flight
+
+    @property
+    def nbytes(self) -> int:
+        return self.flat.numel() * self.flat.element_size()
+
+
+class BucketedDDP(_GradSyncBase):
+    """Data parallelism with gradient buckets all-reduced while backward is still running.
+
+    A drop-in replacement for ``torch.nn.parallel.DistributedDataParallel(module,
+    bucket_cap_mb=..., find_unused_parameters=...)``: when ``loss.backward()`` returns, every
+    ``p.grad`` is the mean over ranks.
+
+    Parameters are grouped by :func:`assign_buckets` (reverse registration order, a bucket
+    closed once it holds ``bucket_cap_mb``). During a synchronised backward, when the last
+    gradient of a bucket has been accumulated, the bucket's gradients are copied into its flat
+    tensor, multiplied by ``1/R`` (torch pre-divides too) and SUM-all-reduced asynchronously;
+    buckets are issued in bucket order on every rank (a bucket that is complete early waits
+    for the ones before it). When autograd has finished, the final callback issues whatever
+    is left, waits for every bucket and copies the averages back into ``.grad``.
+
+    Unused parameters: with ``find_unused_parameters=True`` the autograd graph is walked
+    after each forward (as torch does); parameters it does not reach are marked ready at
+    the start of backward, contributing their current ``.grad`` or zeros, so their bucket is
+    not held back. A parameter that nobody used keeps its ``.grad`` (``None``); one used on
+    some ranks only gets the average with zeros for the others (B1: g on rank 0 -> g/2 on
+    both). Without the flag, a missing gradient raises RuntimeError on every rank, naming
+    the parameter, at the end of that backward (torch hangs or fails an iteration later).
+
+    Differences from torch's DDP: buckets are fixed (torch rebuilds them after the first
+    iteration in the order gradients actually arrived, and makes its first bucket 1 MB);
+    gradients are copied into the bucket (``gradient_as_bucket_view=False``); one extra
+    small all-reduce per step carries the "who produced which gradient" table.
+
+    Args:
+        module: the model (already on this rank's device).
+        bucket_cap_mb: bucket size in MiB (1 MiB = 1024**2 bytes), as in torch (default 25).
+        process_group: group to average over (None: the default group).
+        find_unused_parameters: see above (default False, as in torch).
+        overlap: True (default) issues a bucket as soon as it is ready; False waits for the
+            end of backward (to measure what overlap buys).
+        broadcast_buffers: broadcast rank 0's buffers before forwards (torch's default).
+        comm_hook: ``hook(tensor, process_group) -> work`` that SUM-all-reduces ``tensor``
+            (default :func:`default_all_reduce`; a :class:`SimulatedLink` fits).
+        recorder: a :class:`Recorder` to fill, or None.
+
+    Attributes:
+        module: the wrapped model (save ``ddp.module.state_dict()``).
+        bucket_indices: the buckets as lists of parameter indices (into ``param_names``).
+        param_names: names of the synchronised (trainable) parameters.
+
+    Raises:
+        RuntimeError: no process group.
+        ValueError: no trainable parameter, or a negative ``bucket_cap_mb``.
+
+    Synchronisation: construction, buffer broadcasts before forwards and every synchronised
+    backward are collectives (all ranks together).
+    """
+
+    def __init__(self, module: nn.Module, bucket_cap_mb: float = 25, process_group=None,
+                 find_unused_parameters: bool = False, *, overlap: bool = True,
+                 broadcast_buffers: bool = True, comm_hook: Callable | None = None,
+                 recorder: Recorder | None = None):
+        if bucket_cap_mb < 0:
+            raise ValueError(f"bucket_cap_mb must be >= 0, got {bucket_cap_mb}")
+        super().__init__(module, process_group, find_unused_parameters=find_unused_parameters,
+                         broadcast_buffers=broadcast_buffers, comm_hook=comm_hook,
+                         recorder=recorder)
+        self.bucket_cap_mb = bucket_cap_mb
+        self.overlap = overlap
+        self.bucket_indices = assign_buckets(
+            [p.numel() * p.element_size() for p in self._params], int(bucket_cap_mb * MB),
+            [(p.dtype, p.device) for p in self._params])
+        self._buckets: list[_Bucket] = []
+        self._bucket_of: dict[int, int] = {}
+        for b, indices in enumerate(self.bucket_indices):
+            offsets, start = [], 0
+            for i in indices:
+                offsets.append((start, start + self._params[i].numel()))
+                start += self._params[i].numel()
+                self._bucket_of[i] = b
+            first = self._params[indices[0]]
+            flat = torch.empty(start, dtype=first.dtype, device=first.device)
+            self._buckets.append(_Bucket(b, list(indices), offsets, flat))
+        self._next_bucket = 0
+        self._unused_in_forward: list[int] = []
+
+    # ------------------------------------------------------------------ backward machinery
+
+    def _prepare_backward(self, output) -> None:
+        for bucket in self._buckets:
+            bucket.pending, bucket.handle = len(bucket.params), None
+        self._next_bucket = 0
+        if self.find_unused_parameters:
+            _, reached = walk_autograd_graph(output)
+            self._unused_in_forward = [i for i, p in enumerate(self._params)
+                                       if id(p) not in reached]
+
+    def _backward_started(self) -> None:
+        # Parameters the forward did not reach will get no gradient: count them as ready
+        # now, so that their buckets are not held back until the end (torch does the same).
+        for i in self._unused_in_forward:
+            if not self._ready[i]:
+                self._ready[i] = True
+                self._grad_ready(i)
+
+    def _grad_ready(self, index: int) -> None:
+        bucket = self._buckets[self._bucket_of[index]]
+        bucket.pending -= 1
+        if bucket.pending == 0 and self.overlap:
+            self._launch_ready_buckets()
+
+    def _launch_ready_buckets(self) -> None:
+        # Strictly in bucket order: every rank must issue its collectives in the same order,
+        # or rank 0's bucket 3 would be summed with rank 1's bucket 2.
+        while (self._next_bucket < len(self._buckets)
+               and self._buckets[self._next_bucket].pending == 0):
+            self._launch(self._buckets[self._next_bucket])
+            self._next_bucket += 1
+
+    def _launch(self, bucket: _Bucket) -> None:
+        scale = 1.0 / self.world_size
+        with torch.no_grad():
+            for i, (start, stop) in zip(bucket.params, bucket.offsets):
+                grad = self._params[i].grad
+                if grad is None:  # no gradient here (unused): contributes zeros
+                    bucket.flat[start:stop].zero_()
+                else:
+                    torch.mul(grad.reshape(-1), scale, out=bucket.flat[start:stop])
+        bucket.handle = self._all_reduce(bucket.flat, bucket.index,
+                                         [self.param_names[i] for i in bucket.params])
+
+    def _after_backward(self) -> None:
+        # Issue what is left (everything, without overlap; buckets whose gradients never
+        # came, with zeros), then the flags table, then wait: same order on every rank.
+        while self._next_bucket < len(self._buckets):
+            self._launch(self._buckets[self._next_bucket])
+            self._next_bucket += 1
+        flags = self._flags()
+        flags_work = dist.all_reduce(flags, group=self.process_group, async_op=True)
+        for bucket in self._buckets:
+            self._wait(bucket.handle)
+        flags_work.wait()
+        used = self._check_flags(flags)
+        with torch.no_grad():
+            for bucket in self._buckets:
+                for i, (start, stop) in zip(bucket.params, bucket.offsets):
+                    if used[i]:
+                        self._write_grad(i, bucket.flat[start:stop])
+                bucket.handle = None
+
+
+# =========================================================================== cost-model predictions
+
+
+def predict_overlap(bucket_nbytes: Sequence[float], bucket_ready_s: Sequence[float],
+                    backward_s: float, world_size: int, latency_s: float,
+                    bandwidth_bytes_per_s: float, overlap: bool = True) -> dict:
+    """When each bucket's all-reduce runs on a serial α-β link, and how much is exposed.
+
+    Bucket ``i`` starts at ``max(ready_i, end_{i-1})`` (with ``overlap=False``: no earlier
+    than ``backward_s``) and takes :meth:`SimulatedLink.cost_s`. Exposed communication is
+    ``max(0, end_last - backward_s)``. Pure arithmetic, no process group.
+
+    Args:
+        bucket_nbytes: bytes of each bucket, in launch order.
+        bucket_ready_s: when each bucket's last gradient is ready (seconds since backward began).
+        backward_s: when backward finishes.
+        world_size: R.
+        latency_s, bandwidth_bytes_per_s: the link (α and 1/β).
+        overlap: issue buckets when ready (True) or after backward (False).
+
+    Returns:
+        ``{"start": [...], "end": [...], "comm_s": total busy time of the link,
+        "exposed_s": ..., "step_s": backward_s + exposed_s}``.
+    """
+    link = SimulatedLink(latency_s, bandwidth_bytes_per_s)
+    starts, ends, prev_end = [], [], 0.0
+    for nbytes, ready in zip(bucket_nbytes, bucket_ready_s):
+        start = max(ready if overlap else backward_s, prev_end)
+        prev_end = start + link.cost_s(nbytes, world_size)
+        starts.append(start)
+        ends.append(prev_end)
+    exposed = max(0.0, (ends[-1] if ends else 0.0) - backward_s)
+    return {"start": starts, "end": ends, "comm_s": sum(e - s for s, e in zip(starts, ends)),
+            "exposed_s": exposed, "step_s": backward_s + exposed}
+
+
+def model_ready_times(param_nbytes: Sequence[float], backward_s: float) -> list[float]:
+    """A simple model of when backward produces each gradient: at a steady rate per byte.
+
+    Gradients arrive in reverse registration order; parameter ``i`` is ready when backward
+    has produced all bytes of parameters ``i..P-1``. (Real layers cost compute in proportion
+    to their parameters *times* their feature-map size, so early, high-resolution layers are
+    slower than this model says; the notebook's measured timeline shows the difference.)
+
+    Args:
+        param_nbytes: bytes per parameter, registration order.
+        backward_s: duration of backward.
+
+    Returns:
+        Ready time of each parameter, registration order.
+    """
+    total = float(sum(param_nbytes)) or 1.0
+    ready, done = [0.0] * len(param_nbytes), 0.0
+    for i in reversed(range(len(param_nbytes))):
+        done += param_nbytes[i]
+        ready[i] = backward_s * done / total
+    return ready
+
+
+def predict_bucket_sweep(param_nbytes: Sequence[float], caps_mb: Sequence[float],
+                         backward_s: float, world_size: int, latency_s: float,
+                         bandwidth_bytes_per_s: float) -> list[dict]:
+    """The cost model's exposed communication for each bucket cap (and for NaiveDDP).
+
+    Buckets from :func:`assign_buckets`, ready times from :func:`model_ready_times`, link
+    schedule from :func:`predict_overlap`. Small buckets start early but pay α many times;
+    big buckets pay α rarely but the last one starts only when backward ends: the exposed time
+    has a minimum in between.
+
+    Args:
+        param_nbytes: bytes per trainable parameter, registration order.
+        caps_mb: bucket caps to try (MiB).
+        backward_s, world_size, latency_s, bandwidth_bytes_per_s: as :func:`predict_overlap`.
+
+    Returns:
+        One dict per cap: ``{"cap_mb", "buckets", "exposed_s", "comm_s", "step_s"}``; and a
+        last one with ``cap_mb=None`` for NaiveDDP (one message per parameter, after backward).
+    """
+    ready = model_ready_times(param_nbytes, backward_s)
+    rows = []
+    for cap in caps_mb:
+        buckets = assign_buckets(param_nbytes, int(cap * MB))
+        pred = predict_overlap([sum(param_nbytes[i] for i in b) for b in buckets],
+                               [max(ready[i] for i in b) for b in buckets], backward_s,
+                               world_size, latency_s, bandwidth_bytes_per_s)
+        rows.append({"cap_mb": cap, "buckets": len(buckets), "exposed_s": pred["exposed_s"],
+                     "comm_s": pred["comm_s"], "step_s": pred["step_s"]})
+    naive = predict_overlap(list(param_nbytes), [backward_s] * len(param_nbytes), backward_s,
+                            world_size, latency_s, bandwidth_bytes_per_s, overlap=False)
+    rows.append({"cap_mb": None, "buckets": len(param_nbytes), "exposed_s": naive["exposed_s"],
+                 "comm_s": naive["comm_s"], "step_s": naive["step_s"]})
+    return rows

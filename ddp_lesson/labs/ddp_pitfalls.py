@@ -1,0 +1,200 @@
+"""The DDP wrapper's classic pitfalls, run on real processes (shared/cases B1, B2, B4, B5, B8).
+
+    torchrun --standalone --nproc-per-node 2 -m ddp_lesson.labs.ddp_pitfalls
+
+Each function is one scenario and works with :class:`ddp_lesson.ddp.NaiveDDP`,
+:class:`ddp_lesson.ddp.BucketedDDP` or torch's ``DistributedDataParallel`` (``wrapper``
+argument), so a notebook cell and a test can run the same thing and compare with torch.
+Every function is a collective: call it on every rank, in the same order.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import contextlib
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ddp_lesson.ddp import BucketedDDP, NaiveDDP, Recorder
+from ddp_lesson.labs.ddp_toys import IN_FEATURES, TwoLayer
+
+__all__ = ["Scalar", "MICRO_GRADS", "no_sync_accumulation", "unused_parameters",
+           "loss_reduction", "broadcast_at_construction", "main"]
+
+#: B4's local micro-batch gradients: rank -> [micro-batch 0, micro-batch 1].
+MICRO_GRADS = {0: [1.0, 3.0], 1: [1.0, 6.0]}
+
+
+class Scalar(nn.Module):
+    """One scalar weight ``w`` (starts at 0); ``forward(c) = w * c``, so d(output)/dw = c."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(()))
+
+    def forward(self, c):
+        return self.w * c
+
+
+def _wrap(wrapper, module, **kwargs):
+    if wrapper in (NaiveDDP, BucketedDDP):
+        return wrapper(module, **kwargs)
+    kwargs.pop("recorder", None)
+    return wrapper(module, **kwargs)
+
+
+def no_sync_accumulation(wrapper=BucketedDDP, order: str = "correct") -> tuple[float, int | None]:
+    """B4: accumulate 2 micro-batches with local gradients ``MICRO_GRADS[rank]`` (2 ranks).
+
+    Args:
+        wrapper: NaiveDDP, BucketedDDP or torch's DistributedDataParallel.
+        order: ``"correct"`` — micro-batch 0 (forward and backward) inside ``no_sync()``,
+            micro-batch 1 synchronised; ``"buggy"`` — the other way round (sync first);
+            ``"backward-only"`` — ``no_sync()`` around micro-batch 0's ``backward()`` only.
+
+    Returns:
+        ``(w.grad on this rank, synchronised backward passes)``; the count is None for
+        torch's DDP (not recorded). Expected: correct 5.5 on both ranks with 1 sync; buggy
+        4.0 / 7.0; backward-only 5.5 but with 2 syncs (the forward decided to sync).
+
+    Raises:
+        ValueError: an unknown ``order`` or a world size other than 2.
+    """
+    if dist.get_world_size() != 2:
+        raise ValueError(f"B4 needs 2 ranks, got {dist.get_world_size()}")
+    if order not in ("correct", "buggy", "backward-only"):
+        raise ValueError(f"order must be correct, buggy or backward-only, got {order!r}")
+    rank = dist.get_rank()
+    recorder = Recorder()
+    ddp = _wrap(wrapper, Scalar(), recorder=recorder)
+    skip = {"correct": 0, "buggy": 1, "backward-only": 0}[order]
+    for m, c in enumerate(MICRO_GRADS[rank]):
+        c = torch.tensor(c)
+        if m == skip and order == "backward-only":
+            out = ddp(c)
+            with ddp.no_sync():
+                out.backward()
+            continue
+        with ddp.no_sync() if m == skip else contextlib.nullcontext():
+            ddp(c).backward()
+    syncs = len(recorder.steps) if wrapper in (NaiveDDP, BucketedDDP) else None
+    return float(ddp.module.w.grad), syncs
+
+
+def unused_parameters(wrapper=BucketedDDP, find_unused_parameters: bool = False,
+                      b_on_ranks=(), iterations: int = 2):
+    """B1: layers ``a`` and ``b``; ``b`` takes part only on the ranks in ``b_on_ranks``.
+
+    Every rank feeds ``x = (rank + 1) * ones(2, 4)`` and backpropagates ``output.sum()``.
+
+    Returns:
+        ``("error", message)`` when an iteration raised RuntimeError (then it stops), else
+        ``("grads", {name: grad or None})`` after the last iteration (the averaged gradients
+        of the last iteration; ``zero_grad(set_to_none=True)`` before each).
+    """
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    ddp = _wrap(wrapper, TwoLayer(), find_unused_parameters=find_unused_parameters)
+    for _ in range(iterations):
+        ddp.zero_grad(set_to_none=True)
+        x = torch.full((2, IN_FEATURES), float(rank + 1))
+        try:
+            ddp(x, use_b=rank in b_on_ranks).sum().backward()
+        except RuntimeError as err:
+            return "error", str(err)
+    return "grads", {n: None if p.grad is None else p.grad.clone()
+                     for n, p in ddp.module.named_parameters()}
+
+
+def loss_reduction(wrapper=BucketedDDP) -> dict[str, float]:
+    """B5: one weight w=1, prediction ``w*x``, target 0, squared error; x = [1,2] | [3,4].
+
+    Returns:
+        The averaged ``w.grad`` for ``"mean"``, ``"sum"`` and ``"mean*R"`` losses (2 ranks).
+        Expected 15, 30 (= 60/R) and 30 (2x too big); one process on [1,2,3,4] gives 15 / 60.
+    """
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    x = torch.tensor([1.0, 2.0]) + 2.0 * rank
+    grads = {}
+    for kind in ("mean", "sum", "mean*R"):
+        model = nn.Linear(1, 1, bias=False)
+        with torch.no_grad():
+            model.weight.fill_(1.0)
+        ddp = _wrap(wrapper, model)
+        err = ddp(x[:, None]).squeeze(1) ** 2
+        loss = err.sum() if kind == "sum" else err.mean() * (world_size if kind == "mean*R" else 1)
+        loss.backward()
+        grads[kind] = float(model.weight.grad)
+    return grads
+
+
+def broadcast_at_construction(wrapper=BucketedDDP, steps: int = 3) -> tuple[float, bool]:
+    """B8: ranks that start from different weights end up with rank 0's, and stay identical.
+
+    Two checks: (1) fill every parameter and buffer of a Linear-BatchNorm-Linear model with
+    this rank's number and wrap it: everything must read 0.0 (rank 0's value); (2) build the
+    model from a per-rank seed (different weights on every rank), wrap, train ``steps`` SGD
+    steps on per-rank data, and compare a float64 checksum of the parameters across ranks.
+
+    Returns:
+        ``(largest |value| of any parameter or buffer after wrapping the filled model,
+        checksums identical on every rank)``; expected ``(0.0, True)``.
+    """
+    rank = dist.get_rank()
+
+    def build():
+        return nn.Sequential(nn.Linear(IN_FEATURES, 8), nn.BatchNorm1d(8), nn.ReLU(),
+                             nn.Linear(8, 2))
+
+    model = build()
+    with torch.no_grad():
+        for t in list(model.parameters()) + list(model.buffers()):
+            t.fill_(rank)
+    _wrap(wrapper, model)
+    largest = max(float(t.detach().abs().max())
+                  for t in list(model.parameters()) + list(model.buffers()))
+
+    torch.manual_seed(rank)  # a different initialisation on every rank
+    model = build()
+    ddp = _wrap(wrapper, model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    g = torch.Generator().manual_seed(rank)  # different data on every rank
+    for _ in range(steps):
+        opt.zero_grad()
+        ddp(torch.randn(4, IN_FEATURES, generator=g)).pow(2).mean().backward()
+        opt.step()
+    checksum = torch.stack([p.detach().double().sum() for p in model.parameters()]).sum()
+    sums = [torch.zeros((), dtype=torch.float64) for _ in range(dist.get_world_size())]
+    dist.all_gather(sums, checksum)
+    return largest, all(bool(torch.equal(s, sums[0])) for s in sums)
+
+
+def main(argv=None) -> None:
+    """Run every scenario with both wrappers; rank 0 prints one line per result."""
+    from ddp_lesson.env import cleanup, init_distributed, print0
+
+    argparse.ArgumentParser(description=__doc__).parse_args(argv)
+    init_distributed(timeout=60)
+    for wrapper in (NaiveDDP, BucketedDDP):
+        name = wrapper.__name__
+        for order in ("correct", "buggy"):
+            grad, syncs = no_sync_accumulation(wrapper, order)
+            grads = [0.0, 0.0]
+            dist.all_gather_object(grads, grad)
+            print0(f"{name} B4 {order}: w.grad per rank {grads}, synchronised backwards {syncs}")
+        kind, value = unused_parameters(wrapper, False, b_on_ranks=(0,))
+        print0(f"{name} B1 without find_unused_parameters: {kind}: {value}")
+        print0(f"{name} B5 grads: {loss_reduction(wrapper)}")
+        print0(f"{name} B8: largest |value| after wrapping, same weights after 3 steps: "
+               f"{broadcast_at_construction(wrapper)}")
+    # torch's DDP holds the process group (its reducer keeps a reference): free unreachable
+    # wrappers now, so that the group is not torn down during interpreter exit, where
+    # gloo can abort ("terminate called without an active exception").
+    gc.collect()
+    cleanup()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,158 @@
+"""Pure logic of ddp_lesson.ddp, no process group: bucket assignment, link cost, recorder, predictions."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from ddp_lesson.ddp import (
+    MB,
+    BucketedDDP,
+    CommEvent,
+    NaiveDDP,
+    SimulatedLink,
+    StepRecord,
+    assign_buckets,
+    job_exposed_s,
+    job_exposed_share,
+    model_ready_times,
+    predict_bucket_sweep,
+    predict_overlap,
+    union_length,
+)
+
+DTYPES = (torch.float32, torch.float64, torch.float16)
+
+
+def _torch_buckets(tensors, cap_bytes):
+    """torch's own assignment, applied to the parameters in reverse order, mapped back."""
+    rev = list(reversed(tensors))
+    buckets, _ = dist._compute_bucket_assignment_by_size(rev, [cap_bytes])
+    return [[len(tensors) - 1 - j for j in b] for b in buckets]
+
+
+@settings(max_examples=200, deadline=None)
+@given(sizes=st.lists(st.integers(1, 300), min_size=1, max_size=25),
+       dtype_ids=st.lists(st.integers(0, 2), min_size=25, max_size=25),
+       cap=st.integers(0, 2000))
+def test_assign_buckets_equals_torch_in_reverse_order(sizes, dtype_ids, cap):
+    tensors = [torch.zeros(n, dtype=DTYPES[d]) for n, d in zip(sizes, dtype_ids)]
+    nbytes = [t.numel() * t.element_size() for t in tensors]
+    ours = assign_buckets(nbytes, cap, [t.dtype for t in tensors])
+    assert ours == _torch_buckets(tensors, cap)
+
+
+def test_assign_buckets_reverse_order_and_torch_cap_rule():
+    # 5 parameters of 16 bytes: a bucket closes once it holds >= the cap
+    assert assign_buckets([16] * 5, 32) == [[4, 3], [2, 1], [0]]
+    assert assign_buckets([16] * 5, 33) == [[4, 3, 2], [1, 0]]
+    assert assign_buckets([16] * 5, 0) == [[4], [3], [2], [1], [0]]
+    assert assign_buckets([16] * 5, 25 * MB) == [[4, 3, 2, 1, 0]]
+    # a parameter bigger than the cap gets a bucket of its own
+    assert assign_buckets([8, 1000, 8], 100) == [[2, 1], [0]]
+
+
+def test_assign_buckets_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="bucket_cap_bytes must be >= 0, got -1"):
+        assign_buckets([4], -1)
+    with pytest.raises(ValueError, match="2 keys for 1 parameters"):
+        assign_buckets([4], 10, ["a", "b"])
+
+
+def test_wrappers_need_a_process_group():
+    assert not dist.is_initialized()
+    for cls in (NaiveDDP, BucketedDDP):
+        with pytest.raises(RuntimeError, match="needs a process group"):
+            cls(nn.Linear(2, 1))
+
+
+def test_simulated_link_cost_is_the_ring_alpha_beta_formula():
+    link = SimulatedLink(latency_s=1e-3, bandwidth_bytes_per_s=1e6)
+    # T = 2(R-1)·α + 2(R-1)/R · n/bandwidth
+    assert link.cost_s(1e6, 2) == pytest.approx(2 * 1e-3 + 1.0)
+    assert link.cost_s(3e6, 3) == pytest.approx(4 * 1e-3 + 4 / 3 * 3.0)
+    assert link.cost_s(0, 4) == pytest.approx(6e-3)
+    with pytest.raises(ValueError, match="bandwidth_bytes_per_s must be > 0, got 0"):
+        SimulatedLink(1e-3, 0)
+    with pytest.raises(ValueError, match="latency_s must be >= 0, got -1"):
+        SimulatedLink(-1, 1e6)
+
+
+def test_simulated_link_carries_one_message_at_a_time():
+    link = SimulatedLink(latency_s=0.5, bandwidth_bytes_per_s=1.0)  # 1 s per message at R=2 + 0 B
+    s1, d1 = link.reserve(0, 2)
+    s2, d2 = link.reserve(0, 2)
+    assert d1 - s1 == pytest.approx(1.0)
+    assert s2 == pytest.approx(d1)          # the second waits for the first
+    assert d2 - s2 == pytest.approx(1.0)
+
+
+def test_union_length_counts_overlaps_once():
+    assert union_length([]) == 0
+    assert union_length([(0, 2), (1, 3), (5, 6)]) == 4
+    assert union_length([(5, 6), (0, 10)]) == 10
+
+
+def test_step_record_exposed_share():
+    rec = StepRecord(rank=0, step=0, backward_end_s=10.0, sync_end_s=12.0,
+                     comm=[CommEvent(0, 4, ["a"], 2.0, 2.0, 6.0),
+                           CommEvent(1, 4, ["b"], 5.0, 6.0, 12.0)])
+    assert rec.comm_s == pytest.approx(10.0)         # 2..12
+    assert rec.exposed_s == pytest.approx(2.0)       # 10..12
+    assert rec.exposed_share == pytest.approx(0.2)
+    back = StepRecord.from_dict(rec.to_dict())
+    assert back == rec
+    assert StepRecord(rank=0, step=0, backward_end_s=1.0, sync_end_s=1.0).exposed_share == 0.0
+
+
+def test_job_exposed_counts_from_the_last_rank_to_finish_backward():
+    # rank 0 starts at t=100, ends backward at 110, has gradients at 125;
+    # rank 1 starts at t=105, ends backward at 120, has gradients at 124.
+    r0 = StepRecord(rank=0, step=0, t0_s=100.0, backward_end_s=10.0, sync_end_s=25.0,
+                    comm=[CommEvent(0, 4, ["a"], 5.0, 5.0, 25.0)])
+    r1 = StepRecord(rank=1, step=0, t0_s=105.0, backward_end_s=15.0, sync_end_s=19.0,
+                    comm=[CommEvent(0, 4, ["a"], 6.0, 6.0, 19.0)])
+    assert r0.exposed_s == pytest.approx(15.0)          # mostly waiting for rank 1
+    assert job_exposed_s([r0, r1]) == pytest.approx(5.0)   # 125 - 120
+    assert job_exposed_share([r0, r1]) == pytest.approx(5.0 / 13.0)  # rank 1's comm: 6..19
+
+
+def test_predict_overlap_by_hand():
+    # α=0, bandwidth 1 B/s, R=2: a bucket of n bytes takes n seconds.
+    # buckets of 3, 2, 4 bytes ready at 1, 2, 6; backward ends at 6.
+    p = predict_overlap([3, 2, 4], [1, 2, 6], 6, 2, 0.0, 1.0)
+    assert p["start"] == [1, 4, 6] and p["end"] == [4, 6, 10]
+    assert p["exposed_s"] == pytest.approx(4) and p["step_s"] == pytest.approx(10)
+    assert p["comm_s"] == pytest.approx(9)
+    no = predict_overlap([3, 2, 4], [1, 2, 6], 6, 2, 0.0, 1.0, overlap=False)
+    assert no["start"] == [6, 9, 11] and no["exposed_s"] == pytest.approx(9)
+
+
+def test_model_ready_times_steady_rate_in_reverse_order():
+    assert model_ready_times([1, 1, 2], 4.0) == [4.0, 3.0, 2.0]
+
+
+def test_bucket_sweep_prediction_has_an_interior_optimum():
+    # 40 parameters of 10 kB, backward 40 ms (one parameter per ms); link α = 1 ms, 100 MB/s,
+    # so a bucket of k parameters costs 2 ms + k·0.1 ms on 2 ranks
+    sizes = [10_000] * 40
+    caps = [0, 2e4 / MB, 5e4 / MB, 1e5 / MB, 2e5 / MB, 1.0]
+    rows = predict_bucket_sweep(sizes, caps, 0.040, 2, 1e-3, 1e8)
+    assert [r["buckets"] for r in rows] == [40, 20, 8, 4, 2, 1, 40]
+    exposed = [r["exposed_s"] for r in rows]
+    # by hand: 8 buckets of 5 keep up with backward (2.5 ms per 5 ms), the last one is exposed;
+    # 4 buckets: the last costs 3 ms; 1 bucket: 2 + 4 = 6 ms after backward;
+    # 20 buckets of 2 (2.2 ms per 2 ms) fall behind: 2 + 20·2.2 - 40 = 6 ms
+    assert exposed[2] == pytest.approx(0.0025)
+    assert exposed[3] == pytest.approx(0.0030)
+    assert exposed[5] == pytest.approx(0.0060)
+    assert exposed[1] == pytest.approx(0.0060)
+    assert min(range(len(caps)), key=exposed.__getitem__) == 2
+    # NaiveDDP: 40 messages after backward, each 2 ms + 0.1 ms
+    assert rows[-1]["cap_mb"] is None and exposed[-1] == pytest.approx(40 * 0.0021)
+    assert all(math.isfinite(r["step_s"]) for r in rows)
