@@ -34,17 +34,17 @@ def _train_parser() -> argparse.ArgumentParser:
 
 
 def torchrun_argv(opts: argparse.Namespace) -> list[str]:
-    """torchrun's own flags for ``opts`` (without the program)."""
+    """torchrun's own flags for ``opts`` (without the program). Raises ValueError on bad counts."""
     if opts.nproc_per_node < 1:
-        raise SystemExit(f"--nproc-per-node must be >= 1, got {opts.nproc_per_node}")
+        raise ValueError(f"--nproc-per-node must be >= 1, got {opts.nproc_per_node}")
     if opts.nnodes < 1:
-        raise SystemExit(f"--nnodes must be >= 1, got {opts.nnodes}")
+        raise ValueError(f"--nnodes must be >= 1, got {opts.nnodes}")
     flags = []
     if opts.nnodes == 1:
         flags.append("--standalone")
     else:
         if not opts.rdzv_endpoint:
-            raise SystemExit(f"--nnodes {opts.nnodes} needs --rdzv-endpoint HOST:PORT "
+            raise ValueError(f"--nnodes {opts.nnodes} needs --rdzv-endpoint HOST:PORT "
                              "(the address of the first node)")
         flags += ["--nnodes", str(opts.nnodes), "--rdzv-backend", "c10d",
                   "--rdzv-endpoint", opts.rdzv_endpoint, "--rdzv-id", opts.rdzv_id]
@@ -63,11 +63,23 @@ def train(argv: list[str]) -> int:
     from .launch import launch_env
 
     opts, trainer_args = _train_parser().parse_known_args(argv)
-    flags = torchrun_argv(opts)
+    try:
+        flags = torchrun_argv(opts)
+    except ValueError as exc:
+        print(f"ddp-lesson train: error: {exc}", file=sys.stderr)
+        return 2
     backend = None if opts.backend == "auto" else opts.backend
     program = ["-m", "ddp_lesson.train", *(["--backend", backend] if backend else []), *trainer_args]
     print("equivalent command: " + shlex.join(["torchrun", *flags, *program]), flush=True)
-    choose_backend(opts.nproc_per_node, opts.backend)  # fail here, clearly, for nccl without GPUs
+    # Check the input here, once, before starting processes that would all fail alike.
+    from .train import TrainInputError, preflight
+
+    try:
+        choose_backend(opts.nproc_per_node, opts.backend)
+        preflight(program[2:], world_size=opts.nproc_per_node * opts.nnodes)
+    except (TrainInputError, ValueError) as exc:
+        print(f"ddp-lesson train: error: {exc}", file=sys.stderr)
+        return 2
     env = launch_env(None, backend, opts.nproc_per_node, announced=False)
     cmd = [sys.executable, "-m", "torch.distributed.run", *flags, *program]
     # torchrun stays in our process group, so Ctrl-C reaches it and it stops its workers.

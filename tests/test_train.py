@@ -60,7 +60,9 @@ def test_every_field_is_a_flag_with_a_note():
         assert dests[f.name].default == f.default
     text = parser.format_help()
     for flag in ("-b", "--batch-size", "-j", "--workers", "--lr", "--momentum",
-                 "--weight-decay", "--local_rank", "--local-rank", "--backend", "--out"):
+                 "--weight-decay", "--local_rank", "--local-rank", "--backend", "--out",
+                 "--grad-accum-steps", "--lr-scaling", "--base-batch", "--sync-bn", "--ddp",
+                 "--checkpoint-every-steps", "--no-resume", "--max-steps", "--drop-last"):
         assert flag in text
 
 
@@ -86,6 +88,27 @@ def test_validation_errors_show_numbers(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
+def test_flags_of_the_second_version():
+    cfg = parse_config(["--grad-accum-steps", "4", "--lr-scaling", "sqrt", "--base-batch", "64",
+                        "--lr-schedule", "poly", "--drop-last", "--sync-bn", "--ddp", "bucketed",
+                        "--checkpoint-every-steps", "10", "--no-resume", "--max-steps", "7"])
+    assert (cfg.grad_accum_steps, cfg.lr_scaling, cfg.base_batch, cfg.lr_schedule) == \
+        (4, "sqrt", 64, "poly")
+    assert (cfg.drop_last, cfg.sync_bn, cfg.ddp) == (True, True, "bucketed")
+    assert (cfg.checkpoint_every_steps, cfg.no_resume, cfg.max_steps) == (10, True, 7)
+    d = TrainConfig()
+    assert (d.grad_accum_steps, d.lr_scaling, d.base_batch, d.lr_schedule) == \
+        (1, "none", 16, "constant")
+    assert (d.drop_last, d.sync_bn, d.ddp, d.checkpoint_every_steps, d.no_resume,
+            d.max_steps) == (False, False, "torch", 0, False, 0)
+
+
+def test_ignore_index_is_the_data_modules():
+    import ddp_lesson.data
+
+    assert train.IGNORE_INDEX is ddp_lesson.data.IGNORE_INDEX == 255
+
+
 def test_config_checks_on_construction():
     with pytest.raises(ValueError, match="epochs must be >= 1, got -2"):
         TrainConfig(epochs=-2)
@@ -96,7 +119,21 @@ def test_config_checks_on_construction():
 def test_derived_values_default_on_two_ranks():
     d = derived_values(TrainConfig(), world_size=2)
     assert d == {"world_size": 2, "batch_size": 8, "global_batch": 16, "samples_per_rank": 512,
-                 "samples_per_epoch": 1024, "steps_per_epoch": 64}
+                 "samples_per_epoch": 1024, "steps_per_epoch": 64, "grad_accum_steps": 1,
+                 "micro_batches_per_epoch": 64, "effective_lr": 0.05}
+
+
+def test_derived_values_with_drop_last_and_accumulation():
+    # drop_last: N // R per rank, the loader drops the short batch; K micro-batches per step
+    cfg = TrainConfig(num_train=35, batch_size=4, drop_last=True, grad_accum_steps=2)
+    d = derived_values(cfg, world_size=2)
+    assert d["samples_per_rank"] == 17 and d["micro_batches_per_epoch"] == 17 // 4 == 4
+    assert d["steps_per_epoch"] == 2 and d["global_batch"] == 4 * 2 * 2
+    data = list(range(35))
+    for rank in range(2):
+        sampler = DistributedSampler(data, num_replicas=2, rank=rank, drop_last=True)
+        loader = DataLoader(data, batch_size=4, sampler=sampler, drop_last=True)
+        assert len(loader) == d["micro_batches_per_epoch"]
 
 
 @pytest.mark.parametrize("num_train, world_size, batch_size", [
@@ -113,6 +150,36 @@ def test_steps_per_epoch_matches_the_loader(num_train, world_size, batch_size):
         loader = DataLoader(data, batch_size=batch_size, sampler=sampler, drop_last=False)
         assert len(loader) == d["steps_per_epoch"]
         assert len(sampler) == d["samples_per_rank"]
+
+
+def test_derived_values_printed_in_notebook_05():
+    cfg = TrainConfig()
+    assert [(derived_values(cfg, r)["global_batch"], derived_values(cfg, r)["steps_per_epoch"])
+            for r in (1, 2, 4)] == [(8, 128), (16, 64), (32, 32)]
+    main_run = parse_config(["--epochs", "4", "--num-train", "512", "--size", "48", "96"])
+    d = derived_values(main_run, 2)
+    assert (d["global_batch"], d["steps_per_epoch"], 4 * d["steps_per_epoch"]) == (16, 32, 128)
+    small = parse_config(["--num-train", "64", "-b", "4"])
+    assert derived_values(small, 2)["steps_per_epoch"] == 8
+    assert derived_values(parse_config(["--num-train", "64"]), 1)["steps_per_epoch"] == 8
+
+
+def test_skip_sampler_yields_the_tail_of_the_same_order():
+    sampler = DistributedSampler(range(16), num_replicas=2, rank=0, shuffle=True, seed=0)
+    sampler.set_epoch(1)
+    full = list(sampler)
+    # independent: torch's own sampler gives the same order, and skipping is slicing it
+    import torch.utils.data as tud
+
+    ref = tud.DistributedSampler(range(16), num_replicas=2, rank=0, shuffle=True, seed=0)
+    ref.set_epoch(1)
+    assert full == list(ref)
+    for skip in (0, 3, 4, 8, 9):
+        wrapped = train.SkipSampler(sampler, skip=skip)
+        assert list(wrapped) == full[skip:] and len(wrapped) == max(0, 8 - skip)
+    wrapped = train.SkipSampler(sampler, skip=2)
+    wrapped.set_epoch(2)
+    assert sampler.epoch == 2
 
 
 def test_docstring_starts_with_the_torchrun_command():
@@ -157,6 +224,10 @@ def test_single_process_run(tmp_path):
     assert "note: --local_rank=0 is the legacy" in proc.stdout
     assert "epoch 1/1  train_loss " in proc.stdout
     assert "wrote out/summary.json" in proc.stdout
+    assert "lr 0.05 (--lr 0.05 at base global batch 16, --lr-scaling none)  schedule constant  " \
+           "no DDP wrapper (1 process)" in proc.stdout
+    assert len(s["step_losses"]) == s["steps_per_epoch"] == 8
+    assert (tmp_path / "out" / "checkpoint.pt").is_file()
 
 
 @pytest.mark.timeout(240)
@@ -176,3 +247,6 @@ class TestMultiProcess:
         assert "global batch 8 (= 4 x 2)  steps per epoch 4  samples per epoch 32" in out
         assert out.count("epoch 1/1  train_loss ") == 1
         assert out.count("wrote out/summary.json") == 1
+        assert out.count("lr 0.05 (--lr 0.05 at base global batch 16, --lr-scaling none)  "
+                         "schedule constant  ddp torch") == 1
+        assert "Traceback" not in proc.stderr

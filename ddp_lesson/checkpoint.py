@@ -1,0 +1,377 @@
+"""Checkpoints that survive interruptions: atomic save, safe multi-rank load, exact resume.
+
+Three things go wrong with checkpoints under data parallelism, and this module answers each:
+
+* **A half-written file.** A run killed while ``torch.save`` writes leaves a truncated file,
+  and the previous good checkpoint is already gone if it was written in place.
+  :func:`save_atomic` writes a temporary file in the same folder, flushes it, ``fsync`` s it
+  to disk, then ``os.replace`` s it over the old one: the rename is atomic on POSIX, so the
+  path always holds either the old complete checkpoint or the new complete one.
+* **A race between ranks** (shared/cases B14). If rank 0 writes while the other ranks read
+  straight away, they may see no file, or half of one. :func:`save_checkpoint` has rank 0
+  write (atomically) while the others wait; rank 0 then broadcasts whether the write worked
+  and every rank meets at a barrier, so after the call every rank may read the file.
+  Decisions such as "is there a checkpoint to resume from?" are made on rank 0 and
+  broadcast (:func:`decide_on_rank0`), never taken separately by each rank: ranks that
+  disagree would enter different collectives and deadlock.
+* **Keys with a ``module.`` prefix** (shared/cases B12). ``DistributedDataParallel`` keeps
+  the model as ``.module``, so its ``state_dict`` names every tensor ``module.<name>``, which a
+  bare model refuses to load. Save the unwrapped model (:func:`unwrap`); when a file has
+  the prefix anyway, :func:`strip_module_prefix` removes it (once, at the start of a key).
+
+Loading maps every tensor to the rank's own device (``map_location``), never all to the
+device that saved it (GPU 0), and uses ``torch.load(weights_only=True)``: a checkpoint is
+data, and loading one should not run code. :func:`capture_rng_state` /
+:func:`restore_rng_state` carry the random generators (torch, CUDA, numpy, Python) across a
+restart, stored as plain tensors and lists so that ``weights_only`` accepts them.
+
+Sources: POSIX ``rename(2)`` (atomic replacement); PyTorch's "Saving and loading models"
+tutorial and ``torch.nn.modules.utils.consume_prefix_in_state_dict_if_present``
+(pytorch/pytorch PR #53224).
+"""
+from __future__ import annotations
+
+import os
+import random
+import re
+import zipfile
+from collections import OrderedDict
+from typing import Any, Callable, Mapping
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "CHECKPOINT_FORMAT",
+    "CHECKPOINT_VERSION",
+    "REQUIRED_KEYS",
+    "CheckpointError",
+    "strip_module_prefix",
+    "unwrap",
+    "save_atomic",
+    "save_checkpoint",
+    "decide_on_rank0",
+    "load_checkpoint",
+    "first_state_mismatch",
+    "first_config_mismatch",
+    "capture_rng_state",
+    "restore_rng_state",
+]
+
+#: Value of the ``"format"`` entry that marks a file as this package's checkpoint.
+CHECKPOINT_FORMAT = "ddp_lesson.checkpoint"
+#: Layout version; bumped when the entries change meaning.
+CHECKPOINT_VERSION = 1
+#: Entries every checkpoint holds (``ddp_lesson.train.Trainer.checkpoint_state`` says what
+#: each means).
+REQUIRED_KEYS = ("format", "version", "model", "optimizer", "scheduler", "epoch",
+                 "step_in_epoch", "global_step", "sampler", "rng", "config", "world_size")
+
+
+class CheckpointError(ValueError):
+    """A file that cannot be resumed from: unreadable, truncated, not a checkpoint, or made for
+    another model or configuration. The message names the file and the first problem."""
+
+
+# --------------------------------------------------------------------------- prefixes (B12)
+
+def strip_module_prefix(state_dict: Mapping[str, Any], prefix: str = "module.") -> OrderedDict:
+    """A copy of ``state_dict`` with ``prefix`` removed from the start of every key that has it.
+
+    Removes it once: ``'module.module.weight'`` becomes ``'module.weight'`` (a doubly wrapped
+    model needs two calls), and ``'submodule.weight'`` is left alone (the prefix must start the
+    key). Keys without the prefix are kept as they are. The ``_metadata`` that
+    ``load_state_dict`` reads (per-module versions) is renamed the same way. Like torch's
+    ``consume_prefix_in_state_dict_if_present``, but returns a new dict.
+
+    Args:
+        state_dict: name -> tensor, e.g. ``ddp_model.state_dict()``.
+        prefix: the prefix to remove, ``"module."`` for DDP.
+
+    Returns:
+        An ``OrderedDict`` in the same order, e.g. ``['module.weight', 'module.bias']`` ->
+        ``['weight', 'bias']``.
+    """
+    out = OrderedDict((k[len(prefix):] if k.startswith(prefix) else k, v)
+                      for k, v in state_dict.items())
+    metadata = getattr(state_dict, "_metadata", None)
+    if metadata is not None:
+        bare = prefix[:-1] if prefix.endswith(".") else prefix
+        renamed = OrderedDict()
+        for key, value in metadata.items():
+            if key == bare:
+                renamed[""] = value
+            elif key.startswith(prefix):
+                renamed[key[len(prefix):]] = value
+            else:
+                renamed[key] = value
+        out._metadata = renamed
+    return out
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The bare model inside a data-parallel wrapper (anything with a ``.module``), else itself.
+
+    Save ``unwrap(model).state_dict()``: its keys carry no ``module.`` prefix and it loads
+    into a plain model, with or without DDP around it.
+    """
+    while isinstance(getattr(model, "module", None), torch.nn.Module):
+        model = model.module
+    return model
+
+
+# --------------------------------------------------------------------------- saving
+
+def _fsync_dir(folder: str) -> None:
+    """Make the rename itself durable (best effort: not every file system allows it)."""
+    try:
+        fd = os.open(folder or ".", os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def save_atomic(obj: Any, path: str) -> str:
+    """Write ``obj`` with ``torch.save`` so that ``path`` is never seen half-written.
+
+    Writes ``path.tmp.<pid>`` in the same folder (a rename is atomic only within one file
+    system), flushes and ``fsync`` s it, then ``os.replace`` s it over ``path``. Until the
+    rename, a previous file at ``path`` stays complete and valid; if anything fails, the
+    temporary file is removed and ``path`` is untouched. Local to the calling process: no
+    synchronisation (see :func:`save_checkpoint` for the multi-rank protocol).
+
+    Args:
+        obj: what to save (tensors, dicts, lists, numbers, strings).
+        path: the destination file; its folder must exist.
+
+    Returns:
+        ``path``.
+
+    Raises:
+        OSError: the folder is not writable, the disk is full, ... (``path`` untouched).
+    """
+    folder = os.path.dirname(os.path.abspath(path))
+    tmp = f"{path}.tmp.{os.getpid()}"
+    try:
+        with open(tmp, "wb") as fh:
+            torch.save(obj, fh)
+            fh.flush()
+            os.fsync(fh.fileno())  # the bytes are on disk before the name points at them
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.remove(tmp)
+        except OSError:
+            pass
+        raise
+    _fsync_dir(folder)
+    return path
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _barrier() -> None:
+    if dist.get_backend() == "nccl":
+        dist.barrier(device_ids=[torch.cuda.current_device()])
+    else:
+        dist.barrier()
+
+
+def decide_on_rank0(decide: Callable[[], Any]) -> Any:
+    """Run ``decide()`` on rank 0 only and give its result to every rank.
+
+    For questions whose answer must be the same everywhere ("does the checkpoint exist?",
+    "is it valid?"): if each rank looked for itself, a slow shared file system could answer
+    differently on different ranks, and the ranks would then take different paths and
+    deadlock in mismatched collectives (KempnerInstitute/KempnerForge#49). A
+    synchronisation point (a ``broadcast_object_list``) when a process group with more than
+    one rank exists; otherwise just ``decide()``.
+
+    Args:
+        decide: a function of no arguments returning a picklable value.
+
+    Returns:
+        Rank 0's result, on every rank.
+    """
+    if not _distributed():
+        return decide()
+    box = [decide() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def save_checkpoint(obj: Any, path: str) -> str:
+    """Rank 0 writes ``obj`` atomically to ``path``; every rank returns once the file is complete.
+
+    The B14 protocol: rank 0 calls :func:`save_atomic` while the other ranks wait; rank 0
+    broadcasts whether the write succeeded; all ranks meet at a barrier. After the call any
+    rank may ``torch.load(path)`` safely, and a failed write raises on *every* rank (so no rank
+    waits forever for a peer that gave up). Call it on every rank, with the same ``path``;
+    ``obj`` matters on rank 0 only (others may pass None). Without a process group it is
+    :func:`save_atomic`.
+
+    Synchronises all ranks (a broadcast and a barrier).
+
+    Raises:
+        OSError: rank 0 could not write (raised on every rank, with rank 0's message).
+    """
+    if not _distributed():
+        return save_atomic(obj, path)
+    error = None
+    if dist.get_rank() == 0:
+        try:
+            save_atomic(obj, path)
+        except OSError as exc:
+            error = f"rank 0 could not write checkpoint {path}: {exc}"
+    box = [error]
+    dist.broadcast_object_list(box, src=0)
+    _barrier()
+    if box[0] is not None:
+        raise OSError(box[0])
+    return path
+
+
+# --------------------------------------------------------------------------- loading
+
+def _first_line(exc: BaseException, limit: int = 160) -> str:
+    text = str(exc).strip().splitlines()
+    line = text[0] if text else type(exc).__name__
+    return line if len(line) <= limit else line[:limit - 3] + "..."
+
+
+def load_checkpoint(path: str, map_location=None) -> dict:
+    """Read and check a checkpoint written by :func:`save_checkpoint`.
+
+    Args:
+        path: the file.
+        map_location: where tensors go: this rank's device (``"cpu"``, ``cuda:{local_rank}``);
+            None keeps the devices they were saved from (which, for a file saved on GPU 0,
+            puts every rank's copy on GPU 0: pass the rank's device).
+
+    Returns:
+        The checkpoint dict (holds every key of :data:`REQUIRED_KEYS`).
+
+    Raises:
+        FileNotFoundError: no file at ``path``.
+        CheckpointError: the file is truncated, not a torch file, or not one of this
+            package's checkpoints (names the file and the problem in one line).
+
+    No synchronisation: each rank reads the file itself (after the writer's barrier).
+    """
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no checkpoint at {path}")
+    size = os.path.getsize(path)
+    # torch.save writes a zip archive whose directory sits at the end: a file cut short, or
+    # one that torch.save did not write, has none.
+    if not zipfile.is_zipfile(path):
+        raise CheckpointError(f"{path} ({size} bytes) is not a readable checkpoint (no zip "
+                              "archive: truncated, or not written by torch.save)")
+    try:
+        ckpt = torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as exc:  # torch raises RuntimeError, UnpicklingError, EOFError, ...
+        text = str(exc)
+        detail = re.search(r"WeightsUnpickler error: ([^\n]*)", text)
+        reason = detail.group(1).strip() if detail else _first_line(exc)
+        raise CheckpointError(f"{path} ({size} bytes) is not a readable checkpoint "
+                              f"({type(exc).__name__}: {reason})") from None
+    if not isinstance(ckpt, dict) or ckpt.get("format") != CHECKPOINT_FORMAT:
+        what = (f"a dict with keys {sorted(map(str, ckpt))[:6]}" if isinstance(ckpt, dict)
+                else f"a {type(ckpt).__name__}")
+        raise CheckpointError(f"{path} is not a ddp_lesson checkpoint: it holds {what}, "
+                              f"without format={CHECKPOINT_FORMAT!r}")
+    if ckpt.get("version") != CHECKPOINT_VERSION:
+        raise CheckpointError(f"{path} has checkpoint version {ckpt.get('version')!r}; this "
+                              f"package reads version {CHECKPOINT_VERSION}")
+    missing = [k for k in REQUIRED_KEYS if k not in ckpt]
+    if missing:
+        raise CheckpointError(f"{path} is an incomplete checkpoint: missing {missing}")
+    return ckpt
+
+
+def first_state_mismatch(expected: Mapping[str, torch.Tensor],
+                         saved: Mapping[str, torch.Tensor]) -> str | None:
+    """The first difference between a model's ``state_dict`` and a saved one, or None.
+
+    Checks, in the model's key order: a key the file lacks, then a shape that differs; then
+    a key the model does not have. Keys are compared as given (strip prefixes first).
+
+    Returns:
+        e.g. ``"'backbone.0.0.weight' has shape (16, 3, 3, 3) in the checkpoint but
+        (8, 3, 3, 3) in the model"``, ``"the checkpoint lacks 'classifier.bias'"``, or None.
+    """
+    for key, tensor in expected.items():
+        if key not in saved:
+            return f"the checkpoint lacks {key!r}"
+        got = saved[key]
+        if tuple(got.shape) != tuple(tensor.shape):
+            return (f"{key!r} has shape {tuple(got.shape)} in the checkpoint but "
+                    f"{tuple(tensor.shape)} in the model")
+    for key in saved:
+        if key not in expected:
+            return f"the checkpoint has {key!r}, which the model does not"
+    return None
+
+
+def first_config_mismatch(saved: Mapping[str, Any], current: Mapping[str, Any],
+                          keys) -> str | None:
+    """The first of ``keys`` whose value differs between two configs, as one phrase, or None.
+
+    Lists and tuples compare equal when their items do (a JSON round trip turns one into
+    the other).
+
+    Returns:
+        e.g. ``"batch_size=4 in the checkpoint but batch_size=8 in this run"``.
+    """
+    def norm(v):
+        return list(v) if isinstance(v, (list, tuple)) else v
+
+    for key in keys:
+        a, b = saved.get(key), current.get(key)
+        if norm(a) != norm(b):
+            return f"{key}={a!r} in the checkpoint but {key}={b!r} in this run"
+    return None
+
+
+# --------------------------------------------------------------------------- random state
+
+def capture_rng_state() -> dict:
+    """This process's random generators: torch (CPU), CUDA (every device), numpy, Python.
+
+    Stored as tensors, lists and numbers only, so ``torch.load(weights_only=True)`` reads it.
+    Local, no synchronisation (gather it across ranks if ranks differ).
+    """
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    version, internal, gauss_next = random.getstate()
+    state = {
+        "torch": torch.get_rng_state(),
+        "numpy": {"kind": str(kind), "keys": torch.from_numpy(keys.astype(np.int64)),
+                  "pos": int(pos), "has_gauss": int(has_gauss), "cached": float(cached)},
+        "python": {"version": int(version), "internal": list(internal),
+                   "gauss_next": gauss_next},
+        "cuda": [],
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = [s.cpu() for s in torch.cuda.get_rng_state_all()]
+    return state
+
+
+def restore_rng_state(state: Mapping[str, Any]) -> None:
+    """Set the generators back to a :func:`capture_rng_state` result (local, no sync)."""
+    torch.set_rng_state(state["torch"].cpu().to(torch.uint8))
+    npy = state["numpy"]
+    np.random.set_state((npy["kind"], npy["keys"].cpu().numpy().astype(np.uint32),
+                         npy["pos"], npy["has_gauss"], npy["cached"]))
+    py = state["python"]
+    random.setstate((py["version"], tuple(py["internal"]), py["gauss_next"]))
+    cuda = state.get("cuda") or []
+    if cuda and torch.cuda.is_available():
+        for device, s in enumerate(cuda[:torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(s.cpu().to(torch.uint8), device)

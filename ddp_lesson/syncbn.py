@@ -1,0 +1,272 @@
+"""SyncBatchNorm from scratch: BatchNorm statistics over the global batch, on CPU/gloo too.
+
+Why: BatchNorm normalises each channel with the mean and variance of the batch it sees. Under
+data parallelism each rank sees only its own slice of the global batch, so plain BatchNorm
+uses per-rank statistics (2 images out of 8, say), and its running mean/var drift apart
+between ranks. SyncBatchNorm computes the statistics of the *global* batch: it is then the
+same function as BatchNorm on the concatenated batch on one process (shared/cases B11).
+
+torch's ``nn.SyncBatchNorm`` does this on GPUs only ("SyncBatchNorm expected input tensor to
+be on GPU"), so this module rebuilds it for any device, with plain ``all_reduce`` calls:
+
+* **forward** (training): each rank computes, per channel, the sum of its values, their sum
+  of squares and its count (from a numerically stable local ``var_mean``), all-reduces the
+  three (one float64 all_reduce of ``3 x C`` numbers), and normalises with the global mean
+  and biased variance. Ranks may hold different numbers of samples (the count is reduced
+  too). Running stats are updated with the global mean and *unbiased* variance, as
+  ``nn.BatchNorm*d`` does, so they are identical on every rank.
+* **backward**: the gradient of a normalised value depends on the whole batch through the
+  mean and the variance, via two per-channel sums: ``sum(dy)`` and ``sum(dy * (x - mean))``.
+  Each rank computes its local sums and all-reduces them (one more all_reduce of ``2 x C``),
+  then forms its own slice of the input gradient. The weight and bias gradients stay local:
+  DDP's gradient all_reduce averages them like any other parameter's.
+
+Every BatchNorm layer therefore adds two collectives per training step, one in forward and one
+in backward: a synchronisation point per layer, which is the price of exact statistics.
+In eval mode (with running stats) nothing is communicated.
+
+:func:`convert_sync_batchnorm` replaces every ``BatchNorm1d/2d/3d`` in a model, nested ones
+included, keeping the weights and running statistics (like
+``torch.nn.SyncBatchNorm.convert_sync_batchnorm``). Convert *before* wrapping the model in
+DDP (the wrapper registers its hooks on the parameters it finds at construction; NVIDIA/apex
+#109) and after moving it to its device.
+
+Sources: Ioffe & Szegedy, "Batch Normalization" (arXiv:1502.03167), section 3 (forward and
+backward formulas); torch's ``torch/nn/modules/_functions.py`` (``SyncBatchNorm`` autograd
+function: local stats, all-gather, ``batch_norm_backward_reduce`` then all_reduce of
+``sum_dy`` and ``sum_dy_xmu``).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+__all__ = ["SyncBatchNorm", "convert_sync_batchnorm", "count_batchnorm", "sync_batch_norm"]
+
+
+def _group_size(process_group) -> int:
+    """World size of ``process_group`` (1 without an initialised process group)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1
+    return dist.get_world_size(process_group)
+
+
+class _SyncBatchNormFunction(torch.autograd.Function):
+    """Training-mode batch norm with statistics all-reduced over ``process_group``.
+
+    ``forward(x, weight, bias, eps, process_group)``: ``x`` is ``(N, C, *)``; returns
+    ``(y, mean, var_biased, count)`` where ``mean``/``var_biased`` are the global per-channel
+    statistics ``(C,)`` float64 and ``count`` the global number of values per channel. Only
+    ``y`` carries a gradient.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps, process_group):
+        c = x.shape[1]
+        dims = [d for d in range(x.dim()) if d != 1]
+        n_local = x.numel() // c if c else 0
+        if n_local > 0:
+            # Stable local statistics first (var_mean is a two-pass/Welford reduction), then
+            # turned into sums in float64, so combining them cannot cancel catastrophically.
+            var_l, mean_l = torch.var_mean(x, dim=dims, correction=0)
+            mean_l, var_l = mean_l.double(), var_l.double()
+            sums = torch.stack([mean_l * n_local, (var_l + mean_l * mean_l) * n_local,
+                                torch.full_like(mean_l, float(n_local))])
+        else:  # a rank with an empty batch still takes part in the all_reduce
+            sums = torch.zeros(3, c, dtype=torch.float64, device=x.device)
+        if _group_size(process_group) > 1:
+            dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=process_group)  # sync point
+        total_sum, total_sq, count = sums[0], sums[1], sums[2]
+        if float(count[0]) < 1:
+            raise ValueError(f"SyncBatchNorm: the global batch holds no values for {c} "
+                             "channels (every rank's batch is empty)")
+        mean = total_sum / count
+        var = (total_sq / count - mean * mean).clamp_(min=0.0)  # biased: normalises
+        invstd = torch.rsqrt(var + eps)
+        mean_x = mean.to(x.dtype)
+        invstd_x = invstd.to(x.dtype)
+        shape = [1, c] + [1] * (x.dim() - 2)
+        xhat = (x - mean_x.view(shape)) * invstd_x.view(shape)
+        y = xhat
+        if weight is not None:
+            y = y * weight.view(shape) + bias.view(shape)
+        ctx.save_for_backward(x, weight, mean_x, invstd_x, count.to(x.dtype))
+        ctx.process_group = process_group
+        count0 = count[0].clone()
+        ctx.mark_non_differentiable(mean, var, count0)
+        return y, mean, var, count0
+
+    @staticmethod
+    def backward(ctx, dy, _dmean, _dvar, _dcount):
+        x, weight, mean, invstd, count = ctx.saved_tensors
+        c = x.shape[1]
+        shape = [1, c] + [1] * (x.dim() - 2)
+        dims = [d for d in range(x.dim()) if d != 1]
+        xmu = x - mean.view(shape)
+        if x.numel():
+            sum_dy = dy.sum(dim=dims)
+            sum_dy_xmu = (dy * xmu).sum(dim=dims)
+        else:
+            sum_dy = torch.zeros(c, dtype=x.dtype, device=x.device)
+            sum_dy_xmu = torch.zeros_like(sum_dy)
+        grad_weight = grad_bias = None
+        if weight is not None:
+            # Local contributions only: DDP's gradient all_reduce combines them across ranks.
+            grad_weight = sum_dy_xmu * invstd if ctx.needs_input_grad[1] else None
+            grad_bias = sum_dy.clone() if ctx.needs_input_grad[2] else None
+        # dx depends on the whole global batch through two per-channel sums. The all_reduce
+        # runs whether or not this rank needs dx, so every rank issues the same collectives.
+        both = torch.stack([sum_dy, sum_dy_xmu])
+        if _group_size(ctx.process_group) > 1:
+            dist.all_reduce(both, op=dist.ReduceOp.SUM, group=ctx.process_group)  # sync point
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            mean_dy = both[0] / count
+            mean_dy_xmu = both[1] / count
+            scale = invstd if weight is None else invstd * weight
+            grad_x = (dy - mean_dy.view(shape)
+                      - xmu * (invstd * invstd * mean_dy_xmu).view(shape)) * scale.view(shape)
+        return grad_x, grad_weight, grad_bias, None, None
+
+
+def sync_batch_norm(x: torch.Tensor, weight, bias, eps: float = 1e-5, process_group=None):
+    """Batch norm of ``x`` with statistics of the global batch (training mode).
+
+    Args:
+        x: ``(N, C, *)`` float tensor; ``N`` may differ between ranks (even be 0 on some).
+        weight, bias: ``(C,)`` affine parameters, or both None.
+        eps: added to the variance before the square root.
+        process_group: the ranks to reduce over (None: the default group).
+
+    Returns:
+        ``(y, mean, var, count)``: ``y`` like ``x``; the global per-channel ``mean`` and
+        biased ``var`` as ``(C,)`` float64; ``count`` = global values per channel (0-dim).
+
+    Synchronises: one all_reduce in forward and one in backward, on every rank of the group.
+    """
+    return _SyncBatchNormFunction.apply(x, weight, bias, eps, process_group)
+
+
+class SyncBatchNorm(_BatchNorm):
+    """BatchNorm over the global batch of all ranks, for any device and backend (gloo too).
+
+    Same constructor, parameters, buffers and ``state_dict`` keys as ``nn.BatchNorm2d`` (a
+    checkpoint of one loads into the other) and the same formulas as
+    ``torch.nn.SyncBatchNorm``. Accepts ``(N, C)``, ``(N, C, L)``, ``(N, C, H, W)`` and
+    ``(N, C, D, H, W)`` inputs.
+
+    Training mode with more than one rank: global statistics, two all_reduce calls per step
+    (see the module docstring); every rank of ``process_group`` must call forward and
+    backward the same number of times. Eval mode (with running stats), or a single process:
+    exactly ``F.batch_norm``, no communication.
+
+    Args:
+        num_features: C.
+        eps, momentum, affine, track_running_stats: as ``nn.BatchNorm2d``
+            (``momentum=None``: cumulative moving average).
+        process_group: ranks whose batches form the global batch (None: all ranks).
+        device, dtype: where to create parameters and buffers.
+    """
+
+    def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1,
+                 affine: bool = True, track_running_stats: bool = True, process_group=None,
+                 device=None, dtype=None):
+        super().__init__(num_features, eps, momentum, affine, track_running_stats,
+                         device=device, dtype=dtype)
+        self.process_group = process_group
+
+    def _check_input_dim(self, input: torch.Tensor) -> None:
+        if input.dim() < 2:
+            raise ValueError(f"expected at least 2-D input (N, C, ...), got {input.dim()}-D "
+                             f"input of shape {tuple(input.shape)}")
+        if input.shape[1] != self.num_features:
+            raise ValueError(f"expected {self.num_features} channels, got input of shape "
+                             f"{tuple(input.shape)}")
+
+    def _factor(self) -> float:
+        """The running-average factor for this step (as ``_BatchNorm.forward`` computes it)."""
+        if self.training and self.track_running_stats and self.num_batches_tracked is not None:
+            self.num_batches_tracked.add_(1)
+            if self.momentum is None:
+                return 1.0 / float(self.num_batches_tracked)
+            return self.momentum
+        return 0.0 if self.momentum is None else self.momentum
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        """Normalise ``input`` ``(N, C, *)``; synchronises in training mode (see class doc)."""
+        self._check_input_dim(input)
+        use_batch_stats = self.training or not self.track_running_stats
+        need_sync = use_batch_stats and _group_size(self.process_group) > 1
+        factor = self._factor()
+        if not need_sync:
+            # One process, or eval with running stats: plain batch norm, bit for bit
+            # (the same call nn.BatchNorm2d.forward makes).
+            keep = not self.training or self.track_running_stats
+            return F.batch_norm(input, self.running_mean if keep else None,
+                                self.running_var if keep else None, self.weight, self.bias,
+                                use_batch_stats, factor, self.eps)
+        y, mean, var, count = sync_batch_norm(input, self.weight, self.bias, self.eps,
+                                              self.process_group)
+        if self.training and self.track_running_stats:
+            with torch.no_grad():
+                n = float(count)
+                unbiased = var * (n / (n - 1)) if n > 1 else var
+                self.running_mean.mul_(1 - factor).add_(mean.to(self.running_mean.dtype),
+                                                        alpha=factor)
+                self.running_var.mul_(1 - factor).add_(unbiased.to(self.running_var.dtype),
+                                                       alpha=factor)
+        return y
+
+
+def convert_sync_batchnorm(module: nn.Module, process_group=None) -> nn.Module:
+    """Replace every ``BatchNorm1d/2d/3d`` in ``module`` (nested ones too) by :class:`SyncBatchNorm`.
+
+    The new layers *share* the old layers' weight and bias parameters (as torch's converter
+    does) and copy their running mean, running var and batch counter, so a converted model
+    computes the same as the original in eval mode and loads the same ``state_dict``.
+    ``training`` flags, ``requires_grad`` and devices are kept. Layers that already
+    synchronise (this class, ``nn.SyncBatchNorm``) are left alone.
+
+    Call it after moving the model to its device and before wrapping it in DDP.
+
+    Args:
+        module: a model, or a single BatchNorm layer.
+        process_group: passed to every new layer (None: all ranks).
+
+    Returns:
+        ``module`` with its layers replaced in place, or the new layer when ``module``
+        itself is a BatchNorm.
+    """
+    out = module
+    if isinstance(module, _BatchNorm) and not isinstance(module, (SyncBatchNorm,
+                                                                  nn.SyncBatchNorm)):
+        out = SyncBatchNorm(module.num_features, module.eps, module.momentum, module.affine,
+                            module.track_running_stats, process_group)
+        if module.affine:
+            with torch.no_grad():
+                out.weight = module.weight
+                out.bias = module.bias
+        if module.track_running_stats:
+            out.running_mean = module.running_mean
+            out.running_var = module.running_var
+            out.num_batches_tracked = module.num_batches_tracked
+        out.training = module.training
+        if hasattr(module, "qconfig"):
+            out.qconfig = module.qconfig
+    for name, child in module.named_children():
+        new = convert_sync_batchnorm(child, process_group)
+        if new is not child:
+            out.add_module(name, new)
+    return out
+
+
+def count_batchnorm(module: nn.Module) -> dict[str, int]:
+    """How many layers of each normalisation kind ``module`` holds, e.g. ``{"BatchNorm2d": 14}``."""
+    counts: dict[str, int] = {}
+    for m in module.modules():
+        if isinstance(m, _BatchNorm):
+            counts[type(m).__name__] = counts.get(type(m).__name__, 0) + 1
+    return counts

@@ -1,0 +1,244 @@
+"""ddp_lesson.checkpoint: atomic save, the module. prefix (B12), the rank-0 protocol (B14)."""
+import json
+import os
+import random
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ddp_lesson import checkpoint as ck
+from ddp_lesson.checkpoint import (CheckpointError, capture_rng_state, first_config_mismatch,
+                                   first_state_mismatch, load_checkpoint, restore_rng_state,
+                                   save_atomic, strip_module_prefix, unwrap)
+from ddp_lesson.launch import run_torchrun
+
+
+# ---- B12: the module. prefix ---------------------------------------------------------------
+
+@pytest.fixture
+def one_rank_group(tmp_path):
+    """A real gloo process group of one rank in this process (torch's DDP needs one)."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0,
+                            world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_b12_ddp_keys_carry_the_prefix_and_the_helper_strips_it(one_rank_group):
+    torch.manual_seed(0)
+    bare = nn.Linear(2, 1)
+    ddp = nn.parallel.DistributedDataParallel(bare)
+    wrapped = ddp.state_dict()
+    assert list(wrapped) == ["module.weight", "module.bias"]
+    assert list(strip_module_prefix(wrapped)) == ["weight", "bias"]
+    fresh = nn.Linear(2, 1)
+    with pytest.raises(RuntimeError, match="Missing key"):
+        fresh.load_state_dict(wrapped, strict=True)
+    fresh.load_state_dict(strip_module_prefix(wrapped), strict=True)
+    assert torch.equal(fresh.weight, bare.weight)
+    # the recommended save path: the unwrapped module's state_dict
+    assert unwrap(ddp) is bare
+    assert list(unwrap(ddp).state_dict()) == ["weight", "bias"]
+
+
+def test_b12_prefix_removed_once_and_only_at_the_start():
+    sd = {"module.module.weight": 1, "submodule.weight": 2, "module.bias": 3, "plain": 4}
+    assert list(strip_module_prefix(sd)) == ["module.weight", "submodule.weight", "bias",
+                                             "plain"]
+    twice = strip_module_prefix(strip_module_prefix({"module.module.weight": 1}))
+    assert list(twice) == ["weight"]
+
+
+def test_strip_keeps_metadata_so_batchnorm_loads():
+    wrapped = nn.Sequential()
+    wrapped.module = nn.BatchNorm2d(3)
+    sd = wrapped.state_dict()
+    assert "module" in sd._metadata
+    out = strip_module_prefix(sd)
+    assert "" in out._metadata and "module" not in out._metadata
+    nn.BatchNorm2d(3).load_state_dict(out)
+
+
+# ---- atomic save -------------------------------------------------------------------------
+
+def test_save_atomic_replaces_and_leaves_no_temporary(tmp_path):
+    path = tmp_path / "c.pt"
+    save_atomic({"a": torch.arange(3)}, str(path))
+    save_atomic({"a": torch.arange(5)}, str(path))
+    assert torch.equal(torch.load(path)["a"], torch.arange(5))
+    assert os.listdir(tmp_path) == ["c.pt"]
+
+
+def test_a_failed_save_leaves_the_previous_checkpoint_valid(tmp_path, monkeypatch):
+    path = tmp_path / "c.pt"
+    save_atomic({"a": torch.ones(2)}, str(path))
+    before = path.read_bytes()
+    with pytest.raises(Exception):
+        save_atomic({"f": lambda: 0}, str(path))  # cannot be pickled: fails mid-write
+    assert path.read_bytes() == before
+
+    def crash(*args):  # the machine "dies" between the write and the rename
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", crash)
+    with pytest.raises(OSError, match="No space left"):
+        save_atomic({"a": torch.zeros(2)}, str(path))
+    monkeypatch.undo()
+    assert path.read_bytes() == before
+    assert os.listdir(tmp_path) == ["c.pt"]
+
+
+# ---- loading and its errors ---------------------------------------------------------------
+
+def _valid(**over):
+    base = {"format": ck.CHECKPOINT_FORMAT, "version": ck.CHECKPOINT_VERSION,
+            "model": {"w": torch.zeros(2)}, "optimizer": {}, "scheduler": {}, "epoch": 0,
+            "step_in_epoch": 0, "global_step": 0, "sampler": {}, "rng": [], "config": {},
+            "world_size": 1}
+    base.update(over)
+    return base
+
+
+def test_load_maps_to_the_given_device(tmp_path):
+    path = str(tmp_path / "c.pt")
+    save_atomic(_valid(), path)
+    ckpt = load_checkpoint(path, map_location="cpu")
+    assert ckpt["model"]["w"].device.type == "cpu"
+
+
+@pytest.mark.parametrize("kind, message", [
+    ("truncated", r"is not a readable checkpoint \(no zip archive: truncated, or not written by torch.save\)"),
+    ("text", r"is not a readable checkpoint"),
+    ("empty", r"\(0 bytes\) is not a readable checkpoint"),
+    ("state_dict", r"is not a ddp_lesson checkpoint: it holds a dict with keys \['bias', 'weight'\]"),
+    ("tensor", r"is not a ddp_lesson checkpoint: it holds a Tensor"),
+    ("incomplete", r"is an incomplete checkpoint: missing \['optimizer'"),
+    ("version", r"has checkpoint version 99; this package reads version 1"),
+    ("code", r"bytes\) is not a readable checkpoint \(UnpicklingError: Unsupported global: "
+             r"GLOBAL datetime.date"),
+])
+def test_unusable_files_raise_one_line(tmp_path, kind, message):
+    path = tmp_path / "c.pt"
+    if kind == "truncated":
+        save_atomic(_valid(), str(path))
+        data = path.read_bytes()
+        path.write_bytes(data[: len(data) // 2])
+    elif kind == "text":
+        path.write_text("not a checkpoint\n")
+    elif kind == "empty":
+        path.write_bytes(b"")
+    elif kind == "state_dict":
+        torch.save(nn.Linear(2, 1).state_dict(), path)
+    elif kind == "tensor":
+        torch.save(torch.zeros(3), path)
+    elif kind == "incomplete":
+        bad = _valid()
+        del bad["optimizer"]
+        torch.save(bad, path)
+    elif kind == "code":  # a zip file whose pickle would import and call arbitrary code
+        import datetime
+
+        torch.save(_valid(when=datetime.date(2020, 1, 1)), path)
+    else:
+        torch.save(_valid(version=99), path)
+    with pytest.raises(CheckpointError, match=message) as exc:
+        load_checkpoint(str(path))
+    assert "\n" not in str(exc.value)
+    with pytest.raises(FileNotFoundError, match="no checkpoint at"):
+        load_checkpoint(str(tmp_path / "missing.pt"))
+
+
+def test_first_state_mismatch_names_the_first_difference():
+    model = {"a": torch.zeros(2, 3), "b": torch.zeros(4)}
+    assert first_state_mismatch(model, {"a": torch.ones(2, 3), "b": torch.ones(4)}) is None
+    assert first_state_mismatch(model, {"a": torch.zeros(3, 3), "b": torch.zeros(5)}) == \
+        "'a' has shape (3, 3) in the checkpoint but (2, 3) in the model"
+    assert first_state_mismatch(model, {"a": torch.zeros(2, 3)}) == "the checkpoint lacks 'b'"
+    assert first_state_mismatch(model, {**model, "c": torch.zeros(1)}) == \
+        "the checkpoint has 'c', which the model does not"
+
+
+def test_first_config_mismatch():
+    saved = {"batch_size": 4, "size": [32, 64], "lr": 0.05}
+    assert first_config_mismatch(saved, {"batch_size": 4, "size": (32, 64), "lr": 0.05},
+                                 ["batch_size", "size", "lr"]) is None
+    assert first_config_mismatch(saved, {"batch_size": 8, "size": (32, 64), "lr": 0.1},
+                                 ["size", "batch_size", "lr"]) == \
+        "batch_size=4 in the checkpoint but batch_size=8 in this run"
+
+
+def test_rng_state_round_trip_through_a_weights_only_file(tmp_path):
+    torch.manual_seed(3)
+    np.random.seed(3)
+    random.seed(3)
+    state = capture_rng_state()
+    expected = (torch.rand(3), np.random.rand(3), random.random())
+    path = str(tmp_path / "rng.pt")
+    save_atomic(state, path)
+    torch.rand(10), np.random.rand(10), random.random()  # move every generator on
+    restore_rng_state(torch.load(path, weights_only=True))
+    got = (torch.rand(3), np.random.rand(3), random.random())
+    assert torch.equal(got[0], expected[0])
+    assert np.array_equal(got[1], expected[1])
+    assert got[2] == expected[2]
+
+
+# ---- B14: rank 0 writes, the others read only when the file is complete --------------------
+
+B14 = r'''
+import json, os, sys, time
+import torch
+import torch.distributed as dist
+from ddp_lesson.env import init_distributed, cleanup
+from ddp_lesson import checkpoint as ck
+
+env = init_distributed(timeout=60, announce=False)
+path = sys.argv[1]
+out = {}
+# rank 0 is slow to write; the others call load right after save_checkpoint returns
+if env.rank == 0:
+    real_save = ck.torch.save
+    def slow_save(*a, **k):
+        time.sleep(1.0)
+        real_save(*a, **k)
+    ck.torch.save = slow_save
+obj = {"format": ck.CHECKPOINT_FORMAT, "version": ck.CHECKPOINT_VERSION,
+       "model": {"w": torch.arange(1000.0)}, "optimizer": {}, "scheduler": {}, "epoch": 1,
+       "step_in_epoch": 2, "global_step": 3, "sampler": {}, "rng": [], "config": {},
+       "world_size": env.world_size}
+ck.save_checkpoint(obj if env.rank == 0 else None, path)
+loaded = ck.load_checkpoint(path, map_location=env.device)
+out["loaded_sum"] = float(loaded["model"]["w"].sum())
+out["temporaries"] = sorted(f for f in os.listdir(os.path.dirname(path)) if ".tmp." in f)
+# "does the file exist?" is rank 0's answer on every rank, even where a rank sees otherwise
+if env.rank == 1:
+    os.path.exists = lambda p: False
+out["exists"] = ck.decide_on_rank0(lambda: os.path.exists(path))
+# a failed write on rank 0 raises on every rank (nobody waits forever)
+try:
+    ck.save_checkpoint(obj if env.rank == 0 else None, os.path.join(path, "no", "dir.pt"))
+    out["failure"] = None
+except OSError as exc:
+    out["failure"] = str(exc)
+print(json.dumps(out))
+cleanup()
+'''
+
+
+@pytest.mark.timeout(120)
+def test_b14_save_then_load_on_every_rank(tmp_path):
+    script = tmp_path / "b14.py"
+    script.write_text(B14)
+    path = tmp_path / "ckpt" / "checkpoint.pt"
+    path.parent.mkdir()
+    result = run_torchrun(str(script), [str(path)], nproc_per_node=3, timeout=120, live=False,
+                          backend="gloo")
+    for rank in range(3):
+        out = json.loads(result.rank_lines(rank)[-1])
+        assert out["loaded_sum"] == sum(range(1000))
+        assert out["temporaries"] == []
+        assert out["exists"] is True
+        assert out["failure"].startswith("rank 0 could not write checkpoint ")

@@ -1,0 +1,239 @@
+"""Checkpoint and exact resume of the trainer: an interrupted then resumed run ends bit-identical.
+
+Single process (in this process, cheap): stop after every step of a 2-epoch run in turn,
+resume, compare with the uninterrupted run; and a real crash (an exception in the middle of
+an epoch) resumed from the last periodic checkpoint. Two ranks (one torchrun launch running
+the trainer several times): mid-epoch and epoch-boundary interruptions, with SyncBatchNorm and
+gradient accumulation, and with this package's DDP wrappers.
+"""
+import json
+
+import pytest
+import torch
+
+from ddp_lesson import train
+from ddp_lesson.launch import run_torchrun
+from ddp_lesson.models import build_model
+
+# 16 samples, batch 4: 4 steps per epoch, 8 in all.
+BASE = ["--epochs", "2", "--num-train", "16", "--num-val", "4", "-b", "4", "--size", "32", "64",
+        "--width", "4"]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """One intra-op thread, as under torchrun: small models run faster without contention."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _load(path):
+    return torch.load(path, weights_only=True)
+
+
+def _same_tensors(a: dict, b: dict) -> bool:
+    return list(a) == list(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _same_optimizer(a: dict, b: dict) -> bool:
+    if a["param_groups"] != b["param_groups"] or list(a["state"]) != list(b["state"]):
+        return False
+    return all(_same_tensors(a["state"][k], b["state"][k]) for k in a["state"])
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ref")
+    summary = train.main(BASE + ["--out", str(out)])
+    return summary, _load(out / "checkpoint.pt")
+
+
+@pytest.mark.parametrize("stop_after", range(1, 8))
+def test_stop_after_any_step_then_resume_is_bit_identical(tmp_path, reference, stop_after,
+                                                          capsys):
+    ref_summary, ref_ckpt = reference
+    first = train.main(BASE + ["--out", str(tmp_path), "--max-steps", str(stop_after)])
+    assert first["stopped_early"] and first["global_step"] == stop_after
+    mid = _load(tmp_path / "checkpoint.pt")
+    assert (mid["epoch"], mid["step_in_epoch"]) == divmod(stop_after, 4) or \
+        (stop_after == 4 and (mid["epoch"], mid["step_in_epoch"]) == (0, 4))
+    assert mid["sampler"]["seed"] == 0
+    assert mid["sampler"]["consumed_per_rank"] == mid["step_in_epoch"] * 4
+    summary = train.main(BASE + ["--out", str(tmp_path)])
+    ckpt = _load(tmp_path / "checkpoint.pt")
+    assert _same_tensors(ckpt["model"], ref_ckpt["model"])
+    assert _same_optimizer(ckpt["optimizer"], ref_ckpt["optimizer"])
+    assert ckpt["scheduler"] == ref_ckpt["scheduler"]
+    assert summary["step_losses"] == ref_summary["step_losses"]
+    assert summary["history"] == ref_summary["history"]
+    assert summary["resumed_from"]["global_step"] == stop_after
+    out = capsys.readouterr().out
+    assert f"stopped after global step {stop_after} (--max-steps {stop_after})" in out
+    assert "resuming from " in out
+
+
+def test_a_crash_resumes_from_the_last_periodic_checkpoint(tmp_path, reference, monkeypatch):
+    ref_summary, ref_ckpt = reference
+    calls = {"n": 0}
+    real_step = train.train_step
+
+    def crashing_step(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 6:  # the machine dies in step 6; the last checkpoint is step 4
+            raise KeyboardInterrupt
+        return real_step(*args, **kwargs)
+
+    monkeypatch.setattr(train, "train_step", crashing_step)
+    with pytest.raises(KeyboardInterrupt):
+        train.main(BASE + ["--out", str(tmp_path), "--checkpoint-every-steps", "3"])
+    monkeypatch.undo()
+    # every 3 steps and at each epoch end: steps 3 and 4 were saved, step 6 never happened
+    assert _load(tmp_path / "checkpoint.pt")["global_step"] == 4
+    summary = train.main(BASE + ["--out", str(tmp_path), "--checkpoint-every-steps", "3"])
+    assert _same_tensors(_load(tmp_path / "checkpoint.pt")["model"], ref_ckpt["model"])
+    assert summary["step_losses"] == ref_summary["step_losses"]
+
+
+def test_a_finished_run_run_again_only_evaluates(tmp_path, capsys):
+    first = train.main(BASE + ["--out", str(tmp_path)])
+    before = (tmp_path / "checkpoint.pt").read_bytes()
+    again = train.main(BASE + ["--out", str(tmp_path)])
+    assert "all 2 epochs done; nothing left to train" in capsys.readouterr().out
+    assert (tmp_path / "checkpoint.pt").read_bytes() == before
+    assert again["history"] == first["history"] and again["val_miou"] == first["val_miou"]
+
+
+def test_no_resume_starts_over(tmp_path, reference, capsys):
+    train.main(BASE + ["--out", str(tmp_path), "--max-steps", "2"])
+    summary = train.main(BASE + ["--out", str(tmp_path), "--no-resume"])
+    assert "resuming" not in capsys.readouterr().out
+    assert summary["resumed_from"] is None
+    assert summary["step_losses"] == reference[0]["step_losses"]
+
+
+def test_the_checkpoint_holds_everything_named_in_the_issue(reference):
+    ckpt = reference[1]
+    for key in ("model", "optimizer", "scheduler", "epoch", "step_in_epoch", "sampler", "rng",
+                "config", "global_step"):
+        assert key in ckpt
+    assert (ckpt["epoch"], ckpt["step_in_epoch"], ckpt["global_step"]) == (2, 0, 8)
+    assert set(ckpt["rng"][0]) == {"torch", "numpy", "python", "cuda"}
+    # a bare model loads it as it is (no "module." prefix): shared/cases B12
+    model = build_model("deeplab", width=4)
+    model.load_state_dict(ckpt["model"], strict=True)
+
+
+# ---- two ranks -----------------------------------------------------------------------------
+
+TWO_RANKS = r'''
+import json, sys
+import torch
+from ddp_lesson.env import init_distributed, cleanup
+from ddp_lesson import train
+from ddp_lesson.models import build_model
+
+env = init_distributed(timeout=60, announce=False)
+base = json.loads(sys.argv[1])
+
+def weights(out):
+    return torch.load(f"{out}/checkpoint.pt", weights_only=True)
+
+def same(a, b):
+    return all(torch.equal(a[k], b[k]) for k in a) and list(a) == list(b)
+
+res = {}
+for tag, extra in (("plain", []), ("syncbn_accum", ["--sync-bn", "--grad-accum-steps", "2"]),
+                   ("bucketed", ["--ddp", "bucketed"]), ("naive", ["--ddp", "naive"])):
+    ref = train.main(base + extra + ["--out", f"ref_{tag}"])
+    R = weights(f"ref_{tag}")
+    stops = [2, 4] if tag == "plain" else [3]
+    for k in stops:
+        out = f"run_{tag}_{k}"
+        train.main(base + extra + ["--out", out, "--max-steps", str(k)])
+        s = train.main(base + extra + ["--out", out])
+        C = weights(out)
+        res[f"{tag}_{k}"] = {"model": same(R["model"], C["model"]),
+                             "losses": s["step_losses"] == ref["step_losses"],
+                             "history": s["history"] == ref["history"]}
+    res[f"{tag}_weights"] = {k: v.float().sum().item() for k, v in R["model"].items()}
+    res[f"{tag}_steps"] = ref["steps_per_epoch"]
+res["plain_loss_fell"] = all(a["train_loss"] > b["train_loss"]
+                            for a, b in zip(ref["history"], ref["history"][1:]))
+# notebook 05, section 3: global batch 8 as 2 processes x 4, with and without SyncBatchNorm
+nb = ["--epochs", "1", "--num-train", "64", "--num-val", "8", "--size", "32", "64", "--width", "8",
+      "-b", "4"]
+res["nb05_two"] = train.main(nb + ["--sync-bn", "--out", "nb05_two"])["step_losses"]
+res["nb05_plain"] = train.main(nb + ["--out", "nb05_plain"])["step_losses"]
+# a checkpoint written under DDP loads into a bare model
+bare = build_model("deeplab", width=4)
+bare.load_state_dict(weights("ref_plain")["model"], strict=True)
+res["bare_load"] = True
+print(json.dumps(res))
+import gc
+gc.collect()  # free DDP wrappers (reference cycles) before the process group goes
+cleanup()
+'''
+
+
+@pytest.mark.timeout(240)
+def test_two_ranks_interrupted_and_resumed_are_bit_identical(tmp_path):
+    script = tmp_path / "two_ranks.py"
+    script.write_text(TWO_RANKS)
+    # 32 samples on 2 ranks, batch 4: 4 steps per epoch (2 with accumulation 2)
+    base = ["--epochs", "2", "--num-train", "32", "--num-val", "4", "-b", "4", "--size", "32",
+            "64", "--width", "4"]
+    result = run_torchrun(str(script), [json.dumps(base)], nproc_per_node=2, timeout=240,
+                          live=False, backend="gloo", cwd=tmp_path)
+    res = json.loads(result.rank_lines(0)[-1])
+    for key in ("plain_2", "plain_4", "syncbn_accum_3", "bucketed_3", "naive_3"):
+        assert res[key] == {"model": True, "losses": True, "history": True}, key
+    assert res["plain_steps"] == 4 and res["syncbn_accum_steps"] == 2
+    # the package's wrappers train the very same weights as torch's DDP
+    assert res["bucketed_weights"] == res["plain_weights"]
+    assert res["naive_weights"] == res["plain_weights"]
+    assert res["bare_load"]
+    assert res["plain_loss_fell"]
+    # notebook 05, section 3: the same global batch of 8 on one process (in this process)
+    one = train.main(["--epochs", "1", "--num-train", "64", "--num-val", "8", "--size", "32",
+                      "64", "--width", "8", "-b", "8", "--sync-bn", "--out",
+                      str(tmp_path / "nb05_one")])["step_losses"]
+    two, plain = res["nb05_two"], res["nb05_plain"]
+    assert len(one) == len(two) == len(plain) == 8
+    assert max(abs(a - b) for a, b in zip(one, two)) < 1e-3
+    assert abs(one[0] - two[0]) < 1e-5       # SyncBatchNorm: the same function
+    assert abs(one[0] - plain[0]) >= 1e-5    # per-rank statistics: a different one
+
+
+THREE_RANKS = r'''
+import gc, json, sys
+import torch
+from ddp_lesson.env import init_distributed, cleanup
+from ddp_lesson import train
+
+env = init_distributed(timeout=60, announce=False)
+base = json.loads(sys.argv[1])
+ref = train.main(base + ["--out", "ref"])
+train.main(base + ["--out", "run", "--max-steps", "3"])
+resumed = train.main(base + ["--out", "run"])
+a = torch.load("ref/checkpoint.pt", weights_only=True)["model"]
+b = torch.load("run/checkpoint.pt", weights_only=True)["model"]
+print(json.dumps({"model": all(torch.equal(a[k], b[k]) for k in a),
+                  "losses": ref["step_losses"] == resumed["step_losses"]}))
+gc.collect()  # free DDP wrappers (reference cycles) before the process group goes
+cleanup()
+'''
+
+
+@pytest.mark.timeout(240)
+def test_three_ranks_resume_is_bit_identical_with_torch_ddp(tmp_path):
+    """With 3 ranks the gradient sum's order depends on DDP's bucket layout, which torch's
+    DDP rebuilds after its first backward: the resumed wrapper must get the same layout."""
+    script = tmp_path / "three_ranks.py"
+    script.write_text(THREE_RANKS)
+    base = ["--epochs", "2", "--num-train", "48", "--num-val", "3", "-b", "4", "--size", "32",
+            "64", "--width", "4"]
+    result = run_torchrun(str(script), [json.dumps(base)], nproc_per_node=3, timeout=240,
+                          live=False, backend="gloo", cwd=tmp_path)
+    assert json.loads(result.rank_lines(0)[-1]) == {"model": True, "losses": True}
