@@ -233,24 +233,45 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _reap(proc: subprocess.Popen, seconds: float) -> bool:
+    """Wait up to ``seconds`` for ``proc`` to exit; True once it has been reaped.
+
+    Uses ``os.waitpid`` directly, not ``Popen.wait``: an interrupt that lands inside
+    ``Popen.poll`` can leave Popen's internal wait lock held, and a later ``Popen.wait()``
+    then blocks forever.
+    """
+    deadline = time.monotonic() + seconds
+    while True:
+        if proc.returncode is not None:
+            return True
+        try:
+            pid, status = os.waitpid(proc.pid, os.WNOHANG)
+        except ChildProcessError:  # reaped already (by Popen)
+            return True
+        if pid:
+            proc.returncode = os.waitstatus_to_exitcode(status)
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+
+
 def _terminate(procs: list[subprocess.Popen], outdir: Path) -> None:
     """End torchrun agents and every worker they started (see the module docstring)."""
     for p in procs:
-        if p.poll() is None:
+        if p.returncode is None:
             try:
                 os.killpg(p.pid, signal.SIGTERM)
             except ProcessLookupError:
                 pass
     deadline = time.monotonic() + _TERM_GRACE_S
     for p in procs:
-        try:
-            p.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
+        if not _reap(p, max(0.1, deadline - time.monotonic())):
             try:
                 os.killpg(p.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-            p.wait()
+            _reap(p, 10.0)
     for pidfile in outdir.glob("rank*.pid"):
         try:
             pid = int(pidfile.read_text())

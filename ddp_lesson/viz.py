@@ -752,3 +752,57 @@ def ddp_benchmark_figure(rows, figsize=(7, 3)):
 
 
 __all__ += ["ddp_timeline_figure", "bucket_sweep_figure", "ddp_benchmark_figure"]
+
+
+# =========================================================================== memory figures (notebook 07)
+
+def memory_stages_figure(num_params: float, world_size: int, capacity_bytes: float | None = None,
+                         figsize=(6, 3), **kwargs):
+    """Model-state memory per rank under DDP and ZeRO stages 1-3, as stacked bars (GB = 1e9 B).
+
+    Args:
+        num_params: parameters ``Psi`` of the model.
+        world_size: ranks ``N``.
+        capacity_bytes: optional device memory, drawn as a dashed line (e.g. 80e9).
+        figsize: inches.
+        **kwargs: ``param_bytes``, ``grad_bytes``, ``optimizer_bytes`` for
+            :func:`ddp_lesson.memory.memory_per_rank`.
+
+    Returns:
+        The ``Figure`` (one Axes); each bar patch has ``gid`` ``"params"``, ``"grads"`` or
+        ``"optimizer"``, heights in GB. Pure arithmetic, no process group.
+    """
+    import matplotlib.pyplot as plt
+
+    from .memory import GB, STAGE_NAMES, STAGES, memory_per_rank
+
+    parts = [memory_per_rank(num_params, world_size, s, **kwargs) for s in STAGES]
+    names = [STAGE_NAMES[s].replace(" (", "\n(") for s in STAGES]
+    fig, ax = plt.subplots(figsize=figsize, dpi=80)
+    bottom = [0.0] * len(parts)
+    for attr, label, colour in (("params_bytes", "parameters (16-bit)", "tab:blue"),
+                                ("grads_bytes", "gradients (16-bit)", "tab:orange"),
+                                ("optimizer_bytes", "optimizer states (K bytes)", "tab:green")):
+        h = [getattr(m, attr) / GB for m in parts]
+        bars = ax.bar(range(len(parts)), h, bottom=bottom, color=colour, label=label)
+        for bar in bars:
+            bar.set_gid(attr.replace("_bytes", ""))
+        bottom = [b + x for b, x in zip(bottom, h)]
+    for i, total in enumerate(bottom):
+        ax.text(i, total, f"{total:.3g} GB", ha="center", va="bottom", fontsize=7)
+    if capacity_bytes is not None:
+        ax.axhline(capacity_bytes / GB, color="red", linestyle="--", linewidth=1,
+                   label=f"device memory {capacity_bytes / GB:g} GB")
+    ax.set_xticks(range(len(parts)))
+    ax.set_xticklabels(names, fontsize=7)
+    ax.set_ylabel("GB per rank (1e9 bytes)", fontsize=8)
+    ax.set_ylim(0, max(bottom) * 1.15)
+    ax.set_title(f"{num_params / 1e9:g}B parameters, {world_size} ranks, model states only",
+                 fontsize=9)
+    ax.tick_params(labelsize=7)
+    ax.legend(fontsize=7, frameon=False)
+    fig.tight_layout()
+    return fig
+
+
+__all__ += ["memory_stages_figure"]

@@ -287,7 +287,8 @@ def test_two_simulated_nodes_form_one_job():
 def test_raw_torchrun_omp_banner(tmp_path, nproc, preset, expect_banner, expect_seen):
     """shared/cases C5, on plain torchrun: why the launcher sets OMP_NUM_THREADS itself."""
     script = tmp_path / "omp.py"
-    script.write_text("import os; print(os.environ.get('OMP_NUM_THREADS', 'unset'))\n")
+    # one write(2) per worker: both share torchrun's stdout pipe, and writes this small are atomic
+    script.write_text("import os; os.write(1, (os.environ.get('OMP_NUM_THREADS', 'unset') + '\\n').encode())\n")
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     if preset is not None:
         env["OMP_NUM_THREADS"] = preset

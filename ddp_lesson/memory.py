@@ -1,0 +1,126 @@
+"""Memory per rank for mixed-precision Adam training under DDP and ZeRO stages 1, 2 and 3.
+
+The model-state accounting of the ZeRO paper (Rajbhandari et al. 2020, "ZeRO: Memory
+Optimizations Toward Training Trillion Parameter Models", Section 3.1 and Figure 1). With
+``Psi`` parameters and mixed-precision Adam, every parameter costs:
+
+* 2 bytes for its fp16/bf16 copy (used in forward and backward),
+* 2 bytes for its fp16/bf16 gradient,
+* ``K = 12`` bytes of optimizer state: an fp32 master copy (4), Adam's first moment (4)
+  and second moment (4).
+
+DDP keeps all of it on every rank: ``(2 + 2 + K) * Psi = 16 Psi`` bytes. ZeRO partitions it
+across the ``N = world_size`` ranks, one more piece per stage:
+
+=========  ===========================  =====================================
+stage      what is partitioned          bytes per rank
+=========  ===========================  =====================================
+0 (DDP)    nothing                      ``(2 + 2 + K) Psi``
+1 (P_os)   optimizer states             ``(2 + 2) Psi + K Psi / N``
+2 (P_os+g) + gradients                  ``2 Psi + (2 + K) Psi / N``
+3 (P_all)  + parameters                 ``(2 + 2 + K) Psi / N``
+=========  ===========================  =====================================
+
+The paper's example, 7.5B parameters on 64 ranks: 120 GB, 31.4 GB, 16.6 GB and 1.88 GB
+per rank, where GB means 1e9 bytes (:data:`GB`). Activations, temporary buffers and memory
+fragmentation come on top and are not counted here. Pure arithmetic: no process group.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["GB", "GIB", "STAGES", "STAGE_NAMES", "MemoryBreakdown", "memory_per_rank",
+           "memory_table", "max_params_per_memory"]
+
+#: The paper's unit: 1 GB = 1e9 bytes.
+GB = 1e9
+#: The binary unit GPUs report (1 GiB = 2**30 bytes).
+GIB = 2 ** 30
+STAGES = (0, 1, 2, 3)
+STAGE_NAMES = {0: "DDP", 1: "ZeRO-1 (P_os)", 2: "ZeRO-2 (P_os+g)", 3: "ZeRO-3 (P_os+g+p)"}
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Model-state bytes one rank holds.
+
+    Attributes:
+        params_bytes: the 16-bit parameters (all of them, or this rank's shard at stage 3).
+        grads_bytes: the 16-bit gradients (sharded from stage 2).
+        optimizer_bytes: master weights + Adam moments (sharded from stage 1).
+    """
+
+    params_bytes: float
+    grads_bytes: float
+    optimizer_bytes: float
+
+    @property
+    def total_bytes(self) -> float:
+        """Sum of the three parts, in bytes."""
+        return self.params_bytes + self.grads_bytes + self.optimizer_bytes
+
+
+def _check(num_params, world_size, stage):
+    if num_params < 0:
+        raise ValueError(f"num_params must be >= 0, got {num_params}")
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if stage not in STAGES:
+        raise ValueError(f"stage {stage} is not one of {STAGES} (0 = DDP)")
+
+
+def memory_per_rank(num_params: float, world_size: int, stage: int, param_bytes: float = 2,
+                    grad_bytes: float = 2, optimizer_bytes: float = 12) -> MemoryBreakdown:
+    """Model-state memory of one rank, in bytes (ZeRO paper, Section 3.1 and Figure 1).
+
+    Args:
+        num_params: number of parameters ``Psi`` of the whole model.
+        world_size: data-parallel ranks ``N`` sharing the states.
+        stage: 0 (plain DDP), 1 (optimizer states partitioned), 2 (+ gradients), 3 (+ parameters).
+        param_bytes: bytes per parameter copy used in forward/backward (2 for fp16/bf16).
+        grad_bytes: bytes per gradient element (2 for fp16/bf16).
+        optimizer_bytes: ``K``, bytes of optimizer state per parameter (12 for
+            mixed-precision Adam: fp32 master weight, momentum and variance).
+
+    Returns:
+        A :class:`MemoryBreakdown`; ``.total_bytes`` is the figure the paper reports. Exact
+        division (no rounding to whole parameters): for ``N`` not dividing ``Psi``, real shards
+        differ by at most one element per tensor.
+
+    Raises:
+        ValueError: ``num_params < 0``, ``world_size < 1`` or an unknown stage.
+    """
+    _check(num_params, world_size, stage)
+    p = param_bytes * num_params
+    g = grad_bytes * num_params
+    o = optimizer_bytes * num_params
+    n = world_size
+    return MemoryBreakdown(params_bytes=p / n if stage >= 3 else p,
+                           grads_bytes=g / n if stage >= 2 else g,
+                           optimizer_bytes=o / n if stage >= 1 else o)
+
+
+def memory_table(num_params: float, world_sizes, stages=STAGES, **kwargs) -> list[dict]:
+    """Rows ``{"world_size", "stage", "name", "params_bytes", "grads_bytes", "optimizer_bytes",
+    "total_bytes"}`` of :func:`memory_per_rank` for every world size and stage (bytes)."""
+    rows = []
+    for n in world_sizes:
+        for s in stages:
+            m = memory_per_rank(num_params, n, s, **kwargs)
+            rows.append({"world_size": n, "stage": s, "name": STAGE_NAMES[s],
+                         "params_bytes": m.params_bytes, "grads_bytes": m.grads_bytes,
+                         "optimizer_bytes": m.optimizer_bytes, "total_bytes": m.total_bytes})
+    return rows
+
+
+def max_params_per_memory(memory_bytes: float, world_size: int, stage: int,
+                          param_bytes: float = 2, grad_bytes: float = 2,
+                          optimizer_bytes: float = 12) -> float:
+    """Largest ``Psi`` whose model states fit in ``memory_bytes`` per rank (activations ignored).
+
+    The inverse of :func:`memory_per_rank`: ``memory_bytes / (bytes per parameter per rank)``.
+    E.g. 80e9 bytes with DDP: 80e9 / 16 = 5e9 parameters.
+    """
+    per_param = memory_per_rank(1, world_size, stage, param_bytes, grad_bytes,
+                                optimizer_bytes).total_bytes
+    return memory_bytes / per_param

@@ -1,0 +1,74 @@
+"""FSDP2 (``fully_shard``) on TinyGPT over gloo: DDP's losses, ~1/R of the parameter bytes."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+import torch
+
+from ddp_lesson.gpt import TinyGPT, get_batch, load_corpus
+from ddp_lesson.launch import run_torchrun
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["world2", "world3"])
+def lab(request):
+    r = run_torchrun(code="from ddp_lesson.labs.fsdp_tinygpt import main; main()",
+                     nproc_per_node=request.param, timeout=120, live=False)
+    return request.param, r.rank_lines(0)
+
+
+def _single_process_losses(steps, world_size, batch_per_rank=4, block_size=32):
+    """Independent baseline: one process, the whole global batch, plain AdamW."""
+    corpus = load_corpus()
+    torch.manual_seed(0)
+    m = TinyGPT(vocab_size=corpus.vocab_size)
+    opt = torch.optim.AdamW(m.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    out = []
+    for step in range(steps):
+        g = torch.Generator().manual_seed(1000 + step)
+        x, y = get_batch(corpus.data, batch_per_rank * world_size, block_size, g)
+        _, loss = m(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        out.append(loss.item())
+    return out
+
+
+def _value(lines, key):
+    hits = [l.split(": ", 1)[1] for l in lines if l.startswith(key + ":")]
+    assert len(hits) == 1, (key, lines)
+    return hits[0]
+
+
+def test_fsdp_matches_ddp(lab):
+    world_size, lines = lab
+    assert _value(lines, "parameters are DTensors sharded on dim 0") == "True"
+    assert _value(lines, "FSDP losses match DDP within 1e-05") == "True"
+    assert _value(lines, "weights after 5 steps match DDP within 1e-5") == "True"
+    assert _value(lines, "DDP  losses") == _value(lines, "FSDP losses")
+    if world_size == 2:  # the losses notebook 07 prints, from a single-process run
+        ref = _single_process_losses(5, 2)
+        assert _value(lines, "FSDP losses") == " ".join(f"{v:.3f}" for v in ref)
+
+
+def test_parameter_bytes_per_rank(lab):
+    world_size, lines = lab
+    m = TinyGPT(vocab_size=103)
+    full = 4 * m.num_params()
+    assert _value(lines, "full parameters (what DDP keeps on every rank)") == f"{full:,} bytes"
+    # FSDP2 shards dim 0 like torch.chunk: ceil(d0 / R) rows per rank, the last ranks fewer
+    expected = [0] * world_size
+    for p in m.parameters():
+        d0, rest = p.shape[0], p[0].numel()
+        size = math.ceil(d0 / world_size)
+        for r in range(world_size):
+            rows = max(0, min(size, d0 - r * size))
+            expected[r] += 4 * rows * rest
+    for r in range(world_size):
+        v = _value(lines, f"rank {r} FSDP parameter shard")
+        assert v.startswith(f"{expected[r]:,} bytes")
+        assert abs(expected[r] * world_size / full - 1) < 0.10
