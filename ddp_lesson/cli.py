@@ -39,6 +39,8 @@ def torchrun_argv(opts: argparse.Namespace) -> list[str]:
         raise ValueError(f"--nproc-per-node must be >= 1, got {opts.nproc_per_node}")
     if opts.nnodes < 1:
         raise ValueError(f"--nnodes must be >= 1, got {opts.nnodes}")
+    if opts.max_restarts < 0:
+        raise ValueError(f"--max-restarts must be >= 0, got {opts.max_restarts}")
     flags = []
     if opts.nnodes == 1:
         flags.append("--standalone")
@@ -75,7 +77,8 @@ def train(argv: list[str]) -> int:
     from .train import TrainInputError, preflight
 
     try:
-        choose_backend(opts.nproc_per_node, opts.backend)
+        # "auto" defers to DDP_LESSON_BACKEND, as every rank will: check that too
+        choose_backend(opts.nproc_per_node, backend)
         preflight(program[2:], world_size=opts.nproc_per_node * opts.nnodes)
     except (TrainInputError, ValueError) as exc:
         print(f"ddp-lesson train: error: {exc}", file=sys.stderr)

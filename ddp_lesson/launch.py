@@ -160,9 +160,9 @@ def torchrun_command(target: str, args=(), *, module: bool = False, nproc_per_no
 
 
 def _validate(nproc_per_node: int, nnodes: int, max_restarts: int, timeout: float) -> None:
-    if not isinstance(nproc_per_node, int) or nproc_per_node < 1:
+    if isinstance(nproc_per_node, bool) or not isinstance(nproc_per_node, int) or nproc_per_node < 1:
         raise ValueError(f"nproc_per_node must be an integer >= 1, got {nproc_per_node!r}")
-    if not isinstance(nnodes, int) or nnodes < 1:
+    if isinstance(nnodes, bool) or not isinstance(nnodes, int) or nnodes < 1:
         raise ValueError(f"nnodes must be an integer >= 1, got {nnodes!r}")
     if max_restarts < 0:
         raise ValueError(f"max_restarts must be >= 0, got {max_restarts}")
@@ -288,13 +288,20 @@ _ROOT_CAUSE = re.compile(r"Root Cause.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+
 
 
 def _failed_rank(launcher_stderr: str, errors: dict[int, str]) -> tuple[int | None, int | None]:
+    """The rank to show: torchrun's first observed failure, unless that rank said nothing.
+
+    When every rank exits on the same bad input, often only rank 0 prints why; torchrun may
+    still name another rank as the first failure. Show one that left a traceback or message.
+    """
     m = _ROOT_CAUSE.search(launcher_stderr)
-    if m:
-        return int(m.group(1)), int(m.group(2))
-    for rank in sorted(errors):
-        if "Traceback (most recent call last)" in errors[rank]:
-            return rank, None
-    return None, None
+    root = (int(m.group(1)), int(m.group(2))) if m else (None, None)
+    if root[0] is not None and errors.get(root[0], "").strip():
+        return root
+    for marker in ("Traceback (most recent call last)", ""):
+        for rank in sorted(errors):
+            if errors[rank].strip() and marker in errors[rank]:
+                return rank, (root[1] if rank == root[0] else None)
+    return root
 
 
 def _clean_traceback(text: str, script: Path | None, label: str) -> str:
@@ -394,6 +401,8 @@ def run_torchrun(target: str | None = None, args=(), *, code: str | None = None,
     """
     if (code is None) == (target is None):
         raise ValueError("give exactly one of code= or target=")
+    if isinstance(args, str):  # "--epochs 1" means what a shell would make of it
+        args = shlex.split(args)
     _validate(nproc_per_node, nnodes, max_restarts, timeout)
     total = nproc_per_node * nnodes
     chosen, reason = choose_backend(nproc_per_node, backend)
@@ -476,9 +485,10 @@ def run_torchrun(target: str | None = None, args=(), *, code: str | None = None,
                 tb = _clean_traceback(errors.get(rank, "") if rank is not None else launcher_stderr,
                                       script, "<torchrun cell>")
                 where = f"rank {rank} of {total}" if rank is not None else "torchrun"
-                raise TorchrunError(f"{where} failed (exit code "
-                                    f"{code_ if code_ is not None else returncode})",
-                                    rank, code_ if code_ is not None else returncode, tb, result)
+                exitcode = code_ if code_ is not None else returncode
+                last = tb.strip().splitlines()[-1] if tb.strip() else ""
+                raise TorchrunError(f"{where} failed (exit code {exitcode})"
+                                    + (f": {last}" if last else ""), rank, exitcode, tb, result)
         return result
     finally:
         shutil.rmtree(outdir, ignore_errors=True)
@@ -565,7 +575,10 @@ def torchrun_magic(line: str, cell: str | None = None):
         raise ValueError("%%torchrun needs code in the cell, or %torchrun -m MODULE / SCRIPT")
     if body is not None and target is not None:
         raise ValueError("give either a cell body or a program after %%torchrun, not both")
+    total = opts.nproc_per_node * opts.nnodes
     ranks = None if opts.ranks is None else {int(r) for r in opts.ranks.split(",") if r.strip()}
+    if ranks is not None and not all(0 <= r < total for r in ranks):
+        raise ValueError(f"--ranks {opts.ranks}: ranks must be in [0, {total - 1}]")
     if not opts.quiet:
         _, reason = choose_backend(opts.nproc_per_node, opts.backend)
         print(f"[torchrun] {reason}")

@@ -177,7 +177,7 @@ class TrainConfig:
             (self.epochs >= 1, f"epochs must be >= 1, got {self.epochs}"),
             (self.batch_size >= 1, f"batch_size must be >= 1, got {self.batch_size}"),
             (self.workers >= 0, f"workers must be >= 0, got {self.workers}"),
-            (self.lr > 0, f"lr must be > 0, got {self.lr}"),
+            (math.isfinite(self.lr) and self.lr > 0, f"lr must be a finite number > 0, got {self.lr}"),
             (0 <= self.momentum < 1, f"momentum must be in [0, 1), got {self.momentum}"),
             (self.weight_decay >= 0, f"weight_decay must be >= 0, got {self.weight_decay}"),
             (self.num_train >= 1, f"num_train must be >= 1, got {self.num_train}"),
@@ -551,17 +551,33 @@ def evaluate(model, loader, num_classes, device):
     return cm
 
 
+def _json_safe(obj):
+    """``obj`` with every NaN/inf float replaced by None (JSON has no such numbers)."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_json_safe(v) for v in obj]
+    return obj
+
+
 def _write_json_atomic(path: str, obj: dict) -> None:
     # Write a temporary file and rename it: a reader never sees half a file, and an
     # interrupted run leaves the previous summary intact (os.replace is atomic on POSIX).
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w") as fh:
-        json.dump(obj, fh, indent=2, allow_nan=False)
-        fh.write("\n")
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as fh:
+            # a diverged run (loss NaN) still gets its summary: non-finite values become null
+            json.dump(_json_safe(obj), fh, indent=2, allow_nan=False)
+            fh.write("\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
 
 
 def _finite_or_none(x):
@@ -1133,6 +1149,9 @@ def _run(cfg: TrainConfig, env, wall_start: float) -> dict:
         "stopped_early": facts["stopped"],
         "resumed_from": trainer.resumed_from,
         "final_train_loss": _finite_or_none(last.get("train_loss")),
+        # True when the loss became NaN/inf (e.g. too large a learning rate): the numbers
+        # below are then null, not a crash at the very end of the run
+        "diverged": not math.isfinite(last.get("train_loss", 0.0)),
         "val_miou": _finite_or_none(last.get("val_miou")),
         "val_pixel_accuracy": _finite_or_none(last.get("val_pixel_accuracy")),
         "per_class_iou": ([_finite_or_none(v) for v in trainer.per_class_iou.tolist()]

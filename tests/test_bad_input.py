@@ -111,9 +111,16 @@ def test_cli_nproc_per_node_not_positive(n, capsys):
     (["--num-train", "2", "--drop-last", "--nproc-per-node", "3"],
      "no training steps: 2 training samples on 3 ranks with --drop-last give each rank 0 samples"),
     (["--nnodes", "2"], "--nnodes 2 needs --rdzv-endpoint HOST:PORT"),
+    (["--max-restarts", "-1"], "--max-restarts must be >= 0, got -1"),
+    (["DDP_LESSON_BACKEND=foo"], "backend 'foo' is not one of auto, gloo, nccl"),
+    (["DDP_LESSON_BACKEND=nccl"], "nccl needs one GPU per process: 2 processes but 0 GPUs visible"),
 ])
 def test_cli_refuses_bad_input_before_starting_processes(args, message, capsys, monkeypatch):
     import torch
+
+    for a in [a for a in args if a.startswith("DDP_LESSON_BACKEND=")]:
+        monkeypatch.setenv("DDP_LESSON_BACKEND", a.split("=", 1)[1])
+        args = [x for x in args if x != a]
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(cli.subprocess, "run", lambda *a, **k: pytest.fail("processes started"))

@@ -146,7 +146,11 @@ def _interrupt_script(tmp_path: Path, signum: int) -> tuple[list[int], int, str]
               f".write(str(os.getpid()))\n"
               f"time.sleep(600)\n")
     driver.write_text(
-        "import sys\n"
+        "import signal, sys\n"
+        # A notebook kernel handles SIGINT (the interrupt button). Install Python's handler
+        # explicitly: a shell that starts this suite in the background (as CI may) leaves
+        # SIGINT ignored, and children inherit that.
+        "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
         "from ddp_lesson.launch import run_torchrun\n"
         "try:\n"
         f"    run_torchrun(code={worker!r}, nproc_per_node=2, timeout=300, live=False)\n"
@@ -299,3 +303,31 @@ def test_raw_torchrun_omp_banner(tmp_path, nproc, preset, expect_banner, expect_
     assert proc.stdout.split() == [expect_seen] * nproc
     assert ("Setting OMP_NUM_THREADS environment variable" in proc.stderr) == expect_banner
     assert proc.stderr.count("Setting OMP_NUM_THREADS") == (1 if expect_banner else 0)
+
+
+def test_error_shows_a_rank_that_said_why():
+    """Every rank exits on the same bad input but only rank 0 prints the reason; torchrun
+    may name silent rank 1 as the first failure. The error must still show the reason."""
+    from ddp_lesson.launch import _failed_rank
+
+    launcher = ("Root Cause (first observed failure):\n[0]:\n  time : x\n  host : h\n"
+                "  rank      : 1 (local_rank: 1)\n  exitcode  : 2 (pid: 7)\n")
+    assert _failed_rank(launcher, {0: "error: epochs must be >= 1, got 0\n", 1: ""}) == (0, None)
+    assert _failed_rank(launcher, {0: "warn\n", 1: "Traceback (most recent call last):\nX\n"}) == (1, 2)
+    assert _failed_rank(launcher, {0: "", 1: ""}) == (1, 2)
+    assert _failed_rank("", {0: "", 1: "Traceback (most recent call last):\nE\n"}) == (1, None)
+
+
+def test_error_message_carries_the_cause_and_args_may_be_a_string():
+    code = "import os, sys\nif os.environ['RANK'] == '0': sys.exit('epochs must be >= 1, got 0')\n"
+    with pytest.raises(TorchrunError) as info:
+        run_torchrun(code=code, nproc_per_node=2, timeout=90, live=False)
+    assert str(info.value) == "rank 0 of 2 failed (exit code 1): epochs must be >= 1, got 0"
+    script_args = "import sys; print(sys.argv[1:])"
+    result = run_torchrun(code=script_args, args="--epochs 1 --out 'a b'", nproc_per_node=2,
+                          timeout=90, live=False)
+    assert result.rank_lines(0) == ["['--epochs', '1', '--out', 'a b']"]
+    with pytest.raises(ValueError, match="nproc_per_node must be an integer >= 1, got True"):
+        run_torchrun(code="pass", nproc_per_node=True)
+    with pytest.raises(ValueError, match=r"--ranks 0,5: ranks must be in \[0, 1\]"):
+        torchrun_magic("--nproc-per-node 2 --ranks 0,5", "print(1)")

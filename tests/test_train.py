@@ -70,8 +70,9 @@ def test_every_field_is_a_flag_with_a_note():
     (["--epochs", "0"], "epochs must be >= 1, got 0"),
     (["-b", "0"], "batch_size must be >= 1, got 0"),
     (["-j", "-1"], "workers must be >= 0, got -1"),
-    (["--lr", "0"], "lr must be > 0, got 0.0"),
-    (["--lr", "-0.1"], "lr must be > 0, got -0.1"),
+    (["--lr", "0"], "lr must be a finite number > 0, got 0.0"),
+    (["--lr", "-0.1"], "lr must be a finite number > 0, got -0.1"),
+    (["--lr", "inf"], "lr must be a finite number > 0, got inf"),
     (["--momentum", "1"], "momentum must be in [0, 1), got 1.0"),
     (["--weight-decay", "-1"], "weight_decay must be >= 0, got -1.0"),
     (["--num-train", "0"], "num_train must be >= 1, got 0"),
@@ -250,3 +251,17 @@ class TestMultiProcess:
         assert out.count("lr 0.05 (--lr 0.05 at base global batch 16, --lr-scaling none)  "
                          "schedule constant  ddp torch") == 1
         assert "Traceback" not in proc.stderr
+
+
+def test_a_diverged_run_still_writes_its_summary(tmp_path):
+    """A NaN loss (too large a learning rate) must not crash the run at its very end."""
+    from ddp_lesson.train import _write_json_atomic
+
+    path = tmp_path / "summary.json"
+    _write_json_atomic(str(path), {"final_train_loss": float("nan"), "diverged": True,
+                                   "step_losses": [1.0, float("inf"), None],
+                                   "history": [{"train_loss": float("-inf")}]})
+    assert json.loads(path.read_text()) == {"final_train_loss": None, "diverged": True,
+                                            "step_losses": [1.0, None, None],
+                                            "history": [{"train_loss": None}]}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["summary.json"]  # no temp file left
