@@ -137,7 +137,7 @@ def _fsync_dir(folder: str) -> None:
         os.close(fd)
 
 
-def save_atomic(obj: Any, path: str) -> str:
+def save_atomic(obj: Any, path: str, before_replace: Callable[[str], None] | None = None) -> str:
     """Write ``obj`` with ``torch.save`` so that ``path`` is never seen half-written.
 
     Writes ``path.tmp.<pid>`` in the same folder (a rename is atomic only within one file
@@ -149,6 +149,10 @@ def save_atomic(obj: Any, path: str) -> str:
     Args:
         obj: what to save (tensors, dicts, lists, numbers, strings).
         path: the destination file; its folder must exist.
+        before_replace: called with the temporary file's path once it is complete on disk,
+            just before the rename: the window in which a crash leaves the old file in place
+            (the fault injector ``--simulate-failure-during-save`` of ``ddp_lesson.train``
+            kills the process there).
 
     Returns:
         ``path``.
@@ -163,6 +167,8 @@ def save_atomic(obj: Any, path: str) -> str:
             torch.save(obj, fh)
             fh.flush()
             os.fsync(fh.fileno())  # the bytes are on disk before the name points at them
+        if before_replace is not None:
+            before_replace(tmp)
         os.replace(tmp, path)
     except BaseException:
         try:
@@ -208,7 +214,8 @@ def decide_on_rank0(decide: Callable[[], Any]) -> Any:
     return box[0]
 
 
-def save_checkpoint(obj: Any, path: str) -> str:
+def save_checkpoint(obj: Any, path: str,
+                    before_replace: Callable[[str], None] | None = None) -> str:
     """Rank 0 writes ``obj`` atomically to ``path``; every rank returns once the file is complete.
 
     The B14 protocol: rank 0 calls :func:`save_atomic` while the other ranks wait; rank 0
@@ -218,17 +225,18 @@ def save_checkpoint(obj: Any, path: str) -> str:
     ``obj`` matters on rank 0 only (others may pass None). Without a process group it is
     :func:`save_atomic`.
 
-    Synchronises all ranks (a broadcast and a barrier).
+    Synchronises all ranks (a broadcast and a barrier). ``before_replace`` is passed on to
+    :func:`save_atomic` (rank 0 only).
 
     Raises:
         OSError: rank 0 could not write (raised on every rank, with rank 0's message).
     """
     if not _distributed():
-        return save_atomic(obj, path)
+        return save_atomic(obj, path, before_replace)
     error = None
     if dist.get_rank() == 0:
         try:
-            save_atomic(obj, path)
+            save_atomic(obj, path, before_replace)
         except OSError as exc:
             error = f"rank 0 could not write checkpoint {path}: {exc}"
     box = [error]

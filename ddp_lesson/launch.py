@@ -189,6 +189,12 @@ def launch_env(base, backend: str | None, nprocs_here: int, announced: bool = Tr
     if "OMP_NUM_THREADS" not in env:
         # Set explicitly: torchrun otherwise prints its starred banner and picks 1 anyway.
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nprocs_here))
+    # Restarts (--max-restarts): by default torchrun >= 2.4 keeps one rendezvous TCP store
+    # across restarts, and on torch 2.13 + gloo the restarted workers then often fail in
+    # init_process_group with "Gloo connectFullMesh failed ... Connection refused": the shared
+    # store still holds the dead worker's address (pytorch/pytorch#135712). A fresh store per
+    # rendezvous round removed it here (13 of 13 restarts recovered, against 11 of 16 failing).
+    env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     # Let the workers import this package even when it is not installed (a plain checkout).
     pkg_root = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, env.get("PYTHONPATH")) if p)

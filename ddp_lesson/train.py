@@ -165,6 +165,16 @@ class TrainConfig:
     max_steps: int = field(default=0, metadata=_note(
         "stop after this many optimizer steps in all (0: no limit), writing the checkpoint "
         "there: a stand-in for an interrupted run; run again with the same --out to resume"))
+    simulate_failure_at_step: int = field(default=0, metadata=_note(
+        "fault injector for lessons and tests: --failure-rank kills itself with SIGKILL once, "
+        "right after global step K (after that step's checkpoint, if any); a marker file in "
+        "--out keeps a restarted job (torchrun --max-restarts) from failing again (0: off)"))
+    failure_rank: int = field(default=0, metadata=_note(
+        "the rank that --simulate-failure-at-step kills"))
+    simulate_failure_during_save: bool = field(default=False, metadata=_note(
+        "with --simulate-failure-at-step K: rank 0 dies instead inside the first checkpoint "
+        "write at a global step >= K, after the temporary file is written and before the "
+        "rename, so the previous checkpoint must survive", action="store_true"))
     timeout_s: float = field(default=120.0, metadata=_note(
         "seconds a collective may wait for its peers before raising, instead of hanging"))
     local_rank: int | None = field(default=None, metadata=_note(
@@ -201,6 +211,11 @@ class TrainConfig:
             (self.checkpoint_every_steps >= 0,
              f"checkpoint_every_steps must be >= 0, got {self.checkpoint_every_steps}"),
             (self.max_steps >= 0, f"max_steps must be >= 0, got {self.max_steps}"),
+            (self.simulate_failure_at_step >= 0,
+             f"simulate_failure_at_step must be >= 0, got {self.simulate_failure_at_step}"),
+            (self.failure_rank >= 0, f"failure_rank must be >= 0, got {self.failure_rank}"),
+            (not self.simulate_failure_during_save or self.simulate_failure_at_step >= 1,
+             "simulate_failure_during_save needs --simulate-failure-at-step K >= 1"),
             (self.timeout_s > 0, f"timeout_s must be > 0, got {self.timeout_s}"),
             (self.local_rank is None or self.local_rank >= 0,
              f"local_rank must be >= 0, got {self.local_rank}"),
@@ -885,10 +900,48 @@ class Trainer:
         else:
             states = [rng]
         state = self.checkpoint_state(states) if self.env.is_main else None
+        hook = None
+        if (self.cfg.simulate_failure_during_save and self.env.is_main
+                and self.global_step >= self.cfg.simulate_failure_at_step):
+            hook = lambda tmp: self._simulated_failure("during the checkpoint write")  # noqa: E731
         try:
-            save_checkpoint(state, self.checkpoint_path)
+            save_checkpoint(state, self.checkpoint_path, before_replace=hook)
         except OSError as exc:
             raise TrainInputError(str(exc)) from None
+
+    # ---- fault injection (--simulate-failure-at-step)
+    @property
+    def failure_marker(self) -> str:
+        """``{out}/simulated_failure_step{K}.done``: written just before the simulated kill."""
+        return os.path.join(self.cfg.out,
+                            f"simulated_failure_step{self.cfg.simulate_failure_at_step}.done")
+
+    def _simulated_failure(self, where: str) -> None:
+        """Kill this process with SIGKILL, once per ``--out`` (the marker makes a restart run on).
+
+        The marker is written (and fsync'ed) BEFORE the kill: a SIGKILL leaves no chance to
+        write it afterwards, and without it the restarted job would die at the same step again.
+        SIGKILL, not an exception: no ``finally``, no atexit, no flushing, as when the kernel's
+        OOM killer or a lost machine ends a worker.
+        """
+        import signal
+
+        if os.path.exists(self.failure_marker):
+            return
+        with open(self.failure_marker, "w") as fh:
+            fh.write(f"rank {self.env.rank} killed {where} at global step {self.global_step}\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        print(f"simulated failure: rank {self.env.rank} kills itself (SIGKILL) {where} at "
+              f"global step {self.global_step}", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def _maybe_fail_after_step(self) -> None:
+        cfg = self.cfg
+        if (cfg.simulate_failure_at_step and not cfg.simulate_failure_during_save
+                and self.global_step == cfg.simulate_failure_at_step
+                and self.env.rank == cfg.failure_rank):
+            self._simulated_failure("after the step")
 
     def try_resume(self, validate: bool = True) -> bool:
         """Resume from ``{out}/checkpoint.pt`` when there is one (and not ``--no-resume``).
@@ -1021,6 +1074,7 @@ class Trainer:
                 if (cfg.checkpoint_every_steps and not last_of_epoch
                         and self.global_step % cfg.checkpoint_every_steps == 0):
                     self.save()
+                self._maybe_fail_after_step()
             train_seconds += time.perf_counter() - start
             bar.close()
             if stopped:
@@ -1110,6 +1164,9 @@ def _run(cfg: TrainConfig, env, wall_start: float) -> dict:
     problem = decide_on_rank0(check_out_and_checkpoint)  # rank 0 decides, all ranks act
     if problem:
         raise TrainInputError(problem)
+    if cfg.simulate_failure_at_step and cfg.failure_rank >= env.world_size:
+        raise TrainInputError(f"--failure-rank {cfg.failure_rank} is outside [0, "
+                              f"{env.world_size - 1}] (world size {env.world_size})")
     trainer = Trainer(cfg, env)
     if cfg.local_rank is not None:
         # Same rule as env.resolve_local_rank: the LOCAL_RANK variable wins over the flag.

@@ -1,0 +1,41 @@
+"""Hang clinic 4: a model that differs between ranks.
+
+    torchrun --nproc-per-node 2 -m ddp_lesson.labs.clinic.model_mismatch [--fixed]
+
+The bug: the model's width comes from something that differs between ranks (here the rank
+itself; in practice a config read per host, a random architecture choice without a common
+seed, a rank-dependent branch). DDP's constructor compares the parameter shapes of all ranks
+and refuses at once, before any step: "DDP expects same model across all ranks, but Rank 0
+has 2 params, while rank 1 has inconsistent 2 params" / "appears not to match sizes of the
+same param in process 0" (names the parameter). Without DDP (a hand-written all_reduce of
+gradients), the same bug gives the mismatched-shape hang of clinic case 2. The fix: build the
+model from the same settings on every rank (broadcast the config from rank 0).
+"""
+from __future__ import annotations
+
+
+def main(argv=None) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from ...env import cleanup
+    from ._common import parse, start
+
+    args = parse(__doc__, argv)
+    env = start(args.timeout)
+    hidden = 8 if args.fixed else 8 + env.rank  # BUG without --fixed: 8 on rank 0, 9 on rank 1
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(4, hidden), torch.nn.ReLU(),
+                                 torch.nn.Linear(hidden, 1))
+    print(f"rank {env.rank}: hidden width {hidden}")
+    model = DistributedDataParallel(module)  # checks that every rank has the same shapes
+    model(torch.ones(2, 4)).sum().backward()
+    print(f"rank {env.rank}: one step done with DDP")
+    dist.barrier()
+    del model
+    cleanup()
+
+
+if __name__ == "__main__":
+    main()

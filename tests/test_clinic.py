@@ -1,0 +1,96 @@
+"""The hang clinic (ddp_lesson.labs.clinic): every broken program ends in a clear error within
+its timeout instead of hanging, and every ``--fixed`` version succeeds.
+
+The errors asserted are torch's and gloo's own messages: a collective that waits past the
+process group's timeout raises "Timed out waiting <ms>ms for recv operation" (or send); with
+``TORCH_DISTRIBUTED_DEBUG=DETAIL`` torch names a mismatched collective; DDP's constructor
+names a parameter whose shape differs between ranks. A 2 s timeout keeps the test short (the
+programs default to 5 s).
+"""
+import os
+
+import pytest
+
+from ddp_lesson.labs.clinic import CASES, diagnose
+from ddp_lesson.launch import run_torchrun
+
+TIMEOUT_MS = "Timed out waiting 2000ms for"  # ... recv (or send) operation to complete
+
+
+def _broken(name, env=None):
+    r = run_torchrun(f"ddp_lesson.labs.clinic.{name}", ["--timeout", "2"], module=True,
+                     nproc_per_node=2, timeout=60, live=False, backend="gloo", check=False,
+                     env=env)
+    assert r.returncode != 0
+    return r, r.errors[0] + r.errors[1]
+
+
+def test_collective_called_by_one_rank_times_out():
+    r, err = _broken("partial_collective")
+    assert "rank 0 enters all_reduce; the other ranks do not" in r.rank_lines(0)
+    assert TIMEOUT_MS in r.errors[0]
+    assert diagnose(r) == "timeout"
+
+
+def test_all_reduce_with_different_shapes_times_out():
+    r, err = _broken("shape_mismatch")
+    assert "rank 1: all_reduce of shape (3,)" in r.rank_lines(1)
+    assert TIMEOUT_MS in err  # the elements the longer tensor has and the other lacks
+    assert diagnose(r) == "timeout"
+
+
+def test_debug_detail_names_the_mismatched_collective():
+    r, err = _broken("shape_mismatch", env=dict(os.environ, TORCH_DISTRIBUTED_DEBUG="DETAIL"))
+    assert diagnose(r) == "mismatched collectives"
+    assert "Detected mismatch between collectives on ranks" in err
+    assert "TensorShape=[2]" in err and "TensorShape=[3]" in err
+
+
+def test_uneven_batches_time_out_in_the_extra_backward():
+    r, err = _broken("uneven_batches")
+    assert r.rank_lines(0)[:1] == ["rank 0: 3 batches"]
+    assert r.rank_lines(1)[:1] == ["rank 1: 4 batches"]
+    assert TIMEOUT_MS in r.errors[1]
+    assert diagnose(r) == "timeout"
+
+
+def test_model_differing_between_ranks_is_refused_by_ddp():
+    r, err = _broken("model_mismatch")
+    assert ("params[0] in this process with sizes [9, 4] appears not to match sizes of the "
+            "same param in process 0") in r.errors[1]
+    assert diagnose(r) == "model differs between ranks"
+
+
+@pytest.fixture(scope="module")
+def fixed():
+    """Each ``--fixed`` program in a launch of its own (10 s timeout: room on a busy machine)."""
+    return {name: run_torchrun(f"ddp_lesson.labs.clinic.{name}", ["--fixed", "--timeout", "10"],
+                               module=True, nproc_per_node=2, timeout=60, live=False,
+                               backend="gloo", check=False)
+            for name in CASES}
+
+
+def test_every_fixed_version_succeeds(fixed):
+    assert {name: diagnose(r) for name, r in fixed.items()} == dict.fromkeys(CASES, "finished")
+    assert "mean loss over 2 ranks: 1.50" in fixed["partial_collective"].rank_lines(0)  # (1+2)/2
+    for rank in (0, 1):
+        # [0, 1] + [0, 1, 2] after padding to 3
+        assert f"rank {rank}: padded to 3, sum [0.0, 2.0, 2.0]" in \
+            fixed["shape_mismatch"].rank_lines(rank)
+        assert f"rank {rank}: done; weights equal on all ranks: True" in \
+            fixed["uneven_batches"].rank_lines(rank)
+        assert f"rank {rank}: one step done with DDP" in fixed["model_mismatch"].rank_lines(rank)
+
+
+def test_diagnose_reads_the_signatures():
+    from types import SimpleNamespace
+
+    from ddp_lesson.labs.clinic import diagnose
+
+    def res(rc, *errs):
+        return SimpleNamespace(returncode=rc, errors=dict(enumerate(errs)))
+
+    assert diagnose(res(0, "")) == "finished"
+    assert diagnose(res(1, "Timed out waiting 5000ms", "Connection closed by peer")) == "timeout"
+    assert diagnose(res(1, "Connection closed by peer")) == "a peer crashed"
+    assert diagnose(res(1, "boom")) == "other error"
