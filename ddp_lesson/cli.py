@@ -85,11 +85,37 @@ def train(argv: list[str]) -> int:
         return 2
     env = launch_env(None, backend, opts.nproc_per_node, announced=False)
     cmd = [sys.executable, "-m", "torch.distributed.run", *flags, *program]
-    # torchrun stays in our process group, so Ctrl-C reaches it and it stops its workers.
+    return _run_forwarding_signals(cmd, env)
+
+
+def _run_forwarding_signals(cmd: list[str], env: dict) -> int:
+    """Run torchrun and wait; SIGTERM to this process is passed on to it.
+
+    torchrun stays in our process group, so Ctrl-C in a terminal reaches it directly and it
+    stops its workers. A SIGTERM sent to this process alone (a scheduler preempting the job)
+    would otherwise kill only us and leave torchrun and its workers running: forward it, and
+    wait for torchrun to end them. Checkpoints are written atomically, so the latest complete
+    one survives whatever step the workers were in.
+    """
+    import signal
+
+    proc = subprocess.Popen(cmd, env=env)
+
+    def forward(signum, _frame):
+        if proc.poll() is None:
+            proc.send_signal(signum)
+
+    previous = signal.signal(signal.SIGTERM, forward)
     try:
-        return subprocess.run(cmd, env=env).returncode
-    except KeyboardInterrupt:
-        return 130
+        while True:
+            try:
+                code = proc.wait()
+                break
+            except KeyboardInterrupt:  # torchrun got the same SIGINT; let it finish stopping
+                continue
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    return 130 if code == -signal.SIGINT else code
 
 
 def main(argv: list[str] | None = None) -> int:

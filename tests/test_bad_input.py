@@ -123,7 +123,7 @@ def test_cli_refuses_bad_input_before_starting_processes(args, message, capsys, 
         args = [x for x in args if x != a]
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(cli.subprocess, "run", lambda *a, **k: pytest.fail("processes started"))
+    monkeypatch.setattr(cli.subprocess, "Popen", lambda *a, **k: pytest.fail("processes started"))
     assert cli.main(["train", *args]) == 2
     err = capsys.readouterr().err
     assert err.startswith("ddp-lesson train: error: " + message) and err.count("\n") == 1
