@@ -54,6 +54,15 @@ def test_uneven_batches_time_out_in_the_extra_backward():
     assert diagnose(r) == "timeout"
 
 
+def test_rank_that_never_joins_fails_at_start_within_the_timeout():
+    r, err = _broken("missing_rank")
+    for rank in (0, 1):
+        assert r.rank_lines(rank) == [f"rank {rank}: torchrun started 2 processes; "
+                                      "joining a group of 3"]
+    assert "DistStoreError: wait timeout after 2000ms" in err
+    assert diagnose(r) == "a rank never joined"
+
+
 def test_model_differing_between_ranks_is_refused_by_ddp():
     r, err = _broken("model_mismatch")
     assert ("params[0] in this process with sizes [9, 4] appears not to match sizes of the "
@@ -80,6 +89,9 @@ def test_every_fixed_version_succeeds(fixed):
         assert f"rank {rank}: done; weights equal on all ranks: True" in \
             fixed["uneven_batches"].rank_lines(rank)
         assert f"rank {rank}: one step done with DDP" in fixed["model_mismatch"].rank_lines(rank)
+        assert fixed["missing_rank"].rank_lines(rank) == [
+            f"rank {rank}: torchrun started 2 processes; joining a group of 2",
+            f"rank {rank}: all 2 ranks joined"]
 
 
 def test_diagnose_reads_the_signatures():

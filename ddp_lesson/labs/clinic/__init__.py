@@ -9,16 +9,19 @@ and takes ``--fixed`` to run the repaired program:
 * :mod:`.shape_mismatch`: ``all_reduce`` with different shapes on different ranks;
 * :mod:`.uneven_batches`: ranks with different numbers of batches under DDP, fixed with
   ``torch.distributed.algorithms.Join``;
-* :mod:`.model_mismatch`: a model that differs between ranks (DDP's constructor refuses it).
+* :mod:`.model_mismatch`: a model that differs between ranks (DDP's constructor refuses it);
+* :mod:`.missing_rank`: a world size that does not match the launch, so one rank never joins.
 
 Notebook 06 runs them and reads the errors; tests/test_clinic.py asserts each error.
 """
-CASES = ("partial_collective", "shape_mismatch", "uneven_batches", "model_mismatch")
+CASES = ("partial_collective", "shape_mismatch", "uneven_batches", "model_mismatch",
+         "missing_rank")
 
 #: What :func:`diagnose` looks for in the ranks' stderr, most specific first.
 SIGNATURES = (
     ("model differs between ranks", "appears not to match sizes of the same param"),
     ("mismatched collectives", "Detected mismatch between collectives on ranks"),
+    ("a rank never joined", "DistStoreError: wait timeout"),
     ("timeout", "Timed out waiting"),
     ("a peer crashed", "Connection closed by peer"),
 )

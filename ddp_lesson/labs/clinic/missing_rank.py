@@ -1,0 +1,37 @@
+"""Hang clinic 5: a rank that never joins (the world size does not match the launch).
+
+    torchrun --nproc-per-node 2 -m ddp_lesson.labs.clinic.missing_rank [--fixed]
+
+The bug: the program takes its world size from its own configuration (here: one more than
+torchrun started, as when a config says 3 GPUs and the job got 2) instead of torchrun's
+``WORLD_SIZE``. ``init_process_group`` then waits for a rank that does not exist. With the
+default timeout that is a 10-minute hang at start-up; with a short one the store raises,
+naming how many ranks joined. The fix: take rank and world size from torchrun's variables
+(``ddp_lesson.env.read_env``), never from a config or a hard-coded number.
+"""
+from __future__ import annotations
+
+
+def main(argv=None) -> None:
+    import datetime
+    import os
+
+    import torch.distributed as dist
+
+    from ...env import cleanup
+    from ._common import parse
+
+    args = parse(__doc__, argv)
+    launched = int(os.environ["WORLD_SIZE"])
+    rank = int(os.environ["RANK"])
+    world_size = launched if args.fixed else launched + 1  # BUG unless --fixed
+    print(f"rank {rank}: torchrun started {launched} processes; joining a group of {world_size}")
+    dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=args.timeout))
+    dist.barrier()
+    print(f"rank {rank}: all {world_size} ranks joined")
+    cleanup()
+
+
+if __name__ == "__main__":
+    main()
