@@ -106,3 +106,56 @@ def test_diagnose_reads_the_signatures():
     assert diagnose(res(1, "Timed out waiting 5000ms", "Connection closed by peer")) == "timeout"
     assert diagnose(res(1, "Connection closed by peer")) == "a peer crashed"
     assert diagnose(res(1, "boom")) == "other error"
+
+
+def _worker_pids(module: str) -> dict[int, int]:
+    """rank -> pid of the live workers running ``module`` (read from /proc: Linux only)."""
+    from pathlib import Path
+
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmd = (entry / "cmdline").read_bytes().split(b"\0")
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"ddp_lesson._worker" in cmd and module.encode() in cmd:
+            for var in environ:
+                if var.startswith(b"RANK="):
+                    found[int(var[5:])] = int(entry.name)
+    return found
+
+
+def test_stack_dump_on_sigusr1_shows_where_a_rank_waits():
+    """``kill -USR1`` on a stuck worker prints its Python stack (faulthandler) and lets it run
+    on: the stuck rank's stack ends in the line of the collective it waits in."""
+    import signal
+    import threading
+    import time
+
+    module = "ddp_lesson.labs.clinic.partial_collective"
+    sent = {}
+
+    def dump_rank0_when_stuck():
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and "pid" not in sent:
+            pids = _worker_pids(module)
+            if 0 in pids:
+                time.sleep(3)  # by now rank 0 waits inside all_reduce (timeout 15 s)
+                os.kill(pids[0], signal.SIGUSR1)
+                sent["pid"] = pids[0]
+            time.sleep(0.1)
+
+    thread = threading.Thread(target=dump_rank0_when_stuck)
+    thread.start()
+    r = run_torchrun(module, ["--timeout", "15"], module=True, nproc_per_node=2, timeout=90,
+                     live=False, backend="gloo", check=False)
+    thread.join()
+    assert "pid" in sent
+    dump = r.errors[0]
+    assert "Current thread" in dump or "Thread 0x" in dump  # faulthandler's format
+    stuck_line = [ln for ln in dump.splitlines() if "partial_collective.py" in ln]
+    assert stuck_line and "in main" in stuck_line[0]
+    assert TIMEOUT_MS.replace("2000", "15000") in dump  # and then the collective still timed out
