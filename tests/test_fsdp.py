@@ -5,10 +5,10 @@ import math
 
 import pytest
 
-import torch
 
-from ddp_lesson.gpt import TinyGPT, get_batch, load_corpus
+from ddp_lesson.gpt import TinyGPT
 from ddp_lesson.launch import run_torchrun
+from gpt_reference import single_process_losses
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -18,24 +18,6 @@ def lab(request):
     r = run_torchrun(code="from ddp_lesson.labs.fsdp_tinygpt import main; main()",
                      nproc_per_node=request.param, timeout=120, live=False)
     return request.param, r.rank_lines(0)
-
-
-def _single_process_losses(steps, world_size, batch_per_rank=4, block_size=32):
-    """Independent baseline: one process, the whole global batch, plain AdamW."""
-    corpus = load_corpus()
-    torch.manual_seed(0)
-    m = TinyGPT(vocab_size=corpus.vocab_size)
-    opt = torch.optim.AdamW(m.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
-    out = []
-    for step in range(steps):
-        g = torch.Generator().manual_seed(1000 + step)
-        x, y = get_batch(corpus.data, batch_per_rank * world_size, block_size, g)
-        _, loss = m(x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        out.append(loss.item())
-    return out
 
 
 def _value(lines, key):
@@ -51,7 +33,7 @@ def test_fsdp_matches_ddp(lab):
     assert _value(lines, "weights after 5 steps match DDP within 1e-5") == "True"
     assert _value(lines, "DDP  losses") == _value(lines, "FSDP losses")
     if world_size == 2:  # the losses notebook 07 prints, from a single-process run
-        ref = _single_process_losses(5, 2)
+        ref = single_process_losses(5, 2)
         assert _value(lines, "FSDP losses") == " ".join(f"{v:.3f}" for v in ref)
 
 

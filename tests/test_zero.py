@@ -6,8 +6,9 @@ import re
 import pytest
 import torch
 
-from ddp_lesson.gpt import TinyGPT, get_batch, load_corpus
+from ddp_lesson.gpt import TinyGPT
 from ddp_lesson.launch import run_torchrun
+from gpt_reference import single_process_losses
 from ddp_lesson.zero import partition_parameters
 
 pytestmark = pytest.mark.timeout(120)
@@ -25,24 +26,6 @@ def test_partition_is_greedy_by_size_and_deterministic():
         assert sorted(i for o in owned for i in o) == list(range(len(numels)))
         for o in owned:  # TinyGPT splits evenly: each share within 10% of 1/R
             assert abs(sum(numels[i] for i in o) * R / sum(numels) - 1) < 0.1
-
-
-def _single_process_losses(steps, world_size, batch_per_rank=4, block_size=32):
-    """Independent baseline: one process, the whole global batch, plain AdamW."""
-    corpus = load_corpus()
-    torch.manual_seed(0)
-    m = TinyGPT(vocab_size=corpus.vocab_size)
-    opt = torch.optim.AdamW(m.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
-    out = []
-    for step in range(steps):
-        g = torch.Generator().manual_seed(1000 + step)
-        x, y = get_batch(corpus.data, batch_per_rank * world_size, block_size, g)
-        _, loss = m(x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        out.append(loss.item())
-    return out
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["world2", "world3"])
@@ -73,7 +56,7 @@ def test_equal_to_ddp_adamw_and_torch_zero(lab):
 
 def test_losses_match_a_single_process_run(lab):
     world_size, lines = lab
-    ref = _single_process_losses(10, world_size)
+    ref = single_process_losses(10, world_size)
     assert _value(lines, "loss step 1 -> 10 (DDP+AdamW)") == f"{ref[0]:.3f} -> {ref[-1]:.3f}"
     # the numbers notebook 07 prints (world size 2)
     if world_size == 2:
