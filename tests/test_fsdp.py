@@ -5,7 +5,6 @@ import math
 
 import pytest
 
-
 from ddp_lesson.gpt import TinyGPT
 from ddp_lesson.launch import run_torchrun
 from gpt_reference import single_process_losses
