@@ -25,3 +25,10 @@ def single_process_losses(steps, world_size, batch_per_rank=4, block_size=32):
         opt.zero_grad()
         out.append(loss.item())
     return out
+
+
+def lab_value(lines, key):
+    """The value of the one ``key: value`` line a lab printed (the ZeRO and FSDP labs)."""
+    hits = [line.split(": ", 1)[1] for line in lines if line.startswith(key + ":")]
+    assert len(hits) == 1, (key, lines)
+    return hits[0]

@@ -7,7 +7,7 @@ import pytest
 
 from ddp_lesson.gpt import TinyGPT
 from ddp_lesson.launch import run_torchrun
-from gpt_reference import single_process_losses
+from gpt_reference import lab_value, single_process_losses
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -19,28 +19,22 @@ def lab(request):
     return request.param, r.rank_lines(0)
 
 
-def _value(lines, key):
-    hits = [l.split(": ", 1)[1] for l in lines if l.startswith(key + ":")]
-    assert len(hits) == 1, (key, lines)
-    return hits[0]
-
-
 def test_fsdp_matches_ddp(lab):
     world_size, lines = lab
-    assert _value(lines, "parameters are DTensors sharded on dim 0") == "True"
-    assert _value(lines, "FSDP losses match DDP within 1e-05") == "True"
-    assert _value(lines, "weights after 5 steps match DDP within 1e-5") == "True"
-    assert _value(lines, "DDP  losses") == _value(lines, "FSDP losses")
+    assert lab_value(lines, "parameters are DTensors sharded on dim 0") == "True"
+    assert lab_value(lines, "FSDP losses match DDP within 1e-05") == "True"
+    assert lab_value(lines, "weights after 5 steps match DDP within 1e-5") == "True"
+    assert lab_value(lines, "DDP  losses") == lab_value(lines, "FSDP losses")
     if world_size == 2:  # the losses notebook 07 prints, from a single-process run
         ref = single_process_losses(5, 2)
-        assert _value(lines, "FSDP losses") == " ".join(f"{v:.3f}" for v in ref)
+        assert lab_value(lines, "FSDP losses") == " ".join(f"{v:.3f}" for v in ref)
 
 
 def test_parameter_bytes_per_rank(lab):
     world_size, lines = lab
     m = TinyGPT(vocab_size=103)
     full = 4 * m.num_params()
-    assert _value(lines, "full parameters (what DDP keeps on every rank)") == f"{full:,} bytes"
+    assert lab_value(lines, "full parameters (what DDP keeps on every rank)") == f"{full:,} bytes"
     # FSDP2 shards dim 0 like torch.chunk: ceil(d0 / R) rows per rank, the last ranks fewer
     expected = [0] * world_size
     for p in m.parameters():
@@ -50,6 +44,6 @@ def test_parameter_bytes_per_rank(lab):
             rows = max(0, min(size, d0 - r * size))
             expected[r] += 4 * rows * rest
     for r in range(world_size):
-        v = _value(lines, f"rank {r} FSDP parameter shard")
+        v = lab_value(lines, f"rank {r} FSDP parameter shard")
         assert v.startswith(f"{expected[r]:,} bytes")
         assert abs(expected[r] * world_size / full - 1) < 0.10

@@ -21,18 +21,9 @@ from torch.utils.data import DistributedSampler as TorchSampler
 from ddp_lesson.labs.sampler_pitfalls import NestedLenSampler, one_shot_padding
 from ddp_lesson.labs.sampler_shards import partition_facts
 from ddp_lesson.launch import run_torchrun
+from sampler_reference import torch_shards
 
 pytestmark = pytest.mark.timeout(150)
-
-
-def torch_shards(n, r, shuffle=True, seed=0, epoch=0, drop_last=False):
-    out = []
-    for rank in range(r):
-        s = TorchSampler(range(n), num_replicas=r, rank=rank, shuffle=shuffle, seed=seed,
-                         drop_last=drop_last)
-        s.set_epoch(epoch)
-        out.append(list(s))
-    return out
 
 
 def torch_order(n, shuffle, seed, epoch):
@@ -73,8 +64,8 @@ def test_a1_set_epoch_lab_every_rank_three_epochs(set_epoch_run):
     for e in range(3):
         without, with_ = rows[e]
         # without set_epoch the sampler stays at epoch 0; with it, epoch e
-        assert without == torch_shards(8, 2, seed=0, epoch=0)
-        assert with_ == torch_shards(8, 2, seed=0, epoch=e)
+        assert without == torch_shards(8, 2, True, seed=0, epoch=0)
+        assert with_ == torch_shards(8, 2, True, seed=0, epoch=e)
     assert len({tuple(map(tuple, rows[e][1])) for e in range(3)}) == 3
     lines = set_epoch_run.rank_lines(0)
     for fact in ("without set_epoch, every epoch repeats epoch 0: True",
@@ -185,15 +176,15 @@ def test_shards_lab_report_as_the_notebook_shows_it(shards_run):
         "N=12, each rank seeds with its own rank number (the A2 bug):",
     ]
     (s1, f1), (s2, f2), (s3, f3), (s4, f4) = blocks.values()
-    assert s1 == torch_shards(12, 3)
+    assert s1 == torch_shards(12, 3, True)
     assert f1 == "disjoint: True | covers the dataset: True"
-    assert s2 == torch_shards(10, 3)
+    assert s2 == torch_shards(10, 3, True)
     order10 = torch_order(10, True, 0, 0)
     assert f2 == f"disjoint: False | covers the dataset: True | repeated: {sorted(order10[:2])}"
-    assert s3 == torch_shards(10, 3, drop_last=True)
+    assert s3 == torch_shards(10, 3, True, drop_last=True)
     assert f3 == f"disjoint: True | covers the dataset: False | never seen: {order10[9:]}"
     # A2: rank r used seed r
-    assert s4 == [torch_shards(12, 3, seed=r)[r] for r in range(3)]
+    assert s4 == [torch_shards(12, 3, True, seed=r)[r] for r in range(3)]
     counts = Counter(i for s in s4 for i in s)
     repeated = sorted(i for i, k in counts.items() for _ in range(k - 1))
     missing = [i for i in range(12) if i not in counts]

@@ -9,9 +9,9 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
-from torch.utils.data import DistributedSampler as TorchSampler  # noqa: E402
 
 from ddp_lesson.viz import assignment_over_epochs, sampler_heatmap, sampler_layout  # noqa: E402
+from sampler_reference import torch_shards  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:DistributedSampler with drop_last=True")
 
@@ -20,16 +20,6 @@ pytestmark = pytest.mark.filterwarnings("ignore:DistributedSampler with drop_las
 def close_figures():
     yield
     plt.close("all")
-
-
-def torch_shards(n, r, shuffle=False, seed=0, epoch=0, drop_last=False):
-    out = []
-    for rank in range(r):
-        s = TorchSampler(range(n), num_replicas=r, rank=rank, shuffle=shuffle, seed=seed,
-                         drop_last=drop_last)
-        s.set_epoch(epoch)
-        out.append(list(s))
-    return out
 
 
 def padding_cells(fig):
@@ -57,12 +47,12 @@ def test_heatmap_a3_draws_the_shards_and_outlines_two_repeats():
     fig = sampler_heatmap(10, 3)
     assert isinstance(fig, Figure) and len(fig.axes) == 1
     grid = np.asarray(fig.axes[0].images[0].get_array())
-    assert grid.tolist() == torch_shards(10, 3)  # [[0,3,6,9],[1,4,7,0],[2,5,8,1]]
+    assert grid.tolist() == torch_shards(10, 3, False)  # [[0,3,6,9],[1,4,7,0],[2,5,8,1]]
     # A3: ranks 1 and 2 hold the repeats, in their last position
     assert padding_cells(fig) == [(1, 3), (2, 3)]
     assert "repeats of [0, 1]" in fig.axes[0].get_xlabel()
     labels = [t.get_text() for t in fig.axes[0].texts]
-    assert labels == [str(i) for row in torch_shards(10, 3) for i in row]
+    assert labels == [str(i) for row in torch_shards(10, 3, False) for i in row]
     w, h = fig.get_size_inches()
     assert w <= 8 and h <= 5
 

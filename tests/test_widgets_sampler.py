@@ -9,21 +9,11 @@ from __future__ import annotations
 import re
 
 import pytest
-from torch.utils.data import DistributedSampler as TorchSampler
 
 from ddp_lesson.widgets import sampler_explorer, sampler_report
+from sampler_reference import torch_shards
 
 pytestmark = pytest.mark.filterwarnings("ignore:DistributedSampler with drop_last=True")
-
-
-def torch_shards(n, r, shuffle, seed, epoch, drop_last):
-    out = []
-    for rank in range(r):
-        s = TorchSampler(range(n), num_replicas=r, rank=rank, shuffle=shuffle, seed=seed,
-                         drop_last=drop_last)
-        s.set_epoch(epoch)
-        out.append(list(s))
-    return out
 
 
 def shown(text):

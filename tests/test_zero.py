@@ -8,7 +8,7 @@ import torch
 
 from ddp_lesson.gpt import TinyGPT
 from ddp_lesson.launch import run_torchrun
-from gpt_reference import single_process_losses
+from gpt_reference import lab_value, single_process_losses
 from ddp_lesson.zero import partition_parameters
 
 pytestmark = pytest.mark.timeout(120)
@@ -35,12 +35,6 @@ def lab(request):
     return request.param, r.rank_lines(0)
 
 
-def _value(lines, key):
-    hits = [l.split(": ", 1)[1] for l in lines if l.startswith(key + ":")]
-    assert len(hits) == 1, (key, lines)
-    return hits[0]
-
-
 def test_equal_to_ddp_adamw_and_torch_zero(lab):
     _, lines = lab
     for key in ("same losses as DDP+AdamW",
@@ -51,13 +45,13 @@ def test_equal_to_ddp_adamw_and_torch_zero(lab):
                 "consolidated state == AdamW state",
                 "reloaded optimizer continues identically",
                 "still equal to DDP+AdamW after 3 more steps"):
-        assert _value(lines, key) == "True", key
+        assert lab_value(lines, key) == "True", key
 
 
 def test_losses_match_a_single_process_run(lab):
     world_size, lines = lab
     ref = single_process_losses(10, world_size)
-    assert _value(lines, "loss step 1 -> 10 (DDP+AdamW)") == f"{ref[0]:.3f} -> {ref[-1]:.3f}"
+    assert lab_value(lines, "loss step 1 -> 10 (DDP+AdamW)") == f"{ref[0]:.3f} -> {ref[-1]:.3f}"
     # the numbers notebook 07 prints (world size 2)
     if world_size == 2:
         assert f"{ref[0]:.3f} -> {ref[-1]:.3f}" == "4.656 -> 3.663"
@@ -68,13 +62,13 @@ def test_optimizer_state_is_one_over_world_size(lab):
     m = TinyGPT(vocab_size=103)
     # AdamW state: exp_avg + exp_avg_sq (fp32) per element, one fp32 `step` per tensor
     full = 8 * m.num_params() + 4 * len(list(m.parameters()))
-    assert _value(lines, "unsharded optimizer state per rank") == f"{full:,} bytes"
+    assert lab_value(lines, "unsharded optimizer state per rank") == f"{full:,} bytes"
     per_rank = []
     for r in range(world_size):
-        v = _value(lines, f"rank {r} optimizer state")
+        v = lab_value(lines, f"rank {r} optimizer state")
         per_rank.append(int(re.match(r"([\d,]+) bytes", v).group(1).replace(",", "")))
     assert sum(per_rank) == full
-    assert _value(lines, "sum over ranks == unsharded") == "True"
+    assert lab_value(lines, "sum over ranks == unsharded") == "True"
     for b in per_rank:
         assert abs(b * world_size / full - 1) < 0.10
 
