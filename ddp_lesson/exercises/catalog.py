@@ -1,0 +1,837 @@
+"""Every checkable exercise of notebooks 00-07: its task, how it is run, how it is judged.
+
+Each ``_judge_*`` compares what every rank got with the reference computed here, in this
+process, from the package (``ddp_lesson.sampler``, ``ddp_lesson.gradients``, ...), and turns the
+first difference into a sentence a learner can act on. The inputs each rank uses are
+deterministic functions of its rank, so the judge recomputes them instead of shipping them.
+"""
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import torch
+
+from . import solutions as S
+from .core import Exercise, close, first_error, fmt_list, fmt_num, format_error, register
+
+
+def _ranks(rs) -> str:
+    rs = sorted(rs)
+    return ", ".join(map(str, rs))
+
+
+# ===================================================================== 00.3 local rank
+
+def _run_00_3(fn) -> list[str]:
+    for nproc, nnodes in ((4, 2), (2, 3), (8, 2)):
+        for rank in range(nproc * nnodes):
+            got = fn(rank, nproc)
+            want = rank % nproc
+            if got != want:
+                hint = ""
+                if got == rank // nproc:
+                    hint = " (that is the node's number, not the GPU's)"
+                elif got == rank:
+                    hint = (" (the global rank: on node 1 and beyond there is no GPU with that "
+                            "number, the mistake behind the legacy --local_rank pitfall, C1)")
+                return [f"rank {rank} with {nproc} processes per node on {nnodes} nodes: got "
+                        f"{got}, expected {want}{hint}. Each node numbers its GPUs 0 to "
+                        f"{nproc - 1}: rank {rank} is node {rank // nproc}'s process {want}."]
+    return []
+
+
+register(Exercise(
+    "00.3", "GPU index from the global rank",
+    task="Write local_rank_from_rank(rank, nproc_per_node) -> int: which GPU of its node the "
+         "process with global rank `rank` uses when every node runs nproc_per_node processes.",
+    signature="fn(rank: int, nproc_per_node: int) -> int",
+    reference=S.local_rank_from_rank, run_local=_run_00_3,
+    checked="2 nodes x 4, 3 nodes x 2 and 2 nodes x 8 processes, every rank"))
+
+
+# ===================================================================== 01.4 weighted average
+
+_COUNTS_01_4 = ([4, 2, 2], [5, 2, 1], [1, 1, 6])
+
+
+def _grad_01_4(rank: int) -> torch.Tensor:
+    return torch.tensor([rank + 1.0, -0.5 * (rank + 1), rank * rank + 0.25])
+
+
+def _rank_01_4(fn, rank, world_size):
+    out = []
+    for counts in _COUNTS_01_4:
+        got = fn(_grad_01_4(rank), counts[rank])
+        out.append([float(v) for v in torch.as_tensor(got).reshape(-1)])
+    return out
+
+
+def _judge_01_4(results) -> list[str]:
+    from ..gradients import average, weighted_average
+
+    R = len(results)
+    grads = [_grad_01_4(r) for r in range(R)]
+    for i, counts in enumerate(_COUNTS_01_4):
+        want = weighted_average(grads, counts).tolist()
+        for r in range(R):
+            got = results[r][i]
+            if close(got, want):
+                continue
+            shards = ", ".join(map(str, counts))
+            msg = (f"with shards of {shards} samples, rank {r} returned {fmt_list(got)}; the "
+                   f"global-batch gradient is {fmt_list(want)}")
+            if close(got, average(grads).tolist()):
+                msg += (": yours is the plain mean of the 3 gradients, right only for equal "
+                        "shards. Weight each rank's gradient by its count: sum n_r * g_r and "
+                        "n_r over the ranks (two all-reduces, or one), then divide")
+            elif close(got, sum(grads).tolist()):
+                msg += ": yours is the plain sum. Weight by the counts and divide by their total"
+            elif close(got, sum(g * n for g, n in zip(grads, counts)).tolist()):
+                msg += f": yours is sum n_r * g_r; divide it by the total count {sum(counts)}"
+            elif close(got, grads[r].tolist()):
+                msg += ": yours is this rank's own gradient; nothing was all-reduced"
+            others = [s for s in range(R) if s != r and not close(results[s][i], got)]
+            if others:
+                msg += f". Ranks {_ranks([r] + others)} also disagree with each other"
+            return [msg + "."]
+    return []
+
+
+register(Exercise(
+    "01.4", "weighted gradient average over unequal shards",
+    task="Write weighted_average_gradient(grad, count) -> Tensor, called on every rank with "
+         "its mean-loss gradient and its shard's sample count; return sum_r n_r g_r / sum_r n_r "
+         "(the same on every rank) using all_reduce.",
+    signature="fn(grad: Tensor (3,), count: int) -> Tensor (3,)   # a collective",
+    reference=S.weighted_average_gradient, kind="distributed", world_size=3,
+    run_rank=_rank_01_4, judge=_judge_01_4,
+    checked="3 processes (torchrun, gloo), shards 4/2/2, 5/2/1 and 1/1/6"))
+
+
+# ===================================================================== 01.5 average_gradients
+
+def _toy_01_5(world_size: int):
+    from ..gradients import make_toy_batch, make_toy_model
+
+    x, y = make_toy_batch(8)
+    return make_toy_model(0), x, y
+
+
+def _rank_01_5(fn, rank, world_size):
+    from ..gradients import split_batch
+
+    model, x, y = _toy_01_5(world_size)
+    xs, ys = split_batch(x, y, world_size)[rank]
+    torch.nn.functional.mse_loss(model(xs), ys).backward()
+    fn(model)
+    return {n: (None if p.grad is None else p.grad.reshape(-1).tolist())
+            for n, p in model.named_parameters()}
+
+
+def _judge_01_5(results) -> list[str]:
+    from ..gradients import split_batch
+
+    R = len(results)
+    model, x, y = _toy_01_5(R)
+    model.zero_grad()
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    want = {n: p.grad.reshape(-1).tolist() for n, p in model.named_parameters()}
+    local = []
+    for xs, ys in split_batch(x, y, R):
+        model.zero_grad()
+        torch.nn.functional.mse_loss(model(xs), ys).backward()
+        local.append({n: p.grad.reshape(-1).tolist() for n, p in model.named_parameters()})
+    for r in range(R):
+        for name, w in want.items():
+            got = results[r][name]
+            if got is None:
+                return [f"rank {r}: {name}.grad is None after your function; keep the gradients"]
+            if close(got, w):
+                continue
+            msg = (f"rank {r}: {name}.grad is {fmt_list(got)}, the global-batch gradient is "
+                   f"{fmt_list(w)}")
+            if close(got, [R * v for v in w]):
+                msg += (f": {R}x too big. all_reduce gives the SUM over the ranks; divide by "
+                        f"world_size ({R})")
+            elif close(got, local[r][name]):
+                bad = [n for n in want if close(results[r][n], local[r][n])]
+                msg += (f": still this rank's own gradient. Not averaged here: {', '.join(bad)}; "
+                        "every parameter's gradient must be all-reduced, on every rank")
+            return [msg + "."]
+    return []
+
+
+register(Exercise(
+    "01.5", "average the gradients after backward",
+    task="Write average_gradients(model) -> None: after loss.backward() on each rank's shard, "
+         "replace every parameter's .grad by its mean over the ranks (in place), so that every "
+         "rank holds the global-batch gradient, as DDP does.",
+    signature="fn(model: nn.Module) -> None   # a collective",
+    reference=S.average_gradients, kind="distributed", world_size=2,
+    run_rank=_rank_01_5, judge=_judge_01_5,
+    checked="2 processes (torchrun, gloo), the 19-parameter toy MLP, 4 samples per rank, "
+            "against one process on all 8"))
+
+
+# ===================================================================== 02.1 sampler
+
+# (N, shuffle, drop_last, seed): simple settings first, so the first problem reported is the
+# most basic one.
+_SETTINGS_02_1 = [(9, False, False, 0), (10, False, False, 0), (10, True, False, 0),
+                  (7, True, False, 5), (2, False, False, 0), (1, True, False, 0),
+                  (0, False, False, 0), (12, True, False, 1), (10, False, True, 0),
+                  (11, True, True, 3)]
+_EPOCHS_02_1 = (0, 1)
+
+
+def _rank_02_1(cls, rank, world_size):
+    out = []
+    for n, shuffle, drop_last, seed in _SETTINGS_02_1:
+        rec = {}
+        try:
+            sampler = cls(list(range(n)), num_replicas=world_size, rank=rank, shuffle=shuffle,
+                          seed=seed, drop_last=drop_last)
+        except Exception as exc:
+            from .core import error_record
+
+            out.append({"construct": error_record(exc)})
+            continue
+        for epoch in _EPOCHS_02_1:
+            if epoch:
+                if not hasattr(sampler, "set_epoch"):
+                    rec["no_set_epoch"] = True
+                    break
+                sampler.set_epoch(epoch)
+            try:
+                rec[epoch] = [int(i) for i in iter(sampler)]
+            except Exception as exc:
+                from .core import error_record
+
+                rec[f"iter{epoch}"] = error_record(exc)
+                break
+        try:
+            rec["len"] = len(sampler)
+        except Exception as exc:
+            from .core import error_record
+
+            rec["len_error"] = error_record(exc)
+        out.append(rec)
+    return out
+
+
+def _describe_02_1(n, R, shuffle, drop_last, seed, epoch=None) -> str:
+    text = f"N={n}, R={R}, shuffle={shuffle}"
+    if shuffle:
+        text += f", seed={seed}"
+    if drop_last:
+        text += ", drop_last=True"
+    if epoch is not None and shuffle:
+        text += f", epoch {epoch}"
+    return text
+
+
+def _padding_sentence(n, R, shuffle, drop_last, seed, epoch) -> str:
+    from ..sampler import num_samples_per_rank, padded_order
+
+    per = num_samples_per_rank(n, R, drop_last)
+    if drop_last:
+        return (f"with drop_last=True every rank gets {per} (the order is cut to {per * R}, "
+                f"dropping {n - per * R})")
+    pad = padded_order(n, R, shuffle, seed, epoch)[n:]
+    if not pad:
+        return f"every rank gets {per} and no index repeats ({n} divides by {R})"
+    which = " and ".join(map(str, pad)) if len(pad) <= 2 else ", ".join(map(str, pad))
+    return (f"every rank needs ceil({n}/{R}) = {per}, so the order is padded by wrapping round: "
+            f"the padded {'index is' if len(pad) == 1 else 'indices are'} {which}")
+
+
+def _judge_02_1(results) -> list[str]:
+    R = len(results)
+    problems = []
+    for k, (n, shuffle, drop_last, seed) in enumerate(_SETTINGS_02_1):
+        recs = [results[r][k] for r in range(R)]
+        setting = _describe_02_1(n, R, shuffle, drop_last, seed)
+        problem = None
+        for r, rec in enumerate(recs):
+            if "construct" in rec:
+                problem = (f"{setting}: cls(dataset, num_replicas={R}, rank={r}, shuffle={shuffle}, "
+                           f"seed={seed}, drop_last={drop_last}) raised "
+                           f"{format_error(rec['construct'])}. Keep torch's signature.")
+                break
+            for epoch in _EPOCHS_02_1:
+                if f"iter{epoch}" in rec:
+                    problem = (f"{setting}: iterating rank {r}'s sampler raised "
+                               f"{format_error(rec[f'iter{epoch}'])}")
+                    if 0 < n < R and not drop_last:
+                        problem += (f". With fewer samples than ranks the order must wrap round "
+                                    f"more than once: padding once with indices[:pad] is not "
+                                    f"enough (case A7)")
+                    break
+            if problem:
+                break
+            if rec.get("no_set_epoch"):
+                problem = ("the sampler has no set_epoch(epoch) method: without it every epoch "
+                           "repeats the same order (case A1)")
+                break
+            if "len_error" in rec:
+                problem = (f"len(sampler) raised {format_error(rec['len_error'])}: a DataLoader "
+                           "and progress bars need __len__ (the seed's __len__ was indented into "
+                           "__iter__, so the class had none)")
+                break
+        if problem is None:
+            problem = _judge_02_1_epochs(recs, n, R, shuffle, drop_last, seed)
+        if problem:
+            problems.append(problem)
+    if len(problems) > 1:
+        problems[0] += f" ({len(problems)} of {len(_SETTINGS_02_1)} settings fail)"
+    return problems
+
+
+def _judge_02_1_epochs(recs, n, R, shuffle, drop_last, seed):
+    from ..sampler import contiguous_shard_indices, num_samples_per_rank, padded_order, shard_indices
+
+    per = num_samples_per_rank(n, R, drop_last)
+    for epoch in _EPOCHS_02_1:
+        setting = _describe_02_1(n, R, shuffle, drop_last, seed, epoch)
+        got = [rec[epoch] for rec in recs]
+        want = [shard_indices(n, R, r, shuffle, seed, epoch, drop_last) for r in range(R)]
+        if got == want:
+            continue
+        if shuffle and epoch and got == [rec[0] for rec in recs] and recs[0][0]:
+            return (f"{setting}: the same order as epoch 0. set_epoch must change the "
+                    "permutation: seed the generator with seed + epoch (case A1).")
+        lengths = [len(g) for g in got]
+        if lengths != [per] * R:
+            return (f"{setting}: ranks got {', '.join(map(str, lengths))} indices; "
+                    + _padding_sentence(n, R, shuffle, drop_last, seed, epoch) + ".")
+        wanted = Counter(padded_order(n, R, shuffle, seed, epoch, drop_last))
+        have = Counter(i for g in got for i in g)
+        if have != wanted:
+            for r, g in enumerate(got):
+                twice = [i for i, c in Counter(g).items() if c > 1 and c > wanted[i]]
+                if twice:
+                    msg = (f"{setting}: rank {r} got index {twice[0]} twice; "
+                           + _padding_sentence(n, R, shuffle, drop_last, seed, epoch))
+                    break
+            else:
+                extra = sorted(i for i in have if have[i] > wanted[i])
+                missing = sorted(i for i in wanted if have[i] < wanted[i])
+                if extra:
+                    i = extra[0]
+                    on = [r for r, g in enumerate(got) if i in g]
+                    msg = (f"{setting}: index {i} is on ranks {_ranks(on)}; "
+                           + _padding_sentence(n, R, shuffle, drop_last, seed, epoch))
+                else:
+                    msg = f"{setting}: index {missing[0]} is on no rank"
+                if missing and extra:
+                    msg += f"; index {missing[0]} is on no rank"
+            if shuffle:
+                msg += (". Do all ranks draw the same permutation? Seed it with seed + epoch, "
+                        "never with the rank (case A2)")
+            return msg + "."
+        contiguous = [contiguous_shard_indices(n, R, r, shuffle, seed, epoch, drop_last)
+                      for r in range(R)]
+        if got == contiguous:
+            return (f"{setting}: every index is covered, but rank 0 got the contiguous block "
+                    f"{got[0]} where torch's DistributedSampler deals out interleaved, "
+                    f"indices[rank::num_replicas]: {want[0]}. Both split the data; matching torch "
+                    "keeps the shards identical when you switch samplers or resume.")
+        r = next(r for r in range(R) if got[r] != want[r])
+        hint = (" Draw the order with torch.randperm(N, generator=g), g.manual_seed(seed + "
+                "epoch), as torch does." if shuffle else "")
+        return (f"{setting}: every index is covered, but rank {r} got {got[r]} where torch's "
+                f"DistributedSampler gives {want[r]}.{hint}")
+    return None
+
+
+register(Exercise(
+    "02.1", "a DistributedSampler equal to torch's",
+    task="Write a Sampler class with torch's signature, cls(dataset, num_replicas, rank, "
+         "shuffle=True, seed=0, drop_last=False), with set_epoch(epoch), __iter__ and __len__, "
+         "that yields, on each rank, exactly the indices torch.utils.data.DistributedSampler "
+         "yields.",
+    signature="cls(dataset, num_replicas=R, rank=r, shuffle=..., seed=..., drop_last=...)",
+    reference=S.DistributedSampler, kind="distributed", world_size=3,
+    run_rank=_rank_02_1, judge=_judge_02_1,
+    checked="3 processes (torchrun, gloo), N = 0, 1, 2, 7, 9, 10, 11, 12, shuffle and "
+            "drop_last on and off, epochs 0 and 1"))
+
+
+# ===================================================================== 02.3 seed/epoch check
+
+# (seeds per rank, epochs per rank, must it raise, ranks to name)
+_CASES_02_3 = [((0, 0, 0), (0, 0, 0), False, ()),
+               ((7, 7, 7), (3, 3, 3), False, ()),
+               ((7, 8, 9), (0, 0, 0), True, (1, 2)),
+               ((0, 0, 0), (1, 1, 0), True, (2,))]
+
+
+def _rank_02_3(fn, rank, world_size):
+    from .core import error_record
+
+    out = []
+    for seeds, epochs, _, _ in _CASES_02_3:
+        try:
+            fn(seeds[rank], epochs[rank])
+            out.append("ok")
+        except Exception as exc:
+            out.append(error_record(exc))
+    return out
+
+
+def _judge_02_3(results) -> list[str]:
+    import re
+
+    R = len(results)
+    for i, (seeds, epochs, must_raise, name) in enumerate(_CASES_02_3):
+        outs = [results[r][i] for r in range(R)]
+        raised = [r for r in range(R) if outs[r] != "ok"]
+        what = (f"seeds {', '.join(map(str, seeds))} and epochs {', '.join(map(str, epochs))} "
+                "on ranks 0, 1, 2")
+        if not must_raise and raised:
+            r = raised[0]
+            return [f"with {what} (all agree), rank {r} raised {format_error(outs[r])}: the "
+                    "check must pass quietly when the ranks agree."]
+        if must_raise and not raised:
+            if len(set(seeds)) == 1:
+                return [f"with {what} nothing was raised: the epoch matters too (set_epoch called "
+                        "on some ranks only gives them different orders)."]
+            return [f"with {what} nothing was raised (a seed built from the rank, case A2): "
+                    "gather every rank's (seed, epoch) and compare."]
+        if must_raise and len(raised) < R:
+            ok = [r for r in range(R) if r not in raised]
+            return [f"with {what} only rank(s) {_ranks(raised)} raised; rank(s) {_ranks(ok)} "
+                    "returned normally and would go on into a collective the others never join. "
+                    "Gather everyone's values (all_gather) and raise on every rank."]
+        if must_raise:
+            for r in range(R):
+                msg = outs[r].get("message", "")
+                unnamed = [q for q in name if not re.search(rf"(?<![\d.]){q}(?![\d.])", msg)]
+                if unnamed:
+                    return [f"with {what} rank {r} raised, but its message does not name rank(s) "
+                            f"{_ranks(unnamed)}: \"{msg}\". Say which ranks disagree, and with "
+                            "what values."]
+    return []
+
+
+register(Exercise(
+    "02.3", "all ranks on the same seed and epoch",
+    task="Write check_same_seed_epoch(seed, epoch) -> None, called on every rank at the start "
+         "of an epoch: gather every rank's (seed, epoch) and, if they differ, raise on every "
+         "rank an error that names the ranks that disagree.",
+    signature="fn(seed: int, epoch: int) -> None   # a collective; raises on disagreement",
+    reference=S.check_same_seed_epoch, kind="distributed", world_size=3,
+    run_rank=_rank_02_3, judge=_judge_02_3,
+    checked="3 processes (torchrun, gloo), agreeing ranks, seeds 7/8/9, epochs 1/1/0"))
+
+
+# ===================================================================== 02.4 exact accuracy
+
+_CASES_02_4 = [(7, {6}), (10, {0, 3, 5}), (11, {1, 2, 4, 10}), (2, set())]
+
+
+def _counts_02_4(n, wrong, rank, world_size):
+    shard = range(rank, n, world_size)  # DistributedEvalSampler: unpadded, interleaved
+    return sum(i not in wrong for i in shard), len(shard)
+
+
+def _rank_02_4(fn, rank, world_size):
+    from .core import error_record
+
+    out = []
+    for n, wrong in _CASES_02_4:
+        try:
+            out.append(float(fn(*_counts_02_4(n, wrong, rank, world_size))))
+        except Exception as exc:  # e.g. a division by an empty shard's zero count
+            out.append(error_record(exc))
+            break
+    return out
+
+
+def _judge_02_4(results) -> list[str]:
+    R = len(results)
+    for i, (n, wrong) in enumerate(_CASES_02_4):
+        want = (n - len(wrong)) / n
+        counts = [_counts_02_4(n, wrong, r, R) for r in range(R)]
+        err = first_error({r: results[r][i] for r in range(R) if len(results[r]) > i})
+        if err is not None:
+            r, rec = err
+            msg = (f"N={n} split {', '.join(str(k) for _, k in counts)} over 3 ranks: rank {r} "
+                   f"raised {format_error(rec)}")
+            if any(k == 0 for _, k in counts):
+                msg += ". A rank may have no sample at all: divide once, after the all-reduce"
+            return [msg + "."]
+        for r in range(R):
+            got = results[r][i]
+            if close(got, want, 1e-9, 1e-12):
+                continue
+            shards = ", ".join(f"{c}/{k}" for c, k in counts)
+            msg = (f"N={n} split {', '.join(str(k) for _, k in counts)} over 3 ranks (correct/"
+                   f"count: {shards}): rank {r} returned {fmt_num(got)}, the exact accuracy is "
+                   f"{fmt_num(want)}")
+            rank_means = [c / k for c, k in counts if k]
+            if rank_means and close(got, sum(rank_means) / len(rank_means), 1e-6, 1e-9):
+                msg += (": yours is the mean of the ranks' accuracies, which over-weights the "
+                        "shorter shards. All-reduce the correct and count numbers, then divide once")
+            elif counts[r][1] and close(got, counts[r][0] / counts[r][1], 1e-6, 1e-9):
+                msg += ": yours is this rank's own accuracy; nothing was all-reduced"
+            return [msg + "."]
+    return []
+
+
+register(Exercise(
+    "02.4", "exact accuracy from per-rank counts",
+    task="Write exact_accuracy(correct, count) -> float, called on every rank with the number of "
+         "correct predictions and of samples in its unpadded shard; return the global accuracy, "
+         "the same on every rank.",
+    signature="fn(correct: int, count: int) -> float   # a collective",
+    reference=S.exact_accuracy, kind="distributed", world_size=3,
+    run_rank=_rank_02_4, judge=_judge_02_4,
+    checked="3 processes (torchrun, gloo), N = 7, 10, 11 and 2 (one rank with an empty shard)"))
+
+
+# ===================================================================== 03.3 tree vs ring
+
+_CASES_03_3 = [(5e-6, 1e-10, 8), (5e-6, 1e-10, 4), (5e-6, 1e-10, 16), (5e-6, 1e-10, 5),
+               (1e-5, 1e-9, 64), (5e-6, 1e-10, 2), (5e-6, 1e-10, 3)]
+
+
+def _run_03_3(fn) -> list[str]:
+    from ..collectives import ring_allreduce_time, tree_allreduce_time
+
+    for alpha, beta, R in _CASES_03_3:
+        want = S.tree_beats_ring_below(alpha, beta, R)
+        got = float(fn(alpha, beta, R))
+        if math.isclose(got, want, rel_tol=1e-2, abs_tol=1.0):
+            continue
+        case = f"R={R}, alpha={alpha * 1e6:g} us, beta={beta * 1e9:g} ns/byte"
+        if want == 0:
+            return [f"{case}: got {fmt_num(got)} bytes, but here the tree "
+                    f"({math.ceil(math.log2(R))} levels, {2 * math.ceil(math.log2(R))} messages "
+                    f"in a row) never beats the ring ({2 * (R - 1)} messages): the answer is 0."]
+        t_ring = ring_allreduce_time(max(got, 0), R, alpha, beta) * 1e6
+        t_tree = tree_allreduce_time(max(got, 0), R, alpha, beta) * 1e6
+        return [f"{case}: got {fmt_num(got)} bytes; at that size the ring takes "
+                f"{fmt_num(t_ring)} us and the tree {fmt_num(t_tree)} us. They cross at "
+                f"{fmt_num(want)} bytes: solve 2L(alpha + n beta) = 2(R-1) alpha + "
+                "2(R-1)/R n beta for n, with L = ceil(log2 R)."]
+    return []
+
+
+register(Exercise(
+    "03.3", "where the tree beats the ring",
+    task="Write tree_beats_ring_below(alpha_s, beta_s_per_byte, world_size) -> float: the "
+         "message size in bytes below which the tree all-reduce is faster than the ring in the "
+         "alpha-beta model of this notebook (0 when the tree never wins).",
+    signature="fn(alpha_s: float, beta_s_per_byte: float, world_size: int) -> float (bytes)",
+    reference=S.tree_beats_ring_below, run_local=_run_03_3,
+    checked="R = 2, 3, 4, 5, 8, 16, 64; answers within 1%"))
+
+
+# ===================================================================== 03.6 ring all-reduce
+
+# (dtype, shape): an integer tensor has a digit per rank, so a wrong element says which
+# ranks it summed; sizes below, at and above the world size.
+_CASES_03_6 = [("int64", (10,)), ("int64", (1,)), ("int64", (3,)), ("int64", (4,)),
+               ("int64", (3, 7)), ("int64", (1001,)), ("float32", (1000,))]
+
+
+def _input_03_6(dtype, shape, rank):
+    numel = math.prod(shape)
+    if dtype == "int64":
+        return ((torch.arange(numel, dtype=torch.int64) + 1) * 10 ** rank).reshape(shape)
+    g = torch.Generator().manual_seed(100 + rank)
+    return torch.randn(numel, generator=g).reshape(shape)
+
+
+def _rank_03_6(fn, rank, world_size):
+    out = []
+    for dtype, shape in _CASES_03_6:
+        t = _input_03_6(dtype, shape, rank)
+        returned = fn(t)
+        ret = None
+        if isinstance(returned, torch.Tensor):
+            ret = returned.reshape(-1).tolist()
+        out.append({"tensor": t.reshape(-1).tolist(), "returned": ret, "shape": list(t.shape)})
+    return out
+
+
+def _contributors(value: int, element: int, world_size: int) -> list[int]:
+    q, rem = divmod(int(value), element + 1)
+    digits = [(q // 10 ** r) % 10 for r in range(world_size)]
+    if rem or q >= 10 ** world_size:
+        return []
+    return [r for r, d in enumerate(digits) if d == 1] if all(d in (0, 1) for d in digits) else []
+
+
+def _judge_03_6(results) -> list[str]:
+    R = len(results)
+    for i, (dtype, shape) in enumerate(_CASES_03_6):
+        ins = [_input_03_6(dtype, shape, r) for r in range(R)]
+        want = sum(t.double() for t in ins).reshape(-1).tolist()
+        case = f"a {dtype} tensor of shape {tuple(shape)}"
+        for r in range(R):
+            rec = results[r][i]
+            got = rec["tensor"]
+            ok = (got == [int(v) for v in want]) if dtype == "int64" else close(got, want, 1e-5, 1e-5)
+            if ok:
+                continue
+            if rec["returned"] is not None and close(rec["returned"], want, 1e-5, 1e-5):
+                return [f"{case}: the returned tensor holds the sum but rank {r}'s input tensor "
+                        "does not: like dist.all_reduce, work in place (write into tensor)."]
+            if close(got, ins[r].reshape(-1).tolist(), 0, 0):
+                return [f"{case}: rank {r}'s tensor is unchanged after your call."]
+            if (close(got, [v / R for v in want], 1e-5, 1e-5)
+                    or (dtype == "int64" and got == [int(v) // R for v in want])):
+                return [f"{case}: rank {r} holds the sum divided by {R} (the mean); "
+                        "all_reduce's default op is SUM."]
+            msg = f"{case}: rank {r} got {fmt_list(got)}, dist.all_reduce gives {fmt_list(want)}"
+            if dtype == "int64":
+                full = [e for e in range(len(got)) if got[e] == want[e]]
+                partial = [e for e in range(len(got)) if got[e] != want[e]]
+                e = partial[0]
+                who = _contributors(got[e], e, R)
+                if who:
+                    msg += (f". Element {e} holds the values of rank(s) {_ranks(who)} only "
+                            f"(each rank's input carries its own digit: rank k adds "
+                            f"(i+1)*10**k)")
+                if full and who and len(full) <= math.ceil(len(got) / R) + 1:
+                    msg += (f"; the full sum is only in elements {full[0]}-{full[-1]}. That is "
+                            "what a reduce-scatter leaves: the all-gather phase (R-1 more steps "
+                            "passing the finished chunks round the ring) is missing")
+            return [msg + "."]
+    return []
+
+
+register(Exercise(
+    "03.6", "ring all-reduce from isend/irecv",
+    task="Write ring_all_reduce(tensor) -> tensor: an in-place SUM all-reduce on a ring, "
+         "reduce-scatter then all-gather, built from dist.isend / dist.irecv to the neighbours "
+         "(rank + 1) % R and (rank - 1) % R. It must work for any shape, for fewer elements "
+         "than ranks, and give exactly dist.all_reduce's result on integers.",
+    signature="fn(tensor: Tensor) -> Tensor   # in place; a collective",
+    reference=S.ring_all_reduce, kind="distributed", world_size=4,
+    run_rank=_rank_03_6, judge=_judge_03_6,
+    checked="4 processes (torchrun, gloo), int64 sizes 1, 3, 4, 10, 21 (3x7), 1001 exactly, "
+            "float32 1000 within 1e-5"))
+
+
+# ===================================================================== 04.2 fp16 comm hook
+
+_BUCKET_MB_04_2 = 40 / 2 ** 20  # a few parameters per bucket: several buckets for the toy
+
+
+def _rank_04_2(fn, rank, world_size):
+    from ..ddp import BucketedDDP
+    from ..gradients import make_toy_batch, make_toy_model, split_batch
+
+    model = make_toy_model(0)
+    x, y = make_toy_batch(8)
+    xs, ys = split_batch(x, y, world_size)[rank]
+    ddp = BucketedDDP(model, bucket_cap_mb=_BUCKET_MB_04_2, comm_hook=fn)
+    torch.nn.functional.mse_loss(ddp(xs), ys).backward()
+    return torch.cat([p.grad.reshape(-1) for p in model.parameters()]).tolist()
+
+
+def _judge_04_2(results) -> list[str]:
+    from ..gradients import batch_gradient, make_toy_batch, make_toy_model, shard_gradients
+
+    R = len(results)
+    x, y = make_toy_batch(8)
+    want = batch_gradient(make_toy_model(0), x, y).tolist()
+    local = [g.tolist() for g in shard_gradients(make_toy_model(0), x, y, R)]
+    if any(results[r] != results[0] for r in range(R)):
+        r = next(r for r in range(R) if results[r] != results[0])
+        msg = f"rank 0 and rank {r} hold different gradients after backward"
+        if all(close(results[q], [v / R for v in local[q]], 1e-3, 1e-4) for q in range(R)):
+            msg += (": each is its own gradient divided by world_size, so the summed float16 "
+                    "tensor never reached the bucket. Copy it back into `tensor` once the "
+                    "all_reduce has finished (in wait(), or before returning)")
+        return [msg + "."]
+    got = results[0]
+    if close(got, [v / R for v in want], 2e-3, 1e-4):
+        return [f"the gradients are 1/{R} of the average: BucketedDDP divides the sum by "
+                "world_size itself, so the hook must return the SUM."]
+    if not close(got, want, 2e-3, 1e-4):
+        return [f"the gradients {fmt_list(got)} are not the global-batch gradient "
+                f"{fmt_list(want)} within float16 rounding (rtol 2e-3)."]
+    sums = torch.tensor(got, dtype=torch.float32) * R
+    if torch.equal(sums.half().float(), sums) is False:
+        return ["the gradients equal the uncompressed average: the summed values are not "
+                "float16 numbers, so the hook sent float32. Cast the bucket to torch.float16 "
+                "before the all_reduce."]
+    return []
+
+
+register(Exercise(
+    "04.2", "a float16-compressing comm hook",
+    task="Write hook(tensor, process_group) -> handle for BucketedDDP(comm_hook=hook): send "
+         "the bucket as float16 (half the bytes), SUM-all-reduce it, and put the result back "
+         "into `tensor` (float32) by the time handle.wait() returns.",
+    signature="fn(tensor: Tensor (float32, flat bucket), process_group) -> object with .wait()",
+    reference=S.fp16_compress_hook, kind="distributed", world_size=2,
+    run_rank=_rank_04_2, judge=_judge_04_2,
+    checked="2 processes (torchrun, gloo), BucketedDDP on the toy MLP with several buckets, "
+            "against one process on the global batch within float16 rounding"))
+
+
+# ===================================================================== 05.4 effective LR
+
+_CASES_05_4 = [(0.1, 256, 128, 4, 1, "linear"), (0.1, 16, 8, 4, 1, "linear"),
+               (0.1, 8, 2, 2, 4, "linear"), (0.4, 64, 4, 4, 2, "sqrt"),
+               (0.05, 32, 8, 8, 1, "none")]
+
+
+def _run_05_4(fn) -> list[str]:
+    from ..train import scaled_lr
+
+    for base_lr, base_batch, b, R, k, rule in _CASES_05_4:
+        want = scaled_lr(base_lr, base_batch, b * R * k, rule)
+        got = float(fn(base_lr, base_batch, b, R, k, rule))
+        if math.isclose(got, want, rel_tol=1e-9):
+            continue
+        case = (f"lr {base_lr} tuned at batch {base_batch}, {R} processes x {b} samples x "
+                f"{k} accumulation step(s), rule {rule!r}")
+        msg = f"{case}: got {fmt_num(got)}, expected {fmt_num(want)} (global batch {b * R * k})"
+        if math.isclose(got * R, want, rel_tol=1e-9):
+            msg += (f": yours is divided by the {R} processes. With averaged gradients the "
+                    "learning rate follows the global batch only")
+        elif k > 1 and math.isclose(got, scaled_lr(base_lr, base_batch, b * R, rule), rel_tol=1e-9):
+            msg += ": the accumulation steps are part of the global batch too"
+        elif math.isclose(got, scaled_lr(base_lr, base_batch, b, rule), rel_tol=1e-9):
+            msg += ": yours follows the per-rank batch; the rule uses the global batch"
+        return [msg + "."]
+    return []
+
+
+register(Exercise(
+    "05.4", "the learning rate for a global batch",
+    task="Write effective_lr(base_lr, base_batch, per_rank_batch, world_size, grad_accum_steps, "
+         "rule) -> float: the learning rate the trainer uses (--lr-scaling linear, sqrt or none) "
+         "when base_lr was tuned at base_batch.",
+    signature="fn(base_lr, base_batch, per_rank_batch, world_size, grad_accum_steps, rule) -> float",
+    reference=S.effective_lr, run_local=_run_05_4,
+    checked="5 settings: linear, sqrt, none; with and without accumulation"))
+
+
+# ===================================================================== 06.5 global rank
+
+def _run_06_5(fn) -> list[str]:
+    for nnodes, nproc in ((2, 2), (2, 4), (3, 2)):
+        got = {(node, local): fn(node, local, nproc)
+               for node in range(nnodes) for local in range(nproc)}
+        seen = {}
+        for (node, local), rank in got.items():
+            if rank in seen:
+                (n0, l0) = seen[rank]
+                return [f"{nnodes} nodes x {nproc} processes: node {n0}, local rank {l0} and node "
+                        f"{node}, local rank {local} would share RANK {rank}; every process "
+                        "needs its own."]
+            seen[rank] = (node, local)
+        for (node, local), rank in got.items():
+            want = node * nproc + local
+            if rank == want:
+                continue
+            msg = (f"{nnodes} nodes x {nproc} processes: node {node}, local rank {local} got "
+                   f"RANK {rank}, torchrun gives {want}")
+            if rank == local * nnodes + node:
+                msg += ": torchrun numbers the ranks node by node, not round-robin"
+            return [msg + "."]
+    return []
+
+
+register(Exercise(
+    "06.5", "global rank from node rank and local rank",
+    task="Write global_rank(node_rank, local_rank, nproc_per_node) -> int: the RANK torchrun "
+         "gives the process with LOCAL_RANK local_rank on node node_rank (GROUP_RANK).",
+    signature="fn(node_rank: int, local_rank: int, nproc_per_node: int) -> int",
+    reference=S.global_rank, run_local=_run_06_5,
+    checked="2 x 2, 2 x 4 and 3 x 2 processes, every process"))
+
+
+# ===================================================================== 07.1 ZeRO-3 ranks
+
+_CASES_07_1 = [(70e9, 80e9), (7.5e9, 80e9), (1e9, 80e9), (70e9, 40e9), (175e9, 80e9),
+               (13e9, 24e9)]
+
+
+def _run_07_1(fn) -> list[str]:
+    from ..memory import memory_per_rank
+
+    for psi, gpu in _CASES_07_1:
+        want = S.min_ranks_zero3(psi, gpu)
+        got = int(fn(psi, gpu))
+        if got == want:
+            continue
+        case = f"{psi / 1e9:g}B parameters on {gpu / 1e9:g} GB ranks"
+        if got < 1:
+            return [f"{case}: got {got} ranks; at least one is needed."]
+        per = memory_per_rank(psi, got, 3).total_bytes / 1e9
+        if per > gpu / 1e9:
+            return [f"{case}: on {got} ranks ZeRO-3 keeps {fmt_num(per)} GB per rank, more than "
+                    f"{gpu / 1e9:g} GB; {want} ranks are needed."]
+        fewer = memory_per_rank(psi, want, 3).total_bytes / 1e9
+        return [f"{case}: {got} ranks fit, but so do {want} ({fmt_num(fewer)} GB each): the "
+                "question asks for the fewest."]
+    return []
+
+
+register(Exercise(
+    "07.1", "fewest ranks for ZeRO-3",
+    task="Write min_ranks_zero3(num_params, gpu_bytes) -> int: the fewest ranks on which the "
+         "model states of mixed-precision Adam (16 bytes per parameter, ZeRO paper) fit under "
+         "ZeRO-3 in gpu_bytes per rank (activations ignored).",
+    signature="fn(num_params: float, gpu_bytes: float) -> int",
+    reference=S.min_ranks_zero3, run_local=_run_07_1,
+    checked="6 models from 1B to 175B parameters on 24, 40 and 80 GB ranks"))
+
+
+# ===================================================================== 07.4 gather shards
+
+_CASES_07_4 = [10, 9, 2, 1]
+
+
+def _full_07_4(total):
+    return (torch.arange(total, dtype=torch.int64) + 1) * 7
+
+
+def _rank_07_4(fn, rank, world_size):
+    out = []
+    for total in _CASES_07_4:
+        shard = torch.tensor_split(_full_07_4(total), world_size)[rank].clone()
+        got = fn(shard, total)
+        out.append(torch.as_tensor(got).reshape(-1).tolist())
+    return out
+
+
+def _judge_07_4(results) -> list[str]:
+    R = len(results)
+    for i, total in enumerate(_CASES_07_4):
+        want = _full_07_4(total).tolist()
+        sizes = [t.numel() for t in torch.tensor_split(torch.empty(total), R)]
+        for r in range(R):
+            got = [int(v) for v in results[r][i]]
+            if got == want:
+                continue
+            msg = (f"{total} elements in shards of {', '.join(map(str, sizes))}: rank {r} got "
+                   f"{fmt_list(got, limit=12)}, expected {fmt_list(want, limit=12)}")
+            if len(got) != len(want):
+                msg += (f" ({len(got)} elements instead of {total}). all_gather needs equal "
+                        "sizes: pad every shard to the longest, gather, then trim each piece to "
+                        "its rank's size")
+            elif sorted(got) == sorted(want):
+                msg += ": the right elements in the wrong order; concatenate the pieces in rank order"
+            return [msg + "."]
+    return []
+
+
+register(Exercise(
+    "07.4", "all_gather uneven flat shards",
+    task="Write gather_flat(shard, total_numel) -> Tensor: the ranks hold the pieces of a flat "
+         "tensor of total_numel elements split by torch.tensor_split (the first ranks one "
+         "element longer); return the whole tensor on every rank with one dist.all_gather.",
+    signature="fn(shard: Tensor (n_r,), total_numel: int) -> Tensor (total_numel,)   # a collective",
+    reference=S.gather_flat, kind="distributed", world_size=3,
+    run_rank=_rank_07_4, judge=_judge_07_4,
+    checked="3 processes (torchrun, gloo), 10, 9, 2 and 1 elements"))

@@ -1,0 +1,183 @@
+"""Reference solutions of the checkable exercises, one per exercise id.
+
+Spoilers, kept out of the notebooks on purpose: try the exercise first, then compare.
+Each is small and written the way the lesson explains it; the package's full versions
+(``ddp_lesson.sampler``, ``ddp_lesson.collectives``, ...) add argument checks, pipelining and
+options. ``ddp_lesson.exercises.reference(ID)`` returns the one for an id.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import Sampler
+
+
+# 00.3 -------------------------------------------------------------------------------
+def local_rank_from_rank(rank: int, nproc_per_node: int) -> int:
+    """GPU index of global ``rank`` when every node runs ``nproc_per_node`` processes."""
+    return rank % nproc_per_node
+
+
+# 01.4 -------------------------------------------------------------------------------
+def weighted_average_gradient(grad: torch.Tensor, count: int) -> torch.Tensor:
+    """Σ n_r g_r / Σ n_r over the ranks; every rank returns the same tensor. A collective."""
+    pair = torch.cat([grad.detach().double().reshape(-1) * count,
+                      torch.tensor([float(count)], dtype=torch.float64)])
+    dist.all_reduce(pair)  # one message: the weighted sum and the total count
+    return (pair[:-1] / pair[-1]).to(grad.dtype).reshape(grad.shape)
+
+
+# 01.5 -------------------------------------------------------------------------------
+def average_gradients(model: torch.nn.Module) -> None:
+    """After ``loss.backward()``: replace every ``.grad`` by its mean over the ranks. A collective."""
+    world_size = dist.get_world_size()
+    for p in model.parameters():
+        if p.grad is not None:
+            dist.all_reduce(p.grad)
+            p.grad /= world_size
+
+
+# 02.1 -------------------------------------------------------------------------------
+class DistributedSampler(Sampler):
+    """torch's ``DistributedSampler`` in twenty lines: permute, pad or cut, deal out interleaved."""
+
+    def __init__(self, dataset, num_replicas, rank, shuffle=True, seed=0, drop_last=False):
+        self.n, self.num_replicas, self.rank = len(dataset), num_replicas, rank
+        self.shuffle, self.seed, self.drop_last, self.epoch = shuffle, seed, drop_last, 0
+        if drop_last and self.n % num_replicas:
+            self.num_samples = math.ceil((self.n - num_replicas) / num_replicas)
+        else:
+            self.num_samples = math.ceil(self.n / num_replicas)
+        self.total_size = self.num_samples * num_replicas
+
+    def set_epoch(self, epoch):
+        self.epoch = epoch
+
+    def __iter__(self):
+        if self.shuffle:
+            g = torch.Generator()
+            g.manual_seed(self.seed + self.epoch)  # the same on every rank, new each epoch
+            indices = torch.randperm(self.n, generator=g).tolist()
+        else:
+            indices = list(range(self.n))
+        if self.drop_last:
+            indices = indices[:self.total_size]
+        else:
+            pad = self.total_size - len(indices)
+            if pad > 0 and indices:
+                indices += (indices * math.ceil(pad / len(indices)))[:pad]  # wrap round
+        return iter(indices[self.rank:self.total_size:self.num_replicas])
+
+    def __len__(self):
+        return self.num_samples
+
+
+# 02.3 -------------------------------------------------------------------------------
+def check_same_seed_epoch(seed: int, epoch: int) -> None:
+    """Raise on every rank, naming the ranks, unless all ranks have the same (seed, epoch)."""
+    mine = torch.tensor([seed, epoch], dtype=torch.int64)
+    everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, mine)
+    pairs = [tuple(t.tolist()) for t in everyone]
+    if len(set(pairs)) > 1:
+        shown = ", ".join(f"rank {r}: seed {s} epoch {e}" for r, (s, e) in enumerate(pairs))
+        raise RuntimeError(f"ranks disagree on the sampler's (seed, epoch): {shown}")
+
+
+# 02.4 -------------------------------------------------------------------------------
+def exact_accuracy(correct: int, count: int) -> float:
+    """Global accuracy from this rank's counts: all-reduce (correct, count), then divide."""
+    pair = torch.tensor([correct, count], dtype=torch.int64)
+    dist.all_reduce(pair)
+    return pair[0].item() / pair[1].item()
+
+
+# 03.3 -------------------------------------------------------------------------------
+def tree_beats_ring_below(alpha_s: float, beta_s_per_byte: float, world_size: int) -> float:
+    """Message size (bytes) below which the tree all-reduce is faster than the ring; 0 if never.
+
+    tree 2L(α + nβ) < ring 2(R-1)α + 2(R-1)/R·nβ, with L = ⌈log2 R⌉, solved for n.
+    """
+    levels = math.ceil(math.log2(world_size))
+    latency_saved = (world_size - 1 - levels) * alpha_s
+    extra_per_byte = (levels - (world_size - 1) / world_size) * beta_s_per_byte
+    if latency_saved <= 0:
+        return 0.0
+    return latency_saved / extra_per_byte
+
+
+# 03.6 -------------------------------------------------------------------------------
+def ring_all_reduce(tensor: torch.Tensor) -> torch.Tensor:
+    """In-place SUM all-reduce of ``tensor`` on a ring: reduce-scatter, then all-gather."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    flat = tensor.view(-1)
+    bounds = [(flat.numel() * c // world, flat.numel() * (c + 1) // world) for c in range(world)]
+    right, left = (rank + 1) % world, (rank - 1) % world
+    for step in range(2 * (world - 1)):
+        send_c = (rank - step) % world
+        recv_c = (rank - step - 1) % world
+        s0, s1 = bounds[send_c]
+        r0, r1 = bounds[recv_c]
+        incoming = torch.empty(r1 - r0, dtype=flat.dtype)
+        reqs = [dist.isend(flat[s0:s1].contiguous(), right), dist.irecv(incoming, left)]
+        for req in reqs:
+            req.wait()
+        if step < world - 1:
+            flat[r0:r1] += incoming  # reduce-scatter: add the neighbour's partial sum
+        else:
+            flat[r0:r1] = incoming  # all-gather: take the finished chunk
+    return tensor
+
+
+# 04.2 -------------------------------------------------------------------------------
+class _CastBack:
+    """The handle a compressing hook returns: wait for the fp16 sum, then copy it back."""
+
+    def __init__(self, work, half: torch.Tensor, tensor: torch.Tensor):
+        self.work, self.half, self.tensor = work, half, tensor
+
+    def wait(self) -> bool:
+        self.work.wait()
+        self.tensor.copy_(self.half)
+        return True
+
+
+def fp16_compress_hook(tensor: torch.Tensor, process_group=None):
+    """BucketedDDP comm hook: SUM-all-reduce ``tensor`` as float16 (half the bytes on the wire)."""
+    half = tensor.to(torch.float16)
+    work = dist.all_reduce(half, group=process_group, async_op=True)
+    return _CastBack(work, half, tensor)
+
+
+# 05.4 -------------------------------------------------------------------------------
+def effective_lr(base_lr: float, base_batch: int, per_rank_batch: int, world_size: int,
+                 grad_accum_steps: int = 1, rule: str = "linear") -> float:
+    """The learning rate for the global batch per_rank_batch × world_size × grad_accum_steps."""
+    ratio = per_rank_batch * world_size * grad_accum_steps / base_batch
+    return {"linear": base_lr * ratio, "sqrt": base_lr * math.sqrt(ratio), "none": base_lr}[rule]
+
+
+# 06.5 -------------------------------------------------------------------------------
+def global_rank(node_rank: int, local_rank: int, nproc_per_node: int) -> int:
+    """torchrun's global RANK of process ``local_rank`` on node ``node_rank``."""
+    return node_rank * nproc_per_node + local_rank
+
+
+# 07.1 -------------------------------------------------------------------------------
+def min_ranks_zero3(num_params: float, gpu_bytes: float) -> int:
+    """Fewest ranks on which ZeRO-3's 16 bytes/parameter (mixed-precision Adam) fit in ``gpu_bytes``."""
+    return max(1, math.ceil(16 * num_params / gpu_bytes))
+
+
+# 07.4 -------------------------------------------------------------------------------
+def gather_flat(shard: torch.Tensor, total_numel: int) -> torch.Tensor:
+    """Rebuild the flat tensor split by ``tensor_split`` over the ranks, with one all_gather."""
+    world = dist.get_world_size()
+    sizes = [t.numel() for t in torch.tensor_split(torch.empty(total_numel), world)]
+    padded = torch.zeros(max(sizes), dtype=shard.dtype)
+    padded[:shard.numel()] = shard  # all_gather needs equal sizes: pad, gather, trim
+    pieces = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(pieces, padded)
+    return torch.cat([p[:n] for p, n in zip(pieces, sizes)])

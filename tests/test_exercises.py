@@ -1,0 +1,465 @@
+"""Every exercise checker accepts the package's reference and rejects the typical wrong answers.
+
+The wrong answers are the mistakes the series teaches about (the seed's sampler defects, a
+sum instead of a mean, a forgotten set_epoch, a ring without its all-gather phase, ...); each
+test asserts the verdict's specific words, not only that it failed. Distributed checkers
+start real torchrun jobs, so the candidates of one exercise are judged in as few launches as
+possible (``run_candidates``), and the public ``check()`` path is exercised too.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.utils.data import Sampler
+
+from ddp_lesson.exercises import check, describe, exercise_ids, reference
+from ddp_lesson.exercises.core import run_candidates
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# A raising or hanging candidate costs one collective timeout; keep it short here.
+os.environ.setdefault("DDP_LESSON_CHECK_TIMEOUT_S", "4")
+
+
+def _verdicts(exercise_id, *candidates):
+    return run_candidates(exercise_id, [reference(exercise_id), *candidates])
+
+
+# ----------------------------------------------------------------------------- catalogue
+
+def test_every_exercise_in_the_notebooks_has_a_checker_and_vice_versa():
+    mentioned = set()
+    for nb in sorted((ROOT / "notebooks").glob("*.ipynb")):
+        cells = json.loads(nb.read_text())["cells"]
+        text = "".join("".join(c["source"]) for c in cells)
+        ids = set(re.findall(r'check\("(\d\d\.\d+)"', text))
+        assert all(i.startswith(nb.name[:2]) for i in ids), (nb.name, ids)
+        mentioned |= ids
+    assert mentioned == set(exercise_ids())
+    # at least one checkable exercise per notebook
+    assert {i[:2] for i in exercise_ids()} == {f"{k:02d}" for k in range(8)}
+
+
+def test_describe_names_the_task_and_how_to_check():
+    text = describe("02.1")
+    assert "02.1" in text and "num_replicas" in text and 'check("02.1", your_class)' in text
+    assert "3 processes" in text
+    with pytest.raises(KeyError, match="02.1"):
+        describe("99.9")
+    with pytest.raises(TypeError, match="needs your function"):
+        check("00.3", 5)
+
+
+# ----------------------------------------------------------------------------- local ones
+
+def test_00_3_local_rank():
+    good, glob, node = run_candidates("00.3", [reference("00.3"), lambda r, n: r, lambda r, n: r // n])
+    assert good.passed and str(good).startswith("PASSED 00.3")
+    assert not glob and "rank 4 with 4 processes per node on 2 nodes: got 4, expected 0" in str(glob)
+    assert "C1" in glob.problems[0]
+    assert "node's number" in node.problems[0]
+
+
+def test_03_3_tree_ring_crossover():
+    # R=8, alpha=5 us, beta=0.1 ns/byte: 4 alpha / (2.125 beta) bytes, from the two formulas
+    assert reference("03.3")(5e-6, 1e-10, 8) == pytest.approx(4 * 5e-6 / (2.125 * 1e-10))
+
+    def forgot_latency_levels(alpha, beta, R):  # uses log2 R without the ceiling
+        L = math.log2(R)
+        return max(0.0, (R - 1 - L) * alpha / ((L - (R - 1) / R) * beta))
+
+    def bisect(alpha, beta, R):  # a numerical answer is fine
+        from ddp_lesson.collectives import ring_allreduce_time, tree_allreduce_time
+        lo, hi = 0.0, 1e12
+        if tree_allreduce_time(0, R, alpha, beta) >= ring_allreduce_time(0, R, alpha, beta):
+            return 0.0
+        for _ in range(200):
+            mid = (lo + hi) / 2
+            if tree_allreduce_time(mid, R, alpha, beta) < ring_allreduce_time(mid, R, alpha, beta):
+                lo = mid
+            else:
+                hi = mid
+        return lo
+
+    good, wrong, numeric = run_candidates("03.3", [reference("03.3"), forgot_latency_levels, bisect])
+    assert good and numeric
+    assert not wrong and "R=5" in wrong.problems[0] and "They cross at" in wrong.problems[0]
+
+
+def test_05_4_effective_lr():
+    divided = lambda lr, bb, b, R, k, rule: reference("05.4")(lr, bb, b, R, k, rule) / R
+    no_accum = lambda lr, bb, b, R, k, rule: reference("05.4")(lr, bb, b, R, 1, rule)
+    good, v_div, v_acc = run_candidates("05.4", [reference("05.4"), divided, no_accum])
+    assert good
+    assert "divided by the 4 processes" in v_div.problems[0]
+    assert "accumulation steps are part of the global batch" in v_acc.problems[0]
+    # notebook 05's exercise: 0.1 tuned at 16, 4 processes x 8 samples, linear -> 0.2
+    assert reference("05.4")(0.1, 16, 8, 4, 1, "linear") == pytest.approx(0.2)
+
+
+def test_06_5_global_rank():
+    good, rr, collide = run_candidates("06.5", [reference("06.5"), lambda n, l, p: l * 2 + n,
+                                                lambda n, l, p: n + l])
+    assert good
+    assert "node by node, not round-robin" in rr.problems[0]
+    assert "node 0, local rank 1 and node 1, local rank 0 would share RANK 1" in collide.problems[0]
+
+
+def test_07_1_zero3_ranks():
+    assert reference("07.1")(70e9, 80e9) == 14  # 16 * 70e9 / 80e9 = 14 exactly
+    floor = lambda psi, gpu: int(16 * psi / gpu)
+    stage0 = lambda psi, gpu: 1000
+    good, v_floor, v_many = run_candidates("07.1", [reference("07.1"), floor, stage0])
+    assert good
+    assert "7.5B parameters on 80 GB ranks: on 1 ranks ZeRO-3 keeps 120 GB" in v_floor.problems[0]
+    assert "fewest" in v_many.problems[0]
+
+
+# ----------------------------------------------------------------------------- 01
+
+def test_01_4_weighted_average():
+    def plain_mean(grad, count):
+        g = grad.clone()
+        dist.all_reduce(g)
+        return g / dist.get_world_size()
+
+    def plain_sum(grad, count):
+        g = grad.clone()
+        dist.all_reduce(g)
+        return g
+
+    def undivided(grad, count):
+        g = grad * count
+        dist.all_reduce(g)
+        return g
+
+    good, mean, total, undiv = _verdicts("01.4", plain_mean, plain_sum, undivided)
+    assert good
+    assert mean.problems[0].startswith("with shards of 4, 2, 2 samples, rank 0 returned")
+    assert "plain mean of the 3 gradients" in mean.problems[0]
+    assert "the plain sum" in total.problems[0]
+    assert "divide it by the total count 8" in undiv.problems[0]
+
+
+def test_01_5_average_gradients():
+    def summed(model):
+        for p in model.parameters():
+            dist.all_reduce(p.grad)
+
+    def weights_only(model):
+        for name, p in model.named_parameters():
+            if name.endswith("weight"):
+                dist.all_reduce(p.grad)
+                p.grad /= dist.get_world_size()
+
+    good, v_sum, v_weights = _verdicts("01.5", summed, weights_only)
+    assert good
+    assert "2x too big" in v_sum.problems[0] and "divide by world_size (2)" in v_sum.problems[0]
+    assert "Not averaged here: 0.bias, 2.bias" in v_weights.problems[0]
+
+
+# ----------------------------------------------------------------------------- 02
+
+class SeedSampler(Sampler):
+    """The seed's sampler, as printed: pads once, and its __len__ sits inside __iter__."""
+
+    def __init__(self, dataset, num_replicas, rank, shuffle=True, seed=0, drop_last=False):
+        self.dataset, self.num_replicas, self.rank = dataset, num_replicas, rank
+        self.shuffle, self.seed, self.epoch = shuffle, seed, 0
+        self.num_samples = math.ceil(len(dataset) / num_replicas)
+        self.total_size = self.num_samples * num_replicas
+
+    def __iter__(self):
+        if self.shuffle:
+            g = torch.Generator()
+            g.manual_seed(self.seed + self.epoch)
+            indices = torch.randperm(len(self.dataset), generator=g).tolist()
+        else:
+            indices = list(range(len(self.dataset)))
+        indices += indices[:(self.total_size - len(indices))]
+        assert len(indices) == self.total_size
+        return iter(indices[self.rank:self.total_size:self.num_replicas])
+
+    def set_epoch(self, epoch):
+        self.epoch = epoch
+
+
+class SeedSamplerWithLen(SeedSampler):
+    def __len__(self):
+        return self.num_samples
+
+
+class EpochIgnored(SeedSamplerWithLen):
+    """set_epoch is there but does nothing: the same 'shuffle' every epoch."""
+
+    def set_epoch(self, epoch):
+        pass
+
+
+class RankSeeded(Sampler):
+    """Each rank draws its own permutation (seed + rank): shards overlap."""
+
+    def __init__(self, dataset, num_replicas, rank, shuffle=True, seed=0, drop_last=False):
+        self.inner = reference("02.1")(dataset, num_replicas, rank, shuffle, seed + rank, drop_last)
+
+    def set_epoch(self, epoch):
+        self.inner.set_epoch(epoch)
+
+    def __iter__(self):
+        return iter(self.inner)
+
+    def __len__(self):
+        return len(self.inner)
+
+
+class Contiguous(Sampler):
+    """Each rank takes one contiguous block of the padded order (PyTorch 0.3)."""
+
+    def __init__(self, dataset, num_replicas, rank, shuffle=True, seed=0, drop_last=False):
+        self.args = (len(dataset), num_replicas, rank, shuffle, seed, 0, drop_last)
+
+    def set_epoch(self, epoch):
+        n, R, r, s, seed, _, d = self.args
+        self.args = (n, R, r, s, seed, epoch, d)
+
+    def __iter__(self):
+        from ddp_lesson.sampler import contiguous_shard_indices
+        return iter(contiguous_shard_indices(*self.args))
+
+    def __len__(self):
+        from ddp_lesson.sampler import num_samples_per_rank
+        return num_samples_per_rank(self.args[0], self.args[1], self.args[6])
+
+
+class NoPadding(SeedSamplerWithLen):
+    """Deals out the unpadded order: ranks get different lengths."""
+
+    def __iter__(self):
+        return iter(list(range(len(self.dataset)))[self.rank::self.num_replicas])
+
+
+class PadsWithTheEnd(SeedSamplerWithLen):
+    """Pads with the last indices instead of wrapping round to the first."""
+
+    def __iter__(self):
+        indices = list(range(len(self.dataset)))
+        pad = self.total_size - len(indices)
+        indices += indices[len(indices) - pad:] if pad else []
+        return iter(indices[self.rank:self.total_size:self.num_replicas])
+
+
+def test_02_1_reference_passes_through_the_public_check():
+    v = check("02.1", reference("02.1"))
+    assert v.passed, str(v)
+    assert "3 processes (torchrun, gloo)" in str(v)
+
+
+def test_02_1_sampler_rejects_the_typical_mistakes():
+    verdicts = run_candidates("02.1", [SeedSampler, SeedSamplerWithLen, EpochIgnored, RankSeeded,
+                                       Contiguous, NoPadding, PadsWithTheEnd])
+    seed, seed_len, epoch, ranked, contiguous, nopad, ends = [v.problems[0] for v in verdicts]
+    assert not any(verdicts)
+    assert "len(sampler) raised TypeError" in seed and "indented into __iter__" in seed
+    assert ("N=1, R=3, shuffle=True, seed=0: iterating rank 0's sampler raised AssertionError"
+            in seed_len and "case A7" in seed_len)
+    assert "epoch 1: the same order as epoch 0" in epoch and "case A1" in epoch
+    assert "case A2" in ranked and re.search(r"index \d+ (is on ranks|twice)", ranked)
+    assert "contiguous block [0, 1, 2]" in contiguous and "[0, 3, 6]" in contiguous
+    assert nopad.startswith("N=10, R=3, shuffle=False: ranks got 4, 3, 3 indices")
+    assert "the padded indices are 0 and 1" in nopad
+    assert ends.startswith("N=10, R=3, shuffle=False: index 8 is on ranks 1, 2")
+    assert "the padded indices are 0 and 1" in ends
+
+
+def test_02_3_seed_epoch_check():
+    def local_only(seed, epoch):
+        assert seed == seed and epoch == epoch
+
+    def raises_on_rank0_only(seed, epoch):
+        mine = torch.tensor([seed, epoch])
+        all_ = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(all_, mine)
+        if dist.get_rank() == 0 and any(not torch.equal(t, all_[0]) for t in all_):
+            raise RuntimeError("ranks disagree")
+
+    def seed_only(seed, epoch):
+        mine = torch.tensor([seed])
+        all_ = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(all_, mine)
+        bad = [r for r, t in enumerate(all_) if not torch.equal(t, all_[0])]
+        if bad:
+            raise RuntimeError(f"ranks {bad} have another seed")
+
+    def unnamed(seed, epoch):
+        mine = torch.tensor([seed, epoch])
+        all_ = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(all_, mine)
+        if any(not torch.equal(t, all_[0]) for t in all_):
+            raise RuntimeError("seeds differ")
+
+    good, v_local, v_rank0, v_seed, v_unnamed = _verdicts(
+        "02.3", local_only, raises_on_rank0_only, seed_only, unnamed)
+    assert good
+    assert "seeds 7, 8, 9" in v_local.problems[0] and "nothing was raised" in v_local.problems[0]
+    assert "only rank(s) 0 raised; rank(s) 1, 2 returned normally" in v_rank0.problems[0]
+    assert "epochs 1, 1, 0" in v_seed.problems[0] and "the epoch matters too" in v_seed.problems[0]
+    assert "does not name rank(s) 1, 2" in v_unnamed.problems[0]
+
+
+def test_02_4_exact_accuracy():
+    def mean_of_means(correct, count):
+        acc = torch.tensor([correct / count])
+        dist.all_reduce(acc)
+        return acc.item() / dist.get_world_size()
+
+    def local(correct, count):
+        return correct / count
+
+    good, v_means, v_local = _verdicts("02.4", mean_of_means, local)
+    assert good
+    # N=7, model wrong on index 6 only: exact 6/7; the mean of 2/3, 1, 1 is 8/9
+    assert "rank 0 returned 0.8889, the exact accuracy is 0.8571" in v_means.problems[0]
+    assert "mean of the ranks' accuracies" in v_means.problems[0]
+    assert "rank 0 returned 0.6667" in v_local.problems[0]
+    assert "this rank's own accuracy" in v_local.problems[0]
+
+
+def test_02_4_empty_shard_crash_is_reported_not_hung():
+    def guarded_mean_of_means(correct, count):  # right on the first three cases only
+        pair = torch.tensor([correct, count])
+        dist.all_reduce(pair)
+        if count == 0:
+            raise ZeroDivisionError("division by zero")
+        return pair[0].item() / pair[1].item()
+
+    (v,) = run_candidates("02.4", [guarded_mean_of_means])
+    assert "N=2 split 1, 1, 0 over 3 ranks: rank 2 raised ZeroDivisionError" in v.problems[0]
+    assert "divide once, after the all-reduce" in v.problems[0]
+
+
+# ----------------------------------------------------------------------------- 03
+
+def ring_without_all_gather(tensor):
+    rank, R = dist.get_rank(), dist.get_world_size()
+    flat = tensor.view(-1)
+    b = [(flat.numel() * c // R, flat.numel() * (c + 1) // R) for c in range(R)]
+    for step in range(R - 1):
+        s0, s1 = b[(rank - step) % R]
+        r0, r1 = b[(rank - step - 1) % R]
+        buf = torch.empty(r1 - r0, dtype=flat.dtype)
+        reqs = [dist.isend(flat[s0:s1].contiguous(), (rank + 1) % R), dist.irecv(buf, (rank - 1) % R)]
+        for q in reqs:
+            q.wait()
+        flat[r0:r1] += buf
+    return tensor
+
+
+def ring_mean(tensor):
+    reference("03.6")(tensor)
+    if tensor.is_floating_point():
+        tensor /= dist.get_world_size()
+    else:
+        tensor //= dist.get_world_size()
+    return tensor
+
+
+def out_of_place(tensor):
+    out = tensor.clone()
+    dist.all_reduce(out)
+    return out
+
+
+def test_03_6_ring_all_reduce():
+    good, v_half, v_mean, v_copy = _verdicts("03.6", ring_without_all_gather, ring_mean, out_of_place)
+    assert good
+    half = v_half.problems[0]
+    assert half.startswith("a int64 tensor of shape (10,): rank 0 got")
+    # rank 0 holds the full sum only in chunk 1 after a reduce-scatter (elements 2-4 of 10)
+    assert "the full sum is only in elements 2-4" in half and "all-gather phase" in half
+    assert "Element 0 holds the values of rank(s) 0 only" in half
+    assert "the mean" in v_mean.problems[0]
+    assert "work in place" in v_copy.problems[0]
+
+
+def test_03_6_chunking_that_breaks_below_world_size_is_reported():
+    def chunked_ring(tensor):  # tensor.chunk(R) returns fewer than R chunks when numel < R
+        rank, R = dist.get_rank(), dist.get_world_size()
+        chunks = list(tensor.view(-1).chunk(R))
+        for step in range(2 * (R - 1)):
+            send, recv = chunks[(rank - step) % R], chunks[(rank - step - 1) % R]
+            buf = torch.empty_like(recv)
+            reqs = [dist.isend(send.contiguous(), (rank + 1) % R), dist.irecv(buf, (rank - 1) % R)]
+            for q in reqs:
+                q.wait()
+            if step < R - 1:
+                recv += buf
+            else:
+                recv.copy_(buf)
+        return tensor
+
+    (v,) = run_candidates("03.6", [chunked_ring])
+    assert not v
+    assert re.match(r"rank \d raised IndexError: list index out of range", v.problems[0]), v.problems
+
+
+# ----------------------------------------------------------------------------- 04
+
+def test_04_2_fp16_hook():
+    def averaging_hook(tensor, group):
+        half = tensor.half()
+        dist.all_reduce(half, group=group)
+        tensor.copy_(half.float() / dist.get_world_size(group))
+        return dist.all_reduce(torch.zeros(1), group=group, async_op=True)
+
+    def no_copy_back(tensor, group):
+        return dist.all_reduce(tensor.half(), group=group, async_op=True)
+
+    def uncompressed(tensor, group):
+        return dist.all_reduce(tensor, group=group, async_op=True)
+
+    good, v_avg, v_copy, v_full = _verdicts("04.2", averaging_hook, no_copy_back, uncompressed)
+    assert good
+    assert "1/2 of the average" in v_avg.problems[0] and "must return the SUM" in v_avg.problems[0]
+    assert "rank 0 and rank 1 hold different gradients" in v_copy.problems[0]
+    assert "never reached the bucket" in v_copy.problems[0]
+    assert "the hook sent float32" in v_full.problems[0]
+
+
+# ----------------------------------------------------------------------------- 07
+
+def test_07_4_gather_flat():
+    def truncating(shard, total):  # assumes equal shards: cuts every piece to the shortest
+        R = dist.get_world_size()
+        n = total // R
+        pieces = [torch.empty(n, dtype=shard.dtype) for _ in range(R)]
+        dist.all_gather(pieces, shard[:n].contiguous())
+        return torch.cat(pieces)
+
+    def reversed_order(shard, total):
+        out = reference("07.4")(shard, total)
+        sizes = [t.numel() for t in torch.tensor_split(torch.empty(total), dist.get_world_size())]
+        return torch.cat(list(reversed(torch.split(out, sizes))))
+
+    good, v_trunc, v_rev = _verdicts("07.4", truncating, reversed_order)
+    assert good
+    assert v_trunc.problems[0].startswith("10 elements in shards of 4, 3, 3: rank 0 got")
+    assert "(9 elements instead of 10)" in v_trunc.problems[0] and "pad every shard" in v_trunc.problems[0]
+    assert "wrong order" in v_rev.problems[0]
+
+
+def test_a_collective_only_one_rank_calls_ends_in_a_verdict_not_a_hang():
+    def lonely(shard, total):
+        if dist.get_rank() == 0:
+            dist.all_reduce(torch.zeros(1))
+        return reference("07.4")(shard, total)
+
+    (v,) = run_candidates("07.4", [lonely])
+    assert not v
+    assert "waited for a peer that never joined the collective" in v.problems[0]
