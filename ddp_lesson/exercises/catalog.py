@@ -285,7 +285,7 @@ def _judge_02_1(results) -> list[str]:
             problems.append(problem)
     if len(problems) > 1:
         problems[0] += f" ({len(problems)} of {len(_SETTINGS_02_1)} settings fail)"
-    return problems
+    return problems[:1]
 
 
 def _judge_02_1_epochs(recs, n, R, shuffle, drop_last, seed):
@@ -570,7 +570,7 @@ def _judge_03_6(results) -> list[str]:
     for i, (dtype, shape) in enumerate(_CASES_03_6):
         ins = [_input_03_6(dtype, shape, r) for r in range(R)]
         want = sum(t.double() for t in ins).reshape(-1).tolist()
-        case = f"a {dtype} tensor of shape {tuple(shape)}"
+        case = f"an {dtype} tensor of shape {tuple(shape)}"
         for r in range(R):
             rec = results[r][i]
             got = rec["tensor"]
@@ -769,7 +769,7 @@ def _run_07_1(fn) -> list[str]:
             return [f"{case}: got {got} ranks; at least one is needed."]
         per = memory_per_rank(psi, got, 3).total_bytes / 1e9
         if per > gpu / 1e9:
-            return [f"{case}: on {got} ranks ZeRO-3 keeps {fmt_num(per)} GB per rank, more than "
+            return [f"{case}: on {got} rank{'s' if got != 1 else ''} ZeRO-3 keeps {fmt_num(per)} GB per rank, more than "
                     f"{gpu / 1e9:g} GB; {want} ranks are needed."]
         fewer = memory_per_rank(psi, want, 3).total_bytes / 1e9
         return [f"{case}: {got} ranks fit, but so do {want} ({fmt_num(fewer)} GB each): the "

@@ -44,7 +44,8 @@ class Verdict:
         exercise: the exercise id, e.g. ``"02.1"``.
         title: the exercise's short title.
         passed: True when every case matched the reference.
-        problems: what went wrong, the most telling first (empty when passed).
+        problems: what went wrong, the most telling first (empty when passed); the text
+            shows the first only.
         checked: one line saying what was run (world sizes, cases).
 
     ``bool(verdict)`` is ``passed``; ``print(verdict)`` or the notebook's display shows the
@@ -65,9 +66,10 @@ class Verdict:
             lines = [f"PASSED {self.exercise} ({self.title})"]
         else:
             lines = [f"NOT YET {self.exercise} ({self.title})"]
-            lines += ["  " + p for p in self.problems[:3]]
-            if len(self.problems) > 3:
-                lines.append(f"  ... and {len(self.problems) - 3} more")
+            lines += ["  " + p for p in self.problems[:1]]
+            if len(self.problems) > 1:
+                lines.append(f"  (and {len(self.problems) - 1} more problem(s): fix this one "
+                             "first; all are in verdict.problems)")
         if self.checked:
             lines.append(f"  checked: {self.checked}")
         return "\n".join(lines)

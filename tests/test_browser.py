@@ -1,0 +1,594 @@
+"""JupyterLab in a real browser: notebook 02 run the way a reader runs it (issue 9).
+
+A module fixture starts JupyterLab from this test environment on 127.0.0.1 (a token, no
+browser opened by Jupyter, nothing fetched from the network: no news, no update check, a
+read-only extension manager) with a temporary root folder holding a *copy* of
+``notebooks/02_sampler_sharding.ipynb`` (the repository's file is never touched). It opens the
+notebook in headless Chromium — Debian's ``chromium`` package, driven by Playwright from PyPI
+with that executable; no browser is ever downloaded — clears the stored outputs, runs all
+cells from the Run menu, and waits (bounded) until every cell has run. The tests then read
+the page:
+
+* every code cell ran once, in order, without an error;
+* each ``%%torchrun`` cell's output shows up with all ``[rank 0]`` lines before ``[rank 1]``
+  lines (and so on), and the ``set_epoch`` cell shows exactly the orders torch's own
+  ``DistributedSampler`` gives;
+* the sampler explorer widget is rendered; its report agrees with torch's sampler for the
+  settings its controls show; after real keyboard input on the "world size" and "N" sliders
+  and a mouse click on "call set_epoch", the report follows, rank by rank, index by index
+  (expected values from ``torch.utils.data.DistributedSampler`` and ``ceil(N / R)``).
+
+Screenshots are kept under ``$DDP_LESSON_ARTIFACTS`` (default ``runs/artifacts/``, git-ignored)
+and their paths printed. Where Chromium (``$DDP_LESSON_CHROMIUM``, default
+``/usr/bin/chromium``) or the ``playwright`` module is missing, every test here is skipped
+with the reason. The finaliser shuts the server down and ends every process it started —
+kernels and torchrun workers included — even when a test fails.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import re
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+import warnings
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.timeout(300)
+
+ROOT = Path(__file__).resolve().parent.parent
+NOTEBOOK = "02_sampler_sharding.ipynb"
+CHROMIUM = os.environ.get("DDP_LESSON_CHROMIUM") or "/usr/bin/chromium"
+ARTIFACTS = Path(os.environ.get("DDP_LESSON_ARTIFACTS") or ROOT / "runs" / "artifacts")
+CHROMIUM_FLAGS = [
+    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+]
+# JupyterLab user settings for the run: every cell attached to the page (the default
+# windowing leaves off-screen cells out of the DOM), no news/update prompts, no autosave.
+LAB_SETTINGS = {
+    "@jupyterlab/notebook-extension/tracker": {"windowingMode": "none"},
+    "@jupyterlab/apputils-extension/notification": {"fetchNews": "false",
+                                                    "checkForUpdates": False},
+    "@jupyterlab/docmanager-extension/plugin": {"autosave": False},
+}
+SERVER_START_S = 60      # JupyterLab answering /api/status
+PAGE_LOAD_S = 90         # notebook rendered and its kernel idle
+RUN_ALL_S = 180          # every cell run
+WIDGET_S = 30            # the explorer redrawn after one input
+
+
+# ------------------------------------------------------------------------ processes
+
+def _proc_table() -> dict[int, tuple[int, str, str]]:
+    """pid -> (ppid, start time, state) for every process, read from /proc (Linux)."""
+    table = {}
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return table
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()  # state, ppid, ..., starttime (22nd)
+        table[int(entry)] = (int(fields[1]), fields[19], fields[0])
+    return table
+
+
+class _Descendants:
+    """Every process seen below a root process (kernels, torchrun, its workers), so they
+    can all be ended at teardown, even those whose parent has already exited (torchrun puts
+    its workers in sessions of their own). A process is identified by (pid, start time)."""
+
+    def __init__(self, root_pid: int):
+        self.root_pid = root_pid
+        self.seen: dict[int, str] = {}
+
+    def scan(self) -> None:
+        table = _proc_table()
+        children: dict[int, list[int]] = {}
+        for pid, (ppid, _, _) in table.items():
+            children.setdefault(ppid, []).append(pid)
+        todo = list(children.get(self.root_pid, []))
+        while todo:
+            pid = todo.pop()
+            self.seen.setdefault(pid, table[pid][1])
+            todo += children.get(pid, [])
+
+    def alive(self) -> list[int]:
+        table = _proc_table()
+        return [pid for pid, start in self.seen.items()
+                if pid in table and table[pid][1] == start and table[pid][2] != "Z"]
+
+    def reap(self, grace_s: float = 5.0) -> list[int]:
+        """End every seen process still running (SIGTERM, then SIGKILL); returns their pids."""
+        stragglers = self.alive()
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            for pid in self.alive():
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pass
+            deadline = time.monotonic() + grace_s
+            while self.alive() and time.monotonic() < deadline:
+                time.sleep(0.1)
+        return stragglers
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ------------------------------------------------------------------------ fixtures
+
+@pytest.fixture(scope="module")
+def chromium():
+    """(playwright's sync_playwright, the Chromium executable), or skip saying what is missing."""
+    if importlib.util.find_spec("playwright") is None:
+        pytest.skip("browser test skipped: the Python package 'playwright' is not installed "
+                    "(pip install -e '.[dev]')")
+    if not (os.path.isfile(CHROMIUM) and os.access(CHROMIUM, os.X_OK)):
+        pytest.skip(f"browser test skipped: no Chromium executable at {CHROMIUM} (Debian: "
+                    f"apt-get install chromium, which .ci/run does as root; or set "
+                    f"DDP_LESSON_CHROMIUM)")
+    from playwright.sync_api import sync_playwright
+
+    return sync_playwright, CHROMIUM
+
+
+class _Lab:
+    def __init__(self, url, token, root, proc, log_path, watch):
+        self.url, self.token, self.root = url, token, root
+        self.proc, self.log_path, self.watch = proc, log_path, watch
+
+    def api(self, path: str, method: str = "GET", timeout: float = 5.0):
+        req = urllib.request.Request(self.url + path, method=method,
+                                     headers={"Authorization": f"token {self.token}"})
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            body = resp.read()
+        return json.loads(body) if body else None
+
+    def log_tail(self, n: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return "(no server log)"
+
+    def kernels_idle(self) -> bool:
+        kernels = self.api("/api/kernels")
+        return bool(kernels) and all(k["execution_state"] == "idle" for k in kernels)
+
+
+@pytest.fixture(scope="module")
+def lab(chromium, tmp_path_factory):
+    """A JupyterLab server on 127.0.0.1 serving a temp copy of notebook 02; shut down after."""
+    base = tmp_path_factory.mktemp("jupyterlab")
+    root, settings = base / "root", base / "settings"
+    root.mkdir()
+    shutil.copy2(ROOT / "notebooks" / NOTEBOOK, root / NOTEBOOK)
+    for plugin, values in LAB_SETTINGS.items():
+        path = settings / f"{plugin}.jupyterlab-settings"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(values))
+    env = dict(os.environ)
+    for var, sub in (("JUPYTER_CONFIG_DIR", "config"), ("JUPYTER_DATA_DIR", "data"),
+                     ("JUPYTER_RUNTIME_DIR", "runtime"), ("IPYTHONDIR", "ipython")):
+        (base / sub).mkdir()
+        env[var] = str(base / sub)  # no user config, kernels or startup files leak in
+    port, token = _free_port(), secrets.token_hex(16)
+    cmd = [sys.executable, "-m", "jupyterlab", "--no-browser", "--ip=127.0.0.1",
+           f"--port={port}", "--ServerApp.port_retries=0", f"--IdentityProvider.token={token}",
+           "--ServerApp.open_browser=False", f"--ServerApp.root_dir={root}",
+           "--LabApp.news_url=None", "--LabApp.extension_manager=readonly",
+           "--LabApp.check_for_updates_class="
+           "jupyterlab.handlers.announcements.NeverCheckForUpdate",
+           f"--LabApp.user_settings_dir={settings}", f"--LabApp.workspaces_dir={base / 'ws'}"]
+    if hasattr(os, "geteuid") and os.geteuid() == 0:
+        cmd.append("--allow-root")
+    log_path = base / "server.log"
+    log = open(log_path, "wb")
+    proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL, start_new_session=True)
+    lab = _Lab(f"http://127.0.0.1:{port}", token, root, proc, log_path, _Descendants(proc.pid))
+    try:
+        deadline = time.monotonic() + SERVER_START_S
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"JupyterLab exited with code {proc.returncode} before answering; "
+                            f"log:\n{lab.log_tail()}")
+            try:
+                lab.api("/api/status", timeout=2)
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    pytest.fail(f"JupyterLab did not answer on port {port} within "
+                                f"{SERVER_START_S} s; log:\n{lab.log_tail()}")
+                time.sleep(0.3)
+        yield lab
+    finally:
+        _shutdown(lab)
+        log.close()
+
+
+def _shutdown(lab: _Lab) -> None:
+    """Stop the server (it shuts its kernels down), then end anything it left running."""
+    lab.watch.scan()
+    if lab.proc.poll() is None:
+        try:
+            lab.api("/api/shutdown", method="POST", timeout=10)
+        except OSError:
+            pass
+        try:
+            lab.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            lab.proc.terminate()
+            try:
+                lab.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                lab.proc.kill()
+                lab.proc.wait(timeout=10)
+    try:
+        os.killpg(lab.proc.pid, signal.SIGKILL)  # its own session: anything left in it
+    except (ProcessLookupError, PermissionError):
+        pass
+    stragglers = lab.watch.reap()
+    if stragglers:
+        warnings.warn(f"processes left running after JupyterLab shut down were ended: "
+                      f"pids {stragglers}")
+    left = lab.watch.alive()
+    if left:
+        raise RuntimeError(f"processes {left} started by JupyterLab survive SIGKILL")
+
+
+def _shot(page, name: str) -> Path:
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    path = ARTIFACTS / name
+    page.screenshot(path=str(path), full_page=True)
+    return path
+
+
+def _wait_for(what: str, check, timeout_s: float, poll_s: float = 0.25, on_poll=None):
+    """Poll ``check()`` -> (done, detail) until done; fail with the last detail after timeout."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if on_poll is not None:
+            on_poll()
+        done, detail = check()
+        if done:
+            return detail
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout_s} s waiting for {what}; last seen: {detail}")
+        time.sleep(poll_s)
+
+
+_CELLS_JS = """() => Array.from(
+  document.querySelectorAll('.jp-NotebookPanel .jp-Notebook .jp-CodeCell')).map(cell => ({
+    prompt: (cell.querySelector('.jp-InputPrompt') || {innerText: ''}).innerText.trim(),
+    source: (cell.querySelector('.jp-InputArea-editor .cm-content') || {innerText: ''}).innerText,
+    outputs: Array.from(cell.querySelectorAll('.jp-OutputArea-output')).map(o => ({
+      mime: o.getAttribute('data-mime-type') || '', text: o.innerText})),
+  }))"""
+
+
+def _cells(page) -> list[dict]:
+    return page.evaluate(_CELLS_JS)
+
+
+def _menu(page, menu: str, item: str) -> None:
+    page.get_by_role("menuitem", name=menu, exact=True).click()
+    page.get_by_role("menuitem", name=item, exact=True).click()
+
+
+@pytest.fixture(scope="module")
+def notebook(lab, chromium, tmp_path_factory):
+    """Notebook 02 open in headless Chromium, stored outputs cleared, every cell run."""
+    sync_playwright, executable = chromium
+    n_code = sum(c["cell_type"] == "code"
+                 for c in json.loads((lab.root / NOTEBOOK).read_text())["cells"])
+    (ARTIFACTS / "browser_02_failure.png").unlink(missing_ok=True)  # a stale one misleads
+    pw = sync_playwright().start()
+    context = None
+    try:
+        context = pw.chromium.launch_persistent_context(
+            str(tmp_path_factory.mktemp("chromium-profile")), executable_path=executable,
+            headless=True, args=CHROMIUM_FLAGS, viewport={"width": 1280, "height": 1000})
+        page = context.pages[0] if context.pages else context.new_page()
+        outside = []  # requests the page makes anywhere but this server (should be none)
+        context.on("request", lambda req: None if req.url.startswith(
+            (lab.url + "/", "data:", "blob:")) else outside.append(req.url))
+        page.set_default_timeout(WIDGET_S * 1000)
+        page.goto(f"{lab.url}/lab/tree/{NOTEBOOK}?token={lab.token}", timeout=PAGE_LOAD_S * 1000)
+        page.locator(".jp-NotebookPanel .jp-Notebook .jp-CodeCell").first.wait_for(
+            timeout=PAGE_LOAD_S * 1000)
+
+        def loaded():
+            cells = page.locator(".jp-NotebookPanel .jp-Notebook .jp-CodeCell").count()
+            status = page.get_attribute(".jp-Notebook-ExecutionIndicator", "data-status")
+            ok = cells == n_code and status == "idle" and lab.kernels_idle()
+            return ok, f"{cells}/{n_code} code cells, kernel indicator {status!r}"
+
+        _wait_for("the notebook to render and its kernel to be idle", loaded, PAGE_LOAD_S)
+        page.keyboard.press("Control+b")  # fold the file browser away: room for the notebook
+
+        _menu(page, "Edit", "Clear Outputs of All Cells")
+
+        def cleared():  # from here on, every output on the page comes from this run
+            cells = _cells(page)
+            ok = all(not c["outputs"] and c["prompt"] == "[ ]:" for c in cells)
+            return ok, [c["prompt"] for c in cells]
+
+        _wait_for("the stored outputs to be cleared", cleared, WIDGET_S)
+
+        _menu(page, "Run", "Run All Cells")
+        started = time.monotonic()
+
+        def all_ran():
+            prompts = [c["prompt"] for c in _cells(page)]
+            status = page.get_attribute(".jp-Notebook-ExecutionIndicator", "data-status")
+            busy = "[*]:" in prompts or status != "idle" or not lab.kernels_idle()
+            return (not busy and prompts[0] != "[ ]:"), f"kernel {status!r}, prompts {prompts}"
+
+        try:
+            _wait_for("Run All Cells to finish", all_ran, RUN_ALL_S, poll_s=0.5,
+                      on_poll=lab.watch.scan)
+        except BaseException:
+            print("failure screenshot:", _shot(page, "browser_02_failure.png"))
+            raise
+        run_all_s = time.monotonic() - started
+        explorer = _explorer(page)
+        explorer.scroll_into_view_if_needed()
+        _wait_until_drawn(page, lab, explorer)
+        shots = [_shot(page, "browser_02_run_all.png")]
+        print(f"run all: {run_all_s:.1f} s; screenshot {shots[0]}")
+        yield {"page": page, "n_code": n_code, "shots": shots, "lab": lab, "outside": outside}
+    finally:
+        if context is not None:
+            context.close()
+        pw.stop()
+
+
+# ------------------------------------------------------------------------ expected values (torch)
+
+def _torch_shard(n, world_size, rank, shuffle, seed, drop_last, set_epoch_to=None):
+    from torch.utils.data import DistributedSampler
+
+    sampler = DistributedSampler(range(n), num_replicas=world_size, rank=rank,
+                                 shuffle=shuffle, seed=seed, drop_last=drop_last)
+    if set_epoch_to is not None:
+        sampler.set_epoch(set_epoch_to)
+    return list(sampler)
+
+
+def _expected_report(s: dict) -> dict:
+    """What the explorer must show for settings ``s``, from torch's sampler and arithmetic."""
+    n, R = s["n"], s["world_size"]
+    epoch = s["epoch"] if s["call_set_epoch"] else None
+    shards = [_torch_shard(n, R, r, s["shuffle"], s["seed"], s["drop_last"], epoch)
+              for r in range(R)]
+    k = n // R if s["drop_last"] else math.ceil(n / R)
+    # rank r's j-th index sits at position r + j*R of the (padded) global order; positions
+    # from N on are the padded repeats
+    marks = [[r + j * R >= n for j in range(len(shards[r]))] for r in range(R)]
+    padding = [shards[p % R][p // R] for p in range(n, k * R)]
+    dropped = sorted(set(range(n)) - {i for sh in shards for i in sh})
+    return {"num_samples": k, "total_size": k * R, "shards": shards, "marks": marks,
+            "padding": padding, "dropped": dropped}
+
+
+def _parse_list(text: str) -> tuple[list[int], list[bool]]:
+    items = [t.strip() for t in text.strip()[1:-1].split(",") if t.strip()]
+    return [int(t.rstrip("*")) for t in items], [t.endswith("*") for t in items]
+
+
+def _parse_report(text: str) -> dict:
+    lines = text.strip().splitlines()
+    head = re.match(r"N=(\d+), world size R=(\d+)", lines[0])
+    k = re.search(r"= (\d+)(?:\s+\(drop_last\))?; total_size = (\d+)", text)
+    ranks = [re.match(r"rank (\d+): (\[.*\])$", ln) for ln in lines]
+    ranks = [m for m in ranks if m]
+    pad = re.search(r"^padding(?: \(.*?\))?: (.*)$", text, re.M)
+    drop = re.search(r"^dropped(?: \(.*?\))?: (.*)$", text, re.M)
+    return {
+        "n": int(head.group(1)) if head else None,
+        "world_size": int(head.group(2)) if head else None,
+        "set_epoch": "set_epoch called: True" in lines[0],
+        "num_samples": int(k.group(1)) if k else None,
+        "total_size": int(k.group(2)) if k else None,
+        "rank_ids": [int(m.group(1)) for m in ranks],
+        "shards": [_parse_list(m.group(2))[0] for m in ranks],
+        "marks": [_parse_list(m.group(2))[1] for m in ranks],
+        "padding": [] if not pad or pad.group(1) == "none" else _parse_list(pad.group(1))[0],
+        "dropped": [] if not drop or drop.group(1) == "none" else _parse_list(drop.group(1))[0],
+    }
+
+
+def _check_report(text: str, settings: dict) -> None:
+    got, want = _parse_report(text), _expected_report(settings)
+    where = f"explorer report for {settings}:\n{text}"
+    assert (got["n"], got["world_size"]) == (settings["n"], settings["world_size"]), where
+    assert got["set_epoch"] == settings["call_set_epoch"], where
+    assert got["num_samples"] == want["num_samples"], where
+    assert got["total_size"] == want["total_size"], where
+    assert got["rank_ids"] == list(range(settings["world_size"])), where
+    assert got["shards"] == want["shards"], where
+    assert got["marks"] == want["marks"], where
+    assert got["padding"] == want["padding"], where
+    assert got["dropped"] == want["dropped"], where
+
+
+# ------------------------------------------------------------------------ the explorer in the page
+
+def _explorer(page):
+    """The output area holding the sampler explorer (sliders "N (samples)", ..., and a report)."""
+    return page.locator(".jp-OutputArea-output").filter(
+        has=page.locator(".widget-slider .widget-label", has_text=re.compile(r"^N \(samples\)$"))
+    ).filter(has=page.locator(".widget-html pre"))
+
+
+def _slider(explorer, label: str):
+    return explorer.locator(".widget-slider").filter(
+        has=explorer.page.locator(".widget-label", has_text=re.compile(f"^{re.escape(label)}$")))
+
+
+def _checkbox(explorer, description: str):
+    return explorer.locator(f'.widget-checkbox:has(span[title="{description}"]) input')
+
+
+def _controls(explorer) -> dict:
+    """The settings the explorer's controls show (slider readouts, checkbox states)."""
+    def readout(label):
+        return int(_slider(explorer, label).locator(".widget-readout").inner_text().strip())
+
+    return {"n": readout("N (samples)"), "world_size": readout("world size"),
+            "epoch": readout("epoch"), "seed": readout("seed"),
+            "shuffle": _checkbox(explorer, "shuffle").is_checked(),
+            "drop_last": _checkbox(explorer, "drop_last").is_checked(),
+            "call_set_epoch": _checkbox(explorer, "call set_epoch").is_checked()}
+
+
+def _wait_for_report(explorer, settings: dict) -> str:
+    """Wait until the controls and the report both show ``settings``; return the report."""
+    report = explorer.locator(".widget-html pre")
+
+    def shown():
+        text = report.inner_text()
+        got = _parse_report(text)
+        ok = (_controls(explorer) == settings and
+              (got["n"], got["world_size"], got["set_epoch"])
+              == (settings["n"], settings["world_size"], settings["call_set_epoch"]))
+        return ok, text
+
+    return _wait_for(f"the explorer to show {settings}", shown, WIDGET_S)
+
+
+def _wait_until_drawn(page, lab, explorer) -> None:
+    """Wait until the kernel is idle (every redraw sent) and the heatmap image has loaded."""
+    image = explorer.locator("img.widget-image")
+
+    def drawn():
+        status = page.get_attribute(".jp-Notebook-ExecutionIndicator", "data-status")
+        loaded = image.evaluate("img => img.complete && img.naturalWidth > 0")
+        return status == "idle" and lab.kernels_idle() and loaded, f"kernel {status!r}, " \
+            f"image loaded: {loaded}"
+
+    _wait_for("the explorer's heatmap to be drawn", drawn, WIDGET_S)
+
+
+# ------------------------------------------------------------------------ tests
+
+def test_every_cell_runs_once_in_order_without_error(notebook):
+    assert notebook["outside"] == [], "the page reached beyond the local JupyterLab server"
+    cells = _cells(notebook["page"])
+    assert len(cells) == notebook["n_code"]
+    assert [c["prompt"] for c in cells] == [f"[{i}]:" for i in range(1, len(cells) + 1)]
+    for c in cells:
+        for out in c["outputs"]:
+            assert out["mime"] != "application/vnd.jupyter.error", (c["source"], out["text"])
+            assert "Traceback" not in out["text"], (c["source"], out["text"])
+
+
+def test_torchrun_cells_show_rank_output_in_rank_order(notebook):
+    cells = [c for c in _cells(notebook["page"]) if c["source"].startswith("%%torchrun")]
+    assert len(cells) >= 1
+    for c in cells:
+        nproc = int(re.search(r"--nproc-per-node[ =](\d+)", c["source"]).group(1))
+        text = "\n".join(o["text"] for o in c["outputs"])
+        lines = text.splitlines()
+        assert lines[0].startswith(f"[torchrun] {nproc} processes"), text
+        # the live status widget, rendered and updated in the browser
+        assert re.search(rf"torchrun: {nproc} processes finished in [\d.]+ s \(exit 0\)",
+                         text), text
+        ranks = [int(m.group(1)) for ln in lines for m in [re.match(r"\[rank (\d+)\] ", ln)] if m]
+        assert ranks and ranks == sorted(ranks), f"rank lines out of order:\n{text}"
+        assert ranks[0] == 0 and set(ranks) <= set(range(nproc)), text
+
+    # the set_epoch cell (2 processes): its content, from torch's own sampler
+    (cell,) = [c for c in cells if "sampler_set_epoch" in c["source"]]
+    text = "\n".join(o["text"] for o in cell["outputs"])
+    lines = text.splitlines()
+    rank_of = [int(m.group(1)) if m else None
+               for m in (re.match(r"\[rank (\d+)\] ", ln) for ln in lines)]
+    assert max(i for i, r in enumerate(rank_of) if r == 0) < rank_of.index(1), text
+    n, R, epochs, seed = 8, 2, 3, 0
+    without = [[_torch_shard(n, R, r, True, seed, False) for r in range(R)]
+               for _ in range(epochs)]
+    with_ = [[_torch_shard(n, R, r, True, seed, False, set_epoch_to=e) for r in range(R)]
+             for e in range(epochs)]
+    rows = {}
+    for ln in lines:
+        m = re.match(r"\[rank 0\]\s+(\d+) \| r0 (\[[\d,]*\]) r1 (\[[\d,]*\])\s*"
+                     r"\| r0 (\[[\d,]*\]) r1 (\[[\d,]*\])\s*$", ln)
+        if m:
+            rows[int(m.group(1))] = ([json.loads(m.group(2)), json.loads(m.group(3))],
+                                     [json.loads(m.group(4)), json.loads(m.group(5))])
+    assert rows == {e: (without[e], with_[e]) for e in range(epochs)}, text
+    same_without = all(without[e][1] == without[0][1] for e in range(epochs))
+    all_differ_with = len({tuple(with_[e][1]) for e in range(epochs)}) == epochs
+    assert (f"[rank 1] my epochs are all the same without set_epoch: {same_without}; "
+            f"all different with it: {all_differ_with}") in lines, text
+
+
+def test_sampler_explorer_follows_keyboard_and_mouse_input(notebook, capsys):
+    page = notebook["page"]
+    explorer = _explorer(page)
+    assert explorer.count() == 1, "the sampler explorer is not rendered in the page"
+    explorer.scroll_into_view_if_needed()
+    image = explorer.locator("img.widget-image")
+    assert image.count() == 1 and image.get_attribute("src"), "the heatmap is not shown"
+
+    # as the notebook left it: what the report shows matches the controls, per torch
+    settings = _controls(explorer)
+    _check_report(_wait_for_report(explorer, settings), settings)
+
+    # keyboard: one step right on "world size"
+    handle = _slider(explorer, "world size").locator(".noUi-handle")
+    assert settings["world_size"] < float(handle.get_attribute("aria-valuemax"))
+    src_before = image.get_attribute("src")
+    handle.click()      # the mouse on the handle (does not move it), then the key
+    handle.press("ArrowRight")
+    settings = dict(settings, world_size=settings["world_size"] + 1)
+    _check_report(_wait_for_report(explorer, settings), settings)
+    _wait_for("the heatmap to be redrawn",
+              lambda: (image.get_attribute("src") != src_before, image.get_attribute("src")),
+              WIDGET_S)
+
+    # keyboard: "N" up to the next multiple of the world size (no padding any more)
+    steps = -settings["n"] % settings["world_size"] or settings["world_size"]
+    n_handle = _slider(explorer, "N (samples)").locator(".noUi-handle")
+    n_handle.focus()
+    for _ in range(steps):
+        n_handle.press("ArrowRight")
+    settings = dict(settings, n=settings["n"] + steps)
+    text = _wait_for_report(explorer, settings)
+    _check_report(text, settings)
+    assert settings["n"] % settings["world_size"] == 0 and "padding: none" in text
+
+    # mouse: toggle "call set_epoch"
+    _checkbox(explorer, "call set_epoch").click()
+    settings = dict(settings, call_set_epoch=not settings["call_set_epoch"])
+    _check_report(_wait_for_report(explorer, settings), settings)
+
+    _wait_until_drawn(page, notebook["lab"], explorer)
+    shots = notebook["shots"] + [_shot(page, "browser_02_after_slider.png")]
+    widget_shot = ARTIFACTS / "browser_02_explorer_after_slider.png"
+    explorer.screenshot(path=str(widget_shot))
+    shots.append(widget_shot)
+    with capsys.disabled():
+        print("\nbrowser test screenshots:\n" + "\n".join(f"  {p}" for p in shots))
