@@ -9,6 +9,7 @@ possible (``run_candidates``), and the public ``check()`` path is exercised too.
 from __future__ import annotations
 
 import json
+import linecache
 import math
 import os
 import re
@@ -46,7 +47,10 @@ def notebook_attempt(exercise_id):
     m = re.search(rf'^check\("{re.escape(exercise_id)}", (\w+)\)\s*$', src, re.M)
     assert m, src
     namespace = {"__name__": f"notebook_{exercise_id[:2]}_attempt"}
-    exec(compile(src[:m.start()], str(nb), "exec"), namespace)
+    filename = f"<notebook {nb.name}, exercise cell>"
+    lines = src[:m.start()].splitlines(keepends=True)
+    linecache.cache[filename] = (len(src), None, lines, filename)  # as IPython does for cells
+    exec(compile(src[:m.start()], filename, "exec"), namespace)
     return namespace[m.group(1)]
 
 
@@ -492,4 +496,19 @@ def test_a_collective_only_one_rank_calls_ends_in_a_verdict_not_a_hang():
 
     (v,) = run_candidates("07.4", [lonely])
     assert not v
-    assert "waited for a peer that never joined the collective" in v.problems[0]
+    assert re.match(r"rank 0 waited at line \d+ \(dist.all_reduce\(torch.zeros\(1\)\)\) for a peer "
+                    r"that never answered, and gave up after the checker's 4 s timeout", v.problems[0]), v.problems
+
+
+def test_a_deadlocked_exchange_ends_in_a_verdict():
+    def recv_first(tensor):  # every rank waits to receive before it sends: nobody sends
+        rank, R = dist.get_rank(), dist.get_world_size()
+        buf = torch.empty_like(tensor)
+        dist.recv(buf, (rank - 1) % R)
+        dist.send(tensor, (rank + 1) % R)
+        return tensor
+
+    (v,) = run_candidates("03.6", [recv_first])
+    assert re.match(r"rank \d waited at line \d+ \(dist.recv\(buf, \(rank - 1\) % R\)\) for a peer",
+                    v.problems[0]), v.problems
+    assert "use isend/irecv" in v.problems[0]

@@ -30,8 +30,13 @@ from pathlib import Path
 from typing import Any, Callable
 
 #: Seconds a collective may wait inside a checker's worker before it raises
-#: (``DDP_LESSON_CHECK_TIMEOUT_S`` overrides it; the tests use a shorter one).
-COLLECTIVE_TIMEOUT_S = float(os.environ.get("DDP_LESSON_CHECK_TIMEOUT_S", "10"))
+#: (``DDP_LESSON_CHECK_TIMEOUT_S`` overrides it when a check starts; the tests use a shorter one).
+COLLECTIVE_TIMEOUT_S = 10.0
+
+
+def collective_timeout_s() -> float:
+    """The per-collective timeout a check starts its workers with, in seconds."""
+    return float(os.environ.get("DDP_LESSON_CHECK_TIMEOUT_S", COLLECTIVE_TIMEOUT_S))
 #: Wall-clock seconds one checker launch may take (start-up of R processes included).
 LAUNCH_TIMEOUT_S = 90.0
 
@@ -150,10 +155,12 @@ def error_record(exc: BaseException) -> dict:
     """A picklable summary of an exception raised by a candidate: type, message, last frame."""
     frames = traceback.extract_tb(exc.__traceback__)
     where = ""
-    for fr in reversed(frames):  # the innermost frame outside this package, if any
-        if "ddp_lesson" not in fr.filename.replace(os.sep, "/").split("/site-packages/")[-1]:
-            where = f"line {fr.lineno} ({fr.line.strip() if fr.line else fr.name})"
-            break
+    for fr in reversed(frames):  # the innermost frame of the learner's own code, if any
+        path = fr.filename.replace(os.sep, "/")
+        if "/ddp_lesson/" in path or "/site-packages/" in path or "/lib/python" in path:
+            continue
+        where = f"line {fr.lineno} ({fr.line.strip() if fr.line else fr.name})"
+        break
     message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
     return {"error": type(exc).__name__, "message": message[:300], "where": where}
 
@@ -182,6 +189,9 @@ def first_error(results: dict[int, Any]) -> tuple[int, dict] | None:
         return None
     for r, rec in errors:
         if not is_timeout_error(rec):
+            return r, rec
+    for r, rec in errors:  # a rank that timed out itself, rather than one whose peer left
+        if "timed out" in (rec.get("message") or "").lower():
             return r, rec
     return errors[0]
 
@@ -216,8 +226,33 @@ def close(a, b, rtol: float = 1e-5, atol: float = 1e-6) -> bool:
 
 # ----------------------------------------------------------------------------- running
 
+def _code_objects(fn) -> list:
+    """The code objects of a candidate function, or of a candidate class's methods."""
+    import inspect
+
+    targets = [fn] + ([v for v in vars(fn).values() if inspect.isfunction(v)]
+                      if isinstance(fn, type) else [])
+    return [t.__code__ for t in targets if hasattr(t, "__code__")]
+
+
+def _source_lines(fn) -> list[str]:
+    """Source lines of the file (notebook cell, test file) a candidate was written in.
+
+    cloudpickle renames the file of code it sends by value, so the workers register these
+    lines under the new name (``linecache``): a traceback from the candidate then shows the
+    learner's line, not just its number.
+    """
+    import linecache
+
+    for code in _code_objects(fn):
+        lines = linecache.getlines(code.co_filename)
+        if lines:
+            return lines
+    return []
+
+
 def _pickle_candidates(candidates: list) -> bytes:
-    """cloudpickle the candidates; functions from modules the workers cannot import go by value."""
+    """cloudpickle the candidates (and their source lines); modules the workers cannot import go by value."""
     import sys
 
     import cloudpickle
@@ -231,7 +266,8 @@ def _pickle_candidates(candidates: list) -> bytes:
                     cloudpickle.register_pickle_by_value(module)
                 except ValueError:
                     pass
-    return cloudpickle.dumps(candidates)
+    return cloudpickle.dumps({"candidates": candidates,
+                              "sources": [_source_lines(fn) for fn in candidates]})
 
 
 def run_candidates(exercise_id: str, candidates: list) -> list[Verdict]:
@@ -273,6 +309,7 @@ def _launch(ex: Exercise, candidates: list) -> tuple[int, list[list[str]]]:
     """One torchrun launch over ``candidates``; returns (how many got a verdict, their problems)."""
     from ..launch import TorchrunTimeout, run_torchrun
 
+    timeout_s = collective_timeout_s()
     tmp = Path(tempfile.mkdtemp(prefix="ddp_lesson_check_"))
     try:
         payload = tmp / "candidates.pkl"
@@ -280,7 +317,7 @@ def _launch(ex: Exercise, candidates: list) -> tuple[int, list[list[str]]]:
         timed_out = False
         try:
             result = run_torchrun("ddp_lesson.exercises._runner", module=True,
-                                  args=[ex.id, str(payload), str(tmp)],
+                                  args=[ex.id, str(payload), str(tmp), str(timeout_s)],
                                   nproc_per_node=ex.world_size, backend="gloo",
                                   timeout=LAUNCH_TIMEOUT_S, live=False, check=False)
         except TorchrunTimeout:
@@ -296,7 +333,7 @@ def _launch(ex: Exercise, candidates: list) -> tuple[int, list[list[str]]]:
                 err = first_error(results)
                 if err is not None:
                     r, rec = err
-                    problems_all.append([_error_problem(ex, r, rec)])
+                    problems_all.append([_error_problem(r, rec, timeout_s)])
                     return i + 1, problems_all
                 problems_all.append(ex.judge(results))
                 continue
@@ -305,7 +342,7 @@ def _launch(ex: Exercise, candidates: list) -> tuple[int, list[list[str]]]:
             err = first_error(results)
             if err is not None:
                 r, rec = err
-                problems_all.append([_error_problem(ex, r, rec)])
+                problems_all.append([_error_problem(r, rec, timeout_s)])
             elif timed_out:
                 problems_all.append([
                     f"the run did not finish within {LAUNCH_TIMEOUT_S:.0f} s: rank(s) "
@@ -332,9 +369,12 @@ def _crash_reason(result, missing) -> str:
     return f"exit status {result.returncode}"
 
 
-def _error_problem(ex: Exercise, rank: int, rec: dict) -> str:
-    text = f"rank {rank} raised {format_error(rec)}"
-    if is_timeout_error(rec):
-        text += (" (it waited for a peer that never joined the collective: do all ranks call "
-                 "the same collectives, in the same order, with the same shapes?)")
-    return text
+def _error_problem(rank: int, rec: dict, timeout_s: float) -> str:
+    if not is_timeout_error(rec):
+        return f"rank {rank} raised {format_error(rec)}"
+    where = f" at {rec['where']}" if rec.get("where") else ""
+    return (f"rank {rank} waited{where} for a peer that never answered, and gave up after "
+            f"the checker's {timeout_s:g} s timeout ({rec['error']}). Do all ranks call "
+            "the same collectives, in the same order, with the same shapes? Does every recv "
+            "have a matching send that is not itself waiting (blocking send/recv in the same "
+            "order on every rank deadlocks; use isend/irecv)?")
