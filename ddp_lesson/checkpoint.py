@@ -137,14 +137,56 @@ def _fsync_dir(folder: str) -> None:
         os.close(fd)
 
 
+def atomic_write(path: str, write: Callable[[Any], None], *, binary: bool = True,
+                 before_replace: Callable[[str], None] | None = None) -> str:
+    """Write a file so that ``path`` is never seen half-written: temporary file, fsync, rename.
+
+    ``write(fh)`` fills ``path.tmp.<pid>`` in the same folder (a rename is atomic only within
+    one file system); the file is flushed and ``fsync`` ed, then ``os.replace`` d over ``path``
+    and the folder is synced. Until the rename, a previous file at ``path`` stays complete and
+    valid; if anything fails, the temporary file is removed and ``path`` is untouched. Local to
+    the calling process: no synchronisation.
+
+    Args:
+        path: the destination file; its folder must exist.
+        write: called with the open temporary file (``"wb"`` or, with ``binary=False``, ``"w"``).
+        binary: open the temporary file in binary mode.
+        before_replace: called with the temporary file's path once it is complete on disk,
+            just before the rename: the window in which a crash leaves the old file in place.
+
+    Returns:
+        ``path``.
+
+    Raises:
+        OSError: the folder is not writable, the disk is full, ... (``path`` untouched);
+        whatever ``write`` raises (likewise).
+    """
+    folder = os.path.dirname(os.path.abspath(path))
+    tmp = f"{path}.tmp.{os.getpid()}"
+    try:
+        with open(tmp, "wb" if binary else "w") as fh:
+            write(fh)
+            fh.flush()
+            os.fsync(fh.fileno())  # the bytes are on disk before the name points at them
+        if before_replace is not None:
+            before_replace(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.remove(tmp)
+        except OSError:
+            pass
+        raise
+    _fsync_dir(folder)
+    return path
+
+
 def save_atomic(obj: Any, path: str, before_replace: Callable[[str], None] | None = None) -> str:
     """Write ``obj`` with ``torch.save`` so that ``path`` is never seen half-written.
 
-    Writes ``path.tmp.<pid>`` in the same folder (a rename is atomic only within one file
-    system), flushes and ``fsync`` s it, then ``os.replace`` s it over ``path``. Until the
-    rename, a previous file at ``path`` stays complete and valid; if anything fails, the
-    temporary file is removed and ``path`` is untouched. Local to the calling process: no
-    synchronisation (see :func:`save_checkpoint` for the multi-rank protocol).
+    :func:`atomic_write` with ``torch.save``: a previous file at ``path`` stays complete and
+    valid until the new one is on disk. Local to the calling process: no synchronisation
+    (see :func:`save_checkpoint` for the multi-rank protocol).
 
     Args:
         obj: what to save (tensors, dicts, lists, numbers, strings).
@@ -160,24 +202,7 @@ def save_atomic(obj: Any, path: str, before_replace: Callable[[str], None] | Non
     Raises:
         OSError: the folder is not writable, the disk is full, ... (``path`` untouched).
     """
-    folder = os.path.dirname(os.path.abspath(path))
-    tmp = f"{path}.tmp.{os.getpid()}"
-    try:
-        with open(tmp, "wb") as fh:
-            torch.save(obj, fh)
-            fh.flush()
-            os.fsync(fh.fileno())  # the bytes are on disk before the name points at them
-        if before_replace is not None:
-            before_replace(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.remove(tmp)
-        except OSError:
-            pass
-        raise
-    _fsync_dir(folder)
-    return path
+    return atomic_write(path, lambda fh: torch.save(obj, fh), before_replace=before_replace)
 
 
 def _distributed() -> bool:

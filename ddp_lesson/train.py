@@ -578,21 +578,16 @@ def _json_safe(obj):
 
 
 def _write_json_atomic(path: str, obj: dict) -> None:
-    # Write a temporary file and rename it: a reader never sees half a file, and an
-    # interrupted run leaves the previous summary intact (os.replace is atomic on POSIX).
+    # A reader never sees half a file, and an interrupted run leaves the previous summary intact.
+    from .checkpoint import atomic_write
+
+    def write(fh):
+        # a diverged run (loss NaN) still gets its summary: non-finite values become null
+        json.dump(_json_safe(obj), fh, indent=2, allow_nan=False)
+        fh.write("\n")
+
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    tmp = f"{path}.tmp.{os.getpid()}"
-    try:
-        with open(tmp, "w") as fh:
-            # a diverged run (loss NaN) still gets its summary: non-finite values become null
-            json.dump(_json_safe(obj), fh, indent=2, allow_nan=False)
-            fh.write("\n")
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    atomic_write(path, write, binary=False)
 
 
 def _finite_or_none(x):
