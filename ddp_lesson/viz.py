@@ -175,7 +175,8 @@ def assignment_over_epochs(n: int, num_replicas: int, epochs: int = 3, seed: int
     epoch 0 and every row is the same. Right: ``set_epoch(e)`` before epoch ``e``, so the
     permutation is reseeded with ``seed + e`` and every index moves between ranks. An index
     that a rank also gets as padding is marked with a white dot (it has two owners); an
-    index cut by ``drop_last`` is grey.
+    index cut by ``drop_last`` is grey. The legend names the ranks' colours, and the dot and
+    the grey when the figure has them.
 
     Args:
         n: dataset length N (columns).
@@ -203,6 +204,7 @@ def assignment_over_epochs(n: int, num_replicas: int, epochs: int = 3, seed: int
     cmap = ListedColormap([base(r % 10) for r in range(num_replicas)]).with_extremes(
         bad="lightgrey")
     fig, axes = plt.subplots(1, 2, figsize=figsize, dpi=80, sharey=True)
+    any_padding = any_dropped = False
     for ax, call_set_epoch in zip(axes, (False, True)):
         owner = np.ma.masked_all((epochs, n))
         dup_x, dup_y = [], []
@@ -221,6 +223,8 @@ def assignment_over_epochs(n: int, num_replicas: int, epochs: int = 3, seed: int
         if dup_x:
             ax.scatter(dup_x, dup_y, s=12, c="white", edgecolors="black", linewidths=0.5,
                        gid="padding")
+        any_padding = any_padding or bool(dup_x)
+        any_dropped = any_dropped or bool(np.ma.getmaskarray(owner).any())
         ax.set_title("with set_epoch(e)" if call_set_epoch else "without set_epoch",
                      fontsize=9)
         ax.set_xlabel("dataset index", fontsize=8)
@@ -229,8 +233,17 @@ def assignment_over_epochs(n: int, num_replicas: int, epochs: int = 3, seed: int
     axes[0].set_yticks(range(epochs))
     axes[0].set_ylabel("epoch", fontsize=8)
     handles = [plt.Rectangle((0, 0), 1, 1, color=cmap(r)) for r in range(num_replicas)]
-    fig.legend(handles, [f"rank {r}" for r in range(num_replicas)], loc="lower center",
-               ncol=min(num_replicas, 8), fontsize=7, frameon=False)
+    labels = [f"rank {r}" for r in range(num_replicas)]
+    if any_padding:  # the white dot: the index is dealt again, as padding, to a second rank
+        handles.append(plt.Line2D([], [], marker="o", linestyle="", markersize=4,
+                                  markerfacecolor="white", markeredgecolor="black",
+                                  markeredgewidth=0.5))
+        labels.append("padded repeat")
+    if any_dropped:
+        handles.append(plt.Rectangle((0, 0), 1, 1, color="lightgrey"))
+        labels.append("cut by drop_last")
+    fig.legend(handles, labels, loc="lower center",
+               ncol=min(len(handles), 8), fontsize=7, frameon=False)
     fig.tight_layout(rect=(0, 0.1, 1, 1))
     return fig
 

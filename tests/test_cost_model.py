@@ -140,6 +140,37 @@ def test_notebook_03_busbw_table_is_the_link_speed():
     assert got == expected
 
 
+def test_notebook_03_ratios_and_their_prose_match_the_stored_csv():
+    # recomputed from the raw CSV columns: min over the 16-64 MiB sizes of num / den at one size
+    with open(ROOT / "benchmarks" / "allreduce.csv", newline="") as f:
+        raw = list(csv.DictReader(f))
+    bw = {(int(r["nprocs"]), r["method"], int(r["size_bytes"])):
+          {"alg": float(r["algbw_GBps"]), "bus": float(r["busbw_GBps"])} for r in raw}
+    big = sorted({s for (_, _, s) in bw if 16 * 2**20 <= s <= 64 * 2**20})
+    assert big == [16 * 2**20, 64 * 2**20]          # "16 and 64 MiB" in the notebook
+    pairs = (("pipelined_vs_gloo", "pipelined", "gloo", "alg"), ("ring_vs_gloo", "ring", "gloo", "alg"),
+             ("pipelined_vs_ring", "pipelined", "ring", "alg"),
+             ("busbw_vs_sendrecv", "pipelined", "sendrecv", "bus"),
+             ("busbw_vs_shift", "pipelined", "shift", "bus"),
+             ("gloo_busbw_vs_sendrecv", "gloo", "sendrecv", "bus"))
+    got = {R: {k: min(bw[(R, a, s)][c] / bw[(R, b, s)][c] for s in big) for k, a, b, c in pairs}
+           for R in (2, 4)}
+    expected = [f"R={R}: " + ", ".join(f"{k} {v:.2f}x" for k, v in got[R].items()) for R in (2, 4)]
+    assert _nb_outputs("03_collectives.ipynb", "ratios(rows).items()").splitlines() == expected
+    import nbformat
+
+    nb = nbformat.read(ROOT / "notebooks" / "03_collectives.ipynb", as_version=4)
+    prose = next(c.source for c in nb.cells if c.cell_type == "markdown"
+                 and "### Pipelining" in c.source)
+    gain, loss = got[2]["pipelined_vs_ring"], got[4]["pipelined_vs_ring"]
+    assert gain > 1 > loss
+    assert f"at least {round((gain - 1) * 100)}%" in prose and f"(`pipelined_vs_ring` {gain:.2f}x)" in prose
+    assert f"up to {round((1 - loss) * 100)}% slower ({loss:.2f}x)" in prose
+    assert (f"`ring_vs_gloo` {got[2]['ring_vs_gloo']:.2f}x at R = 2, "
+            f"{got[4]['ring_vs_gloo']:.2f}x at R = 4") in prose
+    assert f"up to about {round((1 / min(got[2]['ring_vs_gloo'], got[4]['ring_vs_gloo']) - 1) * 100)}% faster" in prose
+
+
 def test_notebook_03_sweep_cell_is_off_by_default():
     text = _nb_outputs("03_collectives.ipynb", "RUN_SWEEP = False")
     assert text.strip() == "sweep skipped: set RUN_SWEEP = True to re-measure"

@@ -162,6 +162,11 @@ DDP_CHECKS = textwrap.dedent(r"""
         all_reduce_average(torch.ones(2, dtype=torch.int64))
     except TypeError:
         print("int average refused: True")
+    try:   # torch's own gloo: ReduceOp.AVG, where it exists, averages floating tensors only
+        dist.all_reduce(torch.ones(2, dtype=torch.int64), op=dist.ReduceOp.AVG)
+        print("gloo AVG of an int tensor refused: False")
+    except (RuntimeError, ValueError):
+        print("gloo AVG of an int tensor refused: True")
     # 2. B5 with torch DDP: shards [1,2] and [3,4], w = 1, target 0
     xb = torch.tensor([[1.0], [2.0]]) if rank == 0 else torch.tensor([[3.0], [4.0]])
     def b5(red, scale):
@@ -210,6 +215,7 @@ def test_real_all_reduce_and_ddp_on_two_processes():
         assert lines == [
             "average equals full batch: True",
             "int average refused: True",
+            "gloo AVG of an int tensor refused: True",
             "B5 mean: 15", "B5 sum: 30", "B5 meanxR: 30",   # pitfalls.md B5
             "B7 one step equal: True",
             "weighted fix equals full batch: True",
@@ -261,6 +267,8 @@ def test_notebook_01_torchrun_outputs():
         assert f"[rank {r}] shard of 4 samples; differs from the full-batch gradient: True" in avg
         assert f"[rank {r}] after all_reduce and ÷ world_size, max |Δ| below 1e-6: True" in avg
         assert f"[rank {r}] ReduceOp.AVG gives the same average: True" in avg
+        # the integer refusal, as the launch in test_real_all_reduce_and_ddp_on_two_processes sees it
+        assert f"[rank {r}] ReduceOp.AVG on an integer tensor: refused" in avg
     b5 = _text("DDP gradient").splitlines()
     for r in range(2):   # pitfalls.md B5: mean 15, sum 30, mean × R 30
         for label, value in (("mean    ", 15), ("sum     ", 30), ("mean × R", 30)):

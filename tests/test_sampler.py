@@ -272,6 +272,14 @@ def test_a7_drop_last_with_n_below_r_gives_empty_shards_and_warns(r):
         assert theirs(3, r, rank, drop_last=True) == []  # upstream behaves the same
 
 
+def test_a7_torch_gives_empty_shards_silently():
+    # notebook 02 prints torch's sampler next to the package's: len 0, nothing yielded, no warning
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        s = TorchSampler(range(3), num_replicas=7, rank=0, drop_last=True)
+    assert (len(s), list(s), caught) == (0, [], [])
+
+
 def test_a7_no_warning_when_nothing_is_lost():
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -111,6 +111,18 @@ def test_assignment_over_epochs_masks_dropped_indices():
             sorted(set(range(11)) - seen)
 
 
+def test_assignment_over_epochs_legend_names_the_marks():
+    # torch pads N=10 on R=3 to 12 entries, pads nothing for N=12, and cuts N=11 to 9 with
+    # drop_last: the legend names the white dot / the grey only when the figure has them
+    for n, drop_last, extra in ((10, False, ["padded repeat"]), (12, False, []),
+                                (11, True, ["cut by drop_last"])):
+        dealt = sum(len(s) for s in torch_shards(n, 3, True, 0, 0, drop_last))
+        assert (dealt > n, dealt < n) == ("padded repeat" in extra, "cut by drop_last" in extra)
+        fig = assignment_over_epochs(n, 3, epochs=2, drop_last=drop_last)
+        assert [t.get_text() for t in fig.legends[0].get_texts()] == \
+            ["rank 0", "rank 1", "rank 2"] + extra
+
+
 def test_assignment_over_epochs_rejects_empty_dataset():
     with pytest.raises(ValueError, match="n must be >= 1 to draw the assignment, got 0"):
         assignment_over_epochs(0, 2)
