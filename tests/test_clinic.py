@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from ddp_lesson.labs.clinic import CASES, diagnose
+from ddp_lesson.labs.clinic import CASES, diagnose, telling_line
 from ddp_lesson.launch import run_torchrun
 
 TIMEOUT_MS = "Timed out waiting 2000ms for"  # ... recv (or send) operation to complete
@@ -30,6 +30,7 @@ def test_collective_called_by_one_rank_times_out():
     assert "rank 0 enters all_reduce; the other ranks do not" in r.rank_lines(0)
     assert TIMEOUT_MS in r.errors[0]
     assert diagnose(r) == "timeout"
+    assert telling_line("partial_collective", r) == "RuntimeError: Timed out waiting 2000ms"
 
 
 def test_all_reduce_with_different_shapes_times_out():
@@ -37,6 +38,7 @@ def test_all_reduce_with_different_shapes_times_out():
     assert "rank 1: all_reduce of shape (3,)" in r.rank_lines(1)
     assert TIMEOUT_MS in err  # the elements the longer tensor has and the other lacks
     assert diagnose(r) == "timeout"
+    assert telling_line("shape_mismatch", r) == "RuntimeError: Timed out waiting 2000ms"
 
 
 def test_debug_detail_names_the_mismatched_collective():
@@ -50,8 +52,9 @@ def test_uneven_batches_time_out_in_the_extra_backward():
     r, err = _broken("uneven_batches")
     assert r.rank_lines(0)[:1] == ["rank 0: 3 batches"]
     assert r.rank_lines(1)[:1] == ["rank 1: 4 batches"]
-    assert TIMEOUT_MS in r.errors[1]
+    assert TIMEOUT_MS in err  # rank 1's 4th backward, or rank 0 waiting for it in barrier()
     assert diagnose(r) == "timeout"
+    assert telling_line("uneven_batches", r) == "RuntimeError: Timed out waiting 2000ms"
 
 
 def test_rank_that_never_joins_fails_at_start_within_the_timeout():
@@ -61,6 +64,7 @@ def test_rank_that_never_joins_fails_at_start_within_the_timeout():
                                       "joining a group of 3"]
     assert "DistStoreError: wait timeout after 2000ms" in err
     assert diagnose(r) == "a rank never joined"
+    assert telling_line("missing_rank", r) == "DistStoreError: wait timeout after 2000ms"
 
 
 def test_model_differing_between_ranks_is_refused_by_ddp():
@@ -68,6 +72,9 @@ def test_model_differing_between_ranks_is_refused_by_ddp():
     assert ("params[0] in this process with sizes [9, 4] appears not to match sizes of the "
             "same param in process 0") in r.errors[1]
     assert diagnose(r) == "model differs between ranks"
+    assert telling_line("model_mismatch", r) == (
+        "RuntimeError: [1]: params[0] in this process with sizes [9, 4] appears not to "
+        "match sizes of the same param in process 0.")
 
 
 @pytest.fixture(scope="module")
@@ -106,6 +113,21 @@ def test_diagnose_reads_the_signatures():
     assert diagnose(res(1, "Timed out waiting 5000ms", "Connection closed by peer")) == "timeout"
     assert diagnose(res(1, "Connection closed by peer")) == "a peer crashed"
     assert diagnose(res(1, "boom")) == "other error"
+
+
+def test_telling_line_keeps_only_the_stable_text():
+    from types import SimpleNamespace
+
+    raw = ("[rank0]: Traceback (most recent call last):\n"
+           "[rank0]: RuntimeError: [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/"
+           "unbound_buffer.cc:78] Timed out waiting 5000ms for recv operation to complete\n")
+    res = SimpleNamespace(errors={0: raw, 1: "torch.distributed.DistStoreError: wait timeout "
+                                             "after 5000ms, keys: /default_pg/0//cpu//0/0\n"})
+    assert telling_line("partial_collective", res) == "RuntimeError: Timed out waiting 5000ms"
+    assert telling_line("missing_rank", res) == "DistStoreError: wait timeout after 5000ms"
+    assert telling_line("model_mismatch", res).startswith("(no line matches")
+    with pytest.raises(KeyError, match="'nope' is not a clinic case"):
+        telling_line("nope", res)
 
 
 def _worker_pids(module: str) -> dict[int, int]:

@@ -229,6 +229,11 @@ def test_single_process_run(tmp_path):
            "no DDP wrapper (1 process)" in proc.stdout
     assert len(s["step_losses"]) == s["steps_per_epoch"] == 8
     assert (tmp_path / "out" / "checkpoint.pt").is_file()
+    # a finished run's checkpoint counts epochs *completed* (notebook 05 prints it so)
+    import torch
+
+    ckpt = torch.load(tmp_path / "out" / "checkpoint.pt", weights_only=True)
+    assert (ckpt["epoch"], ckpt["step_in_epoch"], ckpt["global_step"]) == (1, 0, 8)
 
 
 @pytest.mark.timeout(240)

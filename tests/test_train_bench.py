@@ -89,6 +89,24 @@ def test_stored_benchmark_is_consistent():
     assert (REPO / "benchmarks" / "scaling.png").stat().st_size > 1000
 
 
+def test_stored_benchmark_spread_printed_in_notebook_05():
+    """Notebook 05 prints each configuration's spread over repeats; recomputed here from the
+    CSV's min, max and median with the csv module alone."""
+    import csv
+
+    with open(REPO / "benchmarks" / "scaling.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    spread = {f"{r['mode'][0]}{r['nprocs']}": 100 * (float(r["samples_per_s_max"])
+                                                  - float(r["samples_per_s_min"]))
+              / float(r["samples_per_s"]) for r in rows}
+    assert {k: f"{v:.0f}%" for k, v in spread.items()} == {
+        "w1": "14%", "w2": "6%", "w4": "12%", "s1": "14%", "s2": "6%", "s4": "10%"}
+    assert round(max(spread.values())) == 14  # "spread by up to 14%"
+    for r in rows:
+        assert float(r["spread_pct"]) == pytest.approx(spread[f"{r['mode'][0]}{r['nprocs']}"],
+                                                       rel=1e-2)
+
+
 def test_one_timed_run_in_this_process(monkeypatch, capsys):
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID"):
         monkeypatch.delenv(name, raising=False)

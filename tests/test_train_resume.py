@@ -166,6 +166,9 @@ nb = ["--epochs", "1", "--num-train", "64", "--num-val", "8", "--size", "32", "6
       "-b", "4"]
 res["nb05_two"] = train.main(nb + ["--sync-bn", "--out", "nb05_two"])["step_losses"]
 res["nb05_plain"] = train.main(nb + ["--out", "nb05_plain"])["step_losses"]
+# ... and as 2 processes x 2 samples x 2 accumulation steps (SyncBatchNorm over 4 images)
+res["nb05_accum"] = train.main(nb + ["-b", "2", "--grad-accum-steps", "2", "--sync-bn",
+                                     "--out", "nb05_accum"])["step_losses"]
 # a checkpoint written under DDP loads into a bare model
 bare = build_model("deeplab", width=4)
 bare.load_state_dict(weights("ref_plain")["model"], strict=True)
@@ -204,6 +207,16 @@ def test_two_ranks_interrupted_and_resumed_are_bit_identical(tmp_path):
     assert max(abs(a - b) for a, b in zip(one, two)) < 1e-3
     assert abs(one[0] - two[0]) < 1e-5       # SyncBatchNorm: the same function
     assert abs(one[0] - plain[0]) >= 1e-5    # per-rank statistics: a different one
+    # accumulation: the same global batch of 8 as one process with micro-batches of 4 (the
+    # statistics SyncBatchNorm sees under 2 ranks x 2 samples), not as one process at batch 8
+    one_accum = train.main(["--epochs", "1", "--num-train", "64", "--num-val", "8", "--size",
+                            "32", "64", "--width", "8", "-b", "4", "--grad-accum-steps", "2",
+                            "--sync-bn", "--out", str(tmp_path / "nb05_one_accum")])["step_losses"]
+    accum = res["nb05_accum"]
+    assert len(accum) == len(one_accum) == 8
+    assert max(abs(a - b) for a, b in zip(accum, one_accum)) < 1e-3
+    assert abs(accum[0] - one_accum[0]) < 1e-5
+    assert abs(accum[0] - one[0]) >= 1e-5    # BatchNorm over 4 images, not 8
 
 
 THREE_RANKS = r'''

@@ -41,3 +41,50 @@ def diagnose(result) -> str:
         if needle in text:
             return name
     return "other error"
+
+
+#: Per broken case: the stable part of the error line that names what went wrong (a regular
+#: expression), what notebook 06 prints and tests/test_clinic.py asserts. Which rank raises
+#: first, and whether gloo was waiting to send or to receive, can vary with the machine's load,
+#: so neither is part of it.
+TELLING = {
+    "partial_collective": r"RuntimeError: Timed out waiting \d+ms",    # rank 0 waits alone
+    "shape_mismatch": r"RuntimeError: Timed out waiting \d+ms",        # the missing element
+    "uneven_batches": r"RuntimeError: Timed out waiting \d+ms",        # the 4th backward
+    "model_mismatch": r"RuntimeError: \[1\]: params\[0\] in this process with sizes "
+                      r"\[\d+, \d+\] appears not to match sizes of the same param in process 0\.",
+    "missing_rank": r"DistStoreError: wait timeout after \d+ms",       # the group never fills
+}
+
+
+def telling_line(name: str, result) -> str:
+    """The stable part of the error line that names what ended a broken clinic run.
+
+    The ranks' stderr is searched in rank order for :data:`TELLING`'s pattern; torch's
+    ``[rankN]:`` prefix, gloo's source location (``[/path/to/file.cc:78]``), the operation it
+    waited for and anything after it are left out, so the text holds no paths, ports or
+    addresses. The timeout in milliseconds is the program's ``--timeout`` (5 s by default:
+    ``5000ms``).
+
+    Args:
+        name: a key of :data:`TELLING` (one of :data:`CASES`).
+        result: the case's :class:`ddp_lesson.launch.TorchrunResult` (``check=False``).
+
+    Returns:
+        e.g. ``"RuntimeError: Timed out waiting 5000ms"``, or ``"(no line matches ...)"``.
+
+    Raises:
+        KeyError: ``name`` is not a clinic case (names the known ones).
+    """
+    import re
+
+    if name not in TELLING:
+        raise KeyError(f"{name!r} is not a clinic case; known: {', '.join(TELLING)}")
+    pattern = re.compile(TELLING[name])
+    for rank in sorted(result.errors):
+        for line in result.errors[rank].splitlines():
+            line = re.sub(r"\[/[^\]]*:\d+\] ", "", line)  # gloo's source location
+            found = pattern.search(line)
+            if found:
+                return found.group(0)
+    return f"(no line matches {TELLING[name]!r})"
