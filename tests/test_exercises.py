@@ -280,6 +280,37 @@ class PadsWithTheEnd(SeedSamplerWithLen):
         return iter(indices[self.rank:self.total_size:self.num_replicas])
 
 
+class LenAlwaysZero(Sampler):
+    def __init__(self, dataset, num_replicas, rank, shuffle=True, seed=0, drop_last=False):
+        self.inner = reference("02.1")(dataset, num_replicas, rank, shuffle, seed, drop_last)
+
+    def set_epoch(self, epoch):
+        self.inner.set_epoch(epoch)
+
+    def __iter__(self):
+        return iter(self.inner)
+
+    def __len__(self):
+        return 0
+
+
+class SeedIgnored(LenAlwaysZero):
+    def __init__(self, dataset, num_replicas, rank, shuffle=True, seed=0, drop_last=False):
+        self.inner = reference("02.1")(dataset, num_replicas, rank, shuffle, 0, drop_last)
+
+    def __len__(self):
+        return len(self.inner)
+
+
+class RankFromTheGroup(SeedIgnored):
+    """Ignores its rank argument and asks the process group: right on each process, wrong
+    for a sampler built for another rank."""
+
+    def __init__(self, dataset, num_replicas, rank, shuffle=True, seed=0, drop_last=False):
+        self.inner = reference("02.1")(dataset, num_replicas, dist.get_rank(), shuffle, seed,
+                                       drop_last)
+
+
 def test_02_1_reference_passes_through_the_public_check():
     v = check("02.1", reference("02.1"))
     assert v.passed, str(v)
@@ -288,9 +319,18 @@ def test_02_1_reference_passes_through_the_public_check():
 
 def test_02_1_sampler_rejects_the_typical_mistakes():
     verdicts = run_candidates("02.1", [SeedSampler, SeedSamplerWithLen, EpochIgnored, RankSeeded,
-                                       Contiguous, notebook_attempt("02.1"), PadsWithTheEnd])
-    seed, seed_len, epoch, ranked, contiguous, nopad, ends = [v.problems[0] for v in verdicts]
+                                       Contiguous, notebook_attempt("02.1"), PadsWithTheEnd,
+                                       LenAlwaysZero, SeedIgnored, RankFromTheGroup])
+    seed, seed_len, epoch, ranked, contiguous, nopad, ends, len0, noseed, group_rank = [
+        v.problems[0] if v.problems else "" for v in verdicts]
     assert not any(verdicts)
+    assert len0.startswith("N=9, R=3, shuffle=False: rank 0 yields 3 indices but len(sampler) says 0")
+    # the first shuffled setting with a seed: N=7, seed=5; the ranks agree on seed 0's order
+    assert noseed.startswith("N=7, R=3, shuffle=True, seed=5, epoch 0: the ranks agree on one order")
+    assert "the seed argument (5) was ignored" in noseed
+    assert ("the sampler built with rank=1 in process 0 gives [0, 3, 6], but rank 1's own gives "
+            "[1, 4, 7]") in group_rank
+    assert "use the rank and num_replicas arguments" in group_rank
     assert "len(sampler) raised TypeError" in seed and "indented into __iter__" in seed
     assert ("N=1, R=3, shuffle=True, seed=0: iterating rank 0's sampler raised AssertionError"
             in seed_len and "case A7" in seed_len)
@@ -349,8 +389,14 @@ def test_02_4_exact_accuracy():
     def local(correct, count):
         return correct / count
 
-    good, v_means, v_local = _verdicts("02.4", mean_of_means, local)
+    def float32_counts(correct, count):  # float32 arithmetic: right within rounding
+        t = torch.tensor([correct, count], dtype=torch.float32)
+        dist.all_reduce(t)
+        return t[0] / t[1]
+
+    good, v_means, v_local, v_f32 = _verdicts("02.4", mean_of_means, local, float32_counts)
     assert good
+    assert v_f32.passed, v_f32.problems
     # N=7, model wrong on index 6 only: exact 6/7; the mean of 2/3, 1, 1 is 8/9
     assert "rank 0 returned 0.8889, the exact accuracy is 0.8571" in v_means.problems[0]
     assert "mean of the ranks' accuracies" in v_means.problems[0]
@@ -399,7 +445,7 @@ def ring_mean(tensor):
 
 def out_of_place(tensor):
     out = tensor.clone()
-    dist.all_reduce(out)
+    reference("03.6")(out)
     return out
 
 
@@ -496,8 +542,11 @@ def test_a_collective_only_one_rank_calls_ends_in_a_verdict_not_a_hang():
 
     (v,) = run_candidates("07.4", [lonely])
     assert not v
-    assert re.match(r"rank 0 waited at line \d+ \(dist.all_reduce\(torch.zeros\(1\)\)\) for a peer "
-                    r"that never answered, and gave up after the checker's 4 s timeout", v.problems[0]), v.problems
+    # rank 0 waits in its extra all_reduce, ranks 1 and 2 in the all_gather it should have
+    # joined: both places are named
+    assert v.problems[0].startswith("ranks waited for peers that never answered and gave up "
+                                    "after the checker's 4 s timeout: "), v.problems
+    assert re.search(r"rank 0 at line \d+ \(dist.all_reduce\(torch.zeros\(1\)\)\)", v.problems[0])
 
 
 def test_a_deadlocked_exchange_ends_in_a_verdict():
@@ -509,6 +558,58 @@ def test_a_deadlocked_exchange_ends_in_a_verdict():
         return tensor
 
     (v,) = run_candidates("03.6", [recv_first])
-    assert re.match(r"rank \d waited at line \d+ \(dist.recv\(buf, \(rank - 1\) % R\)\) for a peer",
-                    v.problems[0]), v.problems
+    assert re.search(r"ranks? [\d, ]+ at line \d+ \(dist.recv\(buf, \(rank - 1\) % R\)\)",
+                     v.problems[0]), v.problems
     assert "use isend/irecv" in v.problems[0]
+
+
+def test_03_6_a_ring_may_not_call_torchs_all_reduce():
+    def not_a_ring(tensor):
+        dist.all_reduce(tensor)
+        return tensor
+
+    (v,) = run_candidates("03.6", [not_a_ring])
+    assert re.match(r"rank \d raised BuiltInCollectiveUsed: your ring called dist.all_reduce; "
+                    r"build it from dist.isend / dist.irecv", v.problems[0]), v.problems
+
+
+def test_a_rank_that_exits_is_named():
+    def rank1_leaves(grad, count):
+        if dist.get_rank() == 1:
+            os._exit(0)
+        return reference("01.4")(grad, count)
+
+    (v,) = run_candidates("01.4", [rank1_leaves])
+    assert v.problems[0].startswith("rank(s) 1 did not finish your function: no error message: "
+                                    "it was still running when the job was ended, or it left "
+                                    "without one (os._exit)"), v.problems
+
+
+def test_what_a_function_returns_is_checked_before_it_is_judged():
+    def returns_none(grad, count):
+        reference("01.4")(grad, count)
+
+    (v,) = run_candidates("01.4", [returns_none])
+    assert re.match(r"rank \d: your function returned None \(NoneType\); the exercise expects a "
+                    r"tensor of 3 numbers\.", v.problems[0]), v.problems
+    half, none = run_candidates("07.1", [lambda psi, gpu: 16 * psi / gpu, lambda psi, gpu: None])
+    # 16 * 7.5e9 / 80e9 = 1.5 ranks: not a whole number
+    assert half.problems[0] == ("7.5B parameters on 80 GB ranks: got 1.5 ranks; a number of ranks "
+                                "is a whole number (round up: 2).")
+    assert none.problems[0].startswith("your function returned None (NoneType); the exercise "
+                                       "expects a whole number of ranks")
+
+
+def test_unsendable_globals_and_loose_ids_get_clear_answers():
+    import threading
+
+    lock = threading.Lock()
+
+    def uses_a_lock(grad, count):
+        with lock:
+            return reference("01.4")(grad, count)
+
+    uses_a_lock.__module__ = "__main__"  # as if typed into a notebook cell
+    with pytest.raises(TypeError, match="cannot be sent.*inside your function"):
+        check("01.4", uses_a_lock)
+    assert describe(" 2.1 ").startswith("02.1")

@@ -2,18 +2,40 @@
 
     torchrun --nproc-per-node R -m ddp_lesson.exercises._runner EXERCISE_ID CANDIDATES.pkl OUTDIR TIMEOUT_S
 
-Each rank joins a gloo process group with a short timeout (TIMEOUT_S seconds), loads the candidates
-(cloudpickled: a learner's function travels by value), runs the exercise's ``run_rank`` on
-each, and after each one rewrites ``OUTDIR/result{RANK}.pkl`` with everything it has so far,
-so that a later hang or crash loses nothing already judged. A candidate that raises ends the
-list: its collectives may have left the ranks out of step.
+Each rank joins a gloo process group with a short timeout (TIMEOUT_S seconds), loads the
+candidates (cloudpickled: a learner's function travels by value), runs the exercise's
+``run_rank`` on each, and after each one rewrites ``OUTDIR/result{RANK}.pkl`` with everything
+it has so far, so that a later hang or crash loses nothing already judged. A candidate that
+raises on any rank ends the list, since its collectives may have left the ranks out of step:
+the ranks agree on that through marker files (the process group may be broken), and then
+exit with status 3, so torchrun ends any rank still busy in the candidate.
 """
 from __future__ import annotations
 
 import linecache
+import os
 import pickle
 import sys
+import time
 from pathlib import Path
+
+
+def _all_clean(outdir: Path, index: int, rank: int, world_size: int, clean: bool,
+               wait_s: float) -> bool:
+    """A barrier through files (the process group may be broken by now): after candidate
+    ``index`` every rank writes ``done{index}.{rank}`` saying ``ok`` or ``stop``, then waits up
+    to ``wait_s`` seconds for all of them. True when every rank finished it cleanly."""
+    (outdir / f"done{index}.{rank}").write_text("ok" if clean else "stop")
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        marks = [outdir / f"done{index}.{r}" for r in range(world_size)]
+        texts = [m.read_text() if m.exists() else "" for m in marks]
+        if "stop" in texts:
+            return False
+        if all(texts):
+            return True
+        time.sleep(0.05)
+    return False  # a rank is still busy in the candidate (or gone)
 
 
 def main(argv=None) -> int:
@@ -24,26 +46,31 @@ def main(argv=None) -> int:
     from . import core
 
     exercise_id, payload, outdir, timeout_s = (argv or sys.argv[1:])[:4]
-    env = init_distributed(timeout=float(timeout_s), backend="gloo", announce=False)
+    timeout_s = float(timeout_s)
+    env = init_distributed(timeout=timeout_s, backend="gloo", announce=False)
     ex = core.get(exercise_id)
     loaded = cloudpickle.loads(Path(payload).read_bytes())
-    out = Path(outdir) / f"result{env.rank}.pkl"
+    outdir = Path(outdir)
+    out = outdir / f"result{env.rank}.pkl"
     results = []
-    for fn, lines in zip(loaded["candidates"], loaded["sources"]):
+    for index, (fn, lines) in enumerate(zip(loaded["candidates"], loaded["sources"])):
         for code in core._code_objects(fn):  # so a traceback shows the learner's lines
             if lines:
                 linecache.cache[code.co_filename] = (sum(map(len, lines)), None, lines,
                                                      code.co_filename)
+        clean = True
         try:
-            res = ex.run_rank(fn, env.rank, env.world_size)
-        except Exception as exc:
-            results.append(core.error_record(exc))
-            out.write_bytes(pickle.dumps(results))
-            break
-        results.append(res)
+            results.append(ex.run_rank(fn, env.rank, env.world_size))
+        except (Exception, SystemExit) as exc:
+            clean = False
+            results.append(exc.result if isinstance(exc, core.StopCandidate)
+                           else core.error_record(exc))
         out.write_bytes(pickle.dumps(results))
-    else:
-        dist.barrier()
+        # Peers waiting for this rank give up within one collective timeout; a rank still
+        # busy after that is ended by torchrun when this one exits with an error status.
+        if not _all_clean(outdir, index, env.rank, env.world_size, clean, timeout_s + 3.0):
+            sys.stdout.flush()
+            os._exit(3)
     dist.destroy_process_group()
     return 0
 

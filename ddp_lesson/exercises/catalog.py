@@ -13,7 +13,8 @@ from collections import Counter
 import torch
 
 from . import solutions as S
-from .core import Exercise, close, first_error, fmt_list, fmt_num, format_error, register
+from .core import (Exercise, StopCandidate, close, first_error, fmt_list, fmt_num, format_error,
+                   is_timeout_error, register, returned)
 
 
 def _ranks(rs) -> str:
@@ -63,7 +64,8 @@ def _rank_01_4(fn, rank, world_size):
     out = []
     for counts in _COUNTS_01_4:
         got = fn(_grad_01_4(rank), counts[rank])
-        out.append([float(v) for v in torch.as_tensor(got).reshape(-1)])
+        out.append(returned(got, "a tensor of 3 numbers",
+                            lambda v: [float(x) for x in torch.as_tensor(v).reshape(-1)]))
     return out
 
 
@@ -197,6 +199,12 @@ def _rank_02_1(cls, rank, world_size):
 
             out.append({"construct": error_record(exc)})
             continue
+        try:  # the sampler this process builds for its neighbour must match the neighbour's
+            other = cls(list(range(n)), num_replicas=world_size, rank=(rank + 1) % world_size,
+                        shuffle=shuffle, seed=seed, drop_last=drop_last)
+            rec["next"] = [int(i) for i in iter(other)]
+        except Exception:
+            pass
         for epoch in _EPOCHS_02_1:
             if epoch:
                 if not hasattr(sampler, "set_epoch"):
@@ -281,11 +289,40 @@ def _judge_02_1(results) -> list[str]:
                 break
         if problem is None:
             problem = _judge_02_1_epochs(recs, n, R, shuffle, drop_last, seed)
+        if problem is None:
+            from ..sampler import num_samples_per_rank
+
+            per = num_samples_per_rank(n, R, drop_last)
+            for r, rec in enumerate(recs):
+                if rec["len"] != per:
+                    problem = (f"{setting}: rank {r} yields {per} indices but len(sampler) "
+                               f"says {rec['len']}; the DataLoader and progress bars trust "
+                               "__len__, so it must equal num_samples")
+                    break
+                nxt = (r + 1) % R
+                if "next" in rec and rec["next"] != recs[nxt][0]:
+                    problem = (f"{setting}: the sampler built with rank={nxt} in process {r} "
+                               f"gives {rec['next']}, but rank {nxt}'s own gives {recs[nxt][0]}: "
+                               "use the rank and num_replicas arguments (as torch does), not "
+                               "the process group's")
+                    break
         if problem:
             problems.append(problem)
     if len(problems) > 1:
         problems[0] += f" ({len(problems)} of {len(_SETTINGS_02_1)} settings fail)"
     return problems[:1]
+
+
+def _agreed_order(got, n, drop_last):
+    """The global order the ranks' shards interleave to, if it is a valid padded (or cut)
+    order of ``range(n)`` — i.e. the ranks agree on one order — else None."""
+    R = len(got)
+    order = [got[r][k] for k in range(len(got[0])) for r in range(R)]
+    if drop_last:
+        return order if len(set(order)) == len(order) and set(order) <= set(range(n)) else None
+    if sorted(order[:n]) != list(range(n)):
+        return None
+    return order if all(order[k] == order[k % n] for k in range(n, len(order))) else None
 
 
 def _judge_02_1_epochs(recs, n, R, shuffle, drop_last, seed):
@@ -305,8 +342,36 @@ def _judge_02_1_epochs(recs, n, R, shuffle, drop_last, seed):
         if lengths != [per] * R:
             return (f"{setting}: ranks got {', '.join(map(str, lengths))} indices; "
                     + _padding_sentence(n, R, shuffle, drop_last, seed, epoch) + ".")
+        contiguous = [contiguous_shard_indices(n, R, r, shuffle, seed, epoch, drop_last)
+                      for r in range(R)]
+        if got == contiguous:
+            return (f"{setting}: every index is covered, but rank 0 got the contiguous block "
+                    f"{got[0]} where torch's DistributedSampler deals out interleaved, "
+                    f"indices[rank::num_replicas]: {want[0]}. Both split the data; matching torch "
+                    "keeps the shards identical when you switch samplers or resume.")
+        order = _agreed_order(got, n, drop_last)
+        if order is not None:  # one order shared by all ranks, just not torch's
+            msg = f"{setting}: the ranks agree on one order, {order}, but torch's is " \
+                  f"{padded_order(n, R, shuffle, seed, epoch, drop_last)}"
+            if shuffle and order == padded_order(n, R, False, seed, epoch, drop_last):
+                msg += ": nothing was shuffled"
+            elif shuffle and seed and order == padded_order(n, R, True, 0, epoch, drop_last):
+                msg += f": the seed argument ({seed}) was ignored; seed the generator with seed + epoch"
+            elif shuffle and epoch and order == padded_order(n, R, True, seed, 0, drop_last):
+                msg += ": epoch 0's permutation; seed the generator with seed + epoch (case A1)"
+            elif not shuffle:
+                msg += ": with shuffle=False the order is 0, 1, ..., N-1"
+            elif sorted(order[:n]) == list(range(n)) and order[:n] == \
+                    padded_order(n, R, shuffle, seed, epoch, False)[:n]:
+                msg += ": the permutation is right; pad by wrapping round to its start, or cut " \
+                       "its tail with drop_last"
+            else:
+                msg += (": draw the order with torch.randperm(N, generator=g) after "
+                        "g.manual_seed(seed + epoch), as torch does")
+            return msg + "."
         wanted = Counter(padded_order(n, R, shuffle, seed, epoch, drop_last))
         have = Counter(i for g in got for i in g)
+        msg = f"{setting}: every rank got {per} indices, but they are not torch's"
         if have != wanted:
             for r, g in enumerate(got):
                 twice = [i for i, c in Counter(g).items() if c > 1 and c > wanted[i]]
@@ -322,26 +387,18 @@ def _judge_02_1_epochs(recs, n, R, shuffle, drop_last, seed):
                     on = [r for r, g in enumerate(got) if i in g]
                     msg = (f"{setting}: index {i} is on ranks {_ranks(on)}; "
                            + _padding_sentence(n, R, shuffle, drop_last, seed, epoch))
-                else:
-                    msg = f"{setting}: index {missing[0]} is on no rank"
-                if missing and extra:
-                    msg += f"; index {missing[0]} is on no rank"
+                if missing:
+                    i = missing[0]
+                    where = ("on no rank" if not have[i] else
+                             f"there {have[i]} time(s) in all, {wanted[i]} expected")
+                    msg += (";" if extra else ":") + f" index {i} is {where}"
             if shuffle:
                 msg += (". Do all ranks draw the same permutation? Seed it with seed + epoch, "
                         "never with the rank (case A2)")
             return msg + "."
-        contiguous = [contiguous_shard_indices(n, R, r, shuffle, seed, epoch, drop_last)
-                      for r in range(R)]
-        if got == contiguous:
-            return (f"{setting}: every index is covered, but rank 0 got the contiguous block "
-                    f"{got[0]} where torch's DistributedSampler deals out interleaved, "
-                    f"indices[rank::num_replicas]: {want[0]}. Both split the data; matching torch "
-                    "keeps the shards identical when you switch samplers or resume.")
         r = next(r for r in range(R) if got[r] != want[r])
-        hint = (" Draw the order with torch.randperm(N, generator=g), g.manual_seed(seed + "
-                "epoch), as torch does." if shuffle else "")
         return (f"{setting}: every index is covered, but rank {r} got {got[r]} where torch's "
-                f"DistributedSampler gives {want[r]}.{hint}")
+                f"DistributedSampler gives {want[r]}.")
     return None
 
 
@@ -375,8 +432,10 @@ def _rank_02_3(fn, rank, world_size):
         try:
             fn(seeds[rank], epochs[rank])
             out.append("ok")
-        except Exception as exc:
+        except Exception as exc:  # raising is expected when the ranks disagree
             out.append(error_record(exc))
+            if is_timeout_error(out[-1]):  # but a timeout leaves the ranks out of step
+                raise StopCandidate(out) from None
     return out
 
 
@@ -442,10 +501,11 @@ def _rank_02_4(fn, rank, world_size):
     out = []
     for n, wrong in _CASES_02_4:
         try:
-            out.append(float(fn(*_counts_02_4(n, wrong, rank, world_size))))
+            out.append(returned(fn(*_counts_02_4(n, wrong, rank, world_size)),
+                                "a number (the accuracy)", float))
         except Exception as exc:  # e.g. a division by an empty shard's zero count
             out.append(error_record(exc))
-            break
+            raise StopCandidate(out) from None  # the ranks may be out of step now
     return out
 
 
@@ -464,7 +524,7 @@ def _judge_02_4(results) -> list[str]:
             return [msg + "."]
         for r in range(R):
             got = results[r][i]
-            if close(got, want, 1e-9, 1e-12):
+            if close(got, want, 1e-6, 1e-9):  # float32 arithmetic is fine
                 continue
             shards = ", ".join(f"{c}/{k}" for c, k in counts)
             msg = (f"N={n} split {', '.join(str(k) for _, k in counts)} over 3 ranks (correct/"
@@ -502,7 +562,7 @@ def _run_03_3(fn) -> list[str]:
 
     for alpha, beta, R in _CASES_03_3:
         want = S.tree_beats_ring_below(alpha, beta, R)
-        got = float(fn(alpha, beta, R))
+        got = returned(fn(alpha, beta, R), "a number of bytes", float)
         if math.isclose(got, want, rel_tol=1e-2, abs_tol=1.0):
             continue
         case = f"R={R}, alpha={alpha * 1e6:g} us, beta={beta * 1e9:g} ns/byte"
@@ -545,14 +605,45 @@ def _input_03_6(dtype, shape, rank):
     return torch.randn(numel, generator=g).reshape(shape)
 
 
+#: torch's own collectives, off limits while a learner's ring runs: the exercise is to build
+#: the all-reduce from point-to-point messages.
+_BUILT_IN_03_6 = ("all_reduce", "reduce_scatter", "reduce_scatter_tensor", "all_gather",
+                  "all_gather_into_tensor", "all_gather_object", "reduce", "broadcast",
+                  "all_to_all", "all_to_all_single", "gather", "scatter")
+
+
+class BuiltInCollectiveUsed(RuntimeError):
+    pass
+
+
+def _call_without_built_ins(fn, tensor):
+    import torch.distributed as dist
+
+    def refuse(name):
+        def refused(*args, **kwargs):
+            raise BuiltInCollectiveUsed(
+                f"your ring called dist.{name}; build it from dist.isend / dist.irecv "
+                "(or send / recv) only: that is the exercise")
+        return refused
+
+    saved = {name: getattr(dist, name) for name in _BUILT_IN_03_6 if hasattr(dist, name)}
+    try:
+        for name in saved:
+            setattr(dist, name, refuse(name))
+        return fn(tensor)
+    finally:
+        for name, f in saved.items():
+            setattr(dist, name, f)
+
+
 def _rank_03_6(fn, rank, world_size):
     out = []
     for dtype, shape in _CASES_03_6:
         t = _input_03_6(dtype, shape, rank)
-        returned = fn(t)
+        back = _call_without_built_ins(fn, t)
         ret = None
-        if isinstance(returned, torch.Tensor):
-            ret = returned.reshape(-1).tolist()
+        if isinstance(back, torch.Tensor):
+            ret = back.reshape(-1).tolist()
         out.append({"tensor": t.reshape(-1).tolist(), "returned": ret, "shape": list(t.shape)})
     return out
 
@@ -688,7 +779,7 @@ def _run_05_4(fn) -> list[str]:
 
     for base_lr, base_batch, b, R, k, rule in _CASES_05_4:
         want = scaled_lr(base_lr, base_batch, b * R * k, rule)
-        got = float(fn(base_lr, base_batch, b, R, k, rule))
+        got = returned(fn(base_lr, base_batch, b, R, k, rule), "a learning rate", float)
         if math.isclose(got, want, rel_tol=1e-9):
             continue
         case = (f"lr {base_lr} tuned at batch {base_batch}, {R} processes x {b} samples x "
@@ -761,10 +852,14 @@ def _run_07_1(fn) -> list[str]:
 
     for psi, gpu in _CASES_07_1:
         want = S.min_ranks_zero3(psi, gpu)
-        got = int(fn(psi, gpu))
+        got = returned(fn(psi, gpu), "a whole number of ranks", float)
+        case = f"{psi / 1e9:g}B parameters on {gpu / 1e9:g} GB ranks"
+        if got != int(got):
+            return [f"{case}: got {fmt_num(got)} ranks; a number of ranks is a whole number "
+                    f"(round up: {want})."]
+        got = int(got)
         if got == want:
             continue
-        case = f"{psi / 1e9:g}B parameters on {gpu / 1e9:g} GB ranks"
         if got < 1:
             return [f"{case}: got {got} ranks; at least one is needed."]
         per = memory_per_rank(psi, got, 3).total_bytes / 1e9
@@ -801,7 +896,8 @@ def _rank_07_4(fn, rank, world_size):
     for total in _CASES_07_4:
         shard = torch.tensor_split(_full_07_4(total), world_size)[rank].clone()
         got = fn(shard, total)
-        out.append(torch.as_tensor(got).reshape(-1).tolist())
+        out.append(returned(got, f"a tensor of {total} elements",
+                            lambda v: torch.as_tensor(v).reshape(-1).tolist()))
     return out
 
 

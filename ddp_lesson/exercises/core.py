@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 import os
 import pickle
+import re
 import shutil
 import tempfile
 import traceback
@@ -142,14 +143,41 @@ def get(exercise_id: str) -> Exercise:
     from . import _load_all
 
     _load_all()
+    key = str(exercise_id).strip()
+    if re.fullmatch(r"\d\.\d+", key):  # "2.1" means "02.1"
+        key = "0" + key
     try:
-        return REGISTRY[exercise_id]
+        return REGISTRY[key]
     except KeyError:
         known = ", ".join(sorted(REGISTRY))
         raise KeyError(f"no exercise {exercise_id!r}; the checkable ones are: {known}") from None
 
 
 # ----------------------------------------------------------------------------- errors
+
+class StopCandidate(Exception):
+    """Raised by a ``run_rank`` that caught a case's error itself: ``result`` is what it has,
+    and no further candidate may run in this launch (the ranks may be out of step)."""
+
+    def __init__(self, result):
+        super().__init__("stop after this candidate")
+        self.result = result
+
+
+class WrongReturn(Exception):
+    """The candidate returned something the exercise cannot use (raised by the checker)."""
+
+
+def returned(value, what: str, convert):
+    """``convert(value)``, or :class:`WrongReturn` saying what came back instead of ``what``."""
+    try:
+        return convert(value)
+    except Exception:
+        shown = repr(value)
+        shown = shown if len(shown) <= 60 else shown[:57] + "..."
+        raise WrongReturn(f"your function returned {shown} ({type(value).__name__}); "
+                          f"the exercise expects {what}") from None
+
 
 def error_record(exc: BaseException) -> dict:
     """A picklable summary of an exception raised by a candidate: type, message, last frame."""
@@ -166,6 +194,8 @@ def error_record(exc: BaseException) -> dict:
 
 
 def format_error(rec: dict) -> str:
+    if rec["error"] == "WrongReturn":
+        return rec["message"]
     text = rec["error"] + (f": {rec['message']}" if rec.get("message") else "")
     if rec.get("where"):
         text += f" at {rec['where']}"
@@ -259,6 +289,8 @@ def _pickle_candidates(candidates: list) -> bytes:
 
     for fn in candidates:
         mod = getattr(fn, "__module__", None)
+        if mod == "__main__" or mod is None:
+            continue
         if mod and mod != "__main__" and not mod.startswith("ddp_lesson") and mod in sys.modules:
             module = sys.modules[mod]
             if getattr(module, "__file__", None) and "site-packages" not in module.__file__:
@@ -266,8 +298,14 @@ def _pickle_candidates(candidates: list) -> bytes:
                     cloudpickle.register_pickle_by_value(module)
                 except ValueError:
                     pass
-    return cloudpickle.dumps({"candidates": candidates,
-                              "sources": [_source_lines(fn) for fn in candidates]})
+    try:
+        return cloudpickle.dumps({"candidates": candidates,
+                                  "sources": [_source_lines(fn) for fn in candidates]})
+    except Exception as exc:
+        raise TypeError(
+            "check() sends your code to the worker processes with cloudpickle, and something "
+            f"it uses cannot be sent: {type(exc).__name__}: {exc}. Create such objects (locks, "
+            "open files, process groups, ...) inside your function instead.") from None
 
 
 def run_candidates(exercise_id: str, candidates: list) -> list[Verdict]:
@@ -301,7 +339,11 @@ def _verdict(ex: Exercise, problems: list[str]) -> Verdict:
 def _problems_local(ex: Exercise, fn) -> list[str]:
     try:
         return ex.run_local(fn)
-    except Exception as exc:  # the candidate raised on some case not caught by run_local
+    except WrongReturn as exc:
+        return [str(exc) + "."]
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:  # the candidate raised (SystemExit included) on some case
         return [f"your function raised {format_error(error_record(exc))}"]
 
 
@@ -329,20 +371,35 @@ def _launch(ex: Exercise, candidates: list) -> tuple[int, list[list[str]]]:
         problems_all: list[list[str]] = []
         for i in range(len(candidates)):
             results = {r: per_rank[r][i] for r in per_rank if len(per_rank[r]) > i}
+            if not results and i > 0:  # the launch stopped after the previous candidate
+                return i, problems_all
             if len(results) == ex.world_size:
                 err = first_error(results)
                 if err is not None:
                     r, rec = err
-                    problems_all.append([_error_problem(r, rec, timeout_s)])
+                    if is_timeout_error(rec):
+                        problems_all.append([_waiting_problem(results, timeout_s)])
+                    else:
+                        problems_all.append([_error_problem(r, rec, timeout_s)])
                     return i + 1, problems_all
                 problems_all.append(ex.judge(results))
                 continue
-            # Some rank never finished this candidate: it crashed or waited for ever.
+            # Some rank never finished this candidate: it exited, was still running when the
+            # job was ended, or waited for ever.
             missing = sorted(set(range(ex.world_size)) - set(results))
             err = first_error(results)
-            if err is not None:
+            if err is not None and not is_timeout_error(err[1]):
                 r, rec = err
                 problems_all.append([_error_problem(r, rec, timeout_s)])
+            elif err is not None:
+                who = ", ".join(map(str, missing))
+                why = _crash_reason(result, missing) if result is not None else "still running"
+                problems_all.append([
+                    f"rank(s) {who} did not finish your function: {why}. The other ranks waited "
+                    f"for {'it' if len(missing) == 1 else 'them'} in a collective and gave up "
+                    f"after the checker's {timeout_s:g} s timeout. Does your function exit "
+                    "(sys.exit, os._exit), loop for a long time, or do slow work on some ranks "
+                    "only? (For slow but correct code, set DDP_LESSON_CHECK_TIMEOUT_S higher.)"])
             elif timed_out:
                 problems_all.append([
                     f"the run did not finish within {LAUNCH_TIMEOUT_S:.0f} s: rank(s) "
@@ -363,18 +420,43 @@ def _crash_reason(result, missing) -> str:
     if result is None:
         return "no result"
     for r in missing:
-        err = (result.errors.get(r) or "").strip().splitlines()
+        err = [line for line in (result.errors.get(r) or "").strip().splitlines()
+               if "Warning" not in line]
         if err:
-            return err[-1][:300]
-    return f"exit status {result.returncode}"
+            return f"its last words: {err[-1][:300]}"
+    return ("no error message: it was still running when the job was ended, or it left "
+            "without one (os._exit)")
+
+
+def _waiting_problem(results: dict, timeout_s: float) -> str:
+    """Every rank that failed only waited: say where each one waited, grouped by line."""
+    by_where: dict[str, list[int]] = {}
+    finished = []
+    for r, res in sorted(results.items()):
+        if isinstance(res, dict) and "error" in res:
+            by_where.setdefault(res.get("where") or "an unknown line", []).append(r)
+        else:
+            finished.append(r)
+    places = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {_join(rs)} at {where}"
+                       for where, rs in by_where.items())
+    text = (f"ranks waited for peers that never answered and gave up after the checker's "
+            f"{timeout_s:g} s timeout: {places}")
+    if finished:
+        text += f"; rank{'s' if len(finished) > 1 else ''} {_join(finished)} finished"
+    return text + (". Do all ranks call the same collectives, in the same order, with the same "
+                   "shapes? Does every recv have a matching send that is not itself waiting "
+                   "(blocking send/recv in the same order on every rank deadlocks; use "
+                   "isend/irecv)? (If one rank is only slow, set DDP_LESSON_CHECK_TIMEOUT_S "
+                   "higher.)")
+
+
+def _join(ranks) -> str:
+    return ", ".join(map(str, ranks))
 
 
 def _error_problem(rank: int, rec: dict, timeout_s: float) -> str:
+    if rec["error"] == "WrongReturn":
+        return f"rank {rank}: {rec['message']}."
     if not is_timeout_error(rec):
         return f"rank {rank} raised {format_error(rec)}"
-    where = f" at {rec['where']}" if rec.get("where") else ""
-    return (f"rank {rank} waited{where} for a peer that never answered, and gave up after "
-            f"the checker's {timeout_s:g} s timeout ({rec['error']}). Do all ranks call "
-            "the same collectives, in the same order, with the same shapes? Does every recv "
-            "have a matching send that is not itself waiting (blocking send/recv in the same "
-            "order on every rank deadlocks; use isend/irecv)?")
+    return _waiting_problem({rank: rec}, timeout_s)
