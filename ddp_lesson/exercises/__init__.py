@@ -43,10 +43,9 @@ def describe(exercise_id: str) -> str:
         KeyError: an unknown id (the message lists the known ones).
     """
     ex = get(exercise_id)
-    where = (f"on {ex.world_size} processes (torchrun, gloo)" if ex.kind == "distributed"
-             else "in this process")
+    where = "runs" if ex.kind == "distributed" else "runs in this process"
     return (f"{ex.id} · {ex.title}\n{ex.task}\nchecked as: {ex.signature}\n"
-            f"runs {where}: {ex.checked}\n"
+            f"{where}: {ex.checked}\n"
             f"check it with: check(\"{ex.id}\", your_{'class' if isinstance(ex.reference, type) else 'function'})")
 
 

@@ -926,7 +926,8 @@ register(Exercise(
     "07.4", "all_gather uneven flat shards",
     task="Write gather_flat(shard, total_numel) -> Tensor: the ranks hold the pieces of a flat "
          "tensor of total_numel elements split by torch.tensor_split (the first ranks one "
-         "element longer); return the whole tensor on every rank with one dist.all_gather.",
+         "element longer); return the whole tensor on every rank with one all-gather (dist.all_gather, "
+         "or all_gather_into_tensor).",
     signature="fn(shard: Tensor (n_r,), total_numel: int) -> Tensor (total_numel,)   # a collective",
     reference=S.gather_flat, kind="distributed", world_size=3,
     run_rank=_rank_07_4, judge=_judge_07_4,
