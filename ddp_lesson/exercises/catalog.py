@@ -272,9 +272,9 @@ def _judge_02_1(results) -> list[str]:
                     problem = (f"{setting}: iterating rank {r}'s sampler raised "
                                f"{format_error(rec[f'iter{epoch}'])}")
                     if 0 < n < R and not drop_last:
-                        problem += (f". With fewer samples than ranks the order must wrap round "
-                                    f"more than once: padding once with indices[:pad] is not "
-                                    f"enough (case A7)")
+                        problem += (". With fewer samples than ranks the order must wrap round "
+                                    "more than once: padding once with indices[:pad] is not "
+                                    "enough (case A7)")
                     break
             if problem:
                 break
