@@ -38,19 +38,39 @@ def _all_clean(outdir: Path, index: int, rank: int, world_size: int, clean: bool
     return False  # a rank is still busy in the candidate (or gone)
 
 
+def _join(outdir: Path, timeout_s: float):
+    """Wait until every rank has started, then join the gloo group with the short timeout.
+
+    Start-up is not the candidate's fault: on a loaded machine the ranks finish importing
+    torch seconds apart. So they first meet through marker files (the checker runs on one
+    machine; up to a minute), and only then join the group, whose ``timeout_s`` applies to
+    every collective and point-to-point wait that follows (gloo fixes a group's timeout for
+    send/recv when the group is made, so it cannot be shortened after a patient join).
+    """
+    from ..env import init_distributed
+
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    (outdir / f"arrived.{rank}").write_text("")
+    deadline = time.monotonic() + 60.0
+    while time.monotonic() < deadline:
+        if all((outdir / f"arrived.{r}").exists() for r in range(world_size)):
+            break
+        time.sleep(0.05)
+    return init_distributed(timeout=timeout_s, backend="gloo", announce=False)
+
+
 def main(argv=None) -> int:
     import cloudpickle
     import torch.distributed as dist
 
-    from ..env import init_distributed
     from . import core
 
     exercise_id, payload, outdir, timeout_s = (argv or sys.argv[1:])[:4]
     timeout_s = float(timeout_s)
-    env = init_distributed(timeout=timeout_s, backend="gloo", announce=False)
+    outdir = Path(outdir)
+    env = _join(outdir, timeout_s)
     ex = core.get(exercise_id)
     loaded = cloudpickle.loads(Path(payload).read_bytes())
-    outdir = Path(outdir)
     out = outdir / f"result{env.rank}.pkl"
     results = []
     for index, (fn, lines) in enumerate(zip(loaded["candidates"], loaded["sources"])):
