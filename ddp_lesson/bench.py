@@ -183,15 +183,26 @@ def read_results(path=DEFAULT_OUT) -> list[dict]:
     return rows
 
 
-def write_results(rows: list[dict], path) -> None:
-    """Write rows (dicts with :data:`FIELDS`) as CSV, creating the folder."""
+def write_rows(rows: list[dict], path, fields, float_digits: int | None = None) -> None:
+    """Write ``rows`` as CSV with the columns ``fields``, creating the folder.
+
+    The benchmarks' one CSV writer. ``float_digits``: round floats to that many significant
+    digits (None: write them as they are).
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=FIELDS)
+        w = csv.DictWriter(f, fieldnames=list(fields))
         w.writeheader()
         for row in rows:
-            w.writerow({k: row[k] for k in FIELDS})
+            w.writerow({k: (f"{row[k]:.{float_digits}g}"
+                            if float_digits is not None and isinstance(row[k], float) else row[k])
+                        for k in fields})
+
+
+def write_results(rows: list[dict], path) -> None:
+    """Write rows (dicts with :data:`FIELDS`) as CSV, creating the folder."""
+    write_rows(rows, path, FIELDS)
 
 
 def _parse_rows(lines) -> list[dict]:

@@ -204,13 +204,9 @@ def worker(argv: list[str]) -> None:
 
 def write_results(rows: list[dict], path) -> None:
     """Write ``rows`` as CSV with :data:`FIELDS` (floats rounded to 4 significant digits)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=FIELDS)
-        w.writeheader()
-        for row in rows:
-            w.writerow({k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in row.items()})
+    from .bench import write_rows
+
+    write_rows(rows, path, FIELDS, float_digits=4)
 
 
 def read_results(path=DEFAULT_OUT) -> list[dict]:

@@ -210,13 +210,9 @@ def aggregate(runs: list[dict]) -> list[dict]:
 
 def write_csv(rows: list[dict], path: str) -> None:
     """Write ``rows`` with :data:`CSV_COLUMNS` (floats to 4 significant digits)."""
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path, "w", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=CSV_COLUMNS)
-        w.writeheader()
-        for row in rows:
-            w.writerow({k: (f"{row[k]:.4g}" if isinstance(row[k], float) else row[k])
-                        for k in CSV_COLUMNS})
+    from .bench import write_rows
+
+    write_rows(rows, path, CSV_COLUMNS, float_digits=4)
 
 
 def read_csv(path: str) -> list[dict]:
