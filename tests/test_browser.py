@@ -545,6 +545,22 @@ def test_torchrun_cells_show_rank_output_in_rank_order(notebook):
             f"all different with it: {all_differ_with}") in lines, text
 
 
+def test_the_exercise_checker_answers_in_the_page(notebook):
+    # the notebook's last cell: a first attempt at exercise 1 (interleaved, unpadded), judged
+    # by check() on 3 torchrun processes from inside the browser's kernel
+    (cell,) = [c for c in _cells(notebook["page"]) if 'check("02.1", MySampler)' in c["source"]]
+    text = "\n".join(o["text"] for o in cell["outputs"])
+    n, R = 10, 3  # the first setting where padding is needed
+    torch_shards = [_torch_shard(n, R, r, False, 0, False) for r in range(R)]
+    order = [torch_shards[r][k] for k in range(len(torch_shards[0])) for r in range(R)]
+    padded = order[n:]  # torch's global order beyond N: what padding dealt again
+    unpadded = [len(range(r, n, R)) for r in range(R)]
+    assert text.startswith("NOT YET 02.1 (a DistributedSampler equal to torch's)"), text
+    assert (f"N={n}, R={R}, shuffle=False: ranks got {', '.join(map(str, unpadded))} indices; "
+            f"every rank needs ceil({n}/{R}) = {len(torch_shards[0])}") in text, text
+    assert f"the padded indices are {padded[0]} and {padded[1]}" in text, text
+
+
 def test_sampler_explorer_follows_keyboard_and_mouse_input(notebook, capsys):
     page = notebook["page"]
     explorer = _explorer(page)
