@@ -30,10 +30,10 @@ def _all_clean(outdir: Path, index: int, rank: int, world_size: int, clean: bool
     while time.monotonic() < deadline:
         marks = [outdir / f"done{index}.{r}" for r in range(world_size)]
         texts = [m.read_text() if m.exists() else "" for m in marks]
-        if "stop" in texts:
-            return False
+        # Wait for every rank's mark even after a "stop": leaving early makes torchrun end
+        # ranks that are about to record their own outcome (say, a timeout naming their line).
         if all(texts):
-            return True
+            return all(t == "ok" for t in texts)
         time.sleep(0.05)
     return False  # a rank is still busy in the candidate (or gone)
 
