@@ -8,13 +8,16 @@ deterministic functions of its rank, so the judge recomputes them instead of shi
 from __future__ import annotations
 
 import math
+import re
 from collections import Counter
 
 import torch
 
 from . import solutions as S
-from .core import (Exercise, StopCandidate, close, first_error, fmt_list, fmt_num, format_error,
-                   is_timeout_error, register, returned)
+from ..sampler import (contiguous_shard_indices, num_samples_per_rank, padded_order,
+                       shard_indices)
+from .core import (Exercise, StopCandidate, close, error_record, first_error, fmt_list, fmt_num,
+                   format_error, is_timeout_error, register, returned)
 
 
 def _ranks(rs) -> str:
@@ -113,7 +116,7 @@ register(Exercise(
 
 # ===================================================================== 01.5 average_gradients
 
-def _toy_01_5(world_size: int):
+def _toy_01_5():
     from ..gradients import make_toy_batch, make_toy_model
 
     x, y = make_toy_batch(8)
@@ -123,7 +126,7 @@ def _toy_01_5(world_size: int):
 def _rank_01_5(fn, rank, world_size):
     from ..gradients import split_batch
 
-    model, x, y = _toy_01_5(world_size)
+    model, x, y = _toy_01_5()
     xs, ys = split_batch(x, y, world_size)[rank]
     torch.nn.functional.mse_loss(model(xs), ys).backward()
     fn(model)
@@ -135,7 +138,7 @@ def _judge_01_5(results) -> list[str]:
     from ..gradients import split_batch
 
     R = len(results)
-    model, x, y = _toy_01_5(R)
+    model, x, y = _toy_01_5()
     model.zero_grad()
     torch.nn.functional.mse_loss(model(x), y).backward()
     want = {n: p.grad.reshape(-1).tolist() for n, p in model.named_parameters()}
@@ -195,8 +198,6 @@ def _rank_02_1(cls, rank, world_size):
             sampler = cls(list(range(n)), num_replicas=world_size, rank=rank, shuffle=shuffle,
                           seed=seed, drop_last=drop_last)
         except Exception as exc:
-            from .core import error_record
-
             out.append({"construct": error_record(exc)})
             continue
         try:  # the sampler this process builds for its neighbour must match the neighbour's
@@ -214,15 +215,11 @@ def _rank_02_1(cls, rank, world_size):
             try:
                 rec[epoch] = [int(i) for i in iter(sampler)]
             except Exception as exc:
-                from .core import error_record
-
                 rec[f"iter{epoch}"] = error_record(exc)
                 break
         try:
             rec["len"] = len(sampler)
         except Exception as exc:
-            from .core import error_record
-
             rec["len_error"] = error_record(exc)
         out.append(rec)
     return out
@@ -240,8 +237,6 @@ def _describe_02_1(n, R, shuffle, drop_last, seed, epoch=None) -> str:
 
 
 def _padding_sentence(n, R, shuffle, drop_last, seed, epoch) -> str:
-    from ..sampler import num_samples_per_rank, padded_order
-
     per = num_samples_per_rank(n, R, drop_last)
     if drop_last:
         return (f"with drop_last=True every rank gets {per} (the order is cut to {per * R}, "
@@ -290,8 +285,6 @@ def _judge_02_1(results) -> list[str]:
         if problem is None:
             problem = _judge_02_1_epochs(recs, n, R, shuffle, drop_last, seed)
         if problem is None:
-            from ..sampler import num_samples_per_rank
-
             per = num_samples_per_rank(n, R, drop_last)
             for r, rec in enumerate(recs):
                 if rec["len"] != per:
@@ -326,8 +319,6 @@ def _agreed_order(got, n, drop_last):
 
 
 def _judge_02_1_epochs(recs, n, R, shuffle, drop_last, seed):
-    from ..sampler import contiguous_shard_indices, num_samples_per_rank, padded_order, shard_indices
-
     per = num_samples_per_rank(n, R, drop_last)
     for epoch in _EPOCHS_02_1:
         setting = _describe_02_1(n, R, shuffle, drop_last, seed, epoch)
@@ -425,8 +416,6 @@ _CASES_02_3 = [((0, 0, 0), (0, 0, 0), False, ()),
 
 
 def _rank_02_3(fn, rank, world_size):
-    from .core import error_record
-
     out = []
     for seeds, epochs, _, _ in _CASES_02_3:
         try:
@@ -440,8 +429,6 @@ def _rank_02_3(fn, rank, world_size):
 
 
 def _judge_02_3(results) -> list[str]:
-    import re
-
     R = len(results)
     for i, (seeds, epochs, must_raise, name) in enumerate(_CASES_02_3):
         outs = [results[r][i] for r in range(R)]
@@ -496,8 +483,6 @@ def _counts_02_4(n, wrong, rank, world_size):
 
 
 def _rank_02_4(fn, rank, world_size):
-    from .core import error_record
-
     out = []
     for n, wrong in _CASES_02_4:
         try:

@@ -103,9 +103,10 @@ class Exercise:
             returns something picklable).
         judge: ``judge(results_by_rank) -> list[str]`` problems (distributed).
         checked: the "checked:" line of the verdict.
-        stop_on_error: a raising candidate may leave ranks out of step in their collectives,
-            so the worker runs no further candidate in that launch (True for every exercise
-            whose run_rank lets an exception through).
+
+    A distributed candidate that raises on any rank ends its launch (its collectives may have
+    left the ranks out of step); a ``run_rank`` that catches a case's error itself raises
+    :class:`StopCandidate` to the same effect.
     """
 
     id: str
@@ -119,10 +120,6 @@ class Exercise:
     run_rank: Callable | None = None
     judge: Callable | None = None
     checked: str = ""
-
-    @property
-    def notebook(self) -> str:
-        return self.id.split(".")[0]
 
 
 REGISTRY: dict[str, Exercise] = {}

@@ -14,17 +14,14 @@ with gloo and on GPUs with NCCL. Source: https://pytorch.org/docs/stable/distrib
 """
 from __future__ import annotations
 
-import argparse
-
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-from ddp_lesson.env import cleanup, init_distributed
-from ddp_lesson.gpt import TinyGPT, load_corpus
-from ddp_lesson.labs.zero_check import HPARAMS, make_ddp, train_steps
+from ddp_lesson.env import cleanup
+from ddp_lesson.gpt import TinyGPT
+from ddp_lesson.labs.zero_check import HPARAMS, say_bytes_per_rank, start_lab, train_steps
 
 LOSS_TOL = 1e-5
 
@@ -47,15 +44,8 @@ def shard_tinygpt(model: TinyGPT, mesh) -> TinyGPT:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=5)
-    args = parser.parse_args(argv)
-    env = init_distributed(timeout=60)
-    corpus = load_corpus()
-    say = print if env.rank == 0 else (lambda *a, **k: None)
-
-    ref, ref_ddp = make_ddp(env, corpus.vocab_size)
-    ref_opt = torch.optim.AdamW(ref.parameters(), **HPARAMS)
+    steps, env, corpus, say, (ref, ref_ddp, ref_opt) = start_lab(
+        __doc__.splitlines()[0], 5, argv)
     full_bytes = sum(p.numel() * p.element_size() for p in ref.parameters())
 
     torch.manual_seed(0)
@@ -66,8 +56,8 @@ def main(argv=None):
     opt = torch.optim.AdamW(model.parameters(), **HPARAMS)
     mine = local_param_bytes(model)
 
-    ref_losses = train_steps(ref_ddp, ref_opt, corpus.data, args.steps, 0, env)
-    losses = train_steps(model, opt, corpus.data, args.steps, 0, env)
+    ref_losses = train_steps(ref_ddp, ref_opt, corpus.data, steps, 0, env)
+    losses = train_steps(model, opt, corpus.data, steps, 0, env)
     worst = max(abs(a - b) for a, b in zip(ref_losses, losses))
     say(f"parameters are DTensors sharded on dim 0: "
         f"{all(isinstance(p, DTensor) for p in model.parameters())}")
@@ -76,13 +66,9 @@ def main(argv=None):
     say(f"FSDP losses match DDP within {LOSS_TOL:g}: {worst < LOSS_TOL}")
     gathered = {n: p.full_tensor() for n, p in model.named_parameters()}
     wdiff = max((gathered[n] - q).abs().max().item() for n, q in ref.named_parameters())
-    say(f"weights after {args.steps} steps match DDP within 1e-5: {wdiff < 1e-5}")
-    all_bytes = [None] * env.world_size
-    dist.all_gather_object(all_bytes, mine)
+    say(f"weights after {steps} steps match DDP within 1e-5: {wdiff < 1e-5}")
     say(f"full parameters (what DDP keeps on every rank): {full_bytes:,} bytes")
-    for r, b in enumerate(all_bytes):
-        say(f"rank {r} FSDP parameter shard: {b:,} bytes = {b / full_bytes:.3f} of full "
-            f"(x world_size: {b * env.world_size / full_bytes:.3f})")
+    say_bytes_per_rank(say, env, mine, full_bytes, "FSDP parameter shard", "full")
 
     del ref_ddp, ref_opt, opt, model, gathered
     cleanup()

@@ -71,32 +71,53 @@ def same(a: torch.nn.Module, b: torch.nn.Module) -> tuple[bool, float]:
     return ok, worst
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=10)
+def start_lab(description: str, default_steps: int, argv=None):
+    """What the ZeRO and FSDP labs share: ``--steps``, the process group, the corpus, a rank-0
+    printer and the baseline they compare against, DDP + AdamW.
+
+    Returns ``(steps, env, corpus, say, (ref, ref_ddp, ref_opt))``. Joining the group is a
+    synchronisation point.
+    """
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--steps", type=int, default=default_steps)
     args = parser.parse_args(argv)
     env = init_distributed(timeout=60)
     corpus = load_corpus()
     say = print if env.rank == 0 else (lambda *a, **k: None)
-
     ref, ref_ddp = make_ddp(env, corpus.vocab_size)
     ref_opt = torch.optim.AdamW(ref.parameters(), **HPARAMS)
+    return args.steps, env, corpus, say, (ref, ref_ddp, ref_opt)
+
+
+def say_bytes_per_rank(say, env, mine: int, full: int, what: str, of: str) -> list[int]:
+    """All-gather each rank's byte count (a collective) and print it against ``full``."""
+    all_bytes = [None] * env.world_size
+    dist.all_gather_object(all_bytes, mine)
+    for r, b in enumerate(all_bytes):
+        say(f"rank {r} {what}: {b:,} bytes = {b / full:.3f} of {of} "
+            f"(x world_size: {b * env.world_size / full:.3f})")
+    return all_bytes
+
+
+def main(argv=None):
+    steps, env, corpus, say, (ref, ref_ddp, ref_opt) = start_lab(
+        __doc__.splitlines()[0], 10, argv)
     ours, ours_ddp = make_ddp(env, corpus.vocab_size)
     ours_opt = ShardedOptimizer(ours.parameters(), torch.optim.AdamW, **HPARAMS)
     tz, tz_ddp = make_ddp(env, corpus.vocab_size)
     tz_opt = ZeroRedundancyOptimizer(tz.parameters(), optimizer_class=torch.optim.AdamW,
                                      **HPARAMS)
 
-    ref_losses = train_steps(ref_ddp, ref_opt, corpus.data, args.steps, 0, env)
-    ours_losses = train_steps(ours_ddp, ours_opt, corpus.data, args.steps, 0, env)
-    train_steps(tz_ddp, tz_opt, corpus.data, args.steps, 0, env)
+    ref_losses = train_steps(ref_ddp, ref_opt, corpus.data, steps, 0, env)
+    ours_losses = train_steps(ours_ddp, ours_opt, corpus.data, steps, 0, env)
+    train_steps(tz_ddp, tz_opt, corpus.data, steps, 0, env)
 
     ok_ours, d_ours = same(ours, ref)
     ok_tz, d_tz = same(tz, ref)
     ok_both, _ = same(ours, tz)
     say(f"model: TinyGPT, {ref.num_params():,} parameters in "
         f"{len(list(ref.parameters()))} tensors; world_size={env.world_size}")
-    say(f"loss step 1 -> {args.steps} (DDP+AdamW): {ref_losses[0]:.3f} -> {ref_losses[-1]:.3f}")
+    say(f"loss step 1 -> {steps} (DDP+AdamW): {ref_losses[0]:.3f} -> {ref_losses[-1]:.3f}")
     say(f"same losses as DDP+AdamW: {all(abs(a - b) <= RTOL * abs(a) for a, b in zip(ours_losses, ref_losses))}")
     say(f"ShardedOptimizer == DDP+AdamW (rtol 1e-6): {ok_ours}")
     say(f"ZeroRedundancyOptimizer == DDP+AdamW (rtol 1e-6): {ok_tz}")
@@ -105,12 +126,8 @@ def main(argv=None):
 
     full = optimizer_state_bytes(ref_opt)
     mine = ours_opt.state_bytes()
-    all_bytes = [None] * env.world_size
-    dist.all_gather_object(all_bytes, mine)
     say(f"unsharded optimizer state per rank: {full:,} bytes")
-    for r, b in enumerate(all_bytes):
-        say(f"rank {r} optimizer state: {b:,} bytes = {b / full:.3f} of unsharded "
-            f"(x world_size: {b * env.world_size / full:.3f})")
+    all_bytes = say_bytes_per_rank(say, env, mine, full, "optimizer state", "unsharded")
     say(f"sum over ranks == unsharded: {sum(all_bytes) == full}")
 
     # consolidated state dict: equal to the unsharded AdamW's, and a save/load round trip
@@ -132,7 +149,7 @@ def main(argv=None):
     # wrapper would bucket gradients differently, and with 3 ranks the all-reduce would then
     # add them in another order).
     snapshot = [p.detach().clone() for p in ours.parameters()]
-    train_steps(ours_ddp, ours_opt, corpus.data, 3, args.steps, env)
+    train_steps(ours_ddp, ours_opt, corpus.data, 3, steps, env)
     live = [p.detach().clone() for p in ours.parameters()]
     with torch.no_grad():
         for p, q in zip(ours.parameters(), snapshot):
@@ -140,8 +157,8 @@ def main(argv=None):
     del ours_opt
     ours_opt = ShardedOptimizer(ours.parameters(), torch.optim.AdamW, **HPARAMS)
     ours_opt.load_state_dict(loaded_sd)
-    train_steps(ours_ddp, ours_opt, corpus.data, 3, args.steps, env)
-    train_steps(ref_ddp, ref_opt, corpus.data, 3, args.steps, env)
+    train_steps(ours_ddp, ours_opt, corpus.data, 3, steps, env)
+    train_steps(ref_ddp, ref_opt, corpus.data, 3, steps, env)
     reloaded = all(torch.equal(p, q) for p, q in zip(ours.parameters(), live))
     say(f"reloaded optimizer continues identically: {reloaded}")
     say(f"still equal to DDP+AdamW after 3 more steps: {same(ours, ref)[0]}")
