@@ -74,7 +74,7 @@ def train(argv: list[str]) -> int:
     program = ["-m", "ddp_lesson.train", *(["--backend", backend] if backend else []), *trainer_args]
     print("equivalent command: " + shlex.join(["torchrun", *flags, *program]), flush=True)
     # Check the input here, once, before starting processes that would all fail alike.
-    from .train import TrainInputError, preflight
+    from .config import TrainInputError, preflight
 
     try:
         # "auto" defers to DDP_LESSON_BACKEND, as every rank will: check that too

@@ -45,6 +45,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .env import group_active
+
 __all__ = [
     "OPS", "chunk_bounds", "piece_bounds", "ring_send_chunk", "ring_recv_chunk", "ring_schedule",
     "ring_all_reduce", "pipelined_ring_all_reduce", "naive_all_reduce", "ring_reduce_scatter",
@@ -200,7 +202,7 @@ def ring_schedule(world_size: int) -> list[list[tuple[int, int, int]]]:
 
 def _world(group) -> tuple[int, int, int, int]:
     """(rank, world_size, global rank of the left neighbour, global rank of the right one)."""
-    if not (dist.is_available() and dist.is_initialized()):
+    if not group_active():
         raise RuntimeError("no process group: call ddp_lesson.env.init_distributed() "
                            "(or torch.distributed.init_process_group) first")
     rank = dist.get_rank(group)

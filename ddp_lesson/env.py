@@ -181,6 +181,54 @@ def print0(*args, env: DistEnv | None = None, **kwargs) -> None:
         print(*args, **kwargs)
 
 
+def group_active() -> bool:
+    """True when a default process group is initialised (``torch.distributed`` is up).
+
+    The one test of "is a process group up?" for the package's runtime layer. Local: no
+    communication.
+    """
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
+def reduce_device():
+    """Where a tensor must live for the default group's ``all_reduce``: the current CUDA
+    device under NCCL (it reduces CUDA tensors only), else the CPU. Local: no communication.
+    """
+    import torch
+
+    if group_active():
+        import torch.distributed as dist
+
+        if dist.get_backend() == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def all_reduce_sum(values):
+    """Sum a tensor over all ranks; every rank gets the total (a synchronisation point).
+
+    Every rank must call it, the same number of times, with a tensor of the same shape and
+    dtype on the device :func:`reduce_device` names (CUDA under NCCL). The input is left
+    untouched. Without an initialised process group, or with world size 1, it returns a
+    copy, so one code path serves both. Integer dtypes add exactly and in any order, so a
+    sum of counts is the same at every world size.
+
+    Args:
+        values: a tensor of any shape.
+
+    Returns:
+        A new tensor, same shape, dtype and device: the element-wise sum over ranks.
+    """
+    import torch.distributed as dist
+
+    total = values.clone()
+    if group_active() and dist.get_world_size() > 1:
+        dist.all_reduce(total, op=dist.ReduceOp.SUM)
+    return total
+
+
 def init_distributed(timeout: float = 60.0, backend: str | None = None,
                      announce: bool | None = None) -> DistEnv:
     """Join the job's process group (a synchronisation point: returns once every rank joined).
@@ -210,7 +258,7 @@ def init_distributed(timeout: float = 60.0, backend: str | None = None,
     env = read_env(backend)
     if env.backend == "nccl":
         torch.cuda.set_device(env.local_rank)
-    if env.distributed and not dist.is_initialized():
+    if env.distributed and not group_active():
         kwargs = {}
         if env.backend == "nccl":
             kwargs["device_id"] = torch.device(env.device)
@@ -235,7 +283,7 @@ def cleanup() -> None:
 
     import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized():
+    if group_active():
         # Free unreachable DDP reducers and work handles while the group still exists: torn
         # down later, at interpreter exit, they have made gloo abort ("terminate called
         # without an active exception") after all output was printed.

@@ -19,8 +19,7 @@ are all-reduced once, at the end; the ratio is taken after the sum. Integer sums
 on the order of addition, so the result equals a single-process evaluation exactly, at world
 size 1, 2, 3 or any other. Because the shards are uneven, the loop must run no collective per
 batch (A10): the ranks with fewer batches would leave the others waiting. The trainer's mIoU
-(``ddp_lesson.train``) follows the same recipe with a confusion matrix
-(:func:`ddp_lesson.metrics.all_reduce_confusion`).
+(``ddp_lesson.train``) is this function's, with a confusion matrix.
 
 Sources: pytorch/pytorch#25162 and #22584 (padding skews validation), mosaicml/composer PR
 #2218 ("exact eval"), pytorch/vision#4559 (shuffled eval sampler).
@@ -30,6 +29,8 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+from .env import all_reduce_sum, group_active, reduce_device
 
 __all__ = [
     "naive_padded_accuracy",
@@ -134,44 +135,11 @@ def sharded_exact_accuracy(correct: Sequence[bool], num_replicas: int) -> float:
 
 # --------------------------------------------------------------------------- across ranks
 
-def _distributed():
-    import torch.distributed as dist
-
-    return dist if dist.is_available() and dist.is_initialized() else None
-
-
 def _reduce_device(device=None):
     """Where a tensor must live for the default group's all_reduce (CUDA for NCCL)."""
     import torch
 
-    if device is not None:
-        return torch.device(device)
-    dist = _distributed()
-    if dist is not None and dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def all_reduce_sum(values):
-    """Sum a tensor of counts over all ranks; every rank gets the total.
-
-    A synchronisation point: every rank must call it, the same number of times, with a
-    tensor of the same shape and dtype (on its CUDA device under NCCL). The input is left
-    untouched. Without an initialised process group (one process) it returns a copy, so one
-    code path serves both. Use integer dtypes for counts: integer addition is exact and
-    order-free, so the sum is the same at every world size.
-
-    Args:
-        values: a tensor of any shape.
-
-    Returns:
-        A new tensor, same shape and device: the element-wise sum over ranks.
-    """
-    total = values.clone()
-    dist = _distributed()
-    if dist is not None and dist.get_world_size() > 1:
-        dist.all_reduce(total, op=dist.ReduceOp.SUM)
-    return total
+    return torch.device(device) if device is not None else reduce_device()
 
 
 def exact_accuracy(correct: int, count: int, device=None) -> float:
@@ -238,7 +206,7 @@ class ExactEval:
 def evaluate_exact(predict: Callable, dataset, *, num_classes: int | None = None,
                    batch_size: int = 1, ignore_index: int = 255, device=None,
                    num_replicas: int | None = None, rank: int | None = None,
-                   padded: bool = False, collate_fn=None) -> ExactEval:
+                   padded: bool = False, collate_fn=None, num_workers: int = 0) -> ExactEval:
     """Evaluate ``predict`` over a dataset split across ranks, counting each sample once.
 
     Each rank runs over its :class:`ddp_lesson.sampler.DistributedEvalSampler` shard
@@ -270,6 +238,7 @@ def evaluate_exact(predict: Callable, dataset, *, num_classes: int | None = None
         padded: use the *padded* ``DistributedSampler(shuffle=False)`` instead — reproduces
             the A3 bug, for teaching; never for real evaluation.
         collate_fn: passed to the ``DataLoader``.
+        num_workers: the ``DataLoader``'s worker processes (0: load in this process).
 
     Returns:
         An :class:`ExactEval`, identical on every rank.
@@ -284,8 +253,7 @@ def evaluate_exact(predict: Callable, dataset, *, num_classes: int | None = None
     from .metrics import confusion_matrix, miou_from_confusion
     from .sampler import DistributedEvalSampler, DistributedSampler
 
-    dist = _distributed()
-    if dist is None:
+    if not group_active():
         num_replicas = 1 if num_replicas is None else num_replicas
         rank = 0 if rank is None else rank
     dev = _reduce_device(device)
@@ -295,7 +263,7 @@ def evaluate_exact(predict: Callable, dataset, *, num_classes: int | None = None
     else:
         sampler = DistributedEvalSampler(dataset, num_replicas=num_replicas, rank=rank)
     loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, shuffle=False,
-                        collate_fn=collate_fn)
+                        collate_fn=collate_fn, num_workers=num_workers)
     correct = count = items = 0
     cm = None
     if num_classes is not None:

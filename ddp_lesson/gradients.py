@@ -31,7 +31,9 @@ __all__ = [
     "scale_lr", "sgd_step", "max_abs_diff", "LR_RULES",
 ]
 
-LR_RULES = ("linear", "sqrt", "none")
+#: Rules for following the global batch with the learning rate (``scale_lr``, the trainer's
+#: ``--lr-scaling``).
+LR_RULES = ("none", "linear", "sqrt")
 
 
 def make_toy_model(seed: int = 0, in_features: int = 4, hidden: int = 3) -> nn.Module:
@@ -191,10 +193,13 @@ def scalar_squared_error_grad(w: float, x: Sequence[float], reduction: str = "me
 def scale_lr(base_lr: float, base_batch: int, global_batch: int, rule: str = "linear") -> float:
     """Learning rate for ``global_batch`` given one tuned at ``base_batch``.
 
-    ``linear`` (Goyal et al. 2017): ``base_lr · global_batch / base_batch``; ``sqrt``
-    (Krizhevsky 2014): ``base_lr · sqrt(global_batch / base_batch)``; ``none``: ``base_lr``.
-    ``global_batch`` is world_size × per-rank batch: with averaged gradients nothing else
-    changes with R — no extra division by the number of processes.
+    ``linear`` (Goyal et al., "Accurate, Large Minibatch SGD", arXiv:1706.02677):
+    ``base_lr · global_batch / base_batch``; ``sqrt`` (Krizhevsky, arXiv:1404.5997; Hoffer et
+    al., arXiv:1705.08741): ``base_lr · sqrt(global_batch / base_batch)``; ``none``:
+    ``base_lr``. ``global_batch`` is world_size × per-rank batch (× accumulation steps): with
+    averaged gradients one DDP step on R ranks × B samples *is* one step on the R·B batch
+    (docs/pitfalls.md B7), so nothing else changes with R — no extra division by the number
+    of processes. The one learning-rate rule of the package (the trainer uses it too).
 
     >>> scale_lr(0.1, 256, 4 * 128)
     0.2
@@ -212,7 +217,7 @@ def scale_lr(base_lr: float, base_batch: int, global_batch: int, rule: str = "li
         return base_lr * math.sqrt(ratio)
     if rule == "none":
         return base_lr
-    raise ValueError(f"rule {rule!r} is not one of {', '.join(LR_RULES)}")
+    raise ValueError(f"lr scaling rule {rule!r} is not one of {', '.join(LR_RULES)}")
 
 
 def sgd_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, lr: float) -> nn.Module:

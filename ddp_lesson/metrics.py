@@ -24,11 +24,9 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.distributed as dist
 
-#: Label of pixels that belong to no evaluated class (Cityscapes "void"; CrossEntropyLoss's
-#: ``ignore_index``).
-IGNORE_INDEX = 255
+from .data import IGNORE_INDEX
+from .env import all_reduce_sum
 
 
 def confusion_matrix(pred: torch.Tensor, target: torch.Tensor, num_classes: int,
@@ -118,7 +116,4 @@ def all_reduce_confusion(cm: torch.Tensor) -> torch.Tensor:
     Summing counts, not averaging per-rank scores, is what makes the result exact: see the
     module docstring.
     """
-    total = cm.clone()
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(total, op=dist.ReduceOp.SUM)
-    return total
+    return all_reduce_sum(cm)

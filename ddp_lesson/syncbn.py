@@ -44,12 +44,14 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from .env import group_active
+
 __all__ = ["SyncBatchNorm", "convert_sync_batchnorm", "count_batchnorm", "sync_batch_norm"]
 
 
 def _group_size(process_group) -> int:
     """World size of ``process_group`` (1 without an initialised process group)."""
-    if not (dist.is_available() and dist.is_initialized()):
+    if not group_active():
         return 1
     return dist.get_world_size(process_group)
 

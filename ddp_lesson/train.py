@@ -21,7 +21,7 @@ on its own shard of every epoch, and DDP averages the gradients with an ``all_re
 * the loss is the mean over the labelled pixels of the whole *global* batch: each rank sums
   its pixels' losses and divides by the global pixel count (one small all_reduce per step),
   so R processes compute exactly the gradient one process computes on the concatenated
-  batch, whatever the share of void pixels on each rank (shared/cases B5);
+  batch, whatever the share of void pixels on each rank (docs/pitfalls.md B5);
 * validation on a sampler that gives each sample to exactly one rank, with the confusion
   matrix summed over ranks: the mIoU is exact, the same at any world size;
 * backend and device chosen by one rule (:mod:`ddp_lesson.env`): NCCL + one GPU per rank
@@ -44,313 +44,60 @@ line per epoch, and writes ``{out}/summary.json`` at the end.
 """
 from __future__ import annotations
 
-import argparse
-import contextlib
-import dataclasses
 import gc
 import itertools
 import json
 import math
 import os
+import signal
 import sys
-import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader
+from tqdm import tqdm
 
 from . import env as dist_env
-from .data import IGNORE_INDEX
-from .env import BACKENDS, print0
-from .models import MODELS
+from .checkpoint import (CHECKPOINT_FORMAT, CHECKPOINT_VERSION, _barrier, atomic_write,
+                         capture_rng_state, decide_on_rank0, load_checkpoint, restore_rng_state,
+                         save_checkpoint, strip_module_prefix)
+from .config import (CHECKPOINT_FILE, TrainConfig, TrainInputError, bare_model_state,
+                     check_out_writable, check_steps, derived_values, inspect_checkpoint,
+                     load_datasets, parse_config)
+from .data import IGNORE_INDEX, NUM_CLASSES
+from .env import group_active, print0
+from .evaluation import evaluate_exact
+from .gradients import scale_lr as scaled_lr
+from .metrics import miou_from_confusion
+from .models import build_model
+from .sampler import DistributedSampler
+from .step import StepTimer, model_logits, sum_over_ranks, train_step
+from .syncbn import convert_sync_batchnorm
 
-#: Rules for ``--lr-scaling``: how the learning rate follows the global batch.
-LR_SCALINGS = ("none", "linear", "sqrt")
-#: ``--lr-schedule`` choices: constant, or DeepLab's "poly" decay ``(1 - step/total)**0.9``.
-LR_SCHEDULES = ("constant", "poly")
-#: ``--ddp`` choices: torch's DistributedDataParallel or this package's wrappers (ddp.py).
-DDP_WRAPPERS = ("torch", "naive", "bucketed")
-#: File name of the checkpoint inside ``--out``.
-CHECKPOINT_FILE = "checkpoint.pt"
-#: Config fields a run must share with the checkpoint it resumes from: they decide the
-#: trajectory (data order, batch composition, model shape, optimiser). Others (``--out``,
-#: ``--workers``, ``--max-steps``, ``--ddp``, ``--backend``, ...) may change between runs.
-RESUME_MUST_MATCH = ("model", "width", "size", "seed", "num_train", "batch_size",
-                     "grad_accum_steps", "drop_last", "sync_bn", "lr", "momentum",
-                     "weight_decay", "lr_scaling", "base_batch", "lr_schedule", "epochs")
+# Re-exported: notebook 05 imports parse_config, derived_values and scaled_lr from here, the
+# exercise checker scaled_lr, the scaling benchmark TrainConfig and StepTimer; they live in
+# config.py, gradients.py and step.py. train_step is looked up here by Trainer.step (tests
+# replace it to simulate a crash).
+__all__ = ["TrainConfig", "TrainInputError", "parse_config", "derived_values", "scaled_lr",
+           "StepRecord", "StepTimer", "SkipSampler", "train_step", "Trainer", "wrap_model",
+           "main"]
 
 
-class TrainInputError(Exception):
-    """Bad input the user can fix (flags, data folder, checkpoint, output folder).
+class StepRecord(NamedTuple):
+    """One optimizer step's loss: ``loss_sum / pixel_count`` is the step's mean loss.
 
-    ``main`` prints the message as one line, ``error: <message>``, on rank 0 and exits with
-    status 2, without a traceback. Raised on every rank alike (decisions taken on rank 0
-    are broadcast first), so no rank is left waiting in a collective.
+    In :attr:`Trainer.step_log` both numbers are summed over ranks (the global batch's);
+    pending records, not yet reduced, hold this rank's own.
     """
 
-
-def _note(help_: str, *flags: str, **argparse_kwargs) -> dict:
-    """Field metadata: the help text, extra flag spellings, and argparse extras."""
-    return {"help": help_, "flags": flags, "argparse": argparse_kwargs}
-
-
-@dataclass
-class TrainConfig:
-    """Everything the training job reads. One field = one command-line flag.
-
-    The flag is ``--`` + the field name with ``_`` -> ``-`` (``num_train`` ->
-    ``--num-train``), plus the spellings listed in the field's metadata (the seed's
-    ``-b``/``-j``). Values are checked on construction; errors show the numbers.
-    """
-
-    # Defaults sized for a 2-core CPU: 2 gloo ranks finish in about 25-55 s, and the mIoU
-    # climbs every epoch (about 0.21 -> 0.34), so there is something to watch.
-    epochs: int = field(default=6, metadata=_note(
-        "passes over the training set"))
-    batch_size: int = field(default=8, metadata=_note(
-        "samples per micro-batch on EACH rank; the global batch is batch_size x world_size "
-        "x grad_accum_steps", "-b"))
-    workers: int = field(default=0, metadata=_note(
-        "DataLoader worker processes per rank; 0 loads in the training process, which keeps "
-        "the CPU path light (each worker is another process competing for the cores)", "-j"))
-    lr: float = field(default=0.05, metadata=_note(
-        "SGD learning rate at the base global batch --base-batch (declared here; the seed "
-        "read args.lr without declaring it)"))
-    momentum: float = field(default=0.9, metadata=_note("SGD momentum, in [0, 1)"))
-    weight_decay: float = field(default=1e-4, metadata=_note("SGD L2 weight decay, >= 0"))
-    seed: int = field(default=0, metadata=_note(
-        "seeds the model init (same on every rank), the synthetic data and the sampler's "
-        "shuffle"))
-    num_train: int = field(default=1024, metadata=_note("training samples (synthetic set)"))
-    num_val: int = field(default=128, metadata=_note("validation samples (synthetic set)"))
-    size: tuple = field(default=(64, 128), metadata=_note(
-        "image height and width in pixels", nargs=2, type=int, metavar=("H", "W")))
-    model: str = field(default="deeplab", metadata=_note(
-        "network (ddp_lesson.models.build_model): deeplab = DeepLabV3Mini, tiny = TinyConvNet",
-        choices=tuple(MODELS)))
-    width: int = field(default=16, metadata=_note(
-        "model width: channels of the first stage (not the image width, see --size)"))
-    backend: str = field(default="auto", metadata=_note(
-        "collective backend; auto = DDP_LESSON_BACKEND if set, else nccl when every rank "
-        "can have its own GPU, gloo on CPU otherwise", choices=BACKENDS))
-    data_root: str | None = field(default=None, metadata=_note(
-        "Cityscapes root folder (leftImg8bit/, gtFine/); unset = synthetic scenes",
-        type=str))
-    out: str = field(default="runs/main", metadata=_note(
-        "output folder; rank 0 writes checkpoint.pt and summary.json there, and a run finding "
-        "a checkpoint there resumes from it"))
-    grad_accum_steps: int = field(default=1, metadata=_note(
-        "micro-batches per optimizer step (gradient accumulation); gradients are all-reduced "
-        "once, on the last one (no_sync on the others)"))
-    lr_scaling: str = field(default="none", metadata=_note(
-        "how the learning rate follows the global batch G: none = --lr; linear = --lr x "
-        "G/--base-batch; sqrt = --lr x sqrt(G/--base-batch)", choices=LR_SCALINGS))
-    base_batch: int = field(default=16, metadata=_note(
-        "the global batch at which --lr is given (the default lr was tuned at 16 = 8 x 2)"))
-    lr_schedule: str = field(default="constant", metadata=_note(
-        "learning-rate schedule over the optimizer steps: constant, or poly = "
-        "(1 - step/total)^0.9 as in DeepLab", choices=LR_SCHEDULES))
-    drop_last: bool = field(default=False, metadata=_note(
-        "cut each epoch to equal shards without repeats (sampler) and drop each rank's last "
-        "short batch (loader), instead of padding", action="store_true"))
-    sync_bn: bool = field(default=False, metadata=_note(
-        "BatchNorm statistics over the global batch: this package's SyncBatchNorm on CPU, "
-        "torch's nn.SyncBatchNorm on GPUs", action="store_true"))
-    ddp: str = field(default="torch", metadata=_note(
-        "data-parallel wrapper: torch = DistributedDataParallel, naive / bucketed = "
-        "ddp_lesson.ddp.NaiveDDP / BucketedDDP", choices=DDP_WRAPPERS))
-    checkpoint_every_steps: int = field(default=0, metadata=_note(
-        "also write the checkpoint every N optimizer steps (0: only at each epoch end)"))
-    no_resume: bool = field(default=False, metadata=_note(
-        "start over even if --out holds a checkpoint (it is replaced at the first save)",
-        action="store_true"))
-    max_steps: int = field(default=0, metadata=_note(
-        "stop after this many optimizer steps in all (0: no limit), writing the checkpoint "
-        "there: a stand-in for an interrupted run; run again with the same --out to resume"))
-    simulate_failure_at_step: int = field(default=0, metadata=_note(
-        "fault injector for lessons and tests: --failure-rank kills itself with SIGKILL once, "
-        "right after global step K (after that step's checkpoint, if any); a marker file in "
-        "--out keeps a restarted job (torchrun --max-restarts) from failing again (0: off)"))
-    failure_rank: int = field(default=0, metadata=_note(
-        "the rank that --simulate-failure-at-step kills"))
-    simulate_failure_during_save: bool = field(default=False, metadata=_note(
-        "with --simulate-failure-at-step K: rank 0 dies instead inside the first checkpoint "
-        "write at a global step >= K, after the temporary file is written and before the "
-        "rename, so the previous checkpoint must survive", action="store_true"))
-    timeout_s: float = field(default=120.0, metadata=_note(
-        "seconds a collective may wait for its peers before raising, instead of hanging"))
-    local_rank: int | None = field(default=None, metadata=_note(
-        "legacy flag of torch.distributed.launch; torchrun sets LOCAL_RANK, which wins; "
-        "accepted so old command lines keep working", "--local_rank", type=int))
-
-    def __post_init__(self):
-        self.size = tuple(self.size)
-        checks = [
-            (self.epochs >= 1, f"epochs must be >= 1, got {self.epochs}"),
-            (self.batch_size >= 1, f"batch_size must be >= 1, got {self.batch_size}"),
-            (self.workers >= 0, f"workers must be >= 0, got {self.workers}"),
-            (math.isfinite(self.lr) and self.lr > 0, f"lr must be a finite number > 0, got {self.lr}"),
-            (0 <= self.momentum < 1, f"momentum must be in [0, 1), got {self.momentum}"),
-            (self.weight_decay >= 0, f"weight_decay must be >= 0, got {self.weight_decay}"),
-            (self.num_train >= 1, f"num_train must be >= 1, got {self.num_train}"),
-            (self.num_val >= 1, f"num_val must be >= 1, got {self.num_val}"),
-            (len(self.size) == 2 and min(self.size) >= 16,
-             f"size must be two numbers H W, each >= 16, got {self.size}"),
-            (self.model in MODELS,
-             f"model {self.model!r} is not one of {', '.join(MODELS)}"),
-            (self.width >= 1, f"width must be >= 1, got {self.width}"),
-            (self.backend in BACKENDS,
-             f"backend {self.backend!r} is not one of {', '.join(BACKENDS)}"),
-            (self.grad_accum_steps >= 1,
-             f"grad_accum_steps must be >= 1, got {self.grad_accum_steps}"),
-            (self.lr_scaling in LR_SCALINGS,
-             f"lr_scaling {self.lr_scaling!r} is not one of {', '.join(LR_SCALINGS)}"),
-            (self.base_batch >= 1, f"base_batch must be >= 1, got {self.base_batch}"),
-            (self.lr_schedule in LR_SCHEDULES,
-             f"lr_schedule {self.lr_schedule!r} is not one of {', '.join(LR_SCHEDULES)}"),
-            (self.ddp in DDP_WRAPPERS,
-             f"ddp {self.ddp!r} is not one of {', '.join(DDP_WRAPPERS)}"),
-            (self.checkpoint_every_steps >= 0,
-             f"checkpoint_every_steps must be >= 0, got {self.checkpoint_every_steps}"),
-            (self.max_steps >= 0, f"max_steps must be >= 0, got {self.max_steps}"),
-            (self.simulate_failure_at_step >= 0,
-             f"simulate_failure_at_step must be >= 0, got {self.simulate_failure_at_step}"),
-            (self.failure_rank >= 0, f"failure_rank must be >= 0, got {self.failure_rank}"),
-            (not self.simulate_failure_during_save or self.simulate_failure_at_step >= 1,
-             "simulate_failure_during_save needs --simulate-failure-at-step K >= 1"),
-            (self.timeout_s > 0, f"timeout_s must be > 0, got {self.timeout_s}"),
-            (self.local_rank is None or self.local_rank >= 0,
-             f"local_rank must be >= 0, got {self.local_rank}"),
-        ]
-        for ok, message in checks:
-            if not ok:
-                raise ValueError(message)
-
-
-class _OneLineParser(argparse.ArgumentParser):
-    """argparse that reports an error as one line (no usage block): ``prog: error: ...``."""
-
-    def error(self, message):
-        # Under torchrun every rank parses the same flags: only rank 0 reports.
-        if os.environ.get("RANK", "0") in ("", "0"):
-            sys.stderr.write(f"{self.prog}: error: {message} (see --help)\n")
-        sys.exit(2)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """The command line, built from :class:`TrainConfig`'s fields (one flag per field)."""
-    parser = _OneLineParser(
-        prog="python -m ddp_lesson.train",
-        description="Data-parallel DeepLab training (synthetic Cityscapes-like scenes by "
-                    "default). Start it with torchrun, one process per rank.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    for f in dataclasses.fields(TrainConfig):
-        meta = f.metadata
-        kwargs = dict(meta.get("argparse", {}))
-        if "action" not in kwargs:  # store_true flags take no type
-            kwargs.setdefault("type", type(f.default))
-        long_flag = "--" + f.name.replace("_", "-")
-        parser.add_argument(*meta.get("flags", ()), long_flag, dest=f.name, default=f.default,
-                            help=meta["help"], **kwargs)
-    return parser
-
-
-def parse_config(argv: list[str] | None = None) -> TrainConfig:
-    """Parse ``argv`` (default ``sys.argv[1:]``) into a checked :class:`TrainConfig`.
-
-    Raises:
-        SystemExit: unknown flag or invalid value: one line ``prog: error: <message with
-            the numbers>`` on stderr, exit status 2.
-    """
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    try:
-        return TrainConfig(**vars(args))
-    except ValueError as exc:
-        parser.error(str(exc))
-
-
-# --------------------------------------------------------------------------- derived values
-
-def scaled_lr(lr: float, base_batch: int, global_batch: int, rule: str = "linear") -> float:
-    """The learning rate for ``global_batch``, given ``lr`` tuned at ``base_batch``.
-
-    With gradients averaged over ranks, one DDP step on R ranks x B samples *is* one step on
-    the R*B batch (shared/cases B7): no division by R is needed. What changes with more
-    ranks is the global batch, and the usual rules follow it: ``linear`` (Goyal et al.,
-    "Accurate, Large Minibatch SGD", arXiv:1706.02677) multiplies by ``G / base``; ``sqrt``
-    (Krizhevsky, arXiv:1404.5997; Hoffer et al., arXiv:1705.08741) by ``sqrt(G / base)``;
-    ``none`` keeps ``lr``. Example: 0.1 at 256 with R=4, B=128 (G=512), linear -> 0.2.
-
-    Raises:
-        ValueError: unknown rule or a batch < 1.
-    """
-    if rule not in LR_SCALINGS:
-        raise ValueError(f"lr scaling {rule!r} is not one of {', '.join(LR_SCALINGS)}")
-    if base_batch < 1 or global_batch < 1:
-        raise ValueError(f"batches must be >= 1, got base_batch={base_batch}, "
-                         f"global_batch={global_batch}")
-    ratio = global_batch / base_batch
-    return lr * {"none": 1.0, "linear": ratio, "sqrt": math.sqrt(ratio)}[rule]
-
-
-def derived_values(cfg: TrainConfig, world_size: int, num_train: int | None = None) -> dict:
-    """The numbers that follow from the config and the world size (no process group needed).
-
-    With ``drop_last=False`` the training sampler pads the dataset to a multiple of
-    ``world_size`` by repeating samples, so every rank gets ``ceil(N / world_size)``
-    samples and takes the same number of steps (a rank that stepped fewer times would leave
-    its peers waiting in an all_reduce); a rank's last micro-batch may be short. With
-    ``drop_last=True`` the sampler cuts the tail (``N // R`` per rank) and the loader drops
-    each rank's last short batch. A step is ``grad_accum_steps`` micro-batches; the last
-    step of an epoch may hold fewer.
-
-    Args:
-        cfg: the config.
-        world_size: number of ranks R.
-        num_train: dataset length N (default ``cfg.num_train``; the real folder may hold
-            fewer files).
-
-    Returns:
-        dict with world_size, batch_size (per rank and micro-batch), global_batch
-        (``B x R x K``), samples_per_rank, samples_per_epoch (all ranks, padding included),
-        steps_per_epoch (optimizer steps), grad_accum_steps, micro_batches_per_epoch
-        (per rank) and effective_lr.
-    """
-    from .sampler import num_samples_per_rank
-
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
-    n = cfg.num_train if num_train is None else num_train
-    samples_per_rank = num_samples_per_rank(n, world_size, cfg.drop_last)
-    if cfg.drop_last:
-        micro = samples_per_rank // cfg.batch_size
-    else:
-        micro = math.ceil(samples_per_rank / cfg.batch_size)
-    global_batch = cfg.batch_size * world_size * cfg.grad_accum_steps
-    return {
-        "world_size": world_size,
-        "batch_size": cfg.batch_size,
-        "global_batch": global_batch,
-        "samples_per_rank": samples_per_rank,
-        "samples_per_epoch": samples_per_rank * world_size,
-        "steps_per_epoch": math.ceil(micro / cfg.grad_accum_steps),
-        "grad_accum_steps": cfg.grad_accum_steps,
-        "micro_batches_per_epoch": micro,
-        "effective_lr": scaled_lr(cfg.lr, cfg.base_batch, global_batch, cfg.lr_scaling),
-    }
-
-
-def _check_steps(cfg: TrainConfig, derived: dict, n: int) -> None:
-    """Raise TrainInputError when an epoch would have no step at all."""
-    if derived["steps_per_epoch"] >= 1:
-        return
-    r, spr, b = derived["world_size"], derived["samples_per_rank"], cfg.batch_size
-    if cfg.drop_last and n < r:
-        raise TrainInputError(
-            f"no training steps: {n} training samples on {r} ranks with --drop-last give each "
-            f"rank 0 samples; use at most {n} ranks or no --drop-last")
-    raise TrainInputError(
-        f"no training steps: {n} training samples on {r} ranks give {spr} per rank, fewer than "
-        f"one batch of {b} with --drop-last; use a batch size <= {spr} or no --drop-last")
+    epoch: int
+    step_in_epoch: int
+    loss_sum: float
+    pixel_count: float
 
 
 # --------------------------------------------------------------------------- small helpers
@@ -358,36 +105,9 @@ def _check_steps(cfg: TrainConfig, derived: dict, n: int) -> None:
 def _set_threads_from_env() -> None:
     # torchrun sets OMP_NUM_THREADS=1 (with a warning) and our launcher does so quietly; make
     # torch's intra-op pool follow it, so N processes on N cores do not oversubscribe them.
-    import torch
-
     raw = os.environ.get("OMP_NUM_THREADS", "")
     if raw.isdigit() and int(raw) >= 1:
         torch.set_num_threads(int(raw))
-
-
-def _group_active() -> bool:
-    import torch.distributed as dist
-
-    return dist.is_available() and dist.is_initialized()
-
-
-def _sum_tensor_over_ranks(t):
-    """All-reduce (SUM) a float64 CPU tensor; returns a CPU tensor (a synchronisation point)."""
-    import torch.distributed as dist
-
-    if _group_active() and dist.get_world_size() > 1:
-        # NCCL reduces CUDA tensors only; gloo is happy with CPU ones.
-        device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-        t = t.to(device)
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
-    return t.cpu()
-
-
-def _logits(model, images):
-    out = model(images)
-    if isinstance(out, dict):  # torchvision-style segmentation models return {"out": ...}
-        out = out["out"]
-    return out
 
 
 def _sync_buffers(module) -> None:
@@ -398,46 +118,9 @@ def _sync_buffers(module) -> None:
     last step's update happens after that copy, so after training the ranks differ by one
     step. Broadcasting makes every rank evaluate the very same model.
     """
-    import torch.distributed as dist
-
-    if _group_active() and dist.get_world_size() > 1:
+    if group_active() and dist.get_world_size() > 1:
         for buf in module.buffers():
             dist.broadcast(buf, src=0)
-
-
-class StepTimer:
-    """Wall-clock seconds per phase of a training step (data, forward, backward, comm, optimizer).
-
-    ``with timer.phase("forward"): ...`` adds the block's duration to that phase. On CUDA
-    pass ``sync=torch.cuda.synchronize`` so that a phase ends when its kernels do, not when
-    they were queued. Local to the process: no communication.
-    """
-
-    def __init__(self, sync=None):
-        self.sync = sync
-        self.totals: dict[str, float] = {}
-        self.counts: dict[str, int] = {}
-
-    @contextlib.contextmanager
-    def phase(self, name: str):
-        if self.sync:
-            self.sync()
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            if self.sync:
-                self.sync()
-            self.totals[name] = self.totals.get(name, 0.0) + time.perf_counter() - start
-            self.counts[name] = self.counts.get(name, 0) + 1
-
-    def reset(self) -> None:
-        self.totals.clear()
-        self.counts.clear()
-
-
-def _phase(timer, name):
-    return timer.phase(name) if timer is not None else contextlib.nullcontext()
 
 
 class SkipSampler:
@@ -463,109 +146,6 @@ class SkipSampler:
         return max(0, len(self.sampler) - self.skip)
 
 
-# --------------------------------------------------------------------------- one step
-
-def accumulate_gradients(model, micro_batches, compute_loss, timer=None) -> None:
-    """Forward and backward over ``K`` micro-batches, all-reducing gradients only on the last.
-
-    Micro-batches ``0 .. K-2`` run inside ``model.no_sync()`` (when the wrapper has it):
-    their gradients accumulate locally in ``.grad``; the last one runs normally, and its
-    backward all-reduces the accumulated sums (shared/cases B4: sync on the *last*
-    micro-batch, or the ranks end with different gradients). Forward *and* backward go inside
-    ``no_sync``: torch's DDP decides during forward whether the next backward syncs.
-
-    Args:
-        model: the (wrapped) model.
-        micro_batches: a list of batches.
-        compute_loss: ``compute_loss(model, batch) -> scalar tensor`` to backpropagate,
-            already scaled (e.g. divided by the global count).
-        timer: optional :class:`StepTimer` (phases "forward" and "backward").
-
-    Synchronises in the last backward (DDP's gradient all_reduce).
-    """
-    last = len(micro_batches) - 1
-    for i, batch in enumerate(micro_batches):
-        skip_sync = i < last and hasattr(model, "no_sync")
-        with (model.no_sync() if skip_sync else contextlib.nullcontext()):
-            with _phase(timer, "forward"):
-                loss = compute_loss(model, batch)
-            with _phase(timer, "backward"):
-                loss.backward()
-
-
-def train_step(model, optimizer, micro_batches, world_size: int, scheduler=None,
-               timer=None) -> tuple[float, int]:
-    """One optimizer step on the global batch: mean cross-entropy over its labelled pixels.
-
-    Every rank sums the per-pixel losses of its micro-batches and divides by the number of
-    labelled (not ``IGNORE_INDEX``) pixels in the *global* batch (all micro-batches of all
-    ranks, one all_reduce), times ``world_size`` because DDP then averages over ranks. The
-    gradient is then exactly the single-process gradient of the mean loss over the
-    concatenated batch, whatever the share of void pixels on each rank; a per-rank mean
-    would weight a rank's pixels by its own count instead.
-
-    Args:
-        model: the wrapped model (or a bare one in a single process).
-        optimizer: steps once; gradients are zeroed first.
-        micro_batches: list of ``(images (B, 3, H, W), target (B, H, W))`` on the model's
-            device.
-        world_size: R, the number of ranks DDP averages over.
-        scheduler: stepped once after the optimizer, if given.
-        timer: optional :class:`StepTimer` (phases comm, forward, backward, optimizer).
-
-    Returns:
-        ``(local_loss_sum, local_pixel_count)``: this rank's summed per-pixel loss and its
-        labelled pixel count (sum both over ranks and divide for the global mean).
-
-    Synchronises: one all_reduce of the pixel count, DDP's gradient all_reduce.
-    """
-    import torch
-    import torch.nn.functional as F
-
-    local_count = sum(int((t != IGNORE_INDEX).sum()) for _, t in micro_batches)
-    with _phase(timer, "comm"):
-        global_count = _sum_tensor_over_ranks(torch.tensor([float(local_count)],
-                                                           dtype=torch.float64))[0].item()
-    scale = world_size / max(global_count, 1.0)
-    sums = []
-
-    def compute_loss(m, batch):
-        images, target = batch
-        s = F.cross_entropy(_logits(m, images), target, ignore_index=IGNORE_INDEX,
-                            reduction="sum")
-        sums.append(s.detach())
-        return s * scale
-
-    optimizer.zero_grad(set_to_none=True)
-    accumulate_gradients(model, micro_batches, compute_loss, timer)
-    with _phase(timer, "optimizer"):
-        optimizer.step()
-        if scheduler is not None:
-            scheduler.step()
-    return float(sum(s.item() for s in sums)), local_count
-
-
-def evaluate(model, loader, num_classes, device):
-    """This rank's confusion matrix over its validation shard, ``(C, C)`` int64 on ``device``.
-
-    No collective inside the loop: with the eval sampler ranks may hold different numbers of
-    batches (7 samples on 2 ranks: 4 and 3), so only the final sum synchronises.
-    """
-    import torch
-
-    from .metrics import confusion_matrix
-
-    model.eval()
-    cm = torch.zeros(num_classes, num_classes, dtype=torch.int64, device=device)
-    with torch.no_grad():
-        for images, target in loader:
-            images = images.to(device, non_blocking=True)
-            target = target.to(device, non_blocking=True)
-            pred = _logits(model, images).argmax(1)
-            cm += confusion_matrix(pred, target, num_classes, IGNORE_INDEX)
-    return cm
-
-
 def _json_safe(obj):
     """``obj`` with every NaN/inf float replaced by None (JSON has no such numbers)."""
     if isinstance(obj, float):
@@ -579,8 +159,6 @@ def _json_safe(obj):
 
 def _write_json_atomic(path: str, obj: dict) -> None:
     # A reader never sees half a file, and an interrupted run leaves the previous summary intact.
-    from .checkpoint import atomic_write
-
     def write(fh):
         # a diverged run (loss NaN) still gets its summary: non-finite values become null
         json.dump(_json_safe(obj), fh, indent=2, allow_nan=False)
@@ -592,100 +170,6 @@ def _write_json_atomic(path: str, obj: dict) -> None:
 
 def _finite_or_none(x):
     return None if (x is None or not math.isfinite(x)) else float(x)
-
-
-# --------------------------------------------------------------------------- checks of input
-
-def _check_out_writable(out: str) -> str | None:
-    """None when ``out`` can be created and written, else a one-line reason."""
-    try:
-        os.makedirs(out, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=out, prefix=".write-test-"):
-            pass
-    except OSError as exc:
-        return f"--out {out!r} cannot be written: {exc.strerror or exc}"
-    return None
-
-
-def _bare_model_state(cfg: TrainConfig):
-    """The ``state_dict`` of a freshly built bare model for ``cfg`` (names and shapes)."""
-    from .data import NUM_CLASSES
-    from .models import build_model
-
-    return build_model(cfg.model, num_classes=NUM_CLASSES, width=cfg.width).state_dict()
-
-
-def inspect_checkpoint(path: str, cfg: TrainConfig, world_size: int, model_state) -> str | None:
-    """Why the checkpoint at ``path`` cannot be resumed by this run, or None when it can.
-
-    Checks, in order: readable and a ddp_lesson checkpoint; the model's tensor names and
-    shapes (first mismatch named); the world size; the config fields of
-    :data:`RESUME_MUST_MATCH` (first mismatch named). Local: reads the file, no collective.
-    """
-    from .checkpoint import (CheckpointError, first_config_mismatch, first_state_mismatch,
-                             load_checkpoint, strip_module_prefix)
-
-    try:
-        ckpt = load_checkpoint(path, map_location="cpu")
-    except (CheckpointError, OSError) as exc:
-        return f"{exc}; move it away or pass --no-resume to start over"
-    hint = "resume with the same settings, or pass --no-resume to start over"
-    mismatch = first_state_mismatch(model_state, strip_module_prefix(ckpt["model"]))
-    if mismatch:
-        return f"checkpoint {path} does not fit this model: {mismatch}; {hint}"
-    if ckpt["world_size"] != world_size:
-        return (f"checkpoint {path} was written by {ckpt['world_size']} processes, this run "
-                f"has {world_size} (the data order and global batch depend on it); {hint}")
-    mismatch = first_config_mismatch(ckpt["config"], asdict(cfg), RESUME_MUST_MATCH)
-    if mismatch:
-        return f"checkpoint {path} does not match this run: {mismatch}; {hint}"
-    return None
-
-
-def preflight(argv: list[str] | None, world_size: int) -> TrainConfig:
-    """Check a trainer command line before starting any process (for launchers such as the CLI).
-
-    Runs, in the calling process and without a process group, the checks every rank would
-    run at start: flags, the data folder, at least one step per epoch, a writable ``--out``,
-    and a checkpoint there that this run can resume from. A launcher that calls it reports
-    bad input in one line instead of starting ``world_size`` processes that all fail.
-
-    Args:
-        argv: the trainer's flags.
-        world_size: the number of processes the job will have.
-
-    Returns:
-        The parsed :class:`TrainConfig`.
-
-    Raises:
-        SystemExit: a bad flag (one line printed by the parser, status 2).
-        TrainInputError: any other bad input (message names the values).
-    """
-    from .data import make_datasets
-
-    cfg = parse_config(argv)
-    if world_size < 1:
-        raise TrainInputError(f"the job needs at least 1 process, got {world_size}")
-    train_ds, _ = _make_datasets(cfg, make_datasets)
-    _check_steps(cfg, derived_values(cfg, world_size, len(train_ds)), len(train_ds))
-    problem = _check_out_writable(cfg.out)
-    if problem is None and not cfg.no_resume:
-        path = os.path.join(cfg.out, CHECKPOINT_FILE)
-        if os.path.exists(path):
-            problem = inspect_checkpoint(path, cfg, world_size, _bare_model_state(cfg))
-    if problem:
-        raise TrainInputError(problem)
-    return cfg
-
-
-def _make_datasets(cfg: TrainConfig, make_datasets):
-    try:
-        return make_datasets(cfg.num_train, cfg.num_val, cfg.size, cfg.seed,
-                             data_root=cfg.data_root)
-    except (FileNotFoundError, NotADirectoryError, ValueError) as exc:
-        if cfg.data_root is not None:
-            raise TrainInputError(f"--data-root {cfg.data_root!r}: {exc}") from None
-        raise TrainInputError(str(exc)) from None
 
 
 # --------------------------------------------------------------------------- the trainer
@@ -704,31 +188,25 @@ class Trainer:
         optimizer, scheduler: SGD and a LambdaLR (constant or poly).
         epoch, step_in_epoch, global_step: where training stands (the resume point).
         history: one dict per finished epoch (train_loss, val_miou, ...).
-        step_log: ``[epoch, step_in_epoch, loss_sum, pixel_count]`` per optimizer step,
-            summed over ranks (``loss_sum / pixel_count`` is the step's global mean loss).
+        step_log: one :class:`StepRecord` per optimizer step, summed over ranks
+            (``loss_sum / pixel_count`` is the step's global mean loss).
 
     Raises:
         TrainInputError: bad data folder, zero steps per epoch, an unavailable wrapper.
     """
 
     def __init__(self, cfg: TrainConfig, env, device=None):
-        import torch
-        from torch.utils.data import DataLoader
-
-        from .data import NUM_CLASSES, make_datasets
-        from .sampler import DistributedEvalSampler, DistributedSampler
 
         self.cfg, self.env = cfg, env
         self.device = torch.device(env.device if device is None else device)
         self.num_classes = NUM_CLASSES
-        train_ds, val_ds = _make_datasets(cfg, make_datasets)
+        train_ds, val_ds = load_datasets(cfg)
         self.derived = derived_values(cfg, env.world_size, len(train_ds))
-        _check_steps(cfg, self.derived, len(train_ds))
+        check_steps(cfg, self.derived, len(train_ds))
         # Explicit num_replicas/rank: works with and without a process group.
         self.sampler = DistributedSampler(train_ds, num_replicas=env.world_size, rank=env.rank,
                                           shuffle=True, seed=cfg.seed, drop_last=cfg.drop_last)
         self.skip_sampler = SkipSampler(self.sampler)
-        val_sampler = DistributedEvalSampler(val_ds, num_replicas=env.world_size, rank=env.rank)
         pin = self.device.type == "cuda"
         kwargs = dict(batch_size=cfg.batch_size, num_workers=cfg.workers, pin_memory=pin,
                       persistent_workers=cfg.workers > 0)
@@ -739,7 +217,7 @@ class Trainer:
                                        drop_last=cfg.drop_last,
                                        generator=torch.Generator().manual_seed(cfg.seed),
                                        **kwargs)
-        self.val_loader = DataLoader(val_ds, sampler=val_sampler, shuffle=False, **kwargs)
+        self.val_set = val_ds  # evaluated by evaluation.evaluate_exact, unpadded shards
         self.num_train = len(train_ds)
         if len(self.train_loader) != self.derived["micro_batches_per_epoch"]:
             raise RuntimeError(f"micro-batches per epoch: the loader has {len(self.train_loader)}"
@@ -761,16 +239,13 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, factor)
         self.epoch, self.step_in_epoch, self.global_step = 0, 0, 0
         self.history: list[dict] = []
-        self.step_log: list[list[float]] = []
-        self._pending: list[tuple[int, int, float, int]] = []
+        self.step_log: list[StepRecord] = []
+        self._pending: list[StepRecord] = []  # this rank's, not yet summed over ranks
         self.resumed_from: dict | None = None
         self.per_class_iou = None
 
     # ---- model
     def _build_model(self):
-        import torch
-
-        from .models import build_model
 
         cfg, env = self.cfg, self.env
         # Same seed on every rank: identical initial weights (DDP would broadcast rank 0's
@@ -781,12 +256,10 @@ class Trainer:
         module = module.to(self.device)
         if cfg.sync_bn:
             # After moving to the device, before wrapping (the wrapper must see the final
-            # layers): shared/cases B11.
+            # layers): docs/pitfalls.md B11.
             if self.device.type == "cuda":
                 module = torch.nn.SyncBatchNorm.convert_sync_batchnorm(module)
             else:
-                from .syncbn import convert_sync_batchnorm
-
                 module = convert_sync_batchnorm(module)
         return module, wrap_model(module, cfg.ddp, env, self.device)
 
@@ -818,20 +291,20 @@ class Trainer:
         self.model.train()
         result = train_step(self.model, self.optimizer, micro_batches, self.env.world_size,
                             self.scheduler, timer)
-        self._pending.append((self.epoch, self.step_in_epoch, *result))
+        self._pending.append(StepRecord(self.epoch, self.step_in_epoch, *result))
         self.step_in_epoch += 1
         self.global_step += 1
         return result
 
     def _flush_losses(self) -> None:
         """Sum the pending per-step (loss_sum, count) over ranks into :attr:`step_log` (sync)."""
-        import torch
-
         if not self._pending:  # the same on every rank: they step in lockstep
             return
-        local = torch.tensor([[p[2], p[3]] for p in self._pending], dtype=torch.float64)
-        total = _sum_tensor_over_ranks(local).tolist()
-        self.step_log += [[p[0], p[1], s, c] for p, (s, c) in zip(self._pending, total)]
+        local = torch.tensor([[p.loss_sum, p.pixel_count] for p in self._pending],
+                             dtype=torch.float64)
+        total = sum_over_ranks(local).tolist()
+        self.step_log += [p._replace(loss_sum=s, pixel_count=c)
+                          for p, (s, c) in zip(self._pending, total)]
         self._pending = []
 
     # ---- checkpoints
@@ -856,9 +329,6 @@ class Trainer:
             rng_states: list of :func:`ddp_lesson.checkpoint.capture_rng_state` results, one
                 per rank.
         """
-        import torch
-
-        from .checkpoint import CHECKPOINT_FORMAT, CHECKPOINT_VERSION
 
         k, b = self.cfg.grad_accum_steps, self.cfg.batch_size
         return {
@@ -877,19 +347,16 @@ class Trainer:
             "config": asdict(self.cfg),
             "world_size": self.env.world_size,
             "history": self.history,
-            "step_log": self.step_log,
+            "step_log": [list(r) for r in self.step_log],  # plain lists: weights_only loads
             "torch": str(torch.__version__),  # a plain str: weights_only loads only plain types
         }
 
     def save(self) -> None:
         """Write the checkpoint (all ranks call it; rank 0 writes; synchronises, B14)."""
-        import torch.distributed as dist
-
-        from .checkpoint import capture_rng_state, save_checkpoint
 
         self._flush_losses()
         rng = capture_rng_state()
-        if _group_active() and dist.get_world_size() > 1:
+        if group_active() and dist.get_world_size() > 1:
             states = [None] * dist.get_world_size()
             dist.all_gather_object(states, rng)  # every rank's generators, for exact resume
         else:
@@ -919,8 +386,6 @@ class Trainer:
         SIGKILL, not an exception: no ``finally``, no atexit, no flushing, as when the kernel's
         OOM killer or a lost machine ends a worker.
         """
-        import signal
-
         if os.path.exists(self.failure_marker):
             return
         with open(self.failure_marker, "w") as fh:
@@ -951,9 +416,6 @@ class Trainer:
         Raises:
             TrainInputError: (every rank) the file is unreadable or does not match this run.
         """
-        from .checkpoint import decide_on_rank0, load_checkpoint, restore_rng_state, \
-            strip_module_prefix
-
         if self.cfg.no_resume:
             return False
         path = self.checkpoint_path
@@ -978,7 +440,7 @@ class Trainer:
         self.epoch, self.step_in_epoch = ckpt["epoch"], ckpt["step_in_epoch"]
         self.global_step = ckpt["global_step"]
         self.history = list(ckpt.get("history", []))
-        self.step_log = [list(x) for x in ckpt.get("step_log", [])]
+        self.step_log = [StepRecord(*x) for x in ckpt.get("step_log", [])]
         rng = ckpt["rng"]
         restore_rng_state(rng[self.env.rank] if len(rng) == self.env.world_size else rng[0])
         self.resumed_from = {"epoch": self.epoch, "step_in_epoch": self.step_in_epoch,
@@ -1000,16 +462,13 @@ class Trainer:
         as before, without changing any state. (With 2 ranks a + b is the same either way; the
         package's wrappers never rebuild.)
         """
-        import torch
-        from torch.nn.parallel import DistributedDataParallel
-
         if not isinstance(self.model, DistributedDataParallel):
             return
         buffers = {k: v.clone() for k, v in self.module.named_buffers()}
         h, w = self.cfg.size
         zeros = torch.zeros(2, 3, h, w, device=self.device)
         self.model.train()
-        (_logits(self.model, zeros).sum() * 0.0).backward()
+        (model_logits(self.model, zeros).sum() * 0.0).backward()
         self.optimizer.zero_grad(set_to_none=True)
         with torch.no_grad():
             for k, v in self.module.named_buffers():
@@ -1018,14 +477,21 @@ class Trainer:
     # ---- evaluation
     def validate(self) -> tuple[float, float]:
         """Exact mIoU and pixel accuracy over the whole validation set (synchronises)."""
-        from .metrics import all_reduce_confusion, miou_from_confusion
-
         # Evaluate the bare module: DDP's forward may sync buffers, a collective, and ranks
         # hold different numbers of validation batches.
         _sync_buffers(self.module)
-        cm = all_reduce_confusion(evaluate(self.module, self.val_loader, self.num_classes,
-                                           self.device))
-        miou, per_class, pixel_acc = miou_from_confusion(cm)
+        self.module.eval()
+
+        def predict(images):
+            return model_logits(self.module, images).argmax(1)
+
+        # Each rank evaluates its DistributedEvalSampler shard (every sample exactly once, no
+        # collective per batch), then the integer counts are summed over ranks once.
+        result = evaluate_exact(predict, self.val_set, num_classes=self.num_classes,
+                                batch_size=self.cfg.batch_size, ignore_index=IGNORE_INDEX,
+                                device=self.device, num_replicas=self.env.world_size,
+                                rank=self.env.rank, num_workers=self.cfg.workers)
+        miou, per_class, pixel_acc = miou_from_confusion(result.confusion)
         self.per_class_iou = per_class
         return miou, pixel_acc
 
@@ -1037,8 +503,6 @@ class Trainer:
         evaluation; prints one line per epoch on rank 0. Synchronises at every step, at
         every checkpoint and after each epoch.
         """
-        from tqdm import tqdm
-
         cfg, env, d = self.cfg, self.env, self.derived
         steps = d["steps_per_epoch"]
         train_seconds, train_samples = 0.0, 0
@@ -1080,8 +544,9 @@ class Trainer:
                        "resume", env=env)
                 break
             self._flush_losses()
-            rows = [r for r in self.step_log if r[0] == epoch]
-            train_loss = sum(r[2] for r in rows) / max(sum(r[3] for r in rows), 1.0)
+            rows = [r for r in self.step_log if r.epoch == epoch]
+            train_loss = (sum(r.loss_sum for r in rows)
+                          / max(sum(r.pixel_count for r in rows), 1.0))
             miou, pixel_acc = self.validate()
             self.history.append({"epoch": epoch + 1, "train_loss": train_loss,
                                  "val_miou": miou, "val_pixel_accuracy": pixel_acc})
@@ -1091,6 +556,54 @@ class Trainer:
             self.save()
         return {"train_seconds": train_seconds, "train_samples": train_samples,
                 "stopped": stopped}
+
+    # ---- the run's record
+    def summary(self, facts: dict, wall_start: float) -> dict:
+        """The run's ``summary.json`` content, built on every rank (no communication).
+
+        Args:
+            facts: what :meth:`fit` returned (train_seconds, train_samples, stopped).
+            wall_start: ``time.perf_counter()`` when the job started (for ``wall_s``).
+
+        Non-finite numbers (a diverged run) are None in the per-epoch entries, and
+        ``diverged`` says so.
+        """
+        cfg, env, d = self.cfg, self.env, self.derived
+        last = self.history[-1] if self.history else {}
+        return {
+            "world_size": env.world_size,
+            "backend": env.backend,
+            "backend_reason": env.reason,
+            "device": self.device.type,
+            "epochs": cfg.epochs,
+            "batch_size": cfg.batch_size,
+            "global_batch": d["global_batch"],
+            "grad_accum_steps": cfg.grad_accum_steps,
+            "steps_per_epoch": d["steps_per_epoch"],
+            "samples_per_epoch": d["samples_per_epoch"],
+            "effective_lr": d["effective_lr"],
+            "global_step": self.global_step,
+            "stopped_early": facts["stopped"],
+            "resumed_from": self.resumed_from,
+            "final_train_loss": _finite_or_none(last.get("train_loss")),
+            # True when the loss became NaN/inf (e.g. too large a learning rate): the numbers
+            # below are then null, not a crash at the very end of the run
+            "diverged": not math.isfinite(last.get("train_loss", 0.0)),
+            "val_miou": _finite_or_none(last.get("val_miou")),
+            "val_pixel_accuracy": _finite_or_none(last.get("val_pixel_accuracy")),
+            "per_class_iou": ([_finite_or_none(v) for v in self.per_class_iou.tolist()]
+                              if self.per_class_iou is not None else None),
+            "history": [{k: _finite_or_none(v) if isinstance(v, float) else v
+                         for k, v in h.items()} for h in self.history],
+            "step_losses": [r.loss_sum / r.pixel_count if r.pixel_count > 0 else None
+                            for r in self.step_log],
+            "samples_per_s": (facts["train_samples"] / facts["train_seconds"]
+                              if facts["train_seconds"] > 0 else None),
+            "wall_s": time.perf_counter() - wall_start,
+            "checkpoint": self.checkpoint_path,
+            "config": asdict(cfg),
+            "torch": str(torch.__version__),
+        }
 
 
 def wrap_model(module, kind: str, env, device):
@@ -1104,15 +617,15 @@ def wrap_model(module, kind: str, env, device):
     Raises:
         TrainInputError: ``kind`` names a wrapper that cannot be imported.
     """
-    if not (env.distributed and _group_active()):
+    if not (env.distributed and group_active()):
         return module
     if kind == "torch":
-        from torch.nn.parallel import DistributedDataParallel
-
         kwargs = {"device_ids": [env.local_rank]} if device.type == "cuda" else {}
         return DistributedDataParallel(module, **kwargs)
     try:
-        from . import ddp as ddp_mod  # imported lazily: only --ddp naive/bucketed need it
+        # Imported here, not at the top: only --ddp naive/bucketed need it, and when it cannot
+        # be imported the run still works with --ddp torch (the error below says so).
+        from . import ddp as ddp_mod
         cls = {"naive": ddp_mod.NaiveDDP, "bucketed": ddp_mod.BucketedDDP}[kind]
     except (ImportError, AttributeError) as exc:
         raise TrainInputError(f"--ddp {kind} needs ddp_lesson.ddp, which is not available "
@@ -1142,18 +655,14 @@ def _start_lines(trainer: Trainer) -> list[str]:
 
 
 def _run(cfg: TrainConfig, env, wall_start: float) -> dict:
-    import torch
-    import torch.distributed as dist
-
-    from .checkpoint import decide_on_rank0
 
     path = os.path.join(cfg.out, CHECKPOINT_FILE)
 
     def check_out_and_checkpoint():
         # Before anything is built or printed: a bad --out or checkpoint fails fast.
-        problem = _check_out_writable(cfg.out)
+        problem = check_out_writable(cfg.out)
         if problem is None and not cfg.no_resume and os.path.exists(path):
-            problem = inspect_checkpoint(path, cfg, env.world_size, _bare_model_state(cfg))
+            problem = inspect_checkpoint(path, cfg, env.world_size, bare_model_state(cfg))
         return problem
 
     problem = decide_on_rank0(check_out_and_checkpoint)  # rank 0 decides, all ranks act
@@ -1171,8 +680,8 @@ def _run(cfg: TrainConfig, env, wall_start: float) -> dict:
                f"flag is not needed", env=env)
     for line in _start_lines(trainer):
         print0(line, env=env)
-    steps = trainer.derived["steps_per_epoch"]
     if trainer.try_resume(validate=False):  # validated above
+        steps = trainer.derived["steps_per_epoch"]
         if trainer.epoch >= cfg.epochs:
             print0(f"resuming from {trainer.checkpoint_path}: all {cfg.epochs} epochs done; "
                    "nothing left to train (--no-resume starts over)", env=env)
@@ -1183,60 +692,22 @@ def _run(cfg: TrainConfig, env, wall_start: float) -> dict:
     facts = trainer.fit()
     if trainer.per_class_iou is None and trainer.history and not facts["stopped"]:
         trainer.validate()  # a finished run resumed: evaluate once more for the summary
-    last = trainer.history[-1] if trainer.history else {}
-    d = trainer.derived
-    summary = {
-        "world_size": env.world_size,
-        "backend": env.backend,
-        "backend_reason": env.reason,
-        "device": trainer.device.type,
-        "epochs": cfg.epochs,
-        "batch_size": cfg.batch_size,
-        "global_batch": d["global_batch"],
-        "grad_accum_steps": cfg.grad_accum_steps,
-        "steps_per_epoch": steps,
-        "samples_per_epoch": d["samples_per_epoch"],
-        "effective_lr": d["effective_lr"],
-        "global_step": trainer.global_step,
-        "stopped_early": facts["stopped"],
-        "resumed_from": trainer.resumed_from,
-        "final_train_loss": _finite_or_none(last.get("train_loss")),
-        # True when the loss became NaN/inf (e.g. too large a learning rate): the numbers
-        # below are then null, not a crash at the very end of the run
-        "diverged": not math.isfinite(last.get("train_loss", 0.0)),
-        "val_miou": _finite_or_none(last.get("val_miou")),
-        "val_pixel_accuracy": _finite_or_none(last.get("val_pixel_accuracy")),
-        "per_class_iou": ([_finite_or_none(v) for v in trainer.per_class_iou.tolist()]
-                          if trainer.per_class_iou is not None else None),
-        "history": [{k: _finite_or_none(v) if isinstance(v, float) else v for k, v in h.items()}
-                    for h in trainer.history],
-        "step_losses": [s / c if c > 0 else None for _, _, s, c in trainer.step_log],
-        "samples_per_s": (facts["train_samples"] / facts["train_seconds"]
-                          if facts["train_seconds"] > 0 else None),
-        "wall_s": time.perf_counter() - wall_start,
-        "checkpoint": trainer.checkpoint_path,
-        "config": asdict(cfg),
-        "torch": str(torch.__version__),
-    }
+    summary = trainer.summary(facts, wall_start)
     if env.is_main:
         path = os.path.join(cfg.out, "summary.json")
         _write_json_atomic(path, summary)
         print0(f"wrote {path}", env=env)
-    if _group_active() and dist.get_world_size() > 1:
-        from .checkpoint import _barrier
-
+    if group_active() and dist.get_world_size() > 1:
         _barrier()  # rank 0's summary is on disk before any rank returns
     return summary
 
 
 def _fail(exc: BaseException, env, owns_group: bool):
     """Print ``error: <message>`` once (rank 0), leave the group we made, exit with status 2."""
-    import torch.distributed as dist
-
     rank = env.rank if env is not None else int(os.environ.get("RANK", "0") or 0)
     if rank == 0:
         print(f"error: {exc}", file=sys.stderr, flush=True)
-    if owns_group and _group_active():
+    if owns_group and group_active():
         gc.collect()  # see main(): free wrappers before the group goes
         dist.destroy_process_group()  # no barrier: every rank is leaving with the same error
     raise SystemExit(2)
@@ -1256,7 +727,7 @@ def main(argv: list[str] | None = None) -> dict:
     wall_start = time.perf_counter()
     cfg = parse_config(argv)
     _set_threads_from_env()
-    owns_group = not _group_active()
+    owns_group = not group_active()
     env = None
     try:
         try:

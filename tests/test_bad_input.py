@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 
-from ddp_lesson import cli, train
+from ddp_lesson import cli, config, train
 from ddp_lesson.launch import run_torchrun
 
 TINY = ["--epochs", "1", "--num-train", "8", "--num-val", "2", "-b", "4", "--size", "32", "64",
@@ -131,14 +131,14 @@ def test_cli_refuses_bad_input_before_starting_processes(args, message, capsys, 
 
 def test_epoch_without_steps_is_refused_before_the_run():
     # 2 samples, 3 ranks, --drop-last: every rank would get 0 samples (shared/cases A7)
-    with pytest.raises(train.TrainInputError,
+    with pytest.raises(config.TrainInputError,
                        match=r"^no training steps: 2 training samples on 3 ranks with "
                              r"--drop-last give each rank 0 samples; use at most 2 ranks"):
-        train.preflight(["--num-train", "2", "--drop-last"], world_size=3)
-    with pytest.raises(train.TrainInputError,
+        config.preflight(["--num-train", "2", "--drop-last"], world_size=3)
+    with pytest.raises(config.TrainInputError,
                        match=r"^no training steps: 10 training samples on 2 ranks give 5 per "
                              r"rank, fewer than one batch of 8 with --drop-last"):
-        train.preflight(["--num-train", "10", "--drop-last", "-b", "8"], world_size=2)
+        config.preflight(["--num-train", "10", "--drop-last", "-b", "8"], world_size=2)
 
 
 # ---- data folder -------------------------------------------------------------------------
@@ -166,8 +166,8 @@ def test_bad_data_root(case, message, tmp_path, capsys):
         _wrong_layout(root)
     line = _fails(TINY + ["--data-root", str(root), "--out", str(tmp_path / "o")], capsys)
     assert line.startswith(message.format(root=root).replace("\\", "")), line
-    with pytest.raises(train.TrainInputError):
-        train.preflight(TINY + ["--data-root", str(root), "--out", str(tmp_path / "o")], 2)
+    with pytest.raises(config.TrainInputError):
+        config.preflight(TINY + ["--data-root", str(root), "--out", str(tmp_path / "o")], 2)
 
 
 # ---- output folder and checkpoints -------------------------------------------------------
@@ -233,20 +233,20 @@ def test_checkpoint_of_another_model_or_config(flags, message, tmp_path, good_ch
     assert line.startswith(f"error: checkpoint {path} ") and message in line, line
     assert line.endswith("resume with the same settings, or pass --no-resume to start over")
     assert path.read_bytes() == before
-    with pytest.raises(train.TrainInputError, match="does not"):
-        train.preflight(argv, world_size=1)
+    with pytest.raises(config.TrainInputError, match="does not"):
+        config.preflight(argv, world_size=1)
     # the checkpoint is fine for the run that wrote it
-    assert train.preflight(TINY + ["--out", str(out)], world_size=1).width == 4
+    assert config.preflight(TINY + ["--out", str(out)], world_size=1).width == 4
 
 
 def test_world_size_of_the_checkpoint(tmp_path, good_checkpoint):
     out = tmp_path / "o"
     out.mkdir()
     (out / "checkpoint.pt").write_bytes(good_checkpoint.read_bytes())
-    with pytest.raises(train.TrainInputError,
+    with pytest.raises(config.TrainInputError,
                        match=r"was written by 1 processes, this run has 2 \(the data order and "
                              r"global batch depend on it\)"):
-        train.preflight(TINY + ["--out", str(out)], world_size=2)
+        config.preflight(TINY + ["--out", str(out)], world_size=2)
 
 
 # ---- several ranks -------------------------------------------------------------------------

@@ -16,7 +16,7 @@ import os
 import pytest
 import torch
 
-from ddp_lesson import train
+from ddp_lesson import config, train
 from ddp_lesson.launch import launch_env, run_torchrun
 
 BASE = ["--size", "32", "64", "--width", "8", "--num-train", "32", "--num-val", "8", "-b", "4",
@@ -111,7 +111,7 @@ def test_failure_rank_outside_the_world_is_refused(tmp_path, capsys):
 
 def test_failure_during_save_needs_a_step(capsys):
     with pytest.raises(SystemExit):
-        train.parse_config(["--simulate-failure-during-save"])
+        config.parse_config(["--simulate-failure-during-save"])
     assert "needs --simulate-failure-at-step K >= 1" in capsys.readouterr().err
 
 

@@ -11,7 +11,7 @@ from torch.utils.data import DataLoader
 
 import ddp_lesson.train as train
 from ddp_lesson.sampler import DistributedSampler
-from ddp_lesson.train import TrainConfig, build_parser, derived_values, parse_config
+from ddp_lesson.config import TrainConfig, build_parser, derived_values, parse_config
 
 
 # ---- config and flags --------------------------------------------------------------------

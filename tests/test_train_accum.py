@@ -10,7 +10,8 @@ import math
 import pytest
 
 from ddp_lesson.launch import run_torchrun
-from ddp_lesson.train import TrainConfig, derived_values, parse_config, scaled_lr
+from ddp_lesson.config import TrainConfig, derived_values, parse_config
+from ddp_lesson.gradients import scale_lr as scaled_lr
 
 CHECK = r'''
 import copy, json
@@ -20,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from ddp_lesson.env import init_distributed, cleanup
-from ddp_lesson.train import accumulate_gradients, train_step
+from ddp_lesson.step import accumulate_gradients, train_step
 
 env = init_distributed(timeout=60, announce=False)
 R, r = env.world_size, env.rank
@@ -146,7 +147,7 @@ def test_b7_linear_scaling_value():
     assert scaled_lr(0.1, 256, 4 * 128, "linear") == pytest.approx(0.2)
     assert scaled_lr(0.1, 256, 512, "sqrt") == pytest.approx(0.1 * math.sqrt(2))
     assert scaled_lr(0.1, 256, 512, "none") == 0.1
-    with pytest.raises(ValueError, match="lr scaling 'cubic' is not one of none, linear, sqrt"):
+    with pytest.raises(ValueError, match="lr scaling rule 'cubic' is not one of none, linear, sqrt"):
         scaled_lr(0.1, 256, 512, "cubic")
 
 

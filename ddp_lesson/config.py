@@ -1,0 +1,389 @@
+"""The training job's configuration: one dataclass, the command line built from it, and the
+checks of input that need no process group.
+
+:class:`TrainConfig` has one field per flag of ``python -m ddp_lesson.train`` (a note per
+field becomes the flag's ``--help``); :func:`parse_config` turns a command line into a
+checked config; :func:`derived_values` gives the numbers that follow from it at a world size
+(global batch, steps per epoch, effective learning rate); :func:`preflight` runs, in one
+process and before any rank starts, every check a rank would run at start (flags, data
+folder, at least one step per epoch, a writable ``--out``, a checkpoint this run can resume
+from). Bad input raises :class:`TrainInputError` with a message that names the values.
+
+Nothing here communicates: every function is local to the calling process.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+import sys
+import tempfile
+from dataclasses import asdict, dataclass, field
+
+from .checkpoint import (CheckpointError, first_config_mismatch, first_state_mismatch,
+                         load_checkpoint, strip_module_prefix)
+from .data import NUM_CLASSES, make_datasets
+from .env import BACKENDS
+from .gradients import LR_RULES, scale_lr
+from .models import MODELS, build_model
+from .sampler import num_samples_per_rank
+
+#: Rules for ``--lr-scaling``: how the learning rate follows the global batch
+#: (:func:`ddp_lesson.gradients.scale_lr`).
+LR_SCALINGS = LR_RULES
+#: ``--lr-schedule`` choices: constant, or DeepLab's "poly" decay ``(1 - step/total)**0.9``.
+LR_SCHEDULES = ("constant", "poly")
+#: ``--ddp`` choices: torch's DistributedDataParallel or this package's wrappers (ddp.py).
+DDP_WRAPPERS = ("torch", "naive", "bucketed")
+
+#: File name of the checkpoint inside ``--out``.
+CHECKPOINT_FILE = "checkpoint.pt"
+#: Config fields a run must share with the checkpoint it resumes from: they decide the
+#: trajectory (data order, batch composition, model shape, optimiser). Others (``--out``,
+#: ``--workers``, ``--max-steps``, ``--ddp``, ``--backend``, ...) may change between runs.
+RESUME_MUST_MATCH = ("model", "width", "size", "seed", "num_train", "batch_size",
+                     "grad_accum_steps", "drop_last", "sync_bn", "lr", "momentum",
+                     "weight_decay", "lr_scaling", "base_batch", "lr_schedule", "epochs")
+
+
+class TrainInputError(Exception):
+    """Bad input the user can fix (flags, data folder, checkpoint, output folder).
+
+    ``main`` prints the message as one line, ``error: <message>``, on rank 0 and exits with
+    status 2, without a traceback. Raised on every rank alike (decisions taken on rank 0
+    are broadcast first), so no rank is left waiting in a collective.
+    """
+
+
+def _note(help_: str, *flags: str, **argparse_kwargs) -> dict:
+    """Field metadata: the help text, extra flag spellings, and argparse extras."""
+    return {"help": help_, "flags": flags, "argparse": argparse_kwargs}
+
+
+@dataclass
+class TrainConfig:
+    """Everything the training job reads. One field = one command-line flag.
+
+    The flag is ``--`` + the field name with ``_`` -> ``-`` (``num_train`` ->
+    ``--num-train``), plus the spellings listed in the field's metadata (the seed's
+    ``-b``/``-j``). Values are checked on construction; errors show the numbers.
+    """
+
+    # Defaults sized for a 2-core CPU: 2 gloo ranks finish in about 25-55 s, and the mIoU
+    # climbs every epoch (about 0.21 -> 0.34), so there is something to watch.
+    epochs: int = field(default=6, metadata=_note(
+        "passes over the training set"))
+    batch_size: int = field(default=8, metadata=_note(
+        "samples per micro-batch on EACH rank; the global batch is batch_size x world_size "
+        "x grad_accum_steps", "-b"))
+    workers: int = field(default=0, metadata=_note(
+        "DataLoader worker processes per rank; 0 loads in the training process, which keeps "
+        "the CPU path light (each worker is another process competing for the cores)", "-j"))
+    lr: float = field(default=0.05, metadata=_note(
+        "SGD learning rate at the base global batch --base-batch (declared here; the seed "
+        "read args.lr without declaring it)"))
+    momentum: float = field(default=0.9, metadata=_note("SGD momentum, in [0, 1)"))
+    weight_decay: float = field(default=1e-4, metadata=_note("SGD L2 weight decay, >= 0"))
+    seed: int = field(default=0, metadata=_note(
+        "seeds the model init (same on every rank), the synthetic data and the sampler's "
+        "shuffle"))
+    num_train: int = field(default=1024, metadata=_note("training samples (synthetic set)"))
+    num_val: int = field(default=128, metadata=_note("validation samples (synthetic set)"))
+    size: tuple = field(default=(64, 128), metadata=_note(
+        "image height and width in pixels", nargs=2, type=int, metavar=("H", "W")))
+    model: str = field(default="deeplab", metadata=_note(
+        "network (ddp_lesson.models.build_model): deeplab = DeepLabV3Mini, tiny = TinyConvNet",
+        choices=tuple(MODELS)))
+    width: int = field(default=16, metadata=_note(
+        "model width: channels of the first stage (not the image width, see --size)"))
+    backend: str = field(default="auto", metadata=_note(
+        "collective backend; auto = DDP_LESSON_BACKEND if set, else nccl when every rank "
+        "can have its own GPU, gloo on CPU otherwise", choices=BACKENDS))
+    data_root: str | None = field(default=None, metadata=_note(
+        "Cityscapes root folder (leftImg8bit/, gtFine/); unset = synthetic scenes",
+        type=str))
+    out: str = field(default="runs/main", metadata=_note(
+        "output folder; rank 0 writes checkpoint.pt and summary.json there, and a run finding "
+        "a checkpoint there resumes from it"))
+    grad_accum_steps: int = field(default=1, metadata=_note(
+        "micro-batches per optimizer step (gradient accumulation); gradients are all-reduced "
+        "once, on the last one (no_sync on the others)"))
+    lr_scaling: str = field(default="none", metadata=_note(
+        "how the learning rate follows the global batch G: none = --lr; linear = --lr x "
+        "G/--base-batch; sqrt = --lr x sqrt(G/--base-batch)", choices=LR_SCALINGS))
+    base_batch: int = field(default=16, metadata=_note(
+        "the global batch at which --lr is given (the default lr was tuned at 16 = 8 x 2)"))
+    lr_schedule: str = field(default="constant", metadata=_note(
+        "learning-rate schedule over the optimizer steps: constant, or poly = "
+        "(1 - step/total)^0.9 as in DeepLab", choices=LR_SCHEDULES))
+    drop_last: bool = field(default=False, metadata=_note(
+        "cut each epoch to equal shards without repeats (sampler) and drop each rank's last "
+        "short batch (loader), instead of padding", action="store_true"))
+    sync_bn: bool = field(default=False, metadata=_note(
+        "BatchNorm statistics over the global batch: this package's SyncBatchNorm on CPU, "
+        "torch's nn.SyncBatchNorm on GPUs", action="store_true"))
+    ddp: str = field(default="torch", metadata=_note(
+        "data-parallel wrapper: torch = DistributedDataParallel, naive / bucketed = "
+        "ddp_lesson.ddp.NaiveDDP / BucketedDDP", choices=DDP_WRAPPERS))
+    checkpoint_every_steps: int = field(default=0, metadata=_note(
+        "also write the checkpoint every N optimizer steps (0: only at each epoch end)"))
+    no_resume: bool = field(default=False, metadata=_note(
+        "start over even if --out holds a checkpoint (it is replaced at the first save)",
+        action="store_true"))
+    max_steps: int = field(default=0, metadata=_note(
+        "stop after this many optimizer steps in all (0: no limit), writing the checkpoint "
+        "there: a stand-in for an interrupted run; run again with the same --out to resume"))
+    simulate_failure_at_step: int = field(default=0, metadata=_note(
+        "fault injector for lessons and tests: --failure-rank kills itself with SIGKILL once, "
+        "right after global step K (after that step's checkpoint, if any); a marker file in "
+        "--out keeps a restarted job (torchrun --max-restarts) from failing again (0: off)"))
+    failure_rank: int = field(default=0, metadata=_note(
+        "the rank that --simulate-failure-at-step kills"))
+    simulate_failure_during_save: bool = field(default=False, metadata=_note(
+        "with --simulate-failure-at-step K: rank 0 dies instead inside the first checkpoint "
+        "write at a global step >= K, after the temporary file is written and before the "
+        "rename, so the previous checkpoint must survive", action="store_true"))
+    timeout_s: float = field(default=120.0, metadata=_note(
+        "seconds a collective may wait for its peers before raising, instead of hanging"))
+    local_rank: int | None = field(default=None, metadata=_note(
+        "legacy flag of torch.distributed.launch; torchrun sets LOCAL_RANK, which wins; "
+        "accepted so old command lines keep working", "--local_rank", type=int))
+
+    def __post_init__(self):
+        self.size = tuple(self.size)
+        checks = [
+            (self.epochs >= 1, f"epochs must be >= 1, got {self.epochs}"),
+            (self.batch_size >= 1, f"batch_size must be >= 1, got {self.batch_size}"),
+            (self.workers >= 0, f"workers must be >= 0, got {self.workers}"),
+            (math.isfinite(self.lr) and self.lr > 0, f"lr must be a finite number > 0, got {self.lr}"),
+            (0 <= self.momentum < 1, f"momentum must be in [0, 1), got {self.momentum}"),
+            (self.weight_decay >= 0, f"weight_decay must be >= 0, got {self.weight_decay}"),
+            (self.num_train >= 1, f"num_train must be >= 1, got {self.num_train}"),
+            (self.num_val >= 1, f"num_val must be >= 1, got {self.num_val}"),
+            (len(self.size) == 2 and min(self.size) >= 16,
+             f"size must be two numbers H W, each >= 16, got {self.size}"),
+            (self.model in MODELS,
+             f"model {self.model!r} is not one of {', '.join(MODELS)}"),
+            (self.width >= 1, f"width must be >= 1, got {self.width}"),
+            (self.backend in BACKENDS,
+             f"backend {self.backend!r} is not one of {', '.join(BACKENDS)}"),
+            (self.grad_accum_steps >= 1,
+             f"grad_accum_steps must be >= 1, got {self.grad_accum_steps}"),
+            (self.lr_scaling in LR_SCALINGS,
+             f"lr_scaling {self.lr_scaling!r} is not one of {', '.join(LR_SCALINGS)}"),
+            (self.base_batch >= 1, f"base_batch must be >= 1, got {self.base_batch}"),
+            (self.lr_schedule in LR_SCHEDULES,
+             f"lr_schedule {self.lr_schedule!r} is not one of {', '.join(LR_SCHEDULES)}"),
+            (self.ddp in DDP_WRAPPERS,
+             f"ddp {self.ddp!r} is not one of {', '.join(DDP_WRAPPERS)}"),
+            (self.checkpoint_every_steps >= 0,
+             f"checkpoint_every_steps must be >= 0, got {self.checkpoint_every_steps}"),
+            (self.max_steps >= 0, f"max_steps must be >= 0, got {self.max_steps}"),
+            (self.simulate_failure_at_step >= 0,
+             f"simulate_failure_at_step must be >= 0, got {self.simulate_failure_at_step}"),
+            (self.failure_rank >= 0, f"failure_rank must be >= 0, got {self.failure_rank}"),
+            (not self.simulate_failure_during_save or self.simulate_failure_at_step >= 1,
+             "simulate_failure_during_save needs --simulate-failure-at-step K >= 1"),
+            (self.timeout_s > 0, f"timeout_s must be > 0, got {self.timeout_s}"),
+            (self.local_rank is None or self.local_rank >= 0,
+             f"local_rank must be >= 0, got {self.local_rank}"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse that reports an error as one line (no usage block): ``prog: error: ...``."""
+
+    def error(self, message):
+        # Under torchrun every rank parses the same flags: only rank 0 reports.
+        if os.environ.get("RANK", "0") in ("", "0"):
+            sys.stderr.write(f"{self.prog}: error: {message} (see --help)\n")
+        sys.exit(2)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line, built from :class:`TrainConfig`'s fields (one flag per field)."""
+    parser = _OneLineParser(
+        prog="python -m ddp_lesson.train",
+        description="Data-parallel DeepLab training (synthetic Cityscapes-like scenes by "
+                    "default). Start it with torchrun, one process per rank.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    for f in dataclasses.fields(TrainConfig):
+        meta = f.metadata
+        kwargs = dict(meta.get("argparse", {}))
+        if "action" not in kwargs:  # store_true flags take no type
+            kwargs.setdefault("type", type(f.default))
+        long_flag = "--" + f.name.replace("_", "-")
+        parser.add_argument(*meta.get("flags", ()), long_flag, dest=f.name, default=f.default,
+                            help=meta["help"], **kwargs)
+    return parser
+
+
+def parse_config(argv: list[str] | None = None) -> TrainConfig:
+    """Parse ``argv`` (default ``sys.argv[1:]``) into a checked :class:`TrainConfig`.
+
+    Raises:
+        SystemExit: unknown flag or invalid value: one line ``prog: error: <message with
+            the numbers>`` on stderr, exit status 2.
+    """
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return TrainConfig(**vars(args))
+    except ValueError as exc:
+        parser.error(str(exc))
+
+
+# --------------------------------------------------------------------------- derived values
+
+def derived_values(cfg: TrainConfig, world_size: int, num_train: int | None = None) -> dict:
+    """The numbers that follow from the config and the world size (no process group needed).
+
+    With ``drop_last=False`` the training sampler pads the dataset to a multiple of
+    ``world_size`` by repeating samples, so every rank gets ``ceil(N / world_size)``
+    samples and takes the same number of steps (a rank that stepped fewer times would leave
+    its peers waiting in an all_reduce); a rank's last micro-batch may be short. With
+    ``drop_last=True`` the sampler cuts the tail (``N // R`` per rank) and the loader drops
+    each rank's last short batch. A step is ``grad_accum_steps`` micro-batches; the last
+    step of an epoch may hold fewer.
+
+    Args:
+        cfg: the config.
+        world_size: number of ranks R.
+        num_train: dataset length N (default ``cfg.num_train``; the real folder may hold
+            fewer files).
+
+    Returns:
+        dict with world_size, batch_size (per rank and micro-batch), global_batch
+        (``B x R x K``), samples_per_rank, samples_per_epoch (all ranks, padding included),
+        steps_per_epoch (optimizer steps), grad_accum_steps, micro_batches_per_epoch
+        (per rank) and effective_lr.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    n = cfg.num_train if num_train is None else num_train
+    samples_per_rank = num_samples_per_rank(n, world_size, cfg.drop_last)
+    if cfg.drop_last:
+        micro = samples_per_rank // cfg.batch_size
+    else:
+        micro = math.ceil(samples_per_rank / cfg.batch_size)
+    global_batch = cfg.batch_size * world_size * cfg.grad_accum_steps
+    return {
+        "world_size": world_size,
+        "batch_size": cfg.batch_size,
+        "global_batch": global_batch,
+        "samples_per_rank": samples_per_rank,
+        "samples_per_epoch": samples_per_rank * world_size,
+        "steps_per_epoch": math.ceil(micro / cfg.grad_accum_steps),
+        "grad_accum_steps": cfg.grad_accum_steps,
+        "micro_batches_per_epoch": micro,
+        "effective_lr": scale_lr(cfg.lr, cfg.base_batch, global_batch, cfg.lr_scaling),
+    }
+
+
+def check_steps(cfg: TrainConfig, derived: dict, n: int) -> None:
+    """Raise TrainInputError when an epoch would have no step at all."""
+    if derived["steps_per_epoch"] >= 1:
+        return
+    r, spr, b = derived["world_size"], derived["samples_per_rank"], cfg.batch_size
+    if cfg.drop_last and n < r:
+        raise TrainInputError(
+            f"no training steps: {n} training samples on {r} ranks with --drop-last give each "
+            f"rank 0 samples; use at most {n} ranks or no --drop-last")
+    raise TrainInputError(
+        f"no training steps: {n} training samples on {r} ranks give {spr} per rank, fewer than "
+        f"one batch of {b} with --drop-last; use a batch size <= {spr} or no --drop-last")
+
+
+# --------------------------------------------------------------------------- checks of input
+
+def check_out_writable(out: str) -> str | None:
+    """None when ``out`` can be created and written, else a one-line reason."""
+    try:
+        os.makedirs(out, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=out, prefix=".write-test-"):
+            pass
+    except OSError as exc:
+        return f"--out {out!r} cannot be written: {exc.strerror or exc}"
+    return None
+
+
+def bare_model_state(cfg: TrainConfig):
+    """The ``state_dict`` of a freshly built bare model for ``cfg`` (names and shapes)."""
+    return build_model(cfg.model, num_classes=NUM_CLASSES, width=cfg.width).state_dict()
+
+
+def inspect_checkpoint(path: str, cfg: TrainConfig, world_size: int, model_state) -> str | None:
+    """Why the checkpoint at ``path`` cannot be resumed by this run, or None when it can.
+
+    Checks, in order: readable and a ddp_lesson checkpoint; the model's tensor names and
+    shapes (first mismatch named); the world size; the config fields of
+    :data:`RESUME_MUST_MATCH` (first mismatch named). Local: reads the file, no collective.
+    """
+    try:
+        ckpt = load_checkpoint(path, map_location="cpu")
+    except (CheckpointError, OSError) as exc:
+        return f"{exc}; move it away or pass --no-resume to start over"
+    hint = "resume with the same settings, or pass --no-resume to start over"
+    mismatch = first_state_mismatch(model_state, strip_module_prefix(ckpt["model"]))
+    if mismatch:
+        return f"checkpoint {path} does not fit this model: {mismatch}; {hint}"
+    if ckpt["world_size"] != world_size:
+        return (f"checkpoint {path} was written by {ckpt['world_size']} processes, this run "
+                f"has {world_size} (the data order and global batch depend on it); {hint}")
+    mismatch = first_config_mismatch(ckpt["config"], asdict(cfg), RESUME_MUST_MATCH)
+    if mismatch:
+        return f"checkpoint {path} does not match this run: {mismatch}; {hint}"
+    return None
+
+
+def preflight(argv: list[str] | None, world_size: int) -> TrainConfig:
+    """Check a trainer command line before starting any process (for launchers such as the CLI).
+
+    Runs, in the calling process and without a process group, the checks every rank would
+    run at start: flags, the data folder, at least one step per epoch, a writable ``--out``,
+    and a checkpoint there that this run can resume from. A launcher that calls it reports
+    bad input in one line instead of starting ``world_size`` processes that all fail.
+
+    Args:
+        argv: the trainer's flags.
+        world_size: the number of processes the job will have.
+
+    Returns:
+        The parsed :class:`TrainConfig`.
+
+    Raises:
+        SystemExit: a bad flag (one line printed by the parser, status 2).
+        TrainInputError: any other bad input (message names the values).
+    """
+    cfg = parse_config(argv)
+    if world_size < 1:
+        raise TrainInputError(f"the job needs at least 1 process, got {world_size}")
+    train_ds, _ = load_datasets(cfg)
+    check_steps(cfg, derived_values(cfg, world_size, len(train_ds)), len(train_ds))
+    problem = check_out_writable(cfg.out)
+    if problem is None and not cfg.no_resume:
+        path = os.path.join(cfg.out, CHECKPOINT_FILE)
+        if os.path.exists(path):
+            problem = inspect_checkpoint(path, cfg, world_size, bare_model_state(cfg))
+    if problem:
+        raise TrainInputError(problem)
+    return cfg
+
+
+def load_datasets(cfg: TrainConfig):
+    """``(train, val)`` datasets for ``cfg`` (:func:`ddp_lesson.data.make_datasets`).
+
+    Raises:
+        TrainInputError: a missing or malformed ``--data-root`` folder, or bad sizes.
+    """
+    try:
+        return make_datasets(cfg.num_train, cfg.num_val, cfg.size, cfg.seed,
+                             data_root=cfg.data_root)
+    except (FileNotFoundError, NotADirectoryError, ValueError) as exc:
+        if cfg.data_root is not None:
+            raise TrainInputError(f"--data-root {cfg.data_root!r}: {exc}") from None
+        raise TrainInputError(str(exc)) from None
