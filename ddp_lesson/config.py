@@ -55,7 +55,6 @@ class TrainInputError(Exception):
     are broadcast first), so no rank is left waiting in a collective.
     """
 
-
 def _note(help_: str, *flags: str, **argparse_kwargs) -> dict:
     """Field metadata: the help text, extra flag spellings, and argparse extras."""
     return {"help": help_, "flags": flags, "argparse": argparse_kwargs}

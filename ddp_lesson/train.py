@@ -41,6 +41,12 @@ on its own shard of every epoch, and DDP averages the gradients with an ``all_re
 Also runs as a single process, ``python -m ddp_lesson.train``: world size 1, no process
 group, no DDP wrapper, same numbers printed. Rank 0 prints the derived values at start, one
 line per epoch, and writes ``{out}/summary.json`` at the end.
+
+Where the parts live: the flags (:class:`~ddp_lesson.config.TrainConfig`), the derived values
+and the checks of input in :mod:`ddp_lesson.config`; one optimizer step in
+:mod:`ddp_lesson.step`; the exact validation in :func:`ddp_lesson.evaluation.evaluate_exact`.
+This module holds the :class:`Trainer` (data, model, wrapper, checkpoints, the loop) and
+:func:`main`.
 """
 from __future__ import annotations
 
@@ -196,7 +202,6 @@ class Trainer:
     """
 
     def __init__(self, cfg: TrainConfig, env, device=None):
-
         self.cfg, self.env = cfg, env
         self.device = torch.device(env.device if device is None else device)
         self.num_classes = NUM_CLASSES
@@ -207,16 +212,14 @@ class Trainer:
         self.sampler = DistributedSampler(train_ds, num_replicas=env.world_size, rank=env.rank,
                                           shuffle=True, seed=cfg.seed, drop_last=cfg.drop_last)
         self.skip_sampler = SkipSampler(self.sampler)
-        pin = self.device.type == "cuda"
-        kwargs = dict(batch_size=cfg.batch_size, num_workers=cfg.workers, pin_memory=pin,
-                      persistent_workers=cfg.workers > 0)
         # shuffle=False: the sampler shuffles (DataLoader refuses shuffle=True with a
         # sampler). Own generator: iter(loader) draws a seed from it, not from the global
         # RNG, so an epoch restarted mid-way leaves the global RNG as an unbroken one would.
-        self.train_loader = DataLoader(train_ds, sampler=self.skip_sampler, shuffle=False,
-                                       drop_last=cfg.drop_last,
-                                       generator=torch.Generator().manual_seed(cfg.seed),
-                                       **kwargs)
+        self.train_loader = DataLoader(
+            train_ds, sampler=self.skip_sampler, shuffle=False, drop_last=cfg.drop_last,
+            generator=torch.Generator().manual_seed(cfg.seed), batch_size=cfg.batch_size,
+            num_workers=cfg.workers, pin_memory=self.device.type == "cuda",
+            persistent_workers=cfg.workers > 0)
         self.val_set = val_ds  # evaluated by evaluation.evaluate_exact, unpadded shards
         self.num_train = len(train_ds)
         if len(self.train_loader) != self.derived["micro_batches_per_epoch"]:
@@ -246,7 +249,6 @@ class Trainer:
 
     # ---- model
     def _build_model(self):
-
         cfg, env = self.cfg, self.env
         # Same seed on every rank: identical initial weights (DDP would broadcast rank 0's
         # anyway, but this also makes a 1-process run start from the same weights as an
@@ -655,7 +657,6 @@ def _start_lines(trainer: Trainer) -> list[str]:
 
 
 def _run(cfg: TrainConfig, env, wall_start: float) -> dict:
-
     path = os.path.join(cfg.out, CHECKPOINT_FILE)
 
     def check_out_and_checkpoint():
