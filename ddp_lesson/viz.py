@@ -332,7 +332,7 @@ def allreduce_bandwidth_figure(rows, figsize=(7, 3)):
     sending at once).
 
     Args:
-        rows: dicts as :func:`ddp_lesson.bench.read_results` returns.
+        rows: dicts as :func:`ddp_lesson.bench.allreduce.read_results` returns.
         figsize: inches.
 
     Returns:
@@ -381,7 +381,7 @@ def cost_model_figure(rows, figsize=(7, 3)):
     the measured times of gloo, the ring and the pipelined ring as points.
 
     Args:
-        rows: dicts as :func:`ddp_lesson.bench.read_results` returns (needs ``sendrecv`` rows).
+        rows: dicts as :func:`ddp_lesson.bench.allreduce.read_results` returns (needs ``sendrecv`` rows).
         figsize: inches.
 
     Returns:
@@ -524,7 +524,7 @@ def scaling_figure(rows, figsize=(8, 3)):
     """The scaling study: samples/s against processes (left), step-time breakdown (right).
 
     Args:
-        rows: rows of ``benchmarks/scaling.csv`` (:func:`ddp_lesson.bench_scaling.read_csv`):
+        rows: rows of ``benchmarks/scaling.csv`` (:func:`ddp_lesson.bench.scaling.read_csv`):
             mode, nprocs, samples_per_s, samples_per_s_min/max, efficiency and the phase
             seconds data_s, forward_s, backward_s, comm_exposed_s, optimizer_s, other_s.
 
@@ -721,7 +721,7 @@ def ddp_benchmark_figure(rows, figsize=(7, 3)):
     """Steps/s of torch's DDP, NaiveDDP and BucketedDDP, without and with a simulated link.
 
     Args:
-        rows: rows of ``benchmarks/ddp.csv`` (:func:`ddp_lesson.bench_ddp.read_results`):
+        rows: rows of ``benchmarks/ddp.csv`` (:func:`ddp_lesson.bench.ddp.read_results`):
             ``variant``, ``link``, ``steps_per_s`` (median), ``steps_per_s_min``/``_max``,
             ``exposed_share``.
         figsize: inches.

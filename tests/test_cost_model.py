@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from ddp_lesson import bench
+from ddp_lesson.bench import allreduce as bench
 from ddp_lesson.collectives import (
     algbw,
     bus_factor,
@@ -180,10 +180,21 @@ def test_notebook_03_sweep_cell_is_off_by_default():
 
 
 def _row(R, method, size, seconds):
-    a = size / seconds
-    b = a if method in bench.LINK_METHODS else a * 2 * (R - 1) / R
-    return {"nprocs": R, "method": method, "size_bytes": size, "seconds": seconds,
-            "algbw_GBps": a / 1e9, "busbw_GBps": b / 1e9, "iters": 1, "cpus": 2}
+    return bench.summarise(R, method, size, [seconds], 1)
+
+
+def test_summarise_keeps_min_median_and_max():
+    # 3 rounds of 1 MiB on 4 ranks: 2, 1 and 4 ms per call
+    row = bench.summarise(4, "gloo", 2**20, [0.002, 0.001, 0.004], 10)
+    assert (row["seconds_min"], row["seconds"], row["seconds_max"]) == (0.001, 0.002, 0.004)
+    assert row["repeats"] == 3 and row["iters"] == 10
+    # bandwidth from time: the slowest round gives the least bandwidth
+    assert row["algbw_GBps"] == pytest.approx(2**20 / 0.002 / 1e9)
+    assert row["algbw_GBps_min"] == pytest.approx(2**20 / 0.004 / 1e9)
+    assert row["algbw_GBps_max"] == pytest.approx(2**20 / 0.001 / 1e9)
+    assert row["busbw_GBps_max"] == pytest.approx(row["algbw_GBps_max"] * 1.5)   # 2(R-1)/R
+    link = bench.summarise(4, "sendrecv", 2**20, [0.002], 1)
+    assert link["busbw_GBps"] == link["algbw_GBps"]                           # per direction
 
 
 def test_results_round_trip_and_ratios(tmp_path):
@@ -206,10 +217,11 @@ def test_results_round_trip_and_ratios(tmp_path):
 
 
 def test_parse_rows_reads_only_row_lines():
-    lines = ["hello", "ROW,4,gloo,65536,1.0e-03,0.0655,0.0983,50,2", "[rank 0] noise"]
-    rows = bench._parse_rows(lines)
-    assert rows == [{"nprocs": 4, "method": "gloo", "size_bytes": 65536, "seconds": 1e-3,
-                     "algbw_GBps": 0.0655, "busbw_GBps": 0.0983, "iters": 50, "cpus": 2}]
+    row = bench.summarise(4, "gloo", 65536, [1e-3], 50)
+    import json
+
+    lines = ["hello", "BENCH_ROW " + json.dumps(row), "[rank 0] noise"]
+    assert bench.parse_rows(lines) == [row]
 
 
 def test_stored_benchmark_covers_the_sweep():
@@ -225,7 +237,9 @@ def test_stored_benchmark_covers_the_sweep():
             sizes = {r["size_bytes"] for r in rows if r["nprocs"] == R and r["method"] == method}
             assert {64 * 2**10, 64 * 2**20} <= sizes, (R, method)
     for r in rows:
-        assert r["seconds"] > 0 and r["algbw_GBps"] > 0
+        assert r["seconds"] > 0 and r["algbw_GBps"] > 0 and r["repeats"] >= 3
+        assert r["seconds_min"] <= r["seconds"] <= r["seconds_max"]
+        assert r["algbw_GBps_min"] <= r["algbw_GBps"] <= r["algbw_GBps_max"]
         assert r["algbw_GBps"] == pytest.approx(r["size_bytes"] / r["seconds"] / 1e9, rel=1e-3, abs=1e-4)
         factor = 1.0 if r["method"] in bench.LINK_METHODS else 2 * (r["nprocs"] - 1) / r["nprocs"]
         assert r["busbw_GBps"] == pytest.approx(r["algbw_GBps"] * factor, rel=1e-3, abs=1e-4)

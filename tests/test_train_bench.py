@@ -1,4 +1,4 @@
-"""The scaling study (ddp_lesson.bench_scaling) and the training figures (ddp_lesson.viz).
+"""The scaling study (ddp_lesson.bench.scaling) and the training figures (ddp_lesson.viz).
 
 No timing is asserted: the arithmetic (efficiency, medians, spread), the CSV round trip, the
 stored benchmark's consistency, one tiny timed run in this process, and the figures' data.
@@ -14,7 +14,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from ddp_lesson import bench_scaling as bs  # noqa: E402
+from ddp_lesson.bench import scaling as bs  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -114,7 +114,7 @@ def test_one_timed_run_in_this_process(monkeypatch, capsys):
             "size": [16, 32], "ddp": "torch"}
     before = torch.get_num_threads()
     try:
-        assert bs.main(["--worker", json.dumps(spec)]) == 0
+        assert bs.main(["worker", json.dumps(spec)]) == 0
     finally:
         torch.set_num_threads(before)
     line = capsys.readouterr().out.strip().splitlines()[-1]
