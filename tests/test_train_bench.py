@@ -100,8 +100,13 @@ def test_stored_benchmark_spread_printed_in_notebook_05():
                                                   - float(r["samples_per_s_min"]))
               / float(r["samples_per_s"]) for r in rows}
     assert {k: f"{v:.0f}%" for k, v in spread.items()} == {
-        "w1": "14%", "w2": "6%", "w4": "12%", "s1": "14%", "s2": "6%", "s4": "10%"}
-    assert round(max(spread.values())) == 14  # "spread by up to 14%"
+        "w1": "63%", "w2": "68%", "w4": "32%", "s1": "25%", "s2": "68%", "s4": "41%"}
+    import nbformat
+
+    nb = nbformat.read(REPO / "notebooks" / "05_training_the_seed_model.ipynb", as_version=4)
+    cell = next(c for c in nb.cells if c.cell_type == "code" and "spread_pct" in c.source)
+    printed = "".join(o.get("text", "") for o in cell.outputs)
+    assert ", ".join(f"{k} {v:.0f}%" for k, v in spread.items()) in printed
     for r in rows:
         assert float(r["spread_pct"]) == pytest.approx(spread[f"{r['mode'][0]}{r['nprocs']}"],
                                                        rel=1e-2)
