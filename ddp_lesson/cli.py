@@ -118,23 +118,43 @@ def _run_forwarding_signals(cmd: list[str], env: dict) -> int:
     return 130 if code == -signal.SIGINT else code
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+def _parser() -> argparse.ArgumentParser:
+    """The whole command line: ``train`` and ``bench {allreduce,ddp,scaling}``, one parser."""
+    import importlib
+
+    from .bench import BENCHMARKS
+
     parser = argparse.ArgumentParser(prog="ddp-lesson", description=__doc__.split("\n\n")[0])
-    parser.add_argument("command", choices=["train", "bench"],
-                        help="train: the main job under torchrun; bench {allreduce,ddp,scaling}: benchmarks")
-    if not argv or argv[0] in ("-h", "--help"):
+    commands = parser.add_subparsers(dest="command", metavar="{train,bench}")
+    commands.add_parser("train", parents=[_train_parser()], add_help=False,
+                        help="the main job under torchrun (trainer flags pass through)")
+    bench = commands.add_parser("bench", help="benchmarks: allreduce, ddp, scaling")
+    which = bench.add_subparsers(dest="benchmark", metavar="{" + ",".join(BENCHMARKS) + "}")
+    for name, module_name in BENCHMARKS.items():
+        module = importlib.import_module(module_name)
+        sub = which.add_parser(name, help=module.__doc__.split("\n")[0],
+                               description=module.__doc__.split("\n\n")[0])
+        module.add_arguments(sub)
+        sub.set_defaults(run=module.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``ddp-lesson train [...]`` or ``ddp-lesson bench {allreduce,ddp,scaling} [...]``."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = _parser()
+    if not argv:
         parser.print_help()
         return 0
-    cmd, rest = argv[0], argv[1:]
-    if cmd == "train":
-        return train(rest)
-    elif cmd == "bench":
-        from .bench import main as bench_main
-
-        return bench_main(rest)
-    parser.error(f"unknown command {cmd!r}")
-    return 2
+    opts, extra = parser.parse_known_args(argv)
+    if opts.command == "train":
+        return train(argv[1:])          # the trainer's own flags pass through
+    if extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if opts.command == "bench" and getattr(opts, "run", None) is not None:
+        return opts.run(opts)
+    parser.parse_args([*argv, "--help"])  # 'bench' alone: its help, listing the benchmarks
+    return 0
 
 
 if __name__ == "__main__":

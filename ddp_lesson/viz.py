@@ -13,11 +13,55 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 __all__ = [
+    "DPI", "MIN_WIDTH_IN", "SMALL_PT", "LABEL_PT", "TITLE_PT", "subplots", "finish",
     "SamplerLayout",
     "sampler_layout",
     "sampler_heatmap",
     "assignment_over_epochs",
 ]
+
+
+# =========================================================================== one style for every figure
+
+#: Every figure is drawn at this resolution (dots per inch) ...
+DPI = 100
+#: ... and at least this wide (inches): 7.2 in x 100 dpi = 720 px, readable at 100% zoom.
+MIN_WIDTH_IN = 7.2
+#: The smallest text in any figure (points): tick labels, legends, annotations.
+SMALL_PT = 9
+#: Axis labels and panel titles.
+LABEL_PT = 10
+#: Figure titles.
+TITLE_PT = 11
+
+
+def subplots(nrows: int = 1, ncols: int = 1, figsize=(MIN_WIDTH_IN, 3.2), **kwargs):
+    """``plt.subplots`` in the series' style: :data:`DPI`, at least :data:`MIN_WIDTH_IN` wide
+    (a narrower ``figsize`` is scaled up, keeping its aspect), default font :data:`LABEL_PT`.
+
+    Every figure function of this module starts here and ends with :func:`finish`.
+    """
+    import matplotlib.pyplot as plt
+
+    w, h = figsize
+    if w < MIN_WIDTH_IN:
+        w, h = MIN_WIDTH_IN, h * MIN_WIDTH_IN / w
+    with plt.rc_context({"font.size": LABEL_PT, "axes.titlesize": LABEL_PT,
+                         "axes.labelsize": LABEL_PT, "xtick.labelsize": SMALL_PT,
+                         "ytick.labelsize": SMALL_PT, "legend.fontsize": SMALL_PT}):
+        return plt.subplots(nrows, ncols, figsize=(w, h), dpi=DPI, **kwargs)
+
+
+def finish(fig, rect=None):
+    """Raise any text below :data:`SMALL_PT` to it (a label set elsewhere at a smaller size),
+    then lay the figure out (``tight_layout``, within ``rect`` if given). Returns ``fig``."""
+    from matplotlib.text import Text
+
+    for text in fig.findobj(Text):
+        if text.get_text() and text.get_fontsize() < SMALL_PT:
+            text.set_fontsize(SMALL_PT)
+    fig.tight_layout(**({"rect": rect} if rect else {}))
+    return fig
 
 
 # =========================================================================== sampler figures
@@ -113,7 +157,6 @@ def sampler_heatmap(n: int, num_replicas: int, shuffle: bool = False, seed: int 
     Raises:
         ValueError: ``n < 0`` or ``num_replicas < 1``.
     """
-    import matplotlib.pyplot as plt
     import numpy as np
     from matplotlib.patches import Rectangle
 
@@ -121,17 +164,17 @@ def sampler_heatmap(n: int, num_replicas: int, shuffle: bool = False, seed: int 
     R, k = lay.num_replicas, lay.num_samples
     if figsize is None:
         figsize = (6, min(0.9 + 0.45 * R, 5))
-    fig, ax = plt.subplots(figsize=figsize, dpi=80)
+    fig, ax = subplots(figsize=figsize)
     title = (f"N={n}, R={R}, shuffle={shuffle}, drop_last={drop_last}"
              + (f", seed+epoch={seed}+{epoch}" if shuffle else "")
              + f": {k} per rank")
-    ax.set_title(title, fontsize=9)
+    ax.set_title(title, fontsize=LABEL_PT)
     if k == 0:
         ax.text(0.5, 0.5, "every rank gets 0 samples", ha="center", va="center",
-                transform=ax.transAxes, fontsize=10)
+                transform=ax.transAxes, fontsize=TITLE_PT)
         ax.set_xticks([])
         ax.set_yticks(range(R))
-        ax.set_yticklabels([f"rank {r}" for r in range(R)], fontsize=8)
+        ax.set_yticklabels([f"rank {r}" for r in range(R)], fontsize=SMALL_PT)
         ax.set_ylim(R - 0.5, -0.5)
     else:
         grid = np.array(lay.shards, dtype=float)
@@ -145,25 +188,24 @@ def sampler_heatmap(n: int, num_replicas: int, shuffle: bool = False, seed: int 
                     # light text on the dark end of viridis, dark text on the light end
                     light = grid[r, j] < 0.6 * max(n - 1, 1)
                     ax.text(j, r, str(lay.shards[r][j]), ha="center", va="center",
-                            fontsize=8 if k <= 16 else 6,
+                            fontsize=SMALL_PT if k <= 16 else 6,
                             color="white" if light else "black")
                 if lay.is_padding[r][j]:
                     ax.add_patch(Rectangle((j - 0.5, r - 0.5), 1, 1, fill=False,
                                            edgecolor="red", linewidth=2, hatch="//",
                                            gid="padding"))
         ax.set_xticks(range(k))
-        ax.set_xticklabels([str(j) for j in range(k)], fontsize=7)
+        ax.set_xticklabels([str(j) for j in range(k)], fontsize=SMALL_PT)
         ax.set_yticks(range(R))
-        ax.set_yticklabels([f"rank {r}" for r in range(R)], fontsize=8)
+        ax.set_yticklabels([f"rank {r}" for r in range(R)], fontsize=SMALL_PT)
     notes = []
     if lay.padding:
         notes.append(f"red hatched = padding, repeats of {sorted(set(lay.padding))}")
     if lay.dropped:
         notes.append(f"dropped (drop_last): {sorted(lay.dropped)}")
     ax.set_xlabel("position in the rank's list" + ("\n" + "; ".join(notes) if notes else ""),
-                  fontsize=8)
-    fig.tight_layout()
-    return fig
+                  fontsize=SMALL_PT)
+    return finish(fig)
 
 
 def assignment_over_epochs(n: int, num_replicas: int, epochs: int = 3, seed: int = 0,
@@ -203,7 +245,7 @@ def assignment_over_epochs(n: int, num_replicas: int, epochs: int = 3, seed: int
     base = plt.get_cmap("tab10")
     cmap = ListedColormap([base(r % 10) for r in range(num_replicas)]).with_extremes(
         bad="lightgrey")
-    fig, axes = plt.subplots(1, 2, figsize=figsize, dpi=80, sharey=True)
+    fig, axes = subplots(1, 2, figsize=figsize, sharey=True)
     any_padding = any_dropped = False
     for ax, call_set_epoch in zip(axes, (False, True)):
         owner = np.ma.masked_all((epochs, n))
@@ -226,12 +268,12 @@ def assignment_over_epochs(n: int, num_replicas: int, epochs: int = 3, seed: int
         any_padding = any_padding or bool(dup_x)
         any_dropped = any_dropped or bool(np.ma.getmaskarray(owner).any())
         ax.set_title("with set_epoch(e)" if call_set_epoch else "without set_epoch",
-                     fontsize=9)
-        ax.set_xlabel("dataset index", fontsize=8)
+                     fontsize=LABEL_PT)
+        ax.set_xlabel("dataset index", fontsize=SMALL_PT)
         ax.set_xticks(range(0, n, max(1, n // 6)))
-        ax.tick_params(labelsize=7)
+        ax.tick_params(labelsize=SMALL_PT)
     axes[0].set_yticks(range(epochs))
-    axes[0].set_ylabel("epoch", fontsize=8)
+    axes[0].set_ylabel("epoch", fontsize=SMALL_PT)
     handles = [plt.Rectangle((0, 0), 1, 1, color=cmap(r)) for r in range(num_replicas)]
     labels = [f"rank {r}" for r in range(num_replicas)]
     if any_padding:  # the white dot: the index is dealt again, as padding, to a second rank
@@ -243,9 +285,8 @@ def assignment_over_epochs(n: int, num_replicas: int, epochs: int = 3, seed: int
         handles.append(plt.Rectangle((0, 0), 1, 1, color="lightgrey"))
         labels.append("cut by drop_last")
     fig.legend(handles, labels, loc="lower center",
-               ncol=min(len(handles), 8), fontsize=7, frameon=False)
-    fig.tight_layout(rect=(0, 0.1, 1, 1))
-    return fig
+               ncol=min(len(handles), 8), fontsize=SMALL_PT, frameon=False)
+    return finish(fig, rect=(0, 0.1, 1, 1))
 
 
 # =========================================================================== gradient figures (notebook 01)
@@ -283,7 +324,7 @@ def per_rank_gradients_figure(shard_grads, full_grad, max_params: int | None = N
     avg = grads.mean(axis=0)
     full = full_grad.detach().cpu().double().numpy()[:k]
     R = len(shard_grads)
-    fig, ax = plt.subplots(figsize=figsize, dpi=80)
+    fig, ax = subplots(figsize=figsize)
     width = 0.8 / R
     xs = np.arange(k)
     for r in range(R):
@@ -294,14 +335,13 @@ def per_rank_gradients_figure(shard_grads, full_grad, max_params: int | None = N
     ax.scatter(xs, full, marker="x", color="red", s=40, zorder=5, label="full batch")
     ax.axhline(0, color="grey", linewidth=0.5)
     ax.set_xticks(xs)
-    ax.set_xlabel("parameter entry", fontsize=8)
-    ax.set_ylabel("gradient", fontsize=8)
-    ax.set_title(f"{R} shard gradients, their average and the full-batch gradient", fontsize=9)
-    ax.tick_params(labelsize=7)
-    ax.legend(fontsize=7, ncol=min(R + 2, 6), loc="upper center", bbox_to_anchor=(0.5, -0.18),
+    ax.set_xlabel("parameter entry", fontsize=SMALL_PT)
+    ax.set_ylabel("gradient", fontsize=SMALL_PT)
+    ax.set_title(f"{R} shard gradients, their average and the full-batch gradient", fontsize=LABEL_PT)
+    ax.tick_params(labelsize=SMALL_PT)
+    ax.legend(fontsize=SMALL_PT, ncol=min(R + 2, 6), loc="upper center", bbox_to_anchor=(0.5, -0.18),
               frameon=False)
-    fig.tight_layout()
-    return fig
+    return finish(fig)
 
 
 # =========================================================================== collective figures (notebook 03)
@@ -323,16 +363,18 @@ def _size_label(nbytes: float) -> str:
     return f"{nbytes:g} B"
 
 
-def allreduce_bandwidth_figure(rows, figsize=(7, 3)):
+def allreduce_bandwidth_figure(rows, figsize=(MIN_WIDTH_IN, 3.8)):
     """Bus bandwidth against message size, one panel per process count (``benchmarks/allreduce.csv``).
 
     All-reduce methods are drawn as bus bandwidth (algbw · 2(R-1)/R, nccl-tests'
     PERFORMANCE.md) so they can be read against the link: the grey lines are the measured
     send/recv bandwidth per direction (dashed: ranks 0 and 1 alone; dotted: every rank
-    sending at once).
+    sending at once). Lines join the medians over repeats; the shaded band around each spans
+    min..max (where the rows have ``busbw_GBps_min``/``_max``). The legend sits below the
+    panels, so it covers no line.
 
     Args:
-        rows: dicts as :func:`ddp_lesson.bench.read_results` returns.
+        rows: dicts as :func:`ddp_lesson.bench.allreduce.read_results` returns.
         figsize: inches.
 
     Returns:
@@ -341,38 +383,43 @@ def allreduce_bandwidth_figure(rows, figsize=(7, 3)):
     Raises:
         ValueError: no rows.
     """
-    import matplotlib.pyplot as plt
-
     if not rows:
         raise ValueError("no benchmark rows to draw")
     nprocs = sorted({r["nprocs"] for r in rows})
-    fig, axes = plt.subplots(1, len(nprocs), figsize=figsize, dpi=80, sharey=True, squeeze=False)
+    fig, axes = subplots(1, len(nprocs), figsize=figsize, sharey=True, squeeze=False)
     lo = min(r["size_bytes"] for r in rows if r["method"] not in ("sendrecv", "shift")) \
         if any(r["method"] not in ("sendrecv", "shift") for r in rows) else 0
     for ax, R in zip(axes[0], nprocs):
         for method, style in _METHOD_STYLE.items():
-            pts = sorted((r["size_bytes"], r["busbw_GBps"]) for r in rows
+            pts = sorted((r["size_bytes"], r["busbw_GBps"], r.get("busbw_GBps_min"),
+                          r.get("busbw_GBps_max")) for r in rows
                          if r["nprocs"] == R and r["method"] == method and r["size_bytes"] >= lo)
-            if pts:
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], linewidth=1.3, markersize=4,
-                        **style)
+            if not pts:
+                continue
+            x = [p[0] for p in pts]
+            ax.plot(x, [p[1] for p in pts], linewidth=1.3, markersize=4,
+                    label=style["label"] if R == nprocs[0] else None,
+                    **{k: v for k, v in style.items() if k != "label"})
+            if all(p[2] is not None and p[3] is not None for p in pts):
+                ax.fill_between(x, [p[2] for p in pts], [p[3] for p in pts],
+                                color=style["color"], alpha=0.15, linewidth=0, gid="spread")
         cpus = max(r["cpus"] for r in rows if r["nprocs"] == R)
         note = f" ({R} procs on {cpus} cores)" if R > cpus else ""
-        ax.set_title(f"R = {R}{note}", fontsize=9)
+        ax.set_title(f"R = {R}{note}", fontsize=LABEL_PT)
         ax.set_xscale("log", base=2)
         ticks = sorted({r["size_bytes"] for r in rows if r["nprocs"] == R and r["size_bytes"] >= lo})
         ax.set_xticks(ticks)
-        ax.set_xticklabels([_size_label(t) for t in ticks], rotation=45, fontsize=7)
-        ax.set_xlabel("tensor size", fontsize=8)
-        ax.tick_params(labelsize=7)
+        ax.set_xticklabels([_size_label(t) for t in ticks], rotation=45, fontsize=SMALL_PT)
+        ax.minorticks_off()
+        ax.set_xlabel("tensor size", fontsize=LABEL_PT)
+        ax.tick_params(labelsize=SMALL_PT)
         ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel("bus bandwidth (GB/s)", fontsize=8)
-    axes[0][-1].legend(fontsize=7, loc="best")
-    fig.tight_layout()
-    return fig
+    axes[0][0].set_ylabel("bus bandwidth (GB/s)", fontsize=LABEL_PT)
+    fig.legend(loc="lower center", ncol=3, fontsize=SMALL_PT, frameon=False)
+    return finish(fig, rect=(0, 0.16, 1, 1))
 
 
-def cost_model_figure(rows, figsize=(7, 3)):
+def cost_model_figure(rows, figsize=(MIN_WIDTH_IN, 3.8)):
     """The α-β model of naive, tree and ring all-reduce against measured all-reduce times.
 
     α and β are fitted to the two-rank send/recv times (:func:`ddp_lesson.collectives.fit_alpha_beta`),
@@ -381,7 +428,7 @@ def cost_model_figure(rows, figsize=(7, 3)):
     the measured times of gloo, the ring and the pipelined ring as points.
 
     Args:
-        rows: dicts as :func:`ddp_lesson.bench.read_results` returns (needs ``sendrecv`` rows).
+        rows: dicts as :func:`ddp_lesson.bench.allreduce.read_results` returns (needs ``sendrecv`` rows).
         figsize: inches.
 
     Returns:
@@ -390,11 +437,14 @@ def cost_model_figure(rows, figsize=(7, 3)):
     Raises:
         ValueError: no send/recv rows to fit.
     """
-    import matplotlib.pyplot as plt
     import numpy as np
 
-    from .collectives import (fit_alpha_beta, naive_allreduce_time, ring_allreduce_time,
-                              tree_allreduce_time)
+    from .collectives import (
+        fit_alpha_beta,
+        naive_allreduce_time,
+        ring_allreduce_time,
+        tree_allreduce_time,
+    )
 
     link = [r for r in rows if r["method"] == "sendrecv"]
     if not link:
@@ -403,37 +453,102 @@ def cost_model_figure(rows, figsize=(7, 3)):
     link = [r for r in link if r["nprocs"] == fit_R]
     alpha, beta = fit_alpha_beta([r["size_bytes"] for r in link], [r["seconds"] for r in link])
     nprocs = sorted({r["nprocs"] for r in rows})
-    fig, axes = plt.subplots(1, len(nprocs), figsize=figsize, dpi=80, sharey=True, squeeze=False)
+    fig, axes = subplots(1, len(nprocs), figsize=figsize, sharey=True, squeeze=False)
     sizes = np.logspace(10, 27, 60, base=2)
     for ax, R in zip(axes[0], nprocs):
         for fn, name, style in ((naive_allreduce_time, "naive model", "r-"),
                                 (tree_allreduce_time, "tree model", "m-."),
                                 (ring_allreduce_time, "ring model", "k-")):
             ax.plot(sizes, [fn(s, R, alpha, beta) * 1e3 for s in sizes], style, linewidth=1,
-                    label=name)
+                    label=name if R == nprocs[0] else None)
         for method in ("gloo", "ring", "pipelined", "naive"):
-            pts = sorted((r["size_bytes"], r["seconds"]) for r in rows
+            pts = sorted((r["size_bytes"], r["seconds"], r.get("seconds_min", r["seconds"]),
+                          r.get("seconds_max", r["seconds"])) for r in rows
                          if r["nprocs"] == R and r["method"] == method)
             if pts:
                 st = _METHOD_STYLE[method]
-                ax.scatter([p[0] for p in pts], [p[1] * 1e3 for p in pts], s=14,
-                           color=st["color"], marker=st["marker"], label=st["label"], zorder=5)
+                y = [p[1] * 1e3 for p in pts]
+                ax.errorbar([p[0] for p in pts], y, fmt="none", ecolor=st["color"], alpha=0.6,
+                            yerr=[[v - p[2] * 1e3 for v, p in zip(y, pts)],
+                                  [p[3] * 1e3 - v for v, p in zip(y, pts)]])
+                ax.scatter([p[0] for p in pts], y, s=14, color=st["color"], marker=st["marker"],
+                           label=st["label"] if R == nprocs[0] else None, zorder=5)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
-        ax.set_title(f"R = {R}", fontsize=9)
-        ax.set_xlabel("tensor size (bytes)", fontsize=8)
-        ax.tick_params(labelsize=7)
+        ax.set_title(f"R = {R}", fontsize=LABEL_PT)
+        ax.set_xlabel("tensor size (bytes)", fontsize=SMALL_PT)
+        ax.tick_params(labelsize=SMALL_PT)
         ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel("time per all-reduce (ms)", fontsize=8)
-    axes[0][-1].legend(fontsize=6, loc="upper left")
+    axes[0][0].set_ylabel("time per all-reduce (ms)", fontsize=SMALL_PT)
+    fig.legend(loc="lower center", ncol=4, fontsize=SMALL_PT, frameon=False)
     fig.suptitle(f"α = {alpha * 1e6:.0f} µs, 1/β = {1 / beta / 1e9:.2f} GB/s "
-                 f"(fitted to send/recv, R = {fit_R})", fontsize=9)
-    fig.tight_layout()
+                 f"(fitted to send/recv medians, R = {fit_R}; bars: min..max)", fontsize=LABEL_PT)
+    finish(fig, rect=(0, 0.14, 1, 1))
     fig.alpha_beta = (alpha, beta)
     return fig
 
 
-__all__ += ["per_rank_gradients_figure", "allreduce_bandwidth_figure", "cost_model_figure"]
+def ring_allreduce_steps_figure(world_size: int = 3, figsize=None):
+    """The ring all-reduce step by step, as a static picture: reduce-scatter, then all-gather.
+
+    One panel per state of :func:`ddp_lesson.collectives.simulate_ring_all_reduce` (step 0:
+    the inputs, then each of the 2(R-1) steps). In a panel, a row per rank and a column per
+    chunk; each cell shows the chunk's value and, after Σ, the ranks summed into it. Colours:
+    grey = only the rank's own input, yellow = partly summed, green = summed over every rank;
+    a thick border marks the chunk that arrived in this step, and the line under the panel
+    lists the step's messages (``r0→r1 c0``: rank 0 sent chunk 0 to rank 1).
+
+    Args:
+        world_size: R, 2 to 6 (one panel per step: 2R-1 panels).
+        figsize: inches; default about 2 inches per panel, at least :data:`MIN_WIDTH_IN`.
+
+    Returns:
+        The ``Figure``; ``fig.axes[k]`` is step k, titled with its phase.
+
+    Raises:
+        ValueError: ``world_size`` outside 2..6.
+    """
+    from matplotlib.patches import Rectangle
+
+    from .collectives import simulate_ring_all_reduce
+
+    if not 2 <= world_size <= 6:
+        raise ValueError(f"world_size must be in 2..6 for a readable figure, got {world_size}")
+    states = simulate_ring_all_reduce(world_size)
+    R = world_size
+    colours = {"own": "#d9d9d9", "partial": "#ffe08a", "full": "#8fd18f"}
+    fig, axes = subplots(1, len(states), squeeze=False,
+                         figsize=figsize or (max(MIN_WIDTH_IN, 2.0 * len(states)),
+                                            1.3 + 0.6 * R))
+    for ax, state in zip(axes[0], states):
+        arrived = {(dst, c) for _, dst, c in state.moves}
+        for r in range(R):
+            for c in range(R):
+                who = state.contributors[r][c]
+                kind = "full" if len(who) == R else "own" if who == {r} else "partial"
+                bold = (r, c) in arrived
+                ax.add_patch(Rectangle((c, R - 1 - r), 1, 1, facecolor=colours[kind],
+                                       edgecolor="black", linewidth=2.5 if bold else 0.6))
+                value = "/".join(f"{v:g}" for v in state.values[r][c])
+                ax.text(c + 0.5, R - 0.5 - r, f"{value}\nΣ{''.join(map(str, sorted(who)))}",
+                        ha="center", va="center", fontsize=SMALL_PT)
+        ax.set_xlim(0, R)
+        ax.set_ylim(0, R)
+        ax.set_aspect("equal")
+        ax.set_xticks([c + 0.5 for c in range(R)], [f"c{c}" for c in range(R)])
+        ax.set_yticks([R - 0.5 - r for r in range(R)],
+                      [f"rank {r}" if ax is axes[0][0] else "" for r in range(R)])
+        ax.tick_params(length=0, labelsize=SMALL_PT)
+        phase = "inputs" if state.step == 0 else state.phase
+        ax.set_title(f"step {state.step}: {phase}", fontsize=LABEL_PT)
+        moves = [f"r{s}→r{d} c{c}" for s, d, c in state.moves]  # two messages a line
+        ax.set_xlabel("\n".join(", ".join(moves[i:i + 2]) for i in range(0, len(moves), 2))
+                      or "(nothing sent)", fontsize=SMALL_PT)
+    return finish(fig)
+
+
+__all__ += ["per_rank_gradients_figure", "allreduce_bandwidth_figure", "cost_model_figure",
+            "ring_allreduce_steps_figure"]
 
 
 # =========================================================================== training figures (notebook 05)
@@ -455,11 +570,10 @@ def loss_curves_figure(curves, title: str = "training loss per optimizer step",
     Returns:
         The figure.
     """
-    import matplotlib.pyplot as plt
 
     panels = 2 if reference is not None else 1
-    fig, axes = plt.subplots(1, panels, figsize=figsize or ((9, 3) if panels == 2 else (6, 3)),
-                             dpi=80, squeeze=False)
+    fig, axes = subplots(1, panels, figsize=figsize or ((9, 3) if panels == 2 else (6, 3)),
+                         squeeze=False)
     ax = axes[0][0]
     styles = ["-", "--", ":", "-."]
     for i, (label, losses) in enumerate(curves.items()):
@@ -467,9 +581,9 @@ def loss_curves_figure(curves, title: str = "training loss per optimizer step",
                 lw=max(0.8, 2 - 0.4 * i), label=label)
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("loss (mean over labelled pixels)")
-    ax.set_title(title, fontsize=10)
+    ax.set_title(title, fontsize=TITLE_PT)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=SMALL_PT)
     if reference is not None:
         bx = axes[0][1]
         ref = curves[reference]
@@ -481,12 +595,11 @@ def loss_curves_figure(curves, title: str = "training loss per optimizer step",
             bx.semilogy(range(1, len(delta) + 1), delta, "o" + styles[i % len(styles)],
                         color=f"C{i}", ms=3, label=label)
         bx.set_xlabel("optimizer step")
-        bx.set_ylabel(f"|loss - loss of '{reference}'|", fontsize=8)
-        bx.set_title("difference from the reference", fontsize=10)
+        bx.set_ylabel(f"|loss - loss of '{reference}'|", fontsize=SMALL_PT)
+        bx.set_title("difference from the reference", fontsize=TITLE_PT)
         bx.grid(alpha=0.3, which="both")
-        bx.legend(fontsize=7)
-    fig.tight_layout()
-    return fig
+        bx.legend(fontsize=SMALL_PT)
+    return finish(fig)
 
 
 def masks_figure(images, targets, preds, figsize=None):
@@ -501,12 +614,11 @@ def masks_figure(images, targets, preds, figsize=None):
     Returns:
         The figure: one row per sample, columns image | ground truth | prediction.
     """
-    import matplotlib.pyplot as plt
 
     from .data import colorize_target, denormalize_image
 
     n = len(images)
-    fig, axes = plt.subplots(n, 3, figsize=figsize or (6, 1.1 * n + 0.4), dpi=80, squeeze=False)
+    fig, axes = subplots(n, 3, figsize=figsize or (6, 1.1 * n + 0.4), squeeze=False)
     for i in range(n):
         panels = (denormalize_image(images[i]), colorize_target(targets[i]),
                   colorize_target(preds[i]))
@@ -515,16 +627,15 @@ def masks_figure(images, targets, preds, figsize=None):
             ax.set_xticks([])
             ax.set_yticks([])
             if i == 0:
-                ax.set_title(("image", "ground truth", "prediction")[j], fontsize=9)
-    fig.tight_layout()
-    return fig
+                ax.set_title(("image", "ground truth", "prediction")[j], fontsize=LABEL_PT)
+    return finish(fig)
 
 
 def scaling_figure(rows, figsize=(8, 3)):
     """The scaling study: samples/s against processes (left), step-time breakdown (right).
 
     Args:
-        rows: rows of ``benchmarks/scaling.csv`` (:func:`ddp_lesson.bench_scaling.read_csv`):
+        rows: rows of ``benchmarks/scaling.csv`` (:func:`ddp_lesson.bench.scaling.read_csv`):
             mode, nprocs, samples_per_s, samples_per_s_min/max, efficiency and the phase
             seconds data_s, forward_s, backward_s, comm_exposed_s, optimizer_s, other_s.
 
@@ -533,11 +644,10 @@ def scaling_figure(rows, figsize=(8, 3)):
         ideal line (R x the 1-process rate). Right: one stacked bar per (mode, R), the
         median seconds per step in each phase.
     """
-    import matplotlib.pyplot as plt
 
     phases = ("data", "forward", "backward", "comm_exposed", "optimizer", "other")
     colors = ("#8c8c8c", "#4c72b0", "#55a868", "#c44e52", "#dd8452", "#cccccc")
-    fig, (ax, bx) = plt.subplots(1, 2, figsize=figsize, dpi=80,
+    fig, (ax, bx) = subplots(1, 2, figsize=figsize,
                                  gridspec_kw={"width_ratios": [1, 1.3]})
     modes = [m for m in ("weak", "strong") if any(r["mode"] == m for r in rows)]
     for mode, color, dy in zip(modes, ("#4c72b0", "#dd8452"), (5, -12)):
@@ -552,13 +662,13 @@ def scaling_figure(rows, figsize=(8, 3)):
             ax.plot(x, [one * n for n in x], ":", color=color, lw=1, label=f"{mode}: ideal")
             for xi, r in zip(x, rs):
                 ax.annotate(f"{r['efficiency']:.2f}", (xi, r["samples_per_s"]),
-                            textcoords="offset points", xytext=(4, dy), fontsize=7,
+                            textcoords="offset points", xytext=(4, dy), fontsize=SMALL_PT,
                             color=color)
     ax.set_xlabel("processes R")
     ax.set_ylabel("samples / s")
     ax.set_xticks(sorted({r["nprocs"] for r in rows}))
-    ax.set_title("throughput (labels: efficiency)", fontsize=9)
-    ax.legend(fontsize=7)
+    ax.set_title("throughput (labels: efficiency)", fontsize=LABEL_PT)
+    ax.legend(fontsize=SMALL_PT)
     ax.grid(alpha=0.3)
     labels, bottoms = [], []
     bars = [r for m in modes for r in sorted((r for r in rows if r["mode"] == m),
@@ -572,13 +682,12 @@ def scaling_figure(rows, figsize=(8, 3)):
             bottom += h
         bottoms.append(bottom)
     bx.set_xticks(range(len(bars)))
-    bx.set_xticklabels(labels, fontsize=8)
+    bx.set_xticklabels(labels, fontsize=SMALL_PT)
     bx.set_xlabel("mode (w = weak, s = strong) and R")
     bx.set_ylabel("ms per step")
-    bx.set_title("where a step's time goes (rank 0)", fontsize=9)
-    bx.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    fig.tight_layout()
-    return fig
+    bx.set_title("where a step's time goes (rank 0)", fontsize=LABEL_PT)
+    bx.legend(fontsize=SMALL_PT, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    return finish(fig)
 
 
 __all__ += ["loss_curves_figure", "masks_figure", "scaling_figure"]
@@ -616,10 +725,9 @@ def ddp_timeline_figure(panels, figsize=(7, 3.4), align: bool = True):
         The ``Figure``, one Axes per panel. Exposed spans are patches with
         ``gid == "exposed"``, all-reduce boxes ``gid == "comm"``.
     """
-    import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
-    fig, axes = plt.subplots(len(panels), 1, figsize=figsize, dpi=80, sharex=True,
+    fig, axes = subplots(len(panels), 1, figsize=figsize, sharex=True,
                              squeeze=False)
     colours = ("tab:blue", "tab:orange")
     for ax, (title, records) in zip(axes[:, 0], panels):
@@ -643,7 +751,7 @@ def ddp_timeline_figure(panels, figsize=(7, 3.4), align: bool = True):
                                hatch="///", linewidth=0.8, gid="exposed")
         ax.set_yticks(range(len(records)))
         ax.set_yticklabels([f"rank {len(records) - 1 - i}" for i in range(len(records))],
-                           fontsize=7)
+                           fontsize=SMALL_PT)
         ax.set_ylim(-0.6, len(records) - 0.4)
         if align:
             from .ddp import job_exposed_s
@@ -652,20 +760,19 @@ def ddp_timeline_figure(panels, figsize=(7, 3.4), align: bool = True):
             what = "after the last rank's backward"
         else:
             exposed, what = max(r.exposed_s for r in records) * 1e3, "on the slowest rank"
-        ax.set_title(f"{title}: {exposed:.0f} ms of communication exposed {what}", fontsize=8)
-        ax.tick_params(labelsize=7)
+        ax.set_title(f"{title}: {exposed:.0f} ms of communication exposed {what}", fontsize=SMALL_PT)
+        ax.tick_params(labelsize=SMALL_PT)
     axes[-1, 0].set_xlabel("ms since the first rank's forward returned" if align
-                           else "ms since the end of forward", fontsize=8)
+                           else "ms since the end of forward", fontsize=SMALL_PT)
     handles = [Patch(facecolor="lightgrey", edgecolor="grey", label="backward (| = grad ready)"),
                Patch(facecolor=colours[0], label="all-reduce"),
                Patch(facecolor="none", edgecolor="red", hatch="///",
                      label="after backward (communication or waiting)")]
-    fig.legend(handles=handles, loc="lower center", ncol=3, fontsize=7, frameon=False)
-    fig.tight_layout(rect=(0, 0.06, 1, 1))
-    return fig
+    fig.legend(handles=handles, loc="lower center", ncol=3, fontsize=SMALL_PT, frameon=False)
+    return finish(fig, rect=(0, 0.06, 1, 1))
 
 
-def bucket_sweep_figure(predicted, measured=None, figsize=(6, 3)):
+def bucket_sweep_figure(predicted, measured=None, figsize=(MIN_WIDTH_IN, 3.4)):
     """Exposed communication against bucket cap: the cost model's curve and measured points.
 
     Args:
@@ -679,17 +786,13 @@ def bucket_sweep_figure(predicted, measured=None, figsize=(6, 3)):
         The ``Figure`` (one Axes, log-scaled x). The model's line has ``gid == "model"``,
         the measured points ``gid == "measured"``.
     """
-    import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=figsize, dpi=80)
+    fig, ax = subplots(figsize=figsize)
     caps = [r for r in predicted if r["cap_mb"] is not None]
     naive = [r for r in predicted if r["cap_mb"] is None]
     xs = [max(r["cap_mb"], 1e-3) for r in caps]
     ys = [r["exposed_s"] * 1e3 for r in caps]
     ax.plot(xs, ys, "-o", color="tab:blue", markersize=4, label="cost model", gid="model")
-    for x, y, r in zip(xs, ys, caps):
-        ax.annotate(str(r["buckets"]), (x, y), textcoords="offset points", xytext=(0, 5),
-                    fontsize=6, ha="center", color="tab:blue")
     best = min(range(len(ys)), key=ys.__getitem__)
     ax.plot([xs[best]], [ys[best]], "*", color="tab:green", markersize=12,
             label=f"model optimum: {caps[best]['cap_mb']:g} MB")
@@ -707,21 +810,22 @@ def bucket_sweep_figure(predicted, measured=None, figsize=(6, 3)):
                        label="NaiveDDP measured")
     ax.set_xscale("log")
     # every cap gets its own tick; a cap of 0 (one bucket per parameter) sits at 1e-3
-    ax.set_xticks(xs, ["0" if r["cap_mb"] == 0 else f"{r['cap_mb']:g}" for r in caps])
+    # the bucket counts go under the ticks, where no measured point can hide them
+    ax.set_xticks(xs, [("0" if r["cap_mb"] == 0 else f"{r['cap_mb']:g}") + f"\n{r['buckets']}"
+                       for r in caps])
     ax.minorticks_off()
-    ax.set_xlabel("bucket_cap_mb (numbers: buckets)", fontsize=8)
-    ax.set_ylabel("exposed communication (ms)", fontsize=8)
-    ax.tick_params(labelsize=7)
-    ax.legend(fontsize=7, frameon=False)
-    fig.tight_layout()
-    return fig
+    ax.set_xlabel("bucket_cap_mb (second line: buckets)", fontsize=LABEL_PT)
+    ax.set_ylabel("exposed communication (ms)", fontsize=LABEL_PT)
+    ax.tick_params(labelsize=SMALL_PT)
+    ax.legend(fontsize=SMALL_PT, frameon=False, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    return finish(fig)
 
 
 def ddp_benchmark_figure(rows, figsize=(7, 3)):
     """Steps/s of torch's DDP, NaiveDDP and BucketedDDP, without and with a simulated link.
 
     Args:
-        rows: rows of ``benchmarks/ddp.csv`` (:func:`ddp_lesson.bench_ddp.read_results`):
+        rows: rows of ``benchmarks/ddp.csv`` (:func:`ddp_lesson.bench.ddp.read_results`):
             ``variant``, ``link``, ``steps_per_s`` (median), ``steps_per_s_min``/``_max``,
             ``exposed_share``.
         figsize: inches.
@@ -730,9 +834,8 @@ def ddp_benchmark_figure(rows, figsize=(7, 3)):
         The ``Figure``: left, no link; right, under the link, each bar labelled with its
         exposed-communication share where measured. Error bars span min..max over rounds.
     """
-    import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=figsize, dpi=80)
+    fig, axes = subplots(1, 2, figsize=figsize)
     colours = {"torch": "tab:grey", "naive": "tab:red", "bucketed": "tab:blue",
                "bucketed-no-overlap": "tab:cyan"}
     for ax, link in zip(axes, (False, True)):
@@ -745,23 +848,22 @@ def ddp_benchmark_figure(rows, figsize=(7, 3)):
                color=[colours.get(n, "tab:purple") for n in names])
         for i, r in enumerate(mine):
             if r.get("exposed_share") not in (None, ""):
-                ax.text(i, med[i] / 2, f"exposed\n{float(r['exposed_share']):.0%}",
-                        ha="center", va="center", fontsize=6, color="white")
+                ax.text(i, med[i] * 0.3, f"exposed\n{float(r['exposed_share']):.0%}",
+                        ha="center", va="center", fontsize=SMALL_PT, color="white")
         ax.set_xticks(range(len(mine)))
         ax.set_xticklabels([n.replace("-no-overlap", "\nno overlap") for n in names],
-                           fontsize=7)
-        ax.set_ylabel("steps/s (median of rounds)", fontsize=8)
-        ax.tick_params(labelsize=7)
+                           fontsize=SMALL_PT)
+        ax.set_ylabel("steps/s (median; bars: min..max)", fontsize=LABEL_PT)
+        ax.tick_params(labelsize=SMALL_PT)
         described = [r for r in mine if r.get("latency_ms") not in (None, "")]
         if link and described:
             ax.set_title(f"simulated link: {float(described[0]['latency_ms']):g} ms, "
-                         f"{float(described[0]['bandwidth_MBps']):g} MB/s", fontsize=8)
+                         f"{float(described[0]['bandwidth_MBps']):g} MB/s", fontsize=SMALL_PT)
         elif link:
-            ax.set_title("simulated link", fontsize=8)
+            ax.set_title("simulated link", fontsize=SMALL_PT)
         else:
-            ax.set_title("gloo on this machine (no link model)", fontsize=8)
-    fig.tight_layout()
-    return fig
+            ax.set_title("gloo on this machine (no link model)", fontsize=SMALL_PT)
+    return finish(fig)
 
 
 __all__ += ["ddp_timeline_figure", "bucket_sweep_figure", "ddp_benchmark_figure"]
@@ -785,13 +887,12 @@ def memory_stages_figure(num_params: float, world_size: int, capacity_bytes: flo
         The ``Figure`` (one Axes); each bar patch has ``gid`` ``"params"``, ``"grads"`` or
         ``"optimizer"``, heights in GB. Pure arithmetic, no process group.
     """
-    import matplotlib.pyplot as plt
 
     from .memory import GB, STAGE_NAMES, STAGES, memory_per_rank
 
     parts = [memory_per_rank(num_params, world_size, s, **kwargs) for s in STAGES]
     names = [STAGE_NAMES[s].replace(" (", "\n(") for s in STAGES]
-    fig, ax = plt.subplots(figsize=figsize, dpi=80)
+    fig, ax = subplots(figsize=figsize)
     bottom = [0.0] * len(parts)
     for attr, label, colour in (("params_bytes", "parameters (16-bit)", "tab:blue"),
                                 ("grads_bytes", "gradients (16-bit)", "tab:orange"),
@@ -802,20 +903,19 @@ def memory_stages_figure(num_params: float, world_size: int, capacity_bytes: flo
             bar.set_gid(attr.replace("_bytes", ""))
         bottom = [b + x for b, x in zip(bottom, h)]
     for i, total in enumerate(bottom):
-        ax.text(i, total, f"{total:.3g} GB", ha="center", va="bottom", fontsize=7)
+        ax.text(i, total, f"{total:.3g} GB", ha="center", va="bottom", fontsize=SMALL_PT)
     if capacity_bytes is not None:
         ax.axhline(capacity_bytes / GB, color="red", linestyle="--", linewidth=1,
                    label=f"device memory {capacity_bytes / GB:g} GB")
     ax.set_xticks(range(len(parts)))
-    ax.set_xticklabels(names, fontsize=7)
-    ax.set_ylabel("GB per rank (1e9 bytes)", fontsize=8)
+    ax.set_xticklabels(names, fontsize=SMALL_PT)
+    ax.set_ylabel("GB per rank (1e9 bytes)", fontsize=SMALL_PT)
     ax.set_ylim(0, max(bottom) * 1.15)
     ax.set_title(f"{num_params / 1e9:g}B parameters, {world_size} ranks, model states only",
-                 fontsize=9)
-    ax.tick_params(labelsize=7)
-    ax.legend(fontsize=7, frameon=False)
-    fig.tight_layout()
-    return fig
+                 fontsize=LABEL_PT)
+    ax.tick_params(labelsize=SMALL_PT)
+    ax.legend(fontsize=SMALL_PT, frameon=False)
+    return finish(fig)
 
 
 __all__ += ["memory_stages_figure"]

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from ddp_lesson.bench_ddp import FIELDS, _launcher_only, ratios, read_results, write_results
+from ddp_lesson.bench.ddp import FIELDS, ratios, read_results, worker_argv, write_results
 
 
 def _row(variant, link, sps, ratio, **extra):
@@ -38,8 +38,18 @@ def test_csv_round_trip_and_ratios(tmp_path):
 
 
 def test_launcher_options_are_not_passed_to_the_worker():
-    argv = ["--nprocs", "2", "--batch", "2", "--out=x.csv", "--figure", "f.png", "--steps", "3"]
-    assert _launcher_only(argv) == ["--batch", "2", "--steps", "3"]
+    from ddp_lesson.bench.ddp import _worker_parser
+    from ddp_lesson.cli import _parser
+
+    argv = ["bench", "ddp", "--nprocs", "2", "--batch", "2", "--out=x.csv", "--figure", "f.png",
+            "--steps", "3", "--size", "8", "16", "--repeats", "5"]
+    args = worker_argv(_parser().parse_args(argv))
+    assert args == ["worker", "--repeats", "5", "--width", "16", "--batch", "2", "--size", "8",
+                    "16", "--steps", "3", "--warmup", "2", "--bucket-cap-mb", "25.0",
+                    "--link-bucket-cap-mb", "0.25", "--latency-ms", "0.5",
+                    "--bandwidth-mbps", "100.0"]
+    back = _worker_parser().parse_args(args[1:])
+    assert (back.batch, back.steps, back.size, back.repeats) == (2, 3, [8, 16], 5)
 
 
 def test_benchmark_figure_has_both_panels():
@@ -81,6 +91,7 @@ def test_timeline_and_sweep_figures():
     plt.close(fig)
     rows = predict_bucket_sweep([4000] * 10, [0, 0.01, 1], 0.01, 2, 1e-4, 1e8)
     fig = bucket_sweep_figure(rows, [(0, 0.001), (1, 0.002), (None, 0.01)])
-    assert [t.get_text() for t in fig.axes[0].get_xticklabels()] == ["0", "0.01", "1"]
+    # the caps, with their bucket counts on a second line (not inside the axes, behind points)
+    assert [t.get_text().split("\n")[0] for t in fig.axes[0].get_xticklabels()] == ["0", "0.01", "1"]
     assert any(c.get_gid() == "measured" for c in fig.axes[0].collections)
     plt.close(fig)
