@@ -125,3 +125,22 @@ def test_pre_division_keeps_an_fp16_average_finite(lab):
     # 40000 + 40000 overflows fp16 (max 65504); 20000 + 20000 does not
     for v in ("torch", *OURS):
         assert _both(lab, "fp16_sum", v) == [[40000.0], [40000.0]], v
+
+
+def test_case8_zero1_is_an_optimizer_with_the_models_groups_like_torchs(lab):
+    for r in (0, 1):
+        got = lab["zero_optimizer"][r]
+        for v in ("torch", "ours"):
+            # group 1 (40 ones) has lr 0; the others step by 0.1 * 1
+            assert got[v + " values"] == [0.9, 1.0, 0.9, 0.9], (v, r)
+            assert got[v + " groups"] == [1, 1, 1, 1], (v, r)
+            assert got[v + " is Optimizer"] == [True]
+            # LambdaLR(0.5 ** epoch) on lr 0.1 and on the added group's 0.2
+            assert got[v + " lrs"] == [[0.05, 0.1], [0.025, 0.05], [0.0125, 0.025]]
+            # momentum 0.9: 1 - (0.1 + 0.05 * 1.9 + 0.025 * 2.71) = 0.73725; lr 0.2 group: 0.4745
+            assert got[v + " after 3 steps"] == [0.73725, 0.73725, 0.4745, 0.4745]
+    got = lab["zero_optimizer"][0]
+    for v in ("torch", "ours"):
+        assert got[v + " state"] == {"0": 2.71, "1": 2.71, "2": 2.71, "3": 2.71}  # 1+0.9+0.81
+        assert got[v + " saved groups"] == [[[0, 1], 0.0125, 0.9], [[2, 3], 0.025, 0.9]]
+    assert got["ours reloaded groups"] == [[0.0125, 0.9], [0.025, 0.9]]

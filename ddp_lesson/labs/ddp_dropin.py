@@ -243,7 +243,65 @@ def fp16_sum(rank):
     return out
 
 
-SCENARIOS = {f.__name__: f for f in (
+def zero_optimizer(rank):
+    """Case 8: ZeRO-1 as a torch optimizer, ours and torch's ZeroRedundancyOptimizer.
+
+    Four parameters of 50, 40, 30 and 20 ones, each in its own group, SGD lr 0.1; group 1's
+    lr set to 0; gradients all ones; one step. Then momentum SGD with a group added after
+    construction and a LambdaLR (factor 0.5 per epoch), 3 steps, the state consolidated on
+    rank 0 and loaded into a fresh optimizer.
+    """
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.optim.lr_scheduler import LambdaLR
+
+    from ddp_lesson.zero import ShardedOptimizer
+
+    out = {}
+    makers = {"torch": lambda g, **kw: ZeroRedundancyOptimizer(g, torch.optim.SGD, **kw),
+              "ours": lambda g, **kw: ShardedOptimizer(g, torch.optim.SGD, **kw)}
+    for v, make in makers.items():
+        params = [nn.Parameter(torch.ones(n)) for n in (50, 40, 30, 20)]
+        opt = make([{"params": [p], "lr": 0.1} for p in params], lr=0.1)
+        opt.param_groups[1]["lr"] = 0
+        for p in params:
+            p.grad = torch.ones_like(p)
+        opt.step()
+        out[v + " values"] = [round(p[0].item(), 6) for p in params]
+        out[v + " groups"] = [len(g["params"]) for g in opt.param_groups]
+        out[v + " is Optimizer"] = [isinstance(opt, torch.optim.Optimizer)]
+
+        # scheduler + momentum + a group added later, then the consolidated state
+        params = [nn.Parameter(torch.ones(n)) for n in (50, 40, 30, 20)]
+        opt = make([{"params": params[:2]}], lr=0.1, momentum=0.9)
+        opt.add_param_group({"params": params[2:], "lr": 0.2})
+        sched = LambdaLR(opt, lambda epoch: 0.5 ** epoch)
+        lrs = []
+        for _ in range(3):
+            for p in params:
+                p.grad = torch.full_like(p, 1.0)
+            opt.step()
+            sched.step()
+            lrs.append([g["lr"] for g in opt.param_groups])
+        out[v + " lrs"] = lrs
+        out[v + " after 3 steps"] = [round(p[0].item(), 6) for p in params]
+        opt.consolidate_state_dict(to=0)
+        if rank == 0:
+            sd = opt.state_dict()
+            out[v + " state"] = {str(k): round(s["momentum_buffer"][0].item(), 6)
+                                 for k, s in sorted(sd["state"].items())}
+            out[v + " saved groups"] = [[g["params"], g["lr"], g["momentum"]]
+                                        for g in sd["param_groups"]]
+            if v == "ours":  # reload into a fresh optimizer: the same state, the same next step
+                params2 = [nn.Parameter(p.detach().clone()) for p in params]
+                fresh = make([{"params": params2[:2]}, {"params": params2[2:]}], lr=0.1,
+                             momentum=0.9)
+                fresh.load_state_dict(sd)
+                out[v + " reloaded groups"] = [[g["lr"], g["momentum"]]
+                                               for g in fresh.param_groups]
+    return out
+
+
+SCENARIOS = {f.__name__: f for f in (zero_optimizer, 
     different_models, uneven_inputs, buffers_reassigned, unfrozen_after_wrapping,
     unused_with_no_sync, reentrant_checkpoint, device_ids, skipped_backward, fp16_sum)}
 
