@@ -1001,7 +1001,7 @@ class _GradSyncBase(nn.Module, Joinable):
                     f"{'; '.join(lines)}. torch's DDP would hang here or fail in the next "
                     "iteration with 'Expected to have finished reduction in the prior "
                     "iteration'. Make every parameter take part in the loss on every rank, "
-                    "freeze it (requires_grad=False) before wrapping, or pass "
+                    "freeze it (requires_grad=False), or pass "
                     "find_unused_parameters=True.")
         used = [any(int(table[r, i]) & bit for r in active) for i in range(P)]
         if self.find_unused_parameters and not self._warned_no_unused and self.rank in active:
