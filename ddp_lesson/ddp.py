@@ -12,12 +12,18 @@ How the gradients get averaged
 ------------------------------
 * At construction every parameter and buffer is broadcast from rank 0, so every rank starts
   from the same weights whatever it initialised (shared/cases B8).
+* Before that broadcast, every rank's parameter list (names, shapes, dtypes) is all-gathered
+  and compared, so a model that differs between ranks is the same ValueError on every rank.
 * A *post-accumulate-grad hook* on each trainable parameter
   (``Tensor.register_post_accumulate_grad_hook``) fires inside ``backward()`` the moment that
   parameter's ``.grad`` is final for this pass. The first hook of a pass also queues a
   callback that autograd runs when the whole pass is done
   (``Variable._execution_engine.queue_callback``): there the wrapper waits for its
   all-reduces and writes the averages into ``.grad``, so ``backward()`` returns with them.
+  (One callback per autograd task: a reentrant activation checkpoint runs an inner backward
+  whose end is not the end of the pass.)
+* Averaging divides each gradient by ``R`` *before* the SUM all-reduce, as torch does: a sum
+  over ``R`` ranks of fp16 gradients can overflow, a sum of pre-divided ones cannot.
 * :class:`NaiveDDP` does all the work in that final callback: one blocking ``all_reduce`` per
   parameter, one after the other, once backward has finished. Simple, correct, slow: many
   small messages (each pays the link's latency) and no communication while backward computes.
@@ -33,8 +39,12 @@ The design follows PyTorch's own DDP: S. Li et al., "PyTorch Distributed: Experi
 Accelerating Data Parallel Training", VLDB 2020 (arXiv:2006.15704), sections 3.2-3.3
 (gradient bucketing, overlap, ``no_sync``, unused parameters), and
 ``torch/csrc/distributed/c10d/reducer.cpp``. Differences from torch are named in each
-docstring; the main one is a small extra collective per step that lets every rank raise the
-same clear error (instead of hanging) when a parameter got no gradient.
+docstring; the main one is a small extra collective per step (a check table) that lets every
+rank raise the same clear error where torch hangs or lets the ranks silently diverge: a
+parameter that got no gradient, a rank that skipped a backward, a parameter unfrozen or added
+after wrapping. Both wrappers are ``Joinable`` (``torch.distributed.algorithms.Join``) for
+uneven inputs, take torch's constructor signature, and raise NotImplementedError naming any
+torch option they leave out.
 
 Also here: the bucket assignment as a pure function (:func:`assign_buckets`, equal to torch's
 ``_compute_bucket_assignment_by_size`` applied in reverse order), :class:`SimulatedLink` (an
