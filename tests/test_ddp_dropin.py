@@ -112,6 +112,13 @@ def test_case7_torch_signature_device_ids_on_cpu(lab):
                     "error", "NotImplementedError",
                     f"{NAMES[v]} does not support {feature}=True; use torch's "
                     "DistributedDataParallel"]
+            kind, cls, msg = got[f"{v} register_comm_hook"]
+            assert (kind, cls) == ("error", "NotImplementedError")
+            assert msg.startswith(f"{NAMES[v]} does not support register_comm_hook")
+            assert "use torch's DistributedDataParallel" in msg
+        kind, cls, msg = got["naive bucket_cap_mb"]
+        assert (kind, cls) == ("error", "NotImplementedError")
+        assert msg.startswith("NaiveDDP does not support bucket_cap_mb=25")
 
 
 def test_a_skipped_backward_is_an_error_on_every_rank(lab):

@@ -193,6 +193,9 @@ def device_ids(rank):
             lambda: WRAPPERS[v](nn.Linear(2, 1), gradient_as_bucket_view=True) and [])
         out[v + " static_graph"] = _try(
             lambda: WRAPPERS[v](nn.Linear(2, 1), static_graph=True) and [])
+        out[v + " register_comm_hook"] = _try(
+            lambda: WRAPPERS[v](nn.Linear(2, 1)).register_comm_hook(None, None) and [])
+    out["naive bucket_cap_mb"] = _try(lambda: NaiveDDP(nn.Linear(2, 1), bucket_cap_mb=25) and [])
     return out
 
 
