@@ -595,7 +595,7 @@ def _move_to(obj, device: torch.device):
 
 
 class _WrapperJoinHook(JoinHook):
-    """What a rank that has run out of inputs does inside ``Join``: shadow the others' collectives.
+    """What a rank out of inputs does inside ``Join``: shadow the others' collectives.
 
     ``main_hook`` runs once per iteration of the ranks still training and issues the same
     collectives, in the same order, as their forward and backward: the buffer broadcast, the
@@ -898,7 +898,8 @@ class _GradSyncBase(nn.Module, Joinable):
 
     def _common_rank(self, candidate: bool) -> int:
         """The highest global rank among those passing ``candidate=True`` (a MAX all-reduce)."""
-        me = dist.get_global_rank(self.process_group, self.rank) if self.process_group else self.rank
+        me = (self.rank if self.process_group is None
+              else dist.get_global_rank(self.process_group, self.rank))
         t = torch.tensor([me if candidate else -1], device=self._device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.process_group)
         return int(t.item())

@@ -24,8 +24,6 @@ part of the model (the largest tensor bounds the imbalance).
 """
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.distributed as dist
 

@@ -46,12 +46,13 @@ def different_models(rank):
     out = {}
     for v in OURS:
         cls = WRAPPERS[v]
-        out[v + " out_features"] = _try(lambda: cls(nn.Linear(4, 3 if rank == 0 else 2)) and [])
-        out[v + " transposed"] = _try(
-            lambda: cls(nn.Linear(4, 3, bias=False) if rank == 0 else nn.Linear(3, 4, bias=False))
-            and [])
+        out[v + " out_features"] = _try(
+            lambda cls=cls: cls(nn.Linear(4, 3 if rank == 0 else 2)) and [])
+        out[v + " transposed"] = _try(  # weight (3, 4) vs (4, 3): equal element counts
+            lambda cls=cls: cls(nn.Linear(4, 3, bias=False) if rank == 0
+                                else nn.Linear(3, 4, bias=False)) and [])
 
-        def frozen():
+        def frozen(cls=cls):
             m = nn.Linear(4, 3)
             if rank == 1:
                 m.requires_grad_(False)
@@ -110,7 +111,7 @@ def unfrozen_after_wrapping(rank):
         ddp = cls(m)
         m.net[0].weight.requires_grad_(True)
 
-        def step():
+        def step(ddp=ddp, m=m):
             ddp(x).backward()
             return [m.net[0].weight.grad.item()]
         out[v + " unfrozen"] = _try(step)
@@ -118,7 +119,7 @@ def unfrozen_after_wrapping(rank):
             m = TwoLayer()
             ddp = cls(m)
             m.extra = nn.Parameter(torch.ones(1))
-            out[v + " added"] = _try(lambda: ddp(x).backward() or [])
+            out[v + " added"] = _try(lambda ddp=ddp: ddp(x).backward() or [])
     return out
 
 
@@ -141,7 +142,7 @@ def unused_with_no_sync(rank):
             m = AB()
             ddp = cls(m, find_unused_parameters=flag)
 
-            def run():
+            def run(ddp=ddp, m=m):
                 with warnings.catch_warnings(record=True) as caught:
                     warnings.simplefilter("always")
                     with ddp.no_sync():
@@ -174,7 +175,7 @@ def reentrant_checkpoint(rank):
             m = Checkpointed(reentrant)
             ddp = cls(m)
 
-            def run():
+            def run(ddp=ddp, m=m):
                 ddp(x).backward()
                 return [round(g, 6) for p in m.parameters() for g in p.grad.reshape(-1).tolist()]
             out[f"{v} use_reentrant={reentrant}"] = _try(run)
@@ -185,16 +186,16 @@ def device_ids(rank):
     """Case 7: torch's signature on CPU: None accepted, a device list refused."""
     out = {}
     for v, cls in WRAPPERS.items():
-        out[v + " None"] = _try(lambda: cls(nn.Linear(2, 1), device_ids=None,
+        out[v + " None"] = _try(lambda cls=cls: cls(nn.Linear(2, 1), device_ids=None,
                                             output_device=None) and [])
-        out[v + " [0]"] = _try(lambda: cls(nn.Linear(2, 1), device_ids=[0]) and [])
+        out[v + " [0]"] = _try(lambda cls=cls: cls(nn.Linear(2, 1), device_ids=[0]) and [])
     for v in OURS:
         out[v + " gradient_as_bucket_view"] = _try(
-            lambda: WRAPPERS[v](nn.Linear(2, 1), gradient_as_bucket_view=True) and [])
+            lambda v=v: WRAPPERS[v](nn.Linear(2, 1), gradient_as_bucket_view=True) and [])
         out[v + " static_graph"] = _try(
-            lambda: WRAPPERS[v](nn.Linear(2, 1), static_graph=True) and [])
+            lambda v=v: WRAPPERS[v](nn.Linear(2, 1), static_graph=True) and [])
         out[v + " register_comm_hook"] = _try(
-            lambda: WRAPPERS[v](nn.Linear(2, 1)).register_comm_hook(None, None) and [])
+            lambda v=v: WRAPPERS[v](nn.Linear(2, 1)).register_comm_hook(None, None) and [])
     out["naive bucket_cap_mb"] = _try(lambda: NaiveDDP(nn.Linear(2, 1), bucket_cap_mb=25) and [])
     return out
 
@@ -224,7 +225,7 @@ def skipped_backward(rank):
         m = _scalar()
         ddp = WRAPPERS[v](m)
 
-        def run():
+        def run(ddp=ddp, m=m):
             if rank == 0:
                 ddp(torch.ones(1, 1))  # forgotten backward
             ddp(torch.ones(1, 1)).sum().backward()
