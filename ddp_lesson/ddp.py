@@ -12,12 +12,18 @@ How the gradients get averaged
 ------------------------------
 * At construction every parameter and buffer is broadcast from rank 0, so every rank starts
   from the same weights whatever it initialised (shared/cases B8).
+* Before that broadcast, every rank's parameter list (names, shapes, dtypes) is all-gathered
+  and compared, so a model that differs between ranks is the same ValueError on every rank.
 * A *post-accumulate-grad hook* on each trainable parameter
   (``Tensor.register_post_accumulate_grad_hook``) fires inside ``backward()`` the moment that
   parameter's ``.grad`` is final for this pass. The first hook of a pass also queues a
   callback that autograd runs when the whole pass is done
   (``Variable._execution_engine.queue_callback``): there the wrapper waits for its
   all-reduces and writes the averages into ``.grad``, so ``backward()`` returns with them.
+  (One callback per autograd task: a reentrant activation checkpoint runs an inner backward
+  whose end is not the end of the pass.)
+* Averaging divides each gradient by ``R`` *before* the SUM all-reduce, as torch does: a sum
+  over ``R`` ranks of fp16 gradients can overflow, a sum of pre-divided ones cannot.
 * :class:`NaiveDDP` does all the work in that final callback: one blocking ``all_reduce`` per
   parameter, one after the other, once backward has finished. Simple, correct, slow: many
   small messages (each pays the link's latency) and no communication while backward computes.
@@ -33,8 +39,12 @@ The design follows PyTorch's own DDP: S. Li et al., "PyTorch Distributed: Experi
 Accelerating Data Parallel Training", VLDB 2020 (arXiv:2006.15704), sections 3.2-3.3
 (gradient bucketing, overlap, ``no_sync``, unused parameters), and
 ``torch/csrc/distributed/c10d/reducer.cpp``. Differences from torch are named in each
-docstring; the main one is a small extra collective per step that lets every rank raise the
-same clear error (instead of hanging) when a parameter got no gradient.
+docstring; the main one is a small extra collective per step (a check table) that lets every
+rank raise the same clear error where torch hangs or lets the ranks silently diverge: a
+parameter that got no gradient, a rank that skipped a backward, a parameter unfrozen or added
+after wrapping. Both wrappers are ``Joinable`` (``torch.distributed.algorithms.Join``) for
+uneven inputs, take torch's constructor signature, and raise NotImplementedError naming any
+torch option they leave out.
 
 Also here: the bucket assignment as a pure function (:func:`assign_buckets`, equal to torch's
 ``_compute_bucket_assignment_by_size`` applied in reverse order), :class:`SimulatedLink` (an
@@ -55,6 +65,7 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from .collectives import ring_allreduce_time
 
@@ -515,19 +526,132 @@ def _broadcast_coalesced(tensors: list[torch.Tensor], src: int, process_group) -
                 offset += t.numel()
 
 
-class _GradSyncBase(nn.Module):
-    """What NaiveDDP and BucketedDDP share: construction broadcast, hooks, no_sync, checks.
+#: torch's DDP keyword arguments these wrappers accept only at their default value:
+#: ``name -> default``. Any other value raises NotImplementedError naming the feature.
+_UNSUPPORTED = {
+    "dim": 0, "check_reduction": False, "gradient_as_bucket_view": False,
+    "static_graph": False, "delay_all_reduce_named_params": None,
+    "param_to_hook_all_reduce": None, "mixed_precision": None, "device_mesh": None,
+    "skip_all_reduce_unused_params": False, "bucket_cap_mb_list": None,
+    "batched_grad_copy": False, "forward_sync_buffers": None,
+}
 
-    Subclasses implement ``_grad_ready(index)`` (a gradient arrived during a synchronised
-    backward) and ``_after_backward()`` (autograd finished; make ``.grad`` the average).
+# Codes in the per-step table every rank all-reduces after a synchronised backward.
+_GOT = 1    # the parameter's gradient arrived in this synchronised backward
+_USED = 2   # it got a gradient since the last synchronisation (no_sync passes included)
+_LATE = 4   # it got a gradient after the graph walk had counted it unused (zeros already sent)
+# extra columns after the P parameter columns
+_COL_JOINED, _COL_FORWARDS, _COL_UNSYNCED = 0, 1, 2
+
+
+def _signature(module: nn.Module, with_buffers: bool) -> list[tuple]:
+    """What must be equal on every rank for the broadcast and the all-reduces to line up."""
+    sig = [("parameter", n, tuple(p.shape), str(p.dtype), p.requires_grad)
+           for n, p in module.named_parameters()]
+    if with_buffers:
+        sig += [("buffer", n, tuple(b.shape), str(b.dtype), False)
+                for n, b in module.named_buffers()]
+    return sig
+
+
+def _first_difference(signatures: list[list[tuple]]) -> str | None:
+    """The first way rank ``r``'s signature differs from rank 0's, in words; None if equal."""
+    ref = signatures[0]
+    for r, sig in enumerate(signatures[1:], start=1):
+        for i, (a, b) in enumerate(zip(ref, sig)):
+            if a == b:
+                continue
+            what = f"{a[0]} {i} ({a[1]!r} on rank 0, {b[1]!r} on rank {r})"
+            if a[0] != b[0] or a[1] != b[1]:
+                return (f"{what}: different names; shapes {a[2]} on rank 0 and {b[2]} on "
+                        f"rank {r}")
+            if a[2] != b[2]:
+                return f"{what}: shape {a[2]} on rank 0 but {b[2]} on rank {r}"
+            if a[3] != b[3]:
+                return f"{what}: dtype {a[3]} on rank 0 but {b[3]} on rank {r}"
+            return (f"{what}: requires_grad={a[4]} on rank 0 but {b[4]} on rank {r}, so the "
+                    "ranks would synchronise different parameter lists")
+        if len(ref) != len(sig):
+            def count(s):
+                trainable = sum(1 for e in s if e[0] == "parameter" and e[4])
+                return (f"{sum(1 for e in s if e[0] == 'parameter')} parameters "
+                        f"({trainable} trainable) and {sum(1 for e in s if e[0] == 'buffer')} "
+                        "buffers")
+            return f"rank 0 has {count(ref)}, rank {r} has {count(sig)}"
+    return None
+
+
+def _move_to(obj, device: torch.device):
+    """``obj`` with every tensor inside (nested tuple/list/dict) moved to ``device``."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, tuple):
+        return tuple(_move_to(o, device) for o in obj)
+    if isinstance(obj, list):
+        return [_move_to(o, device) for o in obj]
+    if isinstance(obj, dict):
+        return {k: _move_to(v, device) for k, v in obj.items()}
+    return obj
+
+
+class _WrapperJoinHook(JoinHook):
+    """What a rank out of inputs does inside ``Join``: shadow the others' collectives.
+
+    ``main_hook`` runs once per iteration of the ranks still training and issues the same
+    collectives, in the same order, as their forward and backward: the buffer broadcast, the
+    "will this backward synchronise" flag, then zeros in place of each gradient message and a
+    row marked "joined" in the check table. ``post_hook`` broadcasts the final parameters
+    (and buffers) from the highest rank among the last to join, as torch does.
     """
 
-    def __init__(self, module: nn.Module, process_group=None, *,
-                 find_unused_parameters: bool = False, broadcast_buffers: bool = True,
-                 comm_hook: Callable | None = None, recorder: Recorder | None = None):
+    def __init__(self, ddp: _GradSyncBase, divide_by_initial_world_size: bool):
+        self.ddp = ddp
+        ddp._divide_by_initial_world_size = divide_by_initial_world_size
+
+    def main_hook(self) -> None:
+        ddp = self.ddp
+        ddp._sync_buffers_if_due(joined=True)
+        flag = torch.zeros(1, device=ddp._device)
+        dist.all_reduce(flag, group=ddp.process_group)
+        should_sync = bool(flag.item() != 0)
+        ddp._buffers_need_sync = should_sync
+        if should_sync:
+            ddp._shadow_backward()
+
+    def post_hook(self, is_last_joiner: bool) -> None:
+        ddp = self.ddp
+        src = ddp._common_rank(is_last_joiner)
+        tensors = [p.detach() for p in ddp.module.parameters()]
+        if ddp.broadcast_buffers:
+            tensors += list(ddp.module.buffers())
+        _broadcast_coalesced(tensors, src, ddp.process_group)
+
+
+class _GradSyncBase(nn.Module, Joinable):
+    """What NaiveDDP and BucketedDDP share: construction checks and broadcast, hooks,
+    ``no_sync``, ``Join`` support, and the per-step check table.
+
+    Subclasses implement ``_grad_ready(index)`` (a gradient arrived during a synchronised
+    backward), ``_after_backward()`` (autograd finished; make ``.grad`` the average) and
+    ``_shadow_backward()`` (a joined rank's matching collectives with zeros).
+    """
+
+    def __init__(self, module: nn.Module, device_ids=None, output_device=None, *,
+                 broadcast_buffers: bool = True, init_sync: bool = True, process_group=None,
+                 find_unused_parameters: bool = False, comm_hook: Callable | None = None,
+                 recorder: Recorder | None = None, torch_kwargs: dict | None = None):
         super().__init__()
+        Joinable.__init__(self)
+        name = type(self).__name__
+        for key, value in (torch_kwargs or {}).items():
+            if key not in _UNSUPPORTED:
+                raise TypeError(f"{name}() got an unexpected keyword argument {key!r}")
+            if value is not _UNSUPPORTED[key] and value != _UNSUPPORTED[key]:
+                raise NotImplementedError(
+                    f"{name} does not support {key}={value!r}; use torch's "
+                    "DistributedDataParallel")
         if not (dist.is_available() and dist.is_initialized()):
-            raise RuntimeError(f"{type(self).__name__} needs a process group: call "
+            raise RuntimeError(f"{name} needs a process group: call "
                                "ddp_lesson.env.init_distributed() (or "
                                "torch.distributed.init_process_group) first")
         self.module = module
@@ -536,33 +660,88 @@ class _GradSyncBase(nn.Module):
         self.rank = dist.get_rank(process_group)
         if self.rank < 0:
             raise RuntimeError("this process is not a member of the process group it was given")
+        self.device_ids, self.output_device = self._check_devices(device_ids, output_device)
         self.find_unused_parameters = find_unused_parameters
         self.broadcast_buffers = broadcast_buffers
         self.comm_hook = comm_hook if comm_hook is not None else default_all_reduce
         self.recorder = recorder
         #: like torch's DDP: False inside ``no_sync()``; read by ``forward``.
         self.require_backward_grad_sync = True
+        self._src = 0 if process_group is None else dist.get_global_rank(process_group, 0)
+        # Case 1 of the drop-in checks: exchange every rank's parameter list before any
+        # broadcast, so a model that differs between ranks is the same ValueError everywhere
+        # (torch raises on the differing rank only; the others see "connection closed").
+        if init_sync:
+            signatures: list = [None] * self.world_size
+            dist.all_gather_object(signatures, _signature(module, broadcast_buffers),
+                                   group=process_group)
+            diff = _first_difference(signatures)
+            if diff is not None:
+                raise ValueError(f"{name}: the model differs between ranks, so its "
+                                 f"gradients cannot be averaged: {diff}. Build the same "
+                                 "model on every rank before wrapping it.")
         # named_parameters() lists a shared (tied) parameter once: it is reduced once.
         # Frozen parameters get no gradient and are left alone.
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         if not named:
-            raise ValueError(f"{type(self).__name__}: the module has no parameter with "
+            raise ValueError(f"{name}: the module has no parameter with "
                              "requires_grad=True, so there is nothing to synchronise")
         self.param_names = [n for n, _ in named]
         self._params = [p for _, p in named]
-        self._module_buffers = list(module.buffers())
-        self._src = 0 if process_group is None else dist.get_global_rank(process_group, 0)
-        # B8: whatever each rank initialised, everyone starts from rank 0's weights.
-        _broadcast_coalesced([p.detach() for p in module.parameters()] + self._module_buffers,
-                             self._src, process_group)
-        self._used = [False] * len(self._params)   # got a gradient since the last sync
-        self._ready = [False] * len(self._params)  # got it in this synchronised backward
-        self._armed = False                        # the last forward asked for a sync
-        self._in_backward = False
+        self._param_ids = {id(p) for p in self._params}
+        self._device = self._params[0].device
+        # B8: whatever each rank initialised, everyone starts from rank 0's weights (and,
+        # unless broadcast_buffers=False, rank 0's buffers: torch's rule, also at init).
+        if init_sync:
+            tensors = [p.detach() for p in module.parameters()]
+            if broadcast_buffers:
+                tensors += list(module.buffers())
+            _broadcast_coalesced(tensors, self._src, process_group)
+        P = len(self._params)
+        self._used = [False] * P        # got a gradient since the last sync
+        self._got = [False] * P         # got it in this synchronised backward
+        self._ready = [False] * P       # counted ready (got it, or unused per the graph walk)
+        self._late = [False] * P        # got it after being counted unused
+        self._armed = False             # the last forward asked for a sync
+        self._backward_begun = False
+        self._queued_tasks: set[int] = set()
         self._buffers_need_sync = True
         self._warned_no_unused = False
+        self._sync_forwards = 0         # synchronised forwards run so far (skipped backward)
+        self._divisor = self.world_size
+        self._divide_by_initial_world_size = True
+        self._unsynced: list[str] = []  # trainable now, but not when wrapped
         self._hook_handles = [p.register_post_accumulate_grad_hook(self._make_hook(i))
                               for i, p in enumerate(self._params)]
+
+    def _check_devices(self, device_ids, output_device):
+        """torch's rule: ``device_ids`` / ``output_device`` only for a single-GPU module."""
+        devices = {p.device for p in self.module.parameters()}
+        name = type(self).__name__
+        if len(devices) > 1 or all(d.type == "cpu" for d in devices):
+            if device_ids or output_device is not None:
+                raise ValueError(
+                    f"{name}: device_ids and output_device only work with a module on one "
+                    f"GPU; got device_ids {device_ids}, output_device {output_device}, and "
+                    f"module parameters on {sorted(str(d) for d in devices)}. Pass None "
+                    "(as torch's DistributedDataParallel requires)")
+            return None, None
+        (device,) = devices
+        if device_ids:
+            ids = [torch.device(d if not isinstance(d, int) else f"{device.type}:{d}")
+                   for d in device_ids]
+            if len(ids) != 1 or ids[0] != device:
+                raise ValueError(f"{name}: device_ids {list(device_ids)} must name the one "
+                                 f"device the module is on, {device}")
+        if output_device is not None:
+            out = torch.device(output_device if not isinstance(output_device, int)
+                               else f"{device.type}:{output_device}")
+            if out != device:
+                raise ValueError(f"{name}: output_device {output_device} differs from the "
+                                 f"module's device {device}; {name} returns outputs where "
+                                 "the module computes them")
+        return (None if not device_ids else [device.index]), (
+            None if output_device is None else device.index)
 
     # ------------------------------------------------------------------ user-facing
 
@@ -570,22 +749,53 @@ class _GradSyncBase(nn.Module):
         """Run the wrapped module; decide here whether the next backward synchronises.
 
         As in torch's DDP the decision is taken in ``forward``: the backward of a forward run
-        inside :meth:`no_sync` (or with grad disabled) only accumulates locally. Buffers
-        (BatchNorm running statistics) are broadcast from rank 0 before a forward that
-        follows a synchronised one (torch's ``broadcast_buffers=True`` rule), so a
-        collective may run here.
+        inside :meth:`no_sync` (or with grad disabled) only accumulates locally.
+
+        Buffers: with ``broadcast_buffers=True`` (torch's default) the module's buffers, read
+        afresh from ``module.buffers()`` each time (a forward may replace a buffer tensor by
+        a new one), are broadcast from rank 0 before a forward that follows a synchronised
+        one (inside ``Join``: from the highest rank still training, as torch). So a
+        collective may run here. ``broadcast_buffers=False``: never, not even at
+        construction (torch's rule): each rank keeps its own buffers.
+
+        With ``device_ids`` (one GPU), tensors in the inputs are moved to that device first.
         """
+        if self.device_ids:
+            inputs, kwargs = _move_to(inputs, self._device), _move_to(kwargs, self._device)
         sync = torch.is_grad_enabled() and self.require_backward_grad_sync
-        if self.broadcast_buffers and self._buffers_need_sync and self._module_buffers:
-            _broadcast_coalesced(self._module_buffers, self._src, self.process_group)
+        self._divisor = self.world_size
+        if self._join_config.enable:
+            # tell Join this rank is still training; the sum counts the ranks that are
+            work = Join.notify_join_context(self)
+            if work is not None:
+                work.wait()
+                active = int(work.get_future().value()[0].item())
+                if not self._divide_by_initial_world_size:
+                    self._divisor = active
+        self._sync_buffers_if_due(joined=False)
+        if self._join_config.enable:  # tell the joined ranks whether this backward syncs
+            dist.all_reduce(torch.full((1,), float(sync), device=self._device),
+                            group=self.process_group)
         self._buffers_need_sync = sync
         output = self.module(*inputs, **kwargs)
         self._armed = sync
         if sync:
+            self._sync_forwards += 1
+            self._got = [False] * len(self._params)
             self._ready = [False] * len(self._params)
+            self._late = [False] * len(self._params)
+            self._backward_begun = False
+            self._queued_tasks = set()
+            self._unsynced = [n for n, p in self.module.named_parameters()
+                              if p.requires_grad and id(p) not in self._param_ids]
             if self.recorder is not None:
                 self.recorder._begin(self.rank)
             self._prepare_backward(output)
+            # The outer backward's own task gets a final callback even when every parameter
+            # sits inside a reentrant checkpoint (whose inner backward is a task of its own).
+            for t in _find_tensors(output):
+                if t.requires_grad:
+                    t.register_hook(self._on_output_grad)
         return output
 
     @contextlib.contextmanager
@@ -605,6 +815,36 @@ class _GradSyncBase(nn.Module):
         finally:
             self.require_backward_grad_sync = old
 
+    def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
+             throw_on_early_termination: bool = False) -> Join:
+        """``with ddp.join():`` is ``with Join([ddp], ...)`` (torch's ``DDP.join``)."""
+        return Join([self], enable, throw_on_early_termination,
+                    divide_by_initial_world_size=divide_by_initial_world_size)
+
+    def join_hook(self, **kwargs) -> JoinHook:
+        """The hook ``torch.distributed.algorithms.Join`` runs on a rank out of inputs.
+
+        Args:
+            divide_by_initial_world_size: True (torch's default): a gradient averaged while
+                some ranks have joined is still divided by the initial world size (the joined
+                ranks count as zeros). False: divided by the number of ranks still training.
+        """
+        return _WrapperJoinHook(self, kwargs.get("divide_by_initial_world_size", True))
+
+    @property
+    def join_device(self) -> torch.device:
+        return self._device
+
+    @property
+    def join_process_group(self):
+        return self.process_group
+
+    def register_comm_hook(self, state, hook):
+        raise NotImplementedError(
+            f"{type(self).__name__} does not support register_comm_hook(state, hook) (torch's "
+            "GradBucket hooks); pass comm_hook=hook(tensor, process_group) -> work when "
+            "building it, or use torch's DistributedDataParallel")
+
     # ------------------------------------------------------------------ hooks
 
     def _make_hook(self, index: int):
@@ -612,20 +852,38 @@ class _GradSyncBase(nn.Module):
             self._used[index] = True
             if not self._armed:
                 return  # a no_sync backward: the gradient just accumulates
-            if not self._in_backward:
-                # First gradient of this pass: ask autograd to call us when the pass is done.
-                self._in_backward = True
-                torch.autograd.Variable._execution_engine.queue_callback(self._final_callback)
-                self._backward_started()
+            self._begin_backward()
             if self.recorder is not None:
                 self.recorder._grad(self.param_names[index])
-            if not self._ready[index]:  # (already counted if the graph walk missed it)
+            self._got[index] = True
+            if not self._ready[index]:
                 self._ready[index] = True
                 self._grad_ready(index)
+            else:  # counted unused by the graph walk, its zeros may be on the wire already
+                self._late[index] = True
         return hook
 
+    def _on_output_grad(self, grad):
+        if self._armed:
+            self._begin_backward()
+
+    def _begin_backward(self) -> None:
+        if not self._backward_begun:
+            self._backward_begun = True
+            self._backward_started()
+        # One final callback per autograd task: a reentrant checkpoint runs an inner
+        # backward (a task of its own) whose end is not the end of the outer one.
+        task = torch._C._current_graph_task_id()
+        if task not in self._queued_tasks:
+            self._queued_tasks.add(task)
+            torch.autograd.Variable._execution_engine.queue_callback(self._final_callback)
+
     def _final_callback(self) -> None:
-        self._in_backward = False
+        if not self._armed:
+            return  # already done in an inner task's callback
+        nested = torch._C._current_autograd_node() is not None
+        if nested and not all(self._ready):
+            return  # an inner (reentrant) backward ended; the outer one goes on
         self._armed = False
         if self.recorder is not None:
             self.recorder._backward_end()
@@ -635,6 +893,24 @@ class _GradSyncBase(nn.Module):
             self._used = [False] * len(self._params)
             if self.recorder is not None:
                 self.recorder._finish()
+
+    # ------------------------------------------------------------------ collectives
+
+    def _common_rank(self, candidate: bool) -> int:
+        """The highest global rank among those passing ``candidate=True`` (a MAX all-reduce)."""
+        me = (self.rank if self.process_group is None
+              else dist.get_global_rank(self.process_group, self.rank))
+        t = torch.tensor([me if candidate else -1], device=self._device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.process_group)
+        return int(t.item())
+
+    def _sync_buffers_if_due(self, joined: bool) -> None:
+        """Broadcast the buffers before a forward that follows a synchronised one."""
+        buffers = list(self.module.buffers())  # afresh: forward may have replaced them
+        if not (self.broadcast_buffers and self._buffers_need_sync and buffers):
+            return
+        src = self._common_rank(not joined) if self._join_config.enable else self._src
+        _broadcast_coalesced(buffers, src, self.process_group)
 
     # ------------------------------------------------------------------ for subclasses
 
@@ -650,56 +926,112 @@ class _GradSyncBase(nn.Module):
     def _after_backward(self) -> None:
         raise NotImplementedError
 
-    def _flags(self) -> torch.Tensor:
-        """Row ``rank`` of an ``(R, P)`` int32 matrix; all-reduced, everyone sees every rank's row.
+    def _shadow_backward(self) -> None:
+        raise NotImplementedError
 
-        Without ``find_unused_parameters`` a 1 means "its gradient arrived in this backward";
-        with it, "it got a gradient since the last sync" (``no_sync`` passes included).
+    def _table(self, joined: bool = False) -> torch.Tensor:
+        """Row ``rank`` of an ``(R, P + 3)`` int32 table; all-reduced, every rank sees every row.
+
+        Parameter columns hold :data:`_GOT` | :data:`_USED` | :data:`_LATE` bits; then
+        "joined", "synchronised forwards so far" and "unsynchronised trainable parameters".
         """
-        mine = self._used if self.find_unused_parameters else self._ready
-        device = self._params[0].device
-        flags = torch.zeros(self.world_size, len(self._params), dtype=torch.int32, device=device)
-        flags[self.rank] = torch.tensor(mine, dtype=torch.int32, device=device)
-        return flags
+        P = len(self._params)
+        table = torch.zeros(self.world_size, P + 3, dtype=torch.int32, device=self._device)
+        if joined:
+            table[self.rank, P + _COL_JOINED] = 1
+            self._unsynced = []
+            return table
+        row = [(_GOT if g else 0) | (_USED if u else 0) | (_LATE if late else 0)
+               for g, u, late in zip(self._got, self._used, self._late)]
+        unsynced = [n for n in self._unsynced
+                    if dict(self.module.named_parameters())[n].grad is not None]
+        self._unsynced = unsynced
+        row += [0, self._sync_forwards, len(unsynced)]
+        table[self.rank] = torch.tensor(row, dtype=torch.int32, device=self._device)
+        return table
 
-    def _check_flags(self, flags: torch.Tensor) -> list[bool]:
-        """After the flags' all-reduce: which parameters to write (used on some rank).
+    def _check_table(self, table: torch.Tensor) -> list[bool]:
+        """After the table's all-reduce: which parameters to write (used on some rank).
 
-        Raises the same RuntimeError on every rank (they all hold the same matrix) when,
-        without ``find_unused_parameters``, some rank produced no gradient for a parameter.
+        Raises the same error on every rank (they all hold the same table, and the gather of
+        names below is entered by all of them):
+            RuntimeError: a trainable parameter the wrapper does not know got a gradient;
+                the ranks' synchronised-forward counts differ (a rank ran a forward whose
+                backward it skipped); a parameter got a gradient after the graph walk counted
+                it unused; without ``find_unused_parameters``, a parameter got no gradient on
+                some rank.
         """
-        flags = flags.cpu()
-        if not self.find_unused_parameters and not bool(flags.all()):
+        name = type(self).__name__
+        P = len(self._params)
+        table = table.cpu()
+        active = [r for r in range(self.world_size) if not table[r, P + _COL_JOINED]]
+        if any(table[r, P + _COL_UNSYNCED] for r in active):
+            names: list = [None] * self.world_size
+            dist.all_gather_object(names, self._unsynced, group=self.process_group)
+            where = "; ".join(f"rank {r}: {', '.join(n)}" for r, n in enumerate(names) if n)
+            raise RuntimeError(
+                f"{name}: parameters that were frozen or absent when the wrapper was built "
+                f"now get gradients that it does not average, so the ranks would silently "
+                f"diverge — {where}. Wrap the model again after changing requires_grad or "
+                "adding parameters (torch's DDP does not notice this).")
+        counts = {r: int(table[r, P + _COL_FORWARDS]) for r in active}
+        if len(set(counts.values())) > 1:
+            said = ", ".join(f"rank {r}: {c}" for r, c in counts.items())
+            raise RuntimeError(
+                f"{name}: the ranks have run different numbers of synchronised forwards "
+                f"({said}), so this backward would average gradients of different steps. A "
+                "rank ran a forward with gradients enabled and skipped its backward: run "
+                "evaluation under torch.no_grad() or on ddp.module, and every training "
+                "forward with a backward on every rank.")
+        late = [i for i in range(P) if any(int(table[r, i]) & _LATE for r in active)]
+        if late:
+            raise RuntimeError(
+                f"{name}: {', '.join(self.param_names[i] for i in late)} got a gradient "
+                "although the graph walk after forward found it unused (a reentrant "
+                "checkpoint hides parameters from the walk), and zeros were already sent for "
+                f"it. {name} does not support find_unused_parameters=True with "
+                "torch.utils.checkpoint(use_reentrant=True); use use_reentrant=False, or "
+                "torch's DistributedDataParallel")
+        bit = _USED if self.find_unused_parameters else _GOT
+        if not self.find_unused_parameters:
             lines = []
-            for r in range(self.world_size):
-                missing = [f"{self.param_names[i]} (index {i})"
-                           for i in range(len(self._params)) if not flags[r, i]]
+            for r in active:
+                missing = []
+                for i in range(P):
+                    code = int(table[r, i])
+                    if not code & _GOT:
+                        note = ("; it got its gradient only inside no_sync(), so "
+                                "find_unused_parameters=True is needed" if code & _USED else "")
+                        missing.append(f"{self.param_names[i]} (index {i}{note})")
                 if missing:
                     lines.append(f"rank {r}: {', '.join(missing)}")
-            raise RuntimeError(
-                f"{type(self).__name__}: these parameters received no gradient in this "
-                f"backward pass, so their all-reduce could never complete — "
-                f"{'; '.join(lines)}. torch's DDP would hang here or fail in the next "
-                "iteration with 'Expected to have finished reduction in the prior "
-                "iteration'. Make every parameter take part in the loss on every rank, "
-                "freeze it (requires_grad=False), or pass find_unused_parameters=True.")
-        used = (flags.sum(0) > 0).tolist()
-        if self.find_unused_parameters and not self._warned_no_unused:
+            if lines:
+                raise RuntimeError(
+                    f"{name}: these parameters received no gradient in this "
+                    f"backward pass, so their all-reduce could never complete — "
+                    f"{'; '.join(lines)}. torch's DDP would hang here or fail in the next "
+                    "iteration with 'Expected to have finished reduction in the prior "
+                    "iteration'. Make every parameter take part in the loss on every rank, "
+                    "freeze it (requires_grad=False), or pass "
+                    "find_unused_parameters=True.")
+        used = [any(int(table[r, i]) & bit for r in active) for i in range(P)]
+        if self.find_unused_parameters and not self._warned_no_unused and self.rank in active:
             self._warned_no_unused = True
-            if all(self._used):
+            if all(self._got):
                 warnings.warn(
-                    f"{type(self).__name__}(find_unused_parameters=True): every parameter got "
-                    "a gradient in the first synchronised step on this rank. The flag costs "
-                    "a walk of the autograd graph after every forward (and makes buckets wait "
-                    "for the end of backward when something is unused); if the model never "
-                    "has unused parameters, leave it False.", UserWarning, stacklevel=2)
+                    f"{name}(find_unused_parameters=True): every parameter got a gradient "
+                    "in the first synchronised backward on this rank. The flag costs a walk "
+                    "of the autograd graph after every forward (and makes buckets wait for "
+                    "the end of backward when something is unused); if no step ever leaves "
+                    "a parameter out (none skipped by a branch or used only inside "
+                    "no_sync()), leave it False.", UserWarning, stacklevel=2)
         return used
 
-    def _agree_on_used(self) -> list[bool]:
-        """All-reduce the who-produced-which-gradient table (blocking), then check it."""
-        flags = self._flags()
-        dist.all_reduce(flags, group=self.process_group)
-        return self._check_flags(flags)
+    def _agree_on_used(self, joined: bool = False) -> list[bool]:
+        """All-reduce the check table (blocking), then check it."""
+        table = self._table(joined)
+        dist.all_reduce(table, group=self.process_group)
+        return self._check_table(table)
 
     def _all_reduce(self, tensor: torch.Tensor, index: int, names: list[str]):
         """Issue the SUM all-reduce of ``tensor`` through ``comm_hook``; returns a handle for :meth:`_wait`."""
@@ -728,19 +1060,54 @@ class _GradSyncBase(nn.Module):
 class NaiveDDP(_GradSyncBase):
     """Data parallelism the simplest way: after backward, one all-reduce per parameter.
 
-    A drop-in replacement for ``torch.nn.parallel.DistributedDataParallel(module)``: when
-    ``loss.backward()`` returns, every ``p.grad`` is the mean over ranks. It is slow on
-    purpose: every parameter is its own message (each pays the link latency α), and nothing
-    is sent until backward has finished (no overlap). :class:`BucketedDDP` fixes both.
+    A drop-in replacement for ``torch.nn.parallel.DistributedDataParallel(module, ...)``,
+    with torch's signature: when ``loss.backward()`` returns, every ``p.grad`` is the mean
+    over ranks. It is slow on purpose: every parameter is its own message (each pays the link
+    latency α), and nothing is sent until backward has finished (no overlap).
+    :class:`BucketedDDP` fixes both.
+
+    Averaging: each gradient is divided by ``R`` *before* the SUM all-reduce, as torch's DDP
+    does (``_allreduce_fut`` in ``torch/distributed/algorithms/ddp_comm_hooks/default_hooks.py``:
+    "Apply the division first to avoid overflow, especially for FP16"): a sum over ``R`` ranks
+    of fp16 values near 65504 would overflow to inf, the mean of the pre-divided values
+    cannot.
+
+    Construction checks (a collective): every rank's parameter list (names, shapes, dtypes,
+    requires_grad; and buffers with ``broadcast_buffers``) is all-gathered and compared, so a
+    model that differs between ranks raises the same ValueError on every rank, naming the
+    first difference and both shapes; then parameters (and buffers with
+    ``broadcast_buffers``) are broadcast from rank 0.
+
+    Each synchronised backward also all-reduces a small ``(R, P + 3)`` int32 table (who
+    produced which gradient, how many synchronised forwards each rank ran, whether a
+    parameter the wrapper does not know got a gradient) and raises the same RuntimeError on
+    every rank when: a parameter got no gradient on some rank (without
+    ``find_unused_parameters``; torch hangs or fails an iteration later); a rank skipped a
+    backward (torch silently averages different steps); a parameter unfrozen or added after
+    wrapping got a gradient (torch lets the ranks diverge silently: wrap again).
+
+    Uneven inputs: a ``torch.distributed.algorithms.Join`` joinable like torch's DDP (``with
+    Join([ddp]):`` or ``with ddp.join():``); a rank out of inputs shadows the others'
+    all-reduces with zeros. Reentrant activation checkpointing works (the averaging waits for
+    the outer backward, not the checkpoint's inner one).
 
     Args:
         module: the model (already on this rank's device).
+        device_ids: None on CPU (a list raises ValueError, as torch); on one GPU, None or
+            ``[that GPU]``: inputs are then moved to it in ``forward``.
+        output_device: None, or the module's GPU.
+        dim: only 0 (torch uses it to scatter inputs over several GPUs per process).
+        broadcast_buffers: broadcast rank 0's buffers at construction and before forwards
+            that follow a synchronised one (torch's default); False: never.
+        init_sync: False skips the construction checks and broadcast (torch's flag).
         process_group: group to average over (None: the default group).
+        bucket_cap_mb: only None (NaiveDDP has no buckets; use :class:`BucketedDDP`).
         find_unused_parameters: False (default): a parameter that gets no gradient on some
-            rank raises RuntimeError on every rank, naming it. True: its local gradient
-            counts as zero in the average (torch's behaviour); one unused on every rank keeps
-            ``.grad`` unchanged (``None``).
-        broadcast_buffers: broadcast rank 0's buffers before forwards (torch's default).
+            rank raises RuntimeError on every rank, naming it (and saying when it got its
+            gradient only inside ``no_sync()``). True: its local gradient (accumulated since
+            the last sync, ``no_sync`` passes included) counts in the average, zeros for a
+            rank that has none (torch's behaviour); one unused on every rank keeps ``.grad``
+            unchanged (``None``).
         comm_hook: ``hook(tensor, process_group) -> work`` that SUM-all-reduces ``tensor``
             (default :func:`default_all_reduce`; a :class:`SimulatedLink` fits).
         recorder: a :class:`Recorder` to fill, or None.
@@ -751,21 +1118,41 @@ class NaiveDDP(_GradSyncBase):
 
     Raises:
         RuntimeError: no process group.
-        ValueError: no trainable parameter.
+        ValueError: no trainable parameter, a model that differs between ranks, or bad
+            ``device_ids`` / ``output_device``.
+        NotImplementedError: a left-out torch feature (below).
 
-    Synchronisation: construction (broadcast), forwards that broadcast buffers, and every
-    synchronised backward are collectives: all ranks must do them together. Besides the
-    per-parameter all-reduces, each synchronised backward all-reduces an ``(R, P)`` int32
-    table of who produced which gradient (the safety check torch does not make), so a
-    missing gradient is an error on every rank instead of a hang.
+    Synchronisation: construction (gather and broadcast), forwards that broadcast buffers,
+    and every synchronised backward are collectives: all ranks must do them together.
+
+    Left out, compared with torch's DDP (each raises NotImplementedError saying so when asked
+    for): ``gradient_as_bucket_view=True``, ``static_graph=True``, ``mixed_precision``,
+    ``device_mesh``, ``delay_all_reduce_named_params``, ``param_to_hook_all_reduce``,
+    ``skip_all_reduce_unused_params``, ``bucket_cap_mb_list``, ``batched_grad_copy``,
+    ``forward_sync_buffers``, ``dim != 0``, ``check_reduction=True`` and
+    ``register_comm_hook`` (use ``comm_hook=``); multi-device modules (``device_ids`` must
+    be None or the one GPU the module is on); sparse gradients; buffer communication hooks.
+    ``find_unused_parameters=True`` with a reentrant checkpoint raises when it would send
+    zeros for a parameter that then gets a gradient.
     """
 
-    def __init__(self, module: nn.Module, process_group=None, find_unused_parameters: bool = False,
-                 *, broadcast_buffers: bool = True, comm_hook: Callable | None = None,
-                 recorder: Recorder | None = None):
-        super().__init__(module, process_group, find_unused_parameters=find_unused_parameters,
-                         broadcast_buffers=broadcast_buffers, comm_hook=comm_hook,
-                         recorder=recorder)
+    def __init__(self, module: nn.Module, device_ids=None, output_device=None, dim=0,
+                 broadcast_buffers: bool = True, init_sync: bool = True, process_group=None,
+                 bucket_cap_mb=None, find_unused_parameters: bool = False,
+                 check_reduction: bool = False, gradient_as_bucket_view: bool = False,
+                 static_graph: bool = False, *, comm_hook: Callable | None = None,
+                 recorder: Recorder | None = None, **torch_kwargs):
+        if bucket_cap_mb is not None:
+            raise NotImplementedError(
+                f"NaiveDDP does not support bucket_cap_mb={bucket_cap_mb!r} (it sends one "
+                "message per parameter); use BucketedDDP or torch's DistributedDataParallel")
+        torch_kwargs.update(dim=dim, check_reduction=check_reduction,
+                            gradient_as_bucket_view=gradient_as_bucket_view,
+                            static_graph=static_graph)
+        super().__init__(module, device_ids, output_device, broadcast_buffers=broadcast_buffers,
+                         init_sync=init_sync, process_group=process_group,
+                         find_unused_parameters=find_unused_parameters, comm_hook=comm_hook,
+                         recorder=recorder, torch_kwargs=torch_kwargs)
 
     def _grad_ready(self, index: int) -> None:
         pass  # nothing to do until backward has finished
@@ -777,9 +1164,15 @@ class NaiveDDP(_GradSyncBase):
                 continue  # unused on every rank: .grad stays as it is (None), like torch
             if p.grad is None:
                 p.grad = torch.zeros_like(p)  # unused here, used elsewhere: contributes 0
+            p.grad.div_(self._divisor)        # pre-divide (torch's order: no fp16 overflow)
             handle = self._all_reduce(p.grad, i, [self.param_names[i]])  # SUM over ranks
             self._wait(handle)                # one message at a time, after backward
-            p.grad.div_(self.world_size)      # sum -> mean
+
+    def _shadow_backward(self) -> None:
+        used = self._agree_on_used(joined=True)
+        for i, p in enumerate(self._params):
+            if used[i]:
+                self._wait(self._all_reduce(torch.zeros_like(p), i, [self.param_names[i]]))
 
 
 @dataclass
@@ -819,19 +1212,30 @@ class BucketedDDP(_GradSyncBase):
     both). Without the flag, a missing gradient raises RuntimeError on every rank, naming
     the parameter, at the end of that backward (torch hangs or fails an iteration later).
 
+    Averaging: each bucket is multiplied by ``1/R`` *before* the SUM all-reduce, as torch's
+    DDP does (``_allreduce_fut`` in ``torch/distributed/algorithms/ddp_comm_hooks/
+    default_hooks.py``: "Apply the division first to avoid overflow, especially for FP16"): a
+    sum over ``R`` ranks of fp16 values near 65504 would overflow to inf.
+
+    Construction checks, the per-step table and its errors (a rank skipped a backward, a
+    parameter unfrozen or added after wrapping got a gradient), ``Join`` for uneven inputs,
+    reentrant checkpointing and buffer broadcasts: as :class:`NaiveDDP`.
+
     Differences from torch's DDP: buckets are fixed (torch rebuilds them after the first
     iteration in the order gradients actually arrived, and makes its first bucket 1 MB);
     gradients are copied into the bucket (``gradient_as_bucket_view=False``); one extra
-    small all-reduce per step carries the "who produced which gradient" table.
+    small all-reduce per step carries the check table.
 
     Args:
         module: the model (already on this rank's device).
-        bucket_cap_mb: bucket size in MiB (1 MiB = 1024**2 bytes), as in torch (default 25).
+        device_ids, output_device, dim, init_sync: as :class:`NaiveDDP` (torch's rules).
+        broadcast_buffers: broadcast rank 0's buffers at construction and before forwards
+            that follow a synchronised one (torch's default); False: never.
         process_group: group to average over (None: the default group).
+        bucket_cap_mb: bucket size in MiB (1 MiB = 1024**2 bytes), as in torch (None: 25).
         find_unused_parameters: see above (default False, as in torch).
         overlap: True (default) issues a bucket as soon as it is ready; False waits for the
             end of backward (to measure what overlap buys).
-        broadcast_buffers: broadcast rank 0's buffers before forwards (torch's default).
         comm_hook: ``hook(tensor, process_group) -> work`` that SUM-all-reduces ``tensor``
             (default :func:`default_all_reduce`; a :class:`SimulatedLink` fits).
         recorder: a :class:`Recorder` to fill, or None.
@@ -843,21 +1247,42 @@ class BucketedDDP(_GradSyncBase):
 
     Raises:
         RuntimeError: no process group.
-        ValueError: no trainable parameter, or a negative ``bucket_cap_mb``.
+        ValueError: no trainable parameter, a negative ``bucket_cap_mb``, a model that
+            differs between ranks, or bad ``device_ids`` / ``output_device``.
+        NotImplementedError: a left-out torch feature (below).
 
     Synchronisation: construction, buffer broadcasts before forwards and every synchronised
     backward are collectives (all ranks together).
+
+    Left out, compared with torch's DDP (each raises NotImplementedError saying so when asked
+    for): ``gradient_as_bucket_view=True``, ``static_graph=True``, ``mixed_precision``,
+    ``device_mesh``, ``delay_all_reduce_named_params``, ``param_to_hook_all_reduce``,
+    ``skip_all_reduce_unused_params``, ``bucket_cap_mb_list``, ``batched_grad_copy``,
+    ``forward_sync_buffers``, ``dim != 0``, ``check_reduction=True`` and
+    ``register_comm_hook`` (use ``comm_hook=``); multi-device modules (``device_ids`` must
+    be None or the one GPU the module is on); sparse gradients; buffer communication hooks.
+    ``find_unused_parameters=True`` with a reentrant checkpoint raises when it would send
+    zeros for a parameter that then gets a gradient.
     """
 
-    def __init__(self, module: nn.Module, bucket_cap_mb: float = 25, process_group=None,
-                 find_unused_parameters: bool = False, *, overlap: bool = True,
-                 broadcast_buffers: bool = True, comm_hook: Callable | None = None,
-                 recorder: Recorder | None = None):
+    def __init__(self, module: nn.Module, device_ids=None, output_device=None, dim=0,
+                 broadcast_buffers: bool = True, init_sync: bool = True, process_group=None,
+                 bucket_cap_mb: float | None = 25, find_unused_parameters: bool = False,
+                 check_reduction: bool = False, gradient_as_bucket_view: bool = False,
+                 static_graph: bool = False, *, overlap: bool = True,
+                 comm_hook: Callable | None = None, recorder: Recorder | None = None,
+                 **torch_kwargs):
+        if bucket_cap_mb is None:
+            bucket_cap_mb = 25  # torch's default
         if bucket_cap_mb < 0:
             raise ValueError(f"bucket_cap_mb must be >= 0, got {bucket_cap_mb}")
-        super().__init__(module, process_group, find_unused_parameters=find_unused_parameters,
-                         broadcast_buffers=broadcast_buffers, comm_hook=comm_hook,
-                         recorder=recorder)
+        torch_kwargs.update(dim=dim, check_reduction=check_reduction,
+                            gradient_as_bucket_view=gradient_as_bucket_view,
+                            static_graph=static_graph)
+        super().__init__(module, device_ids, output_device, broadcast_buffers=broadcast_buffers,
+                         init_sync=init_sync, process_group=process_group,
+                         find_unused_parameters=find_unused_parameters, comm_hook=comm_hook,
+                         recorder=recorder, torch_kwargs=torch_kwargs)
         self.bucket_cap_mb = bucket_cap_mb
         self.overlap = overlap
         self.bucket_indices = assign_buckets(
@@ -911,7 +1336,7 @@ class BucketedDDP(_GradSyncBase):
             self._next_bucket += 1
 
     def _launch(self, bucket: _Bucket) -> None:
-        scale = 1.0 / self.world_size
+        scale = 1.0 / self._divisor  # pre-divide (torch's order: no fp16 overflow in the sum)
         with torch.no_grad():
             for i, (start, stop) in zip(bucket.params, bucket.offsets):
                 grad = self._params[i].grad
@@ -928,18 +1353,31 @@ class BucketedDDP(_GradSyncBase):
         while self._next_bucket < len(self._buckets):
             self._launch(self._buckets[self._next_bucket])
             self._next_bucket += 1
-        flags = self._flags()
-        flags_work = dist.all_reduce(flags, group=self.process_group, async_op=True)
+        table = self._table()
+        table_work = dist.all_reduce(table, group=self.process_group, async_op=True)
         for bucket in self._buckets:
             self._wait(bucket.handle)
-        flags_work.wait()
-        used = self._check_flags(flags)
+        table_work.wait()
+        used = self._check_table(table)
         with torch.no_grad():
             for bucket in self._buckets:
                 for i, (start, stop) in zip(bucket.params, bucket.offsets):
                     if used[i]:
                         self._write_grad(i, bucket.flat[start:stop])
                 bucket.handle = None
+
+    def _shadow_backward(self) -> None:
+        # a joined rank: zeros for every bucket, in bucket order, then a "joined" table row
+        handles = []
+        for bucket in self._buckets:
+            bucket.flat.zero_()
+            handles.append(self._all_reduce(bucket.flat, bucket.index, []))
+        table = self._table(joined=True)
+        table_work = dist.all_reduce(table, group=self.process_group, async_op=True)
+        for handle in handles:
+            self._wait(handle)
+        table_work.wait()
+        self._check_table(table)
 
 
 # =========================================================================== cost-model predictions

@@ -7,8 +7,8 @@ Memory Optimizations Toward Training Trillion Parameter Models", ``P_os``) remov
 redundancy:
 
 1. the parameters are partitioned across the ``R`` ranks (:func:`partition_parameters`:
-   whole tensors, largest first, each to the least-loaded rank — deterministic, the same on
-   every rank);
+   whole tensors, group by group, largest first, each to the least-loaded rank —
+   deterministic, the same on every rank, and torch's own rule);
 2. each rank builds the real optimizer (e.g. ``torch.optim.AdamW``) over *its* parameters
    only, so it holds ~``1/R`` of the optimizer state;
 3. ``step()``: each rank updates its own parameters (the gradients are already averaged by
@@ -24,23 +24,26 @@ part of the model (the largest tensor bounds the imbalance).
 """
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.distributed as dist
 
 __all__ = ["partition_parameters", "ShardedOptimizer", "optimizer_state_bytes"]
 
 
-def partition_parameters(numels: list[int], world_size: int) -> list[list[int]]:
+def partition_parameters(numels: list[int], world_size: int,
+                         group_sizes: list[int] | None = None) -> list[list[int]]:
     """Greedy size-balanced split of tensors across ranks (longest-processing-time first).
 
-    Tensors are taken largest first (ties: lower index first) and each goes to the rank with
-    the fewest elements so far (ties: lower rank). Pure and deterministic.
+    Group by group (in order), the group's tensors are taken largest first (ties: lower index
+    first) and each goes to the rank with the fewest elements so far, counting earlier
+    groups (ties: lower rank). Pure and deterministic: torch's
+    ``ZeroRedundancyOptimizer._partition_parameters``. Adding a group at the end leaves the
+    earlier groups' owners unchanged.
 
     Args:
         numels: element count of each parameter, in parameter order.
         world_size: number of ranks R (>= 1).
+        group_sizes: how many consecutive parameters each param group holds (None: one group).
 
     Returns:
         ``owned[r]`` = sorted indices of the parameters rank ``r`` owns.
@@ -50,12 +53,21 @@ def partition_parameters(numels: list[int], world_size: int) -> list[list[int]]:
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if group_sizes is None:
+        group_sizes = [len(numels)]
+    if sum(group_sizes) != len(numels):
+        raise ValueError(f"group sizes {group_sizes} add up to {sum(group_sizes)}, "
+                         f"not to the {len(numels)} parameters")
     loads = [0] * world_size
     owned: list[list[int]] = [[] for _ in range(world_size)]
-    for i in sorted(range(len(numels)), key=lambda i: (-numels[i], i)):
-        r = min(range(world_size), key=lambda r: (loads[r], r))
-        owned[r].append(i)
-        loads[r] += numels[i]
+    start = 0
+    for size in group_sizes:
+        group = range(start, start + size)
+        for i in sorted(group, key=lambda i: (-numels[i], i)):
+            r = min(range(world_size), key=lambda r: (loads[r], r))
+            owned[r].append(i)
+            loads[r] += numels[i]
+        start += size
     return [sorted(o) for o in owned]
 
 
@@ -69,8 +81,15 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     return total
 
 
-class ShardedOptimizer:
-    """ZeRO-1: wrap ``optimizer_class`` so each rank holds the state of its parameter shard only.
+class ShardedOptimizer(torch.optim.Optimizer):
+    """ZeRO-1: a ``torch.optim.Optimizer`` whose state is sharded: each rank holds its part only.
+
+    Built like torch's ``ZeroRedundancyOptimizer(params, optimizer_class, **defaults)``:
+    :attr:`param_groups` are the model's groups, with every parameter of every rank (set
+    ``lr`` there; learning-rate schedulers such as ``LambdaLR`` work on it), ``zero_grad``
+    clears every gradient, and :meth:`step` copies the groups' hyperparameters into the local
+    optimizer, which updates this rank's shard, then broadcasts every parameter from its
+    owner. Equal to torch's ``ZeroRedundancyOptimizer`` (same partition, same values).
 
     Args:
         params: an iterable of tensors or of param-group dicts (as for any torch optimizer).
@@ -80,64 +99,87 @@ class ShardedOptimizer:
         **defaults: passed to ``optimizer_class`` (``lr=..., weight_decay=...``).
 
     Attributes:
+        param_groups: the global groups (all parameters), as the model's code built them.
         params: all parameters, in order.
         owner: ``owner[i]`` = the rank that updates parameter ``i``.
-        optim: the local ``optimizer_class`` over this rank's parameters.
+        optim: the local ``optimizer_class`` over this rank's parameters: one local group per
+            global group (empty where this rank owns none of it).
+        state: the local optimizer's state (this rank's shard only).
 
-    Use it like an optimizer: ``loss.backward()`` (gradients averaged by DDP), then
-    ``step()``, then ``zero_grad()``. ``step()`` is a synchronisation point (one broadcast
-    per parameter); so is :meth:`consolidate_state_dict`. Construction is local (no
-    communication): every rank computes the same partition on its own.
+    ``step()`` is a synchronisation point (one broadcast per parameter); so is
+    :meth:`consolidate_state_dict`. Construction and :meth:`add_param_group` are local (no
+    communication) but must happen on every rank alike: every rank computes the same
+    partition on its own.
+
+    Left out, compared with torch's: ``parameters_as_bucket_view``, ``overlap_with_ddp``,
+    and ``Join`` support (a rank out of inputs cannot shadow ``step``'s broadcasts).
 
     Raises:
-        ValueError: no parameters, or a rank would own none (more ranks than tensors).
+        ValueError: no parameters.
     """
 
     def __init__(self, params, optimizer_class, process_group=None, **defaults):
         groups = list(params)
         if not groups:
             raise ValueError("ShardedOptimizer got an empty parameter list")
-        if not isinstance(groups[0], dict):
-            groups = [{"params": groups}]
+        self._ready = False  # add_param_group from Optimizer.__init__: no local optimizer yet
         self.process_group = process_group
         self.world_size = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)
-        self.params: list[torch.Tensor] = []
-        self._group_of: list[int] = []
-        for gi, g in enumerate(groups):
-            ps = list(g["params"])
-            self.params += ps
-            self._group_of += [gi] * len(ps)
-        owned = partition_parameters([p.numel() for p in self.params], self.world_size)
-        empty = [r for r, o in enumerate(owned) if not o]
-        if empty:
-            raise ValueError(f"{len(self.params)} parameter tensors cannot be shared by "
-                             f"{self.world_size} ranks: ranks {empty} would own none")
+        self._global_ranks = (list(range(self.world_size)) if process_group is None
+                              else dist.get_process_group_ranks(process_group))
+        self.optimizer_class = optimizer_class
+        super().__init__(groups, defaults)
+        self._build_local()
+        self._ready = True
+        self._consolidated: dict | None = None
+
+    # ------------------------------------------------------------------ partition
+    def _partition(self) -> None:
+        self.params = [p for g in self.param_groups for p in g["params"]]
+        owned = partition_parameters([p.numel() for p in self.params], self.world_size,
+                                     [len(g["params"]) for g in self.param_groups])
         self.owner = [0] * len(self.params)
         for r, idx in enumerate(owned):
             for i in idx:
                 self.owner[i] = r
         self.local_indices = owned[self.rank]
-        local_groups = []
-        self._local_group_global_index: list[int] = []
-        for gi, g in enumerate(groups):
-            mine = [self.params[i] for i in self.local_indices if self._group_of[i] == gi]
-            if mine:
-                local_groups.append({**{k: v for k, v in g.items() if k != "params"},
-                                     "params": mine})
-                self._local_group_global_index.append(gi)
-        self._num_groups = len(groups)
-        self.optim = optimizer_class(local_groups, **defaults)
-        self._global_ranks = (list(range(self.world_size)) if process_group is None
-                              else dist.get_process_group_ranks(process_group))
-        self._consolidated: dict | None = None
+
+    def _local_group(self, gi: int) -> dict:
+        start = sum(len(g["params"]) for g in self.param_groups[:gi])
+        g = self.param_groups[gi]
+        mine = [p for k, p in enumerate(g["params"]) if self.owner[start + k] == self.rank]
+        return {**{k: v for k, v in g.items() if k != "params"}, "params": mine}
+
+    def _build_local(self) -> None:
+        self._partition()
+        self.optim = self.optimizer_class(
+            [self._local_group(gi) for gi in range(len(self.param_groups))],
+            **self.defaults)
+        self.state = self.optim.state
+        self._sync_groups(self.optim.param_groups, self.param_groups)  # the class's defaults
+
+    @staticmethod
+    def _sync_groups(src: list[dict], dst: list[dict]) -> None:
+        """Copy every hyperparameter (all keys but ``params``) from ``src`` to ``dst`` groups."""
+        for s, d in zip(src, dst):
+            for k, v in s.items():
+                if k != "params":
+                    d[k] = v
+
+    def add_param_group(self, param_group: dict) -> None:
+        """Add a group (on every rank, in the same order): partitioned like the others.
+
+        The partition goes group by group, so the earlier parameters keep their owners and
+        their optimizer state; the new group's parameters are spread over the ranks.
+        """
+        super().add_param_group(param_group)
+        if self._ready:
+            self._partition()
+            self.optim.add_param_group(self._local_group(len(self.param_groups) - 1))
+            self._sync_groups(self.optim.param_groups[-1:], self.param_groups[-1:])
 
     # ------------------------------------------------------------------ training
-    @property
-    def param_groups(self):
-        """The local optimizer's param groups (this rank's parameters; set ``lr`` here)."""
-        return self.optim.param_groups
-
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradients of *all* parameters (every rank computes all of them)."""
         for p in self.params:
@@ -151,10 +193,13 @@ class ShardedOptimizer:
     def step(self, closure=None):
         """Update this rank's shard, then broadcast every parameter from its owner.
 
-        A synchronisation point (one broadcast per parameter tensor, in parameter order).
-        Returns what the local optimizer's ``step`` returns.
+        The global groups' hyperparameters (``lr`` set by hand or by a scheduler) are copied
+        into the local optimizer first. A synchronisation point (one broadcast per parameter
+        tensor, in parameter order). Returns what the local optimizer's ``step`` returns.
         """
+        self._sync_groups(self.param_groups, self.optim.param_groups)
         loss = self.optim.step(closure)
+        self._sync_groups(self.optim.param_groups, self.param_groups)
         for p, r in zip(self.params, self.owner):
             dist.broadcast(p.data, src=self._global_ranks[r], group=self.process_group)
         return loss
@@ -165,18 +210,9 @@ class ShardedOptimizer:
 
     # ------------------------------------------------------------------ checkpoints
     def _local_state(self) -> dict:
-        sd = self.optim.state_dict()
-        # local position -> global parameter index
-        local_params = [p for g in self.optim.param_groups for p in g["params"]]
-        pos_to_global = {}
         by_id = {id(p): i for i, p in enumerate(self.params)}
-        for pos, p in enumerate(local_params):
-            pos_to_global[pos] = by_id[id(p)]
-        state = {pos_to_global[k]: v for k, v in sd["state"].items()}
-        groups = {}
-        for gi, g in zip(self._local_group_global_index, sd["param_groups"]):
-            groups[gi] = {k: v for k, v in g.items() if k != "params"}
-        return {"state": state, "groups": groups}
+        state = {by_id[id(p)]: s for p, s in self.optim.state.items()}
+        return {"state": state}
 
     def consolidate_state_dict(self, to: int = 0) -> None:
         """Gather every rank's shard of the optimizer state on rank ``to`` (a synchronisation point).
@@ -193,21 +229,21 @@ class ShardedOptimizer:
         if self.rank != to:
             self._consolidated = None
             return
-        state, groups = {}, {}
+        state = {}
         for part in gathered:
             state.update(part["state"])
-            groups.update(part["groups"])
-        param_groups = []
-        for gi in range(self._num_groups):
-            g = dict(groups.get(gi, {}))
-            g["params"] = [i for i in range(len(self.params)) if self._group_of[i] == gi]
-            param_groups.append(g)
+        param_groups, start = [], 0
+        for g in self.param_groups:
+            d = {k: v for k, v in g.items() if k != "params"}
+            d["params"] = list(range(start, start + len(g["params"])))
+            start += len(g["params"])
+            param_groups.append(d)
         self._consolidated = {"state": dict(sorted(state.items())), "param_groups": param_groups}
 
     def state_dict(self) -> dict:
         """The full optimizer state in torch's format, keys = global parameter indices.
 
-        Only on the rank that called :meth:`consolidate_state_dict` last.
+        Only on the rank that called :meth:`consolidate_state_dict` last (torch's rule).
 
         Raises:
             RuntimeError: :meth:`consolidate_state_dict` was not called on this rank.
@@ -220,22 +256,32 @@ class ShardedOptimizer:
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a consolidated state dict (every rank passes the full dict; each keeps its shard).
 
-        Not a synchronisation point. Raises ValueError when the parameter count differs.
+        The groups' hyperparameters go to :attr:`param_groups` and the local optimizer. Not a
+        synchronisation point.
+
+        Raises:
+            ValueError: the parameter or group count differs.
         """
         n = sum(len(g["params"]) for g in state_dict["param_groups"])
         if n != len(self.params):
             raise ValueError(f"state dict has {n} parameters, this optimizer {len(self.params)}")
-        local_params = [p for g in self.optim.param_groups for p in g["params"]]
+        if len(state_dict["param_groups"]) != len(self.param_groups):
+            raise ValueError(f"state dict has {len(state_dict['param_groups'])} param groups, "
+                             f"this optimizer {len(self.param_groups)}")
+        for g, saved in zip(self.param_groups, state_dict["param_groups"]):
+            g.update({k: v for k, v in saved.items() if k != "params"})
         by_id = {id(p): i for i, p in enumerate(self.params)}
         local = {"state": {}, "param_groups": []}
-        for pos, p in enumerate(local_params):
-            gi = by_id[id(p)]
-            if gi in state_dict["state"]:
-                local["state"][pos] = state_dict["state"][gi]
         pos = 0
-        for g_local, gi in zip(self.optim.param_groups, self._local_group_global_index):
-            g = {k: v for k, v in state_dict["param_groups"][gi].items() if k != "params"}
-            g["params"] = list(range(pos, pos + len(g_local["params"])))
+        for g_local, g in zip(self.optim.param_groups, self.param_groups):
+            d = {k: v for k, v in g.items() if k != "params"}
+            d["params"] = list(range(pos, pos + len(g_local["params"])))
+            for k, p in enumerate(g_local["params"]):
+                gi = by_id[id(p)]
+                saved = state_dict["state"].get(gi, state_dict["state"].get(str(gi)))
+                if saved is not None:
+                    local["state"][pos + k] = saved
             pos += len(g_local["params"])
-            local["param_groups"].append(g)
+            local["param_groups"].append(d)
         self.optim.load_state_dict(local)
+        self.state = self.optim.state

@@ -20,6 +20,13 @@ def test_partition_is_greedy_by_size_and_deterministic():
     assert partition_parameters([], 2) == [[], []]
     with pytest.raises(ValueError, match="world_size must be >= 1, got 0"):
         partition_parameters([1], 0)
+    # group by group, loads carried over (torch's ZeroRedundancyOptimizer rule): 50 -> 0,
+    # 40 -> 1, 30 -> 1 (40 < 50), 20 -> 0 (50 < 70); one group: largest first overall
+    assert partition_parameters([50, 40, 30, 20], 2, [1, 1, 1, 1]) == [[0, 3], [1, 2]]
+    assert partition_parameters([20, 30, 40, 50], 2, [2, 2]) == [[1, 2], [0, 3]]
+    assert partition_parameters([20, 30, 40, 50], 2) == [[0, 3], [1, 2]]
+    with pytest.raises(ValueError, match=r"group sizes \[1, 1\] add up to 2, not to the 3"):
+        partition_parameters([1, 2, 3], 2, [1, 1])
     numels = [p.numel() for p in TinyGPT(vocab_size=103).parameters()]
     for R in (2, 3, 4):
         owned = partition_parameters(numels, R)

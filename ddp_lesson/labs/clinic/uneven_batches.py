@@ -11,6 +11,10 @@ the loop (``torch.distributed.algorithms.Join``, torch's "Distributed Training w
 Inputs Using the Join Context Manager" tutorial): a rank that finished shadows the
 collectives of the others with zero gradients until every rank is done. Also fine: give every
 rank the same number of batches (``DistributedSampler`` pads, ``drop_last`` trims).
+
+``--fixed`` runs the loop under ``Join`` twice: first with the lesson's own
+:class:`ddp_lesson.ddp.BucketedDDP` (a ``Joinable`` like torch's DDP), then with torch's
+``DistributedDataParallel``; each prints whether the weights ended equal on every rank.
 """
 from __future__ import annotations
 
@@ -21,34 +25,46 @@ def main(argv=None) -> None:
     from torch.distributed.algorithms import Join
     from torch.nn.parallel import DistributedDataParallel
 
+    from ...ddp import BucketedDDP
     from ...env import cleanup
     from ._common import parse, start
 
     args = parse(__doc__, argv)
     env = start(args.timeout)
-    torch.manual_seed(0)
-    model = DistributedDataParallel(torch.nn.Linear(4, 1))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
     gen = torch.Generator().manual_seed(env.rank)
     batches = [torch.randn(2, 4, generator=gen) for _ in range(3 + env.rank)]  # 3 vs 4
     print(f"rank {env.rank}: {len(batches)} batches")
 
-    def loop():
+    def build(wrapper):
+        torch.manual_seed(0)
+        model = wrapper(torch.nn.Linear(4, 1))
+        return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def loop(model, opt):
         for x in batches:
             opt.zero_grad()
             model(x).square().mean().backward()  # all_reduce of the gradients
             opt.step()
 
-    if args.fixed:
-        with Join([model]):  # finished ranks shadow the others' all_reduces
-            loop()
+    def weights_equal(model) -> bool:
         w = model.module.weight.detach().clone()
         same = [torch.zeros_like(w) for _ in range(env.world_size)]
         dist.all_gather(same, w)
-        print(f"rank {env.rank}: done; weights equal on all ranks: "
-              f"{all(torch.equal(s, same[0]) for s in same)}")
+        return all(torch.equal(s, same[0]) for s in same)
+
+    if args.fixed:
+        ours, opt = build(BucketedDDP)
+        with Join([ours]):  # our wrapper is Joinable too
+            loop(ours, opt)
+        print(f"rank {env.rank}: BucketedDDP under Join: weights equal on all ranks: "
+              f"{weights_equal(ours)}")
+        model, opt = build(DistributedDataParallel)
+        with Join([model]):  # finished ranks shadow the others' all_reduces
+            loop(model, opt)
+        print(f"rank {env.rank}: done; weights equal on all ranks: {weights_equal(model)}")
     else:
-        loop()  # BUG: the rank with more batches waits in its extra backward
+        model, opt = build(DistributedDataParallel)
+        loop(model, opt)  # BUG: the rank with more batches waits in its extra backward
         print(f"rank {env.rank}: done with my batches")
     dist.barrier()
     del model

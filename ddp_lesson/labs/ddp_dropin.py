@@ -1,0 +1,328 @@
+"""NaiveDDP and BucketedDDP as drop-ins for torch's DDP on cases from public bug reports.
+
+    torchrun --standalone --nproc-per-node 2 -m ddp_lesson.labs.ddp_dropin [SCENARIO ...]
+
+Each scenario runs the same inputs through torch's ``DistributedDataParallel`` (where torch
+is the reference: it neither hangs nor breaks the process group) and through both wrappers,
+and prints one JSON line per scenario and rank: ``{"scenario": ..., "rank": r, ...}`` where
+each wrapper's entry is a number list, or ``["error", type, message]``. World size 2, gloo;
+tests/test_ddp_dropin.py reads the lines and asserts the values.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import warnings
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms import Join
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.checkpoint import checkpoint
+
+from ddp_lesson.ddp import BucketedDDP, NaiveDDP
+
+WRAPPERS = {"torch": DistributedDataParallel, "naive": NaiveDDP, "bucketed": BucketedDDP}
+OURS = ("naive", "bucketed")
+
+
+def _scalar(bias: bool = False) -> nn.Linear:
+    m = nn.Linear(1, 1, bias=bias)
+    with torch.no_grad():
+        m.weight.fill_(1.0)
+    return m
+
+
+def _try(fn):
+    try:
+        return fn()
+    except Exception as e:  # noqa: BLE001 - the error is the result
+        return ["error", type(e).__name__, str(e)]
+
+
+def different_models(rank):
+    """Case 1: rank 0 and rank 1 wrap different models."""
+    out = {}
+    for v in OURS:
+        cls = WRAPPERS[v]
+        out[v + " out_features"] = _try(
+            lambda cls=cls: cls(nn.Linear(4, 3 if rank == 0 else 2)) and [])
+        out[v + " transposed"] = _try(  # weight (3, 4) vs (4, 3): equal element counts
+            lambda cls=cls: cls(nn.Linear(4, 3, bias=False) if rank == 0
+                                else nn.Linear(3, 4, bias=False)) and [])
+
+        def frozen(cls=cls):
+            m = nn.Linear(4, 3)
+            if rank == 1:
+                m.requires_grad_(False)
+            return cls(m) and []
+        out[v + " no trainable on rank 1"] = _try(frozen)
+    return out
+
+
+class BufferEMA(nn.Module):
+    """``self.buf = 0.5 * self.buf + 0.5 * x.mean()``: a new buffer tensor every forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(1))
+        self.register_buffer("buf", torch.tensor(3.0))
+
+    def forward(self, x):
+        self.buf = 0.5 * self.buf + 0.5 * x.mean().detach()
+        return (self.w * x).sum()
+
+
+def buffers_reassigned(rank):
+    """Case 3: 3 steps, x = rank + 2; rank 0's buffer is broadcast before each forward."""
+    out = {}
+    for v, cls in WRAPPERS.items():
+        for bb in (True, False):
+            m = BufferEMA()
+            with torch.no_grad():
+                m.buf.fill_(3.0 + 10 * rank)  # differs per rank: shows what init broadcasts
+            ddp = cls(m, broadcast_buffers=bb)
+            for _ in range(3):
+                ddp(torch.full((2,), float(rank + 2))).backward()
+            out[f"{v} broadcast_buffers={bb}"] = [round(m.buf.item(), 6)]
+    return out
+
+
+class TwoLayer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(_scalar(), _scalar())
+
+    def forward(self, x):
+        y = self.net(x)
+        if hasattr(self, "extra"):
+            y = y * self.extra
+        return y.sum()
+
+
+def unfrozen_after_wrapping(rank):
+    """Case 4: net[0].weight frozen, wrapped, unfrozen; x = 1 on rank 0, 3 on rank 1."""
+    out = {}
+    x = torch.full((1, 1), 1.0 if rank == 0 else 3.0)
+    for v, cls in WRAPPERS.items():
+        m = TwoLayer()
+        m.net[0].weight.requires_grad_(False)
+        ddp = cls(m)
+        m.net[0].weight.requires_grad_(True)
+
+        def step(ddp=ddp, m=m):
+            ddp(x).backward()
+            return [m.net[0].weight.grad.item()]
+        out[v + " unfrozen"] = _try(step)
+        if v != "torch":
+            m = TwoLayer()
+            ddp = cls(m)
+            m.extra = nn.Parameter(torch.ones(1))
+            out[v + " added"] = _try(lambda ddp=ddp: ddp(x).backward() or [])
+    return out
+
+
+class AB(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = _scalar(), _scalar()
+
+    def forward(self, x, which):
+        return getattr(self, which)(x).sum()
+
+
+def unused_with_no_sync(rank):
+    """Case 5: a only inside no_sync (x = 2, 4), then b synchronised (x = 4, 6)."""
+    out = {}
+    for v, cls in WRAPPERS.items():
+        for flag in (True, False):
+            if v == "torch" and not flag:
+                continue  # torch fails an iteration later or hangs; not a reference
+            m = AB()
+            ddp = cls(m, find_unused_parameters=flag)
+
+            def run(ddp=ddp, m=m):
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    with ddp.no_sync():
+                        ddp(torch.full((1, 1), 2.0 + 2 * rank), "a").backward()
+                    ddp(torch.full((1, 1), 4.0 + 2 * rank), "b").backward()
+                advice = sum("leave it False" in str(w.message) for w in caught)
+                return [m.a.weight.grad.item(), m.b.weight.grad.item(), advice]
+            out[f"{v} find_unused={flag}"] = _try(run)
+    return out
+
+
+class Checkpointed(nn.Module):
+    def __init__(self, reentrant):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body, self.head = nn.Linear(3, 4), nn.Linear(4, 2)
+        self.reentrant = reentrant
+
+    def forward(self, x):
+        return checkpoint(self.head, self.body(x), use_reentrant=self.reentrant).sum()
+
+
+def reentrant_checkpoint(rank):
+    """Case 6: forward returns checkpoint(head, body(x)).sum(); gradients of every parameter."""
+    out = {}
+    x = torch.randn(5, 3, generator=torch.Generator().manual_seed(rank))
+    x.requires_grad_(True)  # the reentrant variant needs an input that requires grad
+    for v, cls in WRAPPERS.items():
+        for reentrant in (True, False):
+            m = Checkpointed(reentrant)
+            ddp = cls(m)
+
+            def run(ddp=ddp, m=m):
+                ddp(x).backward()
+                return [round(g, 6) for p in m.parameters() for g in p.grad.reshape(-1).tolist()]
+            out[f"{v} use_reentrant={reentrant}"] = _try(run)
+    return out
+
+
+def device_ids(rank):
+    """Case 7: torch's signature on CPU: None accepted, a device list refused."""
+    out = {}
+    for v, cls in WRAPPERS.items():
+        out[v + " None"] = _try(lambda cls=cls: cls(nn.Linear(2, 1), device_ids=None,
+                                            output_device=None) and [])
+        out[v + " [0]"] = _try(lambda cls=cls: cls(nn.Linear(2, 1), device_ids=[0]) and [])
+    for v in OURS:
+        out[v + " gradient_as_bucket_view"] = _try(
+            lambda v=v: WRAPPERS[v](nn.Linear(2, 1), gradient_as_bucket_view=True) and [])
+        out[v + " static_graph"] = _try(
+            lambda v=v: WRAPPERS[v](nn.Linear(2, 1), static_graph=True) and [])
+        out[v + " register_comm_hook"] = _try(
+            lambda v=v: WRAPPERS[v](nn.Linear(2, 1)).register_comm_hook(None, None) and [])
+    out["naive bucket_cap_mb"] = _try(lambda: NaiveDDP(nn.Linear(2, 1), bucket_cap_mb=25) and [])
+    return out
+
+
+def uneven_inputs(rank):
+    """Case 2: w = 1, loss = model(x).sum(); rank 0 has x = 1, 2, 6 and rank 1 has 3, 4."""
+    out = {}
+    inputs = [1.0, 2.0, 6.0] if rank == 0 else [3.0, 4.0]
+    for v, cls in WRAPPERS.items():
+        for divide in (True, False):
+            m = _scalar()
+            ddp = cls(m)
+            grads = []
+            with Join([ddp], divide_by_initial_world_size=divide):
+                for x in inputs:
+                    m.weight.grad = None
+                    ddp(torch.full((1, 1), x)).sum().backward()
+                    grads.append(m.weight.grad.item())
+            out[f"{v} divide_by_initial_world_size={divide}"] = grads
+    return out
+
+
+def skipped_backward(rank):
+    """Rank 0 runs one forward without backward, then both train: steps would be mixed."""
+    out = {}
+    for v in OURS:
+        m = _scalar()
+        ddp = WRAPPERS[v](m)
+
+        def run(ddp=ddp, m=m):
+            if rank == 0:
+                ddp(torch.ones(1, 1))  # forgotten backward
+            ddp(torch.ones(1, 1)).sum().backward()
+            return [m.weight.grad.item()]
+        out[v] = _try(run)
+    return out
+
+
+def fp16_sum(rank):
+    """Pre-division: two fp16 gradients of 40000 (max fp16 is 65504) average to 40000."""
+    out = {}
+    for v, cls in WRAPPERS.items():
+        m = nn.Linear(1, 1, bias=False).half()
+        with torch.no_grad():
+            m.weight.fill_(1.0)
+        ddp = cls(m)
+        ddp(torch.full((1, 1), 40000.0, dtype=torch.float16)).sum().backward()
+        out[v] = [m.weight.grad.float().item()]
+    return out
+
+
+def zero_optimizer(rank):
+    """Case 8: ZeRO-1 as a torch optimizer, ours and torch's ZeroRedundancyOptimizer.
+
+    Four parameters of 50, 40, 30 and 20 ones, each in its own group, SGD lr 0.1; group 1's
+    lr set to 0; gradients all ones; one step. Then momentum SGD with a group added after
+    construction and a LambdaLR (factor 0.5 per epoch), 3 steps, the state consolidated on
+    rank 0 and loaded into a fresh optimizer.
+    """
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.optim.lr_scheduler import LambdaLR
+
+    from ddp_lesson.zero import ShardedOptimizer
+
+    out = {}
+    makers = {"torch": lambda g, **kw: ZeroRedundancyOptimizer(g, torch.optim.SGD, **kw),
+              "ours": lambda g, **kw: ShardedOptimizer(g, torch.optim.SGD, **kw)}
+    for v, make in makers.items():
+        params = [nn.Parameter(torch.ones(n)) for n in (50, 40, 30, 20)]
+        opt = make([{"params": [p], "lr": 0.1} for p in params], lr=0.1)
+        opt.param_groups[1]["lr"] = 0
+        for p in params:
+            p.grad = torch.ones_like(p)
+        opt.step()
+        out[v + " values"] = [round(p[0].item(), 6) for p in params]
+        out[v + " groups"] = [len(g["params"]) for g in opt.param_groups]
+        out[v + " is Optimizer"] = [isinstance(opt, torch.optim.Optimizer)]
+
+        # scheduler + momentum + a group added later, then the consolidated state
+        params = [nn.Parameter(torch.ones(n)) for n in (50, 40, 30, 20)]
+        opt = make([{"params": params[:2]}], lr=0.1, momentum=0.9)
+        opt.add_param_group({"params": params[2:], "lr": 0.2})
+        sched = LambdaLR(opt, lambda epoch: 0.5 ** epoch)
+        lrs = []
+        for _ in range(3):
+            for p in params:
+                p.grad = torch.full_like(p, 1.0)
+            opt.step()
+            sched.step()
+            lrs.append([g["lr"] for g in opt.param_groups])
+        out[v + " lrs"] = lrs
+        out[v + " after 3 steps"] = [round(p[0].item(), 6) for p in params]
+        opt.consolidate_state_dict(to=0)
+        if rank == 0:
+            sd = opt.state_dict()
+            out[v + " state"] = {str(k): round(s["momentum_buffer"][0].item(), 6)
+                                 for k, s in sorted(sd["state"].items())}
+            out[v + " saved groups"] = [[g["params"], g["lr"], g["momentum"]]
+                                        for g in sd["param_groups"]]
+            if v == "ours":  # reload into a fresh optimizer: the same state, the same next step
+                params2 = [nn.Parameter(p.detach().clone()) for p in params]
+                fresh = make([{"params": params2[:2]}, {"params": params2[2:]}], lr=0.1,
+                             momentum=0.9)
+                fresh.load_state_dict(sd)
+                out[v + " reloaded groups"] = [[g["lr"], g["momentum"]]
+                                               for g in fresh.param_groups]
+    return out
+
+
+SCENARIOS = {f.__name__: f for f in (zero_optimizer, 
+    different_models, uneven_inputs, buffers_reassigned, unfrozen_after_wrapping,
+    unused_with_no_sync, reentrant_checkpoint, device_ids, skipped_backward, fp16_sum)}
+
+
+def main(argv=None) -> None:
+    from ddp_lesson.env import cleanup, init_distributed
+
+    names = (sys.argv[1:] if argv is None else argv) or list(SCENARIOS)
+    env = init_distributed(timeout=20, backend="gloo")
+    for name in names:
+        result = SCENARIOS[name](env.rank)
+        print(json.dumps({"scenario": name, "rank": env.rank, **result}), flush=True)
+        dist.barrier()
+    import gc
+    gc.collect()  # free torch's DDP objects before the group goes
+    cleanup()
+
+
+if __name__ == "__main__":
+    main()
