@@ -161,3 +161,39 @@ def test_bf16_compress_hook_refuses_cpu(lab):
     assert lines[-3] == "bf16_compress_hook on gloo/CPU:"
     assert lines[-2:] == textwrap.fill(refusal, 88, initial_indent="  ",
                                        subsequent_indent="  ").splitlines()
+
+
+def test_reducer_map_figure_is_readable_and_names_both_sides():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import FancyBboxPatch
+
+    from ddp_lesson.viz import REDUCER_MAP, reducer_map_figure
+
+    fig = reducer_map_figure()
+    try:
+        width_px = fig.get_size_inches()[0] * fig.dpi
+        assert width_px >= 700
+        ax = fig.axes[0]
+        texts = {t.get_gid(): t for t in ax.texts if t.get_gid()}
+        assert sorted(texts) == sorted(f"{side}{k}" for side in ("stage", "ours", "torch")
+                                       for k in range(1, 5))
+        assert all(t.get_fontsize() >= 9 for t in ax.texts)
+        assert "register_post_accumulate_grad_hook" in texts["ours1"].get_text()
+        assert "autograd_hook" in texts["torch1"].get_text()
+        assert "run_comm_hook" in texts["torch3"].get_text()
+        assert "finalize_backward" in texts["torch4"].get_text()
+        assert [row[0] for row in REDUCER_MAP] == [texts[f"stage{k}"].get_text() for k in range(1, 5)]
+        # every text fits inside its box (no overflow into the neighbour)
+        fig.canvas.draw()
+        renderer = fig.canvas.get_renderer()
+        boxes = [p.get_window_extent(renderer) for p in ax.patches if isinstance(p, FancyBboxPatch)]
+        assert len(boxes) == 12
+        for gid, t in texts.items():
+            bb = t.get_window_extent(renderer)
+            assert any(b.x0 <= bb.x0 and bb.x1 <= b.x1 and b.y0 <= bb.y0 and bb.y1 <= b.y1
+                       for b in boxes), gid
+    finally:
+        plt.close(fig)
