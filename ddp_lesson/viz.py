@@ -919,3 +919,71 @@ def memory_stages_figure(num_params: float, world_size: int, capacity_bytes: flo
 
 
 __all__ += ["memory_stages_figure"]
+
+
+# =========================================================================== torch's Reducer (notebook 04)
+
+#: The rows of :func:`reducer_map_figure`: (stage, our BucketedDDP, torch's C++ Reducer).
+REDUCER_MAP = [
+    ("1 · a gradient is\naccumulated",
+     "p.register_post_accumulate_grad_hook(hook)\n→ _grad_ready(i):\n  bucket.pending -= 1",
+     "post-hook on p's AccumulateGrad node\n→ Reducer::autograd_hook(i)\n→ mark_variable_ready(i)"),
+    ("2 · a bucket is\nready",
+     "pending == 0 → _launch(bucket):\ncopy each .grad × 1/R into bucket.flat\n(in bucket order on every rank)",
+     "copy .grad into its bucket view,\n× 1/div_factor_ when no hook is set;\nmark_bucket_ready (in bucket order)"),
+    ("3 · all-reduce",
+     "comm_hook(flat, group) → work (.wait())\ndefault: dist.all_reduce(flat,\n  async_op=True), a SUM",
+     "all_reduce_bucket → run_comm_hook(\n  GradBucket) → Future[Tensor];\na registered hook divides itself"),
+    ("4 · end of\nbackward",
+     "queue_callback(_final_callback)\n→ _after_backward: wait every\nbucket, copy flat → .grad",
+     "queue_callback(finalize_backward):\nwait the futures, copy into .grad\n(a view: no copy). Buckets are rebuilt\nonce, before the 2nd forward"),
+]
+
+
+def reducer_map_figure(figsize=(11, 5.4)):
+    """Our ``BucketedDDP`` (ddp_lesson/ddp.py) beside torch's C++ ``Reducer``, stage by stage.
+
+    Four rows (:data:`REDUCER_MAP`): a parameter's gradient is accumulated (a hook after
+    gradient accumulation), its bucket is ready, the bucket is all-reduced, backward ends
+    (a callback queued on autograd's engine finalizes). Sources: ``torch/nn/parallel/
+    distributed.py`` and ``torch/csrc/distributed/c10d/reducer.hpp`` (torch 2.13).
+
+    Args:
+        figsize: inches; at the figure's 80 dpi the default is 880 px wide. Every text is
+            at least 9 pt.
+
+    Returns:
+        The ``Figure`` (one Axes, axis off); each box's text artist has ``gid``
+        ``"stage{k}"``, ``"ours{k}"`` or ``"torch{k}"``. Pure drawing, no process group.
+    """
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import FancyBboxPatch
+
+    fig, ax = plt.subplots(figsize=figsize, dpi=80)
+    ax.set_xlim(0, 100)
+    n = len(REDUCER_MAP)
+    ax.set_ylim(0, n * 12 + 7)
+    ax.set_position([0.01, 0.01, 0.98, 0.98])
+    ax.axis("off")
+    cols = [(0.8, 13.5, "stage", "#eeeeee"), (16, 40.5, "our BucketedDDP (ddp_lesson/ddp.py)", "#dbe9f6"),
+            (58.5, 40.5, "torch's Reducer (C++, reducer.cpp)", "#fde3cf")]
+    for x, w, title, _ in cols[1:]:
+        ax.text(x + w / 2, n * 12 + 4, title, ha="center", va="center", fontsize=11,
+                fontweight="bold")
+    for k, row in enumerate(REDUCER_MAP):
+        y = (n - 1 - k) * 12 + 1
+        for (x, w, kind, colour), text, gid in zip(cols, row, ("stage", "ours", "torch")):
+            ax.add_patch(FancyBboxPatch((x, y), w, 10, boxstyle="round,pad=0.3,rounding_size=1",
+                                        facecolor=colour, edgecolor="grey", linewidth=0.8))
+            t = ax.text(x + w / 2, y + 5, text, ha="center", va="center",
+                        fontsize=10 if kind == "stage" else 9,
+                        family="sans-serif" if kind == "stage" else "monospace")
+            t.set_gid(f"{gid}{k + 1}")
+        if k < n - 1:
+            for x, w, _, _ in cols[1:]:
+                ax.annotate("", xy=(x + w / 2, y - 1.4), xytext=(x + w / 2, y + 0.2),
+                            arrowprops={"arrowstyle": "->", "color": "grey"})
+    return fig
+
+
+__all__ += ["REDUCER_MAP", "reducer_map_figure"]

@@ -489,27 +489,67 @@ def test_03_6_chunking_that_breaks_below_world_size_is_reported():
 
 # ----------------------------------------------------------------------------- 04
 
-def test_04_2_fp16_hook():
-    def averaging_hook(tensor, group):
-        half = tensor.half()
-        dist.all_reduce(half, group=group)
-        tensor.copy_(half.float() / dist.get_world_size(group))
-        return dist.all_reduce(torch.zeros(1), group=group, async_op=True)
+def _fp16_hook(divide_by, group_of=lambda state: state):
+    """A float16 hook for torch's DDP that divides by ``divide_by(state)`` and all-reduces over
+    ``group_of(state)``: the reference is ``divide_by = group size``, ``group_of = state``."""
+    def hook(state, bucket):
+        buffer = bucket.buffer()
+        half = buffer.to(torch.float16).div_(divide_by(state))
+        fut = dist.all_reduce(half, group=group_of(state), async_op=True).get_future()
 
-    def no_copy_back(tensor, group):
-        return dist.all_reduce(tensor.half(), group=group, async_op=True)
+        def decompress(fut):
+            buffer.copy_(fut.value()[0])
+            return buffer
 
-    def uncompressed(tensor, group):
-        return dist.all_reduce(tensor, group=group, async_op=True)
+        return fut.then(decompress)
 
-    good, v_avg, v_nb, v_copy, v_full = _verdicts("04.2", averaging_hook, notebook_attempt("04.2"),
-                                                  no_copy_back, uncompressed)
-    assert good
-    assert v_nb.problems == v_avg.problems
-    assert "1/2 of the average" in v_avg.problems[0] and "must return the SUM" in v_avg.problems[0]
-    assert "rank 0 and rank 1 hold different gradients" in v_copy.problems[0]
-    assert "never reached the bucket" in v_copy.problems[0]
-    assert "the hook sent float32" in v_full.problems[0]
+    return hook
+
+
+def _group_size(state):
+    return (state if state is not None else dist.group.WORLD).size()
+
+
+def test_04_2_fp16_comm_hook_under_torch_ddp():
+    no_division = _fp16_hook(lambda state: 1)
+    constant_two = _fp16_hook(lambda state: 2)
+    global_world_size = _fp16_hook(lambda state: dist.get_world_size())
+    default_group = _fp16_hook(_group_size, group_of=lambda state: None)
+
+    def uncompressed(state, bucket):  # torch's allreduce_hook: right average, float32 on the wire
+        t = bucket.buffer().div_(_group_size(state))
+        return dist.all_reduce(t, group=state, async_op=True).get_future().then(
+            lambda fut: fut.value()[0])
+
+    def returns_work(state, bucket):  # BucketedDDP's old contract: a handle with .wait()
+        half = bucket.buffer().to(torch.float16).div_(_group_size(state))
+        return dist.all_reduce(half, group=state, async_op=True)
+
+    def returns_list(state, bucket):  # the raw future: its value is a list of tensors
+        half = bucket.buffer().to(torch.float16).div_(_group_size(state))
+        return dist.all_reduce(half, group=state, async_op=True).get_future()
+
+    good, v_nb, v_none, v_two, v_world, v_group, v_full, v_work, v_list = _verdicts(
+        "04.2", notebook_attempt("04.2"), no_division, constant_two, global_world_size,
+        default_group, uncompressed, returns_work, returns_list)
+    assert good, good.problems
+    assert v_nb.problems == v_none.problems
+    assert v_none.problems[0].startswith(
+        "at world size 2 the gradients are 2x the average (gradients 2x too large): with a hook "
+        "registered, torch's DDP does not divide by the world size -- the hook must."), v_none.problems
+    # R is not a constant: a hook that divides by 2 passes at world size 2 and fails alone
+    for v in (v_two, v_world):
+        assert v.problems[0].startswith("in a process group of 1 rank (state = that group; rank 0 "
+                                        "alone), your gradients are 1/2 of the right ones"), v.problems
+        assert "state.size()" in v.problems[0]
+    assert "all-reduced over the default group" in v_group.problems[0], v_group.problems
+    assert v_full.problems[0].startswith("the gradients are right but not compressed: your hook "
+                                         "all-reduced float32"), v_full.problems
+    assert v_work.problems[0].startswith("your hook returned a Work on rank 0; torch's DDP needs "
+                                         "a torch.futures.Future"), v_work.problems
+    assert v_list.problems[0].startswith("your hook's future completed with a list of 1 (Tensor)"), \
+        v_list.problems
+    assert "checked: 2 processes (torchrun, gloo), torch's DistributedDataParallel" in str(good)
 
 
 # ----------------------------------------------------------------------------- 07

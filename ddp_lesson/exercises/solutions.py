@@ -132,23 +132,24 @@ def ring_all_reduce(tensor: torch.Tensor) -> torch.Tensor:
 
 
 # 04.2 -------------------------------------------------------------------------------
-class _CastBack:
-    """The handle a compressing hook returns: wait for the fp16 sum, then copy it back."""
+def fp16_compress_hook(state, bucket):
+    """A comm hook for torch's DDP (``ddp.register_comm_hook(state, hook)``): float16 on the wire.
 
-    def __init__(self, work, half: torch.Tensor, tensor: torch.Tensor):
-        self.work, self.half, self.tensor = work, half, tensor
+    ``state`` is the process group (None: the default group), as for torch's own
+    ``fp16_compress_hook``. With a hook registered, torch's Reducer does not divide: the hook
+    divides by the group's size, before the SUM (float16 overflows at 65,504), and returns
+    a ``torch.futures.Future`` that completes with the averaged bucket.
+    """
+    group = state if state is not None else dist.group.WORLD
+    buffer = bucket.buffer()                               # flat float32 gradients
+    half = buffer.to(torch.float16).div_(group.size())     # compress, then pre-divide
+    fut = dist.all_reduce(half, group=group, async_op=True).get_future()
 
-    def wait(self) -> bool:
-        self.work.wait()
-        self.tensor.copy_(self.half)
-        return True
+    def decompress(fut):
+        buffer.copy_(fut.value()[0])                       # the value is a list of tensors
+        return buffer
 
-
-def fp16_compress_hook(tensor: torch.Tensor, process_group=None):
-    """BucketedDDP comm hook: SUM-all-reduce ``tensor`` as float16 (half the bytes on the wire)."""
-    half = tensor.to(torch.float16)
-    work = dist.all_reduce(half, group=process_group, async_op=True)
-    return _CastBack(work, half, tensor)
+    return fut.then(decompress)
 
 
 # 05.4 -------------------------------------------------------------------------------
