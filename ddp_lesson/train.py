@@ -1145,13 +1145,14 @@ def _run(cfg: TrainConfig, env, wall_start: float) -> dict:
     import torch
     import torch.distributed as dist
 
-    from .checkpoint import decide_on_rank0
+    from .checkpoint import decide_on_rank0, sweep_temporaries
 
     path = os.path.join(cfg.out, CHECKPOINT_FILE)
 
     def check_out_and_checkpoint():
         # Before anything is built or printed: a bad --out or checkpoint fails fast.
         problem = _check_out_writable(cfg.out)
+        sweep_temporaries(path, only_dead=False)  # rank 0, before any write: killed writers' files
         if problem is None and not cfg.no_resume and os.path.exists(path):
             problem = inspect_checkpoint(path, cfg, env.world_size, _bare_model_state(cfg))
         return problem
