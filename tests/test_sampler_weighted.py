@@ -222,8 +222,8 @@ def test_streams_lab_each_item_once_and_equalised_batches(streams_run):
                  "([2, 2] per rank)",
                  "batches per rank: [12, 11]: one all_reduce per batch runs 12 vs 11 times",
                  "  -> rank 0's all_reduce number 12 has no partner: it waits until the timeout",
-                 "equalised (each step all_reduce MIN of 'I have a batch'): [11, 11] steps, "
-                 "[11, 11] gradient all_reduces",
+                 "equalised: each step first an all_reduce(MIN) of 'I still have a batch'",
+                 "  steps per rank [11, 11], gradient all_reduces per rank [11, 11]: they match",
                  "  batches left unused this epoch: [1, 0]"):
         assert fact in lines, text
 

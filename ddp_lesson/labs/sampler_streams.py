@@ -110,8 +110,9 @@ def stream_part(env, n: int = 103, workers: int = 2, batch_size: int = 5) -> Non
             "it waits until the timeout")
     steps, reduced = _equalised_loop(batches)
     done = _gather((steps, reduced))
-    say(f"equalised (each step all_reduce MIN of 'I have a batch'): {[s for s, _ in done]} "
-        f"steps, {[g for _, g in done]} gradient all_reduces")
+    say("equalised: each step first an all_reduce(MIN) of 'I still have a batch'")
+    say(f"  steps per rank {[s for s, _ in done]}, gradient all_reduces per rank "
+        f"{[g for _, g in done]}: they match")
     say(f"  batches left unused this epoch: {[c - s for c, (s, _) in zip(counts, done)]}")
     dist.barrier()
 
