@@ -22,6 +22,12 @@ The pure functions (:func:`global_order`, :func:`padded_order`, :func:`shard_ind
 :func:`num_samples_per_rank`, :func:`padding_count`, :func:`contiguous_shard_indices`)
 need no process group, so notebooks and tests can show every rank's shard from one
 process. :class:`DistributedEvalSampler` is the unpadded variant for exact evaluation.
+
+Two more situations a plain ``DistributedSampler`` does not cover:
+:class:`DistributedWeightedSampler` applies the same recipe to a weighted draw (class
+imbalance: one ``torch.multinomial`` draw shared by every rank, padded and dealt out), and
+:class:`IterableShard` splits a stream (an ``IterableDataset``, which has no indices) by rank
+and by DataLoader worker.
 """
 from __future__ import annotations
 
