@@ -1,5 +1,5 @@
-"""DistributedWeightedSampler and IterableShard (issue 15, items 1 and 2), and the labs that
-notebook 02 launches for them (weighted sampling, streams, seeds).
+"""DistributedWeightedSampler and IterableShard (issue 15, items 1 and 2; docs/pitfalls.md A11,
+A12, A13), and the labs that notebook 02 launches for them (weighted sampling, streams, seeds).
 
 Expectations come from torch's own pieces: ``WeightedRandomSampler`` with a generator seeded
 ``seed + epoch`` (the draw), torch's ``DistributedSampler`` (its dealing, and the trap of
@@ -130,6 +130,10 @@ def test_trap_distributed_sampler_around_a_weighted_sampler_yields_positions():
                 for r in range(8)]
     every = [i for s in shuffled for i in s]
     assert len(every) == 104 and set(every) == set(range(100))  # 4 padded repeats
+    # items 0-49 come up about half the time (50 + the repeats among them), not two thirds:
+    # notebook 02 prints "draws from items 0-49: 52 of 104"
+    perm = torch.randperm(100, generator=torch.Generator().manual_seed(0)).tolist()
+    assert sum(i < 50 for i in every) == 50 + sum(i < 50 for i in perm[:4]) == 52
 
 
 # --------------------------------------------------------------------------- IterableShard
