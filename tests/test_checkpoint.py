@@ -347,11 +347,11 @@ def test_cli_kill_during_save_recovers_and_leaves_no_temporary(tmp_path):
     out = tmp_path / "run"
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("DDP_LESSON_BACKEND", None)
-    # 16 samples, 2 ranks, batch 4: 2 steps an epoch, 4 in all; checkpoint after every step.
-    # Rank 0 dies inside the write of step 2; the restart resumes from step 1's checkpoint.
+    # 16 samples, 2 ranks, batch 4: 2 steps, one epoch; a checkpoint after every step. Rank 0
+    # dies inside the write of step 2 (the last); the restart resumes from step 1's checkpoint.
     cmd = [sys.executable, "-m", "ddp_lesson.cli", "train", "--nproc-per-node", "2",
            "--backend", "gloo", "--size", "32", "32", "--width", "4", "--num-train", "16",
-           "--num-val", "4", "-b", "4", "--epochs", "2", "--checkpoint-every-steps", "1",
+           "--num-val", "4", "-b", "4", "--epochs", "1", "--checkpoint-every-steps", "1",
            "--max-restarts", "1", "--simulate-failure-at-step", "2",
            "--simulate-failure-during-save", "--out", str(out)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
@@ -361,5 +361,5 @@ def test_cli_kill_during_save_recovers_and_leaves_no_temporary(tmp_path):
             "global step 2") in text
     assert "(global step 1)" in text  # resumed from the last complete checkpoint
     assert (out / "simulated_failure_step2.done").exists()
-    assert torch.load(out / "checkpoint.pt", weights_only=True)["global_step"] == 4
+    assert torch.load(out / "checkpoint.pt", weights_only=True)["global_step"] == 2
     assert [p for p in os.listdir(out) if p.startswith("checkpoint.pt.tmp.")] == []
