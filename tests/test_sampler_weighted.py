@@ -10,7 +10,6 @@ the loader's generator or the global one). Two launches (3 and 2 processes).
 from __future__ import annotations
 
 import math
-import re
 
 import pytest
 import torch
@@ -166,7 +165,7 @@ def test_iterable_shard_without_workers_strides_by_rank_and_checks_the_rank():
         iterable_shard_counts(10, 2, 0)
 
 
-# --------------------------------------------------------------------------- the labs, on real ranks
+# ------------------------------------------------------------------------ the labs, on real ranks
 
 @pytest.fixture(scope="module")
 def weighted_run():

@@ -199,8 +199,9 @@ def seeds_part(env, seed: int = 0) -> None:
         for r, (_, d) in enumerate(gathered):
             say(f"  rank {r}: " + " | ".join(f"worker {w}: {d[w]}" for w in sorted(d)))
         streams = [tuple(d[w]) for _, d in gathered for w in sorted(d)]
+        distinct = len(set(streams)) == len(streams)
         say(f"  the ranks draw the same: {all(g[1] == gathered[0][1] for g in gathered)} | "
-            f"all {len(streams)} (rank, worker) streams differ: {len(set(streams)) == len(streams)}")
+            f"all {len(streams)} (rank, worker) streams differ: {distinct}")
     shards = [sorted(ix) for ix, _ in gathered]
     union = sorted(i for s in shards for i in s)
     say(f"sampler seed {seed} everywhere: shards {shards}, a partition: "
