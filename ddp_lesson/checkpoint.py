@@ -6,7 +6,9 @@ Three things go wrong with checkpoints under data parallelism, and this module a
   and the previous good checkpoint is already gone if it was written in place.
   :func:`save_atomic` writes a temporary file in the same folder, flushes it, ``fsync`` s it
   to disk, then ``os.replace`` s it over the old one: the rename is atomic on POSIX, so the
-  path always holds either the old complete checkpoint or the new complete one.
+  path always holds either the old complete checkpoint or the new complete one. A writer
+  killed before the rename leaves its temporary file behind; :func:`sweep_temporaries`
+  removes such files (the trainer's rank 0 at start, every good save afterwards).
 * **A race between ranks** (shared/cases B14). If rank 0 writes while the other ranks read
   straight away, they may see no file, or half of one. :func:`save_checkpoint` has rank 0
   write (atomically) while the others wait; rank 0 then broadcasts whether the write worked
@@ -50,9 +52,11 @@ __all__ = [
     "strip_module_prefix",
     "unwrap",
     "save_atomic",
+    "sweep_temporaries",
     "save_checkpoint",
     "decide_on_rank0",
     "load_checkpoint",
+    "default_map_location",
     "first_state_mismatch",
     "first_config_mismatch",
     "capture_rng_state",
@@ -181,11 +185,81 @@ def atomic_write(path: str, write: Callable[[Any], None], *, binary: bool = True
     return path
 
 
+def _temporary_pid(name: str, base: str) -> int | None:
+    """The writer's pid when ``name`` is ``{base}.tmp.<pid>`` (what :func:`atomic_write` makes)."""
+    prefix = f"{base}.tmp."
+    if not name.startswith(prefix) or not name[len(prefix):].isdigit():
+        return None
+    return int(name[len(prefix):])
+
+
+def _pid_alive(pid: int) -> bool:
+    """True when a process ``pid`` exists on this machine (signal 0 checks, sends nothing)."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
+
+
+def sweep_temporaries(path: str, *, only_dead: bool = True) -> list[str]:
+    """Remove the temporary files an interrupted :func:`atomic_write` left next to ``path``.
+
+    A process killed (SIGKILL, OOM killer, a lost node) between creating ``{path}.tmp.<pid>``
+    and the rename leaves that file behind, nearly a whole checkpoint, for good; nothing ever
+    reads it. This removes files named exactly ``{basename(path)}.tmp.<digits>`` in the folder
+    of ``path`` (no other file, not another checkpoint's), except this process's own:
+
+    * ``only_dead=True`` (the default, safe at any time): only those whose writer ``<pid>`` is
+      not alive on this machine. A live writer's temporary file is left alone: deleting it
+      would make that writer's rename fail. :func:`save_atomic` sweeps this way after each
+      good save.
+    * ``only_dead=False``: every one, whatever its pid. For the job's only writer (rank 0)
+      before it writes anything, when no writer of this checkpoint can be running: the pid
+      check cannot see a writer on another machine of a shared file system, and a pid may
+      have been reused by an unrelated process. Two jobs writing the same checkpoint at once
+      is not supported in any case (each would replace the other's file).
+
+    Local, no synchronisation; a file that vanishes meanwhile, or cannot be removed, is
+    skipped (a sweep never fails the run).
+
+    Args:
+        path: the checkpoint path (need not exist; nor need its folder).
+        only_dead: keep the temporary files of writers that are alive.
+
+    Returns:
+        The removed files' names (not paths), sorted.
+    """
+    folder = os.path.dirname(os.path.abspath(path))
+    base = os.path.basename(path)
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return []
+    removed = []
+    for name in sorted(names):
+        pid = _temporary_pid(name, base)
+        if pid is None or pid == os.getpid() or (only_dead and _pid_alive(pid)):
+            continue
+        try:
+            os.remove(os.path.join(folder, name))
+        except OSError:
+            continue
+        removed.append(name)
+    return removed
+
+
 def save_atomic(obj: Any, path: str, before_replace: Callable[[str], None] | None = None) -> str:
     """Write ``obj`` with ``torch.save`` so that ``path`` is never seen half-written.
 
     :func:`atomic_write` with ``torch.save``: a previous file at ``path`` stays complete and
-    valid until the new one is on disk. Local to the calling process: no synchronisation
+    valid until the new one is on disk. After the rename, the temporary files that killed
+    writers left (``{path}.tmp.<pid>`` whose pid is not alive) are removed
+    (:func:`sweep_temporaries`). Local to the calling process: no synchronisation
     (see :func:`save_checkpoint` for the multi-rank protocol).
 
     Args:
@@ -202,7 +276,9 @@ def save_atomic(obj: Any, path: str, before_replace: Callable[[str], None] | Non
     Raises:
         OSError: the folder is not writable, the disk is full, ... (``path`` untouched).
     """
-    return atomic_write(path, lambda fh: torch.save(obj, fh), before_replace=before_replace)
+    atomic_write(path, lambda fh: torch.save(obj, fh), before_replace=before_replace)
+    sweep_temporaries(path)  # what killed writers left; a live writer's file stays
+    return path
 
 
 def _distributed() -> bool:
@@ -280,14 +356,36 @@ def _first_line(exc: BaseException, limit: int = 160) -> str:
     return line if len(line) <= limit else line[:limit - 3] + "..."
 
 
+def default_map_location(environ=None) -> str:
+    """This rank's device, where a checkpoint's tensors should land: ``cuda:LOCAL_RANK`` or cpu.
+
+    ``"cuda:{LOCAL_RANK}"`` when CUDA is available, ``LOCAL_RANK`` is set (torchrun sets it)
+    and that GPU exists; otherwise ``"cpu"``. Why not leave it to ``torch.load``: with
+    ``map_location=None`` each tensor goes back to the device it was saved from, so a file
+    rank 0 saved from ``cuda:0`` puts every rank's copy on GPU 0 (memory on GPU 0 for every
+    rank, and a device mismatch at the first step). Local, no synchronisation.
+
+    Args:
+        environ: the environment to read ``LOCAL_RANK`` from (default ``os.environ``).
+    """
+    environ = os.environ if environ is None else environ
+    local_rank = str(environ.get("LOCAL_RANK", "")).strip()
+    if local_rank.isdigit() and torch.cuda.is_available() \
+            and int(local_rank) < torch.cuda.device_count():
+        return f"cuda:{int(local_rank)}"
+    return "cpu"
+
+
 def load_checkpoint(path: str, map_location=None) -> dict:
     """Read and check a checkpoint written by :func:`save_checkpoint`.
 
     Args:
         path: the file.
-        map_location: where tensors go: this rank's device (``"cpu"``, ``cuda:{local_rank}``);
-            None keeps the devices they were saved from (which, for a file saved on GPU 0,
-            puts every rank's copy on GPU 0: pass the rank's device).
+        map_location: where tensors go (anything ``torch.load`` accepts: ``"cpu"``,
+            ``"cuda:1"``, a ``torch.device``, a dict or a function). None (the default) means
+            this rank's device, :func:`default_map_location` (``cuda:LOCAL_RANK`` or cpu):
+            ``torch.load`` is never called with ``map_location=None``, which would put every
+            rank's copy of a file saved on GPU 0 on GPU 0.
 
     Returns:
         The checkpoint dict (holds every key of :data:`REQUIRED_KEYS`).
@@ -308,7 +406,8 @@ def load_checkpoint(path: str, map_location=None) -> dict:
         raise CheckpointError(f"{path} ({size} bytes) is not a readable checkpoint (no zip "
                               "archive: truncated, or not written by torch.save)")
     try:
-        ckpt = torch.load(path, map_location=map_location, weights_only=True)
+        ckpt = torch.load(path, map_location=default_map_location() if map_location is None
+                          else map_location, weights_only=True)
     except Exception as exc:  # torch raises RuntimeError, UnpicklingError, EOFError, ...
         text = str(exc)
         detail = re.search(r"WeightsUnpickler error: ([^\n]*)", text)

@@ -22,16 +22,23 @@ The pure functions (:func:`global_order`, :func:`padded_order`, :func:`shard_ind
 :func:`num_samples_per_rank`, :func:`padding_count`, :func:`contiguous_shard_indices`)
 need no process group, so notebooks and tests can show every rank's shard from one
 process. :class:`DistributedEvalSampler` is the unpadded variant for exact evaluation.
+
+Two more situations a plain ``DistributedSampler`` does not cover:
+:class:`DistributedWeightedSampler` applies the same recipe to a weighted draw (class
+imbalance: one ``torch.multinomial`` draw shared by every rank, padded and dealt out), and
+:class:`IterableShard` splits a stream (an ``IterableDataset``, which has no indices) by rank
+and by DataLoader worker.
 """
 from __future__ import annotations
 
+import itertools
 import math
 import operator
 import warnings
 from collections.abc import Iterator, Sized
 
 import torch
-from torch.utils.data import Sampler
+from torch.utils.data import IterableDataset, Sampler, get_worker_info
 
 __all__ = [
     "DistributedSampler",
@@ -42,6 +49,11 @@ __all__ = [
     "padded_order",
     "shard_indices",
     "contiguous_shard_indices",
+    "DistributedWeightedSampler",
+    "weighted_draw",
+    "weighted_padded_draw",
+    "IterableShard",
+    "iterable_shard_counts",
 ]
 
 
@@ -435,3 +447,260 @@ class DistributedEvalSampler(Sampler[int]):
     def set_epoch(self, epoch: int) -> None:
         """Accepted so a loop can treat both samplers alike; the order never changes."""
         self.epoch = epoch
+
+
+# --------------------------------------------------------------------------- weighted sampling
+
+def _check_weights(weights) -> torch.Tensor:
+    """``weights`` as a 1-D double CPU tensor, checked: finite, >= 0, not all zero."""
+    try:
+        w = torch.as_tensor(weights, dtype=torch.double).detach().cpu().clone()
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise TypeError(f"weights must be a sequence of numbers, got {type(weights).__name__}: "
+                        f"{exc}") from None
+    if w.dim() != 1 or w.numel() == 0:
+        raise ValueError(f"weights must be a non-empty 1-D sequence, got shape {tuple(w.shape)}")
+    bad = (~torch.isfinite(w)).nonzero().flatten()
+    if bad.numel():
+        i = int(bad[0])
+        raise ValueError(f"weights must be finite: weights[{i}] = {w[i].item()} "
+                         f"({bad.numel()} of {w.numel()} not finite)")
+    negative = (w < 0).nonzero().flatten()
+    if negative.numel():
+        i = int(negative[0])
+        raise ValueError(f"weights must be >= 0: weights[{i}] = {w[i].item()} "
+                         f"({negative.numel()} of {w.numel()} negative)")
+    if not bool((w > 0).any()):
+        raise ValueError(f"weights are all zero ({w.numel()} of them): nothing can be drawn")
+    return w
+
+
+def weighted_draw(weights, num_samples: int, replacement: bool = True, seed: int = 0,
+                  epoch: int = 0) -> list[int]:
+    """The draw every rank of a :class:`DistributedWeightedSampler` makes, before padding.
+
+    ``torch.multinomial(torch.as_tensor(weights, dtype=torch.double), num_samples,
+    replacement, generator=torch.Generator().manual_seed(seed + epoch))``: the call torch's
+    ``WeightedRandomSampler`` makes (``torch/utils/data/sampler.py``), on a private generator
+    seeded from values all ranks share, so every rank draws the same list without talking.
+
+    Args:
+        weights: one non-negative weight per dataset index (need not sum to 1).
+        num_samples: how many indices to draw, ``>= 1``.
+        replacement: draw with replacement (an index may come more than once).
+        seed, epoch: the generator's seed is ``seed + epoch``; equal on every rank.
+
+    Returns:
+        ``num_samples`` dataset indices in ``[0, len(weights) - 1]``.
+
+    Raises:
+        ValueError: a weight is negative or not finite, all weights are zero,
+            ``num_samples < 1``, or ``replacement=False`` with ``num_samples`` above the
+            number of nonzero weights.
+    """
+    w = _check_weights(weights)
+    num_samples = _check_num_draws(num_samples, w, replacement)
+    g = torch.Generator()
+    g.manual_seed(seed + epoch)
+    return torch.multinomial(w, num_samples, replacement, generator=g).tolist()
+
+
+def _check_num_draws(num_samples, w: torch.Tensor, replacement: bool) -> int:
+    num_samples = _as_int("num_samples", num_samples)
+    if num_samples < 1:
+        raise ValueError(f"num_samples must be >= 1, got {num_samples}")
+    nonzero = int((w > 0).sum())
+    if not replacement and num_samples > nonzero:
+        raise ValueError(f"replacement=False cannot draw num_samples={num_samples} distinct "
+                         f"indices: only {nonzero} of the {w.numel()} weights are nonzero")
+    return num_samples
+
+
+def weighted_padded_draw(weights, num_samples: int, num_replicas: int, replacement: bool = True,
+                         seed: int = 0, epoch: int = 0, drop_last: bool = False) -> list[int]:
+    """:func:`weighted_draw` made divisible by ``num_replicas``: the list the ranks share out.
+
+    ``drop_last=False``: padded with its own first elements (wrapping round, several times if
+    ``num_samples < num_replicas``) to ``R * ceil(num_samples / R)``; ``drop_last=True``: cut
+    to ``R * (num_samples // R)``. As :func:`padded_order` does for a permutation.
+
+    Raises:
+        ValueError: as :func:`weighted_draw`, or ``num_replicas < 1``.
+    """
+    num_replicas = _check_num_replicas(num_replicas)
+    draw = weighted_draw(weights, num_samples, replacement, seed, epoch)
+    return _pad_or_cut(draw, num_replicas, drop_last)
+
+
+def _pad_or_cut(draw: list[int], num_replicas: int, drop_last: bool) -> list[int]:
+    per_rank = num_samples_per_rank(len(draw), num_replicas, drop_last)
+    total_size = per_rank * num_replicas
+    if drop_last:
+        return draw[:total_size]
+    pad = total_size - len(draw)
+    if pad > 0:
+        draw = draw + (draw * math.ceil(pad / len(draw)))[:pad]
+    return draw
+
+
+class DistributedWeightedSampler(Sampler[int]):
+    """Weighted sampling (class imbalance) split across ranks: one draw, dealt out like torch's.
+
+    ``torch.utils.data.WeightedRandomSampler`` has no distributed form, and wrapping it does
+    not work: ``DistributedSampler(WeightedRandomSampler(w, n))`` uses only ``len()`` of what
+    it is given, so it yields *positions* ``0..n-1`` (rank 0 of 8 gets 0, 8, ..., 96), never a
+    weighted index: the weights are silently ignored. A hand-made wrapper that calls
+    ``torch.multinomial`` with the global random state draws a different list on each rank
+    (overlaps and gaps), and one that does not pad gives ranks different lengths (a hang at the
+    next collective).
+
+    Each epoch every rank draws the *same* list, :func:`weighted_draw` (``torch.multinomial``
+    on the weights as doubles, generator seeded ``seed + epoch``, exactly as
+    ``WeightedRandomSampler`` draws with such a generator), pads it with its own first
+    elements to a multiple of R (or, with ``drop_last``, cuts the tail), and rank ``r`` takes
+    ``padded[r::R]``, as :class:`DistributedSampler` deals a permutation. Interleaving the R
+    shards gives back the padded draw. :meth:`set_epoch` changes the draw on all ranks
+    together; without it every epoch repeats the same draw.
+
+    No synchronisation: the sampler never communicates. With ``num_replicas``/``rank`` left as
+    None it reads them once from the default process group (a local query).
+
+    Args:
+        weights: one weight per dataset index, ``>= 0``, finite, not all zero (a sequence or a
+            1-D tensor; copied as float64). Typical: ``1 / count[class_of(i)]``.
+        num_samples: indices drawn per epoch across all ranks together (before padding),
+            ``>= 1``.
+        num_replicas: world size R, ``>= 1``. Default: ``torch.distributed.get_world_size()``.
+        rank: this rank in ``[0, R - 1]``. Default: ``torch.distributed.get_rank()``.
+        replacement: draw with replacement (default; needed to oversample a rare class).
+        seed: base seed; must be the same on every rank. Default 0.
+        drop_last: cut the draw to ``R * (num_samples // R)`` instead of padding.
+
+    Attributes:
+        weights (float64 tensor), num_replicas, rank, replacement, seed, drop_last, epoch.
+        num_samples: indices drawn per epoch (all ranks together), as given.
+        num_samples_per_rank: ``len(self)``: ``ceil(num_samples / R)``, or
+            ``num_samples // R`` with ``drop_last``.
+        total_size: ``num_samples_per_rank * R``.
+
+    Raises:
+        ValueError: ``rank`` outside ``[0, R - 1]``, ``num_replicas < 1``,
+            ``num_samples < 1``, a negative or non-finite weight, all weights zero,
+            ``replacement=False`` with ``num_samples`` above the number of nonzero weights.
+        RuntimeError: ``num_replicas`` or ``rank`` is None and no process group exists.
+
+    Example: weights 2.0 for items 0..49 and 1.0 for 50..99, ``num_samples=100``, R = 8:
+    ``len(sampler) == 13`` on every rank, 104 entries in all (the draw's first 4 dealt again).
+    """
+
+    def __init__(self, weights, num_samples: int, *, num_replicas: int | None = None,
+                 rank: int | None = None, replacement: bool = True, seed: int = 0,
+                 drop_last: bool = False) -> None:
+        self.num_replicas, self.rank = _resolve_world(num_replicas, rank)
+        self.weights = _check_weights(weights)
+        self.replacement = bool(replacement)
+        self.num_samples = _check_num_draws(num_samples, self.weights, self.replacement)
+        self.seed = _as_int("seed", seed)
+        self.drop_last = bool(drop_last)
+        self.epoch = 0
+        self.num_samples_per_rank = num_samples_per_rank(self.num_samples, self.num_replicas,
+                                                         self.drop_last)
+        self.total_size = self.num_samples_per_rank * self.num_replicas
+        if self.num_samples_per_rank == 0:
+            warnings.warn(
+                f"DistributedWeightedSampler with drop_last=True: num_samples={self.num_samples}"
+                f" is smaller than num_replicas R={self.num_replicas}, so every rank gets 0 "
+                "indices; use drop_last=False or draw more", UserWarning, stacklevel=2)
+
+    def padded_draw(self) -> list[int]:
+        """This epoch's draw, padded or cut to ``total_size``: the same list on every rank."""
+        draw = torch.multinomial(self.weights, self.num_samples, self.replacement,
+                                 generator=torch.Generator().manual_seed(self.seed + self.epoch))
+        return _pad_or_cut(draw.tolist(), self.num_replicas, self.drop_last)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.padded_draw()[self.rank::self.num_replicas])
+
+    def __len__(self) -> int:
+        """Indices this rank yields per epoch (``num_samples_per_rank``)."""
+        return self.num_samples_per_rank
+
+    def set_epoch(self, epoch: int) -> None:
+        """Seed the next draw with ``seed + epoch``: call it on every rank with the same value
+        at the start of each epoch, before the DataLoader iterator is created. No sync."""
+        self.epoch = _as_int("epoch", epoch)
+
+
+# --------------------------------------------------------------------------- streaming data
+
+def iterable_shard_counts(n: int, num_replicas: int, num_workers: int = 1) -> list[list[int]]:
+    """How many of ``n`` streamed items each (rank, worker) of :class:`IterableShard` gets.
+
+    Item ``i`` goes to reader ``i % (R * W)``, and reader ``rank * W + worker`` is
+    ``counts[rank][worker]``. Pure arithmetic, no process group.
+
+    Returns:
+        ``counts[rank][worker]`` (items), summing to ``n``.
+
+    Raises:
+        ValueError: ``n < 0``, ``num_replicas < 1`` or ``num_workers < 1``.
+    """
+    n = _check_n(n)
+    num_replicas = _check_num_replicas(num_replicas)
+    num_workers = _as_int("num_workers", num_workers)
+    if num_workers < 1:
+        raise ValueError(f"num_workers must be >= 1, got {num_workers}")
+    readers = num_replicas * num_workers
+    return [[len(range(r * num_workers + w, n, readers)) for w in range(num_workers)]
+            for r in range(num_replicas)]
+
+
+class IterableShard(IterableDataset):
+    """Split a stream (an iterable dataset) by rank *and* by DataLoader worker: each item once.
+
+    A sampler cannot split an ``IterableDataset``: there are no indices, and
+    ``DataLoader(sampler=...)`` refuses one. Worse, each of the W worker processes of a
+    ``DataLoader(num_workers=W)`` gets its own copy of the dataset and, unless the dataset
+    looks at ``torch.utils.data.get_worker_info()``, iterates the *whole* stream: every item
+    comes W times on every rank (R * W times in the job). ``IterableShard`` makes reader
+    ``k = rank * W + worker_id`` (of ``R * W`` readers) keep items ``k, k + R*W, k + 2*R*W,
+    ...`` of the stream (``itertools.islice``), so across R ranks x W workers every item is
+    seen exactly once. Outside a DataLoader worker (``num_workers=0``) W is 1.
+
+    The price of a stream: the readers get ``ceil`` or ``floor`` of ``n / (R * W)`` items, so
+    ranks can run **different numbers of batches** (103 items, R = 2, W = 2, batch 5: 12
+    batches on rank 0, 11 on rank 1), and a per-batch collective (the DDP gradient
+    all_reduce) then waits forever on the rank that has one more. Stop every rank at the
+    shortest rank's count (an all_reduce of "I still have a batch" with MIN, each step), or
+    use ``torch.distributed.algorithms.Join``. Each reader also reads and skips the items
+    that are not its own: a real corpus is split by *file* or *shard*, this by item.
+
+    No synchronisation. Source: the ``IterableDataset`` docs (``torch/utils/data/dataset.py``,
+    ``get_worker_info`` example).
+
+    Args:
+        dataset: any iterable (an ``IterableDataset``, a generator factory with ``__iter__``,
+            a list, ...); it must yield the same items in the same order on every rank and in
+            every worker.
+        num_replicas: world size R, ``>= 1``. Default: ``torch.distributed.get_world_size()``.
+        rank: this rank in ``[0, R - 1]``. Default: ``torch.distributed.get_rank()``.
+
+    Raises:
+        ValueError: ``num_replicas < 1`` or ``rank`` outside ``[0, num_replicas - 1]``.
+        RuntimeError: ``num_replicas`` or ``rank`` is None and no process group exists.
+    """
+
+    def __init__(self, dataset, *, num_replicas: int | None = None,
+                 rank: int | None = None) -> None:
+        self.num_replicas, self.rank = _resolve_world(num_replicas, rank)
+        self.dataset = dataset
+
+    def reader(self) -> tuple[int, int]:
+        """``(k, R * W)``: this reader's number and the number of readers (local)."""
+        info = get_worker_info()
+        num_workers, worker_id = (1, 0) if info is None else (info.num_workers, info.id)
+        return self.rank * num_workers + worker_id, self.num_replicas * num_workers
+
+    def __iter__(self) -> Iterator:
+        k, readers = self.reader()
+        return itertools.islice(iter(self.dataset), k, None, readers)

@@ -70,7 +70,7 @@ from tqdm import tqdm
 from . import env as dist_env
 from .checkpoint import (CHECKPOINT_FORMAT, CHECKPOINT_VERSION, _barrier, atomic_write,
                          capture_rng_state, decide_on_rank0, load_checkpoint, restore_rng_state,
-                         save_checkpoint, strip_module_prefix)
+                         save_checkpoint, strip_module_prefix, sweep_temporaries)
 from .config import (CHECKPOINT_FILE, TrainConfig, TrainInputError, bare_model_state,
                      check_out_writable, check_steps, derived_values, inspect_checkpoint,
                      load_datasets, parse_config)
@@ -662,6 +662,7 @@ def _run(cfg: TrainConfig, env, wall_start: float) -> dict:
     def check_out_and_checkpoint():
         # Before anything is built or printed: a bad --out or checkpoint fails fast.
         problem = check_out_writable(cfg.out)
+        sweep_temporaries(path, only_dead=False)  # rank 0, before any write: killed writers' files
         if problem is None and not cfg.no_resume and os.path.exists(path):
             problem = inspect_checkpoint(path, cfg, env.world_size, bare_model_state(cfg))
         return problem

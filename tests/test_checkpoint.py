@@ -242,3 +242,124 @@ def test_b14_save_then_load_on_every_rank(tmp_path):
         assert out["temporaries"] == []
         assert out["exists"] is True
         assert out["failure"].startswith("rank 0 could not write checkpoint ")
+
+
+# ---- default map_location: this rank's device (issue 15, item 3) ---------------------------
+
+def test_load_never_passes_map_location_none_to_torch_load(tmp_path, monkeypatch):
+    path = str(tmp_path / "c.pt")
+    save_atomic(_valid(), path)
+    seen = []
+    real_load = torch.load
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("map_location", "<not passed>"))
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", spy)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    ckpt = load_checkpoint(path)                       # the default: this rank's device
+    load_checkpoint(path, map_location=None)           # None means the same
+    load_checkpoint(path, map_location="cpu")          # an explicit choice is passed on
+    assert seen == ["cpu", "cpu", "cpu"]
+    assert ckpt["model"]["w"].device.type == "cpu"
+
+
+def test_default_map_location_is_cuda_local_rank_when_that_gpu_exists(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    assert ck.default_map_location({"LOCAL_RANK": "3"}) == "cuda:3"
+    assert ck.default_map_location({"LOCAL_RANK": "4"}) == "cpu"   # no GPU 4: stay on CPU
+    assert ck.default_map_location({}) == "cpu"                     # not under torchrun
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert ck.default_map_location({"LOCAL_RANK": "0"}) == "cpu"
+
+
+# ---- temporary files left by killed writers (issue 15, item 4) -----------------------------
+
+def _dead_pid() -> int:
+    """The pid of a process that has ended (and been reaped)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_sweep_removes_only_dead_writers_files_of_this_checkpoint(tmp_path):
+    import subprocess
+    import sys
+
+    path = tmp_path / "checkpoint.pt"
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        dead = _dead_pid()
+        names = [f"checkpoint.pt.tmp.{dead}", f"checkpoint.pt.tmp.{live.pid}",
+                 f"checkpoint.pt.tmp.{os.getpid()}",          # this process's own write
+                 f"other.pt.tmp.{dead}", "checkpoint.pt.tmp.x1", "checkpoint.pt"]
+        for name in names:
+            (tmp_path / name).write_bytes(b"x")
+        assert ck.sweep_temporaries(str(path)) == [f"checkpoint.pt.tmp.{dead}"]
+        assert sorted(os.listdir(tmp_path)) == sorted(names[1:])
+        # the job's only writer, before it writes: every other pid's file goes
+        assert ck.sweep_temporaries(str(path), only_dead=False) == [
+            f"checkpoint.pt.tmp.{live.pid}"]
+        assert sorted(os.listdir(tmp_path)) == sorted(names[2:])
+    finally:
+        live.kill()
+        live.wait()
+    assert ck.sweep_temporaries(str(tmp_path / "no" / "folder" / "c.pt")) == []
+
+
+def test_a_good_save_sweeps_a_killed_writers_file_but_not_a_live_ones(tmp_path):
+    path = tmp_path / "c.pt"
+    dead, live = _dead_pid(), os.getppid()
+    (tmp_path / f"c.pt.tmp.{dead}").write_bytes(b"almost a whole checkpoint")
+    (tmp_path / f"c.pt.tmp.{live}").write_bytes(b"another writer, still at work")
+    save_atomic({"a": torch.ones(2)}, str(path))
+    assert sorted(os.listdir(tmp_path)) == sorted(["c.pt", f"c.pt.tmp.{live}"])
+
+
+def test_the_trainer_sweeps_at_start_before_any_write(tmp_path):
+    from ddp_lesson import train
+
+    out = tmp_path / "run"
+    out.mkdir()
+    stale = out / f"checkpoint.pt.tmp.{os.getppid()}"  # a pid that is alive: only the start
+    stale.write_bytes(b"x")                           # sweep (all files) can remove it
+    keep = out / "notes.tmp.1"
+    keep.write_bytes(b"x")
+    torch.set_num_threads(1)
+    train.main(["--epochs", "1", "--num-train", "4", "--num-val", "2", "-b", "4", "--size", "32",
+                "32", "--width", "4", "--out", str(out)])
+    assert not stale.exists() and keep.exists()
+    assert not [p for p in os.listdir(out) if ".tmp." in p and p != "notes.tmp.1"]
+
+
+@pytest.mark.timeout(200)
+def test_cli_kill_during_save_recovers_and_leaves_no_temporary(tmp_path):
+    """The command of issue 15: SIGKILL inside the checkpoint write, restart, tmp file gone."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "run"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("DDP_LESSON_BACKEND", None)
+    # 16 samples, 2 ranks, batch 4: 2 steps, one epoch; a checkpoint after every step. Rank 0
+    # dies inside the write of step 2 (the last); the restart resumes from step 1's checkpoint.
+    cmd = [sys.executable, "-m", "ddp_lesson.cli", "train", "--nproc-per-node", "2",
+           "--backend", "gloo", "--size", "32", "32", "--width", "4", "--num-train", "16",
+           "--num-val", "4", "-b", "4", "--epochs", "1", "--checkpoint-every-steps", "1",
+           "--max-restarts", "1", "--simulate-failure-at-step", "2",
+           "--simulate-failure-during-save", "--out", str(out)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0, text
+    assert ("simulated failure: rank 0 kills itself (SIGKILL) during the checkpoint write at "
+            "global step 2") in text
+    assert "(global step 1)" in text  # resumed from the last complete checkpoint
+    assert (out / "simulated_failure_step2.done").exists()
+    assert torch.load(out / "checkpoint.pt", weights_only=True)["global_step"] == 2
+    assert [p for p in os.listdir(out) if p.startswith("checkpoint.pt.tmp.")] == []

@@ -1,0 +1,104 @@
+"""Weighted sampling across ranks: every rank draws the same weighted list and takes its stride.
+
+    torchrun --standalone --nproc-per-node 3 -m ddp_lesson.labs.sampler_weighted
+
+Class imbalance is usually handled with ``torch.utils.data.WeightedRandomSampler``, which has
+no distributed form. Every rank here builds a :class:`ddp_lesson.sampler.DistributedWeightedSampler`
+(reading rank and world size from the process group) over 100 items, the first 50 with weight
+2.0 and the last 50 with 1.0, runs one epoch of a ``DataLoader`` over it, and the shards and
+each rank's view of the whole draw are gathered with ``all_gather_object``. Rank 0 prints the
+facts: every rank drew the same list, interleaving the shards gives back the padded draw,
+``set_epoch`` changes the draw on every rank together, and the weights show in the counts.
+Then the silent trap: torch's ``DistributedSampler(WeightedRandomSampler(...))`` deals out
+*positions* ``0..99``, and the weights are never used. Notebook 02 runs this with
+``%%torchrun --nproc-per-node 3``.
+"""
+from __future__ import annotations
+
+import argparse
+
+#: The case of issue 15: weight 2.0 for items 0..49, 1.0 for items 50..99.
+WEIGHTS = [2.0] * 50 + [1.0] * 50
+
+
+def one_epoch(sampler, batch_size: int = 10) -> list[int]:
+    """The dataset indices this rank's DataLoader yields for one epoch (local)."""
+    from torch.utils.data import DataLoader
+
+    loader = DataLoader(range(len(WEIGHTS)), batch_size=batch_size, sampler=sampler)
+    return [i for batch in loader for i in batch.tolist()]
+
+
+def _gather(obj) -> list:
+    import torch.distributed as dist
+
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _interleave(shards: list[list[int]]) -> list[int]:
+    return [shard[j] for j in range(len(shards[0])) for shard in shards]
+
+
+def _fmt(xs: list[int], k: int = 10) -> str:
+    head = ", ".join(map(str, xs[:k]))
+    return f"[{head}, ...] ({len(xs)})" if len(xs) > k else f"[{head}]"
+
+
+def main(num_samples: int = 100, seed: int = 0) -> None:
+    """Run under torchrun (3 processes in the notebook); rank 0 prints, every rank checks.
+
+    Synchronises: five ``all_gather_object`` calls, plus setup and teardown.
+    """
+    from torch.utils.data import DistributedSampler as TorchDistributedSampler
+    from torch.utils.data import WeightedRandomSampler
+
+    from ..env import cleanup, init_distributed
+    from ..sampler import DistributedWeightedSampler
+
+    env = init_distributed(timeout=60)
+    R = env.world_size
+    say = print if env.is_main else (lambda *a, **k: None)
+    sampler = DistributedWeightedSampler(WEIGHTS, num_samples, seed=seed)
+    shards = _gather(one_epoch(sampler))
+    draws = _gather(sampler.padded_draw())           # each rank's view of the whole draw
+    lengths = _gather(len(sampler))
+    sampler.set_epoch(1)
+    shards1 = _gather(one_epoch(sampler))
+    draws1 = _gather(sampler.padded_draw())
+
+    padded = draws[0]
+    say(f"weights 2.0 for items 0-49, 1.0 for 50-99; num_samples={num_samples}, R={R}, "
+        f"seed={seed}")
+    say(f"len(sampler) on every rank: {lengths}; {len(padded)} slots, the draw's first "
+        f"{len(padded) - num_samples} dealt again")
+    for r, shard in enumerate(shards):
+        say(f"  rank {r}: {_fmt(shard)}")
+    say(f"every rank drew the same {num_samples} indices: {all(d == padded for d in draws)}")
+    say(f"interleaving the {R} shards gives back the padded draw: {_interleave(shards) == padded}")
+    heavy = sum(i < 50 for i in padded[:num_samples])
+    say(f"draws from items 0-49 (weight 2.0): {heavy} of {num_samples} "
+        f"(expected {num_samples * 2 / 3:.1f})")
+    same1 = all(d == draws1[0] for d in draws1)
+    say(f"set_epoch(1): a new draw: {draws1[0] != padded} | the same on every rank: {same1}")
+    say(f"  and its interleaved shards give it back: {_interleave(shards1) == draws1[0]}")
+
+    # the trap: a DistributedSampler sees only len() of what it wraps
+    trap = TorchDistributedSampler(WeightedRandomSampler(WEIGHTS, num_samples),
+                                   num_replicas=R, rank=env.rank, shuffle=False)
+    trapped = _gather(list(trap))
+    say(f"torch's DistributedSampler(WeightedRandomSampler(w, {num_samples}), shuffle=False):")
+    say(f"  rank 0: {_fmt(trapped[0], 6)}: positions, not weighted draws")
+    positions = all(t == [p % num_samples for p in range(r, len(padded), R)]
+                    for r, t in enumerate(trapped))
+    say(f"  every rank got positions r, r+{R}, ... of 0..{num_samples - 1}: {positions}")
+    cleanup()
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--num-samples", type=int, default=100)
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args()
+    main(a.num_samples, a.seed)
