@@ -176,9 +176,17 @@ def test_01_4_weighted_average():
         dist.all_reduce(g)
         return g
 
-    good, mean, nb_mean, total, undiv = _verdicts("01.4", plain_mean, notebook_attempt("01.4"),
-                                                  plain_sum, undivided)
+    def over_eight(grad, count):  # right while the shards total 8 samples
+        g = grad * count
+        dist.all_reduce(g)
+        return g / 8
+
+    good, mean, nb_mean, total, undiv, eight = _verdicts(
+        "01.4", plain_mean, notebook_attempt("01.4"), plain_sum, undivided, over_eight)
     assert good
+    # shards 3, 6, 2 total 11
+    assert eight.problems[0].startswith("with shards of 3, 6, 2 samples, rank 0 returned "), eight.problems
+    assert "yours divides by 8, the total of the other cases; here it is 11" in eight.problems[0]
     # rank r's gradient is [r+1, -(r+1)/2, r^2 + 1/4]: plain mean [2, -1, 23/12], weighted
     # by 4, 2, 2: [14, -7, 12] / 8
     assert mean.problems[0].startswith("with shards of 4, 2, 2 samples, rank 0 returned "
@@ -580,11 +588,33 @@ def ring_for_four(tensor):
     return tensor
 
 
+def ring_batched(tensor):
+    """A right ring whose exchanges go through dist.batch_isend_irecv and P2POp."""
+    rank, R = dist.get_rank(), dist.get_world_size()
+    flat = tensor.view(-1)
+    b = [(flat.numel() * c // R, flat.numel() * (c + 1) // R) for c in range(R)]
+    for step in range(2 * (R - 1)):
+        s0, s1 = b[(rank - step) % R]
+        r0, r1 = b[(rank - step - 1) % R]
+        buf = torch.empty(r1 - r0, dtype=flat.dtype)
+        ops = [dist.P2POp(dist.isend, flat[s0:s1].contiguous(), (rank + 1) % R),
+               dist.P2POp(dist.irecv, buf, (rank - 1) % R)]
+        for q in dist.batch_isend_irecv(ops):
+            q.wait()
+        if step < R - 1:
+            flat[r0:r1] += buf
+        else:
+            flat[r0:r1] = buf
+    return tensor
+
+
 def test_03_6_ring_all_reduce():
-    good, v_half, v_nb, v_mean, v_copy, v_a2a, v_relay, v_four = _verdicts(
+    # ring_for_four ends its launch (an error at 3 processes): last, so that one launch does
+    good, v_half, v_nb, v_mean, v_copy, v_a2a, v_relay, v_batched, v_four = _verdicts(
         "03.6", ring_without_all_gather, notebook_attempt("03.6"), ring_mean, out_of_place,
-        all_to_all_exchange, whole_tensor_relay, ring_for_four)
+        all_to_all_exchange, whole_tensor_relay, ring_batched, ring_for_four)
     assert good
+    assert v_batched.passed, v_batched.problems
     # rank 0's neighbours on a ring of 4 are 3 and 1; the all-to-all also talks to rank 2
     assert v_a2a.problems[0].startswith("an int64 tensor of shape (10,): the values are right, but "
                                         "rank 0 exchanged messages with rank(s) 2, which are not "
@@ -594,7 +624,10 @@ def test_03_6_ring_all_reduce():
     assert v_relay.problems[0].startswith("an int64 tensor of shape (10,): the values are right, "
                                           "but rank 0 sent 30 elements for a tensor of 10"), v_relay.problems
     assert "(at most 18 here)" in v_relay.problems[0]
-    assert v_four.problems[0].startswith("with 3 processes: "), v_four.problems
+    # at 3 processes, rank 2 sends to rank (2 + 1) % 4 = 3, which does not exist
+    assert re.match(r"with 3 processes: rank \d raised ValueError: dist.i(send|recv) with rank 3, "
+                    r"but there are 3 ranks \(0 to 2\): take R from dist.get_world_size\(\), not "
+                    r"a constant at line \d+", v_four.problems[0]), v_four.problems
     half = v_half.problems[0]
     # rank k's input is (i+1)*10**k; after the 3 reduce-scatter steps rank 0 holds chunk 1
     # (elements 2-4) summed by all 4 ranks, chunk 3 by ranks 0 and 3, chunk 2 by 0, 2, 3
@@ -783,9 +816,15 @@ def test_unsendable_globals_and_loose_ids_get_clear_answers():
 # ----------------------------------------------------------------------------- shortcuts, local
 
 def test_local_checkers_vary_what_a_constant_or_a_table_could_stand_in_for():
-    from ddp_lesson.exercises.catalog import _CASES_07_1
+    from ddp_lesson.exercises.catalog import _CASES_03_3, _CASES_05_4, _CASES_07_1
 
     table = {(psi, gpu): reference("07.1")(psi, gpu) for psi, gpu in _CASES_07_1[:6]}
+    crossover = {R: reference("03.3")(a, b, R) for a, b, R in _CASES_03_3[:7]}
+    lr_table = {c: reference("05.4")(*c) for c in _CASES_05_4[:7]}
+    v_cross, v_lr = run_candidates("03.3", [lambda a, b, R: crossover.get(R, 0.0)]) + \
+        run_candidates("05.4", [lambda *c: lr_table.get(c, 0.1)])
+    assert not v_cross and v_cross.problems[0].startswith("R="), v_cross.problems
+    assert not v_lr and v_lr.problems[0].startswith("lr "), v_lr.problems
     bitmask, node_times_two, from_table = run_candidates("00.3", [
         lambda rank, nproc: rank & (nproc - 1),  # right when nproc is a power of two
     ]) + run_candidates("06.5", [lambda node, local, nproc: node * 2 + local]) + run_candidates(

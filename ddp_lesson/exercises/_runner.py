@@ -62,6 +62,14 @@ def _join(outdir: Path, timeout_s: float):
     return init_distributed(timeout=timeout_s, backend="gloo", announce=False)
 
 
+def _save(out: Path, results: list) -> None:
+    """Write ``results`` atomically: torchrun may end this process at any moment (a peer
+    exited with an error), and a half-written file would hide what was already judged."""
+    tmp = out.with_suffix(".tmp")
+    tmp.write_bytes(pickle.dumps(results))
+    os.replace(tmp, out)
+
+
 def _regroup(outdir: Path, tag: str, rank: int, world_size: int, timeout_s: float) -> bool:
     """Make the default process group ranks 0..world_size-1 of this launch (a fresh gloo
     group with the short timeout, met through a FileStore), after leaving the current one.
@@ -81,6 +89,9 @@ def _regroup(outdir: Path, tag: str, rank: int, world_size: int, timeout_s: floa
             break
         time.sleep(0.02)
     store = dist.FileStore(str(outdir / f"store.{tag}"), world_size)
+    # the store's own wait (a lazy connection to a peer, e.g. one outside the group) gets the
+    # short timeout too; a FileStore's default is 300 s
+    store.set_timeout(datetime.timedelta(seconds=timeout_s))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout_s))
     return True
@@ -121,10 +132,10 @@ def main(argv=None) -> int:
                 clean = False
                 record[size] = (exc.result if isinstance(exc, core.StopCandidate)
                                 else core.error_record(exc))
-            out.write_bytes(pickle.dumps(results))
+            _save(out, results)
             if not clean:
                 break
-        out.write_bytes(pickle.dumps(results))
+        _save(out, results)
         # Peers waiting for this rank give up within one collective timeout; a rank still
         # busy after that is ended by torchrun when this one exits with an error status.
         if not _all_clean(outdir, index, env.rank, env.world_size, clean, timeout_s + 3.0):

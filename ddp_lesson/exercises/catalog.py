@@ -750,8 +750,13 @@ def _call_recording_p2p(fn, tensor):
 
         def recorded(*args, **kwargs):
             t = args[0] if args else kwargs.get("tensor")
-            messages.append((kind, _peer(args, kwargs, which),
-                             int(t.numel()) if hasattr(t, "numel") else -1))
+            peer, world = _peer(args, kwargs, which), dist.get_world_size()
+            if isinstance(peer, int) and not 0 <= peer < world:
+                # gloo would wait for a rank that does not exist until the timeout
+                raise ValueError(f"dist.{name} with rank {peer}, but there are {world} ranks "
+                                 f"(0 to {world - 1}): take R from dist.get_world_size(), "
+                                 "not a constant")
+            messages.append((kind, peer, int(t.numel()) if hasattr(t, "numel") else -1))
             return f(*args, **kwargs)
         recorded.__name__ = name
         return recorded

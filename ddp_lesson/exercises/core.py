@@ -506,7 +506,10 @@ def _launch(ex: Exercise, candidates: list) -> tuple[int, list[list[str]]]:
         per_rank = {}
         for r in range(launch_size):
             f = tmp / f"result{r}.pkl"
-            per_rank[r] = pickle.loads(f.read_bytes()) if f.exists() else []
+            try:  # written atomically by the worker; a missing file is a rank that died early
+                per_rank[r] = pickle.loads(f.read_bytes()) if f.exists() else []
+            except (EOFError, pickle.UnpicklingError):
+                per_rank[r] = []
         problems_all: list[list[str]] = []
         for i in range(len(candidates)):
             if i > 0 and not any(len(per_rank[r]) > i for r in per_rank):
