@@ -482,9 +482,19 @@ def test_02_4_exact_accuracy():
         dist.all_reduce(t)
         return t[0] / t[1]
 
-    good, v_means, v_local, v_f32 = _verdicts("02.4", mean_of_means, local, float32_counts)
+    def three_pairs(correct, count):  # right with 3 ranks only: a list of 3 for all_gather
+        pairs = [torch.zeros(2, dtype=torch.int64) for _ in range(3)]
+        dist.all_gather(pairs, torch.tensor([correct, count]))
+        total = sum(pairs)
+        return total[0].item() / total[1].item()
+
+    good, v_means, v_local, v_f32, v_three = _verdicts("02.4", mean_of_means, local,
+                                                       float32_counts, three_pairs)
     assert good
     assert v_f32.passed, v_f32.problems
+    # N=7 over 2 ranks: shards of 4 and 3; all_gather refuses a list of 3 tensors
+    assert v_three.problems[0].startswith("with 2 processes: N=7 split 4, 3 over 2 ranks: rank 0 "
+                                          "raised RuntimeError: "), v_three.problems
     # N=7, model wrong on index 6 only: exact 6/7; the mean of 2/3, 1, 1 is 8/9
     assert "rank 0 returned 0.8889, the exact accuracy is 0.8571" in v_means.problems[0]
     assert "mean of the ranks' accuracies" in v_means.problems[0]
