@@ -15,7 +15,12 @@ Two kinds:
   on its own inputs and writes what it got to a file of its own. The judge then compares
   every rank with the reference. A candidate that raises, or waits in a collective the
   others never join, ends with a verdict that says which rank and why: each worker's process
-  group has a short timeout and the whole launch a wall-clock limit.
+  group has a short timeout and the whole launch a wall-clock limit. An exercise may name
+  several world sizes (``Exercise.world_sizes``); they run in the same launch, so that a
+  constant standing in for ``dist.get_world_size()`` fails at one of them.
+
+Local candidates run case by case under a time limit (:func:`call_case`). The shortcuts each
+checker is built to catch are listed in ``docs/exercises.md``.
 """
 from __future__ import annotations
 
