@@ -972,7 +972,7 @@ def _run_05_4(fn) -> list[str]:
             continue
         msg = f"{case}: got {fmt_num(got)}, expected {fmt_num(want)} (global batch {b * R * k})"
 
-        def same(value):
+        def same(value, got=got):
             return math.isclose(got, value, rel_tol=1e-9)
         other_rules = [o for o in ("linear", "sqrt", "none")
                        if o != rule and same(scaled_lr(base_lr, base_batch, b * R * k, o))]
