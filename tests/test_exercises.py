@@ -125,6 +125,16 @@ def test_05_4_effective_lr():
     # 0.1 tuned at 256, 4 x 128 = 512 samples: linear gives 0.2; divided by 4, 0.05
     assert "got 0.05, expected 0.2 (global batch 512): yours is divided by the 4 processes" in v_div.problems[0]
     assert "accumulation steps are part of the global batch" in v_acc.problems[0]
+    def sqrt_as_linear(lr, bb, b, R, k, rule):
+        return reference("05.4")(lr, bb, b, R, k, "linear" if rule == "sqrt" else rule)
+
+    (v_sqrt,) = run_candidates("05.4", [sqrt_as_linear])
+    # 0.4 tuned at 64, 4 x 4 x 2 = 32: sqrt gives 0.4 * sqrt(1/2) = 0.2828, linear 0.2, which
+    # is also what sqrt gives without the accumulation steps; the diagnosis names the rule
+    assert v_sqrt.problems[0] == (
+        "lr 0.4 tuned at batch 64, 4 processes x 4 samples x 2 accumulation step(s), rule 'sqrt': "
+        "got 0.2, expected 0.2828 (global batch 32): that is the 'linear' rule's value for this "
+        "global batch, not the 'sqrt' rule's. sqrt: base_lr x sqrt(global batch / base_batch).")
     # notebook 05's exercise: 0.1 tuned at 16, 4 processes x 8 samples, linear -> 0.2
     assert reference("05.4")(0.1, 16, 8, 4, 1, "linear") == pytest.approx(0.2)
 
@@ -166,9 +176,17 @@ def test_01_4_weighted_average():
         dist.all_reduce(g)
         return g
 
-    good, mean, nb_mean, total, undiv = _verdicts("01.4", plain_mean, notebook_attempt("01.4"),
-                                                  plain_sum, undivided)
+    def over_eight(grad, count):  # right while the shards total 8 samples
+        g = grad * count
+        dist.all_reduce(g)
+        return g / 8
+
+    good, mean, nb_mean, total, undiv, eight = _verdicts(
+        "01.4", plain_mean, notebook_attempt("01.4"), plain_sum, undivided, over_eight)
     assert good
+    # shards 3, 6, 2 total 11
+    assert eight.problems[0].startswith("with shards of 3, 6, 2 samples, rank 0 returned "), eight.problems
+    assert "yours divides by 8, the total of the other cases; here it is 11" in eight.problems[0]
     # rank r's gradient is [r+1, -(r+1)/2, r^2 + 1/4]: plain mean [2, -1, 23/12], weighted
     # by 4, 2, 2: [14, -7, 12] / 8
     assert mean.problems[0].startswith("with shards of 4, 2, 2 samples, rank 0 returned "
@@ -191,10 +209,20 @@ def test_01_5_average_gradients():
                 dist.all_reduce(p.grad)
                 p.grad /= dist.get_world_size()
 
-    good, v_sum, v_weights = _verdicts("01.5", summed, weights_only)
+    def divided_by_two(model):  # right with 2 ranks only: a constant for the world size
+        for p in model.parameters():
+            dist.all_reduce(p.grad)
+            p.grad /= 2
+
+    good, v_sum, v_weights, v_two = _verdicts("01.5", summed, weights_only, divided_by_two)
     assert good
     assert "2x too big" in v_sum.problems[0] and "divide by world_size (2)" in v_sum.problems[0]
     assert "Not averaged here: 0.bias, 2.bias" in v_weights.problems[0]
+    # passes with 2 ranks; with 3 the sum over 3 ranks divided by 2 is 1.5x the mean
+    assert not v_two
+    assert v_two.problems[0].startswith("with 3 processes: rank 0: 0.weight.grad is "), v_two.problems
+    assert "the sum over the 3 ranks divided by 2" in v_two.problems[0]
+    assert "not a constant" in v_two.problems[0]
 
 
 # ----------------------------------------------------------------------------- 02
@@ -311,6 +339,33 @@ class RankFromTheGroup(SeedIgnored):
                                        drop_last)
 
 
+class CountsItsPasses(Sampler):
+    """set_epoch does nothing; the sampler counts its own passes and uses that as the epoch:
+    right when iterated once per epoch from epoch 0, wrong after a resume."""
+
+    def __init__(self, dataset, num_replicas, rank, shuffle=True, seed=0, drop_last=False):
+        self.args, self.passes = (dataset, num_replicas, rank, shuffle, seed, drop_last), 0
+
+    def set_epoch(self, epoch):
+        pass
+
+    def __iter__(self):
+        inner = reference("02.1")(*self.args)
+        inner.set_epoch(self.passes)
+        self.passes += 1
+        return iter(inner)
+
+    def __len__(self):
+        return len(reference("02.1")(*self.args))
+
+
+class ThreeReplicas(SeedIgnored):
+    """Right with 3 processes only: a constant 3 where num_replicas belongs."""
+
+    def __init__(self, dataset, num_replicas, rank, shuffle=True, seed=0, drop_last=False):
+        self.inner = reference("02.1")(dataset, 3, rank, shuffle, seed, drop_last)
+
+
 def test_02_1_reference_passes_through_the_public_check():
     v = check("02.1", reference("02.1"))
     assert v.passed, str(v)
@@ -320,10 +375,21 @@ def test_02_1_reference_passes_through_the_public_check():
 def test_02_1_sampler_rejects_the_typical_mistakes():
     verdicts = run_candidates("02.1", [SeedSampler, SeedSamplerWithLen, EpochIgnored, RankSeeded,
                                        Contiguous, notebook_attempt("02.1"), PadsWithTheEnd,
-                                       LenAlwaysZero, SeedIgnored, RankFromTheGroup])
-    seed, seed_len, epoch, ranked, contiguous, nopad, ends, len0, noseed, group_rank = [
-        v.problems[0] if v.problems else "" for v in verdicts]
+                                       LenAlwaysZero, SeedIgnored, RankFromTheGroup,
+                                       CountsItsPasses, ThreeReplicas])
+    (seed, seed_len, epoch, ranked, contiguous, nopad, ends, len0, noseed, group_rank, passes,
+     three) = [v.problems[0] if v.problems else "" for v in verdicts]
     assert not any(verdicts)
+    # the first shuffled setting: N=10, seed 0; a fresh sampler's first pass is epoch 0's order
+    assert passes.startswith("N=10, R=3, shuffle=True, seed=0: on rank 0, a fresh sampler given "
+                             "set_epoch(5) yields "), passes
+    from ddp_lesson.sampler import shard_indices
+    assert f"torch's yields {shard_indices(10, 3, 0, True, 0, 5)}" in passes
+    assert "yours gave epoch 0's" in passes and "not the number of passes" in passes
+    # every check at 3 processes passes; a sampler for num_replicas=2 built in one process fails
+    assert three.startswith("N=9, R=2, shuffle=False: the sampler built with num_replicas=2, "
+                            "rank=0 yields [0, 3, 6], torch's yields [0, 2, 4, 6, 8]"), three
+    assert "no constant 3" in three
     assert len0.startswith("N=9, R=3, shuffle=False: rank 0 yields 3 indices but len(sampler) says 0")
     # the first shuffled setting with a seed: N=7, seed=5; the ranks agree on seed 0's order
     assert noseed.startswith("N=7, R=3, shuffle=True, seed=5, epoch 0: the ranks agree on one order")
@@ -371,9 +437,31 @@ def test_02_3_seed_epoch_check():
         if any(not torch.equal(t, all_[0]) for t in all_):
             raise RuntimeError("seeds differ")
 
-    good, v_local, v_rank0, v_seed, v_unnamed = _verdicts(
-        "02.3", local_only, raises_on_rank0_only, seed_only, unnamed)
+    def multiline(seed, epoch):  # right: the ranks are named on the lines after the first
+        mine = torch.tensor([seed, epoch])
+        all_ = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(all_, mine)
+        if any(not torch.equal(t, all_[0]) for t in all_):
+            raise RuntimeError("the ranks disagree on (seed, epoch):\n" + "\n".join(
+                f"  rank {r}: seed {int(t[0])}, epoch {int(t[1])}" for r, t in enumerate(all_)))
+
+    def three_ranks(seed, epoch):  # a constant 3 for the world size
+        mine = torch.tensor([seed, epoch])
+        all_ = [torch.zeros_like(mine) for _ in range(3)]
+        dist.all_gather(all_, mine)
+        bad = [r for r, t in enumerate(all_) if not torch.equal(t, all_[0])]
+        if bad:
+            raise RuntimeError(f"ranks {bad} differ from rank 0")
+
+    good, v_local, v_rank0, v_seed, v_unnamed, v_lines, v_three = _verdicts(
+        "02.3", local_only, raises_on_rank0_only, seed_only, unnamed, multiline, three_ranks)
     assert good
+    assert v_lines.passed, v_lines.problems
+    # right with 3 ranks; with 2, all_gather refuses a list of 3 tensors
+    assert not v_three and v_three.problems[0].startswith(
+        "with 2 processes: with seeds 4, 4 and epochs 2, 2 on ranks 0, 1 (all agree), rank 0 "
+        "raised RuntimeError: "), v_three.problems
+    assert "names, as numbers, the ranks whose (seed, epoch) differs from rank 0's" in describe("02.3")
     assert "seeds 7, 8, 9" in v_local.problems[0] and "nothing was raised" in v_local.problems[0]
     assert "only rank(s) 0 raised; rank(s) 1, 2 returned normally" in v_rank0.problems[0]
     assert "epochs 1, 1, 0" in v_seed.problems[0] and "the epoch matters too" in v_seed.problems[0]
@@ -394,9 +482,19 @@ def test_02_4_exact_accuracy():
         dist.all_reduce(t)
         return t[0] / t[1]
 
-    good, v_means, v_local, v_f32 = _verdicts("02.4", mean_of_means, local, float32_counts)
+    def three_pairs(correct, count):  # right with 3 ranks only: a list of 3 for all_gather
+        pairs = [torch.zeros(2, dtype=torch.int64) for _ in range(3)]
+        dist.all_gather(pairs, torch.tensor([correct, count]))
+        total = sum(pairs)
+        return total[0].item() / total[1].item()
+
+    good, v_means, v_local, v_f32, v_three = _verdicts("02.4", mean_of_means, local,
+                                                       float32_counts, three_pairs)
     assert good
     assert v_f32.passed, v_f32.problems
+    # N=7 over 2 ranks: shards of 4 and 3; all_gather refuses a list of 3 tensors
+    assert v_three.problems[0].startswith("with 2 processes: N=7 split 4, 3 over 2 ranks: rank 0 "
+                                          "raised RuntimeError: "), v_three.problems
     # N=7, model wrong on index 6 only: exact 6/7; the mean of 2/3, 1, 1 is 8/9
     assert "rank 0 returned 0.8889, the exact accuracy is 0.8571" in v_means.problems[0]
     assert "mean of the ranks' accuracies" in v_means.problems[0]
@@ -449,10 +547,97 @@ def out_of_place(tensor):
     return out
 
 
+def all_to_all_exchange(tensor):
+    """Right values, wrong method: every rank sends its whole tensor to every other rank."""
+    rank, R = dist.get_rank(), dist.get_world_size()
+    incoming = [torch.empty_like(tensor) for _ in range(R)]
+    reqs = []
+    for peer in range(R):
+        if peer != rank:
+            reqs += [dist.isend(tensor.contiguous(), peer), dist.irecv(incoming[peer], peer)]
+    for q in reqs:
+        q.wait()
+    for peer in range(R):
+        if peer != rank:
+            tensor += incoming[peer]
+    return tensor
+
+
+def whole_tensor_relay(tensor):
+    """Neighbours only, but whole tensors passed R-1 times round the ring."""
+    rank, R = dist.get_rank(), dist.get_world_size()
+    passing, total = tensor.clone(), tensor.clone()
+    for _ in range(R - 1):
+        buf = torch.empty_like(passing)
+        reqs = [dist.isend(passing, (rank + 1) % R), dist.irecv(buf, (rank - 1) % R)]
+        for q in reqs:
+            q.wait()
+        total += buf
+        passing = buf
+    tensor.copy_(total)
+    return tensor
+
+
+def ring_for_four(tensor):
+    """The reference ring with R fixed at 4: right at 4 processes only."""
+    rank, R = dist.get_rank(), 4
+    flat = tensor.view(-1)
+    b = [(flat.numel() * c // R, flat.numel() * (c + 1) // R) for c in range(R)]
+    for step in range(2 * (R - 1)):
+        s0, s1 = b[(rank - step) % R]
+        r0, r1 = b[(rank - step - 1) % R]
+        buf = torch.empty(r1 - r0, dtype=flat.dtype)
+        reqs = [dist.isend(flat[s0:s1].contiguous(), (rank + 1) % R),
+                dist.irecv(buf, (rank - 1) % R)]
+        for q in reqs:
+            q.wait()
+        if step < R - 1:
+            flat[r0:r1] += buf
+        else:
+            flat[r0:r1] = buf
+    return tensor
+
+
+def ring_batched(tensor):
+    """A right ring whose exchanges go through dist.batch_isend_irecv and P2POp."""
+    rank, R = dist.get_rank(), dist.get_world_size()
+    flat = tensor.view(-1)
+    b = [(flat.numel() * c // R, flat.numel() * (c + 1) // R) for c in range(R)]
+    for step in range(2 * (R - 1)):
+        s0, s1 = b[(rank - step) % R]
+        r0, r1 = b[(rank - step - 1) % R]
+        buf = torch.empty(r1 - r0, dtype=flat.dtype)
+        ops = [dist.P2POp(dist.isend, flat[s0:s1].contiguous(), (rank + 1) % R),
+               dist.P2POp(dist.irecv, buf, (rank - 1) % R)]
+        for q in dist.batch_isend_irecv(ops):
+            q.wait()
+        if step < R - 1:
+            flat[r0:r1] += buf
+        else:
+            flat[r0:r1] = buf
+    return tensor
+
+
 def test_03_6_ring_all_reduce():
-    good, v_half, v_nb, v_mean, v_copy = _verdicts("03.6", ring_without_all_gather,
-                                                   notebook_attempt("03.6"), ring_mean, out_of_place)
+    # ring_for_four ends its launch (an error at 3 processes): last, so that one launch does
+    good, v_half, v_nb, v_mean, v_copy, v_a2a, v_relay, v_batched, v_four = _verdicts(
+        "03.6", ring_without_all_gather, notebook_attempt("03.6"), ring_mean, out_of_place,
+        all_to_all_exchange, whole_tensor_relay, ring_batched, ring_for_four)
     assert good
+    assert v_batched.passed, v_batched.problems
+    # rank 0's neighbours on a ring of 4 are 3 and 1; the all-to-all also talks to rank 2
+    assert v_a2a.problems[0].startswith("an int64 tensor of shape (10,): the values are right, but "
+                                        "rank 0 exchanged messages with rank(s) 2, which are not "
+                                        "its neighbours 3 and 1"), v_a2a.problems
+    assert "all-to-all" in v_a2a.problems[0]
+    # 3 whole tensors of 10 elements; a ring sends 2(R-1) = 6 chunks of at most 3
+    assert v_relay.problems[0].startswith("an int64 tensor of shape (10,): the values are right, "
+                                          "but rank 0 sent 30 elements for a tensor of 10"), v_relay.problems
+    assert "(at most 18 here)" in v_relay.problems[0]
+    # at 3 processes, rank 2 sends to rank (2 + 1) % 4 = 3, which does not exist
+    assert re.match(r"with 3 processes: rank \d raised ValueError: dist.i(send|recv) with rank 3, "
+                    r"but there are 3 ranks \(0 to 2\): take R from dist.get_world_size\(\), not "
+                    r"a constant at line \d+", v_four.problems[0]), v_four.problems
     half = v_half.problems[0]
     # rank k's input is (i+1)*10**k; after the 3 reduce-scatter steps rank 0 holds chunk 1
     # (elements 2-4) summed by all 4 ranks, chunk 3 by ranks 0 and 3, chunk 2 by 0, 2, 3
@@ -567,8 +752,31 @@ def test_07_4_gather_flat():
         sizes = [t.numel() for t in torch.tensor_split(torch.empty(total), dist.get_world_size())]
         return torch.cat(list(reversed(torch.split(out, sizes))))
 
-    good, v_trunc, v_rev = _verdicts("07.4", truncating, reversed_order)
+    def broadcasts(shard, total):  # right values, R rounds where one all-gather is asked
+        R = dist.get_world_size()
+        sizes = [t.numel() for t in torch.tensor_split(torch.empty(total), R)]
+        pieces = []
+        for src, n in enumerate(sizes):
+            piece = shard.clone() if src == dist.get_rank() else torch.empty(n, dtype=shard.dtype)
+            dist.broadcast(piece, src)
+            pieces.append(piece)
+        return torch.cat(pieces)
+
+    def three_pieces(shard, total):  # a constant 3 for the world size
+        sizes = [t.numel() for t in torch.tensor_split(torch.empty(total), 3)]
+        padded = torch.zeros(max(sizes), dtype=shard.dtype)
+        padded[:shard.numel()] = shard
+        pieces = [torch.empty_like(padded) for _ in range(3)]
+        dist.all_gather(pieces, padded)
+        return torch.cat([p[:n] for p, n in zip(pieces, sizes)])
+
+    good, v_trunc, v_rev, v_bcast, v_three = _verdicts("07.4", truncating, reversed_order,
+                                                       broadcasts, three_pieces)
     assert good
+    assert v_bcast.problems[0].startswith("10 elements over 3 ranks: the values are right, but "
+                                          "rank 0 made these calls: broadcast x3."), v_bcast.problems
+    assert "3 broadcasts are 3 rounds" in v_bcast.problems[0]
+    assert v_three.problems[0].startswith("with 2 processes: "), v_three.problems
     assert v_trunc.problems[0].startswith("10 elements in shards of 4, 3, 3: rank 0 got")
     assert "(9 elements instead of 10)" in v_trunc.problems[0] and "pad every shard" in v_trunc.problems[0]
     assert "wrong order" in v_rev.problems[0]
@@ -630,14 +838,14 @@ def test_what_a_function_returns_is_checked_before_it_is_judged():
         reference("01.4")(grad, count)
 
     (v,) = run_candidates("01.4", [returns_none])
-    assert re.match(r"rank \d: your function returned None \(NoneType\); the exercise expects a "
-                    r"tensor of 3 numbers\.", v.problems[0]), v.problems
+    assert re.match(r"rank \d: your function returned None \(missing return\?\); the exercise "
+                    r"expects a tensor of 3 numbers\.", v.problems[0]), v.problems
     half, none = run_candidates("07.1", [lambda psi, gpu: 16 * psi / gpu, lambda psi, gpu: None])
     # 16 * 7.5e9 / 80e9 = 1.5 ranks: not a whole number
     assert half.problems[0] == ("7.5B parameters on 80 GB ranks: got 1.5 ranks; a number of ranks "
                                 "is a whole number (round up: 2).")
-    assert none.problems[0].startswith("your function returned None (NoneType); the exercise "
-                                       "expects a whole number of ranks")
+    assert none.problems[0] == ("your function returned None (missing return?); the exercise "
+                                "expects a whole number of ranks.")
 
 
 def test_unsendable_globals_and_loose_ids_get_clear_answers():
@@ -653,3 +861,82 @@ def test_unsendable_globals_and_loose_ids_get_clear_answers():
     with pytest.raises(TypeError, match="cannot be sent.*inside your function"):
         check("01.4", uses_a_lock)
     assert describe(" 2.1 ").startswith("02.1")
+
+
+# ----------------------------------------------------------------------------- shortcuts, local
+
+def test_local_checkers_vary_what_a_constant_or_a_table_could_stand_in_for():
+    from ddp_lesson.exercises.catalog import _CASES_03_3, _CASES_05_4, _CASES_07_1
+
+    table = {(psi, gpu): reference("07.1")(psi, gpu) for psi, gpu in _CASES_07_1[:6]}
+    crossover = {R: reference("03.3")(a, b, R) for a, b, R in _CASES_03_3[:7]}
+    lr_table = {c: reference("05.4")(*c) for c in _CASES_05_4[:7]}
+    v_cross, v_lr = run_candidates("03.3", [lambda a, b, R: crossover.get(R, 0.0)]) + \
+        run_candidates("05.4", [lambda *c: lr_table.get(c, 0.1)])
+    assert not v_cross and v_cross.problems[0].startswith("R="), v_cross.problems
+    assert not v_lr and v_lr.problems[0].startswith("lr "), v_lr.problems
+    bitmask, node_times_two, from_table = run_candidates("00.3", [
+        lambda rank, nproc: rank & (nproc - 1),  # right when nproc is a power of two
+    ]) + run_candidates("06.5", [lambda node, local, nproc: node * 2 + local]) + run_candidates(
+        "07.1", [lambda psi, gpu: table.get((psi, gpu), 1)])
+    # 3 processes per node (the first layout that is not a power of two): 1 & 2 = 0
+    assert bitmask.problems[0].startswith("rank 1 with 3 processes per node on 2 nodes: got 0, "
+                                          "expected 1"), bitmask.problems
+    # 2 x 4: node 1's local rank 0 is RANK 4, not 2
+    assert node_times_two.problems[0] == ("2 nodes x 4 processes: node 0, local rank 2 and node 1, "
+                                          "local rank 0 would share RANK 2; every process needs "
+                                          "its own.")
+    psi, gpu = _CASES_07_1[6]
+    assert from_table.problems[0].startswith(f"{psi / 1e9:g}B parameters on {gpu / 1e9:g} GB "
+                                             "ranks: "), from_table.problems
+
+
+def test_local_checks_have_a_time_limit_and_show_the_learners_line(monkeypatch):
+    monkeypatch.setenv("DDP_LESSON_CHECK_CASE_TIMEOUT_S", "0.5")
+
+    def endless(num_params, gpu_bytes):
+        ranks = 1
+        while True:  # never leaves: the cell must not freeze
+            try:
+                ranks += 1
+            except Exception:  # a learner's broad except does not swallow the time limit
+                pass
+
+    def as_text(rank, nproc):
+        return str(rank % nproc)
+
+    def no_return(rank, nproc):
+        rank % nproc  # noqa: B018
+
+    def library_raises(base_lr, base_batch, per_rank_batch, world_size, grad_accum_steps, rule):
+        import statistics
+        return statistics.mean([])
+
+    v_loop, = run_candidates("07.1", [endless])
+    v_text, v_none = run_candidates("00.3", [as_text, no_return])
+    v_lib, = run_candidates("05.4", [library_raises])
+    assert v_loop.problems[0].startswith("case (70B, 80 GB) did not return within 0.5 s"), v_loop.problems
+    # a string is shown as one: '0', not 0
+    assert v_text.problems[0] == ("your function returned '0' (str); the exercise expects a whole "
+                                  "number (the GPU index).")
+    assert v_none.problems[0] == ("your function returned None (missing return?); the exercise "
+                                  "expects a whole number (the GPU index).")
+    assert v_lib.problems[0].startswith("your function raised StatisticsError: mean requires at "
+                                        "least one data point at line "), v_lib.problems
+    assert v_lib.problems[0].endswith("(return statistics.mean([]))")
+
+
+def test_a_size_mismatch_on_the_wire_is_named_as_such():
+    def too_small_buffer(tensor):  # receives the whole tensor into a one-element buffer
+        rank, R = dist.get_rank(), dist.get_world_size()
+        buf = torch.empty(1, dtype=tensor.dtype)
+        reqs = [dist.isend(tensor.reshape(-1).contiguous(), (rank + 1) % R),
+                dist.irecv(buf, (rank - 1) % R)]
+        for q in reqs:
+            q.wait()
+        return tensor
+
+    (v,) = run_candidates("03.6", [too_small_buffer])
+    # the first case is 10 int64 elements: 80 bytes into a buffer of 8
+    assert re.match(r"size mismatch on the wire: rank \d received a message of 80 bytes into a "
+                    r"buffer of 8 bytes", v.problems[0]), v.problems

@@ -8,6 +8,7 @@ deterministic functions of its rank, so the judge recomputes them instead of shi
 from __future__ import annotations
 
 import math
+import random
 import re
 from collections import Counter
 
@@ -16,8 +17,9 @@ import torch
 from . import solutions as S
 from ..sampler import (contiguous_shard_indices, num_samples_per_rank, padded_order,
                        shard_indices)
-from .core import (Exercise, StopCandidate, close, error_record, first_error, fmt_list, fmt_num,
-                   format_error, is_timeout_error, register, returned)
+from .core import (Exercise, StopCandidate, as_number, as_whole, call_case, close, error_record,
+                   first_error, fmt_list, fmt_num, format_error, is_timeout_error, register,
+                   returned, shown)
 
 
 def _ranks(rs) -> str:
@@ -27,10 +29,18 @@ def _ranks(rs) -> str:
 
 # ===================================================================== 00.3 local rank
 
+#: (processes per node, nodes): the stored ones first, then sizes that are not powers of two
+#: (``rank & (nproc - 1)`` is right only for those), one node, and draws from a fixed seed.
+_LAYOUTS_00_3 = [(4, 2), (2, 3), (8, 2), (3, 2), (6, 3), (1, 4), (5, 1), (7, 3)]
+_RNG_00_3 = random.Random(3)
+_LAYOUTS_00_3 += [(_RNG_00_3.randint(1, 16), _RNG_00_3.randint(1, 6)) for _ in range(8)]
+
+
 def _run_00_3(fn) -> list[str]:
-    for nproc, nnodes in ((4, 2), (2, 3), (8, 2)):
+    for nproc, nnodes in _LAYOUTS_00_3:
         for rank in range(nproc * nnodes):
-            got = fn(rank, nproc)
+            raw = call_case(fn, (rank, nproc), f"(rank={rank}, nproc_per_node={nproc})")
+            got = returned(raw, "a whole number (the GPU index)", as_whole)
             want = rank % nproc
             if got != want:
                 hint = ""
@@ -40,7 +50,7 @@ def _run_00_3(fn) -> list[str]:
                     hint = (" (the global rank: on node 1 and beyond there is no GPU with that "
                             "number, the mistake behind the legacy --local_rank pitfall, C1)")
                 return [f"rank {rank} with {nproc} processes per node on {nnodes} nodes: got "
-                        f"{got}, expected {want}{hint}. Each node numbers its GPUs 0 to "
+                        f"{shown(raw)}, expected {want}{hint}. Each node numbers its GPUs 0 to "
                         f"{nproc - 1}: rank {rank} is node {rank // nproc}'s process {want}."]
     return []
 
@@ -51,12 +61,14 @@ register(Exercise(
          "process with global rank `rank` uses when every node runs nproc_per_node processes.",
     signature="fn(rank: int, nproc_per_node: int) -> int",
     reference=S.local_rank_from_rank, run_local=_run_00_3,
-    checked="2 nodes x 4, 3 nodes x 2 and 2 nodes x 8 processes, every rank"))
+    checked="every rank of 16 layouts, 1 to 16 processes per node on 1 to 6 nodes"))
 
 
 # ===================================================================== 01.4 weighted average
 
-_COUNTS_01_4 = ([4, 2, 2], [5, 2, 1], [1, 1, 6])
+#: Shard sizes per rank. The first three total 8, so a constant 8 could stand in for the total
+#: count; the last two total 11 and 13.
+_COUNTS_01_4 = ([4, 2, 2], [5, 2, 1], [1, 1, 6], [3, 6, 2], [7, 5, 1])
 
 
 def _grad_01_4(rank: int) -> torch.Tensor:
@@ -96,6 +108,10 @@ def _judge_01_4(results) -> list[str]:
                 msg += f": yours is sum n_r * g_r; divide it by the total count {sum(counts)}"
             elif close(got, grads[r].tolist()):
                 msg += ": yours is this rank's own gradient; nothing was all-reduced"
+            elif sum(counts) != 8 and close(got, (weighted_average(grads, counts)
+                                                  * sum(counts) / 8).tolist()):
+                msg += (f": yours divides by 8, the total of the other cases; here it is "
+                        f"{sum(counts)}. All-reduce the counts too")
             others = [s for s in range(R) if s != r and not close(results[s][i], got)]
             if others:
                 msg += f". Ranks {_ranks([r] + others)} also disagree with each other"
@@ -111,22 +127,22 @@ register(Exercise(
     signature="fn(grad: Tensor (3,), count: int) -> Tensor (3,)   # a collective",
     reference=S.weighted_average_gradient, kind="distributed", world_size=3,
     run_rank=_rank_01_4, judge=_judge_01_4,
-    checked="3 processes (torchrun, gloo), shards 4/2/2, 5/2/1 and 1/1/6"))
+    checked="3 processes (torchrun, gloo), shards 4/2/2, 5/2/1, 1/1/6, 3/6/2 and 7/5/1"))
 
 
 # ===================================================================== 01.5 average_gradients
 
-def _toy_01_5():
+def _toy_01_5(world_size):
     from ..gradients import make_toy_batch, make_toy_model
 
-    x, y = make_toy_batch(8)
+    x, y = make_toy_batch(4 * world_size)  # 4 samples per rank at every world size
     return make_toy_model(0), x, y
 
 
 def _rank_01_5(fn, rank, world_size):
     from ..gradients import split_batch
 
-    model, x, y = _toy_01_5()
+    model, x, y = _toy_01_5(world_size)
     xs, ys = split_batch(x, y, world_size)[rank]
     torch.nn.functional.mse_loss(model(xs), ys).backward()
     fn(model)
@@ -138,7 +154,7 @@ def _judge_01_5(results) -> list[str]:
     from ..gradients import split_batch
 
     R = len(results)
-    model, x, y = _toy_01_5()
+    model, x, y = _toy_01_5(R)
     model.zero_grad()
     torch.nn.functional.mse_loss(model(x), y).backward()
     want = {n: p.grad.reshape(-1).tolist() for n, p in model.named_parameters()}
@@ -159,6 +175,11 @@ def _judge_01_5(results) -> list[str]:
             if close(got, [R * v for v in w]):
                 msg += (f": {R}x too big. all_reduce gives the SUM over the ranks; divide by "
                         f"world_size ({R})")
+            elif any(close(got, [R * v / k for v in w]) for k in range(1, 9) if k != R):
+                k = next(k for k in range(1, 9) if k != R and close(got, [R * v / k for v in w]))
+                msg += (f": the sum over the {R} ranks divided by {k}. Divide by "
+                        "dist.get_world_size(), not a constant: the checker runs at more than "
+                        "one world size")
             elif close(got, local[r][name]):
                 bad = [n for n in want if close(results[r][n], local[r][n])]
                 msg += (f": still this rank's own gradient. Not averaged here: {', '.join(bad)}; "
@@ -173,10 +194,10 @@ register(Exercise(
          "replace every parameter's .grad by its mean over the ranks (in place), so that every "
          "rank holds the global-batch gradient, as DDP does.",
     signature="fn(model: nn.Module) -> None   # a collective",
-    reference=S.average_gradients, kind="distributed", world_size=2,
+    reference=S.average_gradients, kind="distributed", world_sizes=(2, 3),
     run_rank=_rank_01_5, judge=_judge_01_5,
-    checked="2 processes (torchrun, gloo), the 19-parameter toy MLP, 4 samples per rank, "
-            "against one process on all 8"))
+    checked="2 and 3 processes (torchrun, gloo), the 19-parameter toy MLP, 4 samples per rank, "
+            "against one process on all 8 (12)"))
 
 
 # ===================================================================== 02.1 sampler
@@ -188,6 +209,12 @@ _SETTINGS_02_1 = [(9, False, False, 0), (10, False, False, 0), (10, True, False,
                   (0, False, False, 0), (12, True, False, 1), (10, False, True, 0),
                   (11, True, True, 3)]
 _EPOCHS_02_1 = (0, 1)
+#: A fresh sampler is given set_epoch(_FRESH_EPOCH_02_1) before its first pass: an order that
+#: follows the number of passes, not the epoch, fails it.
+_FRESH_EPOCH_02_1 = 5
+#: Samplers for other world sizes, built in one process for every rank (a sampler needs no
+#: process group): a constant 3 standing in for num_replicas fails at these.
+_OTHER_R_02_1 = (2, 5)
 
 
 def _rank_02_1(cls, rank, world_size):
@@ -221,8 +248,77 @@ def _rank_02_1(cls, rank, world_size):
             rec["len"] = len(sampler)
         except Exception as exc:
             rec["len_error"] = error_record(exc)
+        rec["extra"] = _extra_02_1(cls, sampler, rank, world_size, n, shuffle, drop_last, seed)
         out.append(rec)
     return out
+
+
+def _extra_02_1(cls, sampler, rank, world_size, n, shuffle, drop_last, seed) -> dict:
+    """What the shortcuts a fixed sequence of calls would miss give: a second pass in the
+    same epoch, a fresh sampler given a later epoch first, other world sizes."""
+    def orders(make, epoch=None):
+        s = make()
+        if epoch is not None:
+            s.set_epoch(epoch)
+        return [int(i) for i in iter(s)], len(s)
+
+    extra = {}
+    try:
+        extra["again"] = [int(i) for i in iter(sampler)]  # epoch 1 again, no set_epoch between
+        extra["fresh"] = orders(lambda: cls(list(range(n)), num_replicas=world_size, rank=rank,
+                                            shuffle=shuffle, seed=seed, drop_last=drop_last),
+                                _FRESH_EPOCH_02_1)[0]
+        for R in _OTHER_R_02_1:
+            for r in range(R):
+                extra[R, r] = orders(lambda R=R, r=r: cls(list(range(n)), num_replicas=R, rank=r,
+                                                          shuffle=shuffle, seed=seed,
+                                                          drop_last=drop_last), 2)
+    except Exception as exc:
+        extra["error"] = error_record(exc)
+    return extra
+
+
+def _judge_02_1_extra(recs, n, shuffle, drop_last, seed) -> str | None:
+    """The checks behind the basic ones: the order depends on seed + epoch only (not on how
+    many passes were made), and on the num_replicas and rank arguments (not on constants)."""
+    R = len(recs)
+    setting = _describe_02_1(n, R, shuffle, drop_last, seed)
+    for r, rec in enumerate(recs):
+        extra = rec["extra"]
+        if "error" in extra:
+            return (f"{setting}: a second pass, a fresh sampler given set_epoch"
+                    f"({_FRESH_EPOCH_02_1}), or one built for another num_replicas raised "
+                    f"{format_error(extra['error'])}")
+        want = shard_indices(n, R, r, shuffle, seed, _FRESH_EPOCH_02_1, drop_last)
+        if extra["fresh"] != want:
+            msg = (f"{setting}: on rank {r}, a fresh sampler given set_epoch("
+                   f"{_FRESH_EPOCH_02_1}) yields {extra['fresh']}, torch's yields {want} (the "
+                   f"order of epoch {_FRESH_EPOCH_02_1})")
+            if extra["fresh"] == rec[0]:
+                msg += (": yours gave epoch 0's. The order must follow set_epoch, not the "
+                        "number of passes: store the epoch, and seed the generator with "
+                        "seed + epoch in __iter__ (a resumed run starts at a later epoch)")
+            return msg + "."
+        if extra["again"] != rec[1]:
+            return (f"{setting}: rank {r}'s sampler gave {rec[1]} in epoch 1, then "
+                    f"{extra['again']} on a second pass with no set_epoch between: the order "
+                    "must depend on seed + epoch only, not on how many passes were made "
+                    "(as torch's: a loop may iterate a sampler more than once per epoch).")
+    for R2 in _OTHER_R_02_1:
+        for r in range(R2):
+            got, length = recs[0]["extra"][R2, r]
+            want = shard_indices(n, R2, r, shuffle, seed, 2, drop_last)
+            per = num_samples_per_rank(n, R2, drop_last)
+            where = _describe_02_1(n, R2, shuffle, drop_last, seed, 2)
+            if got != want:
+                return (f"{where}: the sampler built with num_replicas={R2}, rank={r} yields "
+                        f"{got}, torch's yields {want}. Use the num_replicas argument "
+                        "everywhere (no constant 3: the checker runs 3 processes, your "
+                        "training may not).")
+            if length != per:
+                return (f"{where}: the sampler built with num_replicas={R2}, rank={r} yields "
+                        f"{per} indices but len(sampler) says {length}.")
+    return None
 
 
 def _describe_02_1(n, R, shuffle, drop_last, seed, epoch=None) -> str:
@@ -301,6 +397,12 @@ def _judge_02_1(results) -> list[str]:
                     break
         if problem:
             problems.append(problem)
+    if not problems:  # the basic checks pass: now the shortcuts they would miss
+        for k, (n, shuffle, drop_last, seed) in enumerate(_SETTINGS_02_1):
+            problem = _judge_02_1_extra([results[r][k] for r in range(R)], n, shuffle,
+                                        drop_last, seed)
+            if problem:
+                return [problem]
     if len(problems) > 1:
         problems[0] += f" ({len(problems)} of {len(_SETTINGS_02_1)} settings fail)"
     return problems[:1]
@@ -403,21 +505,26 @@ register(Exercise(
     reference=S.DistributedSampler, kind="distributed", world_size=3,
     run_rank=_rank_02_1, judge=_judge_02_1,
     checked="3 processes (torchrun, gloo), N = 0, 1, 2, 7, 9, 10, 11, 12, shuffle and "
-            "drop_last on and off, epochs 0 and 1"))
+            "drop_last on and off, epochs 0, 1 (twice) and 5 (a fresh sampler); "
+            "num_replicas 2 and 5 in one process"))
 
 
 # ===================================================================== 02.3 seed/epoch check
 
-# (seeds per rank, epochs per rank, must it raise, ranks to name)
-_CASES_02_3 = [((0, 0, 0), (0, 0, 0), False, ()),
-               ((7, 7, 7), (3, 3, 3), False, ()),
-               ((7, 8, 9), (0, 0, 0), True, (1, 2)),
-               ((0, 0, 0), (1, 1, 0), True, (2,))]
+# world size -> [(seeds per rank, epochs per rank, must it raise, ranks to name)]: the ranks
+# to name are those whose (seed, epoch) differs from rank 0's. Two world sizes, so that a
+# constant 3 (a list of 3 tensors for all_gather) fails.
+_CASES_02_3 = {3: [((0, 0, 0), (0, 0, 0), False, ()),
+                   ((7, 7, 7), (3, 3, 3), False, ()),
+                   ((7, 8, 9), (0, 0, 0), True, (1, 2)),
+                   ((0, 0, 0), (1, 1, 0), True, (2,))],
+               2: [((4, 4), (2, 2), False, ()),
+                   ((4, 4), (2, 5), True, (1,))]}
 
 
 def _rank_02_3(fn, rank, world_size):
     out = []
-    for seeds, epochs, _, _ in _CASES_02_3:
+    for seeds, epochs, _, _ in _CASES_02_3[world_size]:
         try:
             fn(seeds[rank], epochs[rank])
             out.append("ok")
@@ -430,11 +537,11 @@ def _rank_02_3(fn, rank, world_size):
 
 def _judge_02_3(results) -> list[str]:
     R = len(results)
-    for i, (seeds, epochs, must_raise, name) in enumerate(_CASES_02_3):
+    for i, (seeds, epochs, must_raise, name) in enumerate(_CASES_02_3[R]):
         outs = [results[r][i] for r in range(R)]
         raised = [r for r in range(R) if outs[r] != "ok"]
         what = (f"seeds {', '.join(map(str, seeds))} and epochs {', '.join(map(str, epochs))} "
-                "on ranks 0, 1, 2")
+                f"on ranks {_ranks(range(R))}")
         if not must_raise and raised:
             r = raised[0]
             return [f"with {what} (all agree), rank {r} raised {format_error(outs[r])}: the "
@@ -455,8 +562,10 @@ def _judge_02_3(results) -> list[str]:
                 msg = outs[r].get("message", "")
                 unnamed = [q for q in name if not re.search(rf"(?<![\d.]){q}(?![\d.])", msg)]
                 if unnamed:
+                    quoted = " / ".join(x.strip() for x in msg.splitlines() if x.strip())
+                    quoted = quoted if len(quoted) <= 200 else quoted[:197] + "..."
                     return [f"with {what} rank {r} raised, but its message does not name rank(s) "
-                            f"{_ranks(unnamed)}: \"{msg}\". Say which ranks disagree, and with "
+                            f"{_ranks(unnamed)}: \"{quoted}\". Say which ranks disagree, and with "
                             "what values."]
     return []
 
@@ -465,11 +574,13 @@ register(Exercise(
     "02.3", "all ranks on the same seed and epoch",
     task="Write check_same_seed_epoch(seed, epoch) -> None, called on every rank at the start "
          "of an epoch: gather every rank's (seed, epoch) and, if they differ, raise on every "
-         "rank an error that names the ranks that disagree.",
+         "rank an error whose message (any number of lines) names, as numbers, the ranks whose "
+         "(seed, epoch) differs from rank 0's; listing every rank with its values does it.",
     signature="fn(seed: int, epoch: int) -> None   # a collective; raises on disagreement",
-    reference=S.check_same_seed_epoch, kind="distributed", world_size=3,
+    reference=S.check_same_seed_epoch, kind="distributed", world_sizes=(3, 2),
     run_rank=_rank_02_3, judge=_judge_02_3,
-    checked="3 processes (torchrun, gloo), agreeing ranks, seeds 7/8/9, epochs 1/1/0"))
+    checked="3 processes (torchrun, gloo), agreeing ranks, seeds 7/8/9, epochs 1/1/0; "
+            "2 processes, epochs 2/5"))
 
 
 # ===================================================================== 02.4 exact accuracy
@@ -502,7 +613,7 @@ def _judge_02_4(results) -> list[str]:
         err = first_error({r: results[r][i] for r in range(R) if len(results[r]) > i})
         if err is not None:
             r, rec = err
-            msg = (f"N={n} split {', '.join(str(k) for _, k in counts)} over 3 ranks: rank {r} "
+            msg = (f"N={n} split {', '.join(str(k) for _, k in counts)} over {R} ranks: rank {r} "
                    f"raised {format_error(rec)}")
             if any(k == 0 for _, k in counts):
                 msg += ". A rank may have no sample at all: divide once, after the all-reduce"
@@ -512,7 +623,7 @@ def _judge_02_4(results) -> list[str]:
             if close(got, want, 1e-6, 1e-9):  # float32 arithmetic is fine
                 continue
             shards = ", ".join(f"{c}/{k}" for c, k in counts)
-            msg = (f"N={n} split {', '.join(str(k) for _, k in counts)} over 3 ranks (correct/"
+            msg = (f"N={n} split {', '.join(str(k) for _, k in counts)} over {R} ranks (correct/"
                    f"count: {shards}): rank {r} returned {fmt_num(got)}, the exact accuracy is "
                    f"{fmt_num(want)}")
             rank_means = [c / k for c, k in counts if k]
@@ -531,15 +642,21 @@ register(Exercise(
          "correct predictions and of samples in its unpadded shard; return the global accuracy, "
          "the same on every rank.",
     signature="fn(correct: int, count: int) -> float   # a collective",
-    reference=S.exact_accuracy, kind="distributed", world_size=3,
+    reference=S.exact_accuracy, kind="distributed", world_sizes=(3, 2),
     run_rank=_rank_02_4, judge=_judge_02_4,
-    checked="3 processes (torchrun, gloo), N = 7, 10, 11 and 2 (one rank with an empty shard)"))
+    checked="3 and 2 processes (torchrun, gloo), N = 7, 10, 11 and 2 (one rank with an empty "
+            "shard)"))
 
 
 # ===================================================================== 03.3 tree vs ring
 
 _CASES_03_3 = [(5e-6, 1e-10, 8), (5e-6, 1e-10, 4), (5e-6, 1e-10, 16), (5e-6, 1e-10, 5),
                (1e-5, 1e-9, 64), (5e-6, 1e-10, 2), (5e-6, 1e-10, 3)]
+# Then alpha, beta and R drawn from a fixed seed (alpha 1-50 us, beta 0.01-1 ns/byte, R 2-128):
+# an answer tuned to alpha = 5 us, or a table of the R above, fails them.
+_RNG_03_3 = random.Random(33)
+_CASES_03_3 += [(_RNG_03_3.uniform(1e-6, 5e-5), _RNG_03_3.uniform(1e-11, 1e-9),
+                 _RNG_03_3.randint(2, 128)) for _ in range(12)]
 
 
 def _run_03_3(fn) -> list[str]:
@@ -547,10 +664,11 @@ def _run_03_3(fn) -> list[str]:
 
     for alpha, beta, R in _CASES_03_3:
         want = S.tree_beats_ring_below(alpha, beta, R)
-        got = returned(fn(alpha, beta, R), "a number of bytes", float)
+        case = f"(alpha={alpha * 1e6:.4g} us, beta={beta * 1e9:.4g} ns/byte, R={R})"
+        got = returned(call_case(fn, (alpha, beta, R), case), "a number of bytes", as_number)
         if math.isclose(got, want, rel_tol=1e-2, abs_tol=1.0):
             continue
-        case = f"R={R}, alpha={alpha * 1e6:g} us, beta={beta * 1e9:g} ns/byte"
+        case = f"R={R}, alpha={alpha * 1e6:.4g} us, beta={beta * 1e9:.4g} ns/byte"
         if want == 0:
             return [f"{case}: got {fmt_num(got)} bytes, but here the tree "
                     f"({math.ceil(math.log2(R))} levels, {2 * math.ceil(math.log2(R))} messages "
@@ -571,7 +689,8 @@ register(Exercise(
          "alpha-beta model of this notebook (0 when the tree never wins).",
     signature="fn(alpha_s: float, beta_s_per_byte: float, world_size: int) -> float (bytes)",
     reference=S.tree_beats_ring_below, run_local=_run_03_3,
-    checked="R = 2, 3, 4, 5, 8, 16, 64; answers within 1%"))
+    checked="R = 2, 3, 4, 5, 8, 16, 64, then 12 draws of alpha, beta and R (fixed seed); "
+            "answers within 1%"))
 
 
 # ===================================================================== 03.6 ring all-reduce
@@ -601,8 +720,23 @@ class BuiltInCollectiveUsed(RuntimeError):
     pass
 
 
-def _call_without_built_ins(fn, tensor):
+def _peer(args, kwargs, which: str):
+    """The peer rank of an isend/irecv/send/recv call, however it was passed."""
+    if len(args) > 1:
+        return args[1]
+    for key in (which, f"group_{which}"):
+        if kwargs.get(key) is not None:
+            return kwargs[key]
+    return None
+
+
+def _call_recording_p2p(fn, tensor):
+    """``fn(tensor)`` with torch's collectives refused and every point-to-point message
+    recorded: returns (what fn returned, [("send"|"recv", peer, numel), ...])."""
     import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    messages = []
 
     def refuse(name):
         def refused(*args, **kwargs):
@@ -611,26 +745,84 @@ def _call_without_built_ins(fn, tensor):
                 "(or send / recv) only: that is the exercise")
         return refused
 
-    saved = {name: getattr(dist, name) for name in _BUILT_IN_03_6 if hasattr(dist, name)}
+    def record(name, f):
+        kind, which = ("send", "dst") if "send" in name else ("recv", "src")
+
+        def recorded(*args, **kwargs):
+            t = args[0] if args else kwargs.get("tensor")
+            peer, world = _peer(args, kwargs, which), dist.get_world_size()
+            if isinstance(peer, int) and not 0 <= peer < world:
+                # gloo would wait for a rank that does not exist until the timeout
+                raise ValueError(f"dist.{name} with rank {peer}, but there are {world} ranks "
+                                 f"(0 to {world - 1}): take R from dist.get_world_size(), "
+                                 "not a constant")
+            messages.append((kind, peer, int(t.numel()) if hasattr(t, "numel") else -1))
+            return f(*args, **kwargs)
+        recorded.__name__ = name
+        return recorded
+
+    patches = {name: refuse(name) for name in _BUILT_IN_03_6 if hasattr(dist, name)}
+    patches.update({name: record(name, getattr(c10d, name))
+                    for name in ("isend", "irecv", "send", "recv")})
+    saved = [(mod, name, getattr(mod, name)) for mod in (dist, c10d) for name in patches
+             if hasattr(mod, name)]
     try:
-        for name in saved:
-            setattr(dist, name, refuse(name))
-        return fn(tensor)
+        for mod, name, _ in saved:
+            setattr(mod, name, patches[name])
+        return fn(tensor), messages
     finally:
-        for name, f in saved.items():
-            setattr(dist, name, f)
+        for mod, name, f in saved:
+            setattr(mod, name, f)
 
 
 def _rank_03_6(fn, rank, world_size):
     out = []
     for dtype, shape in _CASES_03_6:
         t = _input_03_6(dtype, shape, rank)
-        back = _call_without_built_ins(fn, t)
+        back, messages = _call_recording_p2p(fn, t)
         ret = None
         if isinstance(back, torch.Tensor):
             ret = back.reshape(-1).tolist()
-        out.append({"tensor": t.reshape(-1).tolist(), "returned": ret, "shape": list(t.shape)})
+        out.append({"tensor": t.reshape(-1).tolist(), "returned": ret, "shape": list(t.shape),
+                    "messages": messages})
     return out
+
+
+def _judge_03_6_method(results) -> list[str]:
+    """The values are right; is it a ring? Neighbours only, at most 2(R-1) messages to each,
+    and at most 2(R-1) chunks of ceil(n/R) elements sent in all."""
+    R = len(results)
+    for i, (dtype, shape) in enumerate(_CASES_03_6):
+        n = math.prod(shape)
+        case = f"an {dtype} tensor of shape {tuple(shape)}"
+        for r in range(R):
+            messages = results[r][i]["messages"]
+            neighbours = {(r + 1) % R, (r - 1) % R}
+            far = sorted({peer for _, peer, _ in messages if peer not in neighbours},
+                         key=lambda p: (p is None, p if p is not None else 0))
+            if far:
+                return [f"{case}: the values are right, but rank {r} exchanged messages with "
+                        f"rank(s) {', '.join(map(str, far))}, which are not its neighbours "
+                        f"{(r - 1) % R} and {(r + 1) % R}. A ring talks only to (rank + 1) % R "
+                        "and (rank - 1) % R, in 2(R-1) steps; sending to every rank is an "
+                        "all-to-all, what the ring avoids."]
+            for peer in sorted(neighbours):
+                sends = sum(1 for kind, p, _ in messages if kind == "send" and p == peer)
+                if sends > 2 * (R - 1):
+                    return [f"{case}: the values are right, but rank {r} sent {sends} messages "
+                            f"to rank {peer}; a ring all-reduce takes 2(R-1) = {2 * (R - 1)} "
+                            "steps, one chunk to the next rank per step."]
+            sent = sum(k for kind, _, k in messages if kind == "send")
+            bound = 2 * (R - 1) * math.ceil(n / R)
+            if sent > bound:
+                return [f"{case}: the values are right, but rank {r} sent {sent} elements for a "
+                        f"tensor of {n}; a ring all-reduce sends 2(R-1) chunks of about n/R "
+                        f"elements (at most {bound} here). Pass chunks round the ring, not "
+                        "whole tensors."]
+            if not any(kind == "send" for kind, _, _ in messages) and n >= R:
+                return [f"{case}: the values are right, but rank {r} sent no message with "
+                        "isend/send: build the ring from point-to-point messages."]
+    return []
 
 
 def _contributors(value: int, element: int, world_size: int) -> list[int]:
@@ -677,7 +869,7 @@ def _judge_03_6(results) -> list[str]:
                             "what a reduce-scatter leaves: the all-gather phase (R-1 more steps "
                             "passing the finished chunks round the ring) is missing")
             return [msg + "."]
-    return []
+    return _judge_03_6_method(results)
 
 
 register(Exercise(
@@ -687,10 +879,10 @@ register(Exercise(
          "(rank + 1) % R and (rank - 1) % R. It must work for any shape, for fewer elements "
          "than ranks, and give exactly dist.all_reduce's result on integers.",
     signature="fn(tensor: Tensor) -> Tensor   # in place; a collective",
-    reference=S.ring_all_reduce, kind="distributed", world_size=4,
+    reference=S.ring_all_reduce, kind="distributed", world_sizes=(4, 3),
     run_rank=_rank_03_6, judge=_judge_03_6,
-    checked="4 processes (torchrun, gloo), int64 sizes 1, 3, 4, 10, 21 (3x7), 1001 exactly, "
-            "float32 1000 within 1e-5"))
+    checked="4 and 3 processes (torchrun, gloo), int64 sizes 1, 3, 4, 10, 21 (3x7), 1001 "
+            "exactly, float32 1000 within 1e-5; messages to neighbours only, 2(R-1) chunks"))
 
 
 # ===================================================================== 04.2 fp16 comm hook
@@ -867,7 +1059,15 @@ register(Exercise(
 
 _CASES_05_4 = [(0.1, 256, 128, 4, 1, "linear"), (0.1, 16, 8, 4, 1, "linear"),
                (0.1, 8, 2, 2, 4, "linear"), (0.4, 64, 4, 4, 2, "sqrt"),
-               (0.05, 32, 8, 8, 1, "none")]
+               (0.05, 32, 8, 8, 1, "none"), (0.2, 16, 16, 4, 1, "sqrt"),
+               (0.3, 64, 8, 2, 1, "none")]
+# Then draws from a fixed seed: a table of the answers above, or a constant world size or
+# accumulation count, fails them.
+_RNG_05_4 = random.Random(54)
+_CASES_05_4 += [(round(_RNG_05_4.uniform(0.001, 1.0), 4), _RNG_05_4.choice([16, 32, 64, 256, 1024]),
+                 _RNG_05_4.choice([1, 2, 3, 8, 24]), _RNG_05_4.randint(1, 16),
+                 _RNG_05_4.randint(1, 6), _RNG_05_4.choice(["linear", "sqrt", "none"]))
+                for _ in range(12)]
 
 
 def _run_05_4(fn) -> list[str]:
@@ -875,21 +1075,36 @@ def _run_05_4(fn) -> list[str]:
 
     for base_lr, base_batch, b, R, k, rule in _CASES_05_4:
         want = scaled_lr(base_lr, base_batch, b * R * k, rule)
-        got = returned(fn(base_lr, base_batch, b, R, k, rule), "a learning rate", float)
-        if math.isclose(got, want, rel_tol=1e-9):
-            continue
         case = (f"lr {base_lr} tuned at batch {base_batch}, {R} processes x {b} samples x "
                 f"{k} accumulation step(s), rule {rule!r}")
+        got = returned(call_case(fn, (base_lr, base_batch, b, R, k, rule), f"({case})"),
+                       "a learning rate", as_number)
+        if math.isclose(got, want, rel_tol=1e-9):
+            continue
         msg = f"{case}: got {fmt_num(got)}, expected {fmt_num(want)} (global batch {b * R * k})"
-        if math.isclose(got * R, want, rel_tol=1e-9):
+
+        def same(value, got=got):
+            return math.isclose(got, value, rel_tol=1e-9)
+        other_rules = [o for o in ("linear", "sqrt", "none")
+                       if o != rule and same(scaled_lr(base_lr, base_batch, b * R * k, o))]
+        if same(want / R):
             msg += (f": yours is divided by the {R} processes. With averaged gradients the "
                     "learning rate follows the global batch only")
-        elif k > 1 and math.isclose(got, scaled_lr(base_lr, base_batch, b * R, rule), rel_tol=1e-9):
+        elif other_rules:  # before accumulation: sqrt taken as linear can look like a k slip
+            o = other_rules[0]
+            msg += (f": that is the {o!r} rule's value for this global batch, not the "
+                    f"{rule!r} rule's. {_RULES_05_4[rule]}")
+        elif k > 1 and same(scaled_lr(base_lr, base_batch, b * R, rule)):
             msg += ": the accumulation steps are part of the global batch too"
-        elif math.isclose(got, scaled_lr(base_lr, base_batch, b, rule), rel_tol=1e-9):
+        elif same(scaled_lr(base_lr, base_batch, b, rule)):
             msg += ": yours follows the per-rank batch; the rule uses the global batch"
         return [msg + "."]
     return []
+
+
+_RULES_05_4 = {"linear": "linear: base_lr x global batch / base_batch",
+               "sqrt": "sqrt: base_lr x sqrt(global batch / base_batch)",
+               "none": "none: base_lr unchanged"}
 
 
 register(Exercise(
@@ -899,15 +1114,27 @@ register(Exercise(
          "when base_lr was tuned at base_batch.",
     signature="fn(base_lr, base_batch, per_rank_batch, world_size, grad_accum_steps, rule) -> float",
     reference=S.effective_lr, run_local=_run_05_4,
-    checked="5 settings: linear, sqrt, none; with and without accumulation"))
+    checked="7 settings (linear, sqrt, none; with and without accumulation), then 12 drawn "
+            "from a fixed seed"))
 
 
 # ===================================================================== 06.5 global rank
 
+#: (nodes, processes per node): the stored ones, then layouts where nproc_per_node is not 2
+#: or 4 and nnodes is not 2 (a constant standing in for either fails), and draws from a seed.
+_LAYOUTS_06_5 = [(2, 2), (2, 4), (3, 2), (4, 3), (1, 5), (5, 1), (3, 7)]
+_RNG_06_5 = random.Random(65)
+_LAYOUTS_06_5 += [(_RNG_06_5.randint(1, 8), _RNG_06_5.randint(1, 16)) for _ in range(6)]
+
+
 def _run_06_5(fn) -> list[str]:
-    for nnodes, nproc in ((2, 2), (2, 4), (3, 2)):
-        got = {(node, local): fn(node, local, nproc)
-               for node in range(nnodes) for local in range(nproc)}
+    for nnodes, nproc in _LAYOUTS_06_5:
+        got = {}
+        for node in range(nnodes):
+            for local in range(nproc):
+                raw = call_case(fn, (node, local, nproc),
+                                f"(node_rank={node}, local_rank={local}, nproc_per_node={nproc})")
+                got[node, local] = returned(raw, "a whole number (the global RANK)", as_whole)
         seen = {}
         for (node, local), rank in got.items():
             if rank in seen:
@@ -934,13 +1161,20 @@ register(Exercise(
          "gives the process with LOCAL_RANK local_rank on node node_rank (GROUP_RANK).",
     signature="fn(node_rank: int, local_rank: int, nproc_per_node: int) -> int",
     reference=S.global_rank, run_local=_run_06_5,
-    checked="2 x 2, 2 x 4 and 3 x 2 processes, every process"))
+    checked="every process of 13 layouts, 1 to 8 nodes x 1 to 16 processes"))
 
 
 # ===================================================================== 07.1 ZeRO-3 ranks
 
 _CASES_07_1 = [(70e9, 80e9), (7.5e9, 80e9), (1e9, 80e9), (70e9, 40e9), (175e9, 80e9),
                (13e9, 24e9)]
+# Then sizes drawn from a fixed seed (0.1B to 500B parameters, 16 to 192 GB), some exactly at
+# a whole number of ranks: a table of the answers above, or round() instead of ceil, fails.
+_RNG_07_1 = random.Random(71)
+_CASES_07_1 += [(round(_RNG_07_1.uniform(0.1, 500), 1) * 1e9, _RNG_07_1.choice([16, 24, 40, 48, 80,
+                                                                               141, 192]) * 1e9)
+                for _ in range(10)]
+_CASES_07_1 += [(30e9, 48e9), (0.5e9, 8e9)]  # 10 and 1 ranks exactly
 
 
 def _run_07_1(fn) -> list[str]:
@@ -948,7 +1182,8 @@ def _run_07_1(fn) -> list[str]:
 
     for psi, gpu in _CASES_07_1:
         want = S.min_ranks_zero3(psi, gpu)
-        got = returned(fn(psi, gpu), "a whole number of ranks", float)
+        raw = call_case(fn, (psi, gpu), f"({psi / 1e9:g}B, {gpu / 1e9:g} GB)")
+        got = returned(raw, "a whole number of ranks", as_number)
         case = f"{psi / 1e9:g}B parameters on {gpu / 1e9:g} GB ranks"
         if got != int(got):
             return [f"{case}: got {fmt_num(got)} ranks; a number of ranks is a whole number "
@@ -975,12 +1210,53 @@ register(Exercise(
          "ZeRO-3 in gpu_bytes per rank (activations ignored).",
     signature="fn(num_params: float, gpu_bytes: float) -> int",
     reference=S.min_ranks_zero3, run_local=_run_07_1,
-    checked="6 models from 1B to 175B parameters on 24, 40 and 80 GB ranks"))
+    checked="6 models from 1B to 175B parameters on 24, 40 and 80 GB ranks, then 12 more "
+            "(0.1B to 500B, 8 to 192 GB; 10 drawn from a fixed seed)"))
 
 
 # ===================================================================== 07.4 gather shards
 
-_CASES_07_4 = [10, 9, 2, 1]
+_CASES_07_4 = [10, 9, 2, 1, 17]
+
+#: What torch.distributed offers to move data; a call of any of them is recorded (the outermost
+#: only: all_gather_object calls all_gather itself) while a candidate runs.
+_CALLS_07_4 = ("all_gather", "all_gather_into_tensor", "all_gather_object", "broadcast",
+               "broadcast_object_list", "all_reduce", "reduce", "gather", "gather_object",
+               "scatter", "scatter_object_list", "reduce_scatter", "reduce_scatter_tensor",
+               "all_to_all", "all_to_all_single", "send", "recv", "isend", "irecv",
+               "batch_isend_irecv")
+_ONE_GATHER_07_4 = ("all_gather", "all_gather_into_tensor")
+
+
+def _call_recording(fn, args, names):
+    """``fn(*args)`` with every call of ``torch.distributed.<name>`` recorded by name;
+    returns (what fn returned, [names in call order])."""
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    calls, depth = [], [0]
+
+    def record(name, f):
+        def recorded(*a, **k):
+            if depth[0] == 0:
+                calls.append(name)
+            depth[0] += 1
+            try:
+                return f(*a, **k)
+            finally:
+                depth[0] -= 1
+        return recorded
+
+    patches = {name: record(name, getattr(c10d, name)) for name in names if hasattr(c10d, name)}
+    saved = [(mod, name, getattr(mod, name)) for mod in (dist, c10d) for name in patches
+             if hasattr(mod, name)]
+    try:
+        for mod, name, _ in saved:
+            setattr(mod, name, patches[name])
+        return fn(*args), calls
+    finally:
+        for mod, name, f in saved:
+            setattr(mod, name, f)
 
 
 def _full_07_4(total):
@@ -991,9 +1267,10 @@ def _rank_07_4(fn, rank, world_size):
     out = []
     for total in _CASES_07_4:
         shard = torch.tensor_split(_full_07_4(total), world_size)[rank].clone()
-        got = fn(shard, total)
-        out.append(returned(got, f"a tensor of {total} elements",
-                            lambda v: torch.as_tensor(v).reshape(-1).tolist()))
+        got, calls = _call_recording(fn, (shard, total), _CALLS_07_4)
+        out.append({"got": returned(got, f"a tensor of {total} elements",
+                                    lambda v: torch.as_tensor(v).reshape(-1).tolist()),
+                    "calls": calls})
     return out
 
 
@@ -1003,7 +1280,7 @@ def _judge_07_4(results) -> list[str]:
         want = _full_07_4(total).tolist()
         sizes = [t.numel() for t in torch.tensor_split(torch.empty(total), R)]
         for r in range(R):
-            got = [int(v) for v in results[r][i]]
+            got = [int(v) for v in results[r][i]["got"]]
             if got == want:
                 continue
             msg = (f"{total} elements in shards of {', '.join(map(str, sizes))}: rank {r} got "
@@ -1015,6 +1292,29 @@ def _judge_07_4(results) -> list[str]:
             elif sorted(got) == sorted(want):
                 msg += ": the right elements in the wrong order; concatenate the pieces in rank order"
             return [msg + "."]
+    return _judge_07_4_method(results)
+
+
+def _judge_07_4_method(results) -> list[str]:
+    """The values are right; was it one all-gather, as asked?"""
+    R = len(results)
+    for i, total in enumerate(_CASES_07_4):
+        for r in range(R):
+            calls = results[r][i]["calls"]
+            counts = Counter(calls)
+            gathers = sum(counts[n] for n in _ONE_GATHER_07_4)
+            others = [n for n in counts if n not in _ONE_GATHER_07_4]
+            if gathers == 1 and not others:
+                continue
+            made = ", ".join(f"{n} x{c}" if c > 1 else n for n, c in counts.items()) or "none"
+            msg = (f"{total} elements over {R} ranks: the values are right, but rank {r} made "
+                   f"these calls: {made}. The task asks for one all-gather (dist.all_gather or "
+                   "all_gather_into_tensor), one message round in which every rank receives "
+                   "every piece")
+            if counts["broadcast"] >= 2:
+                msg += (f"; {counts['broadcast']} broadcasts are {counts['broadcast']} rounds, "
+                        "each waiting for the one before")
+            return [msg + "."]
     return []
 
 
@@ -1025,6 +1325,7 @@ register(Exercise(
          "element longer); return the whole tensor on every rank with one all-gather (dist.all_gather, "
          "or all_gather_into_tensor).",
     signature="fn(shard: Tensor (n_r,), total_numel: int) -> Tensor (total_numel,)   # a collective",
-    reference=S.gather_flat, kind="distributed", world_size=3,
+    reference=S.gather_flat, kind="distributed", world_sizes=(3, 2),
     run_rank=_rank_07_4, judge=_judge_07_4,
-    checked="3 processes (torchrun, gloo), 10, 9, 2 and 1 elements"))
+    checked="3 and 2 processes (torchrun, gloo), 10, 9, 2, 1 and 17 elements; one "
+            "all-gather per call"))

@@ -15,10 +15,16 @@ Two kinds:
   on its own inputs and writes what it got to a file of its own. The judge then compares
   every rank with the reference. A candidate that raises, or waits in a collective the
   others never join, ends with a verdict that says which rank and why: each worker's process
-  group has a short timeout and the whole launch a wall-clock limit.
+  group has a short timeout and the whole launch a wall-clock limit. An exercise may name
+  several world sizes (``Exercise.world_sizes``); they run in the same launch, so that a
+  constant standing in for ``dist.get_world_size()`` fails at one of them.
+
+Local candidates run case by case under a time limit (:func:`call_case`). The shortcuts each
+checker is built to catch are listed in ``docs/exercises.md``.
 """
 from __future__ import annotations
 
+import functools
 import math
 import os
 import pickle
@@ -98,6 +104,10 @@ class Exercise:
         reference: the package's solution (a function or class).
         kind: ``"local"`` or ``"distributed"``.
         world_size: processes a distributed checker starts.
+        world_sizes: for a distributed checker, the world sizes a candidate is run at, judged
+            in this order (default: ``(world_size,)``). The launch starts ``max(world_sizes)``
+            processes and rebuilds the default process group for each size, so a constant
+            standing in for ``dist.get_world_size()`` fails at one of them.
         run_local: ``run_local(fn) -> list[str]`` problems (local exercises).
         run_rank: ``run_rank(fn, rank, world_size) -> result`` (distributed; runs in a worker;
             returns something picklable).
@@ -116,10 +126,16 @@ class Exercise:
     reference: Any
     kind: str = "local"
     world_size: int = 1
+    world_sizes: tuple = ()
     run_local: Callable | None = None
     run_rank: Callable | None = None
     judge: Callable | None = None
     checked: str = ""
+
+
+    def sizes(self) -> tuple:
+        """The world sizes a candidate runs at, in judging order."""
+        return tuple(self.world_sizes) or (self.world_size,)
 
 
 REGISTRY: dict[str, Exercise] = {}
@@ -131,6 +147,8 @@ def register(ex: Exercise) -> Exercise:
         raise ValueError(f"exercise {ex.id} registered twice")
     if ex.kind not in ("local", "distributed"):
         raise ValueError(f"exercise {ex.id}: kind {ex.kind!r} is not 'local' or 'distributed'")
+    if ex.kind == "distributed" and ex.world_sizes:
+        ex.world_size = max(ex.world_sizes)
     REGISTRY[ex.id] = ex
     return ex
 
@@ -165,38 +183,164 @@ class WrongReturn(Exception):
     """The candidate returned something the exercise cannot use (raised by the checker)."""
 
 
+class CaseTimeout(BaseException):
+    """A local candidate did not return within :func:`case_timeout_s` on one case (a
+    BaseException, so that a learner's ``except Exception`` does not swallow it)."""
+
+
+#: Seconds one case of a local check may run (``DDP_LESSON_CHECK_CASE_TIMEOUT_S`` overrides it).
+CASE_TIMEOUT_S = 10.0
+
+
+def case_timeout_s() -> float:
+    """The per-case time limit of a local check, in seconds."""
+    return float(os.environ.get("DDP_LESSON_CHECK_CASE_TIMEOUT_S", CASE_TIMEOUT_S))
+
+
+def call_case(fn, args: tuple, case: str):
+    """``fn(*args)`` with a time limit: :class:`CaseTimeout` naming ``case`` after
+    :func:`case_timeout_s` seconds, so an endless loop ends in a verdict, not a frozen cell.
+
+    The limit is a ``SIGALRM`` timer, which interrupts Python code (a notebook kernel runs
+    cells in its main thread); off the main thread, or where there is no such timer
+    (Windows), the call runs without a limit.
+    """
+    import signal
+    import threading
+
+    limit = case_timeout_s()
+    if (threading.current_thread() is not threading.main_thread()
+            or not hasattr(signal, "setitimer") or limit <= 0):
+        return fn(*args)
+
+    def expired(signum, frame):
+        raise CaseTimeout(f"case {case} did not return within {limit:g} s: an endless loop, "
+                          "or work that grows much faster than the inputs?")
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.setitimer(signal.ITIMER_REAL, limit)
+    try:
+        return fn(*args)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def shown(value, limit: int = 60) -> str:
+    """``repr(value)`` cut to ``limit`` characters: a string "4" shows as '4', not 4."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
 def returned(value, what: str, convert):
     """``convert(value)``, or :class:`WrongReturn` saying what came back instead of ``what``."""
+    if value is None:
+        raise WrongReturn(f"your function returned None (missing return?); the exercise "
+                          f"expects {what}")
     try:
         return convert(value)
     except Exception:
-        shown = repr(value)
-        shown = shown if len(shown) <= 60 else shown[:57] + "..."
-        raise WrongReturn(f"your function returned {shown} ({type(value).__name__}); "
+        raise WrongReturn(f"your function returned {shown(value)} ({type(value).__name__}); "
                           f"the exercise expects {what}") from None
 
 
+def as_number(value) -> float:
+    """A real number as float; str, bytes, bool and None are refused (``float("0.2")`` would
+    accept a string). A 0-d or 1-element tensor or numpy scalar is fine."""
+    import numbers
+
+    if isinstance(value, (str, bytes, bool)) or value is None:
+        raise TypeError("not a number")
+    if isinstance(value, numbers.Real):
+        return float(value)
+    if hasattr(value, "numel") and value.numel() == 1:  # a tensor
+        return float(value.reshape(()).item())
+    if hasattr(value, "item") and getattr(value, "size", 2) == 1:  # a numpy scalar or array
+        return float(value.item())
+    raise TypeError("not a number")
+
+
+def as_whole(value) -> int:
+    """A whole number as int (4.0 is 4); anything else is refused."""
+    x = as_number(value)
+    if x != x or x in (float("inf"), float("-inf")) or x != int(x):
+        raise TypeError("not a whole number")
+    return int(x)
+
+
+@functools.lru_cache(maxsize=1)
+def _library_roots() -> tuple[str, ...]:
+    """Folders of code that is not the learner's: Python's own modules, installed packages
+    (torch, cloudpickle, IPython...) and this package; lower-case, '/'-separated."""
+    import sysconfig
+
+    roots = set()
+    for key in ("stdlib", "platstdlib", "purelib", "platlib"):
+        path = sysconfig.get_paths().get(key)
+        if path:
+            roots.add(path)
+    for mod in ("torch", "cloudpickle", "numpy"):
+        try:
+            m = __import__(mod)
+            roots.add(os.path.dirname(os.path.dirname(m.__file__)))
+        except Exception:
+            pass
+    roots.add(str(Path(__file__).resolve().parent.parent))  # ddp_lesson/
+    return tuple(sorted({os.path.realpath(r).replace(os.sep, "/").lower().rstrip("/") + "/"
+                         for r in roots}))
+
+
+def is_library_frame(filename: str) -> bool:
+    """True for a frame in Python's own modules, an installed package (torch, ...) or
+    ddp_lesson itself: a traceback skips those to show the learner's line."""
+    if filename.startswith("<frozen") or filename.startswith("<built-in"):
+        return True
+    path = filename.replace(os.sep, "/").lower()
+    if "/site-packages/" in path or "/dist-packages/" in path:
+        return True
+    try:
+        real = os.path.realpath(filename).replace(os.sep, "/").lower()
+    except (OSError, ValueError):
+        real = path
+    return any(real.startswith(root) or path.startswith(root) for root in _library_roots())
+
+
 def error_record(exc: BaseException) -> dict:
-    """A picklable summary of an exception raised by a candidate: type, message, last frame."""
+    """A picklable summary of an exception raised by a candidate: type, message (every line)
+    and the innermost frame of the learner's own code (library frames are skipped)."""
     frames = traceback.extract_tb(exc.__traceback__)
     where = ""
-    for fr in reversed(frames):  # the innermost frame of the learner's own code, if any
-        path = fr.filename.replace(os.sep, "/")
-        if "/ddp_lesson/" in path or "/site-packages/" in path or "/lib/python" in path:
+    for fr in reversed(frames):
+        if is_library_frame(fr.filename):
             continue
         where = f"line {fr.lineno} ({fr.line.strip() if fr.line else fr.name})"
         break
-    message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-    return {"error": type(exc).__name__, "message": message[:300], "where": where}
+    message = str(exc).strip()
+    return {"error": type(exc).__name__, "message": message[:2000], "where": where}
 
 
 def format_error(rec: dict) -> str:
-    if rec["error"] == "WrongReturn":
+    """``Type: message at line N (source)``; a message of several lines is joined into one."""
+    if rec["error"] in ("WrongReturn", "CaseTimeout"):
         return rec["message"]
-    text = rec["error"] + (f": {rec['message']}" if rec.get("message") else "")
+    message = " / ".join(line.strip() for line in (rec.get("message") or "").splitlines()
+                         if line.strip())
+    if len(message) > 300:
+        message = message[:297] + "..."
+    text = rec["error"] + (f": {message}" if message else "")
     if rec.get("where"):
         text += f" at {rec['where']}"
     return text
+
+
+_SIZE_MISMATCH = re.compile(r"op\.preamble\.length <= op\.nbytes\. (\d+) vs (\d+)")
+
+
+def size_mismatch(text: str) -> tuple[int, int] | None:
+    """(bytes that arrived, bytes the receiving buffer holds) when gloo stopped a rank because
+    a message was larger than the buffer posted for it, else None."""
+    m = _SIZE_MISMATCH.search(text or "")
+    return (int(m.group(1)), int(m.group(2))) if m else None
 
 
 def is_timeout_error(rec: dict) -> bool:
@@ -338,6 +482,8 @@ def _problems_local(ex: Exercise, fn) -> list[str]:
         return ex.run_local(fn)
     except WrongReturn as exc:
         return [str(exc) + "."]
+    except CaseTimeout as exc:
+        return [str(exc)]
     except KeyboardInterrupt:
         raise
     except BaseException as exc:  # the candidate raised (SystemExit included) on some case
@@ -349,6 +495,7 @@ def _launch(ex: Exercise, candidates: list) -> tuple[int, list[list[str]]]:
     from ..launch import TorchrunTimeout, run_torchrun
 
     timeout_s = collective_timeout_s()
+    launch_size = max(ex.sizes())
     tmp = Path(tempfile.mkdtemp(prefix="ddp_lesson_check_"))
     try:
         payload = tmp / "candidates.pkl"
@@ -357,60 +504,95 @@ def _launch(ex: Exercise, candidates: list) -> tuple[int, list[list[str]]]:
         try:
             result = run_torchrun("ddp_lesson.exercises._runner", module=True,
                                   args=[ex.id, str(payload), str(tmp), str(timeout_s)],
-                                  nproc_per_node=ex.world_size, backend="gloo",
+                                  nproc_per_node=launch_size, backend="gloo",
                                   timeout=LAUNCH_TIMEOUT_S, live=False, check=False)
         except TorchrunTimeout:
             timed_out, result = True, None
         per_rank = {}
-        for r in range(ex.world_size):
+        for r in range(launch_size):
             f = tmp / f"result{r}.pkl"
-            per_rank[r] = pickle.loads(f.read_bytes()) if f.exists() else []
+            try:  # written atomically by the worker; a missing file is a rank that died early
+                per_rank[r] = pickle.loads(f.read_bytes()) if f.exists() else []
+            except (EOFError, pickle.UnpicklingError):
+                per_rank[r] = []
         problems_all: list[list[str]] = []
         for i in range(len(candidates)):
-            results = {r: per_rank[r][i] for r in per_rank if len(per_rank[r]) > i}
-            if not results and i > 0:  # the launch stopped after the previous candidate
-                return i, problems_all
-            if len(results) == ex.world_size:
-                err = first_error(results)
-                if err is not None:
-                    r, rec = err
-                    if is_timeout_error(rec):
-                        problems_all.append([_waiting_problem(results, timeout_s)])
-                    else:
-                        problems_all.append([_error_problem(r, rec, timeout_s)])
-                    return i + 1, problems_all
-                problems_all.append(ex.judge(results))
-                continue
-            # Some rank never finished this candidate: it exited, was still running when the
-            # job was ended, or waited for ever.
-            missing = sorted(set(range(ex.world_size)) - set(results))
-            err = first_error(results)
-            if err is not None and not is_timeout_error(err[1]):
-                r, rec = err
-                problems_all.append([_error_problem(r, rec, timeout_s)])
-            elif err is not None:
-                who = ", ".join(map(str, missing))
-                why = _crash_reason(result, missing) if result is not None else "still running"
-                problems_all.append([
-                    f"rank(s) {who} did not finish your function: {why}. The other ranks waited "
-                    f"for {'it' if len(missing) == 1 else 'them'} in a collective and gave up "
-                    f"after the checker's {timeout_s:g} s timeout. Does your function exit "
-                    "(sys.exit, os._exit), loop for a long time, or do slow work on some ranks "
-                    "only? (For slow but correct code, set DDP_LESSON_CHECK_TIMEOUT_S higher.)"])
-            elif timed_out:
-                problems_all.append([
-                    f"the run did not finish within {LAUNCH_TIMEOUT_S:.0f} s: rank(s) "
-                    f"{', '.join(map(str, missing))} still waiting. A rank that waits for a message "
-                    "nobody sends (a blocking send/recv in the same order on every rank, or a "
-                    "collective one rank skips) hangs; use isend/irecv for the exchange."])
-            else:
-                why = _crash_reason(result, missing)
-                problems_all.append([f"rank(s) {', '.join(map(str, missing))} died before "
-                                     f"finishing: {why}"])
-            return i + 1, problems_all
+            if i > 0 and not any(len(per_rank[r]) > i for r in per_rank):
+                return i, problems_all  # the launch stopped after the previous candidate
+            problems, stop = [], False
+            for W in ex.sizes():
+                results = {r: per_rank[r][i][W] for r in range(W)
+                           if len(per_rank[r]) > i and W in per_rank[r][i]}
+                problems, stop = _judge_size(ex, W, results, result, timed_out, timeout_s)
+                if problems or stop:
+                    break
+            problems_all.append(problems)
+            if stop:
+                return i + 1, problems_all
         return len(candidates), problems_all
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _judge_size(ex: Exercise, W: int, results: dict, result, timed_out: bool,
+                timeout_s: float) -> tuple[list[str], bool]:
+    """Problems of one candidate run at world size ``W`` (``results``: rank -> what it got),
+    and whether the launch stopped there (an error, a hang, a missing rank)."""
+    prefix = f"with {W} processes: " if len(ex.sizes()) > 1 and W != ex.sizes()[0] else ""
+    mismatch = _mismatch_problem(result, W)
+    if len(results) == W:
+        err = first_error(results)
+        if err is None:
+            return [prefix + p for p in ex.judge(results)], False
+        r, rec = err
+        if mismatch:
+            return [prefix + mismatch], True
+        if is_timeout_error(rec):
+            return [prefix + _waiting_problem(results, timeout_s)], True
+        return [prefix + _error_problem(r, rec, timeout_s)], True
+    # Some rank never finished this candidate: it exited, was still running when the
+    # job was ended, or waited for ever.
+    missing = sorted(set(range(W)) - set(results))
+    err = first_error(results)
+    if mismatch:
+        return [prefix + mismatch], True
+    if err is not None and not is_timeout_error(err[1]):
+        r, rec = err
+        return [prefix + _error_problem(r, rec, timeout_s)], True
+    if err is not None:
+        who = ", ".join(map(str, missing))
+        why = _crash_reason(result, missing) if result is not None else "still running"
+        return [prefix +
+                f"rank(s) {who} did not finish your function: {why}. The other ranks waited "
+                f"for {'it' if len(missing) == 1 else 'them'} in a collective and gave up "
+                f"after the checker's {timeout_s:g} s timeout. Does your function exit "
+                "(sys.exit, os._exit), loop for a long time, or do slow work on some ranks "
+                "only? (For slow but correct code, set DDP_LESSON_CHECK_TIMEOUT_S higher.)"], True
+    if timed_out:
+        return [prefix +
+                f"the run did not finish within {LAUNCH_TIMEOUT_S:.0f} s: rank(s) "
+                f"{', '.join(map(str, missing))} still waiting. A rank that waits for a message "
+                "nobody sends (a blocking send/recv in the same order on every rank, or a "
+                "collective one rank skips) hangs; use isend/irecv for the exchange."], True
+    why = _crash_reason(result, missing)
+    return [prefix + f"rank(s) {', '.join(map(str, missing))} died before finishing: {why}"], True
+
+
+def _mismatch_problem(result, world_size: int) -> str | None:
+    """The verdict for a message larger than the buffer posted for it: gloo ends the
+    receiving process (SIGABRT), so its peers only see a closed connection or a timeout."""
+    if result is None:
+        return None
+    for r in range(world_size):
+        found = size_mismatch(result.errors.get(r) or "")
+        if found:
+            got, room = found
+            return (f"size mismatch on the wire: rank {r} received a message of {got} bytes "
+                    f"into a buffer of {room} bytes, and gloo stopped the process. A send and "
+                    "its matching recv must have the same number of elements and dtype, and "
+                    "every rank must pass the same shape to a collective (pad uneven pieces "
+                    "to one size).")
+    return None
 
 
 def _crash_reason(result, missing) -> str:
