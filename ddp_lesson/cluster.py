@@ -164,15 +164,21 @@ def _reap(proc: subprocess.Popen, seconds: float) -> bool:
 
 def _end(proc: subprocess.Popen | None, grace_s: float = 5.0) -> None:
     """SIGTERM ``proc``'s process group, then SIGKILL after ``grace_s``; reap it."""
-    if proc is None or proc.returncode is not None:
+    if proc is None:
         return
     for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
+        if proc.returncode is not None:
+            break
         try:
             os.killpg(proc.pid, sig)
         except ProcessLookupError:
             pass
         if _reap(proc, wait):
-            return
+            break
+    try:  # children it forked into its group (the controller forks one) and left behind
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 # The watchdog: its own session (a kernel interrupt does not reach it), no PDEATHSIG. It polls
@@ -189,10 +195,10 @@ if os.path.isdir(folder):
         pids = [int(p) for p in open(pidfile).read().split()]
     except (OSError, ValueError):
         pids = []
-    for sig in (signal.SIGKILL,):
-        for pid in pids:
+    for pid in pids:  # each was started in a session (process group) of its own: its group
+        for kill in (os.killpg, os.kill):  # also holds the children it forked (the controller's)
             try:
-                os.kill(pid, sig)
+                kill(pid, signal.SIGKILL)
             except OSError:
                 pass
     time.sleep(0.5)
@@ -209,6 +215,20 @@ def _engine_main(argv: list[str]) -> None:
     _set_pdeathsig()
     if os.getppid() == 1:  # torchrun died between fork and prctl
         os._exit(1)
+    # torchrun starts while the controller is still coming up (the two start-ups overlap):
+    # wait until the controller's engine connection file is complete JSON (it is not written
+    # atomically), dying with torchrun meanwhile.
+    import torch.distributed  # noqa: F401  (the first cell's import, done while we wait)
+
+    url_file = next(a.split("=", 1)[1] for a in argv if a.startswith("--file="))
+    while True:
+        try:
+            with open(url_file) as f:
+                if "registration" in json.load(f):
+                    break
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.05)
     from ipyparallel.engine.app import main
 
     sys.argv = ["ipengine", *argv]
@@ -291,7 +311,7 @@ class Cluster:
         """True between a successful :meth:`start` and :meth:`stop`."""
         return self.client is not None
 
-    def __enter__(self) -> "Cluster":
+    def __enter__(self) -> Cluster:
         return self.start()
 
     def __exit__(self, *exc) -> None:
@@ -335,7 +355,7 @@ class Cluster:
             lines += [f"{log.name}: {line}" for line in text[-n:]]
         return "\n".join(lines[-n:])
 
-    def start(self) -> "Cluster":
+    def start(self) -> Cluster:
         """Start controller and engines, join the process group on every engine (synchronises).
 
         Returns:
@@ -374,8 +394,6 @@ class Cluster:
         self._write_pids()
         security = profile / "security"
         engine_file, client_file = security / "ipcontroller-engine.json", security / "ipcontroller-client.json"
-        self._wait_for(lambda: engine_file.exists() and client_file.exists(), deadline,
-                       "the controller's connection files", [self.controller])
         engine = ["-m", "ddp_lesson.cluster", "engine", f"--file={engine_file}",
                   f"--profile-dir={profile}", "--IPEngine.enable_nanny=False", "--log-level=WARN"]
         base = [sys.executable, "-m", "torch.distributed.run",
@@ -392,6 +410,8 @@ class Cluster:
         for node, cmd in enumerate(commands):
             self.agents.append(self._popen(cmd, env, self.folder / f"torchrun{node}.log"))
         self._write_pids()
+        self._wait_for(lambda: _complete_json(client_file), deadline,
+                       "the controller's connection files", [self.controller, *self.agents])
         self.client = ipp.Client(url_file=str(client_file), profile_dir=str(profile), timeout=30)
         self._wait_for(lambda: len(self.client.ids) >= self.world_size, deadline,
                        f"{self.world_size} engines to register", [self.controller, *self.agents])
@@ -470,12 +490,12 @@ class Cluster:
         _end(self.controller)
         if self.folder is not None:
             shutil.rmtree(self.folder, ignore_errors=True)
-        if self.watchdog is not None:  # it leaves by itself once the folder is gone
-            if not _reap(self.watchdog, 2.0):
-                _end(self.watchdog, 1.0)
+        # the watchdog leaves by itself once the folder is gone
+        if self.watchdog is not None and not _reap(self.watchdog, 2.0):
+            _end(self.watchdog, 1.0)
         self._reset()
 
-    def restart(self) -> "Cluster":
+    def restart(self) -> Cluster:
         """End every process (state lost) and start a fresh cluster of the same shape."""
         self._kill_all()
         self.restarts += 1
@@ -495,7 +515,7 @@ class Cluster:
             return list(range(self.world_size))
         if isinstance(ranks, int):
             ranks = [ranks]
-        ranks = sorted(set(int(r) for r in ranks))
+        ranks = sorted({int(r) for r in ranks})
         bad = [r for r in ranks if not 0 <= r < self.world_size]
         if bad or not ranks:
             raise ValueError(f"ranks {bad or ranks} outside [0, {self.world_size - 1}]")
@@ -611,6 +631,14 @@ class Cluster:
             time.sleep(_POLL_S)
         print(f"[ranks] interrupted {_ranks_word(running)}; the cluster keeps its state",
               file=sys.stderr)
+
+
+def _complete_json(path: Path) -> bool:
+    try:
+        json.loads(path.read_text())
+        return True
+    except (OSError, ValueError):
+        return False
 
 
 def _text_output(ar) -> str:
