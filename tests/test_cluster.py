@@ -281,3 +281,61 @@ def test_kernel_restart_and_sigkill_leave_no_process_or_file(tmp_path):
     while cluster_dirs(str(tmp)) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert cluster_dirs(str(tmp)) == set()
+
+
+# --------------------------------------------------------------------------- notebook 01's outputs
+
+def _nb01_outputs(marker: str) -> list[str]:
+    import nbformat
+
+    nb = nbformat.read(ROOT / "notebooks" / "01_data_parallelism.ipynb", as_version=4)
+    for cell in nb.cells:
+        if cell.cell_type == "code" and marker in cell.source:
+            return "".join(o.get("text", "") for o in cell.outputs
+                           if o.get("output_type") == "stream").splitlines()
+    raise AssertionError(f"no cell containing {marker!r}")
+
+
+def test_notebook_01_ranks_cells_print_what_one_process_computes():
+    """Every number notebook 01's %%ranks cells print, recomputed here on one process."""
+    import torch
+
+    from ddp_lesson.env import choose_backend
+    from ddp_lesson.gradients import (average, batch_gradient, make_toy_batch, make_toy_model,
+                                      max_abs_diff, shard_gradients, split_batch)
+
+    def first3(g):
+        return str([f"{v:+.4f}" for v in g[:3].tolist()])
+
+    assert _nb01_outputs("%dist_start --nproc-per-node 2") == [
+        "[dist_start] 2 ranks (1 node x 2), gloo: " + choose_backend(2, "auto", 0)[1]]
+    model = make_toy_model(seed=0)
+    x, y = make_toy_batch(8, seed=1)
+    full = batch_gradient(model, x, y)
+    shards = [batch_gradient(model, xs, ys) for xs, ys in split_batch(x, y, 2)]
+    assert _nb01_outputs("print(f\"{len(xs)} samples; gradient[:3] =\"") == [
+        f"[rank {r}] 4 samples; gradient[:3] = {first3(shards[r])}" for r in range(2)]
+    assert _nb01_outputs("%%ranks --rank 1") == [
+        f"[rank 1] max |g - full| = {max_abs_diff(shards[1], full):.4f}"]
+    after = []
+    for r in range(2):
+        after += [f"[rank {r}] gradient[:3] = {first3(full)}",
+                  f"[rank {r}] equals the full-batch gradient (max |Δ| < 1e-6): True"]
+    assert _nb01_outputs("g /= world_size") == after
+    # float16: 40000 + 40000 overflows (largest finite 65504); 40000/2 + 40000/2 does not
+    half = torch.tensor([40000.0], dtype=torch.float16)
+    assert torch.isinf(half + half).item() and (half / 2 + half / 2).item() == 40000.0
+    fp16 = []
+    for r in range(2):
+        fp16 += [f"[rank {r}] DDP:                40000.0", f"[rank {r}] SUM, then ÷ R:      inf",
+                 f"[rank {r}] ÷ R, then SUM:      40000.0"]
+    assert _nb01_outputs("lin = torch.nn.Linear(1, 1, bias=False)") == fp16
+    torch.manual_seed(0)
+    bn_model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3), torch.nn.Tanh(),
+                                   torch.nn.Linear(3, 1))
+    off = max_abs_diff(average(shard_gradients(bn_model, x, y, 4)), batch_gradient(bn_model, x, y))
+    assert off > 1e-3
+    assert _nb01_outputs("bn_model = torch.nn.Sequential") == [
+        "with BatchNorm, average of shard gradients vs full batch, max |Δ| above 1e-3: True"]
+    assert _nb01_outputs("%dist_stop") == [
+        "[dist_stop] 2 ranks stopped: process group destroyed, engines and controller ended"]
