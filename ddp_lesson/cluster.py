@@ -293,6 +293,8 @@ class Cluster:
         self.restarts = 0
         #: torchrun's exit status per agent at the last stop (0: every engine left cleanly).
         self.exit_codes: list[int | None] = []
+        #: seconds from the start of the last start() to each phase's end (benchmarks read it).
+        self.timings: dict[str, float] = {}
         self._reset()
 
     def _reset(self) -> None:
@@ -382,6 +384,8 @@ class Cluster:
     def _start(self, deadline: float) -> None:
         import ipyparallel as ipp
 
+        t0 = time.monotonic()
+        self.timings = {}
         env = self._child_env()
         self.watchdog = subprocess.Popen(
             [sys.executable, "-c", _WATCHDOG, str(os.getpid()), str(self.folder)],
@@ -390,7 +394,12 @@ class Cluster:
         profile = self.folder / "profile"
         self.controller = self._popen(
             [sys.executable, "-m", "ipyparallel.controller", "--ip=127.0.0.1", "--usethreads",
-             f"--profile-dir={profile}", "--log-level=WARN"], env, self.folder / "controller.log")
+             f"--profile-dir={profile}", "--log-level=WARN",
+             # An engine's registration completes at the controller's next heartbeat: beat
+             # every 0.5 s rather than 3 s (start-up), and allow 60 missed beats (30 s, as
+             # the default 10 x 3 s) before an engine counts as dead on a loaded machine.
+             "--HeartMonitor.period=500", "--HeartMonitor.max_heartmonitor_misses=60"],
+            env, self.folder / "controller.log")
         self._write_pids()
         security = profile / "security"
         engine_file, client_file = security / "ipcontroller-engine.json", security / "ipcontroller-client.json"
@@ -412,9 +421,11 @@ class Cluster:
         self._write_pids()
         self._wait_for(lambda: _complete_json(client_file), deadline,
                        "the controller's connection files", [self.controller, *self.agents])
+        self.timings["controller_ready_s"] = time.monotonic() - t0
         self.client = ipp.Client(url_file=str(client_file), profile_dir=str(profile), timeout=30)
         self._wait_for(lambda: len(self.client.ids) >= self.world_size, deadline,
                        f"{self.world_size} engines to register", [self.controller, *self.agents])
+        self.timings["engines_registered_s"] = time.monotonic() - t0
         # Map engines to ranks, then join the process group on all of them at once.
         backend = self.requested_backend
         code = _INIT.format(pg_timeout=PROCESS_GROUP_TIMEOUT_S, backend=backend)
@@ -429,6 +440,7 @@ class Cluster:
             self.engine_pids[info["rank"]] = info["pid"]
             if info["rank"] == 0:
                 self.backend, self.reason = info["backend"], info["reason"]
+        self.timings["process_group_s"] = time.monotonic() - t0
         if sorted(self.engine_ids) != list(range(self.world_size)):
             raise RuntimeError(f"engines reported ranks {sorted(self.engine_ids)}, expected "
                                f"0..{self.world_size - 1}")
@@ -798,24 +810,35 @@ def load_ipython_extension(ipython) -> None:
 def bench(repeats: int = 30, starts: int = 3, out="benchmarks/cluster.csv") -> list[dict]:
     """Cluster start at 2 ranks, a trivial ``%%ranks`` round trip, and a one-shot torchrun cell.
 
-    Rows: ``what, repeats, median_s, min_s, max_s, cpus, load_avg_1min``. Not a test: timings on a
-    shared machine vary; the load average is recorded beside them.
+    Rows: ``what, repeats, median_s, min_s, max_s, cpu_s, cpus, load_avg_1min``. ``cpu_s`` is the
+    median CPU time of every process involved (this one and all it started, summed), which the
+    machine's load does not inflate as it does wall time: for a start row, a start plus its stop.
+    The start's phases (controller ready, engines registered, process group formed) get rows of
+    their own. Not a test: timings on a shared machine vary; the load average is recorded.
     """
+    import resource
     import statistics
 
     from .bench import write_rows
     from .launch import run_torchrun
 
-    def row(what, samples):
-        return {"what": what, "repeats": len(samples), "median_s": statistics.median(samples),
-                "min_s": min(samples), "max_s": max(samples), "cpus": os.cpu_count(),
-                "load_avg_1min": os.getloadavg()[0]}
+    def cpu() -> float:
+        return sum(r.ru_utime + r.ru_stime for r in (resource.getrusage(resource.RUSAGE_SELF),
+                                                      resource.getrusage(resource.RUSAGE_CHILDREN)))
 
-    start_s, trip_s, oneshot_s = [], [], []
+    def row(what, samples, cpu_samples=()):
+        return {"what": what, "repeats": len(samples), "median_s": statistics.median(samples),
+                "min_s": min(samples), "max_s": max(samples),
+                "cpu_s": statistics.median(cpu_samples) if cpu_samples else "",
+                "cpus": os.cpu_count(), "load_avg_1min": round(os.getloadavg()[0], 2)}
+
+    start_s, start_cpu, trip_s, phases, oneshot_s, oneshot_cpu = [], [], [], {}, [], []
     for _ in range(starts):
-        t0 = time.perf_counter()
+        c0, t0 = cpu(), time.perf_counter()
         c = Cluster(nproc_per_node=2, backend="gloo").start()
         start_s.append(time.perf_counter() - t0)
+        for k, v in c.timings.items():
+            phases.setdefault(k, []).append(v)
         try:
             if not trip_s:
                 c.run("x = torch.ones(1)\ndist.all_reduce(x)")  # warm-up
@@ -825,13 +848,16 @@ def bench(repeats: int = 30, starts: int = 3, out="benchmarks/cluster.csv") -> l
                     trip_s.append(time.perf_counter() - t0)
         finally:
             c.stop()
-    code = "print(1)\n"
+        if len(start_s) > 1:  # the first cycle also ran the round trips
+            start_cpu.append(cpu() - c0)
     for _ in range(starts):
-        t0 = time.perf_counter()
-        run_torchrun(code=code, nproc_per_node=2, backend="gloo", live=False, timeout=120)
+        c0, t0 = cpu(), time.perf_counter()
+        run_torchrun(code="print(1)\n", nproc_per_node=2, backend="gloo", live=False, timeout=120)
         oneshot_s.append(time.perf_counter() - t0)
-    rows = [row("cluster_start_2_ranks", start_s), row("ranks_cell_round_trip", trip_s),
-            row("torchrun_cell_one_shot", oneshot_s)]
+        oneshot_cpu.append(cpu() - c0)
+    rows = [row("cluster_start_2_ranks", start_s, start_cpu)]
+    rows += [row(f"start_phase_{k}", v) for k, v in phases.items()]
+    rows += [row("ranks_cell_round_trip", trip_s), row("torchrun_cell_one_shot", oneshot_s, oneshot_cpu)]
     write_rows(rows, out, list(rows[0]), float_digits=4)
     return rows
 
@@ -851,8 +877,9 @@ def main(argv: list[str] | None = None) -> None:
         p.print_help()
         return
     for r in bench(args.repeats, args.starts, args.out):
+        cpu = f", cpu {r['cpu_s']:.1f} s" if r["cpu_s"] != "" else ""
         print(f"{r['what']}: median {r['median_s'] * 1e3:.1f} ms, min {r['min_s'] * 1e3:.1f} ms, "
-              f"max {r['max_s'] * 1e3:.1f} ms over {r['repeats']} (load {r['load_avg_1min']:.1f})")
+              f"max {r['max_s'] * 1e3:.1f} ms over {r['repeats']}{cpu} (load {r['load_avg_1min']:.1f})")
 
 
 if __name__ == "__main__":
