@@ -79,7 +79,7 @@ DEFAULT_START_TIMEOUT_S = 120.0
 PROCESS_GROUP_TIMEOUT_S = 600.0
 #: After an interrupt, seconds the ranks get to come back before the cluster is restarted.
 INTERRUPT_GRACE_S = 5.0
-_POLL_S = 0.02
+_POLL_S = 0.05
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 _TMP_PREFIX = "ddp_lesson_cluster_"
 
@@ -555,13 +555,16 @@ class Cluster:
         ars = {r: self.client[self.engine_ids[r]].execute(code, silent=False, block=False) for r in ranks}
         deadline = start + timeout
         try:
-            while not all(ar.ready() for ar in ars.values()):
+            while True:
+                pending = [ar for ar in ars.values() if not ar.ready()]
+                if not pending:
+                    break
                 if time.monotonic() > deadline:
                     self._hung(ars, timeout)
                 for r in ranks:
                     if not _alive(self.engine_pids[r]):
                         self._died(ars, r)
-                time.sleep(_POLL_S)
+                pending[0].wait(_POLL_S)  # returns as soon as that rank is done
         except KeyboardInterrupt:
             self._interrupted(ars)
             raise
