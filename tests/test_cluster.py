@@ -339,3 +339,27 @@ def test_notebook_01_ranks_cells_print_what_one_process_computes():
         "with BatchNorm, average of shard gradients vs full batch, max |Δ| above 1e-3: True"]
     assert _nb01_outputs("%dist_stop") == [
         "[dist_stop] 2 ranks stopped: process group destroyed, engines and controller ended"]
+
+
+def test_readme_cluster_figures_match_the_benchmark_csv():
+    """The README's persistent-ranks table is read from benchmarks/cluster.csv (no timing asserted)."""
+    import csv
+
+    rows = {r["what"]: r for r in csv.DictReader(open(ROOT / "benchmarks" / "cluster.csv"))}
+    readme = (ROOT / "README.md").read_text()
+    start, trip, once = (rows[k] for k in ("cluster_start_2_ranks", "ranks_cell_round_trip",
+                                           "torchrun_cell_one_shot"))
+
+    def s(v):
+        return f"{float(v):.1f}"
+
+    assert (f"| cluster start, 2 ranks (`%dist_start`) | {s(start['median_s'])} s | "
+            f"{s(start['min_s'])} – {s(start['max_s'])} s ({start['repeats']} starts) | "
+            f"{s(start['cpu_s'])} (start + stop) |") in readme
+    assert (f"| trivial `%%ranks` cell, warm round trip | {s(float(trip['median_s']) * 1e3)} ms | "
+            f"{s(float(trip['min_s']) * 1e3)} – {s(float(trip['max_s']) * 1e3)} ms "
+            f"({trip['repeats']} cells) | |") in readme
+    assert (f"| one-shot `%%torchrun` cell (`print(1)`) | {s(once['median_s'])} s | "
+            f"{s(once['min_s'])} – {s(once['max_s'])} s ({once['repeats']} runs) | "
+            f"{s(once['cpu_s'])} |") in readme
+    assert f"load\naverage {float(start['load_avg_1min']):.1f}" in readme
