@@ -240,10 +240,21 @@ def test_stop_is_clean_and_leaves_no_process_or_file(cluster, capsys):
 
 # --------------------------------------------------------------------------- owners that die
 
-def _kernel_start_cluster(km_client) -> None:
-    reply = km_client.execute_interactive(
-        "%load_ext ddp_lesson\n%dist_start --nproc-per-node 2 --backend gloo", timeout=150)
+def _kernel_run(km_client, code: str) -> str:
+    """Run ``code`` in the kernel; its stdout (raises on an error reply)."""
+    out = []
+
+    def hook(msg):
+        if msg["msg_type"] == "stream" and msg["content"]["name"] == "stdout":
+            out.append(msg["content"]["text"])
+
+    reply = km_client.execute_interactive(code, timeout=150, output_hook=hook)
     assert reply["content"]["status"] == "ok", reply["content"]
+    return "".join(out)
+
+
+def _kernel_start_cluster(km_client, args: str = "--nproc-per-node 2") -> str:
+    return _kernel_run(km_client, f"%load_ext ddp_lesson\n%dist_start {args} --backend gloo")
 
 
 def test_kernel_restart_and_sigkill_leave_no_process_or_file(tmp_path):
@@ -268,7 +279,12 @@ def test_kernel_restart_and_sigkill_leave_no_process_or_file(tmp_path):
         km.restart_kernel(now=False)
         assert wait_gone(family) == set()
         kc.wait_for_ready(timeout=60)
-        _kernel_start_cluster(kc)
+        # this time two simulated nodes of one rank each, driven through the magics
+        assert _kernel_start_cluster(kc, "--nproc-per-node 1 --nnodes 2") == (
+            "[dist_start] 2 ranks (2 nodes x 1), gloo: 1 process, gloo requested: using gloo on CPU\n")
+        assert _kernel_run(kc, "%%ranks\nimport os\nx = torch.ones(1)\ndist.all_reduce(x)\n"
+                               "print(os.environ['GROUP_RANK'], local_rank, x.item())") == (
+            "[rank 0] 0 0 2.0\n[rank 1] 1 0 2.0\n")
         pid = km.provisioner.pid
         family = descendants(pid)
         assert len(family) >= 5
