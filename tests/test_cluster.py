@@ -189,6 +189,23 @@ def test_error_on_one_rank_named_and_ranks_usable_afterwards(cluster, capsys):
         0: "201\n", 1: "201\n"}
 
 
+def test_notebook_01_ranks_cells_replay_their_stored_output_three_times(cluster, capsys):
+    """What nbval compares for notebook 01's %%ranks cells (their stored stdout), replayed three
+    times in a row on one cluster through the magic itself. (The suite also replays the whole
+    notebook with nbval, in a fresh kernel with its own %dist_start and %dist_stop.)"""
+    import nbformat
+
+    nb = nbformat.read(ROOT / "notebooks" / "01_data_parallelism.ipynb", as_version=4)
+    cells = [c for c in nb.cells if c.cell_type == "code" and c.source.startswith("%%ranks")]
+    assert len(cells) == 4
+    for _ in range(3):
+        for c in cells:
+            line, body = c.source.split("\n", 1)
+            cl.ranks_magic(line[len("%%ranks"):].strip(), body)
+            stored = "".join(o.get("text", "") for o in c.outputs if o.get("output_type") == "stream")
+            assert capsys.readouterr().out == stored, c.source
+
+
 def test_interrupt_reaches_the_ranks_and_keeps_the_cluster(cluster):
     cluster.run("kept = rank * 7")
     restarts, pids = cluster.restarts, dict(cluster.engine_pids)
