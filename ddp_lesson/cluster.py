@@ -109,6 +109,9 @@ class RanksTimeout(TimeoutError):
         self.outputs = outputs
         self.restarted = restarted
 
+    def _render_traceback_(self):  # IPython shows the verdict, not this module's frames
+        return [f"RanksTimeout: {self}"]
+
 
 @dataclass
 class RanksResult:
@@ -122,14 +125,27 @@ class RanksResult:
 
 # --------------------------------------------------------------------------- process helpers
 
-def _set_pdeathsig() -> None:
-    """In a child before exec: SIGKILL it when the thread that started it dies (Linux only)."""
-    try:
+def _libc():
+    """libc, loaded in the parent: a forked child must not import or load anything (another
+    thread of the parent, e.g. ipyparallel's client, may have held the import lock at fork)."""
+    global _LIBC
+    if _LIBC is None:
         import ctypes
 
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
+        try:
+            _LIBC = ctypes.CDLL("libc.so.6", use_errno=True)
+        except OSError:
+            _LIBC = False
+    return _LIBC
+
+
+_LIBC = None
+
+
+def _set_pdeathsig() -> None:
+    """In a child before exec: SIGKILL it when the thread that started it dies (Linux only)."""
+    if _LIBC:
+        _LIBC.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 def _alive(pid: int) -> bool:
@@ -212,6 +228,7 @@ def _engine_main(argv: list[str]) -> None:
     torchrun starts each worker in a session of its own, so a SIGKILL to torchrun alone would
     orphan the engines; ``PR_SET_PDEATHSIG`` makes the kernel kill the engine instead.
     """
+    _libc()
     _set_pdeathsig()
     if os.getppid() == 1:  # torchrun died between fork and prctl
         os._exit(1)
@@ -345,6 +362,7 @@ class Cluster:
         return env
 
     def _popen(self, cmd: list[str], env: dict, log: Path, pdeathsig: bool = True) -> subprocess.Popen:
+        _libc()
         with open(log, "ab") as out:
             return subprocess.Popen(cmd, env=env, cwd=self.cwd, stdin=subprocess.DEVNULL,
                                     stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
