@@ -1,0 +1,907 @@
+"""Persistent ranks for notebooks: ipyparallel engines launched by torchrun, and ``%%ranks`` cells.
+
+A ``%%torchrun`` cell is a script: a fresh job that runs and forgets. For exploring (build a model
+on every rank in one cell, run backward in the next, look at ``p.grad`` on each rank, all-reduce,
+look again) the ranks must keep their state between cells. This module starts:
+
+* an ipyparallel controller on 127.0.0.1 (``python -m ipyparallel.controller``, schedulers in
+  threads, profile and connection files in a private temporary folder);
+* ``nnodes`` torchrun agents (``python -m torch.distributed.run``), each starting
+  ``nproc_per_node`` ipyparallel engines (``-m ddp_lesson.cluster engine --file=<the controller's
+  engine connection file>``, a thin bootstrap around ``python -m ipyparallel.engine``), so every
+  engine has exactly the environment a rank of a real job has (``RANK``, ``LOCAL_RANK``,
+  ``WORLD_SIZE``, ``MASTER_ADDR``...);
+
+then joins the process group once on every engine with :func:`ddp_lesson.env.init_distributed`
+(the series' backend rule: NCCL on ``cuda:LOCAL_RANK`` when each local rank has a GPU, gloo on
+CPU otherwise). Each engine's namespace starts with ``torch``, ``dist`` (``torch.distributed``),
+``env`` (its :class:`~ddp_lesson.env.DistEnv`), ``rank``, ``local_rank`` and ``world_size``.
+
+Notebook face (``%load_ext ddp_lesson``)::
+
+    %dist_start --nproc-per-node 2          # one line: ranks, backend, why
+    %%ranks                                 # the cell on every rank, output in rank order
+    %%ranks --rank 0 / --ranks 0,2          # on some ranks
+    %dist_status
+    %dist_stop
+
+Python face: ``with Cluster(nproc_per_node=2) as c: c.run("print(rank)")`` -> ``{0: "0\\n", 1: "1\\n"}``.
+
+Failures and hangs:
+
+* a rank that raises makes the cell raise :class:`RanksError`, naming the failed ranks in rank
+  order with each one's traceback; the ranks stay usable (their state is kept);
+* a cell that outlives its timeout (typically a collective that some rank never reaches) raises
+  :class:`RanksTimeout` naming the ranks still running. A rank blocked inside a collective cannot
+  be interrupted from Python and its process group is then out of step, so the cluster is
+  **restarted cleanly**: every process is ended and a fresh cluster of the same shape started
+  (the ranks' state is lost; the exception says so);
+* interrupting the kernel sends SIGINT to the ranks still running; if they all come back within
+  a few seconds the cluster stays as it was, otherwise it is restarted as after a timeout.
+
+No process outlives its owner: the controller and torchrun get ``PR_SET_PDEATHSIG`` (killed when
+the thread that started them dies), every engine gets it against its torchrun agent, and a small
+watchdog (own session, no PDEATHSIG) notices when the owner is gone (SIGKILL included), kills
+whatever is left by pid and removes the private temporary folder. ``stop()`` is clean: the process
+group is destroyed (barrier, then ``destroy_process_group``) before the engines leave with exit
+status 0, then the controller is stopped and the folder removed.
+
+Benchmark: ``python -m ddp_lesson.cluster --bench`` writes ``benchmarks/cluster.csv``.
+Sources: ipyparallel (https://ipyparallel.readthedocs.io), torchrun
+(https://pytorch.org/docs/stable/elastic/run.html).
+"""
+from __future__ import annotations
+
+import argparse
+import atexit
+import json
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .env import BACKEND_ENV, BACKENDS, choose_backend
+
+#: Seconds a ``%%ranks`` cell may run before its verdict (override per cell with ``--timeout``).
+DEFAULT_RUN_TIMEOUT_S = 120.0
+#: Seconds ``start()`` may take: controller up, engines registered, process group joined.
+DEFAULT_START_TIMEOUT_S = 120.0
+#: The process group's own collective timeout on every engine. Longer than a cell's timeout on
+#: purpose: a hang is ended by the cell's verdict (and a restart), not by a gloo error.
+PROCESS_GROUP_TIMEOUT_S = 600.0
+#: After an interrupt, seconds the ranks get to come back before the cluster is restarted.
+INTERRUPT_GRACE_S = 5.0
+_POLL_S = 0.05
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+_TMP_PREFIX = "ddp_lesson_cluster_"
+
+
+class RanksError(RuntimeError):
+    """One or more ranks raised. ``failed`` (rank -> traceback text), ``outputs`` (rank -> stdout)."""
+
+    def __init__(self, message: str, failed: dict[int, str], outputs: dict[int, str]):
+        super().__init__(message)
+        self.failed = failed
+        self.outputs = outputs
+
+    def _render_traceback_(self):  # IPython shows the ranks' tracebacks, not this module's frames
+        lines = [f"RanksError: {self}"]
+        for rank in sorted(self.failed):
+            lines += ["", f"--- rank {rank} ---", *self.failed[rank].rstrip().splitlines()]
+        return lines
+
+
+class RanksTimeout(TimeoutError):
+    """A cell outlived its timeout. ``waiting``: ranks still running; ``restarted``: True when the
+    cluster was restarted (state lost); ``outputs``: what each rank printed so far."""
+
+    def __init__(self, message: str, waiting: list[int], outputs: dict[int, str], restarted: bool):
+        super().__init__(message)
+        self.waiting = waiting
+        self.outputs = outputs
+        self.restarted = restarted
+
+    def _render_traceback_(self):  # IPython shows the verdict, not this module's frames
+        return [f"RanksTimeout: {self}"]
+
+
+@dataclass
+class RanksResult:
+    """What a cell left on each rank: stdout (plus the last expression's value), stderr, errors."""
+
+    outputs: dict[int, str]
+    errors: dict[int, str]
+    failed: dict[int, str] = field(default_factory=dict)
+    wall_s: float = 0.0
+
+
+# --------------------------------------------------------------------------- process helpers
+
+def _libc():
+    """libc, loaded in the parent: a forked child must not import or load anything (another
+    thread of the parent, e.g. ipyparallel's client, may have held the import lock at fork)."""
+    global _LIBC
+    if _LIBC is None:
+        import ctypes
+
+        try:
+            _LIBC = ctypes.CDLL("libc.so.6", use_errno=True)
+        except OSError:
+            _LIBC = False
+    return _LIBC
+
+
+_LIBC = None
+
+
+def _set_pdeathsig() -> None:
+    """In a child before exec: SIGKILL it when the thread that started it dies (Linux only)."""
+    if _LIBC:
+        _LIBC.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    try:  # a zombie (exited, not yet reaped) counts as gone
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def _reap(proc: subprocess.Popen, seconds: float) -> bool:
+    """Wait up to ``seconds`` for ``proc`` to exit (os.waitpid: safe after an interrupt)."""
+    deadline = time.monotonic() + seconds
+    while True:
+        if proc.returncode is not None:
+            return True
+        try:
+            pid, status = os.waitpid(proc.pid, os.WNOHANG)
+        except ChildProcessError:
+            return True
+        if pid:
+            proc.returncode = os.waitstatus_to_exitcode(status)
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+
+
+def _end(proc: subprocess.Popen | None, grace_s: float = 5.0) -> None:
+    """SIGTERM ``proc``'s process group, then SIGKILL after ``grace_s``; reap it."""
+    if proc is None:
+        return
+    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
+        if proc.returncode is not None:
+            break
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            pass
+        if _reap(proc, wait):
+            break
+    try:  # children it forked into its group (the controller forks one) and left behind
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+# The watchdog: its own session (a kernel interrupt does not reach it), no PDEATHSIG. It polls
+# its parent; once the parent is gone (even by SIGKILL) it kills every pid listed in PIDFILE and
+# removes the private folder. It also leaves when the folder disappears (a clean stop).
+_WATCHDOG = r"""
+import os, shutil, signal, sys, time
+parent, folder = int(sys.argv[1]), sys.argv[2]
+pidfile = os.path.join(folder, "pids")
+while os.getppid() == parent and os.path.isdir(folder):
+    time.sleep(0.2)
+if os.path.isdir(folder):
+    try:
+        pids = [int(p) for p in open(pidfile).read().split()]
+    except (OSError, ValueError):
+        pids = []
+    for pid in pids:  # each was started in a session (process group) of its own: its group
+        for kill in (os.killpg, os.kill):  # also holds the children it forked (the controller's)
+            try:
+                kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+    time.sleep(0.5)
+    shutil.rmtree(folder, ignore_errors=True)
+"""
+
+
+def _engine_main(argv: list[str]) -> None:
+    """``python -m ddp_lesson.cluster engine ARGS``: an ipyparallel engine that dies with torchrun.
+
+    torchrun starts each worker in a session of its own, so a SIGKILL to torchrun alone would
+    orphan the engines; ``PR_SET_PDEATHSIG`` makes the kernel kill the engine instead.
+    """
+    _libc()
+    _set_pdeathsig()
+    if os.getppid() == 1:  # torchrun died between fork and prctl
+        os._exit(1)
+    # torchrun starts while the controller is still coming up (the two start-ups overlap):
+    # wait until the controller's engine connection file is complete JSON (it is not written
+    # atomically), dying with torchrun meanwhile.
+    import torch.distributed  # noqa: F401  (the first cell's import, done while we wait)
+
+    url_file = next(a.split("=", 1)[1] for a in argv if a.startswith("--file="))
+    while True:
+        try:
+            with open(url_file) as f:
+                if "registration" in json.load(f):
+                    break
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.05)
+    from ipyparallel.engine.app import main
+
+    sys.argv = ["ipengine", *argv]
+    main()
+
+
+# --------------------------------------------------------------------------- the cluster
+
+# Run once on every engine after registration (all at once: joining the group synchronises).
+_INIT = """\
+import os, json
+import torch
+import torch.distributed as dist
+from ddp_lesson.env import init_distributed as _init_distributed
+env = _init_distributed(timeout={pg_timeout!r}, backend={backend!r}, announce=False)
+rank, local_rank, world_size = env.rank, env.local_rank, env.world_size
+print(json.dumps({{"rank": rank, "pid": os.getpid(), "backend": env.backend, "reason": env.reason,
+                  "world_size": world_size}}))
+"""
+# Clean exit of an engine: leave the process group (barrier + destroy), then exit with status 0
+# without interpreter teardown (the engine's own shutdown path exits with status 1; gloo can
+# abort when its threads are torn down at exit, see ddp_lesson._worker).
+_CLEANUP = "from ddp_lesson.env import cleanup as _cleanup\n_cleanup()\n"
+_EXIT = "import os, sys\nsys.stdout.flush(); sys.stderr.flush()\nos._exit(0)\n"
+
+
+class Cluster:
+    """``world_size = nnodes * nproc_per_node`` persistent ranks: ipyparallel engines under torchrun.
+
+    Args:
+        nproc_per_node: engines per simulated node (torchrun's ``--nproc-per-node``), >= 1.
+        nnodes: torchrun agents started on this host, joined by c10d rendezvous on 127.0.0.1
+            (as separate machines would be), >= 1.
+        backend: ``"auto"``, ``"gloo"``, ``"nccl"``; None reads ``DDP_LESSON_BACKEND``, else auto.
+        timeout: seconds :meth:`start` may take (controller, engines, process group), > 0.
+        cwd: the engines' working directory (default: this process's).
+        env: base environment for the engines (default: this process's).
+
+    Use as a context manager, or call :meth:`start` and :meth:`stop`. Not thread-safe.
+
+    Raises:
+        ValueError: bad sizes or backend, named with their values.
+    """
+
+    def __init__(self, nproc_per_node: int = 2, nnodes: int = 1, backend: str | None = None,
+                 timeout: float = DEFAULT_START_TIMEOUT_S, cwd=None, env: dict | None = None):
+        for name, value in (("nproc_per_node", nproc_per_node), ("nnodes", nnodes)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if timeout is None or timeout <= 0:
+            raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
+        if backend is not None and backend.lower() not in BACKENDS:
+            raise ValueError(f"backend {backend!r} is not one of {', '.join(BACKENDS)}")
+        self.nproc_per_node, self.nnodes = nproc_per_node, nnodes
+        self.world_size = nproc_per_node * nnodes
+        self.requested_backend = backend
+        self.timeout = float(timeout)
+        self.cwd = os.getcwd() if cwd is None else str(cwd)
+        self.base_env = env
+        self.backend: str | None = None
+        self.reason: str | None = None
+        self.restarts = 0
+        #: torchrun's exit status per agent at the last stop (0: every engine left cleanly).
+        self.exit_codes: list[int | None] = []
+        #: seconds from the start of the last start() to each phase's end (benchmarks read it).
+        self.timings: dict[str, float] = {}
+        self._reset()
+
+    def _reset(self) -> None:
+        self.folder: Path | None = None
+        self.client = None
+        self.controller: subprocess.Popen | None = None
+        self.agents: list[subprocess.Popen] = []
+        self.watchdog: subprocess.Popen | None = None
+        self.engine_pids: dict[int, int] = {}   # rank -> pid
+        self.engine_ids: dict[int, int] = {}    # rank -> ipyparallel engine id
+
+    # ---------------------------------------------------------------- lifecycle
+
+    @property
+    def running(self) -> bool:
+        """True between a successful :meth:`start` and :meth:`stop`."""
+        return self.client is not None
+
+    def __enter__(self) -> Cluster:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def pids(self) -> list[int]:
+        """Every process this cluster started: watchdog, controller, torchrun agents, engines."""
+        procs = [self.watchdog, self.controller, *self.agents]
+        return [p.pid for p in procs if p is not None] + list(self.engine_pids.values())
+
+    def _write_pids(self) -> None:
+        pids = [p for p in self.pids() if self.watchdog is None or p != self.watchdog.pid]
+        tmp = self.folder / "pids.tmp"
+        tmp.write_text(" ".join(map(str, pids)))
+        os.replace(tmp, self.folder / "pids")
+
+    def _child_env(self) -> dict:
+        env = dict(os.environ if self.base_env is None else self.base_env)
+        if self.requested_backend is not None:
+            env[BACKEND_ENV] = self.requested_backend
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // self.nproc_per_node)))
+        env["IPYTHONDIR"] = str(self.folder / "ipython")
+        # Everything the children write to a temp folder (torchrun's log dir included) lands
+        # in the private folder, which is removed on stop or by the watchdog.
+        env["TMPDIR"] = str(self.folder / "tmp")
+        env["PYTHONUNBUFFERED"] = "1"
+        pkg_root = str(Path(__file__).resolve().parent.parent)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, env.get("PYTHONPATH")) if p)
+        return env
+
+    def _popen(self, cmd: list[str], env: dict, log: Path, pdeathsig: bool = True) -> subprocess.Popen:
+        _libc()
+        with open(log, "ab") as out:
+            return subprocess.Popen(cmd, env=env, cwd=self.cwd, stdin=subprocess.DEVNULL,
+                                    stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                    preexec_fn=_set_pdeathsig if pdeathsig else None)
+
+    def _log_tail(self, n: int = 30) -> str:
+        lines = []
+        for log in sorted(self.folder.glob("*.log")) if self.folder else []:
+            text = log.read_text(errors="replace").strip().splitlines()
+            lines += [f"{log.name}: {line}" for line in text[-n:]]
+        return "\n".join(lines[-n:])
+
+    def start(self) -> Cluster:
+        """Start controller and engines, join the process group on every engine (synchronises).
+
+        Returns:
+            self, with ``backend`` and ``reason`` set (``reason`` is one line saying why).
+
+        Raises:
+            ValueError: the backend cannot be used (e.g. nccl with fewer GPUs than processes).
+            RuntimeError: the cluster did not come up within ``timeout`` s (with the logs' tail);
+                every process started is ended first.
+        """
+        if self.running:
+            return self
+        self.backend, self.reason = choose_backend(self.nproc_per_node, self.requested_backend)
+        self.folder = Path(tempfile.mkdtemp(prefix=_TMP_PREFIX))
+        (self.folder / "tmp").mkdir()
+        try:
+            self._start(time.monotonic() + self.timeout)
+        except BaseException:
+            self._kill_all()
+            raise
+        atexit.register(self.stop)
+        return self
+
+    def _start(self, deadline: float) -> None:
+        import ipyparallel as ipp
+
+        t0 = time.monotonic()
+        self.timings = {}
+        env = self._child_env()
+        self.watchdog = subprocess.Popen(
+            [sys.executable, "-c", _WATCHDOG, str(os.getpid()), str(self.folder)],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            start_new_session=True)
+        profile = self.folder / "profile"
+        self.controller = self._popen(
+            [sys.executable, "-m", "ipyparallel.controller", "--ip=127.0.0.1", "--usethreads",
+             f"--profile-dir={profile}", "--log-level=WARN",
+             # An engine's registration completes at the controller's next heartbeat: beat
+             # every 0.5 s rather than 3 s (start-up), and allow 60 missed beats (30 s, as
+             # the default 10 x 3 s) before an engine counts as dead on a loaded machine.
+             "--HeartMonitor.period=500", "--HeartMonitor.max_heartmonitor_misses=60"],
+            env, self.folder / "controller.log")
+        self._write_pids()
+        security = profile / "security"
+        engine_file, client_file = security / "ipcontroller-engine.json", security / "ipcontroller-client.json"
+        engine = ["-m", "ddp_lesson.cluster", "engine", f"--file={engine_file}",
+                  f"--profile-dir={profile}", "--IPEngine.enable_nanny=False", "--log-level=WARN"]
+        base = [sys.executable, "-m", "torch.distributed.run",
+                "--nproc-per-node", str(self.nproc_per_node), "--max-restarts", "0"]
+        if self.nnodes == 1:
+            commands = [base[:3] + ["--standalone"] + base[3:] + engine]
+        else:
+            from .launch import free_port
+
+            endpoint, run_id = f"127.0.0.1:{free_port()}", uuid.uuid4().hex[:8]
+            commands = [base + ["--nnodes", str(self.nnodes), "--rdzv-backend", "c10d",
+                                "--rdzv-endpoint", endpoint, "--rdzv-id", run_id,
+                                "--node-rank", str(node), *engine] for node in range(self.nnodes)]
+        for node, cmd in enumerate(commands):
+            self.agents.append(self._popen(cmd, env, self.folder / f"torchrun{node}.log"))
+        self._write_pids()
+        self._wait_for(lambda: _complete_json(client_file), deadline,
+                       "the controller's connection files", [self.controller, *self.agents])
+        self.timings["controller_ready_s"] = time.monotonic() - t0
+        self.client = ipp.Client(url_file=str(client_file), profile_dir=str(profile), timeout=30)
+        self._wait_for(lambda: len(self.client.ids) >= self.world_size, deadline,
+                       f"{self.world_size} engines to register", [self.controller, *self.agents])
+        self.timings["engines_registered_s"] = time.monotonic() - t0
+        # Map engines to ranks, then join the process group on all of them at once.
+        backend = self.requested_backend
+        code = _INIT.format(pg_timeout=PROCESS_GROUP_TIMEOUT_S, backend=backend)
+        ids = sorted(self.client.ids)[: self.world_size]
+        ars = {eid: self.client[eid].execute(code, silent=False, block=False) for eid in ids}
+        for eid, ar in ars.items():
+            self._wait_for(ar.ready, deadline, "the process group to form", [self.controller, *self.agents])
+            ar.get()  # raises the engine's error, if any
+            ar.wait_for_output(max(1.0, deadline - time.monotonic()))
+            info = json.loads(ar.stdout.strip().splitlines()[-1])
+            self.engine_ids[info["rank"]] = eid
+            self.engine_pids[info["rank"]] = info["pid"]
+            if info["rank"] == 0:
+                self.backend, self.reason = info["backend"], info["reason"]
+        self.timings["process_group_s"] = time.monotonic() - t0
+        if sorted(self.engine_ids) != list(range(self.world_size)):
+            raise RuntimeError(f"engines reported ranks {sorted(self.engine_ids)}, expected "
+                               f"0..{self.world_size - 1}")
+        self._write_pids()
+
+    def _wait_for(self, predicate, deadline: float, what: str, procs) -> None:
+        while not predicate():
+            for p in procs:
+                if p.poll() is not None:
+                    raise RuntimeError(f"cluster start failed while waiting for {what}: a process "
+                                       f"exited with status {p.returncode}\n{self._log_tail()}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"cluster start timed out after {self.timeout:g} s waiting for "
+                                   f"{what}\n{self._log_tail()}")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        """Destroy the process group on every rank, stop engines and controller, remove the folder.
+
+        Clean path: ``cleanup()`` (barrier + ``destroy_process_group``) on every engine, then the
+        engines exit with status 0, torchrun exits 0, the controller is stopped. Anything still
+        alive after that (a rank stuck in a collective) is killed. Idempotent; never raises.
+        """
+        if self.folder is None:
+            return
+        try:
+            atexit.unregister(self.stop)
+            if self.client is not None and self.engine_ids and all(p.poll() is None for p in self.agents):
+                try:
+                    res = self._execute(_CLEANUP, sorted(self.engine_ids), 15.0)
+                    if res is not None:
+                        for eid in self.engine_ids.values():
+                            self.client[eid].execute(_EXIT, block=False)
+                        for p in self.agents:
+                            _reap(p, 15.0)
+                except Exception:
+                    pass
+        finally:
+            self._kill_all()
+
+    def _kill_all(self) -> None:
+        """End every process this cluster started (SIGTERM, then SIGKILL) and remove the folder."""
+        if self.client is not None:
+            try:
+                self.client.close(linger=0)
+            except Exception:
+                pass
+            self.client = None
+        for p in self.agents:
+            _end(p)
+        if self.agents:
+            self.exit_codes = [p.returncode for p in self.agents]
+        for pid in self.engine_pids.values():
+            if _alive(pid):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
+        _end(self.controller)
+        if self.folder is not None:
+            shutil.rmtree(self.folder, ignore_errors=True)
+        # the watchdog leaves by itself once the folder is gone
+        if self.watchdog is not None and not _reap(self.watchdog, 2.0):
+            _end(self.watchdog, 1.0)
+        self._reset()
+
+    def restart(self) -> Cluster:
+        """End every process (state lost) and start a fresh cluster of the same shape."""
+        self._kill_all()
+        self.restarts += 1
+        return self.start()
+
+    def status(self) -> dict:
+        """``{"running", "world_size", "nnodes", "nproc_per_node", "backend", "alive"}`` (alive:
+        rank -> engine process alive)."""
+        return {"running": self.running, "world_size": self.world_size, "nnodes": self.nnodes,
+                "nproc_per_node": self.nproc_per_node, "backend": self.backend,
+                "alive": {r: _alive(pid) for r, pid in sorted(self.engine_pids.items())}}
+
+    # ---------------------------------------------------------------- running cells
+
+    def _ranks(self, ranks) -> list[int]:
+        if ranks is None:
+            return list(range(self.world_size))
+        if isinstance(ranks, int):
+            ranks = [ranks]
+        ranks = sorted({int(r) for r in ranks})
+        bad = [r for r in ranks if not 0 <= r < self.world_size]
+        if bad or not ranks:
+            raise ValueError(f"ranks {bad or ranks} outside [0, {self.world_size - 1}]")
+        return ranks
+
+    def _execute(self, code: str, ranks: list[int], timeout: float):
+        """Run ``code`` on ``ranks``; {rank: AsyncResult} once all are done, None on timeout."""
+        ars = {r: self.client[self.engine_ids[r]].execute(code, silent=False, block=False) for r in ranks}
+        deadline = time.monotonic() + timeout
+        while not all(ar.ready() for ar in ars.values()):
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(_POLL_S)
+        return ars
+
+    def run_detailed(self, code: str, ranks=None, timeout: float | None = None) -> RanksResult:
+        """Like :meth:`run`, but returns a :class:`RanksResult` and does not raise on rank errors."""
+        if not self.running:
+            raise RuntimeError("the cluster is not running: call start() (or %dist_start) first")
+        ranks = self._ranks(ranks)
+        timeout = DEFAULT_RUN_TIMEOUT_S if timeout is None else float(timeout)
+        if timeout <= 0:
+            raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
+        start = time.monotonic()
+        ars = {r: self.client[self.engine_ids[r]].execute(code, silent=False, block=False) for r in ranks}
+        deadline = start + timeout
+        try:
+            while True:
+                pending = [ar for ar in ars.values() if not ar.ready()]
+                if not pending:
+                    break
+                if time.monotonic() > deadline:
+                    self._hung(ars, timeout)
+                for r in ranks:
+                    if not _alive(self.engine_pids[r]):
+                        self._died(ars, r)
+                pending[0].wait(_POLL_S)  # returns as soon as that rank is done
+        except KeyboardInterrupt:
+            self._interrupted(ars)
+            raise
+        result = RanksResult({}, {}, wall_s=time.monotonic() - start)
+        for r, ar in ars.items():
+            ar.wait_for_output(5.0)
+            result.outputs[r] = _text_output(ar)
+            result.errors[r] = ar.stderr or ""
+            err = ar.metadata.get("error")
+            if err is not None:
+                result.failed[r] = _ANSI.sub("", err.traceback or f"{err.ename}: {err.evalue}")
+        return result
+
+    def run(self, code: str, ranks=None, timeout: float | None = None) -> dict[int, str]:
+        """Run ``code`` (IPython cell source) on ``ranks`` (all by default); state is kept.
+
+        Each rank runs the code in its own namespace, where the previous cells' names live
+        (``rank``, ``world_size``, ``env``, ``torch``, ``dist`` from the start). Collectives
+        synchronise the ranks that call them, as in any job; selecting some ranks for a cell with
+        a collective hangs the others' peers until the timeout.
+
+        Args:
+            code: source text.
+            ranks: an int, an iterable of ints, or None (every rank).
+            timeout: seconds before the verdict (default :data:`DEFAULT_RUN_TIMEOUT_S`).
+
+        Returns:
+            ``{rank: output}`` in rank order: what the rank printed, then the value of the last
+            expression (if any) as IPython would show it.
+
+        Raises:
+            ValueError: a rank outside ``[0, world_size)``, or a bad timeout.
+            RanksError: a rank raised (failed ranks named in rank order, their tracebacks
+                attached); the ranks stay usable.
+            RanksTimeout: some ranks were still running after ``timeout`` s; the cluster has been
+                restarted (state lost).
+            KeyboardInterrupt: re-raised after interrupting the running ranks (cluster kept if they
+                stop within :data:`INTERRUPT_GRACE_S`, else restarted).
+        """
+        result = self.run_detailed(code, ranks, timeout)
+        if result.failed:
+            raise RanksError(_failure_summary(result.failed, len(result.outputs), self.world_size),
+                             result.failed, result.outputs)
+        return result.outputs
+
+    def _hung(self, ars: dict, timeout: float) -> None:
+        waiting = [r for r, ar in ars.items() if not ar.ready()]
+        done = [r for r in ars if r not in waiting]
+        outputs = {r: _text_output(ar) for r, ar in ars.items()}
+        self.restart()
+        raise RanksTimeout(
+            f"{_ranks_word(waiting)} still running after {timeout:g} s"
+            + (f" ({_ranks_word(done)} finished)" if done else "")
+            + ": probably waiting in a collective that other ranks never reached. A rank blocked in "
+            f"a collective cannot be interrupted, so the cluster was restarted: {self.world_size} "
+            "fresh ranks, state lost", waiting, outputs, restarted=True)
+
+    def _died(self, ars: dict, rank: int) -> None:
+        outputs = {r: _text_output(ar) for r, ar in ars.items()}
+        self.restart()
+        raise RanksError(f"rank {rank}'s process died during the cell; the cluster was restarted "
+                         f"({self.world_size} fresh ranks, state lost)", {rank: "process died"}, outputs)
+
+    def _interrupted(self, ars: dict) -> None:
+        running = [r for r, ar in ars.items() if not ar.ready()]
+        for r in running:
+            try:
+                os.kill(self.engine_pids[r], signal.SIGINT)
+            except OSError:
+                pass
+        deadline = time.monotonic() + INTERRUPT_GRACE_S
+        while not all(ar.ready() for ar in ars.values()):
+            if time.monotonic() > deadline:
+                self.restart()
+                print(f"[ranks] {_ranks_word([r for r, a in ars.items() if not a.ready()])} did "
+                      f"not stop within {INTERRUPT_GRACE_S:g} s of the interrupt: cluster restarted "
+                      "(state lost)", file=sys.stderr)
+                return
+            time.sleep(_POLL_S)
+        print(f"[ranks] interrupted {_ranks_word(running)}; the cluster keeps its state",
+              file=sys.stderr)
+
+
+def _complete_json(path: Path) -> bool:
+    try:
+        json.loads(path.read_text())
+        return True
+    except (OSError, ValueError):
+        return False
+
+
+def _text_output(ar) -> str:
+    """stdout, then the last expression's text form, as a notebook cell would show them."""
+    text = ar.stdout or ""
+    res = ar.metadata.get("execute_result")
+    if res:
+        value = res.get("data", {}).get("text/plain", "")
+        if value:
+            text += value + ("" if value.endswith("\n") else "\n")
+    return text
+
+
+def _ranks_word(ranks) -> str:
+    ranks = sorted(ranks)
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+
+
+def _failure_summary(failed: dict[int, str], ran: int, world_size: int) -> str:
+    last = {}
+    for r, tb in failed.items():
+        lines = [ln for ln in tb.strip().splitlines() if ln.strip()]
+        last[r] = lines[-1].strip() if lines else "error"
+    ranks = sorted(failed)
+    detail = "; ".join(f"rank {r}: {last[r]}" for r in ranks)
+    return f"{_ranks_word(ranks)} of {world_size} failed ({detail}); the ranks keep their state"
+
+
+# --------------------------------------------------------------------------- magics
+
+_CURRENT: Cluster | None = None
+
+
+def current() -> Cluster | None:
+    """The cluster started by ``%dist_start`` (None when none runs)."""
+    return _CURRENT if _CURRENT is not None and _CURRENT.running else None
+
+
+def _start_line(c: Cluster) -> str:
+    shape = f"{c.nnodes} node{'s' if c.nnodes > 1 else ''} x {c.nproc_per_node}"
+    return f"[dist_start] {c.world_size} ranks ({shape}), {c.backend}: {c.reason}"
+
+
+def _parser(prog: str) -> argparse.ArgumentParser:
+    return argparse.ArgumentParser(prog=prog, add_help=False, exit_on_error=False)
+
+
+def dist_start_magic(line: str) -> None:
+    """``%dist_start --nproc-per-node N [--nnodes M] [--backend auto|gloo|nccl] [--timeout S]``.
+
+    Starts the persistent ranks (stopping any running ones first) and prints one line: ranks,
+    backend and why. ``--timeout``: seconds the start may take (default 120).
+    """
+    global _CURRENT
+    p = _parser("%dist_start")
+    p.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=2)
+    p.add_argument("--nnodes", type=int, default=1)
+    p.add_argument("--backend", choices=BACKENDS, default=None)
+    p.add_argument("--timeout", type=float, default=DEFAULT_START_TIMEOUT_S)
+    opts = _parse(p, line)
+    if _CURRENT is not None:
+        _CURRENT.stop()
+        _CURRENT = None
+    cluster = Cluster(opts.nproc_per_node, opts.nnodes, opts.backend, opts.timeout)
+    cluster.start()
+    _CURRENT = cluster
+    print(_start_line(cluster))
+
+
+def _parse(p: argparse.ArgumentParser, line: str):
+    try:
+        opts, rest = p.parse_known_args(shlex.split(line))
+    except (argparse.ArgumentError, SystemExit) as e:
+        raise ValueError(f"could not parse {p.prog} options {line!r}: {e}") from None
+    if rest:
+        raise ValueError(f"{p.prog}: unknown options {' '.join(rest)}")
+    return opts
+
+
+def ranks_magic(line: str, cell: str) -> None:
+    """``%%ranks [--rank R | --ranks 0,2] [--timeout S] [--show-stderr]``: the cell on the ranks.
+
+    Output of each rank in rank order, each line tagged ``[rank N]``. A failing rank raises
+    :class:`RanksError` (ranks stay usable); a cell outliving ``--timeout`` (default 120 s)
+    raises :class:`RanksTimeout` naming the waiting ranks, after restarting the cluster.
+    """
+    from .launch import format_rank_outputs
+
+    p = _parser("%%ranks")
+    group = p.add_mutually_exclusive_group()
+    group.add_argument("--rank", type=int, default=None)
+    group.add_argument("--ranks", default=None)
+    p.add_argument("--timeout", type=float, default=DEFAULT_RUN_TIMEOUT_S)
+    p.add_argument("--show-stderr", action="store_true")
+    opts = _parse(p, line)
+    cluster = current()
+    if cluster is None:
+        raise RuntimeError("no ranks are running: start them with %dist_start --nproc-per-node 2")
+    ranks = None
+    if opts.rank is not None:
+        ranks = [opts.rank]
+    elif opts.ranks is not None:
+        try:
+            ranks = [int(r) for r in opts.ranks.split(",") if r.strip()]
+        except ValueError:
+            raise ValueError(f"--ranks {opts.ranks!r}: give integers, e.g. --ranks 0,2") from None
+    try:
+        result = cluster.run_detailed(cell, ranks, opts.timeout)
+    except RanksTimeout as e:
+        print(format_rank_outputs(e.outputs), end="")
+        raise
+    print(format_rank_outputs(result.outputs), end="")
+    if opts.show_stderr:
+        err = format_rank_outputs({r: t for r, t in result.errors.items() if t.strip()})
+        if err:
+            print(err, end="", file=sys.stderr)
+    if result.failed:
+        raise RanksError(_failure_summary(result.failed, len(result.outputs), cluster.world_size),
+                         result.failed, result.outputs)
+
+
+def dist_stop_magic(line: str = "") -> None:
+    """``%dist_stop``: destroy the process group, stop engines and controller, remove temp files."""
+    global _CURRENT
+    if _CURRENT is None or not _CURRENT.running:
+        print("[dist_stop] no ranks running")
+        _CURRENT = None
+        return
+    n = _CURRENT.world_size
+    _CURRENT.stop()
+    _CURRENT = None
+    print(f"[dist_stop] {n} ranks stopped: process group destroyed, engines and controller ended")
+
+
+def dist_status_magic(line: str = "") -> None:
+    """``%dist_status``: whether ranks are running, how many, the backend, which are alive."""
+    c = current()
+    if c is None:
+        print("[dist_status] no ranks running")
+        return
+    st = c.status()
+    alive = [r for r, ok in st["alive"].items() if ok]
+    print(f"[dist_status] {st['world_size']} ranks ({st['nnodes']} x {st['nproc_per_node']}), "
+          f"{st['backend']}; alive: {', '.join(map(str, alive)) or 'none'}")
+
+
+def load_ipython_extension(ipython) -> None:
+    """Register ``%dist_start``, ``%%ranks``, ``%dist_stop``, ``%dist_status``."""
+    ipython.register_magic_function(dist_start_magic, magic_kind="line", magic_name="dist_start")
+    ipython.register_magic_function(ranks_magic, magic_kind="cell", magic_name="ranks")
+    ipython.register_magic_function(dist_stop_magic, magic_kind="line", magic_name="dist_stop")
+    ipython.register_magic_function(dist_status_magic, magic_kind="line", magic_name="dist_status")
+
+
+# --------------------------------------------------------------------------- benchmark
+
+def bench(repeats: int = 30, starts: int = 3, out="benchmarks/cluster.csv") -> list[dict]:
+    """Cluster start at 2 ranks, a trivial ``%%ranks`` round trip, and a one-shot torchrun cell.
+
+    Rows: ``what, repeats, median_s, min_s, max_s, cpu_s, cpus, load_avg_1min``. ``cpu_s`` is the
+    median CPU time of every process involved (this one and all it started, summed), which the
+    machine's load does not inflate as it does wall time: for a start row, a start plus its stop.
+    The start's phases (controller ready, engines registered, process group formed) get rows of
+    their own. Not a test: timings on a shared machine vary; the load average is recorded.
+    """
+    import resource
+    import statistics
+
+    from .bench import write_rows
+    from .launch import run_torchrun
+
+    def cpu() -> float:
+        return sum(r.ru_utime + r.ru_stime for r in (resource.getrusage(resource.RUSAGE_SELF),
+                                                      resource.getrusage(resource.RUSAGE_CHILDREN)))
+
+    def row(what, samples, cpu_samples=()):
+        return {"what": what, "repeats": len(samples), "median_s": statistics.median(samples),
+                "min_s": min(samples), "max_s": max(samples),
+                "cpu_s": statistics.median(cpu_samples) if cpu_samples else "",
+                "cpus": os.cpu_count(), "load_avg_1min": round(os.getloadavg()[0], 2)}
+
+    start_s, start_cpu, trip_s, phases, oneshot_s, oneshot_cpu = [], [], [], {}, [], []
+    for _ in range(starts):
+        c0, t0 = cpu(), time.perf_counter()
+        c = Cluster(nproc_per_node=2, backend="gloo").start()
+        start_s.append(time.perf_counter() - t0)
+        for k, v in c.timings.items():
+            phases.setdefault(k, []).append(v)
+        try:
+            if not trip_s:
+                c.run("x = torch.ones(1)\ndist.all_reduce(x)")  # warm-up
+                for _ in range(repeats):
+                    t0 = time.perf_counter()
+                    c.run("print(rank)")
+                    trip_s.append(time.perf_counter() - t0)
+        finally:
+            c.stop()
+        if len(start_s) > 1:  # the first cycle also ran the round trips
+            start_cpu.append(cpu() - c0)
+    for _ in range(starts):
+        c0, t0 = cpu(), time.perf_counter()
+        run_torchrun(code="print(1)\n", nproc_per_node=2, backend="gloo", live=False, timeout=120)
+        oneshot_s.append(time.perf_counter() - t0)
+        oneshot_cpu.append(cpu() - c0)
+    rows = [row("cluster_start_2_ranks", start_s, start_cpu)]
+    rows += [row(f"start_phase_{k}", v) for k, v in phases.items()]
+    rows += [row("ranks_cell_round_trip", trip_s), row("torchrun_cell_one_shot", oneshot_s, oneshot_cpu)]
+    write_rows(rows, out, list(rows[0]), float_digits=4)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "engine":
+        _engine_main(argv[1:])
+        return
+    p = argparse.ArgumentParser(prog="python -m ddp_lesson.cluster")
+    p.add_argument("--bench", action="store_true", help="measure start and round trip; write CSV")
+    p.add_argument("--repeats", type=int, default=30)
+    p.add_argument("--starts", type=int, default=3)
+    p.add_argument("--out", default="benchmarks/cluster.csv")
+    args = p.parse_args(argv)
+    if not args.bench:
+        p.print_help()
+        return
+    for r in bench(args.repeats, args.starts, args.out):
+        cpu = f", cpu {r['cpu_s']:.1f} s" if r["cpu_s"] != "" else ""
+        print(f"{r['what']}: median {r['median_s'] * 1e3:.1f} ms, min {r['min_s'] * 1e3:.1f} ms, "
+              f"max {r['max_s'] * 1e3:.1f} ms over {r['repeats']}{cpu} (load {r['load_avg_1min']:.1f})")
+
+
+if __name__ == "__main__":
+    main()
