@@ -27,20 +27,30 @@ import signal
 import sys
 
 
-def _die_with_parent() -> None:
+#: ``prctl`` option: the signal this process gets when the thread that forked it dies.
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(parent_pid: int | None = None) -> None:
+    """Ask Linux to SIGKILL this process when its parent dies (``PR_SET_PDEATHSIG``).
+
+    Used twice by the launcher: in the torchrun child before it execs (so torchrun dies with
+    the notebook kernel) and here, in every worker (so workers die with torchrun). The parent
+    may have died between fork and ``prctl``: then this process is already an orphan and
+    leaves at once. ``parent_pid`` is the expected parent (None: only "not reparented to
+    init" is checked). Does nothing outside Linux.
+    """
     if not sys.platform.startswith("linux"):
         return
     try:
         import ctypes
 
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        PR_SET_PDEATHSIG = 1
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-        # The parent may have died between fork and prctl: then we are already orphaned.
-        if os.getppid() == 1:
-            os._exit(1)
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     except OSError:
-        pass
+        return
+    ppid = os.getppid()
+    if ppid == 1 or (parent_pid is not None and ppid != parent_pid):
+        os._exit(1)
 
 
 def _redirect(outdir: str, rank: str) -> None:
@@ -60,9 +70,10 @@ def _redirect(outdir: str, rank: str) -> None:
 
 def main(argv: list[str]) -> None:
     if len(argv) < 3 or argv[1] not in ("--module", "--script"):
-        raise SystemExit("usage: python -m ddp_lesson._worker OUTDIR (--module NAME | --script PATH) [ARGS...]")
+        raise SystemExit("usage: python -m ddp_lesson._worker OUTDIR "
+                         "(--module NAME | --script PATH) [ARGS...]")
     outdir, kind, target, args = argv[0], argv[1], argv[2], argv[3:]
-    _die_with_parent()
+    die_with_parent()
     _redirect(outdir, os.environ.get("RANK", "0"))
     sys.argv = [target, *args]
     try:

@@ -28,6 +28,14 @@ from dataclasses import dataclass
 #: Environment variable that overrides the backend choice ("gloo", "nccl" or "auto").
 BACKEND_ENV = "DDP_LESSON_BACKEND"
 BACKENDS = ("auto", "gloo", "nccl")
+#: Set by the launcher (:mod:`ddp_lesson.launch`) once it printed the backend choice, so that
+#: :func:`init_distributed` does not print it again on rank 0.
+ANNOUNCED_ENV = "DDP_LESSON_LAUNCHER_ANNOUNCED"
+#: The backend the launcher chose and printed, and its one-line reason: every rank uses that
+#: choice (unless its own code asks for another backend explicitly), so what the launcher
+#: printed is what runs.
+LAUNCHER_BACKEND_ENV = "DDP_LESSON_LAUNCHER_BACKEND"
+LAUNCHER_REASON_ENV = "DDP_LESSON_LAUNCHER_REASON"
 
 
 @dataclass(frozen=True)
@@ -127,7 +135,9 @@ def read_env(backend: str | None = None, environ=None) -> DistEnv:
     Outside torchrun (no variables set) it describes a single process: rank 0 of 1.
 
     Args:
-        backend: ``"auto"``/``"gloo"``/``"nccl"`` or None (``DDP_LESSON_BACKEND``, else auto).
+        backend: ``"auto"``/``"gloo"``/``"nccl"`` or None: the choice the launcher made and
+            printed (``DDP_LESSON_LAUNCHER_BACKEND``, set by :mod:`ddp_lesson.launch`), else
+            ``DDP_LESSON_BACKEND``, else auto.
         environ: mapping to read instead of ``os.environ`` (tests).
 
     Raises:
@@ -147,9 +157,16 @@ def read_env(backend: str | None = None, environ=None) -> DistEnv:
         raise ValueError(f"LOCAL_WORLD_SIZE {local_world_size} is outside [1, {world_size}]")
     if not 0 <= local_rank < local_world_size:
         raise ValueError(f"local_rank {local_rank} is outside [0, {local_world_size - 1}]")
-    if backend is None:
-        backend = environ.get(BACKEND_ENV, "auto") or "auto"
-    chosen, reason = choose_backend(local_world_size, backend)
+    launched = environ.get(LAUNCHER_BACKEND_ENV)
+    if backend is None and launched in ("gloo", "nccl"):
+        # the launcher's choice, made once for every process it started and printed
+        chosen, reason = launched, environ.get(LAUNCHER_REASON_ENV, "chosen by the launcher")
+        if chosen == "nccl":
+            choose_backend(local_world_size, "nccl")  # still one GPU per local rank, or raise
+    else:
+        if backend is None:
+            backend = environ.get(BACKEND_ENV, "auto") or "auto"
+        chosen, reason = choose_backend(local_world_size, backend)
     device = f"cuda:{local_rank}" if chosen == "nccl" else "cpu"
     return DistEnv(rank, local_rank, world_size, local_world_size, chosen, device, reason)
 
@@ -217,7 +234,7 @@ def init_distributed(timeout: float = 60.0, backend: str | None = None,
         dist.init_process_group(backend=env.backend, rank=env.rank, world_size=env.world_size,
                                 timeout=datetime.timedelta(seconds=timeout), **kwargs)
     if announce is None:
-        announce = not os.environ.get("DDP_LESSON_LAUNCHER_ANNOUNCED")
+        announce = not os.environ.get(ANNOUNCED_ENV)
     if announce:
         print0(f"world_size={env.world_size}: {env.reason}", env=env)
     return env
@@ -241,11 +258,25 @@ def cleanup() -> None:
         # without an active exception") after all output was printed.
         gc.collect()
         try:
-            if dist.get_backend() == "nccl":
-                import torch
-
-                dist.barrier(device_ids=[torch.cuda.current_device()])
-            else:
-                dist.barrier()
+            barrier()
         finally:
             dist.destroy_process_group()
+
+
+def barrier() -> None:
+    """Wait until every rank of the default process group reaches this call (synchronises ranks).
+
+    On NCCL the barrier names this rank's GPU (``device_ids``): without it NCCL guesses the
+    device from the rank and warns, and can hang when the guess is wrong. Does nothing when no
+    process group exists (a single process).
+    """
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    if dist.get_backend() == "nccl":
+        import torch
+
+        dist.barrier(device_ids=[torch.cuda.current_device()])
+    else:
+        dist.barrier()

@@ -43,19 +43,19 @@ import tempfile
 import time
 import uuid
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
-from .env import BACKEND_ENV, BACKENDS, choose_backend
-
-#: Set for the workers so that ``init_distributed`` does not print the backend choice again.
-ANNOUNCED_ENV = "DDP_LESSON_LAUNCHER_ANNOUNCED"
+from ._worker import die_with_parent
+from .env import (ANNOUNCED_ENV, BACKEND_ENV, BACKENDS, LAUNCHER_BACKEND_ENV, LAUNCHER_REASON_ENV,
+                  choose_backend)
 DEFAULT_TIMEOUT_S = 300.0
 _POLL_S = 0.25
 _TERM_GRACE_S = 5.0
 
 
 class TorchrunError(RuntimeError):
-    """A rank exited with an error. ``rank``, ``exitcode``, ``traceback`` and ``result`` tell which."""
+    """A rank exited with an error; ``rank``, ``exitcode``, ``traceback``, ``result`` tell which."""
 
     def __init__(self, message: str, rank: int | None, exitcode: int, traceback: str,
                  result: "TorchrunResult"):
@@ -138,6 +138,39 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def torchrun_flags(nproc_per_node: int = 2, nnodes: int = 1, *, max_restarts: int = 0,
+                   rdzv_endpoint: str | None = None, rdzv_id: str | None = None,
+                   node_rank: int | None = None, extra=()) -> list[str]:
+    """torchrun's own flags, without the program: the one place they are built.
+
+    One node: ``--standalone`` (torchrun binds a free port itself). Several: c10d rendezvous
+    at ``rdzv_endpoint`` (``HOST:PORT`` of the first node) under the job id ``rdzv_id``, and
+    ``--node-rank`` when given. Then ``--nproc-per-node``, ``--max-restarts`` when not 0, and
+    ``extra`` unchanged.
+
+    >>> torchrun_flags(2)
+    ['--standalone', '--nproc-per-node', '2']
+
+    Raises:
+        ValueError: a count out of range, or several nodes without ``rdzv_endpoint``.
+    """
+    _validate(nproc_per_node, nnodes, max_restarts, None)
+    if nnodes == 1:
+        flags = ["--standalone"]
+    else:
+        if not rdzv_endpoint:
+            raise ValueError(f"--nnodes {nnodes} needs --rdzv-endpoint HOST:PORT "
+                             "(the address of the first node)")
+        flags = ["--nnodes", str(nnodes), "--rdzv-backend", "c10d",
+                 "--rdzv-endpoint", rdzv_endpoint, "--rdzv-id", str(rdzv_id)]
+        if node_rank is not None:
+            flags += ["--node-rank", str(node_rank)]
+    flags += ["--nproc-per-node", str(nproc_per_node)]
+    if max_restarts:
+        flags += ["--max-restarts", str(max_restarts)]
+    return flags + [str(x) for x in extra]
+
+
 def torchrun_command(target: str, args=(), *, module: bool = False, nproc_per_node: int = 2,
                      nnodes: int = 1, max_restarts: int = 0, extra=()) -> str:
     """The terminal command equivalent to a run (what to type without this package).
@@ -145,45 +178,42 @@ def torchrun_command(target: str, args=(), *, module: bool = False, nproc_per_no
     >>> torchrun_command("ddp_lesson.train", ["--epochs", "1"], module=True)
     'torchrun --standalone --nproc-per-node 2 -m ddp_lesson.train --epochs 1'
     """
-    parts = ["torchrun"]
-    if nnodes == 1:
-        parts.append("--standalone")
-    else:
-        parts += ["--nnodes", str(nnodes), "--rdzv-backend", "c10d",
-                  "--rdzv-endpoint", "HOST:PORT", "--rdzv-id", "JOB_ID"]
-    parts += ["--nproc-per-node", str(nproc_per_node)]
-    if max_restarts:
-        parts += ["--max-restarts", str(max_restarts)]
-    parts += list(extra)
-    parts += (["-m", target] if module else [target]) + [str(a) for a in args]
-    return shlex.join(parts)
+    flags = torchrun_flags(nproc_per_node, nnodes, max_restarts=max_restarts,
+                           rdzv_endpoint="HOST:PORT", rdzv_id="JOB_ID", extra=extra)
+    program = (["-m", target] if module else [target]) + [str(a) for a in args]
+    return shlex.join(["torchrun", *flags, *program])
 
 
-def _validate(nproc_per_node: int, nnodes: int, max_restarts: int, timeout: float) -> None:
-    if isinstance(nproc_per_node, bool) or not isinstance(nproc_per_node, int) or nproc_per_node < 1:
+def _validate(nproc_per_node: int, nnodes: int, max_restarts: int, timeout: float | None) -> None:
+    if (isinstance(nproc_per_node, bool) or not isinstance(nproc_per_node, int)
+            or nproc_per_node < 1):
         raise ValueError(f"nproc_per_node must be an integer >= 1, got {nproc_per_node!r}")
     if isinstance(nnodes, bool) or not isinstance(nnodes, int) or nnodes < 1:
         raise ValueError(f"nnodes must be an integer >= 1, got {nnodes!r}")
-    if max_restarts < 0:
+    if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
         raise ValueError(f"max_restarts must be >= 0, got {max_restarts}")
     if timeout is not None and timeout <= 0:
         raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
 
 
-def launch_env(base, backend: str | None, nprocs_here: int, announced: bool = True) -> dict:
-    """The environment torchrun and its workers get: backend override, threads, import path.
+def launch_env(base, backend: str | None, nprocs_here: int, announced: bool = True,
+               chosen: tuple[str, str] | None = None) -> dict:
+    """The environment torchrun and its workers get: backend, threads, import path.
 
     Args:
         base: environment to start from (None: this process's).
         backend: an explicit ``"gloo"``/``"nccl"``/``"auto"`` passed on to every rank as
-            ``DDP_LESSON_BACKEND``; None leaves the variable as it is, so each rank applies
-            the same automatic rule the launcher applied.
+            ``DDP_LESSON_BACKEND``; None leaves the variable as it is.
         nprocs_here: processes per node, for ``OMP_NUM_THREADS``.
         announced: tell the workers the launcher printed the backend choice already.
+        chosen: ``(backend, reason)`` the launcher chose and printed; every rank then uses
+            it (``DDP_LESSON_LAUNCHER_BACKEND``/``_REASON``) instead of choosing again.
     """
     env = dict(os.environ if base is None else base)
     if backend is not None:
         env[BACKEND_ENV] = backend
+    if chosen is not None:
+        env[LAUNCHER_BACKEND_ENV], env[LAUNCHER_REASON_ENV] = chosen
     if announced:
         env[ANNOUNCED_ENV] = "1"
     if "OMP_NUM_THREADS" not in env:
@@ -201,18 +231,16 @@ def launch_env(base, backend: str | None, nprocs_here: int, announced: bool = Tr
     return env
 
 
-def _die_with_parent() -> None:
-    """In the torchrun child, before exec: SIGKILL it if the launching thread dies.
+def launcher_backend(nproc_per_node: int, nnodes: int = 1, backend: str | None = None,
+                     env: dict | None = None) -> tuple[str, str]:
+    """The launcher's backend choice for a run on this host: ``(backend, reason)``.
 
-    If the notebook kernel is killed, torchrun then dies too, and its workers follow through
-    their own PR_SET_PDEATHSIG (see ``ddp_lesson._worker``): no orphans in any case.
+    Applies :func:`ddp_lesson.env.choose_backend` to the processes of one node;
+    ``backend`` None reads ``DDP_LESSON_BACKEND`` from ``env`` (the run's environment,
+    default this process's), as every rank would.
     """
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
+    requested = backend if backend is not None else (env or os.environ).get(BACKEND_ENV)
+    return choose_backend(nproc_per_node, requested or "auto")
 
 
 def _read(path: Path) -> str:
@@ -368,12 +396,133 @@ def _last_line(text: str) -> str:
     return text.rsplit("\n", 1)[-1][:160] if text else ""
 
 
+@dataclass
+class _Launch:
+    """A run ready to start: torchrun's commands, their environment and where output goes."""
+
+    commands: list[list[str]]
+    env: dict
+    cwd: object
+    outdir: Path
+    script: Path | None
+    equivalent: str
+    backend: str
+    reason: str
+    total: int
+
+
+def _program(target, args, code, module, outdir: Path) -> tuple[list[str], Path | None]:
+    """The worker bootstrap's command line (``-m ddp_lesson._worker ...``) and the cell file."""
+    script = None
+    if code is not None:
+        script = outdir / "torchrun_cell.py"
+        script.write_text(code)
+        kind, what = "--script", str(script)
+    elif module:
+        kind, what = "--module", target
+    else:
+        if not Path(target).is_file():
+            raise FileNotFoundError(f"script {target!r} not found (cwd {os.getcwd()})")
+        kind, what = "--script", str(Path(target).resolve())
+    return ["-m", "ddp_lesson._worker", str(outdir), kind, what, *map(str, args)], script
+
+
+def _build_launch(target, args, code, module, nproc_per_node, nnodes, max_restarts, backend,
+                  env, cwd, torchrun_args, outdir: Path) -> _Launch:
+    """Build torchrun's command(s) and environment; choose the backend once, for every rank."""
+    program, script = _program(target, args, code, module, outdir)
+    base = launch_env(env, backend, nproc_per_node)
+    chosen = launcher_backend(nproc_per_node, nnodes, backend, base)
+    child_env = launch_env(base, None, nproc_per_node, chosen=chosen)
+    torchrun = [sys.executable, "-m", "torch.distributed.run"]
+    if nnodes == 1:
+        commands = [[*torchrun, *torchrun_flags(nproc_per_node, 1, max_restarts=max_restarts,
+                                                extra=torchrun_args), *program]]
+    else:  # one agent per simulated node, joined by c10d rendezvous on this host
+        endpoint, run_id = f"127.0.0.1:{free_port()}", uuid.uuid4().hex[:8]
+        commands = [[*torchrun, *torchrun_flags(nproc_per_node, nnodes, max_restarts=max_restarts,
+                                                rdzv_endpoint=endpoint, rdzv_id=run_id,
+                                                node_rank=node, extra=torchrun_args), *program]
+                    for node in range(nnodes)]
+    equivalent = torchrun_command(target if code is None else "cell.py", args,
+                                  module=module and code is None, nproc_per_node=nproc_per_node,
+                                  nnodes=nnodes, max_restarts=max_restarts, extra=torchrun_args)
+    return _Launch(commands, child_env, cwd, outdir, script, equivalent, *chosen,
+                   nproc_per_node * nnodes)
+
+
+def _start(launch: _Launch, errfiles) -> list[subprocess.Popen]:
+    """Start one torchrun agent per command, each in a session of its own, dying with us."""
+    procs = []
+    linux = sys.platform.startswith("linux")
+    for cmd, err in zip(launch.commands, errfiles):
+        procs.append(subprocess.Popen(
+            cmd, env=launch.env, cwd=launch.cwd, stdin=subprocess.DEVNULL, stdout=err,
+            stderr=subprocess.STDOUT, start_new_session=True,
+            preexec_fn=partial(die_with_parent, os.getpid()) if linux else None))
+    return procs
+
+
+def _supervise(launch: _Launch, timeout: float | None, status: "_LiveStatus", errfiles
+               ) -> tuple[list[subprocess.Popen], bool, float]:
+    """Start the agents and wait for them: ``(procs, timed_out, wall_s)``.
+
+    Live status every ``_POLL_S``; on timeout, interrupt or any other exception every process
+    is ended (the exception is re-raised; a timeout is reported through ``timed_out``).
+    """
+    start = time.monotonic()
+    procs = []
+    try:
+        procs = _start(launch, errfiles)
+        while any(p.poll() is None for p in procs):
+            elapsed = time.monotonic() - start
+            if timeout is not None and elapsed > timeout:
+                _terminate(procs, launch.outdir)
+                return procs, True, time.monotonic() - start
+            if status.label is not None:
+                out = launch.outdir
+                rank0 = _last_line(_read(out / "rank0.err")) or _last_line(_read(out / "rank0.out"))
+                status.update(f"torchrun: {launch.total} processes, {elapsed:.0f} s"
+                              + (f" | rank 0: {rank0}" if rank0 else ""))
+            time.sleep(_POLL_S)
+    except BaseException:
+        _terminate(procs, launch.outdir)
+        status.update("torchrun: interrupted; every process ended")
+        raise
+    return procs, False, time.monotonic() - start
+
+
+def _collect_result(launch: _Launch, procs, errfiles, wall: float) -> TorchrunResult:
+    """Read what the run left in its folder: every rank's output and torchrun's own log."""
+    launcher_stderr = ""
+    for err in errfiles:
+        err.seek(0)
+        launcher_stderr += err.read().decode(errors="replace")
+    outputs, errors = _collect(launch.outdir)
+    returncode = next((p.returncode for p in procs if p.returncode), 0)
+    return TorchrunResult(returncode, outputs, errors, launcher_stderr, launch.commands[0],
+                          launch.equivalent, launch.backend, launch.reason, wall)
+
+
+def _failure(launch: _Launch, result: TorchrunResult) -> TorchrunError:
+    """The error for a failed run, with the failing rank's cleaned traceback."""
+    rank, code = _failed_rank(result.launcher_stderr, result.errors)
+    result.failed_rank = rank
+    text = result.errors.get(rank, "") if rank is not None else result.launcher_stderr
+    tb = _clean_traceback(text, launch.script, "<torchrun cell>")
+    where = f"rank {rank} of {launch.total}" if rank is not None else "torchrun"
+    exitcode = code if code is not None else result.returncode
+    last = tb.strip().splitlines()[-1] if tb.strip() else ""
+    return TorchrunError(f"{where} failed (exit code {exitcode})" + (f": {last}" if last else ""),
+                         rank, exitcode, tb, result)
+
+
 def run_torchrun(target: str | None = None, args=(), *, code: str | None = None,
                  module: bool = False, nproc_per_node: int = 2, nnodes: int = 1,
                  max_restarts: int = 0, timeout: float | None = DEFAULT_TIMEOUT_S,
                  backend: str | None = None, env: dict | None = None, cwd=None,
                  live: bool = True, check: bool = True, torchrun_args=()) -> TorchrunResult:
-    """Run a program on ``nnodes * nproc_per_node`` processes with torchrun and collect each rank's output.
+    """Run a program on ``nnodes * nproc_per_node`` processes with torchrun, collect each output.
 
     Give exactly one of ``code`` (source text, run as a script: what ``%%torchrun`` does),
     ``target`` with ``module=True`` (like ``torchrun -m NAME``) or ``target`` as a script path.
@@ -389,7 +538,8 @@ def run_torchrun(target: str | None = None, args=(), *, code: str | None = None,
         nnodes: number of torchrun agents (simulated nodes) to start here.
         max_restarts: torchrun's ``--max-restarts``.
         timeout: wall-clock seconds for the whole run; None waits forever (not advised).
-        backend: ``"auto"``, ``"gloo"``, ``"nccl"``; None reads ``DDP_LESSON_BACKEND``.
+        backend: ``"auto"``, ``"gloo"``, ``"nccl"``; None reads ``DDP_LESSON_BACKEND``. The
+            launcher chooses once and every rank uses that choice.
         env: environment for the run (default: this process's).
         cwd: working directory of the workers.
         live: show a live status widget when running in a notebook kernel.
@@ -410,91 +560,27 @@ def run_torchrun(target: str | None = None, args=(), *, code: str | None = None,
     if isinstance(args, str):  # "--epochs 1" means what a shell would make of it
         args = shlex.split(args)
     _validate(nproc_per_node, nnodes, max_restarts, timeout)
-    total = nproc_per_node * nnodes
-    chosen, reason = choose_backend(nproc_per_node, backend)
     outdir = Path(tempfile.mkdtemp(prefix="ddp_lesson_run_"))
-    script = None
     try:
-        if code is not None:
-            script = outdir / "torchrun_cell.py"
-            script.write_text(code)
-            kind, what = "--script", str(script)
-        elif module:
-            kind, what = "--module", target
-        else:
-            if not Path(target).is_file():
-                raise FileNotFoundError(f"script {target!r} not found (cwd {os.getcwd()})")
-            kind, what = "--script", str(Path(target).resolve())
-        program = ["-m", "ddp_lesson._worker", str(outdir), kind, what, *map(str, args)]
-        child_env = launch_env(env, backend, nproc_per_node)
-        commands = []
-        base = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
-                str(nproc_per_node), "--max-restarts", str(max_restarts), *map(str, torchrun_args)]
-        if nnodes == 1:
-            commands.append(base[:3] + ["--standalone"] + base[3:] + program)
-        else:
-            endpoint = f"127.0.0.1:{free_port()}"
-            run_id = uuid.uuid4().hex[:8]
-            for node in range(nnodes):
-                commands.append(base + ["--nnodes", str(nnodes), "--rdzv-backend", "c10d",
-                                        "--rdzv-endpoint", endpoint, "--rdzv-id", run_id,
-                                        "--node-rank", str(node), *program])
-        equivalent = torchrun_command(target if code is None else "cell.py", args,
-                                      module=module and code is None,
-                                      nproc_per_node=nproc_per_node, nnodes=nnodes,
-                                      max_restarts=max_restarts, extra=list(map(str, torchrun_args)))
-        status = _LiveStatus(live, total)
-        start = time.monotonic()
-        errfiles = [open(outdir / f"launcher{n}.err", "w+b") for n in range(len(commands))]
-        procs = []
+        launch = _build_launch(target, args, code, module, nproc_per_node, nnodes, max_restarts,
+                               backend, env, cwd, [str(a) for a in torchrun_args], outdir)
+        status = _LiveStatus(live, launch.total)
+        errfiles = [open(outdir / f"launcher{n}.err", "w+b") for n in range(len(launch.commands))]
         try:
-            for cmd, err in zip(commands, errfiles):
-                procs.append(subprocess.Popen(cmd, env=child_env, cwd=cwd, stdin=subprocess.DEVNULL,
-                                              stdout=err, stderr=subprocess.STDOUT,
-                                              start_new_session=True,
-                                              preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None))
-            timed_out = False
-            while any(p.poll() is None for p in procs):
-                elapsed = time.monotonic() - start
-                if timeout is not None and elapsed > timeout:
-                    timed_out = True
-                    break
-                if status.label is not None:
-                    rank0 = _last_line(_read(outdir / "rank0.err")) or _last_line(_read(outdir / "rank0.out"))
-                    status.update(f"torchrun: {total} processes, {elapsed:.0f} s"
-                                  + (f" | rank 0: {rank0}" if rank0 else ""))
-                time.sleep(_POLL_S)
-        except BaseException:
-            _terminate(procs, outdir)
-            status.update("torchrun: interrupted; every process ended")
-            raise
-        if timed_out:
-            _terminate(procs, outdir)
-        wall = time.monotonic() - start
-        launcher_stderr = ""
-        for err in errfiles:
-            err.seek(0)
-            launcher_stderr += err.read().decode(errors="replace")
-            err.close()
-        outputs, errors = _collect(outdir)
-        returncode = next((p.returncode for p in procs if p.returncode), 0)
-        result = TorchrunResult(returncode, outputs, errors, launcher_stderr, commands[0],
-                                equivalent, chosen, reason, wall)
+            procs, timed_out, wall = _supervise(launch, timeout, status, errfiles)
+            result = _collect_result(launch, procs, errfiles, wall)
+        finally:
+            for err in errfiles:
+                err.close()
         if timed_out:
             status.update(f"torchrun: timed out after {timeout:g} s; every process ended")
-            raise TorchrunTimeout(equivalent, timeout, result)
-        status.update(f"torchrun: {total} processes finished in {wall:.1f} s (exit {returncode})")
-        if returncode != 0:
-            rank, code_ = _failed_rank(launcher_stderr, errors)
-            result.failed_rank = rank
+            raise TorchrunTimeout(launch.equivalent, timeout, result)
+        status.update(f"torchrun: {launch.total} processes finished in {wall:.1f} s "
+                      f"(exit {result.returncode})")
+        if result.returncode != 0:
+            error = _failure(launch, result)
             if check:
-                tb = _clean_traceback(errors.get(rank, "") if rank is not None else launcher_stderr,
-                                      script, "<torchrun cell>")
-                where = f"rank {rank} of {total}" if rank is not None else "torchrun"
-                exitcode = code_ if code_ is not None else returncode
-                last = tb.strip().splitlines()[-1] if tb.strip() else ""
-                raise TorchrunError(f"{where} failed (exit code {exitcode})"
-                                    + (f": {last}" if last else ""), rank, exitcode, tb, result)
+                raise error
         return result
     finally:
         shutil.rmtree(outdir, ignore_errors=True)
@@ -559,7 +645,7 @@ def split_magic_line(line: str) -> tuple[list[str], str | None, bool, list[str]]
 
 
 def torchrun_magic(line: str, cell: str | None = None):
-    """``%%torchrun [options]`` runs the cell; ``%torchrun [options] -m MODULE|SCRIPT [args]`` runs a program.
+    """``%%torchrun [opts]`` runs the cell, ``%torchrun [opts] -m MODULE|SCRIPT [args]`` a program.
 
     Options (torchrun's own names): ``--nproc-per-node N`` (default 2), ``--nnodes N``,
     ``--max-restarts N``, plus ``--timeout S``, ``--backend {auto,gloo,nccl}``,
@@ -572,7 +658,8 @@ def torchrun_magic(line: str, cell: str | None = None):
     try:
         opts = parser.parse_args(opt_tokens)
     except SystemExit:
-        raise ValueError(f"could not parse %%torchrun options {line!r}; see %torchrun --help") from None
+        raise ValueError(f"could not parse %%torchrun options {line!r}; "
+                         "see %torchrun --help") from None
     if opts.help:
         print(torchrun_magic.__doc__)
         return None
@@ -586,7 +673,7 @@ def torchrun_magic(line: str, cell: str | None = None):
     if ranks is not None and not all(0 <= r < total for r in ranks):
         raise ValueError(f"--ranks {opts.ranks}: ranks must be in [0, {total - 1}]")
     if not opts.quiet:
-        _, reason = choose_backend(opts.nproc_per_node, opts.backend)
+        _, reason = launcher_backend(opts.nproc_per_node, opts.nnodes, opts.backend)
         print(f"[torchrun] {reason}")
     try:
         result = run_torchrun(target, args, code=body, module=is_module,

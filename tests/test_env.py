@@ -51,6 +51,15 @@ def test_read_env_from_torchrun_variables():
     assert env.distributed and not env.is_main
 
 
+def test_read_env_uses_the_launchers_choice_unless_asked_otherwise():
+    environ = {"RANK": "1", "WORLD_SIZE": "2", "DDP_LESSON_LAUNCHER_BACKEND": "gloo",
+               "DDP_LESSON_LAUNCHER_REASON": "2 processes and no GPU: using gloo on CPU"}
+    env = read_env(environ=environ)
+    assert (env.backend, env.reason) == ("gloo", "2 processes and no GPU: using gloo on CPU")
+    # an explicit request in the rank's own code still wins
+    assert read_env("gloo", environ=environ).reason == "2 processes, gloo requested: using gloo on CPU"
+
+
 @pytest.mark.parametrize("environ, message", [
     ({"RANK": "3", "WORLD_SIZE": "2"}, r"rank 3 is outside \[0, 1\]"),
     ({"RANK": "-1", "WORLD_SIZE": "2"}, r"rank -1 is outside \[0, 1\]"),

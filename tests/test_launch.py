@@ -86,11 +86,17 @@ def test_workers_get_backend_threads_and_a_real_process_group():
 
 
 def test_omp_banner_silenced_and_threads_set_when_unset():
+    # and every rank uses the backend the launcher chose and printed, with its reason; the
+    # request comes from the run's own environment (env=), not from this process's
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
-    result = run_torchrun(code="import os; print(os.environ['OMP_NUM_THREADS'])",
-                          nproc_per_node=2, timeout=90, live=False, env=env)
+    env["DDP_LESSON_BACKEND"] = "gloo"
+    code = ("import os; from ddp_lesson.env import read_env; e = read_env()\n"
+            "print(os.environ['OMP_NUM_THREADS']); print(e.backend, '|', e.reason)\n")
+    result = run_torchrun(code=code, nproc_per_node=2, timeout=90, live=False, env=env)
     expected = str(max(1, (os.cpu_count() or 1) // 2))
-    assert result.rank_lines(0) == [expected] and result.rank_lines(1) == [expected]
+    chosen = "gloo | 2 processes, gloo requested: using gloo on CPU"
+    assert (result.backend, result.backend_reason) == tuple(chosen.split(" | "))
+    assert result.rank_lines(0) == [expected, chosen] and result.rank_lines(1) == [expected, chosen]
     assert "OMP_NUM_THREADS" not in result.launcher_stderr  # no starred banner (cases C5)
 
 
@@ -241,6 +247,27 @@ def test_equivalent_command_and_formatting():
         "torchrun --standalone --nproc-per-node 4 --max-restarts 2 a.py"
     assert format_rank_outputs({1: "b\n", 0: "a\nc\n"}) == "[rank 0] a\n[rank 0] c\n[rank 1] b\n"
     assert format_rank_outputs({1: "b\n", 0: "a\n"}, ranks={1}) == "[rank 1] b\n"
+
+
+def test_torchrun_flags_are_built_in_one_place():
+    import argparse
+
+    from ddp_lesson.cli import torchrun_argv
+    from ddp_lesson.launch import torchrun_flags
+
+    assert torchrun_flags(2) == ["--standalone", "--nproc-per-node", "2"]
+    assert torchrun_flags(1, 2, max_restarts=1, rdzv_endpoint="h:1", rdzv_id="j", node_rank=1) == [
+        "--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "h:1", "--rdzv-id", "j",
+        "--node-rank", "1", "--nproc-per-node", "1", "--max-restarts", "1"]
+    with pytest.raises(ValueError, match="--nnodes 2 needs --rdzv-endpoint HOST:PORT"):
+        torchrun_flags(1, 2)
+    # the CLI's flags are the launcher's
+    opts = argparse.Namespace(nproc_per_node=4, nnodes=2, max_restarts=0, rdzv_endpoint="h:1",
+                              rdzv_id="j", node_rank=None)
+    assert torchrun_argv(opts) == torchrun_flags(4, 2, rdzv_endpoint="h:1", rdzv_id="j")
+    assert torchrun_command("a.py", nproc_per_node=1, nnodes=2) == (
+        "torchrun --nnodes 2 --rdzv-backend c10d --rdzv-endpoint HOST:PORT --rdzv-id JOB_ID "
+        "--nproc-per-node 1 a.py")
 
 
 def test_magic_line_splitting():
