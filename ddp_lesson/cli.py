@@ -48,7 +48,8 @@ def torchrun_argv(opts: argparse.Namespace) -> list[str]:
     if opts.max_restarts < 0:
         raise ValueError(f"--max-restarts must be >= 0, got {opts.max_restarts}")
     return torchrun_flags(opts.nproc_per_node, opts.nnodes, max_restarts=opts.max_restarts,
-                          rdzv_endpoint=opts.rdzv_endpoint, rdzv_id=opts.rdzv_id,
+                          rdzv_endpoint=opts.rdzv_endpoint if opts.nnodes > 1 else None,
+                          rdzv_id=opts.rdzv_id,
                           node_rank=opts.node_rank)
 
 

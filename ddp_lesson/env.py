@@ -36,6 +36,9 @@ ANNOUNCED_ENV = "DDP_LESSON_LAUNCHER_ANNOUNCED"
 #: printed is what runs.
 LAUNCHER_BACKEND_ENV = "DDP_LESSON_LAUNCHER_BACKEND"
 LAUNCHER_REASON_ENV = "DDP_LESSON_LAUNCHER_REASON"
+#: Set by the launcher when every rank of the run is on this machine: rank 0's store then
+#: listens on 127.0.0.1 only (see :func:`init_distributed`).
+LOCAL_RUN_ENV = "DDP_LESSON_ALL_RANKS_LOCAL"
 
 
 @dataclass(frozen=True)
@@ -207,6 +210,11 @@ def init_distributed(timeout: float = 60.0, backend: str | None = None,
     or a mismatched collective fails with an error instead of hanging for the default 10
     minutes (30 for NCCL). Outside torchrun with world size 1 no group is created.
 
+    When every rank is on this machine (``LOCAL_WORLD_SIZE == WORLD_SIZE``, or the launcher
+    says so), rank 0's TCPStore listens on 127.0.0.1 only instead of every interface (torch's
+    default for ``env://``): the store is unauthenticated, and nothing off this machine needs
+    it. See :func:`_loopback_store`.
+
     Args:
         timeout: seconds any collective may wait for its peers before raising.
         backend: see :func:`choose_backend`.
@@ -231,13 +239,48 @@ def init_distributed(timeout: float = 60.0, backend: str | None = None,
         kwargs = {}
         if env.backend == "nccl":
             kwargs["device_id"] = torch.device(env.device)
+        delta = datetime.timedelta(seconds=timeout)
+        store = _loopback_store(env, delta)
+        if store is not None:
+            kwargs["store"] = store
         dist.init_process_group(backend=env.backend, rank=env.rank, world_size=env.world_size,
-                                timeout=datetime.timedelta(seconds=timeout), **kwargs)
+                                timeout=delta, **kwargs)
     if announce is None:
         announce = not os.environ.get(ANNOUNCED_ENV)
     if announce:
         print0(f"world_size={env.world_size}: {env.reason}", env=env)
     return env
+
+
+def _loopback_store(env: DistEnv, timeout: datetime.timedelta):
+    """The job's TCPStore on 127.0.0.1 when every rank is local; None otherwise.
+
+    ``env://`` makes rank 0 start a TCPStore server that binds every interface (IPv4 and
+    IPv6) on ``MASTER_PORT``. torch lets the caller hand the server a listening socket
+    instead (``TCPStore(..., master_listen_fd=fd)``); bound to 127.0.0.1 it is reachable from
+    this machine only. The other ranks connect to 127.0.0.1. Not used when torchrun shares its
+    own store with the workers (``TORCHELASTIC_USE_AGENT_STORE``) or the variables are
+    missing: then ``init_process_group`` does as usual.
+    """
+    import socket
+
+    import torch.distributed as dist
+
+    environ = os.environ
+    local = env.local_world_size == env.world_size or environ.get(LOCAL_RUN_ENV) == "1"
+    if (not local or environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+            or not environ.get("MASTER_PORT")):
+        return None
+    port = int(environ["MASTER_PORT"])
+    if env.rank != 0:
+        return dist.TCPStore("127.0.0.1", port, env.world_size, is_master=False, timeout=timeout)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", port))
+    sock.listen(128)
+    # the store owns the socket from here (detach: Python must not close its descriptor)
+    return dist.TCPStore("127.0.0.1", port, env.world_size, is_master=True, timeout=timeout,
+                         master_listen_fd=sock.detach())
 
 
 def cleanup() -> None:

@@ -46,10 +46,12 @@ from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
-from ._worker import die_with_parent
+from ._worker import die_with_parent, kill_run
 from .env import (ANNOUNCED_ENV, BACKEND_ENV, BACKENDS, LAUNCHER_BACKEND_ENV, LAUNCHER_REASON_ENV,
-                  choose_backend)
+                  LOCAL_RUN_ENV, choose_backend)
 DEFAULT_TIMEOUT_S = 300.0
+#: How the cell's code is named in tracebacks, warnings and ``--show-stderr``.
+CELL_LABEL = "<torchrun cell>"
 _POLL_S = 0.25
 _TERM_GRACE_S = 5.0
 
@@ -98,6 +100,8 @@ class TorchrunResult:
         torchrun_command: the equivalent command to type in a terminal.
         backend, backend_reason: the launcher's backend choice and why.
         wall_s: seconds from start to exit.
+        failed_rank: the lowest failing rank (None when all succeeded).
+        failed_ranks: every failing rank, in rank order.
     """
 
     returncode: int
@@ -110,6 +114,7 @@ class TorchrunResult:
     backend_reason: str
     wall_s: float = 0.0
     failed_rank: int | None = field(default=None)
+    failed_ranks: list[int] = field(default_factory=list)
 
     @property
     def stdout(self) -> str:
@@ -140,13 +145,15 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 def torchrun_flags(nproc_per_node: int = 2, nnodes: int = 1, *, max_restarts: int = 0,
                    rdzv_endpoint: str | None = None, rdzv_id: str | None = None,
-                   node_rank: int | None = None, extra=()) -> list[str]:
+                   node_rank: int | None = None, rdzv_conf: str | None = None, log_dir=None,
+                   extra=()) -> list[str]:
     """torchrun's own flags, without the program: the one place they are built.
 
-    One node: ``--standalone`` (torchrun binds a free port itself). Several: c10d rendezvous
-    at ``rdzv_endpoint`` (``HOST:PORT`` of the first node) under the job id ``rdzv_id``, and
-    ``--node-rank`` when given. Then ``--nproc-per-node``, ``--max-restarts`` when not 0, and
-    ``extra`` unchanged.
+    One node without ``rdzv_endpoint``: ``--standalone`` (torchrun binds a free port itself).
+    Otherwise c10d rendezvous at ``rdzv_endpoint`` (``HOST:PORT`` of the first node) under the
+    job id ``rdzv_id``, with ``--rdzv-conf`` and ``--node-rank`` when given. Then ``--nproc-per-node``, ``--max-restarts`` when not 0,
+    ``--log-dir`` when given (torchrun otherwise makes a ``torchelastic_*`` folder in
+    ``$TMPDIR`` and leaves it there), and ``extra`` unchanged.
 
     >>> torchrun_flags(2)
     ['--standalone', '--nproc-per-node', '2']
@@ -155,7 +162,7 @@ def torchrun_flags(nproc_per_node: int = 2, nnodes: int = 1, *, max_restarts: in
         ValueError: a count out of range, or several nodes without ``rdzv_endpoint``.
     """
     _validate(nproc_per_node, nnodes, max_restarts, None)
-    if nnodes == 1:
+    if nnodes == 1 and not rdzv_endpoint:
         flags = ["--standalone"]
     else:
         if not rdzv_endpoint:
@@ -163,11 +170,15 @@ def torchrun_flags(nproc_per_node: int = 2, nnodes: int = 1, *, max_restarts: in
                              "(the address of the first node)")
         flags = ["--nnodes", str(nnodes), "--rdzv-backend", "c10d",
                  "--rdzv-endpoint", rdzv_endpoint, "--rdzv-id", str(rdzv_id)]
+        if rdzv_conf:
+            flags += ["--rdzv-conf", rdzv_conf]
         if node_rank is not None:
             flags += ["--node-rank", str(node_rank)]
     flags += ["--nproc-per-node", str(nproc_per_node)]
     if max_restarts:
         flags += ["--max-restarts", str(max_restarts)]
+    if log_dir is not None:
+        flags += ["--log-dir", str(log_dir)]
     return flags + [str(x) for x in extra]
 
 
@@ -178,8 +189,10 @@ def torchrun_command(target: str, args=(), *, module: bool = False, nproc_per_no
     >>> torchrun_command("ddp_lesson.train", ["--epochs", "1"], module=True)
     'torchrun --standalone --nproc-per-node 2 -m ddp_lesson.train --epochs 1'
     """
+    several = nnodes > 1
     flags = torchrun_flags(nproc_per_node, nnodes, max_restarts=max_restarts,
-                           rdzv_endpoint="HOST:PORT", rdzv_id="JOB_ID", extra=extra)
+                           rdzv_endpoint="HOST:PORT" if several else None,
+                           rdzv_id="JOB_ID" if several else None, extra=extra)
     program = (["-m", target] if module else [target]) + [str(a) for a in args]
     return shlex.join(["torchrun", *flags, *program])
 
@@ -244,19 +257,50 @@ def launcher_backend(nproc_per_node: int, nnodes: int = 1, backend: str | None =
 
 
 def _read(path: Path) -> str:
+    """The file's text as written: ``\\r`` kept (no newline translation), bad bytes replaced."""
     try:
-        return path.read_text(errors="replace")
+        with open(path, encoding="utf-8", errors="replace", newline="") as f:
+            return f.read()
     except FileNotFoundError:
         return ""
 
 
-def _collect(outdir: Path) -> tuple[dict[int, str], dict[int, str]]:
-    outputs, errors = {}, {}
-    for p in outdir.glob("rank*.out"):
-        outputs[int(p.stem[4:])] = _read(p)
-    for p in outdir.glob("rank*.err"):
-        errors[int(p.stem[4:])] = _read(p)
-    return outputs, errors
+def terminal_text(text: str) -> str:
+    """What a terminal shows for ``text``: each ``\\r`` returns to the start of the line and
+    what follows overwrites it (a tqdm bar's many updates end as its final state).
+
+    >>> terminal_text("  0%|  | 0/2\\r 50%|# | 1/2\\r100%|##| 2/2\\ndone\\n")
+    '100%|##| 2/2\\ndone\\n'
+    """
+    lines = []
+    for line in text.split("\n"):
+        screen = ""
+        for part in line.split("\r"):
+            screen = part + screen[len(part):]
+        lines.append(screen)
+    return "\n".join(lines)
+
+
+def _collect(outdir: Path, script: Path | None = None
+             ) -> tuple[dict[int, str], dict[int, str], dict[int, int]]:
+    """Each rank's stdout and stderr as a terminal shows them, and the ranks' own failures.
+
+    The cell's temporary file is named ``<torchrun cell>`` (tracebacks, warnings), so
+    nothing shown depends on where the run's folder was.
+    """
+    def text(p: Path) -> str:
+        t = terminal_text(_read(p))
+        return t.replace(str(script), CELL_LABEL) if script is not None else t
+
+    outputs = {int(p.stem[4:]): text(p) for p in outdir.glob("rank*.out")}
+    errors = {int(p.stem[4:]): text(p) for p in outdir.glob("rank*.err")}
+    exits = {}
+    for p in outdir.glob("rank*.exit"):
+        try:
+            exits[int(p.stem[4:])] = int(_read(p) or 1)
+        except ValueError:
+            exits[int(p.stem[4:])] = 1
+    return outputs, errors, exits
 
 
 def _alive(pid: int) -> bool:
@@ -291,7 +335,7 @@ def _reap(proc: subprocess.Popen, seconds: float) -> bool:
 
 
 def _terminate(procs: list[subprocess.Popen], outdir: Path) -> None:
-    """End torchrun agents and every worker they started (see the module docstring)."""
+    """End torchrun agents and every process group of the run (see the module docstring)."""
     for p in procs:
         if p.returncode is None:
             try:
@@ -306,16 +350,8 @@ def _terminate(procs: list[subprocess.Popen], outdir: Path) -> None:
             except ProcessLookupError:
                 pass
             _reap(p, 10.0)
-    for pidfile in outdir.glob("rank*.pid"):
-        try:
-            pid = int(pidfile.read_text())
-        except ValueError:
-            continue
-        if _alive(pid):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+    # workers live in sessions of their own, and so may processes they started
+    kill_run(str(outdir))
 
 
 _ROOT_CAUSE = re.compile(r"Root Cause.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", re.S)
@@ -336,6 +372,28 @@ def _failed_rank(launcher_stderr: str, errors: dict[int, str]) -> tuple[int | No
             if errors[rank].strip() and marker in errors[rank]:
                 return rank, (root[1] if rank == root[0] else None)
     return root
+
+
+_FAILURE = re.compile(r"rank\s*:\s*(\d+)[^\n]*\n\s*exitcode\s*:\s*(-?\d+)")
+
+
+def _failed_ranks(launcher_stderr: str, errors: dict[int, str], exits: dict[int, int]
+                  ) -> list[tuple[int, int | None]]:
+    """Every failing rank with its exit code, in rank order (the error names the lowest).
+
+    A rank whose own program failed recorded it (``rank{N}.exit``); torchrun's summary adds
+    ranks that died without a word (a signal), but not the ones torchrun itself ended
+    (SIGTERM) because a peer failed first. Without records: torchrun's choice (see
+    :func:`_failed_rank`).
+    """
+    failed = dict(exits)
+    for rank, code in _FAILURE.findall(launcher_stderr):
+        if int(code) != -signal.SIGTERM and int(rank) not in failed and exits:
+            failed[int(rank)] = int(code)
+    if not failed:
+        rank, code = _failed_rank(launcher_stderr, errors)
+        return [] if rank is None else [(rank, code)]
+    return sorted(failed.items())
 
 
 def _clean_traceback(text: str, script: Path | None, label: str) -> str:
@@ -409,6 +467,38 @@ class _Launch:
     backend: str
     reason: str
     total: int
+    store: object = None  # the agents' rendezvous store, alive for the run
+
+
+def _rendezvous_store():
+    """A TCPStore server on 127.0.0.1 for torchrun's agents: ``(store, "127.0.0.1:PORT")``.
+
+    torch's TCPStore server binds every interface, but accepts a listening socket from the
+    caller (``master_listen_fd``); one bound to 127.0.0.1 keeps the rendezvous on this machine.
+    """
+    import torch.distributed as dist
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(128)
+    port = sock.getsockname()[1]
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+                          master_listen_fd=sock.detach(), multi_tenant=True)
+    return store, f"127.0.0.1:{port}"
+
+
+def _loopback_env(env: dict) -> dict:
+    """Variables that keep a run whose ranks are all on this machine off the network.
+
+    Rank 0's store binds 127.0.0.1 (``DDP_LESSON_ALL_RANKS_LOCAL``, read by
+    :func:`ddp_lesson.env.init_distributed`), and gloo's own connections use the loopback
+    interface (``GLOO_SOCKET_IFNAME=lo``; gloo otherwise listens on the address the host name
+    resolves to). A value you set yourself is kept.
+    """
+    extra = {LOCAL_RUN_ENV: "1"}
+    if "GLOO_SOCKET_IFNAME" not in env and "lo" in {n for _, n in socket.if_nameindex()}:
+        extra["GLOO_SOCKET_IFNAME"] = "lo"
+    return extra
 
 
 def _program(target, args, code, module, outdir: Path) -> tuple[list[str], Path | None]:
@@ -434,21 +524,22 @@ def _build_launch(target, args, code, module, nproc_per_node, nnodes, max_restar
     base = launch_env(env, backend, nproc_per_node)
     chosen = launcher_backend(nproc_per_node, nnodes, backend, base)
     child_env = launch_env(base, None, nproc_per_node, chosen=chosen)
+    child_env.update(_loopback_env(child_env))
     torchrun = [sys.executable, "-m", "torch.distributed.run"]
-    if nnodes == 1:
-        commands = [[*torchrun, *torchrun_flags(nproc_per_node, 1, max_restarts=max_restarts,
-                                                extra=torchrun_args), *program]]
-    else:  # one agent per simulated node, joined by c10d rendezvous on this host
-        endpoint, run_id = f"127.0.0.1:{free_port()}", uuid.uuid4().hex[:8]
-        commands = [[*torchrun, *torchrun_flags(nproc_per_node, nnodes, max_restarts=max_restarts,
-                                                rdzv_endpoint=endpoint, rdzv_id=run_id,
-                                                node_rank=node, extra=torchrun_args), *program]
-                    for node in range(nnodes)]
+    # The agents' rendezvous store is hosted here, on 127.0.0.1 only (torchrun's own would
+    # listen on every interface); each agent is a client of it (is_host=false). torchrun's
+    # log folder goes inside the run's own, removed with it.
+    store, endpoint = _rendezvous_store()
+    common = dict(rdzv_endpoint=endpoint, rdzv_id=uuid.uuid4().hex[:8], rdzv_conf="is_host=false",
+                  max_restarts=max_restarts, log_dir=outdir / "torchelastic", extra=torchrun_args)
+    commands = [[*torchrun, *torchrun_flags(nproc_per_node, nnodes, node_rank=node if nnodes > 1
+                                            else None, **common), *program]
+                for node in range(nnodes)]
     equivalent = torchrun_command(target if code is None else "cell.py", args,
                                   module=module and code is None, nproc_per_node=nproc_per_node,
                                   nnodes=nnodes, max_restarts=max_restarts, extra=torchrun_args)
     return _Launch(commands, child_env, cwd, outdir, script, equivalent, *chosen,
-                   nproc_per_node * nnodes)
+                   nproc_per_node * nnodes, store)
 
 
 def _start(launch: _Launch, errfiles) -> list[subprocess.Popen]:
@@ -460,7 +551,31 @@ def _start(launch: _Launch, errfiles) -> list[subprocess.Popen]:
             cmd, env=launch.env, cwd=launch.cwd, stdin=subprocess.DEVNULL, stdout=err,
             stderr=subprocess.STDOUT, start_new_session=True,
             preexec_fn=partial(die_with_parent, os.getpid()) if linux else None))
+        with open(launch.outdir / "agents.pid", "a") as f:  # for the watchdog
+            f.write(f"{procs[-1].pid}\n")
     return procs
+
+
+def _start_watchdog(launch: _Launch) -> subprocess.Popen:
+    """A small process that ends the run if this one dies (``ddp_lesson._worker.watch``).
+
+    It reads a pipe whose write end only this process holds: any death of the launcher (a
+    kernel restart, SIGKILL) closes it, and the watchdog then kills every process group of
+    the run, processes the ranks started included, and removes the run's folder.
+    """
+    return subprocess.Popen([sys.executable, "-m", "ddp_lesson._worker", "--watch",
+                             str(launch.outdir)], env=launch.env, stdin=subprocess.PIPE,
+                            stdout=subprocess.DEVNULL, start_new_session=True)
+
+
+def _release_watchdog(watchdog: subprocess.Popen) -> None:
+    """Tell the watchdog the run is over (nothing for it to do) and reap it."""
+    try:
+        watchdog.stdin.write(b"done")
+        watchdog.stdin.close()
+    except OSError:
+        pass
+    _reap(watchdog, 10.0)
 
 
 def _supervise(launch: _Launch, timeout: float | None, status: "_LiveStatus", errfiles
@@ -492,29 +607,43 @@ def _supervise(launch: _Launch, timeout: float | None, status: "_LiveStatus", er
     return procs, False, time.monotonic() - start
 
 
-def _collect_result(launch: _Launch, procs, errfiles, wall: float) -> TorchrunResult:
-    """Read what the run left in its folder: every rank's output and torchrun's own log."""
+def _collect_result(launch: _Launch, procs, errfiles, wall: float
+                    ) -> tuple[TorchrunResult, dict[int, int]]:
+    """Read what the run left in its folder: every rank's output, torchrun's own log, and
+    the exit codes of the ranks whose own program failed."""
     launcher_stderr = ""
     for err in errfiles:
         err.seek(0)
         launcher_stderr += err.read().decode(errors="replace")
-    outputs, errors = _collect(launch.outdir)
+    outputs, errors, exits = _collect(launch.outdir, launch.script)
     returncode = next((p.returncode for p in procs if p.returncode), 0)
     return TorchrunResult(returncode, outputs, errors, launcher_stderr, launch.commands[0],
-                          launch.equivalent, launch.backend, launch.reason, wall)
+                          launch.equivalent, launch.backend, launch.reason, wall), exits
 
 
-def _failure(launch: _Launch, result: TorchrunResult) -> TorchrunError:
-    """The error for a failed run, with the failing rank's cleaned traceback."""
-    rank, code = _failed_rank(result.launcher_stderr, result.errors)
+def _failure(launch: _Launch, result: TorchrunResult, exits: dict[int, int]) -> TorchrunError:
+    """The error for a failed run: every failing rank in rank order, the lowest one's traceback."""
+    failed = _failed_ranks(result.launcher_stderr, result.errors, exits)
+    result.failed_ranks = [r for r, _ in failed]
+    if not failed:
+        tb = _clean_traceback(result.launcher_stderr, launch.script, CELL_LABEL)
+        last = tb.strip().splitlines()[-1] if tb.strip() else ""
+        return TorchrunError(f"torchrun failed (exit code {result.returncode})"
+                             + (f": {last}" if last else ""), None, result.returncode, tb, result)
+    rank, code = failed[0]
     result.failed_rank = rank
-    text = result.errors.get(rank, "") if rank is not None else result.launcher_stderr
-    tb = _clean_traceback(text, launch.script, "<torchrun cell>")
-    where = f"rank {rank} of {launch.total}" if rank is not None else "torchrun"
+    # the traceback: the lowest failing rank's, else the first failing rank that said why
+    said = [r for r, _ in failed if result.errors.get(r, "").strip()] or [rank]
+    tb = _clean_traceback(result.errors.get(said[0], ""), launch.script, CELL_LABEL)
     exitcode = code if code is not None else result.returncode
     last = tb.strip().splitlines()[-1] if tb.strip() else ""
-    return TorchrunError(f"{where} failed (exit code {exitcode})" + (f": {last}" if last else ""),
-                         rank, exitcode, tb, result)
+    if len(failed) == 1:
+        where = f"rank {rank} of {launch.total} failed (exit code {exitcode})"
+    else:
+        codes = ", ".join(str(c if c is not None else result.returncode) for _, c in failed)
+        where = (f"ranks {', '.join(str(r) for r, _ in failed)} of {launch.total} failed "
+                 f"(exit codes {codes})")
+    return TorchrunError(where + (f": {last}" if last else ""), rank, exitcode, tb, result)
 
 
 def run_torchrun(target: str | None = None, args=(), *, code: str | None = None,
@@ -566,10 +695,12 @@ def run_torchrun(target: str | None = None, args=(), *, code: str | None = None,
                                backend, env, cwd, [str(a) for a in torchrun_args], outdir)
         status = _LiveStatus(live, launch.total)
         errfiles = [open(outdir / f"launcher{n}.err", "w+b") for n in range(len(launch.commands))]
+        watchdog = _start_watchdog(launch)
         try:
             procs, timed_out, wall = _supervise(launch, timeout, status, errfiles)
-            result = _collect_result(launch, procs, errfiles, wall)
+            result, exits = _collect_result(launch, procs, errfiles, wall)
         finally:
+            _release_watchdog(watchdog)
             for err in errfiles:
                 err.close()
         if timed_out:
@@ -578,7 +709,7 @@ def run_torchrun(target: str | None = None, args=(), *, code: str | None = None,
         status.update(f"torchrun: {launch.total} processes finished in {wall:.1f} s "
                       f"(exit {result.returncode})")
         if result.returncode != 0:
-            error = _failure(launch, result)
+            error = _failure(launch, result, exits)
             if check:
                 raise error
         return result

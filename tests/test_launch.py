@@ -144,12 +144,33 @@ def test_timeout_ends_every_process(tmp_path):
     assert _wait_dead(pids) == []
 
 
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` in the parent tree (children, their children, ...)."""
+    children = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (FileNotFoundError, ProcessLookupError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
 def _interrupt_script(tmp_path: Path, signum: int) -> tuple[list[int], int, str]:
-    """Start run_torchrun in a separate Python, wait until both workers run, send ``signum``."""
+    """Start run_torchrun in a separate Python, wait until both workers run and each started
+    a process of its own (``sleep``), send ``signum``. Returns every descendant seen before."""
     driver = tmp_path / "driver.py"
-    worker = (f"import os, time\n"
+    worker = (f"import os, subprocess, time\n"
+              f"child = subprocess.Popen(['sleep', '600'])\n"
               f"open(os.path.join({str(tmp_path)!r}, 'pid' + os.environ['RANK']), 'w')"
-              f".write(str(os.getpid()))\n"
+              f".write(f'{{os.getpid()}} {{child.pid}}')\n"
               f"time.sleep(600)\n")
     driver.write_text(
         "import signal, sys\n"
@@ -170,24 +191,28 @@ def _interrupt_script(tmp_path: Path, signum: int) -> tuple[list[int], int, str]
         assert time.monotonic() < deadline, "workers did not start"
         assert proc.poll() is None, "driver died early"
         time.sleep(0.1)
-    pids = [int((tmp_path / f"pid{r}").read_text()) for r in (0, 1)]
+    pids = [int(p) for r in (0, 1) for p in (tmp_path / f"pid{r}").read_text().split()]
     assert all(_alive(p) for p in pids)
+    below = _descendants(proc.pid)
+    # torchrun, 2 workers, 2 sleeps, the launcher's watchdog (and any helper torch starts)
+    assert set(pids) <= set(below) and len(below) >= 6
     os.kill(proc.pid, signum)
     out, _ = proc.communicate(timeout=60)
-    return pids, proc.returncode, out
+    return below, proc.returncode, out
 
 
 def test_interrupt_leaves_no_process(tmp_path):
-    pids, code, out = _interrupt_script(tmp_path, signal.SIGINT)
+    below, code, out = _interrupt_script(tmp_path, signal.SIGINT)
     assert code == 130 and "interrupted" in out
-    assert _wait_dead(pids) == []
+    assert _wait_dead(below) == []
 
 
 def test_killing_the_launcher_outright_leaves_no_orphans(tmp_path):
-    # a notebook kernel killed with SIGKILL cannot clean up: the death signals must do it
-    pids, code, _ = _interrupt_script(tmp_path, signal.SIGKILL)
+    # a notebook kernel killed with SIGKILL cannot clean up: its watchdog and the death
+    # signals must do it, for the processes the ranks started too (issue 15, item 7)
+    below, code, _ = _interrupt_script(tmp_path, signal.SIGKILL)
     assert code == -signal.SIGKILL
-    assert _wait_dead(pids, seconds=20) == []
+    assert _wait_dead(below, seconds=10) == []
 
 
 def test_two_launches_at_once_get_different_ports():
