@@ -40,6 +40,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -72,6 +73,22 @@ class TorchrunError(RuntimeError):
         if self.traceback:
             lines += ["", *self.traceback.rstrip().splitlines()]
         return lines
+
+
+class TorchrunInterrupted(KeyboardInterrupt):
+    """The run was interrupted (Ctrl-C, the notebook's stop button); every process was ended.
+
+    A ``KeyboardInterrupt``, so a run-all stops here; in a notebook it shows as one line,
+    not a traceback through the launcher.
+    """
+
+    MESSAGE = "torchrun interrupted: every process it started was ended"
+
+    def __str__(self):
+        return self.MESSAGE
+
+    def _render_traceback_(self):  # IPython shows this instead of a traceback
+        return [f"KeyboardInterrupt: {self.MESSAGE}"]
 
 
 class TorchrunTimeout(subprocess.TimeoutExpired):
@@ -126,13 +143,39 @@ class TorchrunResult:
         return self.outputs.get(rank, "").splitlines()
 
 
+#: Widest stored output line, ``[rank N] `` prefix included: JupyterLab breaks wider lines
+#: anywhere, mid-word.
+LINE_WIDTH = 100
+
+
+def _fit(line: str, prefix: str, width: int = LINE_WIDTH) -> list[str]:
+    """``prefix + line``, wrapped at spaces so each piece fits ``width`` with its prefix.
+
+    Continuation lines keep the line's indentation; a single word longer than the room left
+    is not broken (it would stop being searchable or copyable).
+    """
+    room = width - len(prefix)
+    if len(line) <= room:
+        return [prefix + line]
+    indent = line[:len(line) - len(line.lstrip(" "))]
+    pieces = textwrap.wrap(line, room, subsequent_indent=indent, break_long_words=False,
+                           break_on_hyphens=False, drop_whitespace=True) or [line]
+    if line.startswith(indent) and not pieces[0].startswith(indent):
+        pieces[0] = indent + pieces[0]
+    return [prefix + piece for piece in pieces]
+
+
 def format_rank_outputs(outputs: dict[int, str], ranks=None) -> str:
-    """Join per-rank outputs in rank order, each line prefixed ``[rank N] ``."""
+    """Join per-rank outputs in rank order, each line prefixed ``[rank N] ``.
+
+    Lines wider than :data:`LINE_WIDTH` with their prefix are wrapped at spaces.
+    """
     lines = []
     for rank in sorted(outputs):
         if ranks is not None and rank not in ranks:
             continue
-        lines += [f"[rank {rank}] {line}" for line in outputs[rank].splitlines()]
+        for line in outputs[rank].splitlines():
+            lines += _fit(line, f"[rank {rank}] ")
     return "\n".join(lines) + ("\n" if lines else "")
 
 
@@ -151,7 +194,8 @@ def torchrun_flags(nproc_per_node: int = 2, nnodes: int = 1, *, max_restarts: in
 
     One node without ``rdzv_endpoint``: ``--standalone`` (torchrun binds a free port itself).
     Otherwise c10d rendezvous at ``rdzv_endpoint`` (``HOST:PORT`` of the first node) under the
-    job id ``rdzv_id``, with ``--rdzv-conf`` and ``--node-rank`` when given. Then ``--nproc-per-node``, ``--max-restarts`` when not 0,
+    job id ``rdzv_id``, with ``--rdzv-conf`` and ``--node-rank`` when given. Then
+    ``--nproc-per-node``, ``--max-restarts`` when not 0,
     ``--log-dir`` when given (torchrun otherwise makes a ``torchelastic_*`` folder in
     ``$TMPDIR`` and leaves it there), and ``extra`` unchanged.
 
@@ -248,12 +292,13 @@ def launcher_backend(nproc_per_node: int, nnodes: int = 1, backend: str | None =
                      env: dict | None = None) -> tuple[str, str]:
     """The launcher's backend choice for a run on this host: ``(backend, reason)``.
 
-    Applies :func:`ddp_lesson.env.choose_backend` to the processes of one node;
-    ``backend`` None reads ``DDP_LESSON_BACKEND`` from ``env`` (the run's environment,
-    default this process's), as every rank would.
+    Every process of the run is on this host, simulated nodes too (``nnodes`` agents share
+    its GPUs), so :func:`ddp_lesson.env.choose_backend` is applied to all
+    ``nproc_per_node * nnodes`` of them; ``backend`` None reads ``DDP_LESSON_BACKEND`` from
+    ``env`` (the run's environment, default this process's), as every rank would.
     """
     requested = backend if backend is not None else (env or os.environ).get(BACKEND_ENV)
-    return choose_backend(nproc_per_node, requested or "auto")
+    return choose_backend(nproc_per_node * nnodes, requested or "auto")
 
 
 def _read(path: Path) -> str:
@@ -422,12 +467,42 @@ def _clean_traceback(text: str, script: Path | None, label: str) -> str:
     return "\n".join(frames)
 
 
-class _LiveStatus:
-    """A one-line live status: an ipywidgets Label in a notebook, nothing elsewhere."""
+def status_text(nprocs: int) -> str:
+    """The live status's constant text form, e.g. ``"torchrun: 2 processes"``.
 
-    def __init__(self, enabled: bool, nprocs: int):
+    What a stored notebook shows for the status before the reader runs it (also on GitHub):
+    plain text that reads as well after the run as during it. nbval compares this form only
+    (the widget's later values are trait updates it ignores), so replays stay exact.
+    """
+    return f"torchrun: {nprocs} process{'es' if nprocs != 1 else ''}"
+
+
+def _status_label(nprocs: int):
+    """An ipywidgets Label whose text/plain form is :func:`status_text`, not its repr."""
+    import ipywidgets
+
+    class TorchrunStatus(ipywidgets.Label):
+        def _repr_mimebundle_(self, **kwargs):
+            bundle = super()._repr_mimebundle_(**kwargs)
+            if isinstance(bundle, dict) and "text/plain" in bundle:
+                bundle["text/plain"] = status_text(nprocs)
+            return bundle
+
+    return TorchrunStatus(value=status_text(nprocs))
+
+
+class _LiveStatus:
+    """A one-line live status: an ipywidgets Label in a notebook kernel, nothing elsewhere.
+
+    One label per cell: several launches from one cell (a loop of ``run_torchrun`` calls)
+    update the same line instead of stacking one widget per launch.
+    """
+
+    _per_cell: dict = {}  # IPython execution count -> the label that cell displayed
+
+    def __init__(self, enabled: bool | None, nprocs: int):
         self.label = None
-        if not enabled:
+        if enabled is False:
             return
         try:
             from IPython import get_ipython
@@ -436,11 +511,13 @@ class _LiveStatus:
             ip = get_ipython()
             if ip is None or not hasattr(ip, "kernel"):
                 return
-            import ipywidgets
-
-            # Constant initial text: nbval compares only this form, never later updates.
-            self.label = ipywidgets.Label(value=f"torchrun: {nprocs} processes running")
-            display(self.label)
+            cell = getattr(ip, "execution_count", None)
+            self.label = self._per_cell.get(cell)
+            if self.label is None:
+                self.label = _status_label(nprocs)
+                self._per_cell.clear()  # earlier cells' labels are done with
+                self._per_cell[cell] = self.label
+                display(self.label)
         except Exception:  # no widgets, no kernel: the run goes on without live status
             self.label = None
 
@@ -449,9 +526,15 @@ class _LiveStatus:
             self.label.value = text
 
 
-def _last_line(text: str) -> str:
-    text = text.replace("\r", "\n").rstrip()
-    return text.rsplit("\n", 1)[-1][:160] if text else ""
+def _progress_line(outdir: Path, rank: int = 0) -> str:
+    """What rank ``rank`` is showing now: a progress bar being redrawn on stderr (tqdm), else
+    its last line of stdout. Never stderr's other lines (warnings and their source lines)."""
+    err = _read(outdir / f"rank{rank}.err")
+    tail = err.rsplit("\n", 1)[-1]
+    if "\r" in tail and terminal_text(tail).strip():
+        return terminal_text(tail).strip()[:120]
+    out = terminal_text(_read(outdir / f"rank{rank}.out")).rstrip()
+    return out.rsplit("\n", 1)[-1].strip()[:120] if out else ""
 
 
 @dataclass
@@ -595,14 +678,17 @@ def _supervise(launch: _Launch, timeout: float | None, status: "_LiveStatus", er
                 _terminate(procs, launch.outdir)
                 return procs, True, time.monotonic() - start
             if status.label is not None:
-                out = launch.outdir
-                rank0 = _last_line(_read(out / "rank0.err")) or _last_line(_read(out / "rank0.out"))
-                status.update(f"torchrun: {launch.total} processes, {elapsed:.0f} s"
+                rank0 = _progress_line(launch.outdir)
+                status.update(f"{status_text(launch.total)}, {elapsed:.0f} s"
                               + (f" | rank 0: {rank0}" if rank0 else ""))
             time.sleep(_POLL_S)
-    except BaseException:
+    except KeyboardInterrupt:
         _terminate(procs, launch.outdir)
         status.update("torchrun: interrupted; every process ended")
+        raise TorchrunInterrupted() from None
+    except BaseException:
+        _terminate(procs, launch.outdir)
+        status.update("torchrun: stopped; every process ended")
         raise
     return procs, False, time.monotonic() - start
 
@@ -650,7 +736,8 @@ def run_torchrun(target: str | None = None, args=(), *, code: str | None = None,
                  module: bool = False, nproc_per_node: int = 2, nnodes: int = 1,
                  max_restarts: int = 0, timeout: float | None = DEFAULT_TIMEOUT_S,
                  backend: str | None = None, env: dict | None = None, cwd=None,
-                 live: bool = True, check: bool = True, torchrun_args=()) -> TorchrunResult:
+                 live: bool | None = None, check: bool = True,
+                 torchrun_args=()) -> TorchrunResult:
     """Run a program on ``nnodes * nproc_per_node`` processes with torchrun, collect each output.
 
     Give exactly one of ``code`` (source text, run as a script: what ``%%torchrun`` does),
@@ -671,7 +758,8 @@ def run_torchrun(target: str | None = None, args=(), *, code: str | None = None,
             launcher chooses once and every rank uses that choice.
         env: environment for the run (default: this process's).
         cwd: working directory of the workers.
-        live: show a live status widget when running in a notebook kernel.
+        live: the live status line (a widget) in a notebook kernel: None (default) or True
+            show it there, False never. Outside a kernel there is none.
         check: raise :class:`TorchrunError` when a rank fails.
         torchrun_args: further torchrun flags, passed through unchanged.
 
@@ -682,7 +770,7 @@ def run_torchrun(target: str | None = None, args=(), *, code: str | None = None,
         ValueError: bad arguments (named with their values).
         TorchrunError: a rank failed (``check=True``); carries its traceback.
         TorchrunTimeout: the run outlived ``timeout``; all processes were ended.
-        KeyboardInterrupt: re-raised after ending every process.
+        TorchrunInterrupted: a ``KeyboardInterrupt``, raised after ending every process.
     """
     if (code is None) == (target is None):
         raise ValueError("give exactly one of code= or target=")
@@ -706,7 +794,7 @@ def run_torchrun(target: str | None = None, args=(), *, code: str | None = None,
         if timed_out:
             status.update(f"torchrun: timed out after {timeout:g} s; every process ended")
             raise TorchrunTimeout(launch.equivalent, timeout, result)
-        status.update(f"torchrun: {launch.total} processes finished in {wall:.1f} s "
+        status.update(f"{status_text(launch.total)} finished in {wall:.1f} s "
                       f"(exit {result.returncode})")
         if result.returncode != 0:
             error = _failure(launch, result, exits)

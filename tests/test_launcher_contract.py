@@ -233,3 +233,39 @@ def test_a_cell_that_prints_warns_and_prints_replays_five_times(tmp_path):
                            str(tmp_path / "replay_0.ipynb")],
                           capture_output=True, text=True, timeout=150, cwd=tmp_path)
     assert proc.returncode == 1 and "1 failed" in proc.stdout
+
+
+# ----------------------------------------------------------- what a reader sees (issue 19)
+
+def test_status_reads_as_text_and_shows_progress_not_warnings(tmp_path):
+    from ddp_lesson.launch import _progress_line, _status_label, launcher_backend, status_text
+
+    # item 1: the stored text form is a plain line, not Label(value=...)
+    label = _status_label(2)
+    assert label._repr_mimebundle_()["text/plain"] == "torchrun: 2 processes"
+    assert status_text(1) == "torchrun: 1 process"
+    # item 4: rank 0's last stdout line, never a warning's source line from stderr ...
+    (tmp_path / "rank0.out").write_text("epoch 1 step 3/10\n")
+    (tmp_path / "rank0.err").write_text(
+        "lab.py:7: UserWarning: slow\n  worst = torch.tensor(max(float(x) for x in v))\n")
+    assert _progress_line(tmp_path) == "epoch 1 step 3/10"
+    # ... but a progress bar being redrawn on stderr is progress
+    (tmp_path / "rank0.err").write_text("\r 10%|#         | 1/10\r 20%|##        | 2/10")
+    assert _progress_line(tmp_path) == "20%|##        | 2/10"
+    # 2 simulated nodes x 1 process are 2 processes on this host
+    assert launcher_backend(1, 2, "gloo")[1] == "2 processes, gloo requested: using gloo on CPU"
+
+
+def test_interrupt_reads_as_one_line_and_lines_fit_100_characters():
+    from ddp_lesson.launch import TorchrunInterrupted, format_rank_outputs
+
+    err = TorchrunInterrupted()
+    assert isinstance(err, KeyboardInterrupt)
+    assert err._render_traceback_() == [
+        "KeyboardInterrupt: torchrun interrupted: every process it started was ended"]
+    # item 7: a message pre-wrapped at 100 characters, shown with its [rank N] prefix
+    message = "word " * 19 + "last"  # 99 characters
+    out = format_rank_outputs({0: message + "\n", 10: "  " + message + "\n"}).splitlines()
+    assert max(len(line) for line in out) <= 100
+    assert out[:2] == ["[rank 0] " + "word " * 17 + "word", "[rank 0] word last"]
+    assert out[2:] == ["[rank 10]   " + "word " * 16 + "word", "[rank 10]   word word last"]
