@@ -7,24 +7,36 @@ Two faces of one launcher:
   ``%torchrun --nproc-per-node 2 -m ddp_lesson.train --epochs 1``.
 
 Both start the real launcher, ``python -m torch.distributed.run`` (torchrun), in a subprocess;
-nothing here spawns workers by hand. What the launcher adds around torchrun:
+nothing here spawns workers by hand. A run is built (:func:`_build_launch`: torchrun's flags
+from :func:`torchrun_flags`, the one place they are made), supervised (:func:`_supervise`) and
+collected (:func:`_collect_result`). What the launcher adds around torchrun:
 
-* a free rendezvous port: ``--standalone`` makes torchrun bind port 0 itself, so two
-  launches at once never collide (several simulated nodes get a port picked here);
-* one backend/device choice, made with :func:`ddp_lesson.env.choose_backend`, printed once
-  and passed to every rank through ``DDP_LESSON_BACKEND``;
+* a free rendezvous port on 127.0.0.1: the agents' c10d rendezvous store is hosted here, on a
+  socket bound to loopback (torchrun's own would listen on every interface), so two launches
+  at once never collide and nothing listens beyond this machine; rank 0's store and gloo are
+  kept on loopback too (see :func:`_loopback_env`, :func:`ddp_lesson.env.init_distributed`);
+* one backend/device choice, made with :func:`ddp_lesson.env.choose_backend` for every
+  process on this host, printed once and used by every rank (``DDP_LESSON_LAUNCHER_BACKEND``);
 * ``OMP_NUM_THREADS`` set explicitly (cores / processes) when you have not set it, which is
-  what silences torchrun's starred OMP banner (shared/cases C5);
+  what silences torchrun's starred OMP banner (docs/pitfalls.md);
 * each rank's stdout captured to a file of its own and shown grouped in rank order after the
-  run, so a deterministic program gives a deterministic cell output (nbval replays it);
-  stderr is shown when a rank fails (or with ``--show-stderr``);
+  run, as a terminal would show it (a progress bar redrawn with ``\\r`` keeps its final state)
+  and wrapped to 100 characters with the ``[rank N] `` prefix, so a deterministic program gives
+  a deterministic cell output (nbval replays it); stderr is shown when a rank fails (or with
+  ``--show-stderr``), the cell's file named ``<torchrun cell>``;
 * live status while it runs: in a notebook an ipywidgets Label, created with a constant text
-  and then updated through its ``value`` trait (nbval compares only the initial text form);
-* a failing rank raises :class:`TorchrunError` carrying that rank's traceback;
-* a wall-clock timeout (:class:`TorchrunTimeout`) and, on timeout or interrupt, every process
-  ended: torchrun gets SIGTERM (it forwards it), then SIGKILL, then any worker still alive is
-  killed by pid (torchrun puts each worker in its own session, so killing the launcher's
-  process group alone would orphan them).
+  (:func:`status_text`, also its stored text form) and then updated through its ``value``
+  trait (nbval compares only the initial text form);
+* a failing rank raises :class:`TorchrunError`: the lowest failing rank and its traceback,
+  every failing rank named in rank order;
+* a wall-clock timeout (:class:`TorchrunTimeout`) and, on timeout or interrupt
+  (:class:`TorchrunInterrupted`, one line in a notebook), every process ended: torchrun gets
+  SIGTERM (it forwards it), then SIGKILL, then every process group of the run is killed
+  (torchrun puts each worker in its own session, so killing the launcher's process group alone
+  would orphan them and whatever they started);
+* if this process dies outright (a kernel restart, SIGKILL), a watchdog process ends the run
+  and removes its folder (``ddp_lesson._worker.watch``); torchrun's own log folder lives in the
+  run's folder, so ``$TMPDIR`` is left as it was.
 
 Source: torchrun's documentation, https://pytorch.org/docs/stable/elastic/run.html.
 """
@@ -498,7 +510,7 @@ class _LiveStatus:
     update the same line instead of stacking one widget per launch.
     """
 
-    _per_cell: dict = {}  # IPython execution count -> the label that cell displayed
+    _per_cell: dict = {}  # the cell's execute request -> the label that cell displayed
 
     def __init__(self, enabled: bool | None, nprocs: int):
         self.label = None
@@ -511,7 +523,9 @@ class _LiveStatus:
             ip = get_ipython()
             if ip is None or not hasattr(ip, "kernel"):
                 return
-            cell = getattr(ip, "execution_count", None)
+            # the request that runs this cell (nbval runs cells without counting them)
+            parent = getattr(ip, "parent_header", None) or {}
+            cell = parent.get("header", {}).get("msg_id") or getattr(ip, "execution_count", None)
             self.label = self._per_cell.get(cell)
             if self.label is None:
                 self.label = _status_label(nprocs)

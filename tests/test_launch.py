@@ -74,7 +74,8 @@ def test_workers_get_backend_threads_and_a_real_process_group():
         env = init_distributed(timeout=30)
         t = torch.tensor([env.rank + 1])
         dist.all_reduce(t)
-        print(env.backend, os.environ.get("DDP_LESSON_BACKEND"), os.environ["OMP_NUM_THREADS"], int(t))
+        print(env.backend, os.environ.get("DDP_LESSON_BACKEND"), os.environ["OMP_NUM_THREADS"],
+              int(t))
         cleanup()
     """)
     result = run_torchrun(code=code, nproc_per_node=2, timeout=90, live=False, backend="gloo",
@@ -132,7 +133,8 @@ def test_check_false_returns_the_failure_instead():
 def test_timeout_ends_every_process(tmp_path):
     code = textwrap.dedent(f"""
         import os, time
-        open(os.path.join({str(tmp_path)!r}, "pid" + os.environ["RANK"]), "w").write(str(os.getpid()))
+        pid_file = os.path.join({str(tmp_path)!r}, "pid" + os.environ["RANK"])
+        open(pid_file, "w").write(str(os.getpid()))
         time.sleep(600)
     """)
     start = time.monotonic()
@@ -205,7 +207,8 @@ def test_interrupt_leaves_no_process(tmp_path):
     below, code, out = _interrupt_script(tmp_path, signal.SIGINT)
     assert code == 130
     # one line in a notebook, not a traceback through the launcher (issue 19, item 5)
-    assert out == "interrupted KeyboardInterrupt: torchrun interrupted: every process it started was ended\n"
+    assert out == ("interrupted KeyboardInterrupt: torchrun interrupted: every process it "
+                   "started was ended\n")
     assert _wait_dead(below) == []
 
 
@@ -245,11 +248,13 @@ def test_module_and_script_targets_get_their_arguments(tmp_path):
     script = tmp_path / "show_args.py"
     script.write_text("import os, sys; print(os.environ['RANK'], sys.argv[1:])\n")
     result = run_torchrun(str(script), ["--epochs", "3"], nproc_per_node=2, timeout=90, live=False)
-    assert result.stdout.splitlines() == ["[rank 0] 0 ['--epochs', '3']", "[rank 1] 1 ['--epochs', '3']"]
+    assert result.stdout.splitlines() == ["[rank 0] 0 ['--epochs', '3']",
+                                          "[rank 1] 1 ['--epochs', '3']"]
     pkg = tmp_path / "lab_pkg"
     pkg.mkdir()
     (pkg / "__init__.py").write_text("")
-    (pkg / "hello.py").write_text("import os, sys\nif __name__ == '__main__':\n    print('module', os.environ['RANK'], sys.argv[1:])\n")
+    (pkg / "hello.py").write_text("import os, sys\nif __name__ == '__main__':\n"
+                                  "    print('module', os.environ['RANK'], sys.argv[1:])\n")
     result = run_torchrun("lab_pkg.hello", ["x"], module=True, nproc_per_node=2, timeout=90,
                           live=False, cwd=tmp_path,
                           env={**os.environ, "PYTHONPATH": str(tmp_path)})
@@ -301,7 +306,8 @@ def test_magic_line_splitting():
     assert split_magic_line("--nproc-per-node 2") == (["--nproc-per-node", "2"], None, False, [])
     assert split_magic_line("--nproc-per-node 2 -m ddp_lesson.train --epochs 1 --out runs/x") == (
         ["--nproc-per-node", "2"], "ddp_lesson.train", True, ["--epochs", "1", "--out", "runs/x"])
-    assert split_magic_line("--nnodes 2 train.py -b 4") == (["--nnodes", "2"], "train.py", False, ["-b", "4"])
+    assert split_magic_line("--nnodes 2 train.py -b 4") == (
+        ["--nnodes", "2"], "train.py", False, ["-b", "4"])
     with pytest.raises(ValueError, match="-m needs a module name"):
         split_magic_line("--nproc-per-node 2 -m")
 
@@ -346,7 +352,8 @@ def test_raw_torchrun_omp_banner(tmp_path, nproc, preset, expect_banner, expect_
     """shared/cases C5, on plain torchrun: why the launcher sets OMP_NUM_THREADS itself."""
     script = tmp_path / "omp.py"
     # one write(2) per worker: both share torchrun's stdout pipe, and writes this small are atomic
-    script.write_text("import os; os.write(1, (os.environ.get('OMP_NUM_THREADS', 'unset') + '\\n').encode())\n")
+    script.write_text("import os; os.write(1, "
+                      "(os.environ.get('OMP_NUM_THREADS', 'unset') + '\\n').encode())\n")
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     if preset is not None:
         env["OMP_NUM_THREADS"] = preset
@@ -367,7 +374,8 @@ def test_error_shows_a_rank_that_said_why():
     launcher = ("Root Cause (first observed failure):\n[0]:\n  time : x\n  host : h\n"
                 "  rank      : 1 (local_rank: 1)\n  exitcode  : 2 (pid: 7)\n")
     assert _failed_rank(launcher, {0: "error: epochs must be >= 1, got 0\n", 1: ""}) == (0, None)
-    assert _failed_rank(launcher, {0: "warn\n", 1: "Traceback (most recent call last):\nX\n"}) == (1, 2)
+    traceback = "Traceback (most recent call last):\nX\n"
+    assert _failed_rank(launcher, {0: "warn\n", 1: traceback}) == (1, 2)
     assert _failed_rank(launcher, {0: "", 1: ""}) == (1, 2)
     assert _failed_rank("", {0: "", 1: "Traceback (most recent call last):\nE\n"}) == (1, None)
 

@@ -9,7 +9,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -84,7 +83,8 @@ def test_progress_bars_stderr_names_temp_folder_and_sockets(tmp_path, monkeypatc
         assert len(lines) == 2 and lines[1] == "done"
         assert lines[0].startswith("100%|##########| 40/40 [")
     # 9: a warning names "<torchrun cell>", never the run's temporary script path
-    line = 1 + ONE_RUN.splitlines().index('warnings.warn("a warning names the cell, not a temporary path")')
+    warn = 'warnings.warn("a warning names the cell, not a temporary path")'
+    line = 1 + ONE_RUN.splitlines().index(warn)
     for rank in (0, 1):
         assert result.errors[rank].splitlines()[0] == (
             f"<torchrun cell>:{line}: UserWarning: a warning names the cell, not a temporary path")
@@ -158,7 +158,8 @@ threading.Thread(target=late).start()
 ThreadPoolExecutor(1).submit(lambda: (time.sleep(0.5), print("executor job finished")))
 unclosed = open(os.path.join(out, "unclosed.txt"), "w")
 unclosed.write("written, never closed")
-print("sys.path[0] is the script folder:", sys.path[0] == os.path.dirname(os.path.abspath(__file__)))
+here = os.path.dirname(os.path.abspath(__file__))
+print("sys.path[0] is the script folder:", sys.path[0] == here)
 print("cwd on sys.path:", os.getcwd() in sys.path)
 """
 
@@ -209,7 +210,8 @@ def test_a_cell_that_prints_warns_and_prints_replays_five_times(tmp_path):
     from nbformat.v4 import new_code_cell, new_notebook, new_output
 
     repo = Path(__file__).resolve().parent.parent
-    cell = new_code_cell("import warnings\nprint('before')\nwarnings.warn('careful')\nprint('after')")
+    cell = new_code_cell("import warnings\nprint('before')\nwarnings.warn('careful')\n"
+                         "print('after')")
     cell.execution_count = 1
     cell.outputs = [new_output("stream", name="stdout", text="before\n"),
                     new_output("stream", name="stderr",
