@@ -508,20 +508,31 @@ class _LiveStatus:
 
     One label per cell: several launches from one cell (a loop of ``run_torchrun`` calls)
     update the same line instead of stacking one widget per launch.
+
+    It also keeps the kernel reported busy while the run lasts (:meth:`keep_busy`): the
+    first widget of a fresh kernel makes JupyterLab's widget manager send the kernel requests
+    of its own, which the kernel answers on another thread (a subshell or the control
+    channel) with a busy/idle pair, and the last status JupyterLab saw, "idle", stayed on
+    show while the cell still ran (issue 19, item 6).
     """
 
     _per_cell: dict = {}  # the cell's execute request -> the label that cell displayed
+    BUSY_EVERY_S = 2.0
 
     def __init__(self, enabled: bool | None, nprocs: int):
         self.label = None
-        if enabled is False:
-            return
+        self.kernel = self.request = None
+        self._busy_at = 0.0
         try:
             from IPython import get_ipython
             from IPython.display import display
 
             ip = get_ipython()
             if ip is None or not hasattr(ip, "kernel"):
+                return
+            self.kernel = ip.kernel
+            self.request = ip.kernel.get_parent("shell")
+            if enabled is False:
                 return
             # the request that runs this cell (nbval runs cells without counting them)
             parent = getattr(ip, "parent_header", None) or {}
@@ -538,6 +549,17 @@ class _LiveStatus:
     def update(self, text: str) -> None:
         if self.label is not None:
             self.label.value = text
+
+    def keep_busy(self) -> None:
+        """Say again, every ``BUSY_EVERY_S``, that the kernel is busy with this cell."""
+        now = time.monotonic()
+        if self.kernel is None or now - self._busy_at < self.BUSY_EVERY_S:
+            return
+        self._busy_at = now
+        try:
+            self.kernel._publish_status("busy", "shell", parent=self.request)
+        except Exception:  # an older or different kernel: only the indicator is affected
+            self.kernel = None
 
 
 def _progress_line(outdir: Path, rank: int = 0) -> str:
@@ -691,6 +713,7 @@ def _supervise(launch: _Launch, timeout: float | None, status: "_LiveStatus", er
             if timeout is not None and elapsed > timeout:
                 _terminate(procs, launch.outdir)
                 return procs, True, time.monotonic() - start
+            status.keep_busy()
             if status.label is not None:
                 rank0 = _progress_line(launch.outdir)
                 status.update(f"{status_text(launch.total)}, {elapsed:.0f} s"

@@ -271,3 +271,57 @@ def test_interrupt_reads_as_one_line_and_lines_fit_100_characters():
     assert max(len(line) for line in out) <= 100
     assert out[:2] == ["[rank 0] " + "word " * 17 + "word", "[rank 0] word last"]
     assert out[2:] == ["[rank 10]   " + "word " * 16 + "word", "[rank 10]   word word last"]
+
+
+def _run_in_kernel(client, code: str, timeout: float = 120, interrupt_after_display=None):
+    """Execute ``code``; return the iopub messages that answer it, up to its idle status."""
+    import time
+
+    msg_id = client.execute(code)
+    messages, deadline = [], time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        msg = client.get_iopub_msg(timeout=timeout)
+        if msg["parent_header"].get("msg_id") != msg_id:
+            continue
+        messages.append(msg)
+        if msg["msg_type"] == "display_data" and interrupt_after_display is not None:
+            interrupt_after_display()
+        if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
+            return messages
+    raise AssertionError(f"no idle status within {timeout} s")
+
+
+def test_in_a_kernel_busy_throughout_text_status_and_one_line_interrupt():
+    """Issue 19, items 1, 5, 6, in a real IPython kernel."""
+    import time
+
+    from jupyter_client.manager import start_new_kernel
+
+    km, kc = start_new_kernel(kernel_name="python3")
+    try:
+        _run_in_kernel(kc, "%load_ext ddp_lesson")
+        start = time.monotonic()
+        msgs = _run_in_kernel(kc, "%%torchrun --nproc-per-node 1 --quiet\n"
+                                  "import time\ntime.sleep(6)\nprint('slept')\n")
+        elapsed = time.monotonic() - start
+        states = [m["content"]["execution_state"] for m in msgs if m["msg_type"] == "status"]
+        # the kernel says "busy" again while the run lasts (every 2 s), then "idle" once
+        assert states[-1] == "idle" and states.count("idle") == 1
+        assert states.count("busy") >= 1 + int(elapsed // 2) - 2
+        shown = [m["content"]["data"]["text/plain"] for m in msgs
+                 if m["msg_type"] == "display_data"]
+        assert shown == ["torchrun: 1 process"]  # item 1: no Label(value=...) repr
+        streams = [m["content"]["text"] for m in msgs if m["msg_type"] == "stream"]
+        assert streams == ["[rank 0] slept\n"]
+        # item 5: an interrupt reads as one line
+        msgs = _run_in_kernel(kc, "%%torchrun --nproc-per-node 1 --quiet\n"
+                                  "import time\ntime.sleep(120)\n",
+                              interrupt_after_display=lambda: (time.sleep(3),
+                                                               km.interrupt_kernel()))
+        errors = [m["content"] for m in msgs if m["msg_type"] == "error"]
+        assert [e["ename"] for e in errors] == ["TorchrunInterrupted"]
+        assert errors[0]["traceback"] == [
+            "KeyboardInterrupt: torchrun interrupted: every process it started was ended"]
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
