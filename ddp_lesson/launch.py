@@ -815,6 +815,7 @@ def run_torchrun(target: str | None = None, args=(), *, code: str | None = None,
         args = shlex.split(args)
     _validate(nproc_per_node, nnodes, max_restarts, timeout)
     outdir = Path(tempfile.mkdtemp(prefix="ddp_lesson_run_"))
+    launch = None
     try:
         launch = _build_launch(target, args, code, module, nproc_per_node, nnodes, max_restarts,
                                backend, env, cwd, [str(a) for a in torchrun_args], outdir)
@@ -839,6 +840,8 @@ def run_torchrun(target: str | None = None, args=(), *, code: str | None = None,
                 raise error
         return result
     finally:
+        if launch is not None:  # stop the rendezvous store now, not when a traceback is freed
+            launch.store = None
         shutil.rmtree(outdir, ignore_errors=True)
 
 
