@@ -1,50 +1,81 @@
 """Bootstrap that :func:`ddp_lesson.launch.run_torchrun` puts between torchrun and your code.
 
-torchrun starts ``python -m ddp_lesson._worker OUTDIR (--module NAME | --script PATH) ARGS...``
+torchrun starts ``python -u -m ddp_lesson._worker OUTDIR (--module NAME | --script PATH) ARGS...``
 once per rank. Before running the real target this:
 
 1. sends the rank's stdout and stderr (file descriptors 1 and 2, so C++ and child-process
    output too) to ``OUTDIR/rank{RANK}.out`` / ``.err``, line-buffered, so the launcher can show
    each rank's output grouped in rank order and follow progress live;
-2. records its pid in ``OUTDIR/rank{RANK}.pid`` and asks Linux to kill it if torchrun dies
-   (``PR_SET_PDEATHSIG``): torchrun starts every worker in a session of its own, so without
-   this a SIGKILL to the launcher alone would leave orphans.
+2. appends its pid to ``OUTDIR/rank{RANK}.pid`` (every restart's) and asks Linux to kill it if
+   torchrun dies (``PR_SET_PDEATHSIG``): torchrun starts every worker in a session of its own,
+   so without this a SIGKILL to the launcher alone would leave orphans. The pid is also the
+   id of the worker's process group, which the launcher's watchdog kills (see ``watch``), so
+   processes the rank started die too;
+3. when the target fails, writes ``OUTDIR/rank{RANK}.exit`` (its exit code) before anything
+   else, so the launcher knows every rank whose own program failed, not only the one torchrun
+   noticed first.
 
-Then it runs the target as ``__main__``, exactly as ``python -m NAME`` / ``python PATH`` would.
-When the target finishes normally, the process runs its ``atexit`` handlers, flushes its output
-and leaves with ``os._exit``: skipping the interpreter's teardown avoids a known gloo abort
-(a DDP reducer still holding a process group whose worker threads are torn down at exit,
-"terminate called without an active exception", pytorch/pytorch#179291), seen here in about
-one run in twenty, after all output was printed. Failures exit as usual, with their traceback.
+Then it runs the target as ``__main__``, as ``python -m NAME`` / ``python PATH`` would: in a
+module installed as ``sys.modules["__main__"]`` for good (atexit handlers and pickling see it),
+with ``sys.path[0]`` the script's folder (a script) or the working directory (a module).
+
+When the target finishes normally the process ends as Python's own shutdown does, in its order:
+non-daemon threads are joined and executors finish their queued work (``threading._shutdown``),
+``atexit`` handlers run, then every open file (not only stdout/stderr) is flushed; then it
+leaves with ``os._exit``: skipping the interpreter's teardown avoids a known gloo abort (a DDP
+reducer still holding a process group whose worker threads are torn down at exit, "terminate
+called without an active exception", pytorch/pytorch#179291), seen here in about one run in
+twenty, after all output was printed. The one difference left: ``__del__`` methods of objects
+still alive at exit are not called (Python does not promise them either: "It is not guaranteed
+that __del__() methods are called for objects that still exist when the interpreter exits",
+Python's data model). Failures exit as usual, with their traceback.
 Kept free of heavy imports: it runs before torch is imported.
 """
 from __future__ import annotations
 
 import atexit
+import gc
+import io
 import os
 import runpy
 import signal
 import sys
+import threading
+import types
 
 
-def _die_with_parent() -> None:
+#: ``prctl`` option: the signal this process gets when the thread that forked it dies.
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(parent_pid: int | None = None) -> None:
+    """Ask Linux to SIGKILL this process when its parent dies (``PR_SET_PDEATHSIG``).
+
+    Used twice by the launcher: in the torchrun child before it execs (so torchrun dies with
+    the notebook kernel) and here, in every worker (so workers die with torchrun). The parent
+    may have died between fork and ``prctl``: then this process is already an orphan and
+    leaves at once. ``parent_pid`` is the expected parent (None: only "not reparented to
+    init" is checked). Does nothing outside Linux.
+    """
     if not sys.platform.startswith("linux"):
         return
     try:
         import ctypes
 
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        PR_SET_PDEATHSIG = 1
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-        # The parent may have died between fork and prctl: then we are already orphaned.
-        if os.getppid() == 1:
-            os._exit(1)
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     except OSError:
-        pass
+        return
+    ppid = os.getppid()
+    if ppid == 1 or (parent_pid is not None and ppid != parent_pid):
+        os._exit(1)
 
 
 def _redirect(outdir: str, rank: str) -> None:
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    try:  # a failure recorded by an earlier attempt of this rank is not this attempt's
+        os.unlink(os.path.join(outdir, f"rank{rank}.exit"))
+    except FileNotFoundError:
+        pass
     for fd, suffix in ((1, "out"), (2, "err")):
         path = os.path.join(outdir, f"rank{rank}.{suffix}")
         target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
@@ -54,38 +85,130 @@ def _redirect(outdir: str, rank: str) -> None:
     sys.stderr.reconfigure(line_buffering=True)
     if restart:
         print(f"[restart {restart}]")
-    with open(os.path.join(outdir, f"rank{rank}.pid"), "w") as f:
-        f.write(str(os.getpid()))
+    with open(os.path.join(outdir, f"rank{rank}.pid"), "a") as f:
+        f.write(f"{os.getpid()}\n")
+
+
+def _record_exit(outdir: str, rank: str, code) -> None:
+    """Write this rank's failing exit code to ``OUTDIR/rank{RANK}.exit`` (read by the launcher)."""
+    code = code if isinstance(code, int) else 1
+    try:
+        with open(os.path.join(outdir, f"rank{rank}.exit"), "w") as f:
+            f.write(str(code))
+    except OSError:
+        pass
+
+
+def _run_as_main(kind: str, target: str, args: list[str]) -> None:
+    """Run ``target`` in a fresh ``__main__`` module, as ``python PATH`` / ``python -m NAME``."""
+    main_module = types.ModuleType("__main__")
+    sys.modules["__main__"] = main_module  # stays: atexit handlers and pickle look it up
+    if kind == "--module":
+        mod_name, spec, code = runpy._get_module_details(target)
+        sys.argv = [spec.origin, *args]
+        runpy._run_code(code, main_module.__dict__, None, "__main__", spec, spec.parent, None)
+    else:
+        # python PATH puts the script's folder first on sys.path, not the working directory
+        sys.path[0] = os.path.dirname(os.path.abspath(target))
+        with open(target, "rb") as f:
+            code = compile(f.read(), target, "exec")
+        sys.argv = [target, *args]
+        try:
+            runpy._run_code(code, main_module.__dict__, None, "__main__", None, None, target)
+        finally:  # as CPython's own script runner does (pythonrun.c): atexit sees no __file__
+            main_module.__dict__.pop("__file__", None)
+            main_module.__dict__.pop("__cached__", None)
 
 
 def main(argv: list[str]) -> None:
+    if argv and argv[0] == "--watch":
+        return watch(argv[1])
     if len(argv) < 3 or argv[1] not in ("--module", "--script"):
-        raise SystemExit("usage: python -m ddp_lesson._worker OUTDIR (--module NAME | --script PATH) [ARGS...]")
+        raise SystemExit("usage: python -m ddp_lesson._worker OUTDIR "
+                         "(--module NAME | --script PATH) [ARGS...]")
     outdir, kind, target, args = argv[0], argv[1], argv[2], argv[3:]
-    _die_with_parent()
-    _redirect(outdir, os.environ.get("RANK", "0"))
-    sys.argv = [target, *args]
+    this_module = sys.modules["__main__"]  # noqa: F841 (kept alive while __main__ is replaced)
+    die_with_parent()
+    rank = os.environ.get("RANK", "0")
+    _redirect(outdir, rank)
     try:
-        if kind == "--module":
-            runpy.run_module(target, run_name="__main__", alter_sys=True)
-        else:
-            sys.path.insert(0, os.path.dirname(os.path.abspath(target)))
-            runpy.run_path(target, run_name="__main__")
+        _run_as_main(kind, target, args)
     except SystemExit as e:
         if e.code not in (None, 0):
+            _record_exit(outdir, rank, e.code)
             raise
+    except BaseException:
+        _record_exit(outdir, rank, 1)
+        raise
     _finish()
 
 
 def _finish() -> None:
-    """Leave a successful run without interpreter teardown (see the module docstring)."""
+    """Leave a successful run as Python's shutdown would, minus teardown (module docstring)."""
+    threading._shutdown()  # join non-daemon threads; executors finish their queued work
     atexit._run_exitfuncs()
+    for obj in gc.get_objects():  # what teardown would flush: every open buffered file
+        # type(obj), not isinstance: a lazy module proxy can warn when its __class__ is read
+        if issubclass(type(obj), io.IOBase):
+            try:
+                if not obj.closed and obj.writable():
+                    obj.flush()
+            except (OSError, ValueError):
+                pass
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except (OSError, ValueError):
             pass
     os._exit(0)
+
+
+# --------------------------------------------------------------------------- the watchdog
+
+def run_pids(outdir: str) -> tuple[list[int], list[int]]:
+    """``(agents, workers)``: torchrun agents' and every rank's pids recorded in ``outdir``."""
+    found = {"agents": [], "workers": []}
+    for name in sorted(os.listdir(outdir)) if os.path.isdir(outdir) else []:
+        key = "agents" if name == "agents.pid" else "workers" if name.endswith(".pid") else None
+        if key is None:
+            continue
+        with open(os.path.join(outdir, name)) as f:
+            found[key] += [int(x) for x in f.read().split() if x.isdigit()]
+    return found["agents"], found["workers"]
+
+
+def kill_run(outdir: str, sig: int = signal.SIGKILL) -> None:
+    """Send ``sig`` to every process group of a run: each torchrun agent's and each worker's.
+
+    Both are session leaders (``start_new_session``), so their process group id is their pid;
+    a group outlives its leader while any member lives, so this also reaches processes a rank
+    started (a ``subprocess.Popen`` that stayed in the rank's session).
+    """
+    agents, workers = run_pids(outdir)
+    for pid in agents + workers:
+        for kill in (os.killpg, os.kill):
+            try:
+                kill(pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
+def watch(outdir: str) -> None:
+    """The run's watchdog: wait for EOF on stdin, then end the run unless told it is done.
+
+    The launcher holds the only write end of the pipe. It writes ``done`` when it has ended
+    the run itself; if it dies in any way (kernel restart, SIGKILL) the pipe closes with
+    nothing written and the watchdog kills every process group of the run and removes its
+    folder. Started in a session of its own, so an interrupt aimed at the launcher's group
+    does not reach it.
+    """
+    import shutil
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if sys.stdin.buffer.read().startswith(b"done"):
+        return
+    kill_run(outdir)
+    shutil.rmtree(outdir, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -44,6 +44,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from .env import barrier
+
 __all__ = [
     "CHECKPOINT_FORMAT",
     "CHECKPOINT_VERSION",
@@ -285,11 +287,7 @@ def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def _barrier() -> None:
-    if dist.get_backend() == "nccl":
-        dist.barrier(device_ids=[torch.cuda.current_device()])
-    else:
-        dist.barrier()
+_barrier = barrier  # one barrier for the package: env.barrier (names this rank's GPU on NCCL)
 
 
 def decide_on_rank0(decide: Callable[[], Any]) -> Any:

@@ -34,28 +34,23 @@ def _train_parser() -> argparse.ArgumentParser:
 
 
 def torchrun_argv(opts: argparse.Namespace) -> list[str]:
-    """torchrun's own flags for ``opts`` (without the program). Raises ValueError on bad counts."""
+    """torchrun's own flags for ``opts`` (without the program). Raises ValueError on bad counts.
+
+    The flags come from the launcher's one builder, :func:`ddp_lesson.launch.torchrun_flags`;
+    here the counts are checked first, with the messages naming this command's flags.
+    """
+    from .launch import torchrun_flags
+
     if opts.nproc_per_node < 1:
         raise ValueError(f"--nproc-per-node must be >= 1, got {opts.nproc_per_node}")
     if opts.nnodes < 1:
         raise ValueError(f"--nnodes must be >= 1, got {opts.nnodes}")
     if opts.max_restarts < 0:
         raise ValueError(f"--max-restarts must be >= 0, got {opts.max_restarts}")
-    flags = []
-    if opts.nnodes == 1:
-        flags.append("--standalone")
-    else:
-        if not opts.rdzv_endpoint:
-            raise ValueError(f"--nnodes {opts.nnodes} needs --rdzv-endpoint HOST:PORT "
-                             "(the address of the first node)")
-        flags += ["--nnodes", str(opts.nnodes), "--rdzv-backend", "c10d",
-                  "--rdzv-endpoint", opts.rdzv_endpoint, "--rdzv-id", opts.rdzv_id]
-        if opts.node_rank is not None:
-            flags += ["--node-rank", str(opts.node_rank)]
-    flags += ["--nproc-per-node", str(opts.nproc_per_node)]
-    if opts.max_restarts:
-        flags += ["--max-restarts", str(opts.max_restarts)]
-    return flags
+    return torchrun_flags(opts.nproc_per_node, opts.nnodes, max_restarts=opts.max_restarts,
+                          rdzv_endpoint=opts.rdzv_endpoint if opts.nnodes > 1 else None,
+                          rdzv_id=opts.rdzv_id,
+                          node_rank=opts.node_rank)
 
 
 def train(argv: list[str]) -> int:

@@ -28,6 +28,17 @@ from dataclasses import dataclass
 #: Environment variable that overrides the backend choice ("gloo", "nccl" or "auto").
 BACKEND_ENV = "DDP_LESSON_BACKEND"
 BACKENDS = ("auto", "gloo", "nccl")
+#: Set by the launcher (:mod:`ddp_lesson.launch`) once it printed the backend choice, so that
+#: :func:`init_distributed` does not print it again on rank 0.
+ANNOUNCED_ENV = "DDP_LESSON_LAUNCHER_ANNOUNCED"
+#: The backend the launcher chose and printed, and its one-line reason: every rank uses that
+#: choice (unless its own code asks for another backend explicitly), so what the launcher
+#: printed is what runs.
+LAUNCHER_BACKEND_ENV = "DDP_LESSON_LAUNCHER_BACKEND"
+LAUNCHER_REASON_ENV = "DDP_LESSON_LAUNCHER_REASON"
+#: Set by the launcher when every rank of the run is on this machine: rank 0's store then
+#: listens on 127.0.0.1 only (see :func:`init_distributed`).
+LOCAL_RUN_ENV = "DDP_LESSON_ALL_RANKS_LOCAL"
 
 
 @dataclass(frozen=True)
@@ -127,7 +138,9 @@ def read_env(backend: str | None = None, environ=None) -> DistEnv:
     Outside torchrun (no variables set) it describes a single process: rank 0 of 1.
 
     Args:
-        backend: ``"auto"``/``"gloo"``/``"nccl"`` or None (``DDP_LESSON_BACKEND``, else auto).
+        backend: ``"auto"``/``"gloo"``/``"nccl"`` or None: the choice the launcher made and
+            printed (``DDP_LESSON_LAUNCHER_BACKEND``, set by :mod:`ddp_lesson.launch`), else
+            ``DDP_LESSON_BACKEND``, else auto.
         environ: mapping to read instead of ``os.environ`` (tests).
 
     Raises:
@@ -147,9 +160,16 @@ def read_env(backend: str | None = None, environ=None) -> DistEnv:
         raise ValueError(f"LOCAL_WORLD_SIZE {local_world_size} is outside [1, {world_size}]")
     if not 0 <= local_rank < local_world_size:
         raise ValueError(f"local_rank {local_rank} is outside [0, {local_world_size - 1}]")
-    if backend is None:
-        backend = environ.get(BACKEND_ENV, "auto") or "auto"
-    chosen, reason = choose_backend(local_world_size, backend)
+    launched = environ.get(LAUNCHER_BACKEND_ENV)
+    if backend is None and launched in ("gloo", "nccl"):
+        # the launcher's choice, made once for every process it started and printed
+        chosen, reason = launched, environ.get(LAUNCHER_REASON_ENV, "chosen by the launcher")
+        if chosen == "nccl":
+            choose_backend(local_world_size, "nccl")  # still one GPU per local rank, or raise
+    else:
+        if backend is None:
+            backend = environ.get(BACKEND_ENV, "auto") or "auto"
+        chosen, reason = choose_backend(local_world_size, backend)
     device = f"cuda:{local_rank}" if chosen == "nccl" else "cpu"
     return DistEnv(rank, local_rank, world_size, local_world_size, chosen, device, reason)
 
@@ -238,6 +258,11 @@ def init_distributed(timeout: float = 60.0, backend: str | None = None,
     or a mismatched collective fails with an error instead of hanging for the default 10
     minutes (30 for NCCL). Outside torchrun with world size 1 no group is created.
 
+    When every rank is on this machine (``LOCAL_WORLD_SIZE == WORLD_SIZE``, or the launcher
+    says so), rank 0's TCPStore listens on 127.0.0.1 only instead of every interface (torch's
+    default for ``env://``): the store is unauthenticated, and nothing off this machine needs
+    it. See :func:`_loopback_store`.
+
     Args:
         timeout: seconds any collective may wait for its peers before raising.
         backend: see :func:`choose_backend`.
@@ -262,13 +287,48 @@ def init_distributed(timeout: float = 60.0, backend: str | None = None,
         kwargs = {}
         if env.backend == "nccl":
             kwargs["device_id"] = torch.device(env.device)
+        delta = datetime.timedelta(seconds=timeout)
+        store = _loopback_store(env, delta)
+        if store is not None:
+            kwargs["store"] = store
         dist.init_process_group(backend=env.backend, rank=env.rank, world_size=env.world_size,
-                                timeout=datetime.timedelta(seconds=timeout), **kwargs)
+                                timeout=delta, **kwargs)
     if announce is None:
-        announce = not os.environ.get("DDP_LESSON_LAUNCHER_ANNOUNCED")
+        announce = not os.environ.get(ANNOUNCED_ENV)
     if announce:
         print0(f"world_size={env.world_size}: {env.reason}", env=env)
     return env
+
+
+def _loopback_store(env: DistEnv, timeout: datetime.timedelta):
+    """The job's TCPStore on 127.0.0.1 when every rank is local; None otherwise.
+
+    ``env://`` makes rank 0 start a TCPStore server that binds every interface (IPv4 and
+    IPv6) on ``MASTER_PORT``. torch lets the caller hand the server a listening socket
+    instead (``TCPStore(..., master_listen_fd=fd)``); bound to 127.0.0.1 it is reachable from
+    this machine only. The other ranks connect to 127.0.0.1. Not used when torchrun shares its
+    own store with the workers (``TORCHELASTIC_USE_AGENT_STORE``) or the variables are
+    missing: then ``init_process_group`` does as usual.
+    """
+    import socket
+
+    import torch.distributed as dist
+
+    environ = os.environ
+    local = env.local_world_size == env.world_size or environ.get(LOCAL_RUN_ENV) == "1"
+    if (not local or environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+            or not environ.get("MASTER_PORT")):
+        return None
+    port = int(environ["MASTER_PORT"])
+    if env.rank != 0:
+        return dist.TCPStore("127.0.0.1", port, env.world_size, is_master=False, timeout=timeout)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", port))
+    sock.listen(128)
+    # the store owns the socket from here (detach: Python must not close its descriptor)
+    return dist.TCPStore("127.0.0.1", port, env.world_size, is_master=True, timeout=timeout,
+                         master_listen_fd=sock.detach())
 
 
 def cleanup() -> None:
@@ -289,11 +349,25 @@ def cleanup() -> None:
         # without an active exception") after all output was printed.
         gc.collect()
         try:
-            if dist.get_backend() == "nccl":
-                import torch
-
-                dist.barrier(device_ids=[torch.cuda.current_device()])
-            else:
-                dist.barrier()
+            barrier()
         finally:
             dist.destroy_process_group()
+
+
+def barrier() -> None:
+    """Wait until every rank of the default process group reaches this call (synchronises ranks).
+
+    On NCCL the barrier names this rank's GPU (``device_ids``): without it NCCL guesses the
+    device from the rank and warns, and can hang when the guess is wrong. Does nothing when no
+    process group exists (a single process).
+    """
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    if dist.get_backend() == "nccl":
+        import torch
+
+        dist.barrier(device_ids=[torch.cuda.current_device()])
+    else:
+        dist.barrier()

@@ -7,24 +7,36 @@ Two faces of one launcher:
   ``%torchrun --nproc-per-node 2 -m ddp_lesson.train --epochs 1``.
 
 Both start the real launcher, ``python -m torch.distributed.run`` (torchrun), in a subprocess;
-nothing here spawns workers by hand. What the launcher adds around torchrun:
+nothing here spawns workers by hand. A run is built (:func:`_build_launch`: torchrun's flags
+from :func:`torchrun_flags`, the one place they are made), supervised (:func:`_supervise`) and
+collected (:func:`_collect_result`). What the launcher adds around torchrun:
 
-* a free rendezvous port: ``--standalone`` makes torchrun bind port 0 itself, so two
-  launches at once never collide (several simulated nodes get a port picked here);
-* one backend/device choice, made with :func:`ddp_lesson.env.choose_backend`, printed once
-  and passed to every rank through ``DDP_LESSON_BACKEND``;
+* a free rendezvous port on 127.0.0.1: the agents' c10d rendezvous store is hosted here, on a
+  socket bound to loopback (torchrun's own would listen on every interface), so two launches
+  at once never collide and nothing listens beyond this machine; rank 0's store and gloo are
+  kept on loopback too (see :func:`_loopback_env`, :func:`ddp_lesson.env.init_distributed`);
+* one backend/device choice, made with :func:`ddp_lesson.env.choose_backend` for every
+  process on this host, printed once and used by every rank (``DDP_LESSON_LAUNCHER_BACKEND``);
 * ``OMP_NUM_THREADS`` set explicitly (cores / processes) when you have not set it, which is
-  what silences torchrun's starred OMP banner (shared/cases C5);
+  what silences torchrun's starred OMP banner (docs/pitfalls.md);
 * each rank's stdout captured to a file of its own and shown grouped in rank order after the
-  run, so a deterministic program gives a deterministic cell output (nbval replays it);
-  stderr is shown when a rank fails (or with ``--show-stderr``);
+  run, as a terminal would show it (a progress bar redrawn with ``\\r`` keeps its final state)
+  and wrapped to 100 characters with the ``[rank N] `` prefix, so a deterministic program gives
+  a deterministic cell output (nbval replays it); stderr is shown when a rank fails (or with
+  ``--show-stderr``), the cell's file named ``<torchrun cell>``;
 * live status while it runs: in a notebook an ipywidgets Label, created with a constant text
-  and then updated through its ``value`` trait (nbval compares only the initial text form);
-* a failing rank raises :class:`TorchrunError` carrying that rank's traceback;
-* a wall-clock timeout (:class:`TorchrunTimeout`) and, on timeout or interrupt, every process
-  ended: torchrun gets SIGTERM (it forwards it), then SIGKILL, then any worker still alive is
-  killed by pid (torchrun puts each worker in its own session, so killing the launcher's
-  process group alone would orphan them).
+  (:func:`status_text`, also its stored text form) and then updated through its ``value``
+  trait (nbval compares only the initial text form);
+* a failing rank raises :class:`TorchrunError`: the lowest failing rank and its traceback,
+  every failing rank named in rank order;
+* a wall-clock timeout (:class:`TorchrunTimeout`) and, on timeout or interrupt
+  (:class:`TorchrunInterrupted`, one line in a notebook), every process ended: torchrun gets
+  SIGTERM (it forwards it), then SIGKILL, then every process group of the run is killed
+  (torchrun puts each worker in its own session, so killing the launcher's process group alone
+  would orphan them and whatever they started);
+* if this process dies outright (a kernel restart, SIGKILL), a watchdog process ends the run
+  and removes its folder (``ddp_lesson._worker.watch``); torchrun's own log folder lives in the
+  run's folder, so ``$TMPDIR`` is left as it was.
 
 Source: torchrun's documentation, https://pytorch.org/docs/stable/elastic/run.html.
 """
@@ -40,22 +52,25 @@ import socket
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 import uuid
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
-from .env import BACKEND_ENV, BACKENDS, choose_backend
-
-#: Set for the workers so that ``init_distributed`` does not print the backend choice again.
-ANNOUNCED_ENV = "DDP_LESSON_LAUNCHER_ANNOUNCED"
+from ._worker import die_with_parent, kill_run
+from .env import (ANNOUNCED_ENV, BACKEND_ENV, BACKENDS, LAUNCHER_BACKEND_ENV, LAUNCHER_REASON_ENV,
+                  LOCAL_RUN_ENV, choose_backend)
 DEFAULT_TIMEOUT_S = 300.0
+#: How the cell's code is named in tracebacks, warnings and ``--show-stderr``.
+CELL_LABEL = "<torchrun cell>"
 _POLL_S = 0.25
 _TERM_GRACE_S = 5.0
 
 
 class TorchrunError(RuntimeError):
-    """A rank exited with an error. ``rank``, ``exitcode``, ``traceback`` and ``result`` tell which."""
+    """A rank exited with an error; ``rank``, ``exitcode``, ``traceback``, ``result`` tell which."""
 
     def __init__(self, message: str, rank: int | None, exitcode: int, traceback: str,
                  result: "TorchrunResult"):
@@ -70,6 +85,22 @@ class TorchrunError(RuntimeError):
         if self.traceback:
             lines += ["", *self.traceback.rstrip().splitlines()]
         return lines
+
+
+class TorchrunInterrupted(KeyboardInterrupt):
+    """The run was interrupted (Ctrl-C, the notebook's stop button); every process was ended.
+
+    A ``KeyboardInterrupt``, so a run-all stops here; in a notebook it shows as one line,
+    not a traceback through the launcher.
+    """
+
+    MESSAGE = "torchrun interrupted: every process it started was ended"
+
+    def __str__(self):
+        return self.MESSAGE
+
+    def _render_traceback_(self):  # IPython shows this instead of a traceback
+        return [f"KeyboardInterrupt: {self.MESSAGE}"]
 
 
 class TorchrunTimeout(subprocess.TimeoutExpired):
@@ -98,6 +129,8 @@ class TorchrunResult:
         torchrun_command: the equivalent command to type in a terminal.
         backend, backend_reason: the launcher's backend choice and why.
         wall_s: seconds from start to exit.
+        failed_rank: the lowest failing rank (None when all succeeded).
+        failed_ranks: every failing rank, in rank order.
     """
 
     returncode: int
@@ -110,6 +143,7 @@ class TorchrunResult:
     backend_reason: str
     wall_s: float = 0.0
     failed_rank: int | None = field(default=None)
+    failed_ranks: list[int] = field(default_factory=list)
 
     @property
     def stdout(self) -> str:
@@ -121,13 +155,39 @@ class TorchrunResult:
         return self.outputs.get(rank, "").splitlines()
 
 
+#: Widest stored output line, ``[rank N] `` prefix included: JupyterLab breaks wider lines
+#: anywhere, mid-word.
+LINE_WIDTH = 100
+
+
+def _fit(line: str, prefix: str, width: int = LINE_WIDTH) -> list[str]:
+    """``prefix + line``, wrapped at spaces so each piece fits ``width`` with its prefix.
+
+    Continuation lines keep the line's indentation; a single word longer than the room left
+    is not broken (it would stop being searchable or copyable).
+    """
+    room = width - len(prefix)
+    if len(line) <= room:
+        return [prefix + line]
+    indent = line[:len(line) - len(line.lstrip(" "))]
+    pieces = textwrap.wrap(line, room, subsequent_indent=indent, break_long_words=False,
+                           break_on_hyphens=False, drop_whitespace=True) or [line]
+    if line.startswith(indent) and not pieces[0].startswith(indent):
+        pieces[0] = indent + pieces[0]
+    return [prefix + piece for piece in pieces]
+
+
 def format_rank_outputs(outputs: dict[int, str], ranks=None) -> str:
-    """Join per-rank outputs in rank order, each line prefixed ``[rank N] ``."""
+    """Join per-rank outputs in rank order, each line prefixed ``[rank N] ``.
+
+    Lines wider than :data:`LINE_WIDTH` with their prefix are wrapped at spaces.
+    """
     lines = []
     for rank in sorted(outputs):
         if ranks is not None and rank not in ranks:
             continue
-        lines += [f"[rank {rank}] {line}" for line in outputs[rank].splitlines()]
+        for line in outputs[rank].splitlines():
+            lines += _fit(line, f"[rank {rank}] ")
     return "\n".join(lines) + ("\n" if lines else "")
 
 
@@ -138,6 +198,46 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def torchrun_flags(nproc_per_node: int = 2, nnodes: int = 1, *, max_restarts: int = 0,
+                   rdzv_endpoint: str | None = None, rdzv_id: str | None = None,
+                   node_rank: int | None = None, rdzv_conf: str | None = None, log_dir=None,
+                   extra=()) -> list[str]:
+    """torchrun's own flags, without the program: the one place they are built.
+
+    One node without ``rdzv_endpoint``: ``--standalone`` (torchrun binds a free port itself).
+    Otherwise c10d rendezvous at ``rdzv_endpoint`` (``HOST:PORT`` of the first node) under the
+    job id ``rdzv_id``, with ``--rdzv-conf`` and ``--node-rank`` when given. Then
+    ``--nproc-per-node``, ``--max-restarts`` when not 0,
+    ``--log-dir`` when given (torchrun otherwise makes a ``torchelastic_*`` folder in
+    ``$TMPDIR`` and leaves it there), and ``extra`` unchanged.
+
+    >>> torchrun_flags(2)
+    ['--standalone', '--nproc-per-node', '2']
+
+    Raises:
+        ValueError: a count out of range, or several nodes without ``rdzv_endpoint``.
+    """
+    _validate(nproc_per_node, nnodes, max_restarts, None)
+    if nnodes == 1 and not rdzv_endpoint:
+        flags = ["--standalone"]
+    else:
+        if not rdzv_endpoint:
+            raise ValueError(f"--nnodes {nnodes} needs --rdzv-endpoint HOST:PORT "
+                             "(the address of the first node)")
+        flags = ["--nnodes", str(nnodes), "--rdzv-backend", "c10d",
+                 "--rdzv-endpoint", rdzv_endpoint, "--rdzv-id", str(rdzv_id)]
+        if rdzv_conf:
+            flags += ["--rdzv-conf", rdzv_conf]
+        if node_rank is not None:
+            flags += ["--node-rank", str(node_rank)]
+    flags += ["--nproc-per-node", str(nproc_per_node)]
+    if max_restarts:
+        flags += ["--max-restarts", str(max_restarts)]
+    if log_dir is not None:
+        flags += ["--log-dir", str(log_dir)]
+    return flags + [str(x) for x in extra]
+
+
 def torchrun_command(target: str, args=(), *, module: bool = False, nproc_per_node: int = 2,
                      nnodes: int = 1, max_restarts: int = 0, extra=()) -> str:
     """The terminal command equivalent to a run (what to type without this package).
@@ -145,45 +245,44 @@ def torchrun_command(target: str, args=(), *, module: bool = False, nproc_per_no
     >>> torchrun_command("ddp_lesson.train", ["--epochs", "1"], module=True)
     'torchrun --standalone --nproc-per-node 2 -m ddp_lesson.train --epochs 1'
     """
-    parts = ["torchrun"]
-    if nnodes == 1:
-        parts.append("--standalone")
-    else:
-        parts += ["--nnodes", str(nnodes), "--rdzv-backend", "c10d",
-                  "--rdzv-endpoint", "HOST:PORT", "--rdzv-id", "JOB_ID"]
-    parts += ["--nproc-per-node", str(nproc_per_node)]
-    if max_restarts:
-        parts += ["--max-restarts", str(max_restarts)]
-    parts += list(extra)
-    parts += (["-m", target] if module else [target]) + [str(a) for a in args]
-    return shlex.join(parts)
+    several = nnodes > 1
+    flags = torchrun_flags(nproc_per_node, nnodes, max_restarts=max_restarts,
+                           rdzv_endpoint="HOST:PORT" if several else None,
+                           rdzv_id="JOB_ID" if several else None, extra=extra)
+    program = (["-m", target] if module else [target]) + [str(a) for a in args]
+    return shlex.join(["torchrun", *flags, *program])
 
 
-def _validate(nproc_per_node: int, nnodes: int, max_restarts: int, timeout: float) -> None:
-    if isinstance(nproc_per_node, bool) or not isinstance(nproc_per_node, int) or nproc_per_node < 1:
+def _validate(nproc_per_node: int, nnodes: int, max_restarts: int, timeout: float | None) -> None:
+    if (isinstance(nproc_per_node, bool) or not isinstance(nproc_per_node, int)
+            or nproc_per_node < 1):
         raise ValueError(f"nproc_per_node must be an integer >= 1, got {nproc_per_node!r}")
     if isinstance(nnodes, bool) or not isinstance(nnodes, int) or nnodes < 1:
         raise ValueError(f"nnodes must be an integer >= 1, got {nnodes!r}")
-    if max_restarts < 0:
+    if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
         raise ValueError(f"max_restarts must be >= 0, got {max_restarts}")
     if timeout is not None and timeout <= 0:
         raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
 
 
-def launch_env(base, backend: str | None, nprocs_here: int, announced: bool = True) -> dict:
-    """The environment torchrun and its workers get: backend override, threads, import path.
+def launch_env(base, backend: str | None, nprocs_here: int, announced: bool = True,
+               chosen: tuple[str, str] | None = None) -> dict:
+    """The environment torchrun and its workers get: backend, threads, import path.
 
     Args:
         base: environment to start from (None: this process's).
         backend: an explicit ``"gloo"``/``"nccl"``/``"auto"`` passed on to every rank as
-            ``DDP_LESSON_BACKEND``; None leaves the variable as it is, so each rank applies
-            the same automatic rule the launcher applied.
+            ``DDP_LESSON_BACKEND``; None leaves the variable as it is.
         nprocs_here: processes per node, for ``OMP_NUM_THREADS``.
         announced: tell the workers the launcher printed the backend choice already.
+        chosen: ``(backend, reason)`` the launcher chose and printed; every rank then uses
+            it (``DDP_LESSON_LAUNCHER_BACKEND``/``_REASON``) instead of choosing again.
     """
     env = dict(os.environ if base is None else base)
     if backend is not None:
         env[BACKEND_ENV] = backend
+    if chosen is not None:
+        env[LAUNCHER_BACKEND_ENV], env[LAUNCHER_REASON_ENV] = chosen
     if announced:
         env[ANNOUNCED_ENV] = "1"
     if "OMP_NUM_THREADS" not in env:
@@ -201,34 +300,64 @@ def launch_env(base, backend: str | None, nprocs_here: int, announced: bool = Tr
     return env
 
 
-def _die_with_parent() -> None:
-    """In the torchrun child, before exec: SIGKILL it if the launching thread dies.
+def launcher_backend(nproc_per_node: int, nnodes: int = 1, backend: str | None = None,
+                     env: dict | None = None) -> tuple[str, str]:
+    """The launcher's backend choice for a run on this host: ``(backend, reason)``.
 
-    If the notebook kernel is killed, torchrun then dies too, and its workers follow through
-    their own PR_SET_PDEATHSIG (see ``ddp_lesson._worker``): no orphans in any case.
+    Every process of the run is on this host, simulated nodes too (``nnodes`` agents share
+    its GPUs), so :func:`ddp_lesson.env.choose_backend` is applied to all
+    ``nproc_per_node * nnodes`` of them; ``backend`` None reads ``DDP_LESSON_BACKEND`` from
+    ``env`` (the run's environment, default this process's), as every rank would.
     """
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
+    requested = backend if backend is not None else (env or os.environ).get(BACKEND_ENV)
+    return choose_backend(nproc_per_node * nnodes, requested or "auto")
 
 
 def _read(path: Path) -> str:
+    """The file's text as written: ``\\r`` kept (no newline translation), bad bytes replaced."""
     try:
-        return path.read_text(errors="replace")
+        with open(path, encoding="utf-8", errors="replace", newline="") as f:
+            return f.read()
     except FileNotFoundError:
         return ""
 
 
-def _collect(outdir: Path) -> tuple[dict[int, str], dict[int, str]]:
-    outputs, errors = {}, {}
-    for p in outdir.glob("rank*.out"):
-        outputs[int(p.stem[4:])] = _read(p)
-    for p in outdir.glob("rank*.err"):
-        errors[int(p.stem[4:])] = _read(p)
-    return outputs, errors
+def terminal_text(text: str) -> str:
+    """What a terminal shows for ``text``: each ``\\r`` returns to the start of the line and
+    what follows overwrites it (a tqdm bar's many updates end as its final state).
+
+    >>> terminal_text("  0%|  | 0/2\\r 50%|# | 1/2\\r100%|##| 2/2\\ndone\\n")
+    '100%|##| 2/2\\ndone\\n'
+    """
+    lines = []
+    for line in text.split("\n"):
+        screen = ""
+        for part in line.split("\r"):
+            screen = part + screen[len(part):]
+        lines.append(screen)
+    return "\n".join(lines)
+
+
+def _collect(outdir: Path, script: Path | None = None
+             ) -> tuple[dict[int, str], dict[int, str], dict[int, int]]:
+    """Each rank's stdout and stderr as a terminal shows them, and the ranks' own failures.
+
+    The cell's temporary file is named ``<torchrun cell>`` (tracebacks, warnings), so
+    nothing shown depends on where the run's folder was.
+    """
+    def text(p: Path) -> str:
+        t = terminal_text(_read(p))
+        return t.replace(str(script), CELL_LABEL) if script is not None else t
+
+    outputs = {int(p.stem[4:]): text(p) for p in outdir.glob("rank*.out")}
+    errors = {int(p.stem[4:]): text(p) for p in outdir.glob("rank*.err")}
+    exits = {}
+    for p in outdir.glob("rank*.exit"):
+        try:
+            exits[int(p.stem[4:])] = int(_read(p) or 1)
+        except ValueError:
+            exits[int(p.stem[4:])] = 1
+    return outputs, errors, exits
 
 
 def _alive(pid: int) -> bool:
@@ -263,7 +392,7 @@ def _reap(proc: subprocess.Popen, seconds: float) -> bool:
 
 
 def _terminate(procs: list[subprocess.Popen], outdir: Path) -> None:
-    """End torchrun agents and every worker they started (see the module docstring)."""
+    """End torchrun agents and every process group of the run (see the module docstring)."""
     for p in procs:
         if p.returncode is None:
             try:
@@ -278,16 +407,8 @@ def _terminate(procs: list[subprocess.Popen], outdir: Path) -> None:
             except ProcessLookupError:
                 pass
             _reap(p, 10.0)
-    for pidfile in outdir.glob("rank*.pid"):
-        try:
-            pid = int(pidfile.read_text())
-        except ValueError:
-            continue
-        if _alive(pid):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+    # workers live in sessions of their own, and so may processes they started
+    kill_run(str(outdir))
 
 
 _ROOT_CAUSE = re.compile(r"Root Cause.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", re.S)
@@ -308,6 +429,28 @@ def _failed_rank(launcher_stderr: str, errors: dict[int, str]) -> tuple[int | No
             if errors[rank].strip() and marker in errors[rank]:
                 return rank, (root[1] if rank == root[0] else None)
     return root
+
+
+_FAILURE = re.compile(r"rank\s*:\s*(\d+)[^\n]*\n\s*exitcode\s*:\s*(-?\d+)")
+
+
+def _failed_ranks(launcher_stderr: str, errors: dict[int, str], exits: dict[int, int]
+                  ) -> list[tuple[int, int | None]]:
+    """Every failing rank with its exit code, in rank order (the error names the lowest).
+
+    A rank whose own program failed recorded it (``rank{N}.exit``); torchrun's summary adds
+    ranks that died without a word (a signal), but not the ones torchrun itself ended
+    (SIGTERM) because a peer failed first. Without records: torchrun's choice (see
+    :func:`_failed_rank`).
+    """
+    failed = dict(exits)
+    for rank, code in _FAILURE.findall(launcher_stderr):
+        if int(code) != -signal.SIGTERM and int(rank) not in failed and exits:
+            failed[int(rank)] = int(code)
+    if not failed:
+        rank, code = _failed_rank(launcher_stderr, errors)
+        return [] if rank is None else [(rank, code)]
+    return sorted(failed.items())
 
 
 def _clean_traceback(text: str, script: Path | None, label: str) -> str:
@@ -336,13 +479,50 @@ def _clean_traceback(text: str, script: Path | None, label: str) -> str:
     return "\n".join(frames)
 
 
-class _LiveStatus:
-    """A one-line live status: an ipywidgets Label in a notebook, nothing elsewhere."""
+def status_text(nprocs: int) -> str:
+    """The live status's constant text form, e.g. ``"torchrun: 2 processes"``.
 
-    def __init__(self, enabled: bool, nprocs: int):
+    What a stored notebook shows for the status before the reader runs it (also on GitHub):
+    plain text that reads as well after the run as during it. nbval compares this form only
+    (the widget's later values are trait updates it ignores), so replays stay exact.
+    """
+    return f"torchrun: {nprocs} process{'es' if nprocs != 1 else ''}"
+
+
+def _status_label(nprocs: int):
+    """An ipywidgets Label whose text/plain form is :func:`status_text`, not its repr."""
+    import ipywidgets
+
+    class TorchrunStatus(ipywidgets.Label):
+        def _repr_mimebundle_(self, **kwargs):
+            bundle = super()._repr_mimebundle_(**kwargs)
+            if isinstance(bundle, dict) and "text/plain" in bundle:
+                bundle["text/plain"] = status_text(nprocs)
+            return bundle
+
+    return TorchrunStatus(value=status_text(nprocs))
+
+
+class _LiveStatus:
+    """A one-line live status: an ipywidgets Label in a notebook kernel, nothing elsewhere.
+
+    One label per cell: several launches from one cell (a loop of ``run_torchrun`` calls)
+    update the same line instead of stacking one widget per launch.
+
+    It also keeps the kernel reported busy while the run lasts (:meth:`keep_busy`): the
+    first widget of a fresh kernel makes JupyterLab's widget manager send the kernel requests
+    of its own, which the kernel answers on another thread (a subshell or the control
+    channel) with a busy/idle pair, and the last status JupyterLab saw, "idle", stayed on
+    show while the cell still ran (issue 19, item 6).
+    """
+
+    _per_cell: dict = {}  # the cell's execute request -> the label that cell displayed
+    BUSY_EVERY_S = 2.0
+
+    def __init__(self, enabled: bool | None, nprocs: int):
         self.label = None
-        if not enabled:
-            return
+        self.kernel = self.request = None
+        self._busy_at = 0.0
         try:
             from IPython import get_ipython
             from IPython.display import display
@@ -350,11 +530,19 @@ class _LiveStatus:
             ip = get_ipython()
             if ip is None or not hasattr(ip, "kernel"):
                 return
-            import ipywidgets
-
-            # Constant initial text: nbval compares only this form, never later updates.
-            self.label = ipywidgets.Label(value=f"torchrun: {nprocs} processes running")
-            display(self.label)
+            self.kernel = ip.kernel
+            self.request = ip.kernel.get_parent("shell")
+            if enabled is False:
+                return
+            # the request that runs this cell (nbval runs cells without counting them)
+            parent = getattr(ip, "parent_header", None) or {}
+            cell = parent.get("header", {}).get("msg_id") or getattr(ip, "execution_count", None)
+            self.label = self._per_cell.get(cell)
+            if self.label is None:
+                self.label = _status_label(nprocs)
+                self._per_cell.clear()  # earlier cells' labels are done with
+                self._per_cell[cell] = self.label
+                display(self.label)
         except Exception:  # no widgets, no kernel: the run goes on without live status
             self.label = None
 
@@ -362,18 +550,232 @@ class _LiveStatus:
         if self.label is not None:
             self.label.value = text
 
+    def keep_busy(self) -> None:
+        """Say again, every ``BUSY_EVERY_S``, that the kernel is busy with this cell."""
+        now = time.monotonic()
+        if self.kernel is None or now - self._busy_at < self.BUSY_EVERY_S:
+            return
+        self._busy_at = now
+        try:
+            self.kernel._publish_status("busy", "shell", parent=self.request)
+        except Exception:  # an older or different kernel: only the indicator is affected
+            self.kernel = None
 
-def _last_line(text: str) -> str:
-    text = text.replace("\r", "\n").rstrip()
-    return text.rsplit("\n", 1)[-1][:160] if text else ""
+
+def _progress_line(outdir: Path, rank: int = 0) -> str:
+    """What rank ``rank`` is showing now: a progress bar being redrawn on stderr (tqdm), else
+    its last line of stdout. Never stderr's other lines (warnings and their source lines)."""
+    err = _read(outdir / f"rank{rank}.err")
+    tail = err.rsplit("\n", 1)[-1]
+    if "\r" in tail and terminal_text(tail).strip():
+        return terminal_text(tail).strip()[:120]
+    out = terminal_text(_read(outdir / f"rank{rank}.out")).rstrip()
+    return out.rsplit("\n", 1)[-1].strip()[:120] if out else ""
+
+
+@dataclass
+class _Launch:
+    """A run ready to start: torchrun's commands, their environment and where output goes."""
+
+    commands: list[list[str]]
+    env: dict
+    cwd: object
+    outdir: Path
+    script: Path | None
+    equivalent: str
+    backend: str
+    reason: str
+    total: int
+    store: object = None  # the agents' rendezvous store, alive for the run
+
+
+def _rendezvous_store():
+    """A TCPStore server on 127.0.0.1 for torchrun's agents: ``(store, "127.0.0.1:PORT")``.
+
+    torch's TCPStore server binds every interface, but accepts a listening socket from the
+    caller (``master_listen_fd``); one bound to 127.0.0.1 keeps the rendezvous on this machine.
+    """
+    import torch.distributed as dist
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(128)
+    port = sock.getsockname()[1]
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+                          master_listen_fd=sock.detach(), multi_tenant=True)
+    return store, f"127.0.0.1:{port}"
+
+
+def _loopback_env(env: dict) -> dict:
+    """Variables that keep a run whose ranks are all on this machine off the network.
+
+    Rank 0's store binds 127.0.0.1 (``DDP_LESSON_ALL_RANKS_LOCAL``, read by
+    :func:`ddp_lesson.env.init_distributed`), and gloo's own connections use the loopback
+    interface (``GLOO_SOCKET_IFNAME=lo``; gloo otherwise listens on the address the host name
+    resolves to). A value you set yourself is kept.
+    """
+    extra = {LOCAL_RUN_ENV: "1"}
+    if "GLOO_SOCKET_IFNAME" not in env and "lo" in {n for _, n in socket.if_nameindex()}:
+        extra["GLOO_SOCKET_IFNAME"] = "lo"
+    return extra
+
+
+def _program(target, args, code, module, outdir: Path) -> tuple[list[str], Path | None]:
+    """The worker bootstrap's command line (``-m ddp_lesson._worker ...``) and the cell file."""
+    script = None
+    if code is not None:
+        script = outdir / "torchrun_cell.py"
+        script.write_text(code)
+        kind, what = "--script", str(script)
+    elif module:
+        kind, what = "--module", target
+    else:
+        if not Path(target).is_file():
+            raise FileNotFoundError(f"script {target!r} not found (cwd {os.getcwd()})")
+        kind, what = "--script", str(Path(target).resolve())
+    return ["-m", "ddp_lesson._worker", str(outdir), kind, what, *map(str, args)], script
+
+
+def _build_launch(target, args, code, module, nproc_per_node, nnodes, max_restarts, backend,
+                  env, cwd, torchrun_args, outdir: Path) -> _Launch:
+    """Build torchrun's command(s) and environment; choose the backend once, for every rank."""
+    program, script = _program(target, args, code, module, outdir)
+    base = launch_env(env, backend, nproc_per_node)
+    chosen = launcher_backend(nproc_per_node, nnodes, backend, base)
+    child_env = launch_env(base, None, nproc_per_node, chosen=chosen)
+    child_env.update(_loopback_env(child_env))
+    torchrun = [sys.executable, "-m", "torch.distributed.run"]
+    # The agents' rendezvous store is hosted here, on 127.0.0.1 only (torchrun's own would
+    # listen on every interface); each agent is a client of it (is_host=false). torchrun's
+    # log folder goes inside the run's own, removed with it.
+    store, endpoint = _rendezvous_store()
+    common = dict(rdzv_endpoint=endpoint, rdzv_id=uuid.uuid4().hex[:8], rdzv_conf="is_host=false",
+                  max_restarts=max_restarts, log_dir=outdir / "torchelastic", extra=torchrun_args)
+    commands = [[*torchrun, *torchrun_flags(nproc_per_node, nnodes, node_rank=node if nnodes > 1
+                                            else None, **common), *program]
+                for node in range(nnodes)]
+    equivalent = torchrun_command(target if code is None else "cell.py", args,
+                                  module=module and code is None, nproc_per_node=nproc_per_node,
+                                  nnodes=nnodes, max_restarts=max_restarts, extra=torchrun_args)
+    return _Launch(commands, child_env, cwd, outdir, script, equivalent, *chosen,
+                   nproc_per_node * nnodes, store)
+
+
+def _start(launch: _Launch, errfiles) -> list[subprocess.Popen]:
+    """Start one torchrun agent per command, each in a session of its own, dying with us."""
+    procs = []
+    linux = sys.platform.startswith("linux")
+    for cmd, err in zip(launch.commands, errfiles):
+        procs.append(subprocess.Popen(
+            cmd, env=launch.env, cwd=launch.cwd, stdin=subprocess.DEVNULL, stdout=err,
+            stderr=subprocess.STDOUT, start_new_session=True,
+            preexec_fn=partial(die_with_parent, os.getpid()) if linux else None))
+        with open(launch.outdir / "agents.pid", "a") as f:  # for the watchdog
+            f.write(f"{procs[-1].pid}\n")
+    return procs
+
+
+def _start_watchdog(launch: _Launch) -> subprocess.Popen:
+    """A small process that ends the run if this one dies (``ddp_lesson._worker.watch``).
+
+    It reads a pipe whose write end only this process holds: any death of the launcher (a
+    kernel restart, SIGKILL) closes it, and the watchdog then kills every process group of
+    the run, processes the ranks started included, and removes the run's folder.
+    """
+    return subprocess.Popen([sys.executable, "-m", "ddp_lesson._worker", "--watch",
+                             str(launch.outdir)], env=launch.env, stdin=subprocess.PIPE,
+                            stdout=subprocess.DEVNULL, start_new_session=True)
+
+
+def _release_watchdog(watchdog: subprocess.Popen) -> None:
+    """Tell the watchdog the run is over (nothing for it to do) and reap it."""
+    try:
+        watchdog.stdin.write(b"done")
+        watchdog.stdin.close()
+    except OSError:
+        pass
+    _reap(watchdog, 10.0)
+
+
+def _supervise(launch: _Launch, timeout: float | None, status: "_LiveStatus", errfiles
+               ) -> tuple[list[subprocess.Popen], bool, float]:
+    """Start the agents and wait for them: ``(procs, timed_out, wall_s)``.
+
+    Live status every ``_POLL_S``; on timeout, interrupt or any other exception every process
+    is ended (the exception is re-raised; a timeout is reported through ``timed_out``).
+    """
+    start = time.monotonic()
+    procs = []
+    try:
+        procs = _start(launch, errfiles)
+        while any(p.poll() is None for p in procs):
+            elapsed = time.monotonic() - start
+            if timeout is not None and elapsed > timeout:
+                _terminate(procs, launch.outdir)
+                return procs, True, time.monotonic() - start
+            status.keep_busy()
+            if status.label is not None:
+                rank0 = _progress_line(launch.outdir)
+                status.update(f"{status_text(launch.total)}, {elapsed:.0f} s"
+                              + (f" | rank 0: {rank0}" if rank0 else ""))
+            time.sleep(_POLL_S)
+    except KeyboardInterrupt:
+        _terminate(procs, launch.outdir)
+        status.update("torchrun: interrupted; every process ended")
+        raise TorchrunInterrupted() from None
+    except BaseException:
+        _terminate(procs, launch.outdir)
+        status.update("torchrun: stopped; every process ended")
+        raise
+    return procs, False, time.monotonic() - start
+
+
+def _collect_result(launch: _Launch, procs, errfiles, wall: float
+                    ) -> tuple[TorchrunResult, dict[int, int]]:
+    """Read what the run left in its folder: every rank's output, torchrun's own log, and
+    the exit codes of the ranks whose own program failed."""
+    launcher_stderr = ""
+    for err in errfiles:
+        err.seek(0)
+        launcher_stderr += err.read().decode(errors="replace")
+    outputs, errors, exits = _collect(launch.outdir, launch.script)
+    returncode = next((p.returncode for p in procs if p.returncode), 0)
+    return TorchrunResult(returncode, outputs, errors, launcher_stderr, launch.commands[0],
+                          launch.equivalent, launch.backend, launch.reason, wall), exits
+
+
+def _failure(launch: _Launch, result: TorchrunResult, exits: dict[int, int]) -> TorchrunError:
+    """The error for a failed run: every failing rank in rank order, the lowest one's traceback."""
+    failed = _failed_ranks(result.launcher_stderr, result.errors, exits)
+    result.failed_ranks = [r for r, _ in failed]
+    if not failed:
+        tb = _clean_traceback(result.launcher_stderr, launch.script, CELL_LABEL)
+        last = tb.strip().splitlines()[-1] if tb.strip() else ""
+        return TorchrunError(f"torchrun failed (exit code {result.returncode})"
+                             + (f": {last}" if last else ""), None, result.returncode, tb, result)
+    rank, code = failed[0]
+    result.failed_rank = rank
+    # the traceback: the lowest failing rank's, else the first failing rank that said why
+    said = [r for r, _ in failed if result.errors.get(r, "").strip()] or [rank]
+    tb = _clean_traceback(result.errors.get(said[0], ""), launch.script, CELL_LABEL)
+    exitcode = code if code is not None else result.returncode
+    last = tb.strip().splitlines()[-1] if tb.strip() else ""
+    if len(failed) == 1:
+        where = f"rank {rank} of {launch.total} failed (exit code {exitcode})"
+    else:
+        codes = ", ".join(str(c if c is not None else result.returncode) for _, c in failed)
+        where = (f"ranks {', '.join(str(r) for r, _ in failed)} of {launch.total} failed "
+                 f"(exit codes {codes})")
+    return TorchrunError(where + (f": {last}" if last else ""), rank, exitcode, tb, result)
 
 
 def run_torchrun(target: str | None = None, args=(), *, code: str | None = None,
                  module: bool = False, nproc_per_node: int = 2, nnodes: int = 1,
                  max_restarts: int = 0, timeout: float | None = DEFAULT_TIMEOUT_S,
                  backend: str | None = None, env: dict | None = None, cwd=None,
-                 live: bool = True, check: bool = True, torchrun_args=()) -> TorchrunResult:
-    """Run a program on ``nnodes * nproc_per_node`` processes with torchrun and collect each rank's output.
+                 live: bool | None = None, check: bool = True,
+                 torchrun_args=()) -> TorchrunResult:
+    """Run a program on ``nnodes * nproc_per_node`` processes with torchrun, collect each output.
 
     Give exactly one of ``code`` (source text, run as a script: what ``%%torchrun`` does),
     ``target`` with ``module=True`` (like ``torchrun -m NAME``) or ``target`` as a script path.
@@ -389,10 +791,12 @@ def run_torchrun(target: str | None = None, args=(), *, code: str | None = None,
         nnodes: number of torchrun agents (simulated nodes) to start here.
         max_restarts: torchrun's ``--max-restarts``.
         timeout: wall-clock seconds for the whole run; None waits forever (not advised).
-        backend: ``"auto"``, ``"gloo"``, ``"nccl"``; None reads ``DDP_LESSON_BACKEND``.
+        backend: ``"auto"``, ``"gloo"``, ``"nccl"``; None reads ``DDP_LESSON_BACKEND``. The
+            launcher chooses once and every rank uses that choice.
         env: environment for the run (default: this process's).
         cwd: working directory of the workers.
-        live: show a live status widget when running in a notebook kernel.
+        live: the live status line (a widget) in a notebook kernel: None (default) or True
+            show it there, False never. Outside a kernel there is none.
         check: raise :class:`TorchrunError` when a rank fails.
         torchrun_args: further torchrun flags, passed through unchanged.
 
@@ -403,100 +807,41 @@ def run_torchrun(target: str | None = None, args=(), *, code: str | None = None,
         ValueError: bad arguments (named with their values).
         TorchrunError: a rank failed (``check=True``); carries its traceback.
         TorchrunTimeout: the run outlived ``timeout``; all processes were ended.
-        KeyboardInterrupt: re-raised after ending every process.
+        TorchrunInterrupted: a ``KeyboardInterrupt``, raised after ending every process.
     """
     if (code is None) == (target is None):
         raise ValueError("give exactly one of code= or target=")
     if isinstance(args, str):  # "--epochs 1" means what a shell would make of it
         args = shlex.split(args)
     _validate(nproc_per_node, nnodes, max_restarts, timeout)
-    total = nproc_per_node * nnodes
-    chosen, reason = choose_backend(nproc_per_node, backend)
     outdir = Path(tempfile.mkdtemp(prefix="ddp_lesson_run_"))
-    script = None
+    launch = None
     try:
-        if code is not None:
-            script = outdir / "torchrun_cell.py"
-            script.write_text(code)
-            kind, what = "--script", str(script)
-        elif module:
-            kind, what = "--module", target
-        else:
-            if not Path(target).is_file():
-                raise FileNotFoundError(f"script {target!r} not found (cwd {os.getcwd()})")
-            kind, what = "--script", str(Path(target).resolve())
-        program = ["-m", "ddp_lesson._worker", str(outdir), kind, what, *map(str, args)]
-        child_env = launch_env(env, backend, nproc_per_node)
-        commands = []
-        base = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
-                str(nproc_per_node), "--max-restarts", str(max_restarts), *map(str, torchrun_args)]
-        if nnodes == 1:
-            commands.append(base[:3] + ["--standalone"] + base[3:] + program)
-        else:
-            endpoint = f"127.0.0.1:{free_port()}"
-            run_id = uuid.uuid4().hex[:8]
-            for node in range(nnodes):
-                commands.append(base + ["--nnodes", str(nnodes), "--rdzv-backend", "c10d",
-                                        "--rdzv-endpoint", endpoint, "--rdzv-id", run_id,
-                                        "--node-rank", str(node), *program])
-        equivalent = torchrun_command(target if code is None else "cell.py", args,
-                                      module=module and code is None,
-                                      nproc_per_node=nproc_per_node, nnodes=nnodes,
-                                      max_restarts=max_restarts, extra=list(map(str, torchrun_args)))
-        status = _LiveStatus(live, total)
-        start = time.monotonic()
-        errfiles = [open(outdir / f"launcher{n}.err", "w+b") for n in range(len(commands))]
-        procs = []
+        launch = _build_launch(target, args, code, module, nproc_per_node, nnodes, max_restarts,
+                               backend, env, cwd, [str(a) for a in torchrun_args], outdir)
+        status = _LiveStatus(live, launch.total)
+        errfiles = [open(outdir / f"launcher{n}.err", "w+b") for n in range(len(launch.commands))]
+        watchdog = _start_watchdog(launch)
         try:
-            for cmd, err in zip(commands, errfiles):
-                procs.append(subprocess.Popen(cmd, env=child_env, cwd=cwd, stdin=subprocess.DEVNULL,
-                                              stdout=err, stderr=subprocess.STDOUT,
-                                              start_new_session=True,
-                                              preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None))
-            timed_out = False
-            while any(p.poll() is None for p in procs):
-                elapsed = time.monotonic() - start
-                if timeout is not None and elapsed > timeout:
-                    timed_out = True
-                    break
-                if status.label is not None:
-                    rank0 = _last_line(_read(outdir / "rank0.err")) or _last_line(_read(outdir / "rank0.out"))
-                    status.update(f"torchrun: {total} processes, {elapsed:.0f} s"
-                                  + (f" | rank 0: {rank0}" if rank0 else ""))
-                time.sleep(_POLL_S)
-        except BaseException:
-            _terminate(procs, outdir)
-            status.update("torchrun: interrupted; every process ended")
-            raise
-        if timed_out:
-            _terminate(procs, outdir)
-        wall = time.monotonic() - start
-        launcher_stderr = ""
-        for err in errfiles:
-            err.seek(0)
-            launcher_stderr += err.read().decode(errors="replace")
-            err.close()
-        outputs, errors = _collect(outdir)
-        returncode = next((p.returncode for p in procs if p.returncode), 0)
-        result = TorchrunResult(returncode, outputs, errors, launcher_stderr, commands[0],
-                                equivalent, chosen, reason, wall)
+            procs, timed_out, wall = _supervise(launch, timeout, status, errfiles)
+            result, exits = _collect_result(launch, procs, errfiles, wall)
+        finally:
+            _release_watchdog(watchdog)
+            for err in errfiles:
+                err.close()
         if timed_out:
             status.update(f"torchrun: timed out after {timeout:g} s; every process ended")
-            raise TorchrunTimeout(equivalent, timeout, result)
-        status.update(f"torchrun: {total} processes finished in {wall:.1f} s (exit {returncode})")
-        if returncode != 0:
-            rank, code_ = _failed_rank(launcher_stderr, errors)
-            result.failed_rank = rank
+            raise TorchrunTimeout(launch.equivalent, timeout, result)
+        status.update(f"{status_text(launch.total)} finished in {wall:.1f} s "
+                      f"(exit {result.returncode})")
+        if result.returncode != 0:
+            error = _failure(launch, result, exits)
             if check:
-                tb = _clean_traceback(errors.get(rank, "") if rank is not None else launcher_stderr,
-                                      script, "<torchrun cell>")
-                where = f"rank {rank} of {total}" if rank is not None else "torchrun"
-                exitcode = code_ if code_ is not None else returncode
-                last = tb.strip().splitlines()[-1] if tb.strip() else ""
-                raise TorchrunError(f"{where} failed (exit code {exitcode})"
-                                    + (f": {last}" if last else ""), rank, exitcode, tb, result)
+                raise error
         return result
     finally:
+        if launch is not None:  # stop the rendezvous store now, not when a traceback is freed
+            launch.store = None
         shutil.rmtree(outdir, ignore_errors=True)
 
 
@@ -559,7 +904,7 @@ def split_magic_line(line: str) -> tuple[list[str], str | None, bool, list[str]]
 
 
 def torchrun_magic(line: str, cell: str | None = None):
-    """``%%torchrun [options]`` runs the cell; ``%torchrun [options] -m MODULE|SCRIPT [args]`` runs a program.
+    """``%%torchrun [opts]`` runs the cell, ``%torchrun [opts] -m MODULE|SCRIPT [args]`` a program.
 
     Options (torchrun's own names): ``--nproc-per-node N`` (default 2), ``--nnodes N``,
     ``--max-restarts N``, plus ``--timeout S``, ``--backend {auto,gloo,nccl}``,
@@ -572,7 +917,8 @@ def torchrun_magic(line: str, cell: str | None = None):
     try:
         opts = parser.parse_args(opt_tokens)
     except SystemExit:
-        raise ValueError(f"could not parse %%torchrun options {line!r}; see %torchrun --help") from None
+        raise ValueError(f"could not parse %%torchrun options {line!r}; "
+                         "see %torchrun --help") from None
     if opts.help:
         print(torchrun_magic.__doc__)
         return None
@@ -586,7 +932,7 @@ def torchrun_magic(line: str, cell: str | None = None):
     if ranks is not None and not all(0 <= r < total for r in ranks):
         raise ValueError(f"--ranks {opts.ranks}: ranks must be in [0, {total - 1}]")
     if not opts.quiet:
-        _, reason = choose_backend(opts.nproc_per_node, opts.backend)
+        _, reason = launcher_backend(opts.nproc_per_node, opts.nnodes, opts.backend)
         print(f"[torchrun] {reason}")
     try:
         result = run_torchrun(target, args, code=body, module=is_module,

@@ -24,7 +24,8 @@ def test_backend_rule(nproc, gpus, expected, reason):
 def test_backend_overrides(monkeypatch):
     assert choose_backend(2, "gloo", cuda_device_count=8)[0] == "gloo"
     assert choose_backend(2, "nccl", cuda_device_count=2)[0] == "nccl"
-    with pytest.raises(ValueError, match="nccl needs one GPU per process: 4 processes but 1 GPU visible"):
+    with pytest.raises(ValueError,
+                       match="nccl needs one GPU per process: 4 processes but 1 GPU visible"):
         choose_backend(4, "nccl", cuda_device_count=1)
     with pytest.raises(ValueError, match="backend 'mpi' is not one of auto, gloo, nccl"):
         choose_backend(2, "mpi", cuda_device_count=0)
@@ -47,8 +48,19 @@ def test_read_env_from_torchrun_variables():
     environ = {"RANK": "5", "LOCAL_RANK": "1", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4",
                "TORCHELASTIC_RUN_ID": "x"}
     env = read_env("gloo", environ=environ)
-    assert env == DistEnv(5, 1, 8, 4, "gloo", "cpu", "4 processes, gloo requested: using gloo on CPU")
+    assert env == DistEnv(5, 1, 8, 4, "gloo", "cpu",
+                          "4 processes, gloo requested: using gloo on CPU")
     assert env.distributed and not env.is_main
+
+
+def test_read_env_uses_the_launchers_choice_unless_asked_otherwise():
+    environ = {"RANK": "1", "WORLD_SIZE": "2", "DDP_LESSON_LAUNCHER_BACKEND": "gloo",
+               "DDP_LESSON_LAUNCHER_REASON": "2 processes and no GPU: using gloo on CPU"}
+    env = read_env(environ=environ)
+    assert (env.backend, env.reason) == ("gloo", "2 processes and no GPU: using gloo on CPU")
+    # an explicit request in the rank's own code still wins
+    assert read_env("gloo", environ=environ).reason == (
+        "2 processes, gloo requested: using gloo on CPU")
 
 
 @pytest.mark.parametrize("environ, message", [

@@ -74,7 +74,8 @@ def test_workers_get_backend_threads_and_a_real_process_group():
         env = init_distributed(timeout=30)
         t = torch.tensor([env.rank + 1])
         dist.all_reduce(t)
-        print(env.backend, os.environ.get("DDP_LESSON_BACKEND"), os.environ["OMP_NUM_THREADS"], int(t))
+        print(env.backend, os.environ.get("DDP_LESSON_BACKEND"), os.environ["OMP_NUM_THREADS"],
+              int(t))
         cleanup()
     """)
     result = run_torchrun(code=code, nproc_per_node=2, timeout=90, live=False, backend="gloo",
@@ -86,11 +87,17 @@ def test_workers_get_backend_threads_and_a_real_process_group():
 
 
 def test_omp_banner_silenced_and_threads_set_when_unset():
+    # and every rank uses the backend the launcher chose and printed, with its reason; the
+    # request comes from the run's own environment (env=), not from this process's
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
-    result = run_torchrun(code="import os; print(os.environ['OMP_NUM_THREADS'])",
-                          nproc_per_node=2, timeout=90, live=False, env=env)
+    env["DDP_LESSON_BACKEND"] = "gloo"
+    code = ("import os; from ddp_lesson.env import read_env; e = read_env()\n"
+            "print(os.environ['OMP_NUM_THREADS']); print(e.backend, '|', e.reason)\n")
+    result = run_torchrun(code=code, nproc_per_node=2, timeout=90, live=False, env=env)
     expected = str(max(1, (os.cpu_count() or 1) // 2))
-    assert result.rank_lines(0) == [expected] and result.rank_lines(1) == [expected]
+    chosen = "gloo | 2 processes, gloo requested: using gloo on CPU"
+    assert (result.backend, result.backend_reason) == tuple(chosen.split(" | "))
+    assert result.rank_lines(0) == [expected, chosen] and result.rank_lines(1) == [expected, chosen]
     assert "OMP_NUM_THREADS" not in result.launcher_stderr  # no starred banner (cases C5)
 
 
@@ -126,7 +133,8 @@ def test_check_false_returns_the_failure_instead():
 def test_timeout_ends_every_process(tmp_path):
     code = textwrap.dedent(f"""
         import os, time
-        open(os.path.join({str(tmp_path)!r}, "pid" + os.environ["RANK"]), "w").write(str(os.getpid()))
+        pid_file = os.path.join({str(tmp_path)!r}, "pid" + os.environ["RANK"])
+        open(pid_file, "w").write(str(os.getpid()))
         time.sleep(600)
     """)
     start = time.monotonic()
@@ -138,12 +146,33 @@ def test_timeout_ends_every_process(tmp_path):
     assert _wait_dead(pids) == []
 
 
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` in the parent tree (children, their children, ...)."""
+    children = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (FileNotFoundError, ProcessLookupError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
 def _interrupt_script(tmp_path: Path, signum: int) -> tuple[list[int], int, str]:
-    """Start run_torchrun in a separate Python, wait until both workers run, send ``signum``."""
+    """Start run_torchrun in a separate Python, wait until both workers run and each started
+    a process of its own (``sleep``), send ``signum``. Returns every descendant seen before."""
     driver = tmp_path / "driver.py"
-    worker = (f"import os, time\n"
+    worker = (f"import os, subprocess, time\n"
+              f"child = subprocess.Popen(['sleep', '600'])\n"
               f"open(os.path.join({str(tmp_path)!r}, 'pid' + os.environ['RANK']), 'w')"
-              f".write(str(os.getpid()))\n"
+              f".write(f'{{os.getpid()}} {{child.pid}}')\n"
               f"time.sleep(600)\n")
     driver.write_text(
         "import signal, sys\n"
@@ -154,8 +183,8 @@ def _interrupt_script(tmp_path: Path, signum: int) -> tuple[list[int], int, str]
         "from ddp_lesson.launch import run_torchrun\n"
         "try:\n"
         f"    run_torchrun(code={worker!r}, nproc_per_node=2, timeout=300, live=False)\n"
-        "except KeyboardInterrupt:\n"
-        "    print('interrupted', flush=True)\n"
+        "except KeyboardInterrupt as e:\n"
+        "    print('interrupted', *e._render_traceback_(), flush=True)\n"
         "    sys.exit(130)\n")
     proc = subprocess.Popen([sys.executable, str(driver)], stdout=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 60
@@ -164,24 +193,31 @@ def _interrupt_script(tmp_path: Path, signum: int) -> tuple[list[int], int, str]
         assert time.monotonic() < deadline, "workers did not start"
         assert proc.poll() is None, "driver died early"
         time.sleep(0.1)
-    pids = [int((tmp_path / f"pid{r}").read_text()) for r in (0, 1)]
+    pids = [int(p) for r in (0, 1) for p in (tmp_path / f"pid{r}").read_text().split()]
     assert all(_alive(p) for p in pids)
+    below = _descendants(proc.pid)
+    # torchrun, 2 workers, 2 sleeps, the launcher's watchdog (and any helper torch starts)
+    assert set(pids) <= set(below) and len(below) >= 6
     os.kill(proc.pid, signum)
     out, _ = proc.communicate(timeout=60)
-    return pids, proc.returncode, out
+    return below, proc.returncode, out
 
 
 def test_interrupt_leaves_no_process(tmp_path):
-    pids, code, out = _interrupt_script(tmp_path, signal.SIGINT)
-    assert code == 130 and "interrupted" in out
-    assert _wait_dead(pids) == []
+    below, code, out = _interrupt_script(tmp_path, signal.SIGINT)
+    assert code == 130
+    # one line in a notebook, not a traceback through the launcher (issue 19, item 5)
+    assert out == ("interrupted KeyboardInterrupt: torchrun interrupted: every process it "
+                   "started was ended\n")
+    assert _wait_dead(below) == []
 
 
 def test_killing_the_launcher_outright_leaves_no_orphans(tmp_path):
-    # a notebook kernel killed with SIGKILL cannot clean up: the death signals must do it
-    pids, code, _ = _interrupt_script(tmp_path, signal.SIGKILL)
+    # a notebook kernel killed with SIGKILL cannot clean up: its watchdog and the death
+    # signals must do it, for the processes the ranks started too (issue 15, item 7)
+    below, code, _ = _interrupt_script(tmp_path, signal.SIGKILL)
     assert code == -signal.SIGKILL
-    assert _wait_dead(pids, seconds=20) == []
+    assert _wait_dead(below, seconds=10) == []
 
 
 def test_two_launches_at_once_get_different_ports():
@@ -212,11 +248,13 @@ def test_module_and_script_targets_get_their_arguments(tmp_path):
     script = tmp_path / "show_args.py"
     script.write_text("import os, sys; print(os.environ['RANK'], sys.argv[1:])\n")
     result = run_torchrun(str(script), ["--epochs", "3"], nproc_per_node=2, timeout=90, live=False)
-    assert result.stdout.splitlines() == ["[rank 0] 0 ['--epochs', '3']", "[rank 1] 1 ['--epochs', '3']"]
+    assert result.stdout.splitlines() == ["[rank 0] 0 ['--epochs', '3']",
+                                          "[rank 1] 1 ['--epochs', '3']"]
     pkg = tmp_path / "lab_pkg"
     pkg.mkdir()
     (pkg / "__init__.py").write_text("")
-    (pkg / "hello.py").write_text("import os, sys\nif __name__ == '__main__':\n    print('module', os.environ['RANK'], sys.argv[1:])\n")
+    (pkg / "hello.py").write_text("import os, sys\nif __name__ == '__main__':\n"
+                                  "    print('module', os.environ['RANK'], sys.argv[1:])\n")
     result = run_torchrun("lab_pkg.hello", ["x"], module=True, nproc_per_node=2, timeout=90,
                           live=False, cwd=tmp_path,
                           env={**os.environ, "PYTHONPATH": str(tmp_path)})
@@ -243,11 +281,33 @@ def test_equivalent_command_and_formatting():
     assert format_rank_outputs({1: "b\n", 0: "a\n"}, ranks={1}) == "[rank 1] b\n"
 
 
+def test_torchrun_flags_are_built_in_one_place():
+    import argparse
+
+    from ddp_lesson.cli import torchrun_argv
+    from ddp_lesson.launch import torchrun_flags
+
+    assert torchrun_flags(2) == ["--standalone", "--nproc-per-node", "2"]
+    assert torchrun_flags(1, 2, max_restarts=1, rdzv_endpoint="h:1", rdzv_id="j", node_rank=1) == [
+        "--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "h:1", "--rdzv-id", "j",
+        "--node-rank", "1", "--nproc-per-node", "1", "--max-restarts", "1"]
+    with pytest.raises(ValueError, match="--nnodes 2 needs --rdzv-endpoint HOST:PORT"):
+        torchrun_flags(1, 2)
+    # the CLI's flags are the launcher's
+    opts = argparse.Namespace(nproc_per_node=4, nnodes=2, max_restarts=0, rdzv_endpoint="h:1",
+                              rdzv_id="j", node_rank=None)
+    assert torchrun_argv(opts) == torchrun_flags(4, 2, rdzv_endpoint="h:1", rdzv_id="j")
+    assert torchrun_command("a.py", nproc_per_node=1, nnodes=2) == (
+        "torchrun --nnodes 2 --rdzv-backend c10d --rdzv-endpoint HOST:PORT --rdzv-id JOB_ID "
+        "--nproc-per-node 1 a.py")
+
+
 def test_magic_line_splitting():
     assert split_magic_line("--nproc-per-node 2") == (["--nproc-per-node", "2"], None, False, [])
     assert split_magic_line("--nproc-per-node 2 -m ddp_lesson.train --epochs 1 --out runs/x") == (
         ["--nproc-per-node", "2"], "ddp_lesson.train", True, ["--epochs", "1", "--out", "runs/x"])
-    assert split_magic_line("--nnodes 2 train.py -b 4") == (["--nnodes", "2"], "train.py", False, ["-b", "4"])
+    assert split_magic_line("--nnodes 2 train.py -b 4") == (
+        ["--nnodes", "2"], "train.py", False, ["-b", "4"])
     with pytest.raises(ValueError, match="-m needs a module name"):
         split_magic_line("--nproc-per-node 2 -m")
 
@@ -292,7 +352,8 @@ def test_raw_torchrun_omp_banner(tmp_path, nproc, preset, expect_banner, expect_
     """shared/cases C5, on plain torchrun: why the launcher sets OMP_NUM_THREADS itself."""
     script = tmp_path / "omp.py"
     # one write(2) per worker: both share torchrun's stdout pipe, and writes this small are atomic
-    script.write_text("import os; os.write(1, (os.environ.get('OMP_NUM_THREADS', 'unset') + '\\n').encode())\n")
+    script.write_text("import os; os.write(1, "
+                      "(os.environ.get('OMP_NUM_THREADS', 'unset') + '\\n').encode())\n")
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     if preset is not None:
         env["OMP_NUM_THREADS"] = preset
@@ -313,7 +374,8 @@ def test_error_shows_a_rank_that_said_why():
     launcher = ("Root Cause (first observed failure):\n[0]:\n  time : x\n  host : h\n"
                 "  rank      : 1 (local_rank: 1)\n  exitcode  : 2 (pid: 7)\n")
     assert _failed_rank(launcher, {0: "error: epochs must be >= 1, got 0\n", 1: ""}) == (0, None)
-    assert _failed_rank(launcher, {0: "warn\n", 1: "Traceback (most recent call last):\nX\n"}) == (1, 2)
+    traceback = "Traceback (most recent call last):\nX\n"
+    assert _failed_rank(launcher, {0: "warn\n", 1: traceback}) == (1, 2)
     assert _failed_rank(launcher, {0: "", 1: ""}) == (1, 2)
     assert _failed_rank("", {0: "", 1: "Traceback (most recent call last):\nE\n"}) == (1, None)
 

@@ -505,7 +505,7 @@ def _launch(ex: Exercise, candidates: list) -> tuple[int, list[list[str]]]:
             result = run_torchrun("ddp_lesson.exercises._runner", module=True,
                                   args=[ex.id, str(payload), str(tmp), str(timeout_s)],
                                   nproc_per_node=launch_size, backend="gloo",
-                                  timeout=LAUNCH_TIMEOUT_S, live=False, check=False)
+                                  timeout=LAUNCH_TIMEOUT_S, check=False)
         except TorchrunTimeout:
             timed_out, result = True, None
         per_rank = {}
