@@ -31,6 +31,7 @@ import pickle
 import re
 import shutil
 import tempfile
+import textwrap
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -88,8 +89,18 @@ class Verdict:
 
     __repr__ = __str__
 
+    def wrapped(self, width: int = 100) -> str:
+        """The text of ``str(verdict)`` with every line wrapped at spaces to ``width`` characters
+        (continuations indented), so a notebook's output area never breaks a word."""
+        out = []
+        for line in str(self).split("\n"):
+            indent = " " * (len(line) - len(line.lstrip(" ")))
+            out += textwrap.wrap(line, width, subsequent_indent=indent + "  ",
+                                 break_long_words=False, break_on_hyphens=False) or [""]
+        return "\n".join(out)
+
     def _repr_pretty_(self, printer, cycle) -> None:  # IPython's display of the last expression
-        printer.text(str(self))
+        printer.text(self.wrapped())
 
 
 @dataclass
