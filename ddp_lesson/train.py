@@ -34,7 +34,11 @@ on its own shard of every epoch, and DDP averages the gradients with an ``all_re
 * ``--sync-bn`` (BatchNorm statistics over the global batch, :mod:`ddp_lesson.syncbn` on
   CPU, torch's ``nn.SyncBatchNorm`` on GPUs), ``--grad-accum-steps`` (``no_sync`` on all but
   the last micro-batch), ``--lr-scaling`` (the learning rate follows the global batch),
-  ``--ddp`` (torch's wrapper or this package's);
+  ``--ddp`` (torch's wrapper or this package's), ``--bucket-cap-mb``, ``--static-graph`` and
+  ``--gradient-as-bucket-view`` (passed to the wrapper);
+* ``--amp bf16|fp16`` (autocast; fp16 with one GradScaler per process, checkpointed) and
+  ``--clip-grad-norm MAX`` (once per optimizer step, after unscaling; each step's norm before
+  clipping in ``summary.json``), :class:`ddp_lesson.step.Precision`;
 * bad input stops with one line that names the values (``error: ...``), exit status 2, and
   leaves any checkpoint untouched.
 
