@@ -24,10 +24,11 @@ from dataclasses import asdict, dataclass, field
 from .checkpoint import (CheckpointError, first_config_mismatch, first_state_mismatch,
                          load_checkpoint, strip_module_prefix)
 from .data import NUM_CLASSES, make_datasets
-from .env import BACKENDS
+from .env import BACKENDS, choose_backend
 from .gradients import LR_RULES, scale_lr
 from .models import MODELS, build_model
 from .sampler import num_samples_per_rank
+from .step import AMP_MODES, amp_unavailable
 
 #: Rules for ``--lr-scaling``: how the learning rate follows the global batch
 #: (:func:`ddp_lesson.gradients.scale_lr`).
@@ -44,7 +45,8 @@ CHECKPOINT_FILE = "checkpoint.pt"
 #: ``--workers``, ``--max-steps``, ``--ddp``, ``--backend``, ...) may change between runs.
 RESUME_MUST_MATCH = ("model", "width", "size", "seed", "num_train", "batch_size",
                      "grad_accum_steps", "drop_last", "sync_bn", "lr", "momentum",
-                     "weight_decay", "lr_scaling", "base_batch", "lr_schedule", "epochs")
+                     "weight_decay", "lr_scaling", "base_batch", "lr_schedule", "epochs",
+                     "amp", "clip_grad_norm")
 
 
 class TrainInputError(Exception):
@@ -125,6 +127,24 @@ class TrainConfig:
     ddp: str = field(default="torch", metadata=_note(
         "data-parallel wrapper: torch = DistributedDataParallel, naive / bucketed = "
         "ddp_lesson.ddp.NaiveDDP / BucketedDDP", choices=DDP_WRAPPERS))
+    amp: str = field(default="off", metadata=_note(
+        "mixed precision: off = float32; bf16 = forward under torch.autocast in bfloat16; "
+        "fp16 = autocast in float16 with one torch.amp.GradScaler per process (its state is "
+        "checkpointed)", choices=AMP_MODES))
+    clip_grad_norm: float | None = field(default=None, metadata=_note(
+        "clip the total L2 norm of the all-reduced gradients to MAX once per optimizer step "
+        "(after unscaling under fp16); the norm before clipping goes to summary.json "
+        "(unset: no clipping)", type=float, metavar="MAX"))
+    bucket_cap_mb: float = field(default=25.0, metadata=_note(
+        "gradient bucket size in MB (2**20 bytes) for --ddp torch and --ddp bucketed "
+        "(torch's default 25); smaller buckets: more all_reduce calls, started earlier",
+        metavar="MB"))
+    static_graph: bool = field(default=False, metadata=_note(
+        "pass static_graph=True to torch's DDP (--ddp torch only)", action="store_true"))
+    gradient_as_bucket_view: bool = field(default=False, metadata=_note(
+        "pass gradient_as_bucket_view=True to torch's DDP: .grad tensors become views into "
+        "the buckets, saving one copy of the gradients (--ddp torch only)",
+        action="store_true"))
     checkpoint_every_steps: int = field(default=0, metadata=_note(
         "also write the checkpoint every N optimizer steps (0: only at each epoch end)"))
     no_resume: bool = field(default=False, metadata=_note(
@@ -176,6 +196,22 @@ class TrainConfig:
              f"lr_schedule {self.lr_schedule!r} is not one of {', '.join(LR_SCHEDULES)}"),
             (self.ddp in DDP_WRAPPERS,
              f"ddp {self.ddp!r} is not one of {', '.join(DDP_WRAPPERS)}"),
+            (self.amp in AMP_MODES, f"amp {self.amp!r} is not one of {', '.join(AMP_MODES)}"),
+            (self.clip_grad_norm is None
+             or (math.isfinite(self.clip_grad_norm) and self.clip_grad_norm > 0),
+             f"clip_grad_norm must be a finite number > 0 (leave the flag out for no "
+             f"clipping), got {self.clip_grad_norm}"),
+            (math.isfinite(self.bucket_cap_mb) and self.bucket_cap_mb > 0,
+             f"bucket_cap_mb must be a finite number > 0, got {self.bucket_cap_mb}"),
+            (self.ddp != "naive" or self.bucket_cap_mb == 25.0,
+             f"bucket_cap_mb {self.bucket_cap_mb:g} needs --ddp torch or bucketed: NaiveDDP "
+             "has no buckets (it all-reduces each gradient on its own)"),
+            (self.ddp == "torch" or not self.static_graph,
+             f"static_graph needs --ddp torch: ddp_lesson's {self.ddp} wrapper does not "
+             "implement it"),
+            (self.ddp == "torch" or not self.gradient_as_bucket_view,
+             f"gradient_as_bucket_view needs --ddp torch: ddp_lesson's {self.ddp} wrapper "
+             "does not implement it"),
             (self.checkpoint_every_steps >= 0,
              f"checkpoint_every_steps must be >= 0, got {self.checkpoint_every_steps}"),
             (self.max_steps >= 0, f"max_steps must be >= 0, got {self.max_steps}"),
@@ -299,6 +335,14 @@ def check_steps(cfg: TrainConfig, derived: dict, n: int) -> None:
 
 # --------------------------------------------------------------------------- checks of input
 
+def check_amp(cfg: TrainConfig, device_type: str) -> None:
+    """Raise TrainInputError when ``--amp`` cannot run on ``device_type`` (e.g. bf16 on a GPU
+    without bfloat16). Local: no communication."""
+    problem = amp_unavailable(cfg.amp, device_type)
+    if problem:
+        raise TrainInputError(problem)
+
+
 def check_out_writable(out: str) -> str | None:
     """None when ``out`` can be created and written, else a one-line reason."""
     try:
@@ -361,6 +405,11 @@ def preflight(argv: list[str] | None, world_size: int) -> TrainConfig:
     cfg = parse_config(argv)
     if world_size < 1:
         raise TrainInputError(f"the job needs at least 1 process, got {world_size}")
+    try:
+        backend, _ = choose_backend(world_size, None if cfg.backend == "auto" else cfg.backend)
+    except ValueError as exc:
+        raise TrainInputError(str(exc)) from None
+    check_amp(cfg, "cuda" if backend == "nccl" else "cpu")
     train_ds, _ = load_datasets(cfg)
     check_steps(cfg, derived_values(cfg, world_size, len(train_ds)), len(train_ds))
     problem = check_out_writable(cfg.out)

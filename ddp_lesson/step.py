@@ -4,14 +4,18 @@
 the loss is the mean over the labelled pixels of the whole *global* batch (one small
 all_reduce of the pixel count per step), and :func:`accumulate_gradients` runs the
 micro-batches of a step with ``no_sync`` on all but the last, so the gradients are
-all-reduced once per step (docs/pitfalls.md B4, B5). :class:`StepTimer` measures the phases
-of a step (data, forward, backward, comm, optimizer) for the benchmarks.
+all-reduced once per step (docs/pitfalls.md B4, B5). :class:`Precision` adds mixed precision
+(autocast in bf16 or fp16, a ``torch.amp.GradScaler`` for fp16) and gradient clipping to a
+step, and records the step's total gradient norm and whether the scaler skipped it.
+:class:`StepTimer` measures the phases of a step (data, forward, backward, comm, optimizer)
+for the benchmarks.
 
 The :class:`ddp_lesson.train.Trainer` drives these; benchmarks and tests call them directly.
 """
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 
 import torch
@@ -20,8 +24,12 @@ import torch.nn.functional as F
 from .data import IGNORE_INDEX
 from .env import all_reduce_sum, reduce_device
 
-__all__ = ["StepTimer", "accumulate_gradients", "model_logits", "sum_over_ranks",
-           "train_step"]
+__all__ = ["AMP_MODES", "Precision", "StepTimer", "accumulate_gradients", "model_logits",
+           "sum_over_ranks", "train_step"]
+
+#: ``--amp`` choices: no autocast, autocast to bfloat16, autocast to float16 with a GradScaler.
+AMP_MODES = ("off", "bf16", "fp16")
+_AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def sum_over_ranks(t: torch.Tensor) -> torch.Tensor:
@@ -77,9 +85,115 @@ def _phase(timer, name):
     return timer.phase(name) if timer is not None else contextlib.nullcontext()
 
 
+class Precision:
+    """Mixed precision and gradient clipping for :func:`train_step` (one per process).
+
+    ``amp="bf16"`` / ``"fp16"`` runs each forward under ``torch.autocast(device_type,
+    dtype)``; the loss is computed in float32 from the logits. ``"fp16"`` also needs a
+    ``torch.amp.GradScaler`` (one per process, built here unless one is given): the loss is
+    multiplied by the scale before backward, so small fp16 gradients do not flush to zero;
+    before the optimizer step the gradients are unscaled, checked for inf/NaN, and the step is
+    skipped (and the scale halved) when there are any; after ``growth_interval`` good steps
+    the scale doubles (torch/amp/grad_scaler.py). bf16 has fp32's exponent range: no scaler.
+
+    ``clip_grad_norm > 0`` clips the total L2 norm of the gradients to that value with
+    ``torch.nn.utils.clip_grad_norm_``, after ``scaler.unscale_(optimizer)`` under fp16 (the
+    norm of *scaled* gradients would be compared with the limit otherwise), once per optimizer
+    step: after the last micro-batch's backward, the one that all-reduces, so the norm is the
+    norm of the averaged gradient and the same, bit for bit, on every rank.
+
+    After each step :attr:`grad_norm` holds the total norm before clipping (None when not
+    clipping) and :attr:`skipped` whether the scaler skipped the step. Local to the process;
+    the norm needs no communication because the gradients are already all-reduced.
+
+    Raises:
+        ValueError: ``amp`` not in :data:`AMP_MODES`, ``clip_grad_norm < 0``, or autocast
+            not available for ``device_type`` and the dtype.
+    """
+
+    def __init__(self, amp: str = "off", device_type: str = "cpu",
+                 clip_grad_norm: float = 0.0, scaler=None):
+        if amp not in AMP_MODES:
+            raise ValueError(f"amp {amp!r} is not one of {', '.join(AMP_MODES)}")
+        if not (math.isfinite(clip_grad_norm) and clip_grad_norm >= 0):
+            raise ValueError(f"clip_grad_norm must be a finite number >= 0, got {clip_grad_norm}")
+        problem = amp_unavailable(amp, device_type)
+        if problem:
+            raise ValueError(problem)
+        self.amp, self.device_type, self.clip_grad_norm = amp, device_type, clip_grad_norm
+        if amp == "fp16" and scaler is None:
+            scaler = torch.amp.GradScaler(device_type)
+        self.scaler = scaler if amp == "fp16" else None
+        self.grad_norm: float | None = None
+        self.skipped = False
+
+    @property
+    def active(self) -> bool:
+        """True when this changes anything (autocast, a scaler or clipping)."""
+        return self.amp != "off" or self.clip_grad_norm > 0
+
+    def autocast(self):
+        """The forward's context: ``torch.autocast`` for bf16/fp16, nothing for off."""
+        if self.amp == "off":
+            return contextlib.nullcontext()
+        return torch.autocast(self.device_type, dtype=_AMP_DTYPES[self.amp])
+
+    def backward(self, loss) -> None:
+        """``loss.backward()``, the loss multiplied by the scaler's scale under fp16."""
+        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+
+    def step(self, optimizer, parameters) -> None:
+        """Unscale (fp16), measure and clip (``clip_grad_norm > 0``), then step the optimizer.
+
+        Under fp16 ``scaler.step`` skips ``optimizer.step()`` when any gradient is inf/NaN
+        and ``scaler.update()`` then halves the scale; :attr:`skipped` says so.
+        """
+        self.grad_norm = None
+        if self.scaler is not None and self.clip_grad_norm > 0:
+            self.scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
+        if self.clip_grad_norm > 0:
+            norm = torch.nn.utils.clip_grad_norm_(parameters, self.clip_grad_norm)
+            self.grad_norm = float(norm)
+        if self.scaler is None:
+            optimizer.step()
+            self.skipped = False
+            return
+        scale_before = self.scaler.get_scale()
+        self.scaler.step(optimizer)
+        self.scaler.update()
+        # update() halves the scale exactly when the step found inf/NaN (backoff 0.5)
+        self.skipped = self.scaler.get_scale() < scale_before
+
+    def state_dict(self) -> dict | None:
+        """The scaler's state (scale, growth tracker, factors) for a checkpoint; None without."""
+        return self.scaler.state_dict() if self.scaler is not None else None
+
+    def load_state_dict(self, state: dict | None) -> None:
+        """Restore the scaler's state from :meth:`state_dict` (ignored when None)."""
+        if self.scaler is not None and state:
+            self.scaler.load_state_dict(state)
+
+
+def amp_unavailable(amp: str, device_type: str) -> str | None:
+    """Why autocast in ``amp`` cannot run on ``device_type``, or None when it can (local).
+
+    bf16 on CUDA needs a GPU that does bf16 (``torch.cuda.is_bf16_supported()``); on CPU
+    torch 2.13 autocasts to bf16 and fp16 (``torch.amp.autocast_mode.is_autocast_available``).
+    """
+    if amp == "off":
+        return None
+    if not torch.amp.autocast_mode.is_autocast_available(device_type):
+        return f"--amp {amp}: autocast is not available on device type {device_type!r}"
+    if amp == "bf16" and device_type == "cuda" and not torch.cuda.is_bf16_supported():
+        return (f"--amp bf16: this GPU ({torch.cuda.get_device_name()}) does not support "
+                "bfloat16; use --amp fp16")
+    return None
+
+
 # --------------------------------------------------------------------------- one step
 
-def accumulate_gradients(model, micro_batches, compute_loss, timer=None) -> None:
+def accumulate_gradients(model, micro_batches, compute_loss, timer=None,
+                         backward=None) -> None:
     """Forward and backward over ``K`` micro-batches, all-reducing gradients only on the last.
 
     Micro-batches ``0 .. K-2`` run inside ``model.no_sync()`` (when the wrapper has it):
@@ -94,6 +208,8 @@ def accumulate_gradients(model, micro_batches, compute_loss, timer=None) -> None
         compute_loss: ``compute_loss(model, batch) -> scalar tensor`` to backpropagate,
             already scaled (e.g. divided by the global count).
         timer: optional :class:`StepTimer` (phases "forward" and "backward").
+        backward: ``backward(loss)`` (default ``loss.backward()``), e.g.
+            :meth:`Precision.backward`, which multiplies by the GradScaler's scale.
 
     Synchronises in the last backward (DDP's gradient all_reduce).
     """
@@ -104,11 +220,14 @@ def accumulate_gradients(model, micro_batches, compute_loss, timer=None) -> None
             with _phase(timer, "forward"):
                 loss = compute_loss(model, batch)
             with _phase(timer, "backward"):
-                loss.backward()
+                if backward is None:
+                    loss.backward()
+                else:
+                    backward(loss)
 
 
 def train_step(model, optimizer, micro_batches, world_size: int, scheduler=None,
-               timer=None) -> tuple[float, int]:
+               timer=None, precision: Precision | None = None) -> tuple[float, int]:
     """One optimizer step on the global batch: mean cross-entropy over its labelled pixels.
 
     Every rank sums the per-pixel losses of its micro-batches and divides by the number of
@@ -126,6 +245,9 @@ def train_step(model, optimizer, micro_batches, world_size: int, scheduler=None,
         world_size: R, the number of ranks DDP averages over.
         scheduler: stepped once after the optimizer, if given.
         timer: optional :class:`StepTimer` (phases comm, forward, backward, optimizer).
+        precision: optional :class:`Precision`: autocast for the forwards, the GradScaler,
+            clipping after the last (all-reducing) backward; it records the step's gradient
+            norm and whether the step was skipped. None: plain fp32, no clipping.
 
     Returns:
         ``(local_loss_sum, local_pixel_count)``: this rank's summed per-pixel loss and its
@@ -140,17 +262,26 @@ def train_step(model, optimizer, micro_batches, world_size: int, scheduler=None,
     scale = world_size / max(global_count, 1.0)
     sums = []
 
+    autocast = precision.autocast if precision is not None else contextlib.nullcontext
+
     def compute_loss(m, batch):
         images, target = batch
-        s = F.cross_entropy(model_logits(m, images), target, ignore_index=IGNORE_INDEX,
+        with autocast():
+            logits = model_logits(m, images)
+        # the loss in float32 whatever the forward's dtype: a sum over many pixels
+        s = F.cross_entropy(logits.float(), target, ignore_index=IGNORE_INDEX,
                             reduction="sum")
         sums.append(s.detach())
         return s * scale
 
     optimizer.zero_grad(set_to_none=True)
-    accumulate_gradients(model, micro_batches, compute_loss, timer)
+    accumulate_gradients(model, micro_batches, compute_loss, timer,
+                         precision.backward if precision is not None else None)
     with _phase(timer, "optimizer"):
-        optimizer.step()
+        if precision is None:
+            optimizer.step()
+        else:
+            precision.step(optimizer, [p for g in optimizer.param_groups for p in g["params"]])
         if scheduler is not None:
             scheduler.step()
     return float(sum(s.item() for s in sums)), local_count

@@ -34,7 +34,11 @@ on its own shard of every epoch, and DDP averages the gradients with an ``all_re
 * ``--sync-bn`` (BatchNorm statistics over the global batch, :mod:`ddp_lesson.syncbn` on
   CPU, torch's ``nn.SyncBatchNorm`` on GPUs), ``--grad-accum-steps`` (``no_sync`` on all but
   the last micro-batch), ``--lr-scaling`` (the learning rate follows the global batch),
-  ``--ddp`` (torch's wrapper or this package's);
+  ``--ddp`` (torch's wrapper or this package's), ``--bucket-cap-mb``, ``--static-graph`` and
+  ``--gradient-as-bucket-view`` (passed to the wrapper);
+* ``--amp bf16|fp16`` (autocast; fp16 with one GradScaler per process, checkpointed) and
+  ``--clip-grad-norm MAX`` (once per optimizer step, after unscaling; each step's norm before
+  clipping in ``summary.json``), :class:`ddp_lesson.step.Precision`;
 * bad input stops with one line that names the values (``error: ...``), exit status 2, and
   leaves any checkpoint untouched.
 
@@ -72,7 +76,8 @@ from .checkpoint import (CHECKPOINT_FORMAT, CHECKPOINT_VERSION, _barrier, atomic
                          capture_rng_state, decide_on_rank0, load_checkpoint, restore_rng_state,
                          save_checkpoint, strip_module_prefix, sweep_temporaries)
 from .config import (CHECKPOINT_FILE, TrainConfig, TrainInputError, bare_model_state,
-                     check_out_writable, check_steps, derived_values, inspect_checkpoint,
+                     check_amp, check_out_writable, check_steps, derived_values,
+                     inspect_checkpoint,
                      load_datasets, parse_config)
 from .data import IGNORE_INDEX, NUM_CLASSES
 from .env import group_active, print0
@@ -81,7 +86,7 @@ from .gradients import scale_lr as scaled_lr
 from .metrics import miou_from_confusion
 from .models import build_model
 from .sampler import DistributedSampler
-from .step import StepTimer, model_logits, sum_over_ranks, train_step
+from .step import Precision, StepTimer, model_logits, sum_over_ranks, train_step
 from .syncbn import convert_sync_batchnorm
 
 # Re-exported: notebook 05 imports parse_config, derived_values and scaled_lr from here, the
@@ -104,6 +109,11 @@ class StepRecord(NamedTuple):
     step_in_epoch: int
     loss_sum: float
     pixel_count: float
+    #: total gradient norm before clipping (``--clip-grad-norm``; None without): the norm of
+    #: the all-reduced gradients, the same on every rank, kept as this rank computed it
+    grad_norm: float | None = None
+    #: True when the fp16 GradScaler skipped this step (inf/NaN in the gradients)
+    skipped: bool = False
 
 
 # --------------------------------------------------------------------------- small helpers
@@ -178,6 +188,25 @@ def _finite_or_none(x):
     return None if (x is None or not math.isfinite(x)) else float(x)
 
 
+def _step_stats(rows: list, cfg: TrainConfig) -> dict:
+    """An epoch's gradient-norm and skipped-step figures, for its history entry.
+
+    With ``--clip-grad-norm``: ``grad_norm_mean`` and ``grad_norm_max`` over the epoch's
+    steps with a finite norm (None when there is none), and ``clipped_steps`` (norm above
+    MAX); with ``--amp fp16``: ``skipped_steps``, the steps the GradScaler skipped. Nothing
+    otherwise, so runs without these flags keep their history as before.
+    """
+    stats = {}
+    if cfg.clip_grad_norm is not None:
+        norms = [r.grad_norm for r in rows if r.grad_norm is not None and math.isfinite(r.grad_norm)]
+        stats["grad_norm_mean"] = sum(norms) / len(norms) if norms else None
+        stats["grad_norm_max"] = max(norms) if norms else None
+        stats["clipped_steps"] = sum(n > cfg.clip_grad_norm for n in norms)
+    if cfg.amp == "fp16":
+        stats["skipped_steps"] = sum(bool(r.skipped) for r in rows)
+    return stats
+
+
 # --------------------------------------------------------------------------- the trainer
 
 class Trainer:
@@ -192,6 +221,8 @@ class Trainer:
             :func:`derived_values`.
         module: the bare model (what checkpoints hold); model: the wrapped one.
         optimizer, scheduler: SGD and a LambdaLR (constant or poly).
+        precision: the :class:`~ddp_lesson.step.Precision` (``--amp``, the fp16 GradScaler,
+            ``--clip-grad-norm``), one per process.
         epoch, step_in_epoch, global_step: where training stands (the resume point).
         history: one dict per finished epoch (train_loss, val_miou, ...).
         step_log: one :class:`StepRecord` per optimizer step, summed over ranks
@@ -240,6 +271,8 @@ class Trainer:
             def factor(step):
                 return 1.0
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, factor)
+        check_amp(cfg, self.device.type)
+        self.precision = Precision(cfg.amp, self.device.type, cfg.clip_grad_norm or 0.0)
         self.epoch, self.step_in_epoch, self.global_step = 0, 0, 0
         self.history: list[dict] = []
         self.step_log: list[StepRecord] = []
@@ -263,7 +296,8 @@ class Trainer:
                 module = torch.nn.SyncBatchNorm.convert_sync_batchnorm(module)
             else:
                 module = convert_sync_batchnorm(module)
-        return module, wrap_model(module, cfg.ddp, env, self.device)
+        return module, wrap_model(module, cfg.ddp, env, self.device, cfg.bucket_cap_mb,
+                                  cfg.static_graph, cfg.gradient_as_bucket_view)
 
     # ---- data
     def batches(self, epoch: int, start_step: int = 0):
@@ -291,9 +325,12 @@ class Trainer:
     def step(self, micro_batches, timer=None) -> tuple[float, int]:
         """One optimizer step (see :func:`train_step`); advances the counters."""
         self.model.train()
+        precision = self.precision if self.precision.active else None
         result = train_step(self.model, self.optimizer, micro_batches, self.env.world_size,
-                            self.scheduler, timer)
-        self._pending.append(StepRecord(self.epoch, self.step_in_epoch, *result))
+                            self.scheduler, timer, precision=precision)
+        self._pending.append(StepRecord(self.epoch, self.step_in_epoch, *result,
+                                        grad_norm=self.precision.grad_norm,
+                                        skipped=self.precision.skipped))
         self.step_in_epoch += 1
         self.global_step += 1
         return result
@@ -325,7 +362,9 @@ class Trainer:
         num_replicas and the samples each rank consumed this epoch), ``rng`` (every rank's
         generators, in rank order), ``config`` (the TrainConfig as a dict), ``world_size``,
         ``history`` (per-epoch results), ``step_log`` (per-step global loss sums and pixel
-        counts) and ``torch`` (the version that wrote it).
+        counts, gradient norms, skipped flags), ``scaler`` (the fp16 GradScaler's
+        ``state_dict``: scale and growth tracker; None without ``--amp fp16``) and ``torch``
+        (the version that wrote it).
 
         Args:
             rng_states: list of :func:`ddp_lesson.checkpoint.capture_rng_state` results, one
@@ -350,6 +389,7 @@ class Trainer:
             "world_size": self.env.world_size,
             "history": self.history,
             "step_log": [list(r) for r in self.step_log],  # plain lists: weights_only loads
+            "scaler": self.precision.state_dict(),  # same on every rank: one per process
             "torch": str(torch.__version__),  # a plain str: weights_only loads only plain types
         }
 
@@ -443,6 +483,8 @@ class Trainer:
         self.global_step = ckpt["global_step"]
         self.history = list(ckpt.get("history", []))
         self.step_log = [StepRecord(*x) for x in ckpt.get("step_log", [])]
+        # the scale and its growth tracker decide which later steps are skipped: restore them
+        self.precision.load_state_dict(ckpt.get("scaler"))
         rng = ckpt["rng"]
         restore_rng_state(rng[self.env.rank] if len(rng) == self.env.world_size else rng[0])
         self.resumed_from = {"epoch": self.epoch, "step_in_epoch": self.step_in_epoch,
@@ -550,10 +592,18 @@ class Trainer:
             train_loss = (sum(r.loss_sum for r in rows)
                           / max(sum(r.pixel_count for r in rows), 1.0))
             miou, pixel_acc = self.validate()
-            self.history.append({"epoch": epoch + 1, "train_loss": train_loss,
-                                 "val_miou": miou, "val_pixel_accuracy": pixel_acc})
+            entry = {"epoch": epoch + 1, "train_loss": train_loss, "val_miou": miou,
+                     "val_pixel_accuracy": pixel_acc}
+            entry.update(_step_stats(rows, cfg))
+            self.history.append(entry)
+            extra = ""
+            if entry.get("grad_norm_max") is not None:
+                extra += (f"  grad_norm mean {entry['grad_norm_mean']:.4g} "
+                          f"max {entry['grad_norm_max']:.4g}")
+            if cfg.amp == "fp16":
+                extra += f"  skipped {entry['skipped_steps']}"
             print0(f"epoch {epoch + 1}/{cfg.epochs}  train_loss {train_loss:.4f}  "
-                   f"val_mIoU {miou:.4f}  pixel_acc {pixel_acc:.4f}", env=env)
+                   f"val_mIoU {miou:.4f}  pixel_acc {pixel_acc:.4f}" + extra, env=env)
             self.epoch, self.step_in_epoch = epoch + 1, 0
             self.save()
         return {"train_seconds": train_seconds, "train_samples": train_samples,
@@ -599,6 +649,14 @@ class Trainer:
                          for k, v in h.items()} for h in self.history],
             "step_losses": [r.loss_sum / r.pixel_count if r.pixel_count > 0 else None
                             for r in self.step_log],
+            # --clip-grad-norm: each step's total gradient norm before clipping (this rank's
+            # own computation; every rank's is the same, bit for bit); None without clipping
+            "grad_norms": [_finite_or_none(r.grad_norm) for r in self.step_log],
+            # --amp fp16: steps the GradScaler skipped (inf/NaN gradients) and its final scale
+            "skipped_steps": [r.epoch * d["steps_per_epoch"] + r.step_in_epoch + 1
+                              for r in self.step_log if r.skipped],
+            "amp_scale": (self.precision.scaler.get_scale()
+                          if self.precision.scaler is not None else None),
             "samples_per_s": (facts["train_samples"] / facts["train_seconds"]
                               if facts["train_seconds"] > 0 else None),
             "wall_s": time.perf_counter() - wall_start,
@@ -608,13 +666,17 @@ class Trainer:
         }
 
 
-def wrap_model(module, kind: str, env, device):
+def wrap_model(module, kind: str, env, device, bucket_cap_mb: float = 25.0,
+               static_graph: bool = False, gradient_as_bucket_view: bool = False):
     """Wrap ``module`` for data parallelism: torch's DDP or a wrapper of ``ddp_lesson.ddp``.
 
     No wrapper without a process group (a single plain process). For torch's DDP,
     ``device_ids`` only on CUDA (one GPU per process); no ``find_unused_parameters``: every
-    parameter gets a gradient each step. Synchronises: the wrapper broadcasts rank 0's
-    parameters and buffers at construction.
+    parameter gets a gradient each step. ``bucket_cap_mb`` goes to torch's DDP and to
+    BucketedDDP (NaiveDDP has no buckets); ``static_graph`` and ``gradient_as_bucket_view``
+    to torch's DDP only (:class:`~ddp_lesson.config.TrainConfig` refuses them with the
+    package's wrappers, which raise NotImplementedError for them). Synchronises: the
+    wrapper broadcasts rank 0's parameters and buffers at construction.
 
     Raises:
         TrainInputError: ``kind`` names a wrapper that cannot be imported.
@@ -623,7 +685,10 @@ def wrap_model(module, kind: str, env, device):
         return module
     if kind == "torch":
         kwargs = {"device_ids": [env.local_rank]} if device.type == "cuda" else {}
-        return DistributedDataParallel(module, **kwargs)
+        return DistributedDataParallel(module, bucket_cap_mb=bucket_cap_mb,
+                                       static_graph=static_graph,
+                                       gradient_as_bucket_view=gradient_as_bucket_view,
+                                       **kwargs)
     try:
         # Imported here, not at the top: only --ddp naive/bucketed need it, and when it cannot
         # be imported the run still works with --ddp torch (the error below says so).
@@ -632,6 +697,8 @@ def wrap_model(module, kind: str, env, device):
     except (ImportError, AttributeError) as exc:
         raise TrainInputError(f"--ddp {kind} needs ddp_lesson.ddp, which is not available "
                               f"({exc}); use --ddp torch") from None
+    if kind == "bucketed":
+        return cls(module, bucket_cap_mb=bucket_cap_mb)
     return cls(module)
 
 
@@ -645,6 +712,15 @@ def _start_lines(trainer: Trainer) -> list[str]:
     extras = [f"ddp {cfg.ddp}" if env.distributed else "no DDP wrapper (1 process)"]
     if cfg.sync_bn:
         extras.append("sync-bn")
+    if env.distributed and cfg.ddp != "naive" and cfg.bucket_cap_mb != 25.0:
+        extras.append(f"bucket-cap-mb {cfg.bucket_cap_mb:g}")
+    extras += [flag for flag, on in (("static-graph", cfg.static_graph),
+                                     ("gradient-as-bucket-view", cfg.gradient_as_bucket_view))
+               if on and env.distributed]
+    if cfg.amp != "off":
+        extras.append(f"amp {cfg.amp}" + (" (GradScaler)" if cfg.amp == "fp16" else ""))
+    if cfg.clip_grad_norm is not None:
+        extras.append(f"clip-grad-norm {cfg.clip_grad_norm:g}")
     return [
         f"world_size {env.world_size}  backend {env.backend} ({env.reason})  "
         f"device {trainer.device.type}",
@@ -739,6 +815,7 @@ def main(argv: list[str] | None = None) -> dict:
                 announce=False)
         except ValueError as exc:  # unknown backend, nccl without GPUs, bad torchrun vars
             raise TrainInputError(str(exc)) from None
+        check_amp(cfg, torch.device(env.device).type)  # every rank alike: same device type
         summary = _run(cfg, env, wall_start)
     except TrainInputError as exc:
         _fail(exc, env, owns_group)

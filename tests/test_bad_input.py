@@ -62,10 +62,65 @@ def good_checkpoint(tmp_path_factory):
     (["--grad-accum-steps", "0"], "grad_accum_steps must be >= 1, got 0"),
     (["--checkpoint-every-steps", "-1"], "checkpoint_every_steps must be >= 0, got -1"),
     (["--lr-scaling", "cubic"], "argument --lr-scaling: invalid choice: 'cubic'"),
+    # issue 13's flags
+    (["--amp", "fp8"], "argument --amp: invalid choice: 'fp8' (choose from 'off', 'bf16', 'fp16')"),
+    (["--clip-grad-norm", "0"], "clip_grad_norm must be a finite number > 0 (leave the flag "
+                                "out for no clipping), got 0.0"),
+    (["--clip-grad-norm", "-1.5"], "clip_grad_norm must be a finite number > 0 (leave the "
+                                   "flag out for no clipping), got -1.5"),
+    (["--clip-grad-norm", "nan"], "clip_grad_norm must be a finite number > 0"),
+    (["--bucket-cap-mb", "0"], "bucket_cap_mb must be a finite number > 0, got 0.0"),
+    (["--bucket-cap-mb", "-4"], "bucket_cap_mb must be a finite number > 0, got -4.0"),
+    (["--ddp", "naive", "--bucket-cap-mb", "5"],
+     "bucket_cap_mb 5 needs --ddp torch or bucketed: NaiveDDP has no buckets"),
+    (["--ddp", "naive", "--static-graph"],
+     "static_graph needs --ddp torch: ddp_lesson's naive wrapper does not implement it"),
+    (["--ddp", "bucketed", "--static-graph"],
+     "static_graph needs --ddp torch: ddp_lesson's bucketed wrapper does not implement it"),
+    (["--ddp", "bucketed", "--gradient-as-bucket-view"],
+     "gradient_as_bucket_view needs --ddp torch: ddp_lesson's bucketed wrapper does not"),
 ])
 def test_bad_flags(argv, message, capsys):
     line = _fails(argv, capsys)
     assert line.startswith("python -m ddp_lesson.train: error: ") and message in line
+
+
+def test_bf16_where_the_device_cannot_do_it(monkeypatch, capsys, tmp_path):
+    """bf16 autocast runs on CPU in torch 2.13; where it cannot (here: said so by a patched
+    torch), the job stops at start, before any process group, with one line."""
+    from ddp_lesson import step
+
+    monkeypatch.setattr(torch.amp.autocast_mode, "is_autocast_available", lambda device: False)
+    line = _fails(TINY + ["--amp", "bf16", "--out", str(tmp_path)], capsys)
+    assert line == "error: --amp bf16: autocast is not available on device type 'cpu'"
+    assert not (tmp_path / "checkpoint.pt").exists()
+    with pytest.raises(config.TrainInputError, match="^--amp bf16: autocast is not available"):
+        config.preflight(TINY + ["--amp", "bf16", "--out", str(tmp_path)], world_size=2)
+    # the launcher refuses it before starting any process
+    monkeypatch.setattr(cli.subprocess, "Popen", lambda *a, **k: pytest.fail("processes started"))
+    assert cli.main(["train", "--nproc-per-node", "2", "--amp", "bf16"]) == 2
+    assert capsys.readouterr().err == ("ddp-lesson train: error: --amp bf16: autocast is not "
+                                       "available on device type 'cpu'\n")
+    monkeypatch.undo()
+    # a GPU without bfloat16 (e.g. before Ampere): named, with the way out
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, **k: "Tesla V100")
+    monkeypatch.setattr(torch.amp.autocast_mode, "is_autocast_available", lambda device: True)
+    assert step.amp_unavailable("bf16", "cuda") == ("--amp bf16: this GPU (Tesla V100) does not "
+                                                    "support bfloat16; use --amp fp16")
+    assert step.amp_unavailable("fp16", "cuda") is None
+
+
+def test_flag_errors_come_before_any_process(capsys, monkeypatch):
+    monkeypatch.setattr(cli.subprocess, "Popen", lambda *a, **k: pytest.fail("processes started"))
+    for args, message in ((["--clip-grad-norm", "0"], "clip_grad_norm must be a finite number > 0"),
+                          (["--ddp", "naive", "--static-graph"], "static_graph needs --ddp torch"),
+                          (["--bucket-cap-mb", "0"], "bucket_cap_mb must be a finite number > 0")):
+        with pytest.raises(SystemExit) as exc:
+            cli.main(["train", "--nproc-per-node", "2", *args])
+        assert exc.value.code == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and message in err, err
 
 
 # ---- backend and process counts ----------------------------------------------------------

@@ -74,6 +74,66 @@ def test_stop_after_any_step_then_resume_is_bit_identical(tmp_path, reference, s
     assert "resuming from " in out
 
 
+# --amp fp16 with a GradScaler and clipping (issue 13): the scaler's scale and growth tracker
+# are part of the state; 0.7 is below some steps' norms (about 0.68-0.81 here), so clipping acts.
+AMP_CLIP = ["--amp", "fp16", "--clip-grad-norm", "0.7"]
+
+
+@pytest.fixture(scope="module")
+def reference_amp(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ref_amp")
+    summary = train.main(BASE + AMP_CLIP + ["--out", str(out)])
+    return summary, _load(out / "checkpoint.pt")
+
+
+@pytest.mark.parametrize("clip", ["1.0", "0.7"])
+def test_amp_fp16_with_clipping_stopped_and_resumed_is_bit_identical(tmp_path, reference_amp,
+                                                                     clip):
+    if clip == "0.7":
+        ref_summary, ref_ckpt = reference_amp
+    else:  # the issue's own flags: --amp fp16 --clip-grad-norm 1.0
+        ref_summary = train.main(BASE + ["--amp", "fp16", "--clip-grad-norm", clip, "--out",
+                                         str(tmp_path / "ref")])
+        ref_ckpt = _load(tmp_path / "ref" / "checkpoint.pt")
+    flags = BASE + ["--amp", "fp16", "--clip-grad-norm", clip, "--out", str(tmp_path / "run")]
+    first = train.main(flags + ["--max-steps", "3"])
+    assert first["stopped_early"] and first["global_step"] == 3
+    mid = _load(tmp_path / "run" / "checkpoint.pt")
+    # the GradScaler's state travels with the checkpoint: 3 good steps since the start
+    assert mid["scaler"]["scale"] == 65536.0 and mid["scaler"]["_growth_tracker"] == 3
+    summary = train.main(flags)
+    ckpt = _load(tmp_path / "run" / "checkpoint.pt")
+    assert _same_tensors(ckpt["model"], ref_ckpt["model"])
+    assert _same_optimizer(ckpt["optimizer"], ref_ckpt["optimizer"])
+    assert ckpt["scaler"] == ref_ckpt["scaler"]
+    assert ckpt["scaler"]["_growth_tracker"] == 8
+    assert summary["step_losses"] == ref_summary["step_losses"]
+    assert summary["grad_norms"] == ref_summary["grad_norms"]
+    assert summary["history"] == ref_summary["history"]
+    assert summary["config"]["amp"] == "fp16" and summary["amp_scale"] == 65536.0
+    assert summary["skipped_steps"] == []
+    # per-epoch record: mean and max of the norms before clipping, and how many were clipped
+    norms = ref_summary["grad_norms"]
+    assert len(norms) == 8 and all(n > 0 for n in norms)
+    for e, entry in enumerate(ref_summary["history"]):
+        mine = norms[4 * e: 4 * e + 4]
+        assert entry["grad_norm_max"] == max(mine)
+        assert entry["grad_norm_mean"] == pytest.approx(sum(mine) / 4, rel=1e-12)
+        assert entry["clipped_steps"] == sum(n > float(clip) for n in mine)
+        assert entry["skipped_steps"] == 0
+    if clip == "0.7":
+        assert sum(e["clipped_steps"] for e in ref_summary["history"]) >= 1
+
+
+def test_amp_runs_differ_from_fp32_but_stay_close(reference, reference_amp, tmp_path):
+    """Autocast changes the arithmetic (the losses are not fp32's) but not the lesson."""
+    fp32 = reference[0]["step_losses"]
+    bf16 = train.main(BASE + ["--amp", "bf16", "--out", str(tmp_path)])["step_losses"]
+    for other in (bf16, reference_amp[0]["step_losses"]):
+        assert other != fp32
+        assert max(abs(a - b) for a, b in zip(other, fp32)) < 0.05
+
+
 def test_a_crash_resumes_from_the_last_periodic_checkpoint(tmp_path, reference, monkeypatch):
     ref_summary, ref_ckpt = reference
     calls = {"n": 0}
@@ -128,7 +188,7 @@ def test_the_checkpoint_holds_everything_named_in_the_issue(reference):
 # ---- two ranks -----------------------------------------------------------------------------
 
 TWO_RANKS = r'''
-import json, sys
+import gc, json, sys
 import torch
 from ddp_lesson.env import init_distributed, cleanup
 from ddp_lesson import train
@@ -145,7 +205,9 @@ def same(a, b):
 
 res = {}
 for tag, extra in (("plain", []), ("syncbn_accum", ["--sync-bn", "--grad-accum-steps", "2"]),
-                   ("bucketed", ["--ddp", "bucketed"]), ("naive", ["--ddp", "naive"])):
+                   ("bucketed", ["--ddp", "bucketed"]), ("naive", ["--ddp", "naive"]),
+                   ("amp_clip", ["--amp", "fp16", "--clip-grad-norm", "0.5",
+                                 "--grad-accum-steps", "2"])):
     ref = train.main(base + extra + ["--out", f"ref_{tag}"])
     R = weights(f"ref_{tag}")
     stops = [2, 4] if tag == "plain" else [3]
@@ -158,6 +220,8 @@ for tag, extra in (("plain", []), ("syncbn_accum", ["--sync-bn", "--grad-accum-s
                              "losses": s["step_losses"] == ref["step_losses"],
                              "history": s["history"] == ref["history"]}
     res[f"{tag}_weights"] = {k: v.float().sum().item() for k, v in R["model"].items()}
+    res[f"{tag}_norms"] = ref["grad_norms"]  # this rank's own: compared across ranks
+    res[f"{tag}_scaler"] = R.get("scaler")
     res[f"{tag}_steps"] = ref["steps_per_epoch"]
 res["plain_loss_fell"] = all(a["train_loss"] > b["train_loss"]
                             for a, b in zip(ref["history"], ref["history"][1:]))
@@ -169,6 +233,20 @@ res["nb05_plain"] = train.main(nb + ["--out", "nb05_plain"])["step_losses"]
 # ... and as 2 processes x 2 samples x 2 accumulation steps (SyncBatchNorm over 4 images)
 res["nb05_accum"] = train.main(nb + ["-b", "2", "--grad-accum-steps", "2", "--sync-bn",
                                      "--out", "nb05_accum"])["step_losses"]
+# clipping: the norm of the all-reduced gradient, the same global batch of 8 as one process
+res["clip_norms"] = train.main(base + ["--sync-bn", "--clip-grad-norm", "0.5", "--out",
+                                       "clip"])["grad_norms"]
+# --bucket-cap-mb, --static-graph, --gradient-as-bucket-view reach the wrappers
+from ddp_lesson.config import parse_config
+t = train.Trainer(parse_config(base + ["--width", "16", "--ddp", "bucketed", "--bucket-cap-mb",
+                                       "0.25", "--out", "wb"]), env)
+res["bucketed_buckets"] = len(t.model.bucket_indices)
+t = train.Trainer(parse_config(base + ["--bucket-cap-mb", "0.25", "--static-graph",
+                                       "--gradient-as-bucket-view", "--out", "wt"]), env)
+res["torch_ddp"] = [t.model.bucket_bytes_cap, t.model.static_graph,
+                    t.model.gradient_as_bucket_view]
+del t
+gc.collect()
 # a checkpoint written under DDP loads into a bare model
 bare = build_model("deeplab", width=4)
 bare.load_state_dict(weights("ref_plain")["model"], strict=True)
@@ -190,8 +268,29 @@ def test_two_ranks_interrupted_and_resumed_are_bit_identical(tmp_path):
     result = run_torchrun(str(script), [json.dumps(base)], nproc_per_node=2, timeout=240,
                           live=False, backend="gloo", cwd=tmp_path)
     res = json.loads(result.rank_lines(0)[-1])
-    for key in ("plain_2", "plain_4", "syncbn_accum_3", "bucketed_3", "naive_3"):
+    res1 = json.loads(result.rank_lines(1)[-1])
+    for key in ("plain_2", "plain_4", "syncbn_accum_3", "bucketed_3", "naive_3", "amp_clip_3"):
         assert res[key] == {"model": True, "losses": True, "history": True}, key
+    # fp16 + clipping + accumulation on 2 ranks: one norm per optimizer step (clipped once,
+    # after the micro-batch that all-reduces), the same bit for bit on both ranks
+    assert len(res["amp_clip_norms"]) == 4 and all(n > 0 for n in res["amp_clip_norms"])
+    assert res["amp_clip_norms"] == res1["amp_clip_norms"]
+    assert res["amp_clip_scaler"]["scale"] == 65536.0
+    assert res["amp_clip_scaler"] == res1["amp_clip_scaler"]
+    assert res["plain_norms"] == [None] * 8  # no clipping, no norm
+    # ... and fp32 clipping: rank 0 == rank 1 bit for bit, and within 1e-4 (relative) of one
+    # process on the same global batch of 8 (SyncBatchNorm: the same function; the sums are
+    # taken in another order, hence not bit for bit)
+    assert res["clip_norms"] == res1["clip_norms"] and len(res["clip_norms"]) == 8
+    one_clip = train.main(base + ["-b", "8", "--sync-bn", "--clip-grad-norm", "0.5", "--out",
+                                  str(tmp_path / "clip_one")])["grad_norms"]
+    assert all(abs(a - b) <= 1e-4 * b for a, b in zip(res["clip_norms"], one_clip)), \
+        (res["clip_norms"], one_clip)
+    assert len(one_clip) == 8
+    # the wrapper flags reach the wrappers: the default-width model (about 1.1 MB of
+    # gradients) in several 0.25 MB buckets; torch's DDP with its three options
+    assert res["bucketed_buckets"] > 1
+    assert res["torch_ddp"] == [int(0.25 * 1024 * 1024), True, True]
     assert res["plain_steps"] == 4 and res["syncbn_accum_steps"] == 2
     # the package's wrappers train the very same weights as torch's DDP
     assert res["bucketed_weights"] == res["plain_weights"]
