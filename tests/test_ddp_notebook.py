@@ -162,8 +162,8 @@ def test_ddp_benchmark_ratios_printed_in_notebook_04():
                                   ("link, steps/s", "steps_per_s", "bucketed"),
                                   ("link, exposed ms per step", "exposed_ms", "naive")):
         a, b = interval(variant, "True", column), interval("bucketed-no-overlap", "True", column)
-        expected += [f"{what}:", f"    {fmt(variant, a)} vs {fmt('bucketed-no-overlap', b)}: "
-                                 f"{verdict(a, b, column == 'exposed_ms')}"]
+        expected += [f"{what}:", (f"    {fmt(variant, a)} vs {fmt('bucketed-no-overlap', b)}: "
+                                 f"{verdict(a, b, column == 'exposed_ms')}")]
     assert _nb04_outputs("claim.prose == NB04") == expected
     assert all(len(line) < 100 for line in expected)
 
@@ -205,8 +205,8 @@ def test_notebook_04_ranks_cells_print_what_one_process_computes():
     for r in range(2):
         lines += [f"[rank {r}] before wrapping: 4.weight[0, :3] = {w3(nets[r])}",
                   f"[rank {r}] after wrapping:  4.weight[0, :3] = {w3(nets[0])}",
-                  f"[rank {r}] 6 parameters, each with a hook: 0.weight, 0.bias, 2.weight, "
-                  "2.bias, 4.weight, 4.bias"]
+                  (f"[rank {r}] 6 parameters, each with a hook: 0.weight, 0.bias, 2.weight, "
+                  "2.bias, 4.weight, 4.bias")]
     assert _nb04_outputs("model = NaiveDDP(net, recorder=rec)") == lines
     own = []
     for r in range(2):

@@ -16,7 +16,7 @@ from torch import nn
 
 from ddp_lesson.ddp import StepRecord
 
-__all__ = ["small_mlp", "hook_trace"]
+__all__ = ["hook_trace", "small_mlp"]
 
 
 def small_mlp(seed: int) -> nn.Sequential:
