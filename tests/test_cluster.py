@@ -206,6 +206,22 @@ def test_notebook_01_ranks_cells_replay_their_stored_output_three_times(cluster,
             assert capsys.readouterr().out == stored, c.source
 
 
+def test_notebook_04_ranks_cells_replay_their_stored_output(cluster, capsys):
+    """Notebook 04's section 3b (NaiveDDP's and BucketedDDP's hooks traced cell by cell) through
+    the magic on the shared 2 gloo ranks: the stored stdout comes back exactly (the order of
+    hook and all-reduce events included). Its numbers: tests/test_ddp_notebook.py."""
+    import nbformat
+
+    nb = nbformat.read(ROOT / "notebooks" / "04_ddp_from_scratch.ipynb", as_version=4)
+    cells = [c for c in nb.cells if c.cell_type == "code" and c.source.startswith("%%ranks")]
+    assert len(cells) == 5
+    for c in cells:
+        line, body = c.source.split("\n", 1)
+        cl.ranks_magic(line[len("%%ranks"):].strip(), body)
+        stored = "".join(o.get("text", "") for o in c.outputs if o.get("output_type") == "stream")
+        assert capsys.readouterr().out == stored, c.source
+
+
 def test_interrupt_reaches_the_ranks_and_keeps_the_cluster(cluster):
     cluster.run("kept = rank * 7")
     restarts, pids = cluster.restarts, dict(cluster.engine_pids)
