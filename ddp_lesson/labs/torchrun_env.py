@@ -30,24 +30,22 @@ def env_lines(environ=None) -> list[str]:
             " ".join(f"{n} set: {n in environ}" for n in VARYING)]
 
 
-def raw_setup(backend: str | None = None) -> float:
+def raw_setup(backend: str) -> float:
     """What ``ddp_lesson.env.init_distributed`` and ``cleanup`` do, written out by hand.
 
-    Joins the group with the ``env://`` method (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
-    ``MASTER_PORT`` read from the environment), all-reduces the rank, then a barrier and
-    ``destroy_process_group``. Synchronises all ranks. Returns the all-reduced sum.
+    ``backend``: ``"nccl"`` (one GPU per process) or ``"gloo"`` (CPU). Joins the group with
+    the ``env://`` method (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` read from
+    the environment), all-reduces the rank, then a barrier and ``destroy_process_group``.
+    Synchronises all ranks. Returns the all-reduced sum of the ranks.
     """
-    local_rank = int(os.environ["LOCAL_RANK"])
-    if backend is None:
-        backend = "nccl" if torch.cuda.device_count() >= int(os.environ["LOCAL_WORLD_SIZE"]) \
-            else "gloo"
     device = "cpu"
     if backend == "nccl":
+        local_rank = int(os.environ["LOCAL_RANK"])
         torch.cuda.set_device(local_rank)   # before any CUDA work: one GPU per process
         device = f"cuda:{local_rank}"
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=60))
     x = torch.tensor([float(dist.get_rank())], device=device)
-    dist.all_reduce(x)
+    dist.all_reduce(x)                      # sum over ranks, result on every rank
     dist.barrier()                          # nobody leaves while a peer is mid-collective
     dist.destroy_process_group()
     return x.item()
