@@ -91,3 +91,12 @@ def test_00_prose_matches_run_and_source():
                  "TORCHELASTIC_USE_AGENT_STORE"):
         assert f'"{name}":' in agent
         assert f"`{name}`" in prose
+    # env:// reads RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT when they are not passed
+    rdzv = (TORCH_DIST / "rendezvous.py").read_text()
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        assert f'_get_env_or_raise("{name}")' in rdzv
+    # the agent restarts the workers while restarts remain, else stops them all
+    api = (TORCH_DIST / "elastic" / "agent" / "server" / "api.py").read_text()
+    run_loop = api[api.index("if self._remaining_restarts > 0:"):][:800]
+    assert "self._restart_workers(self._worker_group)" in run_loop
+    assert "self._stop_workers(self._worker_group)" in run_loop
