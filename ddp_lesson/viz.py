@@ -987,3 +987,124 @@ def reducer_map_figure(figsize=(11, 5.4)):
 
 
 __all__ += ["REDUCER_MAP", "reducer_map_figure"]
+
+
+# =========================================================================== launch and sharding figures
+
+def torchrun_topology_figure(nnodes: int = 2, nproc_per_node: int = 4, figsize=(11, 4.6)):
+    """torchrun -> agents -> workers -> process group, on ``nnodes`` x ``nproc_per_node``.
+
+    One torchrun per node starts that node's *agent* (torch's ``LocalElasticAgent``), which
+    starts and watches ``nproc_per_node`` workers. The agents meet at the rendezvous endpoint
+    (``--rdzv-endpoint``); the workers' ``init_process_group`` meets at the store named by
+    ``MASTER_ADDR:MASTER_PORT``. Every worker box shows ``RANK`` (``node * nproc_per_node +
+    local_rank``) and ``LOCAL_RANK``. Sources: torch 2.13, ``torch/distributed/run.py`` and
+    ``elastic/agent/server/local_elastic_agent.py``.
+
+    Returns:
+        The ``Figure``; each worker's text artist has gid ``"worker{RANK}"`` and each agent's
+        ``"agent{node}"``. Pure drawing, no process group.
+    """
+    from matplotlib.patches import FancyBboxPatch
+
+    fig, ax = subplots(figsize=figsize)
+    ax.set_xlim(0, 100)
+    ax.set_ylim(0, 100)
+    ax.axis("off")
+
+    def box(x, y, w, h, text, colour, gid=None, **kw):
+        ax.add_patch(FancyBboxPatch((x, y), w, h, boxstyle="round,pad=0.3,rounding_size=1",
+                                    facecolor=colour, edgecolor="grey", linewidth=0.8))
+        t = ax.text(x + w / 2, y + h / 2, text, ha="center", va="center", fontsize=SMALL_PT, **kw)
+        if gid:
+            t.set_gid(gid)
+
+    def arrow(x0, y0, x1, y1):
+        ax.annotate("", xy=(x1, y1), xytext=(x0, y0), arrowprops={"arrowstyle": "->",
+                                                                 "color": "grey"})
+
+    box(30, 88, 40, 9, "rendezvous endpoint (--rdzv-endpoint, c10d):\nthe agents meet here",
+        "#eeeeee")
+    node_w = 96 / nnodes
+    worker_w = (node_w - 4) / nproc_per_node
+    for node in range(nnodes):
+        x0 = 2 + node * node_w
+        ax.add_patch(FancyBboxPatch((x0, 20), node_w - 2, 62, boxstyle="round,pad=0.3",
+                                    facecolor="none", edgecolor="#999999", linestyle="--"))
+        ax.text(x0 + 1, 79, f"node {node} (GROUP_RANK={node})", ha="left", va="center",
+                fontsize=SMALL_PT, fontweight="bold")
+        box(x0 + 6, 62, node_w - 14, 11,
+            f"torchrun --nnodes {nnodes} --nproc-per-node {nproc_per_node}\n"
+            "agent: starts and watches the workers", "#fde3cf", gid=f"agent{node}")
+        arrow(x0 + node_w / 2 - 1, 74, 50, 87)
+        for lr in range(nproc_per_node):
+            rank = node * nproc_per_node + lr
+            wx = x0 + 1 + lr * worker_w
+            box(wx + 0.5, 30, worker_w - 2, 18, f"worker\nRANK {rank}\nLOCAL_RANK {lr}",
+                "#dbe9f6", gid=f"worker{rank}")
+            arrow(x0 + node_w / 2 - 1, 61, wx + worker_w / 2 - 0.5, 49)
+            arrow(wx + worker_w / 2 - 0.5, 29, wx + worker_w / 2 - 0.5, 13)
+    world = nnodes * nproc_per_node
+    box(2, 3, 94, 9, f"process group: WORLD_SIZE={world} ranks (init_process_group meets at "
+        "the store MASTER_ADDR:MASTER_PORT), then all_reduce, ...", "#e2f0d9")
+    return finish(fig)
+
+
+def data_movement_per_step(world_size: int) -> dict[str, list[tuple[str, float]]]:
+    """Bytes one rank sends per training step, in units of the parameter bytes, ring model.
+
+    An all-gather or a reduce-scatter of a tensor of ``Psi`` bytes sends ``(R-1)/R * Psi``
+    per rank, an all-reduce twice that (notebook 03); broadcasting each owner's ``1/R`` of
+    the parameters makes every rank receive ``(R-1)/R * Psi``. Gradients and parameters are
+    assumed the same dtype. Pure arithmetic.
+
+    Returns:
+        scheme -> [(collective, units), ...]: DDP (all-reduce), ZeRO-1 as in this series and in
+        torch's ``ZeroRedundancyOptimizer`` (all-reduce, then a broadcast of the parameters),
+        ZeRO-1 as in the paper (reduce-scatter, all-gather), FSDP / ZeRO-3 (all-gather in
+        forward, again in backward, reduce-scatter).
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    f = (world_size - 1) / world_size
+    return {
+        "DDP": [("all-reduce grads", 2 * f)],
+        "ZeRO-1 (ours, torch ZeRO)": [("all-reduce grads", 2 * f), ("broadcast params", f)],
+        "ZeRO-1 (paper)": [("reduce-scatter grads", f), ("all-gather params", f)],
+        "FSDP (ZeRO-3)": [("all-gather params", f), ("all-gather params again (bwd)", f),
+                          ("reduce-scatter grads", f)],
+    }
+
+
+def data_movement_figure(world_size: int = 8, figsize=(MIN_WIDTH_IN, 3.4)):
+    """Stacked bars of :func:`data_movement_per_step`: what each scheme sends per step.
+
+    Returns:
+        The ``Figure``; each scheme's total is written at the end of its bar (text gid
+        ``"total:{scheme}"``).
+    """
+    moves = data_movement_per_step(world_size)
+    colours = {"all-reduce grads": "#4c72b0", "broadcast params": "#dd8452",
+               "reduce-scatter grads": "#55a868", "all-gather params": "#c44e52",
+               "all-gather params again (bwd)": "#e6a0a0"}
+    fig, ax = subplots(figsize=figsize)
+    names = list(moves)
+    seen = set()
+    for i, name in enumerate(names):
+        left = 0.0
+        for what, units in moves[name]:
+            ax.barh(i, units, left=left, color=colours[what], edgecolor="white",
+                    label=None if what in seen else what)
+            seen.add(what)
+            left += units
+        t = ax.text(left + 0.03, i, f"{left:.2f}", va="center", fontsize=SMALL_PT)
+        t.set_gid(f"total:{name}")
+    ax.set_yticks(range(len(names)), names)
+    ax.invert_yaxis()
+    ax.set_xlim(0, 3.3)
+    ax.set_xlabel(f"bytes sent per rank per step / parameter bytes (R = {world_size}, ring model)")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+    return finish(fig)
+
+
+__all__ += ["data_movement_figure", "data_movement_per_step", "torchrun_topology_figure"]

@@ -47,3 +47,39 @@ def test_parameter_bytes_per_rank(lab):
         v = lab_value(lines, f"rank {r} FSDP parameter shard")
         assert v.startswith(f"{expected[r]:,} bytes")
         assert abs(expected[r] * world_size / full - 1) < 0.10
+
+
+def _padded_bytes(params, world_size):
+    """FSDP2 pads dim 0 to a multiple of world_size before its collectives (fp32: 4 bytes)."""
+    return sum(4 * math.ceil(p.shape[0] / world_size) * world_size * p[0].numel()
+               for p in params)
+
+
+def test_fsdp_traffic_counted_against_ddp(lab):
+    """One counted step: DDP one all-reduce of every gradient; FSDP2 all-gathers the root unit
+    once (torch keeps the root unsharded after forward, _fsdp_state.py) and each block twice
+    (forward and backward), and reduce-scatters every unit once."""
+    world_size, lines = lab
+    m = TinyGPT(vocab_size=103)
+    full = 4 * m.num_params()
+    R = world_size
+    blocks = [list(b.parameters()) for b in m.blocks]
+    block_ids = {id(p) for ps in blocks for p in ps}
+    root = [p for p in m.parameters() if id(p) not in block_ids]
+    root_pad = _padded_bytes(root, R)
+    block_pad = [_padded_bytes(ps, R) for ps in blocks]
+    ag = root_pad + 2 * sum(block_pad)
+    rs = root_pad + sum(block_pad)
+    assert lab_value(lines, "DDP  one step") == (
+        f"1 x all_reduce, {full:,} bytes unsharded, {2 * full * (R - 1) // R:,} sent per rank")
+    got = [line.split(": ", 1)[1] for line in lines if line.startswith("FSDP one step:")]
+    assert got == [
+        f"5 x all_gather_single, {ag:,} bytes unsharded, {ag * (R - 1) // R:,} sent per rank",
+        f"3 x reduce_scatter_single, {rs:,} bytes unsharded, {rs * (R - 1) // R:,} sent per rank",
+    ]
+    ratio = (ag * (R - 1) // R + rs * (R - 1) // R) / (2 * full * (R - 1) // R)
+    assert lab_value(lines, "FSDP / DDP bytes sent per rank") == f"{ratio:.2f}"
+    assert 1.3 < ratio < 1.5   # below ZeRO-3's 1.5: the root unit is not gathered again
+    peak = 4 * (sum(p.numel() for p in root) + max(sum(p.numel() for p in ps) for ps in blocks))
+    assert lab_value(lines, "peak unsharded parameter bytes while a block runs") == (
+        f"{peak:,} = {peak / full:.3f} of full")
