@@ -11,7 +11,7 @@ ordinary loop: wrap the model, run ``loss = f(model(x)); loss.backward()``, and 
 How the gradients get averaged
 ------------------------------
 * At construction every parameter and buffer is broadcast from rank 0, so every rank starts
-  from the same weights whatever it initialised (shared/cases B8).
+  from the same weights whatever it initialised (docs/pitfalls.md B8).
 * Before that broadcast, every rank's parameter list (names, shapes, dtypes) is all-gathered
   and compared, so a model that differs between ranks is the same ValueError on every rank.
 * A *post-accumulate-grad hook* on each trainable parameter
@@ -804,7 +804,7 @@ class _GradSyncBase(nn.Module, Joinable):
 
         The usual pattern with ``k`` micro-batches: the first ``k-1`` (forward *and* backward)
         inside ``no_sync()``, the last one outside, so its backward all-reduces the
-        accumulated ``.grad`` (shared/cases B4: local grads 1+3 and 1+6 give 5.5 on both
+        accumulated ``.grad`` (docs/pitfalls.md B4: local grads 1+3 and 1+6 give 5.5 on both
         ranks; syncing the first micro-batch instead leaves 4.0 and 7.0). Like torch, the
         forward decides: a ``no_sync()`` around ``backward()`` only does nothing.
         """

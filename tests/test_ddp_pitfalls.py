@@ -1,7 +1,8 @@
-"""shared/cases B1, B2, B4, B5, B7, B8, B12 on 2 real processes, for NaiveDDP, BucketedDDP and torch's DDP.
+"""docs/pitfalls.md B1, B2, B4, B5, B7, B8, B12 on 2 real processes, for NaiveDDP, BucketedDDP
+and torch's DDP.
 
 One torchrun launch (gloo, 2 ranks). Every rank runs every scenario and prints one JSON
-line; the tests compare with the literal values stated in shared/cases/pitfalls.md, with
+line; the tests compare with the literal values stated in docs/pitfalls.md, with
 torch's own DistributedDataParallel, or with a plain single-process computation.
 """
 from __future__ import annotations

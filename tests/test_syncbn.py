@@ -3,7 +3,7 @@
 One torchrun launch per world size (2 and 3, with unequal per-rank batches): every rank
 checks its slice against nn.BatchNorm2d run on the whole batch in the same process (outputs,
 running mean/var, input and weight gradients), and the 2-rank launch also checks the exact
-numbers of shared/cases B11 and one DDP training step of a converted model.
+numbers of docs/pitfalls.md B11 and one DDP training step of a converted model.
 """
 import json
 
@@ -35,7 +35,7 @@ out = {}
 def err(a, b):
     return float((a.detach() - b.detach()).abs().max()) if a.numel() else 0.0
 
-# -- shared/cases B11: 2 ranks, 1 channel, [1, 2] and [3, 4]
+# -- docs/pitfalls.md B11: 2 ranks, 1 channel, [1, 2] and [3, 4]
 if R == 2:
     x = torch.tensor([[1.0], [2.0]]) if r == 0 else torch.tensor([[3.0], [4.0]])
     sbn = SyncBatchNorm(1, eps=1e-5, momentum=0.1).train()
@@ -145,7 +145,7 @@ def three_ranks(tmp_path_factory):
 
 
 def test_b11_exact_values(two_ranks):
-    """shared/cases B11: global mean 2.5, biased var 1.25; running stats 0.25 and 1.06667."""
+    """docs/pitfalls.md B11: global mean 2.5, biased var 1.25; running stats 0.25 and 1.06667."""
     expected_y = {0: [-1.3416, -0.4472], 1: [0.4472, 1.3416]}
     for rank in (0, 1):
         b11 = two_ranks[rank]["b11"]

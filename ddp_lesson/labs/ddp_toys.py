@@ -11,7 +11,7 @@ Each toy isolates one thing a gradient-averaging wrapper must get right:
 * :class:`BatchNormToy` — BatchNorm's running statistics are *buffers*: broadcast from rank 0,
   never averaged.
 * :class:`TwoLayer` — layers ``a`` and ``b``; ``forward(x, use_b)`` decides per call whether
-  ``b`` takes part (shared/cases B1).
+  ``b`` takes part (docs/pitfalls.md B1).
 
 Data: :func:`toy_batch` gives the same global batch on every rank for a step;
 :func:`shard` cuts out one rank's contiguous rows. Everything is deterministic under a seed.

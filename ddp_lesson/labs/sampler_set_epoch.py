@@ -6,7 +6,7 @@ Every rank builds a shuffled :class:`ddp_lesson.sampler.DistributedSampler` and 
 ``DataLoader`` on a dataset of ``n`` integers, and runs the epoch loop twice: once without
 calling ``sampler.set_epoch(epoch)`` (the seed script's loop) and once with it. The indices each
 rank receives are gathered on rank 0, which prints them side by side: without ``set_epoch``
-every epoch repeats epoch 0 (the generator is seeded with ``seed + 0`` each time, shared/cases
+every epoch repeats epoch 0 (the generator is seeded with ``seed + 0`` each time, docs/pitfalls.md
 A1); with it every epoch is a new permutation, and each epoch still covers the dataset exactly
 once over all ranks. Notebook 02 runs this with ``%%torchrun --nproc-per-node 2``.
 """
