@@ -38,7 +38,8 @@ import random
 import re
 import zipfile
 from collections import OrderedDict
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import numpy as np
 import torch

@@ -30,15 +30,15 @@ definitions in ``cityscapesscripts.helpers.labels``, not from a copy typed here.
 from __future__ import annotations
 
 import operator
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset
 
 # The official table (cityscapesScripts, helpers/labels.py). Importing it costs < 1 ms.
 from cityscapesscripts.helpers import labels as _cs_labels
+from torch.utils.data import Dataset
 
 __all__ = [
     "CITYSCAPES_CLASSES",

@@ -59,8 +59,8 @@ import contextlib
 import math
 import time
 import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -334,7 +334,7 @@ class StepRecord:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "StepRecord":
+    def from_dict(cls, d: dict) -> StepRecord:
         """Inverse of :meth:`to_dict`."""
         d = dict(d)
         d["comm"] = [CommEvent(**e) for e in d.get("comm", [])]

@@ -12,7 +12,6 @@ the sorted unique characters as the vocabulary, so every machine builds the same
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch

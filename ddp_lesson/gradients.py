@@ -20,7 +20,7 @@ trick for parallelizing convolutional neural networks", 2014 (square-root rule).
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import nn

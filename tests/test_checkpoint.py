@@ -10,11 +10,18 @@ import torch.distributed as dist
 from torch import nn
 
 from ddp_lesson import checkpoint as ck
-from ddp_lesson.checkpoint import (CheckpointError, capture_rng_state, first_config_mismatch,
-                                   first_state_mismatch, load_checkpoint, restore_rng_state,
-                                   save_atomic, strip_module_prefix, unwrap)
+from ddp_lesson.checkpoint import (
+    CheckpointError,
+    capture_rng_state,
+    first_config_mismatch,
+    first_state_mismatch,
+    load_checkpoint,
+    restore_rng_state,
+    save_atomic,
+    strip_module_prefix,
+    unwrap,
+)
 from ddp_lesson.launch import run_torchrun
-
 
 # ---- B12: the module. prefix ---------------------------------------------------------------
 

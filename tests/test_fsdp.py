@@ -4,10 +4,10 @@ from __future__ import annotations
 import math
 
 import pytest
+from gpt_reference import lab_value, single_process_losses
 
 from ddp_lesson.gpt import TinyGPT
 from ddp_lesson.launch import run_torchrun
-from gpt_reference import lab_value, single_process_losses
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -12,10 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch import nn
 
 from ddp_lesson.gradients import (
-    all_reduce_average,
     average,
     batch_gradient,
     make_toy_batch,

@@ -15,13 +15,13 @@ from collections import Counter
 
 import pytest
 import torch
+from sampler_reference import torch_shards
 from torch.utils.data import DataLoader
 from torch.utils.data import DistributedSampler as TorchSampler
 
 from ddp_lesson.labs.sampler_pitfalls import NestedLenSampler, one_shot_padding
 from ddp_lesson.labs.sampler_shards import partition_facts
 from ddp_lesson.launch import run_torchrun
-from sampler_reference import torch_shards
 
 pytestmark = pytest.mark.timeout(150)
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 import re
 
 import pytest
+from sampler_reference import torch_shards
 
 from ddp_lesson.widgets import sampler_explorer, sampler_report
-from sampler_reference import torch_shards
 
 pytestmark = pytest.mark.filterwarnings("ignore:DistributedSampler with drop_last=True")
 

@@ -5,10 +5,10 @@ import re
 
 import pytest
 import torch
+from gpt_reference import lab_value, single_process_losses
 
 from ddp_lesson.gpt import TinyGPT
 from ddp_lesson.launch import run_torchrun
-from gpt_reference import lab_value, single_process_losses
 from ddp_lesson.zero import partition_parameters
 
 pytestmark = pytest.mark.timeout(120)

@@ -14,12 +14,25 @@ from collections import Counter
 
 import torch
 
+from ..sampler import contiguous_shard_indices, num_samples_per_rank, padded_order, shard_indices
 from . import solutions as S
-from ..sampler import (contiguous_shard_indices, num_samples_per_rank, padded_order,
-                       shard_indices)
-from .core import (Exercise, StopCandidate, as_number, as_whole, call_case, close, error_record,
-                   first_error, fmt_list, fmt_num, format_error, is_timeout_error, register,
-                   returned, shown)
+from .core import (
+    Exercise,
+    StopCandidate,
+    as_number,
+    as_whole,
+    call_case,
+    close,
+    error_record,
+    first_error,
+    fmt_list,
+    fmt_num,
+    format_error,
+    is_timeout_error,
+    register,
+    returned,
+    shown,
+)
 
 
 def _ranks(rs) -> str:

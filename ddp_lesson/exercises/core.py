@@ -32,9 +32,10 @@ import re
 import shutil
 import tempfile
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 #: Seconds a collective may wait inside a checker's worker before it raises
 #: (``DDP_LESSON_CHECK_TIMEOUT_S`` overrides it when a check starts; the tests use a shorter one).

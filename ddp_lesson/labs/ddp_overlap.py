@@ -30,8 +30,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ddp_lesson.ddp import (BucketedDDP, NaiveDDP, Recorder, SimulatedLink, gather_records,
-                            job_exposed_s)
+from ddp_lesson.ddp import (
+    BucketedDDP,
+    NaiveDDP,
+    Recorder,
+    SimulatedLink,
+    gather_records,
+    job_exposed_s,
+)
 from ddp_lesson.models import build_model
 
 #: Bucket caps of the sweep (MiB); 0 puts every parameter in a bucket of its own.

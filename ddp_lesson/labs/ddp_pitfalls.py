@@ -10,8 +10,8 @@ Every function is a collective: call it on every rank, in the same order.
 from __future__ import annotations
 
 import argparse
-import gc
 import contextlib
+import gc
 
 import torch
 import torch.distributed as dist
