@@ -361,7 +361,9 @@ class Cluster:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, env.get("PYTHONPATH")) if p)
         return env
 
-    def _popen(self, cmd: list[str], env: dict, log: Path, pdeathsig: bool = True) -> subprocess.Popen:
+    def _popen(
+        self, cmd: list[str], env: dict, log: Path, pdeathsig: bool = True
+    ) -> subprocess.Popen:
         _libc()
         with open(log, "ab") as out:
             return subprocess.Popen(cmd, env=env, cwd=self.cwd, stdin=subprocess.DEVNULL,
@@ -420,7 +422,10 @@ class Cluster:
             env, self.folder / "controller.log")
         self._write_pids()
         security = profile / "security"
-        engine_file, client_file = security / "ipcontroller-engine.json", security / "ipcontroller-client.json"
+        engine_file, client_file = (
+            security / "ipcontroller-engine.json",
+            security / "ipcontroller-client.json",
+        )
         engine = ["-m", "ddp_lesson.cluster", "engine", f"--file={engine_file}",
                   f"--profile-dir={profile}", "--IPEngine.enable_nanny=False", "--log-level=WARN"]
         base = [sys.executable, "-m", "torch.distributed.run",
@@ -450,7 +455,9 @@ class Cluster:
         ids = sorted(self.client.ids)[: self.world_size]
         ars = {eid: self.client[eid].execute(code, silent=False, block=False) for eid in ids}
         for eid, ar in ars.items():
-            self._wait_for(ar.ready, deadline, "the process group to form", [self.controller, *self.agents])
+            self._wait_for(
+                ar.ready, deadline, "the process group to form", [self.controller, *self.agents]
+            )
             ar.get()  # raises the engine's error, if any
             ar.wait_for_output(max(1.0, deadline - time.monotonic()))
             info = json.loads(ar.stdout.strip().splitlines()[-1])
@@ -486,7 +493,11 @@ class Cluster:
             return
         try:
             atexit.unregister(self.stop)
-            if self.client is not None and self.engine_ids and all(p.poll() is None for p in self.agents):
+            if (
+                self.client is not None
+                and self.engine_ids
+                and all(p.poll() is None for p in self.agents)
+            ):
                 try:
                     res = self._execute(_CLEANUP, sorted(self.engine_ids), 15.0)
                     if res is not None:
@@ -553,7 +564,10 @@ class Cluster:
 
     def _execute(self, code: str, ranks: list[int], timeout: float):
         """Run ``code`` on ``ranks``; {rank: AsyncResult} once all are done, None on timeout."""
-        ars = {r: self.client[self.engine_ids[r]].execute(code, silent=False, block=False) for r in ranks}
+        ars = {
+            r: self.client[self.engine_ids[r]].execute(code, silent=False, block=False)
+            for r in ranks
+        }
         deadline = time.monotonic() + timeout
         while not all(ar.ready() for ar in ars.values()):
             if time.monotonic() > deadline:
@@ -570,7 +584,10 @@ class Cluster:
         if timeout <= 0:
             raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
         start = time.monotonic()
-        ars = {r: self.client[self.engine_ids[r]].execute(code, silent=False, block=False) for r in ranks}
+        ars = {
+            r: self.client[self.engine_ids[r]].execute(code, silent=False, block=False)
+            for r in ranks
+        }
         deadline = start + timeout
         try:
             while True:
@@ -638,13 +655,21 @@ class Cluster:
             + (f" ({_ranks_word(done)} finished)" if done else "")
             + ": probably waiting in a collective that other ranks never reached. A rank blocked in "
             f"a collective cannot be interrupted, so the cluster was restarted: {self.world_size} "
-            "fresh ranks, state lost", waiting, outputs, restarted=True)
+            "fresh ranks, state lost",
+            waiting,
+            outputs,
+            restarted=True,
+        )
 
     def _died(self, ars: dict, rank: int) -> None:
         outputs = {r: _text_output(ar) for r, ar in ars.items()}
         self.restart()
-        raise RanksError(f"rank {rank}'s process died during the cell; the cluster was restarted "
-                         f"({self.world_size} fresh ranks, state lost)", {rank: "process died"}, outputs)
+        raise RanksError(
+            f"rank {rank}'s process died during the cell; the cluster was restarted "
+            f"({self.world_size} fresh ranks, state lost)",
+            {rank: "process died"},
+            outputs,
+        )
 
     def _interrupted(self, ars: dict) -> None:
         running = [r for r, ar in ars.items() if not ar.ready()]
@@ -657,9 +682,12 @@ class Cluster:
         while not all(ar.ready() for ar in ars.values()):
             if time.monotonic() > deadline:
                 self.restart()
-                print(f"[ranks] {_ranks_word([r for r, a in ars.items() if not a.ready()])} did "
-                      f"not stop within {INTERRUPT_GRACE_S:g} s of the interrupt: cluster restarted "
-                      "(state lost)", file=sys.stderr)
+                print(
+                    f"[ranks] {_ranks_word([r for r, a in ars.items() if not a.ready()])} did "
+                    f"not stop within {INTERRUPT_GRACE_S:g} s of the interrupt: cluster restarted "
+                    "(state lost)",
+                    file=sys.stderr,
+                )
                 return
             time.sleep(_POLL_S)
         print(f"[ranks] interrupted {_ranks_word(running)}; the cluster keeps its state",
@@ -878,7 +906,10 @@ def bench(repeats: int = 30, starts: int = 3, out="benchmarks/cluster.csv") -> l
         oneshot_cpu.append(cpu() - c0)
     rows = [row("cluster_start_2_ranks", start_s, start_cpu)]
     rows += [row(f"start_phase_{k}", v) for k, v in phases.items()]
-    rows += [row("ranks_cell_round_trip", trip_s), row("torchrun_cell_one_shot", oneshot_s, oneshot_cpu)]
+    rows += [
+        row("ranks_cell_round_trip", trip_s),
+        row("torchrun_cell_one_shot", oneshot_s, oneshot_cpu),
+    ]
     write_rows(rows, out, list(rows[0]), float_digits=4)
     return rows
 
@@ -899,8 +930,10 @@ def main(argv: list[str] | None = None) -> None:
         return
     for r in bench(args.repeats, args.starts, args.out):
         cpu = f", cpu {r['cpu_s']:.1f} s" if r["cpu_s"] != "" else ""
-        print(f"{r['what']}: median {r['median_s'] * 1e3:.1f} ms, min {r['min_s'] * 1e3:.1f} ms, "
-              f"max {r['max_s'] * 1e3:.1f} ms over {r['repeats']}{cpu} (load {r['load_avg_1min']:.1f})")
+        print(
+            f"{r['what']}: median {r['median_s'] * 1e3:.1f} ms, min {r['min_s'] * 1e3:.1f} ms, "
+            f"max {r['max_s'] * 1e3:.1f} ms over {r['repeats']}{cpu} (load {r['load_avg_1min']:.1f})"
+        )
 
 
 if __name__ == "__main__":

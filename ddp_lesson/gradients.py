@@ -49,7 +49,9 @@ def make_toy_model(seed: int = 0, in_features: int = 4, hidden: int = 3) -> nn.M
     return model
 
 
-def make_toy_batch(n: int = 8, seed: int = 1, in_features: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+def make_toy_batch(
+    n: int = 8, seed: int = 1, in_features: int = 4
+) -> tuple[torch.Tensor, torch.Tensor]:
     """A seeded regression batch ``x: (n, in_features)``, ``y: (n, 1)``; identical on every rank."""
     if n < 1:
         raise ValueError(f"batch size must be >= 1, got {n}")
@@ -115,8 +117,14 @@ def batch_gradient(model: nn.Module, x: torch.Tensor, y: torch.Tensor,
     return grad
 
 
-def shard_gradients(model: nn.Module, x: torch.Tensor, y: torch.Tensor, world_size: int,
-                    reduction: str = "mean", sizes: Sequence[int] | None = None) -> list[torch.Tensor]:
+def shard_gradients(
+    model: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    world_size: int,
+    reduction: str = "mean",
+    sizes: Sequence[int] | None = None,
+) -> list[torch.Tensor]:
     """What each of ``world_size`` ranks would compute: the gradient on its own shard.
 
     Runs on one process (no communication): the shards come from :func:`split_batch`.

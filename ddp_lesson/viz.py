@@ -291,7 +291,10 @@ def assignment_over_epochs(n: int, num_replicas: int, epochs: int = 3, seed: int
 
 # =========================================================================== gradient figures (notebook 01)
 
-def per_rank_gradients_figure(shard_grads, full_grad, max_params: int | None = None, figsize=(7, 3)):
+
+def per_rank_gradients_figure(
+    shard_grads, full_grad, max_params: int | None = None, figsize=(7, 3)
+):
     """Each rank's shard gradient, their average, and the full-batch gradient, per parameter.
 
     Bars: rank r's gradient entries (one colour per rank). Black bar outline: the average of
@@ -337,10 +340,17 @@ def per_rank_gradients_figure(shard_grads, full_grad, max_params: int | None = N
     ax.set_xticks(xs)
     ax.set_xlabel("parameter entry", fontsize=SMALL_PT)
     ax.set_ylabel("gradient", fontsize=SMALL_PT)
-    ax.set_title(f"{R} shard gradients, their average and the full-batch gradient", fontsize=LABEL_PT)
+    ax.set_title(
+        f"{R} shard gradients, their average and the full-batch gradient", fontsize=LABEL_PT
+    )
     ax.tick_params(labelsize=SMALL_PT)
-    ax.legend(fontsize=SMALL_PT, ncol=min(R + 2, 6), loc="upper center", bbox_to_anchor=(0.5, -0.18),
-              frameon=False)
+    ax.legend(
+        fontsize=SMALL_PT,
+        ncol=min(R + 2, 6),
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.18),
+        frameon=False,
+    )
     return finish(fig)
 
 
@@ -407,7 +417,9 @@ def allreduce_bandwidth_figure(rows, figsize=(MIN_WIDTH_IN, 3.8)):
         note = f" ({R} procs on {cpus} cores)" if R > cpus else ""
         ax.set_title(f"R = {R}{note}", fontsize=LABEL_PT)
         ax.set_xscale("log", base=2)
-        ticks = sorted({r["size_bytes"] for r in rows if r["nprocs"] == R and r["size_bytes"] >= lo})
+        ticks = sorted(
+            {r["size_bytes"] for r in rows if r["nprocs"] == R and r["size_bytes"] >= lo}
+        )
         ax.set_xticks(ticks)
         ax.set_xticklabels([_size_label(t) for t in ticks], rotation=45, fontsize=SMALL_PT)
         ax.minorticks_off()
@@ -553,6 +565,7 @@ __all__ += ["per_rank_gradients_figure", "allreduce_bandwidth_figure", "cost_mod
 
 # =========================================================================== training figures (notebook 05)
 
+
 def loss_curves_figure(curves, title: str = "training loss per optimizer step",
                        reference: str | None = None, figsize=None):
     """Loss curves overlaid, one line per run, x = optimizer step (1-based).
@@ -695,6 +708,7 @@ __all__ += ["loss_curves_figure", "masks_figure", "scaling_figure"]
 
 # =========================================================================== DDP wrapper figures (notebook 04)
 
+
 def _as_step_record(rec):
     from .ddp import StepRecord
 
@@ -760,7 +774,9 @@ def ddp_timeline_figure(panels, figsize=(7, 3.4), align: bool = True):
             what = "after the last rank's backward"
         else:
             exposed, what = max(r.exposed_s for r in records) * 1e3, "on the slowest rank"
-        ax.set_title(f"{title}: {exposed:.0f} ms of communication exposed {what}", fontsize=SMALL_PT)
+        ax.set_title(
+            f"{title}: {exposed:.0f} ms of communication exposed {what}", fontsize=SMALL_PT
+        )
         ax.tick_params(labelsize=SMALL_PT)
     axes[-1, 0].set_xlabel("ms since the first rank's forward returned" if align
                            else "ms since the end of forward", fontsize=SMALL_PT)
@@ -871,6 +887,7 @@ __all__ += ["ddp_timeline_figure", "bucket_sweep_figure", "ddp_benchmark_figure"
 
 # =========================================================================== memory figures (notebook 07)
 
+
 def memory_stages_figure(num_params: float, world_size: int, capacity_bytes: float | None = None,
                          figsize=(6, 3), **kwargs):
     """Model-state memory per rank under DDP and ZeRO stages 1-3, as stacked bars (GB = 1e9 B).
@@ -925,18 +942,26 @@ __all__ += ["memory_stages_figure"]
 
 #: The rows of :func:`reducer_map_figure`: (stage, our BucketedDDP, torch's C++ Reducer).
 REDUCER_MAP = [
-    ("1 · a gradient is\naccumulated",
-     "p.register_post_accumulate_grad_hook(hook)\n→ _grad_ready(i):\n  bucket.pending -= 1",
-     "post-hook on p's AccumulateGrad node\n→ Reducer::autograd_hook(i)\n→ mark_variable_ready(i)"),
-    ("2 · a bucket is\nready",
-     "pending == 0 → _launch(bucket):\ncopy each .grad × 1/R into bucket.flat\n(in bucket order on every rank)",
-     "copy .grad into its bucket view,\n× 1/div_factor_ when no hook is set;\nmark_bucket_ready (in bucket order)"),
-    ("3 · all-reduce",
-     "comm_hook(flat, group) → work (.wait())\ndefault: dist.all_reduce(flat,\n  async_op=True), a SUM",
-     "all_reduce_bucket → run_comm_hook(\n  GradBucket) → Future[Tensor];\na registered hook divides itself"),
-    ("4 · end of\nbackward",
-     "queue_callback(_final_callback)\n→ _after_backward: wait every\nbucket, copy flat → .grad",
-     "queue_callback(finalize_backward):\nwait the futures, copy into .grad\n(a view: no copy). Buckets are rebuilt\nonce, before the 2nd forward"),
+    (
+        "1 · a gradient is\naccumulated",
+        "p.register_post_accumulate_grad_hook(hook)\n→ _grad_ready(i):\n  bucket.pending -= 1",
+        "post-hook on p's AccumulateGrad node\n→ Reducer::autograd_hook(i)\n→ mark_variable_ready(i)",
+    ),
+    (
+        "2 · a bucket is\nready",
+        "pending == 0 → _launch(bucket):\ncopy each .grad × 1/R into bucket.flat\n(in bucket order on every rank)",
+        "copy .grad into its bucket view,\n× 1/div_factor_ when no hook is set;\nmark_bucket_ready (in bucket order)",
+    ),
+    (
+        "3 · all-reduce",
+        "comm_hook(flat, group) → work (.wait())\ndefault: dist.all_reduce(flat,\n  async_op=True), a SUM",
+        "all_reduce_bucket → run_comm_hook(\n  GradBucket) → Future[Tensor];\na registered hook divides itself",
+    ),
+    (
+        "4 · end of\nbackward",
+        "queue_callback(_final_callback)\n→ _after_backward: wait every\nbucket, copy flat → .grad",
+        "queue_callback(finalize_backward):\nwait the futures, copy into .grad\n(a view: no copy). Buckets are rebuilt\nonce, before the 2nd forward",
+    ),
 ]
 
 
@@ -965,8 +990,11 @@ def reducer_map_figure(figsize=(11, 5.4)):
     ax.set_ylim(0, n * 12 + 7)
     ax.set_position([0.01, 0.01, 0.98, 0.98])
     ax.axis("off")
-    cols = [(0.8, 13.5, "stage", "#eeeeee"), (16, 40.5, "our BucketedDDP (ddp_lesson/ddp.py)", "#dbe9f6"),
-            (58.5, 40.5, "torch's Reducer (C++, reducer.cpp)", "#fde3cf")]
+    cols = [
+        (0.8, 13.5, "stage", "#eeeeee"),
+        (16, 40.5, "our BucketedDDP (ddp_lesson/ddp.py)", "#dbe9f6"),
+        (58.5, 40.5, "torch's Reducer (C++, reducer.cpp)", "#fde3cf"),
+    ]
     for x, w, title, _ in cols[1:]:
         ax.text(x + w / 2, n * 12 + 4, title, ha="center", va="center", fontsize=11,
                 fontweight="bold")

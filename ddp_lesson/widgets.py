@@ -231,6 +231,7 @@ def sampler_explorer(n: int = 10, world_size: int = 3, epoch: int = 0, seed: int
 
 # =========================================================================== ring all-reduce stepper (notebook 03)
 
+
 @functools.cache
 def _stepper_class():
     import ipywidgets as W

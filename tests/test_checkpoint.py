@@ -116,17 +116,29 @@ def test_load_maps_to_the_given_device(tmp_path):
     assert ckpt["model"]["w"].device.type == "cpu"
 
 
-@pytest.mark.parametrize("kind, message", [
-    ("truncated", r"is not a readable checkpoint \(no zip archive: truncated, or not written by torch.save\)"),
-    ("text", r"is not a readable checkpoint"),
-    ("empty", r"\(0 bytes\) is not a readable checkpoint"),
-    ("state_dict", r"is not a ddp_lesson checkpoint: it holds a dict with keys \['bias', 'weight'\]"),
-    ("tensor", r"is not a ddp_lesson checkpoint: it holds a Tensor"),
-    ("incomplete", r"is an incomplete checkpoint: missing \['optimizer'"),
-    ("version", r"has checkpoint version 99; this package reads version 1"),
-    ("code", r"bytes\) is not a readable checkpoint \(UnpicklingError: Unsupported global: "
-             r"GLOBAL datetime.date"),
-])
+@pytest.mark.parametrize(
+    "kind, message",
+    [
+        (
+            "truncated",
+            r"is not a readable checkpoint \(no zip archive: truncated, or not written by torch.save\)",
+        ),
+        ("text", r"is not a readable checkpoint"),
+        ("empty", r"\(0 bytes\) is not a readable checkpoint"),
+        (
+            "state_dict",
+            r"is not a ddp_lesson checkpoint: it holds a dict with keys \['bias', 'weight'\]",
+        ),
+        ("tensor", r"is not a ddp_lesson checkpoint: it holds a Tensor"),
+        ("incomplete", r"is an incomplete checkpoint: missing \['optimizer'"),
+        ("version", r"has checkpoint version 99; this package reads version 1"),
+        (
+            "code",
+            r"bytes\) is not a readable checkpoint \(UnpicklingError: Unsupported global: "
+            r"GLOBAL datetime.date",
+        ),
+    ],
+)
 def test_unusable_files_raise_one_line(tmp_path, kind, message):
     path = tmp_path / "c.pt"
     if kind == "truncated":

@@ -217,11 +217,15 @@ def _cell_text(marker: str) -> str:
     nb = nbformat.read(ROOT / "notebooks" / "03_collectives.ipynb", as_version=4)
     for cell in nb.cells:
         if cell.cell_type == "code" and marker in cell.source:
-            return "".join(o.get("text", "") for o in cell.outputs if o.get("output_type") == "stream")
+            return "".join(
+                o.get("text", "") for o in cell.outputs if o.get("output_type") == "stream"
+            )
     raise AssertionError(f"no cell containing {marker!r}")
 
 
-_HOLD = re.compile(r"^\[rank (\d)\] (.+?)\s+before (\S.*?)\s+after (.+?)(?:\s+\(chunk (\d+) of the sum\))?$")
+_HOLD = re.compile(
+    r"^\[rank (\d)\] (.+?)\s+before (\S.*?)\s+after (.+?)(?:\s+\(chunk (\d+) of the sum\))?$"
+)
 
 
 def _holdings(text: str) -> dict:
@@ -229,7 +233,11 @@ def _holdings(text: str) -> dict:
     for line in text.splitlines():
         m = _HOLD.match(line)
         if m:
-            out[(m.group(2).strip(), int(m.group(1)))] = (m.group(3).strip(), m.group(4).strip(), m.group(5))
+            out[(m.group(2).strip(), int(m.group(1)))] = (
+                m.group(3).strip(),
+                m.group(4).strip(),
+                m.group(5),
+            )
     return out
 
 
@@ -254,7 +262,10 @@ def test_notebook_03_collective_outputs():
     total = [sum(v[i] for v in inputs.values()) for i in range(2)]       # [6, 60]
     for r in range(R):
         assert got[("broadcast", r)][:2] == (_l([7, 8]) if r == 0 else _l([0, 0]), _l([7, 8]))
-        assert got[("reduce to 0", r)][:2] == (_l(inputs[r]), _l(total) if r == 0 else "(unspecified)")
+        assert got[("reduce to 0", r)][:2] == (
+            _l(inputs[r]),
+            _l(total) if r == 0 else "(unspecified)",
+        )
         assert got[("all_reduce", r)][:2] == (_l(inputs[r]), _l(total))
     text = _cell_text("dist.all_gather(everyone, mine)")
     got = _holdings(text)

@@ -111,7 +111,9 @@ def _nb_outputs(name: str, marker: str) -> str:
     nb = nbformat.read(ROOT / "notebooks" / name, as_version=4)
     for cell in nb.cells:
         if cell.cell_type == "code" and marker in cell.source:
-            return "".join(o.get("text", "") for o in cell.outputs if o.get("output_type") == "stream")
+            return "".join(
+                o.get("text", "") for o in cell.outputs if o.get("output_type") == "stream"
+            )
     raise AssertionError(f"no cell containing {marker!r} in {name}")
 
 
@@ -133,8 +135,10 @@ def test_notebook_03_cost_table_matches_hand_formulas():
     assert lines == expected
     # a loss value is one float32: 4 bytes; at R = 2 all three print 0.010 ms, a tie
     assert "100 MB (gradients)" in text and "4 bytes (one float32 loss value)" in text
-    assert "  R= 2: naive    0.010 ms  tree    0.010 ms  ring    0.010 ms   tie: naive, tree, ring" \
+    assert (
+        "  R= 2: naive    0.010 ms  tree    0.010 ms  ring    0.010 ms   tie: naive, tree, ring"
         in text.splitlines()
+    )
     assert lines[3].endswith("fastest: ring") and lines[5].endswith("fastest: tree")
 
 
@@ -228,7 +232,9 @@ def test_stored_benchmark_covers_the_sweep():
         assert r["seconds"] > 0 and r["algbw_GBps"] > 0 and r["repeats"] >= 3
         assert r["seconds_min"] <= r["seconds"] <= r["seconds_max"]
         assert r["algbw_GBps_min"] <= r["algbw_GBps"] <= r["algbw_GBps_max"]
-        assert r["algbw_GBps"] == pytest.approx(r["size_bytes"] / r["seconds"] / 1e9, rel=1e-3, abs=1e-4)
+        assert r["algbw_GBps"] == pytest.approx(
+            r["size_bytes"] / r["seconds"] / 1e9, rel=1e-3, abs=1e-4
+        )
         factor = 1.0 if r["method"] in bench.LINK_METHODS else 2 * (r["nprocs"] - 1) / r["nprocs"]
         assert r["busbw_GBps"] == pytest.approx(r["algbw_GBps"] * factor, rel=1e-3, abs=1e-4)
     assert set(bench.ratios(rows)[2]) >= {"pipelined_vs_gloo", "busbw_vs_sendrecv"}

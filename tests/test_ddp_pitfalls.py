@@ -157,7 +157,9 @@ def test_b1_with_the_flag_a_parameter_unused_everywhere_keeps_grad_none(results)
             kind, grads = results[r][name]["B1 on, unused everywhere"]
             assert kind == "grads"
             assert grads["b.weight"] is None and grads["b.bias"] is None, (name, r)
-            assert grads["a.weight"] == results[r]["torch"]["B1 on, unused everywhere"][1]["a.weight"]
+            assert (
+                grads["a.weight"] == results[r]["torch"]["B1 on, unused everywhere"][1]["a.weight"]
+            )
 
 
 def test_b2_flag_on_with_nothing_unused_same_numbers_one_warning(results):

@@ -27,7 +27,9 @@ NPROC = min(2, GPUS) if GPUS else 0
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.timeout(300),
-    pytest.mark.skipif(not CUDA, reason="no CUDA device: the GPU path needs torch.cuda.is_available()"),
+    pytest.mark.skipif(
+        not CUDA, reason="no CUDA device: the GPU path needs torch.cuda.is_available()"
+    ),
 ]
 
 #: A small, fast trainer run (the flags of ddp_lesson.train).

@@ -42,7 +42,9 @@ def _plain_grad(model, x, y, reduction="mean"):
 
 def test_b5_scalar_values_by_hand():
     x = [1, 2, 3, 4]
-    assert scalar_squared_error_grad(1.0, x, "mean") == pytest.approx(2 * sum(v * v for v in x) / 4)  # 15
+    assert scalar_squared_error_grad(1.0, x, "mean") == pytest.approx(
+        2 * sum(v * v for v in x) / 4
+    )  # 15
     assert scalar_squared_error_grad(1.0, x, "mean") == pytest.approx(15.0)
     assert scalar_squared_error_grad(1.0, x, "sum") == pytest.approx(60.0)
     assert scalar_squared_error_grad(1.0, [1, 2]) == pytest.approx(5.0)
@@ -234,7 +236,9 @@ def _cells():
 def _text(marker: str) -> str:
     for cell in _cells():
         if marker in cell.source:
-            return "".join(o.get("text", "") for o in cell.outputs if o.get("output_type") == "stream")
+            return "".join(
+                o.get("text", "") for o in cell.outputs if o.get("output_type") == "stream"
+            )
     raise AssertionError(f"no cell containing {marker!r}")
 
 

@@ -39,8 +39,15 @@ def torch_order(n, shuffle, seed, epoch):
 
 @pytest.fixture(scope="module")
 def set_epoch_run():
-    return run_torchrun("ddp_lesson.labs.sampler_set_epoch", ["--dataset-len", "8", "--epochs", "3"],
-                        module=True, nproc_per_node=2, timeout=120, live=False, backend="gloo")
+    return run_torchrun(
+        "ddp_lesson.labs.sampler_set_epoch",
+        ["--dataset-len", "8", "--epochs", "3"],
+        module=True,
+        nproc_per_node=2,
+        timeout=120,
+        live=False,
+        backend="gloo",
+    )
 
 
 def _table(lines, epochs, world):

@@ -18,7 +18,7 @@ from ddp_lesson.syncbn import SyncBatchNorm, convert_sync_batchnorm, count_batch
 pytestmark = pytest.mark.timeout(240)
 
 # Runs on every rank; prints one JSON line of results.
-CHECK = r'''
+CHECK = r"""
 import copy, json, sys
 import torch
 import torch.distributed as dist
@@ -123,7 +123,7 @@ print(json.dumps(out))
 import gc
 gc.collect()  # free DDP wrappers (reference cycles) before the process group goes
 cleanup()
-'''
+"""
 
 
 def _launch(tmp_path, nproc, sizes):

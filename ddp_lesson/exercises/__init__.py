@@ -44,9 +44,11 @@ def describe(exercise_id: str) -> str:
     """
     ex = get(exercise_id)
     where = "runs" if ex.kind == "distributed" else "runs in this process"
-    return (f"{ex.id} · {ex.title}\n{ex.task}\nchecked as: {ex.signature}\n"
-            f"{where}: {ex.checked}\n"
-            f"check it with: check(\"{ex.id}\", your_{'class' if isinstance(ex.reference, type) else 'function'})")
+    return (
+        f"{ex.id} · {ex.title}\n{ex.task}\nchecked as: {ex.signature}\n"
+        f"{where}: {ex.checked}\n"
+        f'check it with: check("{ex.id}", your_{"class" if isinstance(ex.reference, type) else "function"})'
+    )
 
 
 def reference(exercise_id: str):

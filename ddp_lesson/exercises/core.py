@@ -356,7 +356,9 @@ def first_error(results: dict[int, Any]) -> tuple[int, dict] | None:
 
     A rank whose own code raised is preferred over ranks that merely timed out waiting for it.
     """
-    errors = [(r, res) for r, res in sorted(results.items()) if isinstance(res, dict) and "error" in res]
+    errors = [
+        (r, res) for r, res in sorted(results.items()) if isinstance(res, dict) and "error" in res
+    ]
     if not errors:
         return None
     for r, rec in errors:
