@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import stream_text
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -212,15 +213,7 @@ def test_odd_world_dtypes_and_reduce_scatter():
 
 
 def _cell_text(marker: str) -> str:
-    import nbformat
-
-    nb = nbformat.read(ROOT / "notebooks" / "03_collectives.ipynb", as_version=4)
-    for cell in nb.cells:
-        if cell.cell_type == "code" and marker in cell.source:
-            return "".join(
-                o.get("text", "") for o in cell.outputs if o.get("output_type") == "stream"
-            )
-    raise AssertionError(f"no cell containing {marker!r}")
+    return stream_text("03_collectives.ipynb", marker)
 
 
 _HOLD = re.compile(

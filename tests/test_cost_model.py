@@ -10,6 +10,7 @@ import math
 from pathlib import Path
 
 import pytest
+from conftest import stream_text
 
 from ddp_lesson.bench import allreduce as bench
 from ddp_lesson.collectives import (
@@ -105,20 +106,10 @@ def test_fit_recovers_alpha_and_beta():
 # ----------------------------------------------------------------------------- notebook 03's tables
 
 
-def _nb_outputs(name: str, marker: str) -> str:
-    import nbformat
-
-    nb = nbformat.read(ROOT / "notebooks" / name, as_version=4)
-    for cell in nb.cells:
-        if cell.cell_type == "code" and marker in cell.source:
-            return "".join(
-                o.get("text", "") for o in cell.outputs if o.get("output_type") == "stream"
-            )
-    raise AssertionError(f"no cell containing {marker!r} in {name}")
 
 
 def test_notebook_03_cost_table_matches_hand_formulas():
-    text = _nb_outputs("03_collectives.ipynb", "for nbytes, label in")
+    text = stream_text("03_collectives.ipynb", "for nbytes, label in")
     lines = [ln for ln in text.splitlines() if ln.strip().startswith("R=")]
     expected = []
     for n in (100e6, 4):
@@ -143,7 +134,7 @@ def test_notebook_03_cost_table_matches_hand_formulas():
 
 
 def test_notebook_03_busbw_table_is_the_link_speed():
-    text = _nb_outputs("03_collectives.ipynb", "for R in (2, 4, 8, 16):\n    a = algbw")
+    text = stream_text("03_collectives.ipynb", "for R in (2, 4, 8, 16):\n    a = algbw")
     got = [ln for ln in text.splitlines() if ln.startswith("R=")]
     expected = [f"R={R:2d}: algbw {R / (2 * (R - 1)) * 10:5.2f} GB/s, busbw {10:5.2f} GB/s"
                 for R in (2, 4, 8, 16)]
@@ -157,14 +148,14 @@ def test_notebook_03_prints_each_claim_with_its_interval_and_verdict():
 
     tables = load(ROOT)
     expected = [c.line(tables) for c in CLAIMS if c.prose == NB03]
-    got = _nb_outputs("03_collectives.ipynb", "claim.line(tables)").splitlines()
+    got = stream_text("03_collectives.ipynb", "claim.line(tables)").splitlines()
     assert got == expected and len(got) == 14
     assert all(len(line) <= 100 for line in got)
     assert sum(line.endswith(": within noise") for line in got) == 13
 
 
 def test_notebook_03_sweep_cell_is_off_by_default():
-    text = _nb_outputs("03_collectives.ipynb", "RUN_SWEEP = False")
+    text = stream_text("03_collectives.ipynb", "RUN_SWEEP = False")
     assert text.strip() == "sweep skipped: set RUN_SWEEP = True to re-measure"
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import stream_text
 
 from ddp_lesson.gradients import (
     average,
@@ -226,20 +227,8 @@ def test_real_all_reduce_and_ddp_on_two_processes():
 # ----------------------------------------------------------------------------- notebook 01's outputs
 
 
-def _cells():
-    import nbformat
-
-    nb = nbformat.read(ROOT / "notebooks" / "01_data_parallelism.ipynb", as_version=4)
-    return [c for c in nb.cells if c.cell_type == "code"]
-
-
 def _text(marker: str) -> str:
-    for cell in _cells():
-        if marker in cell.source:
-            return "".join(
-                o.get("text", "") for o in cell.outputs if o.get("output_type") == "stream"
-            )
-    raise AssertionError(f"no cell containing {marker!r}")
+    return stream_text("01_data_parallelism.ipynb", marker)
 
 
 def test_notebook_01_single_process_outputs():
