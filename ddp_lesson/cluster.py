@@ -46,7 +46,7 @@ whatever is left by pid and removes the private temporary folder. ``stop()`` is 
 group is destroyed (barrier, then ``destroy_process_group``) before the engines leave with exit
 status 0, then the controller is stopped and the folder removed.
 
-Benchmark: ``python -m ddp_lesson.cluster --bench`` writes ``benchmarks/cluster.csv``.
+Benchmark: ``python -m ddp_lesson.bench.cluster`` writes ``benchmarks/cluster.csv``.
 Sources: ipyparallel (https://ipyparallel.readthedocs.io), torchrun
 (https://pytorch.org/docs/stable/elastic/run.html).
 """
@@ -854,86 +854,15 @@ def load_ipython_extension(ipython) -> None:
     ipython.register_magic_function(dist_status_magic, magic_kind="line", magic_name="dist_status")
 
 
-# --------------------------------------------------------------------------- benchmark
-
-def bench(repeats: int = 30, starts: int = 3, out="benchmarks/cluster.csv") -> list[dict]:
-    """Cluster start at 2 ranks, a trivial ``%%ranks`` round trip, and a one-shot torchrun cell.
-
-    Rows: ``what, repeats, median_s, min_s, max_s, cpu_s, cpus, load_avg_1min``. ``cpu_s`` is the
-    median CPU time of every process involved (this one and all it started, summed), which the
-    machine's load does not inflate as it does wall time: for a start row, a start plus its stop.
-    The start's phases (controller ready, engines registered, process group formed) get rows of
-    their own. Not a test: timings on a shared machine vary; the load average is recorded.
-    """
-    import resource
-    import statistics
-
-    from .bench import write_rows
-    from .launch import run_torchrun
-
-    def cpu() -> float:
-        return sum(r.ru_utime + r.ru_stime for r in (resource.getrusage(resource.RUSAGE_SELF),
-                                                      resource.getrusage(resource.RUSAGE_CHILDREN)))
-
-    def row(what, samples, cpu_samples=()):
-        return {"what": what, "repeats": len(samples), "median_s": statistics.median(samples),
-                "min_s": min(samples), "max_s": max(samples),
-                "cpu_s": statistics.median(cpu_samples) if cpu_samples else "",
-                "cpus": os.cpu_count(), "load_avg_1min": round(os.getloadavg()[0], 2)}
-
-    start_s, start_cpu, trip_s, phases, oneshot_s, oneshot_cpu = [], [], [], {}, [], []
-    for _ in range(starts):
-        c0, t0 = cpu(), time.perf_counter()
-        c = Cluster(nproc_per_node=2, backend="gloo").start()
-        start_s.append(time.perf_counter() - t0)
-        for k, v in c.timings.items():
-            phases.setdefault(k, []).append(v)
-        try:
-            if not trip_s:
-                c.run("x = torch.ones(1)\ndist.all_reduce(x)")  # warm-up
-                for _ in range(repeats):
-                    t0 = time.perf_counter()
-                    c.run("print(rank)")
-                    trip_s.append(time.perf_counter() - t0)
-        finally:
-            c.stop()
-        if len(start_s) > 1:  # the first cycle also ran the round trips
-            start_cpu.append(cpu() - c0)
-    for _ in range(starts):
-        c0, t0 = cpu(), time.perf_counter()
-        run_torchrun(code="print(1)\n", nproc_per_node=2, backend="gloo", live=False, timeout=120)
-        oneshot_s.append(time.perf_counter() - t0)
-        oneshot_cpu.append(cpu() - c0)
-    rows = [row("cluster_start_2_ranks", start_s, start_cpu)]
-    rows += [row(f"start_phase_{k}", v) for k, v in phases.items()]
-    rows += [
-        row("ranks_cell_round_trip", trip_s),
-        row("torchrun_cell_one_shot", oneshot_s, oneshot_cpu),
-    ]
-    write_rows(rows, out, list(rows[0]), float_digits=4)
-    return rows
-
-
 def main(argv: list[str] | None = None) -> None:
+    """``python -m ddp_lesson.cluster engine ...``: an engine under torchrun (the Cluster's own
+    entry point; the benchmark is ``python -m ddp_lesson.bench.cluster``)."""
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "engine":
         _engine_main(argv[1:])
         return
-    p = argparse.ArgumentParser(prog="python -m ddp_lesson.cluster")
-    p.add_argument("--bench", action="store_true", help="measure start and round trip; write CSV")
-    p.add_argument("--repeats", type=int, default=30)
-    p.add_argument("--starts", type=int, default=3)
-    p.add_argument("--out", default="benchmarks/cluster.csv")
-    args = p.parse_args(argv)
-    if not args.bench:
-        p.print_help()
-        return
-    for r in bench(args.repeats, args.starts, args.out):
-        cpu = f", cpu {r['cpu_s']:.1f} s" if r["cpu_s"] != "" else ""
-        print(
-            f"{r['what']}: median {r['median_s'] * 1e3:.1f} ms, min {r['min_s'] * 1e3:.1f} ms, "
-            f"max {r['max_s'] * 1e3:.1f} ms over {r['repeats']}{cpu} (load {r['load_avg_1min']:.1f})"
-        )
+    raise SystemExit("usage: python -m ddp_lesson.cluster engine ... (started by Cluster.start;"
+                     " the benchmark is python -m ddp_lesson.bench.cluster)")
 
 
 if __name__ == "__main__":
