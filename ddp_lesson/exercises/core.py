@@ -156,9 +156,6 @@ def register(ex: Exercise) -> Exercise:
 
 def get(exercise_id: str) -> Exercise:
     """The registered exercise ``exercise_id``; KeyError listing the known ids otherwise."""
-    from . import _load_all
-
-    _load_all()
     key = str(exercise_id).strip()
     if re.fullmatch(r"\d\.\d+", key):  # "2.1" means "02.1"
         key = "0" + key
