@@ -40,6 +40,8 @@ import torch
 from cityscapesscripts.helpers import labels as _cs_labels
 from torch.utils.data import Dataset
 
+from .metrics import IGNORE_INDEX  # re-exported: the trainer's labels use the metrics' value
+
 __all__ = [
     "CITYSCAPES_CLASSES",
     "NUM_CLASSES",
@@ -58,8 +60,6 @@ __all__ = [
     "render_scene",
 ]
 
-#: Target value that losses and metrics skip (``CrossEntropyLoss(ignore_index=255)``).
-IGNORE_INDEX = 255
 
 
 def _evaluated_labels() -> list:
