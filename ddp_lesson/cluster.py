@@ -25,7 +25,8 @@ Notebook face (``%load_ext ddp_lesson``)::
     %dist_status
     %dist_stop
 
-Python face: ``with Cluster(nproc_per_node=2) as c: c.run("print(rank)")`` -> ``{0: "0\\n", 1: "1\\n"}``.
+Python face: ``with Cluster(nproc_per_node=2) as c: c.run("print(rank)")``
+-> ``{0: "0\\n", 1: "1\\n"}``.
 
 Failures and hangs:
 
@@ -85,7 +86,8 @@ _TMP_PREFIX = "ddp_lesson_cluster_"
 
 
 class RanksError(RuntimeError):
-    """One or more ranks raised. ``failed`` (rank -> traceback text), ``outputs`` (rank -> stdout)."""
+    """One or more ranks raised. ``failed`` (rank -> traceback text), ``outputs``
+    (rank -> stdout)."""
 
     def __init__(self, message: str, failed: dict[int, str], outputs: dict[int, str]):
         super().__init__(message)
@@ -273,7 +275,8 @@ _EXIT = "import os, sys\nsys.stdout.flush(); sys.stderr.flush()\nos._exit(0)\n"
 
 
 class Cluster:
-    """``world_size = nnodes * nproc_per_node`` persistent ranks: ipyparallel engines under torchrun.
+    """``world_size = nnodes * nproc_per_node`` persistent ranks: ipyparallel engines under
+    torchrun.
 
     Args:
         nproc_per_node: engines per simulated node (torchrun's ``--nproc-per-node``), >= 1.
@@ -576,7 +579,7 @@ class Cluster:
         return ars
 
     def run_detailed(self, code: str, ranks=None, timeout: float | None = None) -> RanksResult:
-        """Like :meth:`run`, but returns a :class:`RanksResult` and does not raise on rank errors."""
+        """Like :meth:`run`, but returns a :class:`RanksResult`; does not raise on rank errors."""
         if not self.running:
             raise RuntimeError("the cluster is not running: call start() (or %dist_start) first")
         ranks = self._ranks(ranks)
@@ -653,7 +656,8 @@ class Cluster:
         raise RanksTimeout(
             f"{_ranks_word(waiting)} still running after {timeout:g} s"
             + (f" ({_ranks_word(done)} finished)" if done else "")
-            + ": probably waiting in a collective that other ranks never reached. A rank blocked in "
+            + ": probably waiting in a collective that other ranks never reached. "
+            "A rank blocked in "
             f"a collective cannot be interrupted, so the cluster was restarted: {self.world_size} "
             "fresh ranks, state lost",
             waiting,

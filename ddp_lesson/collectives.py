@@ -1,4 +1,5 @@
-"""All-reduce built from point-to-point messages: the ring, a pipelined ring, a naive one, and their cost.
+"""All-reduce built from point-to-point messages: the ring, a pipelined ring, a naive one,
+and their cost.
 
 Run the check against torch's own all_reduce on 3 CPU processes::
 
@@ -139,7 +140,8 @@ def chunk_bounds(numel: int, world_size: int) -> list[tuple[int, int]]:
 
 
 def piece_bounds(start: int, stop: int, piece_numel: int) -> list[tuple[int, int]]:
-    """Cut the chunk ``[start, stop)`` into pieces of ``piece_numel`` elements (the last may be shorter).
+    """Cut the chunk ``[start, stop)`` into pieces of ``piece_numel`` elements (the last may
+    be shorter).
 
     >>> piece_bounds(10, 15, 2)
     [(10, 12), (12, 14), (14, 15)]

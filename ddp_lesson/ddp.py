@@ -1,4 +1,5 @@
-"""Data-parallel gradient averaging from scratch: NaiveDDP, BucketedDDP, a simulated link, a recorder.
+"""Data-parallel gradient averaging from scratch: NaiveDDP, BucketedDDP, a simulated link,
+a recorder.
 
 Run the three-way comparison (torch's DDP, NaiveDDP, BucketedDDP give the same weights)::
 
@@ -151,7 +152,8 @@ def default_all_reduce(tensor: torch.Tensor, process_group=None):
 
 
 class _LinkWork:
-    """The handle :class:`SimulatedLink` returns: the real all-reduce plus a modelled finish time."""
+    """The handle :class:`SimulatedLink` returns: the real all-reduce plus a modelled finish
+    time."""
 
     def __init__(self, work, start_s: float, done_at_s: float):
         self.work = work
@@ -220,7 +222,8 @@ class SimulatedLink:
                                    1.0 / self.bandwidth_bytes_per_s)
 
     def reserve(self, nbytes: float, world_size: int) -> tuple[float, float]:
-        """Book the link for one all-reduce issued now: ``(start_s, done_at_s)`` (perf_counter clock)."""
+        """Book the link for one all-reduce issued now: ``(start_s, done_at_s)``
+        (perf_counter clock)."""
         now = time.perf_counter()
         start = max(now, self._free_at)
         self._free_at = start + self.cost_s(nbytes, world_size)
@@ -1034,7 +1037,8 @@ class _GradSyncBase(nn.Module, Joinable):
         return self._check_table(table)
 
     def _all_reduce(self, tensor: torch.Tensor, index: int, names: list[str]):
-        """Issue the SUM all-reduce of ``tensor`` through ``comm_hook``; returns a handle for :meth:`_wait`."""
+        """Issue the SUM all-reduce of ``tensor`` through ``comm_hook``; returns a handle for
+        :meth:`_wait`."""
         work = self.comm_hook(tensor, self.process_group)
         event = None
         if self.recorder is not None:

@@ -48,7 +48,7 @@ class GPTConfig:
 
 
 class CausalSelfAttention(nn.Module):
-    """Multi-head self-attention where token t attends to tokens 0..t; ``(B, T, C) -> (B, T, C)``."""
+    """Multi-head self-attention, token t attending to tokens 0..t; ``(B, T, C) -> (B, T, C)``."""
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()

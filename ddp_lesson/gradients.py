@@ -37,7 +37,8 @@ LR_RULES = ("none", "linear", "sqrt")
 
 
 def make_toy_model(seed: int = 0, in_features: int = 4, hidden: int = 3) -> nn.Module:
-    """A tiny MLP ``Linear(in, hidden) -> Tanh -> Linear(hidden, 1)``, seeded: the same on every rank.
+    """A tiny MLP ``Linear(in, hidden) -> Tanh -> Linear(hidden, 1)``, seeded: the same on
+    every rank.
 
     With the defaults it has 4·3 + 3 + 3 + 1 = 19 parameters.
     """
@@ -98,7 +99,8 @@ def split_batch(x: torch.Tensor, y: torch.Tensor, world_size: int,
 
 def batch_gradient(model: nn.Module, x: torch.Tensor, y: torch.Tensor,
                    reduction: str = "mean") -> torch.Tensor:
-    """Gradient of the MSE loss of ``model`` on ``(x, y)``, every parameter flattened into one vector.
+    """Gradient of the MSE loss of ``model`` on ``(x, y)``, every parameter flattened into one
+    vector.
 
     Args:
         model: any module; its ``.grad`` fields are cleared before and after.

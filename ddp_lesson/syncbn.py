@@ -224,7 +224,8 @@ class SyncBatchNorm(_BatchNorm):
 
 
 def convert_sync_batchnorm(module: nn.Module, process_group=None) -> nn.Module:
-    """Replace every ``BatchNorm1d/2d/3d`` in ``module`` (nested ones too) by :class:`SyncBatchNorm`.
+    """Replace every ``BatchNorm1d/2d/3d`` in ``module`` (nested ones too) by
+    :class:`SyncBatchNorm`.
 
     The new layers *share* the old layers' weight and bias parameters (as torch's converter
     does) and copy their running mean, running var and batch counter, so a converted model

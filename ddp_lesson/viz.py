@@ -21,7 +21,7 @@ __all__ = [
 ]
 
 
-# =========================================================================== one style for every figure
+# ======================================================================= one style for every figure
 
 #: Every figure is drawn at this resolution (dots per inch) ...
 DPI = 100
@@ -68,7 +68,8 @@ def finish(fig, rect=None):
 
 @dataclass
 class SamplerLayout:
-    """Where every dataset index goes in one epoch of a :class:`ddp_lesson.sampler.DistributedSampler`.
+    """Where every dataset index goes in one epoch of a
+    :class:`ddp_lesson.sampler.DistributedSampler`.
 
     Built by :func:`sampler_layout` from the package's pure index functions (no process
     group). Position ``j`` of rank ``r`` is entry ``p = j * R + r`` of the padded global
@@ -289,7 +290,7 @@ def assignment_over_epochs(n: int, num_replicas: int, epochs: int = 3, seed: int
     return finish(fig, rect=(0, 0.1, 1, 1))
 
 
-# =========================================================================== gradient figures (notebook 01)
+# =================================================================== gradient figures (notebook 01)
 
 
 def per_rank_gradients_figure(
@@ -354,7 +355,7 @@ def per_rank_gradients_figure(
     return finish(fig)
 
 
-# =========================================================================== collective figures (notebook 03)
+# ================================================================= collective figures (notebook 03)
 
 _METHOD_STYLE = {
     "gloo": dict(color="tab:blue", marker="o", label="gloo all_reduce"),
@@ -374,7 +375,8 @@ def _size_label(nbytes: float) -> str:
 
 
 def allreduce_bandwidth_figure(rows, figsize=(MIN_WIDTH_IN, 3.8)):
-    """Bus bandwidth against message size, one panel per process count (``benchmarks/allreduce.csv``).
+    """Bus bandwidth against message size, one panel per process count
+    (``benchmarks/allreduce.csv``).
 
     All-reduce methods are drawn as bus bandwidth (algbw · 2(R-1)/R, nccl-tests'
     PERFORMANCE.md) so they can be read against the link: the grey lines are the measured
@@ -434,13 +436,15 @@ def allreduce_bandwidth_figure(rows, figsize=(MIN_WIDTH_IN, 3.8)):
 def cost_model_figure(rows, figsize=(MIN_WIDTH_IN, 3.8)):
     """The α-β model of naive, tree and ring all-reduce against measured all-reduce times.
 
-    α and β are fitted to the two-rank send/recv times (:func:`ddp_lesson.collectives.fit_alpha_beta`),
+    α and β are fitted to the two-rank send/recv times
+    (:func:`ddp_lesson.collectives.fit_alpha_beta`),
     then the model's curves (:func:`~ddp_lesson.collectives.naive_allreduce_time`,
     ``tree_allreduce_time``, ``ring_allreduce_time``) are drawn for each process count with
     the measured times of gloo, the ring and the pipelined ring as points.
 
     Args:
-        rows: dicts as :func:`ddp_lesson.bench.allreduce.read_results` returns (needs ``sendrecv`` rows).
+        rows: dicts as :func:`ddp_lesson.bench.allreduce.read_results` returns (needs
+            ``sendrecv`` rows).
         figsize: inches.
 
     Returns:
@@ -563,7 +567,7 @@ __all__ += ["per_rank_gradients_figure", "allreduce_bandwidth_figure", "cost_mod
             "ring_allreduce_steps_figure"]
 
 
-# =========================================================================== training figures (notebook 05)
+# =================================================================== training figures (notebook 05)
 
 
 def loss_curves_figure(curves, title: str = "training loss per optimizer step",
@@ -706,7 +710,7 @@ def scaling_figure(rows, figsize=(8, 3)):
 __all__ += ["loss_curves_figure", "masks_figure", "scaling_figure"]
 
 
-# =========================================================================== DDP wrapper figures (notebook 04)
+# ================================================================ DDP wrapper figures (notebook 04)
 
 
 def _as_step_record(rec):
@@ -885,7 +889,7 @@ def ddp_benchmark_figure(rows, figsize=(7, 3)):
 __all__ += ["ddp_timeline_figure", "bucket_sweep_figure", "ddp_benchmark_figure"]
 
 
-# =========================================================================== memory figures (notebook 07)
+# ===================================================================== memory figures (notebook 07)
 
 
 def memory_stages_figure(num_params: float, world_size: int, capacity_bytes: float | None = None,
@@ -938,29 +942,35 @@ def memory_stages_figure(num_params: float, world_size: int, capacity_bytes: flo
 __all__ += ["memory_stages_figure"]
 
 
-# =========================================================================== torch's Reducer (notebook 04)
+# ==================================================================== torch's Reducer (notebook 04)
 
 #: The rows of :func:`reducer_map_figure`: (stage, our BucketedDDP, torch's C++ Reducer).
 REDUCER_MAP = [
     (
         "1 · a gradient is\naccumulated",
         "p.register_post_accumulate_grad_hook(hook)\n→ _grad_ready(i):\n  bucket.pending -= 1",
-        "post-hook on p's AccumulateGrad node\n→ Reducer::autograd_hook(i)\n→ mark_variable_ready(i)",
+        "post-hook on p's AccumulateGrad node\n→ Reducer::autograd_hook(i)\n"
+        "→ mark_variable_ready(i)",
     ),
     (
         "2 · a bucket is\nready",
-        "pending == 0 → _launch(bucket):\ncopy each .grad × 1/R into bucket.flat\n(in bucket order on every rank)",
-        "copy .grad into its bucket view,\n× 1/div_factor_ when no hook is set;\nmark_bucket_ready (in bucket order)",
+        "pending == 0 → _launch(bucket):\ncopy each .grad × 1/R into bucket.flat\n"
+        "(in bucket order on every rank)",
+        "copy .grad into its bucket view,\n× 1/div_factor_ when no hook is set;\n"
+        "mark_bucket_ready (in bucket order)",
     ),
     (
         "3 · all-reduce",
-        "comm_hook(flat, group) → work (.wait())\ndefault: dist.all_reduce(flat,\n  async_op=True), a SUM",
-        "all_reduce_bucket → run_comm_hook(\n  GradBucket) → Future[Tensor];\na registered hook divides itself",
+        "comm_hook(flat, group) → work (.wait())\ndefault: dist.all_reduce(flat,\n"
+        "  async_op=True), a SUM",
+        "all_reduce_bucket → run_comm_hook(\n  GradBucket) → Future[Tensor];\n"
+        "a registered hook divides itself",
     ),
     (
         "4 · end of\nbackward",
         "queue_callback(_final_callback)\n→ _after_backward: wait every\nbucket, copy flat → .grad",
-        "queue_callback(finalize_backward):\nwait the futures, copy into .grad\n(a view: no copy). Buckets are rebuilt\nonce, before the 2nd forward",
+        "queue_callback(finalize_backward):\nwait the futures, copy into .grad\n"
+        "(a view: no copy). Buckets are rebuilt\nonce, before the 2nd forward",
     ),
 ]
 

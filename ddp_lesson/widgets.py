@@ -229,7 +229,7 @@ def sampler_explorer(n: int = 10, world_size: int = 3, epoch: int = 0, seed: int
                max_n, max_world_size, max_epoch)
 
 
-# =========================================================================== ring all-reduce stepper (notebook 03)
+# ============================================================ ring all-reduce stepper (notebook 03)
 
 
 @functools.cache

@@ -209,7 +209,7 @@ def test_odd_world_dtypes_and_reduce_scatter():
         assert f"ring reduce-scatter chunk: ({3 * c}, {3 * c + 3}) True" in lines
 
 
-# ----------------------------------------------------------------------------- notebook 03's outputs
+# ---------------------------------------------------------------------------- notebook 03's outputs
 
 
 def _cell_text(marker: str) -> str:

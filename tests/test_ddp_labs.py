@@ -37,7 +37,8 @@ def test_three_ways_lab_prints_equal_weights_and_what_is_synchronised():
             f"{name}: NaiveDDP vs torch DDP, max |Δ| below 1e-06: True; BucketedDDP "
             f"({_torch_bucket_count(model, cap)} buckets) vs torch DDP: True; "
             "identical on every rank: True",
-            f"{name}: {synced} parameter tensors synchronised, {registered} registered in the modules",
+            f"{name}: {synced} parameter tensors synchronised, "
+            f"{registered} registered in the modules",
         ]
     assert result.rank_lines(0) == expected
     assert result.rank_lines(1) == []

@@ -189,7 +189,8 @@ DDP_CHECKS = textwrap.dedent(r"""
     ref = make_toy_model(seed=0)
     gr = torch.autograd.grad(((ref(x4) - y4) ** 2).mean(), list(ref.parameters()))
     with torch.no_grad():
-        diff = max(float((p - (q - 0.1 * gq)).abs().max()) for p, q, gq in zip(stepped, ref.parameters(), gr))
+        diff = max(float((p - (q - 0.1 * gq)).abs().max())
+                   for p, q, gq in zip(stepped, ref.parameters(), gr))
     print("B7 one step equal:", diff < 1e-6)
     # 4. unequal shards: the weighted fix with two all-reduces
     sizes = [5, 3]
@@ -224,7 +225,7 @@ def test_real_all_reduce_and_ddp_on_two_processes():
         ], (rank, lines)
 
 
-# ----------------------------------------------------------------------------- notebook 01's outputs
+# ---------------------------------------------------------------------------- notebook 01's outputs
 
 
 def _text(marker: str) -> str:
@@ -258,7 +259,7 @@ def test_notebook_01_torchrun_outputs():
         assert f"[rank {r}] shard of 4 samples; differs from the full-batch gradient: True" in avg
         assert f"[rank {r}] after all_reduce and ÷ world_size, max |Δ| below 1e-6: True" in avg
         assert f"[rank {r}] ReduceOp.AVG gives the same average: True" in avg
-        # the integer refusal, as the launch in test_real_all_reduce_and_ddp_on_two_processes sees it
+        # the integer refusal, as test_real_all_reduce_and_ddp_on_two_processes's launch sees it
         assert f"[rank {r}] ReduceOp.AVG on an integer tensor: refused" in avg
     b5 = _text("DDP gradient").splitlines()
     for r in range(2):   # pitfalls.md B5: mean 15, sum 30, mean × R 30

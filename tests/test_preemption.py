@@ -80,7 +80,8 @@ def test_next_launch_works_at_once_after_an_interrupt(tmp_path):
     worker = tmp_path / "sleeper.py"
     worker.write_text(
         "import os, sys, time\n"
-        "open(os.path.join(os.path.dirname(__file__), 'started' + os.environ['RANK']), 'w').close()\n"
+        "open(os.path.join(os.path.dirname(__file__), 'started' + os.environ['RANK']), 'w')"
+        ".close()\n"
         "time.sleep(600)\n"
     )
     driver = tmp_path / "driver.py"

@@ -96,7 +96,8 @@ if R == 3:
     xs0 = x0[part].clone().requires_grad_()
     ys0 = s0(xs0)
     ys0.sum().backward()
-    out["empty_rank"] = {"y": err(ys0, yr0[part]), "running_mean": err(s0.running_mean, ref0.running_mean)}
+    out["empty_rank"] = {"y": err(ys0, yr0[part]),
+                         "running_mean": err(s0.running_mean, ref0.running_mean)}
 
 # -- converter + DDP: one SGD step of a converted model on 2 images per rank equals one step
 #    of the plain model on the concatenated batch (global mean loss over labelled pixels)
@@ -175,7 +176,7 @@ def test_unequal_batches_match_batchnorm_on_the_concatenated_batch(world, two_ra
 
 
 def test_a_rank_with_an_empty_batch(three_ranks):
-    for rank, out in three_ranks.items():
+    for out in three_ranks.values():
         assert out["empty_rank"]["y"] < 1e-5 and out["empty_rank"]["running_mean"] < 1e-6
 
 

@@ -1,4 +1,5 @@
-"""ZeRO stage 1 from scratch (ddp_lesson.zero) against DDP + AdamW and torch's ZeroRedundancyOptimizer."""
+"""ZeRO stage 1 from scratch (ddp_lesson.zero) against DDP + AdamW and torch's
+ZeroRedundancyOptimizer."""
 
 from __future__ import annotations
 

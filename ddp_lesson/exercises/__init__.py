@@ -36,10 +36,11 @@ def describe(exercise_id: str) -> str:
     """
     ex = get(exercise_id)
     where = "runs" if ex.kind == "distributed" else "runs in this process"
+    kind = "class" if isinstance(ex.reference, type) else "function"
     return (
         f"{ex.id} · {ex.title}\n{ex.task}\nchecked as: {ex.signature}\n"
         f"{where}: {ex.checked}\n"
-        f'check it with: check("{ex.id}", your_{"class" if isinstance(ex.reference, type) else "function"})'
+        f'check it with: check("{ex.id}", your_{kind})'
     )
 
 

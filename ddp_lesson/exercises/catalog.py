@@ -464,7 +464,8 @@ def _judge_02_1_epochs(recs, n, R, shuffle, drop_last, seed):
             if shuffle and order == padded_order(n, R, False, seed, epoch, drop_last):
                 msg += ": nothing was shuffled"
             elif shuffle and seed and order == padded_order(n, R, True, 0, epoch, drop_last):
-                msg += f": the seed argument ({seed}) was ignored; seed the generator with seed + epoch"
+                msg += (f": the seed argument ({seed}) was ignored; "
+                        "seed the generator with seed + epoch")
             elif shuffle and epoch and order == padded_order(n, R, True, seed, 0, drop_last):
                 msg += ": epoch 0's permutation; seed the generator with seed + epoch (case A1)"
             elif not shuffle:
@@ -1132,10 +1133,12 @@ register(
     Exercise(
         "05.4",
         "the learning rate for a global batch",
-        task="Write effective_lr(base_lr, base_batch, per_rank_batch, world_size, grad_accum_steps, "
-        "rule) -> float: the learning rate the trainer uses (--lr-scaling linear, sqrt or none) "
+        task="Write effective_lr(base_lr, base_batch, per_rank_batch, world_size, "
+        "grad_accum_steps, rule) -> float: the learning rate the trainer uses "
+        "(--lr-scaling linear, sqrt or none) "
         "when base_lr was tuned at base_batch.",
-        signature="fn(base_lr, base_batch, per_rank_batch, world_size, grad_accum_steps, rule) -> float",
+        signature="fn(base_lr, base_batch, per_rank_batch, world_size, grad_accum_steps, rule)"
+        " -> float",
         reference=S.effective_lr,
         run_local=_run_05_4,
         checked="7 settings (linear, sqrt, none; with and without accumulation), then 12 drawn "
@@ -1222,7 +1225,8 @@ def _run_07_1(fn) -> list[str]:
         per = memory_per_rank(psi, got, 3).total_bytes / 1e9
         if per > gpu / 1e9:
             return [
-                f"{case}: on {got} rank{'s' if got != 1 else ''} ZeRO-3 keeps {fmt_num(per)} GB per rank, more than "
+                f"{case}: on {got} rank{'s' if got != 1 else ''} ZeRO-3 keeps "
+                f"{fmt_num(per)} GB per rank, more than "
                 f"{gpu / 1e9:g} GB; {want} ranks are needed."
             ]
         fewer = memory_per_rank(psi, want, 3).total_bytes / 1e9
@@ -1354,9 +1358,10 @@ register(
         "all_gather uneven flat shards",
         task="Write gather_flat(shard, total_numel) -> Tensor: the ranks hold the pieces of a flat "
         "tensor of total_numel elements split by torch.tensor_split (the first ranks one "
-        "element longer); return the whole tensor on every rank with one all-gather (dist.all_gather, "
-        "or all_gather_into_tensor).",
-        signature="fn(shard: Tensor (n_r,), total_numel: int) -> Tensor (total_numel,)   # a collective",
+        "element longer); return the whole tensor on every rank with one all-gather "
+        "(dist.all_gather, or all_gather_into_tensor).",
+        signature="fn(shard: Tensor (n_r,), total_numel: int) -> Tensor (total_numel,)"
+        "   # a collective",
         reference=S.gather_flat,
         kind="distributed",
         world_sizes=(3, 2),

@@ -423,7 +423,8 @@ def _source_lines(fn) -> list[str]:
 
 
 def _pickle_candidates(candidates: list) -> bytes:
-    """cloudpickle the candidates (and their source lines); modules the workers cannot import go by value."""
+    """cloudpickle the candidates (and their source lines); modules the workers cannot import
+    go by value."""
     import sys
 
     import cloudpickle

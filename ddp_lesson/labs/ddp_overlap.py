@@ -1,6 +1,7 @@
 """Timelines and a bucket-size sweep under a simulated network link (notebook 04).
 
-    torchrun --standalone --nproc-per-node 2 -m ddp_lesson.labs.ddp_overlap --out runs/04/overlap.json
+    torchrun --standalone --nproc-per-node 2 -m ddp_lesson.labs.ddp_overlap \\
+        --out runs/04/overlap.json
 
 On a CPU machine, gloo over loopback is so cheap that overlap has little to hide. A
 :class:`ddp_lesson.ddp.SimulatedLink` (default α = 0.5 ms, 100 MB/s) makes every all-reduce

@@ -1,6 +1,7 @@
-"""Does the data order change between epochs? Every rank runs a few epochs without and with ``set_epoch``.
+"""Does the data order change between epochs? Each rank runs epochs without and with set_epoch.
 
-    torchrun --standalone --nproc-per-node 2 -m ddp_lesson.labs.sampler_set_epoch --dataset-len 8 --epochs 3
+    torchrun --standalone --nproc-per-node 2 -m ddp_lesson.labs.sampler_set_epoch \\
+        --dataset-len 8 --epochs 3
 
 Every rank builds a shuffled :class:`ddp_lesson.sampler.DistributedSampler` and a
 ``DataLoader`` on a dataset of ``n`` integers, and runs the epoch loop twice: once without

@@ -1,4 +1,4 @@
-"""Who got which samples? Every rank iterates its sampler; rank 0 gathers the shards and checks the partition.
+"""Who got which samples? Each rank iterates its sampler; rank 0 gathers and checks the shards.
 
     torchrun --standalone --nproc-per-node 3 -m ddp_lesson.labs.sampler_shards
 

@@ -1,7 +1,8 @@
 """torch's own DDP seen from inside: real buckets, pre-division, comm hooks, static_graph and
 gradient_as_bucket_view (notebook 04, section 9).
 
-    torchrun --standalone --nproc-per-node 2 -m ddp_lesson.labs.torch_reducer [--part reducer|hooks|all] [--out FILE]
+    torchrun --standalone --nproc-per-node 2 -m ddp_lesson.labs.torch_reducer \\
+        [--part reducer|hooks|all] [--out FILE]
 
 Each function below is one scenario run under torch's ``DistributedDataParallel`` on the
 current process group (gloo on CPU; every tensor here is a CPU tensor, so it also runs

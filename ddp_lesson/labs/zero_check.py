@@ -118,9 +118,8 @@ def main(argv=None):
     say(f"model: TinyGPT, {ref.num_params():,} parameters in "
         f"{len(list(ref.parameters()))} tensors; world_size={env.world_size}")
     say(f"loss step 1 -> {steps} (DDP+AdamW): {ref_losses[0]:.3f} -> {ref_losses[-1]:.3f}")
-    say(
-        f"same losses as DDP+AdamW: {all(abs(a - b) <= RTOL * abs(a) for a, b in zip(ours_losses, ref_losses))}"
-    )
+    losses_same = all(abs(a - b) <= RTOL * abs(a) for a, b in zip(ours_losses, ref_losses))
+    say(f"same losses as DDP+AdamW: {losses_same}")
     say(f"ShardedOptimizer == DDP+AdamW (rtol 1e-6): {ok_ours}")
     say(f"ZeroRedundancyOptimizer == DDP+AdamW (rtol 1e-6): {ok_tz}")
     say(f"ShardedOptimizer == ZeroRedundancyOptimizer (rtol 1e-6): {ok_both}")
@@ -140,9 +139,8 @@ def main(argv=None):
         ref_sd = ref_opt.state_dict()
         equal = all(torch.equal(sd["state"][i][k].cpu(), ref_sd["state"][i][k].cpu())
                     for i in ref_sd["state"] for k in ("exp_avg", "exp_avg_sq", "step"))
-        say(
-            f"consolidated state == AdamW state: {equal and sd['state'].keys() == ref_sd['state'].keys()}"
-        )
+        equal = equal and sd["state"].keys() == ref_sd["state"].keys()
+        say(f"consolidated state == AdamW state: {equal}")
         tmp = tempfile.mkdtemp(prefix="zero_ckpt_")
         path_box[0] = os.path.join(tmp, "optim.pt")
         torch.save(sd, path_box[0])
