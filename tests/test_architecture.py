@@ -228,3 +228,33 @@ def test_the_launcher_function_is_at_most_80_lines_of_code():
 
 def test_no_other_function_over_80_lines_of_code():
     assert {k: v for k, v in long_functions().items() if k not in BEING_SPLIT} == {}
+
+
+# ----------------------------------------------------------------------------- standing alone
+
+OUTSIDE = "shared" + "/cases"  # spelled in two parts so this file does not cite it itself
+
+#: Files other engineers own while this test lands; each still has one citation, whose
+#: replacement by ``docs/pitfalls.md`` the coordinator applies after merging (then drops this).
+PENDING = {"ddp_lesson/launch.py", "ddp_lesson/env.py", "tests/test_bad_input.py",
+           "tests/test_train_resume.py", "tests/test_launch.py"}
+
+
+def citations_outside() -> set[str]:
+    """Files of the repository (package, tests, notebooks, docs, README) naming the folder of
+    cases outside the repository instead of ``docs/pitfalls.md``."""
+    root = PKG.parent
+    files = [*root.glob("ddp_lesson/**/*.py"), *root.glob("tests/*.py"),
+             *root.glob("notebooks/*.ipynb"), *root.glob("docs/*.md"), root / "README.md"]
+    return {str(p.relative_to(root)) for p in files if OUTSIDE in p.read_text()}
+
+
+def test_no_citation_outside_the_repository_but_the_pending_ones():
+    assert citations_outside() - PENDING == set()
+
+
+@pytest.mark.xfail(strict=True, reason="launch.py, env.py, test_bad_input.py, test_train_resume.py "
+                   "and test_launch.py are edited on other branches; their citation is replaced "
+                   "after merging (issue 18 item 5); then drop this xfail and PENDING")
+def test_no_citation_outside_the_repository():
+    assert citations_outside() == set()
