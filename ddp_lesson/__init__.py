@@ -8,7 +8,8 @@ __version__ = "0.1.0"
 
 
 def load_ipython_extension(ipython):
-    """Register ``%%torchrun`` (:mod:`ddp_lesson.launch`) and the cluster magics (:mod:`ddp_lesson.cluster`)."""
+    """Register ``%%torchrun`` (:mod:`ddp_lesson.launch`) and the cluster magics
+    (:mod:`ddp_lesson.cluster`)."""
     from .cluster import load_ipython_extension as _load_cluster
     from .launch import load_ipython_extension as _load
 

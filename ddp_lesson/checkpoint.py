@@ -9,14 +9,14 @@ Three things go wrong with checkpoints under data parallelism, and this module a
   path always holds either the old complete checkpoint or the new complete one. A writer
   killed before the rename leaves its temporary file behind; :func:`sweep_temporaries`
   removes such files (the trainer's rank 0 at start, every good save afterwards).
-* **A race between ranks** (shared/cases B14). If rank 0 writes while the other ranks read
+* **A race between ranks** (docs/pitfalls.md B14). If rank 0 writes while the other ranks read
   straight away, they may see no file, or half of one. :func:`save_checkpoint` has rank 0
   write (atomically) while the others wait; rank 0 then broadcasts whether the write worked
   and every rank meets at a barrier, so after the call every rank may read the file.
   Decisions such as "is there a checkpoint to resume from?" are made on rank 0 and
   broadcast (:func:`decide_on_rank0`), never taken separately by each rank: ranks that
   disagree would enter different collectives and deadlock.
-* **Keys with a ``module.`` prefix** (shared/cases B12). ``DistributedDataParallel`` keeps
+* **Keys with a ``module.`` prefix** (docs/pitfalls.md B12). ``DistributedDataParallel`` keeps
   the model as ``.module``, so its ``state_dict`` names every tensor ``module.<name>``, which a
   bare model refuses to load. Save the unwrapped model (:func:`unwrap`); when a file has
   the prefix anyway, :func:`strip_module_prefix` removes it (once, at the start of a key).
@@ -38,7 +38,8 @@ import random
 import re
 import zipfile
 from collections import OrderedDict
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import numpy as np
 import torch

@@ -25,7 +25,8 @@ Notebook face (``%load_ext ddp_lesson``)::
     %dist_status
     %dist_stop
 
-Python face: ``with Cluster(nproc_per_node=2) as c: c.run("print(rank)")`` -> ``{0: "0\\n", 1: "1\\n"}``.
+Python face: ``with Cluster(nproc_per_node=2) as c: c.run("print(rank)")``
+-> ``{0: "0\\n", 1: "1\\n"}``.
 
 Failures and hangs:
 
@@ -46,7 +47,7 @@ whatever is left by pid and removes the private temporary folder. ``stop()`` is 
 group is destroyed (barrier, then ``destroy_process_group``) before the engines leave with exit
 status 0, then the controller is stopped and the folder removed.
 
-Benchmark: ``python -m ddp_lesson.cluster --bench`` writes ``benchmarks/cluster.csv``.
+Benchmark: ``python -m ddp_lesson.bench.cluster`` writes ``benchmarks/cluster.csv``.
 Sources: ipyparallel (https://ipyparallel.readthedocs.io), torchrun
 (https://pytorch.org/docs/stable/elastic/run.html).
 """
@@ -85,7 +86,8 @@ _TMP_PREFIX = "ddp_lesson_cluster_"
 
 
 class RanksError(RuntimeError):
-    """One or more ranks raised. ``failed`` (rank -> traceback text), ``outputs`` (rank -> stdout)."""
+    """One or more ranks raised. ``failed`` (rank -> traceback text), ``outputs``
+    (rank -> stdout)."""
 
     def __init__(self, message: str, failed: dict[int, str], outputs: dict[int, str]):
         super().__init__(message)
@@ -273,7 +275,8 @@ _EXIT = "import os, sys\nsys.stdout.flush(); sys.stderr.flush()\nos._exit(0)\n"
 
 
 class Cluster:
-    """``world_size = nnodes * nproc_per_node`` persistent ranks: ipyparallel engines under torchrun.
+    """``world_size = nnodes * nproc_per_node`` persistent ranks: ipyparallel engines under
+    torchrun.
 
     Args:
         nproc_per_node: engines per simulated node (torchrun's ``--nproc-per-node``), >= 1.
@@ -361,7 +364,9 @@ class Cluster:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, env.get("PYTHONPATH")) if p)
         return env
 
-    def _popen(self, cmd: list[str], env: dict, log: Path, pdeathsig: bool = True) -> subprocess.Popen:
+    def _popen(
+        self, cmd: list[str], env: dict, log: Path, pdeathsig: bool = True
+    ) -> subprocess.Popen:
         _libc()
         with open(log, "ab") as out:
             return subprocess.Popen(cmd, env=env, cwd=self.cwd, stdin=subprocess.DEVNULL,
@@ -420,7 +425,10 @@ class Cluster:
             env, self.folder / "controller.log")
         self._write_pids()
         security = profile / "security"
-        engine_file, client_file = security / "ipcontroller-engine.json", security / "ipcontroller-client.json"
+        engine_file, client_file = (
+            security / "ipcontroller-engine.json",
+            security / "ipcontroller-client.json",
+        )
         engine = ["-m", "ddp_lesson.cluster", "engine", f"--file={engine_file}",
                   f"--profile-dir={profile}", "--IPEngine.enable_nanny=False", "--log-level=WARN"]
         base = [sys.executable, "-m", "torch.distributed.run",
@@ -450,7 +458,9 @@ class Cluster:
         ids = sorted(self.client.ids)[: self.world_size]
         ars = {eid: self.client[eid].execute(code, silent=False, block=False) for eid in ids}
         for eid, ar in ars.items():
-            self._wait_for(ar.ready, deadline, "the process group to form", [self.controller, *self.agents])
+            self._wait_for(
+                ar.ready, deadline, "the process group to form", [self.controller, *self.agents]
+            )
             ar.get()  # raises the engine's error, if any
             ar.wait_for_output(max(1.0, deadline - time.monotonic()))
             info = json.loads(ar.stdout.strip().splitlines()[-1])
@@ -486,7 +496,11 @@ class Cluster:
             return
         try:
             atexit.unregister(self.stop)
-            if self.client is not None and self.engine_ids and all(p.poll() is None for p in self.agents):
+            if (
+                self.client is not None
+                and self.engine_ids
+                and all(p.poll() is None for p in self.agents)
+            ):
                 try:
                     res = self._execute(_CLEANUP, sorted(self.engine_ids), 15.0)
                     if res is not None:
@@ -553,7 +567,10 @@ class Cluster:
 
     def _execute(self, code: str, ranks: list[int], timeout: float):
         """Run ``code`` on ``ranks``; {rank: AsyncResult} once all are done, None on timeout."""
-        ars = {r: self.client[self.engine_ids[r]].execute(code, silent=False, block=False) for r in ranks}
+        ars = {
+            r: self.client[self.engine_ids[r]].execute(code, silent=False, block=False)
+            for r in ranks
+        }
         deadline = time.monotonic() + timeout
         while not all(ar.ready() for ar in ars.values()):
             if time.monotonic() > deadline:
@@ -562,7 +579,7 @@ class Cluster:
         return ars
 
     def run_detailed(self, code: str, ranks=None, timeout: float | None = None) -> RanksResult:
-        """Like :meth:`run`, but returns a :class:`RanksResult` and does not raise on rank errors."""
+        """Like :meth:`run`, but returns a :class:`RanksResult`; does not raise on rank errors."""
         if not self.running:
             raise RuntimeError("the cluster is not running: call start() (or %dist_start) first")
         ranks = self._ranks(ranks)
@@ -570,7 +587,10 @@ class Cluster:
         if timeout <= 0:
             raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
         start = time.monotonic()
-        ars = {r: self.client[self.engine_ids[r]].execute(code, silent=False, block=False) for r in ranks}
+        ars = {
+            r: self.client[self.engine_ids[r]].execute(code, silent=False, block=False)
+            for r in ranks
+        }
         deadline = start + timeout
         try:
             while True:
@@ -636,15 +656,24 @@ class Cluster:
         raise RanksTimeout(
             f"{_ranks_word(waiting)} still running after {timeout:g} s"
             + (f" ({_ranks_word(done)} finished)" if done else "")
-            + ": probably waiting in a collective that other ranks never reached. A rank blocked in "
+            + ": probably waiting in a collective that other ranks never reached. "
+            "A rank blocked in "
             f"a collective cannot be interrupted, so the cluster was restarted: {self.world_size} "
-            "fresh ranks, state lost", waiting, outputs, restarted=True)
+            "fresh ranks, state lost",
+            waiting,
+            outputs,
+            restarted=True,
+        )
 
     def _died(self, ars: dict, rank: int) -> None:
         outputs = {r: _text_output(ar) for r, ar in ars.items()}
         self.restart()
-        raise RanksError(f"rank {rank}'s process died during the cell; the cluster was restarted "
-                         f"({self.world_size} fresh ranks, state lost)", {rank: "process died"}, outputs)
+        raise RanksError(
+            f"rank {rank}'s process died during the cell; the cluster was restarted "
+            f"({self.world_size} fresh ranks, state lost)",
+            {rank: "process died"},
+            outputs,
+        )
 
     def _interrupted(self, ars: dict) -> None:
         running = [r for r, ar in ars.items() if not ar.ready()]
@@ -657,9 +686,12 @@ class Cluster:
         while not all(ar.ready() for ar in ars.values()):
             if time.monotonic() > deadline:
                 self.restart()
-                print(f"[ranks] {_ranks_word([r for r, a in ars.items() if not a.ready()])} did "
-                      f"not stop within {INTERRUPT_GRACE_S:g} s of the interrupt: cluster restarted "
-                      "(state lost)", file=sys.stderr)
+                print(
+                    f"[ranks] {_ranks_word([r for r, a in ars.items() if not a.ready()])} did "
+                    f"not stop within {INTERRUPT_GRACE_S:g} s of the interrupt: cluster restarted "
+                    "(state lost)",
+                    file=sys.stderr,
+                )
                 return
             time.sleep(_POLL_S)
         print(f"[ranks] interrupted {_ranks_word(running)}; the cluster keeps its state",
@@ -826,81 +858,15 @@ def load_ipython_extension(ipython) -> None:
     ipython.register_magic_function(dist_status_magic, magic_kind="line", magic_name="dist_status")
 
 
-# --------------------------------------------------------------------------- benchmark
-
-def bench(repeats: int = 30, starts: int = 3, out="benchmarks/cluster.csv") -> list[dict]:
-    """Cluster start at 2 ranks, a trivial ``%%ranks`` round trip, and a one-shot torchrun cell.
-
-    Rows: ``what, repeats, median_s, min_s, max_s, cpu_s, cpus, load_avg_1min``. ``cpu_s`` is the
-    median CPU time of every process involved (this one and all it started, summed), which the
-    machine's load does not inflate as it does wall time: for a start row, a start plus its stop.
-    The start's phases (controller ready, engines registered, process group formed) get rows of
-    their own. Not a test: timings on a shared machine vary; the load average is recorded.
-    """
-    import resource
-    import statistics
-
-    from .bench import write_rows
-    from .launch import run_torchrun
-
-    def cpu() -> float:
-        return sum(r.ru_utime + r.ru_stime for r in (resource.getrusage(resource.RUSAGE_SELF),
-                                                      resource.getrusage(resource.RUSAGE_CHILDREN)))
-
-    def row(what, samples, cpu_samples=()):
-        return {"what": what, "repeats": len(samples), "median_s": statistics.median(samples),
-                "min_s": min(samples), "max_s": max(samples),
-                "cpu_s": statistics.median(cpu_samples) if cpu_samples else "",
-                "cpus": os.cpu_count(), "load_avg_1min": round(os.getloadavg()[0], 2)}
-
-    start_s, start_cpu, trip_s, phases, oneshot_s, oneshot_cpu = [], [], [], {}, [], []
-    for _ in range(starts):
-        c0, t0 = cpu(), time.perf_counter()
-        c = Cluster(nproc_per_node=2, backend="gloo").start()
-        start_s.append(time.perf_counter() - t0)
-        for k, v in c.timings.items():
-            phases.setdefault(k, []).append(v)
-        try:
-            if not trip_s:
-                c.run("x = torch.ones(1)\ndist.all_reduce(x)")  # warm-up
-                for _ in range(repeats):
-                    t0 = time.perf_counter()
-                    c.run("print(rank)")
-                    trip_s.append(time.perf_counter() - t0)
-        finally:
-            c.stop()
-        if len(start_s) > 1:  # the first cycle also ran the round trips
-            start_cpu.append(cpu() - c0)
-    for _ in range(starts):
-        c0, t0 = cpu(), time.perf_counter()
-        run_torchrun(code="print(1)\n", nproc_per_node=2, backend="gloo", live=False, timeout=120)
-        oneshot_s.append(time.perf_counter() - t0)
-        oneshot_cpu.append(cpu() - c0)
-    rows = [row("cluster_start_2_ranks", start_s, start_cpu)]
-    rows += [row(f"start_phase_{k}", v) for k, v in phases.items()]
-    rows += [row("ranks_cell_round_trip", trip_s), row("torchrun_cell_one_shot", oneshot_s, oneshot_cpu)]
-    write_rows(rows, out, list(rows[0]), float_digits=4)
-    return rows
-
-
 def main(argv: list[str] | None = None) -> None:
+    """``python -m ddp_lesson.cluster engine ...``: an engine under torchrun (the Cluster's own
+    entry point; the benchmark is ``python -m ddp_lesson.bench.cluster``)."""
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "engine":
         _engine_main(argv[1:])
         return
-    p = argparse.ArgumentParser(prog="python -m ddp_lesson.cluster")
-    p.add_argument("--bench", action="store_true", help="measure start and round trip; write CSV")
-    p.add_argument("--repeats", type=int, default=30)
-    p.add_argument("--starts", type=int, default=3)
-    p.add_argument("--out", default="benchmarks/cluster.csv")
-    args = p.parse_args(argv)
-    if not args.bench:
-        p.print_help()
-        return
-    for r in bench(args.repeats, args.starts, args.out):
-        cpu = f", cpu {r['cpu_s']:.1f} s" if r["cpu_s"] != "" else ""
-        print(f"{r['what']}: median {r['median_s'] * 1e3:.1f} ms, min {r['min_s'] * 1e3:.1f} ms, "
-              f"max {r['max_s'] * 1e3:.1f} ms over {r['repeats']}{cpu} (load {r['load_avg_1min']:.1f})")
+    raise SystemExit("usage: python -m ddp_lesson.cluster engine ... (started by Cluster.start;"
+                     " the benchmark is python -m ddp_lesson.bench.cluster)")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""All-reduce built from point-to-point messages: the ring, a pipelined ring, a naive one, and their cost.
+"""All-reduce built from point-to-point messages: the ring, a pipelined ring, a naive one,
+and their cost.
 
 Run the check against torch's own all_reduce on 3 CPU processes::
 
@@ -139,7 +140,8 @@ def chunk_bounds(numel: int, world_size: int) -> list[tuple[int, int]]:
 
 
 def piece_bounds(start: int, stop: int, piece_numel: int) -> list[tuple[int, int]]:
-    """Cut the chunk ``[start, stop)`` into pieces of ``piece_numel`` elements (the last may be shorter).
+    """Cut the chunk ``[start, stop)`` into pieces of ``piece_numel`` elements (the last may
+    be shorter).
 
     >>> piece_bounds(10, 15, 2)
     [(10, 12), (12, 14), (14, 15)]
@@ -501,7 +503,9 @@ def naive_all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None) -> 
 
     if world_size > 1 and flat.numel() > 0:
         if rank == 0:
-            bufs = {r: _scratch(flat.numel(), flat.dtype, flat.device, r) for r in range(1, world_size)}
+            bufs = {
+                r: _scratch(flat.numel(), flat.dtype, flat.device, r) for r in range(1, world_size)
+            }
             reqs = {r: dist.irecv(bufs[r], src=glob(r), group=group, tag=_tag(0)) for r in bufs}
             for r in range(1, world_size):
                 reqs[r].wait()
@@ -546,13 +550,17 @@ def _fmt(values) -> str:
 # (alpha: latency in seconds; beta: seconds per byte = 1 / link bandwidth).
 
 
-def _check_cost_args(nbytes: float, world_size: int, alpha_s: float, beta_s_per_byte: float) -> None:
+def _check_cost_args(
+    nbytes: float, world_size: int, alpha_s: float, beta_s_per_byte: float
+) -> None:
     if nbytes < 0:
         raise ValueError(f"nbytes must be >= 0, got {nbytes}")
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if alpha_s < 0 or beta_s_per_byte < 0:
-        raise ValueError(f"alpha_s and beta_s_per_byte must be >= 0, got {alpha_s}, {beta_s_per_byte}")
+        raise ValueError(
+            f"alpha_s and beta_s_per_byte must be >= 0, got {alpha_s}, {beta_s_per_byte}"
+        )
 
 
 def naive_allreduce_time(nbytes: float, world_size: int, alpha_s: float,
@@ -585,7 +593,10 @@ def ring_allreduce_time(nbytes: float, world_size: int, alpha_s: float,
     the lower bound for all-reduce (Patarasuk & Yuan 2009); the latency term grows with R.
     """
     _check_cost_args(nbytes, world_size, alpha_s, beta_s_per_byte)
-    return 2 * (world_size - 1) * alpha_s + 2 * (world_size - 1) / world_size * nbytes * beta_s_per_byte
+    return (
+        2 * (world_size - 1) * alpha_s
+        + 2 * (world_size - 1) / world_size * nbytes * beta_s_per_byte
+    )
 
 
 def ring_bytes_sent_per_rank(nbytes: float, world_size: int) -> float:
@@ -765,7 +776,9 @@ def ring_state_html(state: RingState) -> str:
     """
     full = frozenset(range(state.world_size))
     arrived = {(d, c) for _, d, c in state.moves}
-    head = "".join(f"<th style='padding:2px 8px'>chunk {c}</th>" for c in range(len(state.values[0])))
+    head = "".join(
+        f"<th style='padding:2px 8px'>chunk {c}</th>" for c in range(len(state.values[0]))
+    )
     rows = []
     for r, row in enumerate(state.values):
         cells = []

@@ -30,15 +30,17 @@ definitions in ``cityscapesscripts.helpers.labels``, not from a copy typed here.
 from __future__ import annotations
 
 import operator
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset
 
 # The official table (cityscapesScripts, helpers/labels.py). Importing it costs < 1 ms.
 from cityscapesscripts.helpers import labels as _cs_labels
+from torch.utils.data import Dataset
+
+from .metrics import IGNORE_INDEX  # re-exported: the trainer's labels use the metrics' value
 
 __all__ = [
     "CITYSCAPES_CLASSES",
@@ -58,8 +60,6 @@ __all__ = [
     "render_scene",
 ]
 
-#: Target value that losses and metrics skip (``CrossEntropyLoss(ignore_index=255)``).
-IGNORE_INDEX = 255
 
 
 def _evaluated_labels() -> list:

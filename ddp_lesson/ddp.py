@@ -1,4 +1,5 @@
-"""Data-parallel gradient averaging from scratch: NaiveDDP, BucketedDDP, a simulated link, a recorder.
+"""Data-parallel gradient averaging from scratch: NaiveDDP, BucketedDDP, a simulated link,
+a recorder.
 
 Run the three-way comparison (torch's DDP, NaiveDDP, BucketedDDP give the same weights)::
 
@@ -11,7 +12,7 @@ ordinary loop: wrap the model, run ``loss = f(model(x)); loss.backward()``, and 
 How the gradients get averaged
 ------------------------------
 * At construction every parameter and buffer is broadcast from rank 0, so every rank starts
-  from the same weights whatever it initialised (shared/cases B8).
+  from the same weights whatever it initialised (docs/pitfalls.md B8).
 * Before that broadcast, every rank's parameter list (names, shapes, dtypes) is all-gathered
   and compared, so a model that differs between ranks is the same ValueError on every rank.
 * A *post-accumulate-grad hook* on each trainable parameter
@@ -59,8 +60,8 @@ import contextlib
 import math
 import time
 import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -151,7 +152,8 @@ def default_all_reduce(tensor: torch.Tensor, process_group=None):
 
 
 class _LinkWork:
-    """The handle :class:`SimulatedLink` returns: the real all-reduce plus a modelled finish time."""
+    """The handle :class:`SimulatedLink` returns: the real all-reduce plus a modelled finish
+    time."""
 
     def __init__(self, work, start_s: float, done_at_s: float):
         self.work = work
@@ -220,7 +222,8 @@ class SimulatedLink:
                                    1.0 / self.bandwidth_bytes_per_s)
 
     def reserve(self, nbytes: float, world_size: int) -> tuple[float, float]:
-        """Book the link for one all-reduce issued now: ``(start_s, done_at_s)`` (perf_counter clock)."""
+        """Book the link for one all-reduce issued now: ``(start_s, done_at_s)``
+        (perf_counter clock)."""
         now = time.perf_counter()
         start = max(now, self._free_at)
         self._free_at = start + self.cost_s(nbytes, world_size)
@@ -334,7 +337,7 @@ class StepRecord:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "StepRecord":
+    def from_dict(cls, d: dict) -> StepRecord:
         """Inverse of :meth:`to_dict`."""
         d = dict(d)
         d["comm"] = [CommEvent(**e) for e in d.get("comm", [])]
@@ -804,7 +807,7 @@ class _GradSyncBase(nn.Module, Joinable):
 
         The usual pattern with ``k`` micro-batches: the first ``k-1`` (forward *and* backward)
         inside ``no_sync()``, the last one outside, so its backward all-reduces the
-        accumulated ``.grad`` (shared/cases B4: local grads 1+3 and 1+6 give 5.5 on both
+        accumulated ``.grad`` (docs/pitfalls.md B4: local grads 1+3 and 1+6 give 5.5 on both
         ranks; syncing the first micro-batch instead leaves 4.0 and 7.0). Like torch, the
         forward decides: a ``no_sync()`` around ``backward()`` only does nothing.
         """
@@ -1034,7 +1037,8 @@ class _GradSyncBase(nn.Module, Joinable):
         return self._check_table(table)
 
     def _all_reduce(self, tensor: torch.Tensor, index: int, names: list[str]):
-        """Issue the SUM all-reduce of ``tensor`` through ``comm_hook``; returns a handle for :meth:`_wait`."""
+        """Issue the SUM all-reduce of ``tensor`` through ``comm_hook``; returns a handle for
+        :meth:`_wait`."""
         work = self.comm_hook(tensor, self.process_group)
         event = None
         if self.recorder is not None:

@@ -1,6 +1,6 @@
 """Exact distributed evaluation: every sample counted exactly once, at any world size.
 
-Two things go wrong when a validation metric is computed over ranks (shared/cases A3, A5, A10):
+Two things go wrong when a validation metric is computed over ranks (docs/pitfalls.md A3, A5, A10):
 
 1. **Padding.** ``DistributedSampler`` pads the shards to equal length by repeating samples,
    so a metric over the gathered shards counts those samples twice. N=10, R=3, a model right

@@ -12,7 +12,6 @@ the sorted unique characters as the vocabulary, so every machine builds the same
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -49,7 +48,7 @@ class GPTConfig:
 
 
 class CausalSelfAttention(nn.Module):
-    """Multi-head self-attention where token t attends to tokens 0..t; ``(B, T, C) -> (B, T, C)``."""
+    """Multi-head self-attention, token t attending to tokens 0..t; ``(B, T, C) -> (B, T, C)``."""
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()

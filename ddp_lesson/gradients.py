@@ -20,7 +20,7 @@ trick for parallelizing convolutional neural networks", 2014 (square-root rule).
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -37,7 +37,8 @@ LR_RULES = ("none", "linear", "sqrt")
 
 
 def make_toy_model(seed: int = 0, in_features: int = 4, hidden: int = 3) -> nn.Module:
-    """A tiny MLP ``Linear(in, hidden) -> Tanh -> Linear(hidden, 1)``, seeded: the same on every rank.
+    """A tiny MLP ``Linear(in, hidden) -> Tanh -> Linear(hidden, 1)``, seeded: the same on
+    every rank.
 
     With the defaults it has 4·3 + 3 + 3 + 1 = 19 parameters.
     """
@@ -49,7 +50,9 @@ def make_toy_model(seed: int = 0, in_features: int = 4, hidden: int = 3) -> nn.M
     return model
 
 
-def make_toy_batch(n: int = 8, seed: int = 1, in_features: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+def make_toy_batch(
+    n: int = 8, seed: int = 1, in_features: int = 4
+) -> tuple[torch.Tensor, torch.Tensor]:
     """A seeded regression batch ``x: (n, in_features)``, ``y: (n, 1)``; identical on every rank."""
     if n < 1:
         raise ValueError(f"batch size must be >= 1, got {n}")
@@ -96,7 +99,8 @@ def split_batch(x: torch.Tensor, y: torch.Tensor, world_size: int,
 
 def batch_gradient(model: nn.Module, x: torch.Tensor, y: torch.Tensor,
                    reduction: str = "mean") -> torch.Tensor:
-    """Gradient of the MSE loss of ``model`` on ``(x, y)``, every parameter flattened into one vector.
+    """Gradient of the MSE loss of ``model`` on ``(x, y)``, every parameter flattened into one
+    vector.
 
     Args:
         model: any module; its ``.grad`` fields are cleared before and after.
@@ -115,8 +119,14 @@ def batch_gradient(model: nn.Module, x: torch.Tensor, y: torch.Tensor,
     return grad
 
 
-def shard_gradients(model: nn.Module, x: torch.Tensor, y: torch.Tensor, world_size: int,
-                    reduction: str = "mean", sizes: Sequence[int] | None = None) -> list[torch.Tensor]:
+def shard_gradients(
+    model: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    world_size: int,
+    reduction: str = "mean",
+    sizes: Sequence[int] | None = None,
+) -> list[torch.Tensor]:
     """What each of ``world_size`` ranks would compute: the gradient on its own shard.
 
     Runs on one process (no communication): the shards come from :func:`split_batch`.

@@ -25,8 +25,12 @@ import math
 
 import torch
 
-from .data import IGNORE_INDEX
 from .env import all_reduce_sum
+
+#: Target value that losses and metrics skip (``CrossEntropyLoss(ignore_index=255)``, the
+#: Cityscapes "void" trainId). Owned here, in the lesson core; :mod:`ddp_lesson.data` and the
+#: trainer import it from here, so the metrics never import the trainer's data module.
+IGNORE_INDEX = 255
 
 
 def confusion_matrix(pred: torch.Tensor, target: torch.Tensor, num_classes: int,

@@ -30,7 +30,7 @@ Two facts matter when the model is wrapped in ``DistributedDataParallel``:
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F

@@ -244,10 +244,10 @@ def shard_indices(n: int, num_replicas: int, rank: int, shuffle: bool = False,
     as in current torch. Why interleave rather than give each rank one contiguous block:
     the padding duplicates sit at the end of the list, and striding spreads them one per
     rank at most (case A3: ranks 1 and 2 get one duplicate each, rank 0 none) instead of
-    piling them into the last rank's block (or, when N < R, the last few ranks'); and with ``shuffle=False`` each rank still
-    sees samples from the whole dataset, not just one region of it. Both schemes are valid
-    partitions; what matters is that every rank uses the same one (case A9, and
-    :func:`contiguous_shard_indices` for the old scheme).
+    piling them into the last rank's block (or, when N < R, the last few ranks'); and with
+    ``shuffle=False`` each rank still sees samples from the whole dataset, not just one region
+    of it. Both schemes are valid partitions; what matters is that every rank uses the same
+    one (case A9, and :func:`contiguous_shard_indices` for the old scheme).
 
     No synchronisation: pure index arithmetic, the same on every rank given the same
     arguments.

@@ -4,7 +4,7 @@ Why: BatchNorm normalises each channel with the mean and variance of the batch i
 data parallelism each rank sees only its own slice of the global batch, so plain BatchNorm
 uses per-rank statistics (2 images out of 8, say), and its running mean/var drift apart
 between ranks. SyncBatchNorm computes the statistics of the *global* batch: it is then the
-same function as BatchNorm on the concatenated batch on one process (shared/cases B11).
+same function as BatchNorm on the concatenated batch on one process (docs/pitfalls.md B11).
 
 torch's ``nn.SyncBatchNorm`` does this on GPUs only ("SyncBatchNorm expected input tensor to
 be on GPU"), so this module rebuilds it for any device, with plain ``all_reduce`` calls:
@@ -224,7 +224,8 @@ class SyncBatchNorm(_BatchNorm):
 
 
 def convert_sync_batchnorm(module: nn.Module, process_group=None) -> nn.Module:
-    """Replace every ``BatchNorm1d/2d/3d`` in ``module`` (nested ones too) by :class:`SyncBatchNorm`.
+    """Replace every ``BatchNorm1d/2d/3d`` in ``module`` (nested ones too) by
+    :class:`SyncBatchNorm`.
 
     The new layers *share* the old layers' weight and bias parameters (as torch's converter
     does) and copy their running mean, running var and batch counter, so a converted model

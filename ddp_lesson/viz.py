@@ -21,7 +21,7 @@ __all__ = [
 ]
 
 
-# =========================================================================== one style for every figure
+# ======================================================================= one style for every figure
 
 #: Every figure is drawn at this resolution (dots per inch) ...
 DPI = 100
@@ -68,7 +68,8 @@ def finish(fig, rect=None):
 
 @dataclass
 class SamplerLayout:
-    """Where every dataset index goes in one epoch of a :class:`ddp_lesson.sampler.DistributedSampler`.
+    """Where every dataset index goes in one epoch of a
+    :class:`ddp_lesson.sampler.DistributedSampler`.
 
     Built by :func:`sampler_layout` from the package's pure index functions (no process
     group). Position ``j`` of rank ``r`` is entry ``p = j * R + r`` of the padded global
@@ -289,9 +290,12 @@ def assignment_over_epochs(n: int, num_replicas: int, epochs: int = 3, seed: int
     return finish(fig, rect=(0, 0.1, 1, 1))
 
 
-# =========================================================================== gradient figures (notebook 01)
+# =================================================================== gradient figures (notebook 01)
 
-def per_rank_gradients_figure(shard_grads, full_grad, max_params: int | None = None, figsize=(7, 3)):
+
+def per_rank_gradients_figure(
+    shard_grads, full_grad, max_params: int | None = None, figsize=(7, 3)
+):
     """Each rank's shard gradient, their average, and the full-batch gradient, per parameter.
 
     Bars: rank r's gradient entries (one colour per rank). Black bar outline: the average of
@@ -337,14 +341,21 @@ def per_rank_gradients_figure(shard_grads, full_grad, max_params: int | None = N
     ax.set_xticks(xs)
     ax.set_xlabel("parameter entry", fontsize=SMALL_PT)
     ax.set_ylabel("gradient", fontsize=SMALL_PT)
-    ax.set_title(f"{R} shard gradients, their average and the full-batch gradient", fontsize=LABEL_PT)
+    ax.set_title(
+        f"{R} shard gradients, their average and the full-batch gradient", fontsize=LABEL_PT
+    )
     ax.tick_params(labelsize=SMALL_PT)
-    ax.legend(fontsize=SMALL_PT, ncol=min(R + 2, 6), loc="upper center", bbox_to_anchor=(0.5, -0.18),
-              frameon=False)
+    ax.legend(
+        fontsize=SMALL_PT,
+        ncol=min(R + 2, 6),
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.18),
+        frameon=False,
+    )
     return finish(fig)
 
 
-# =========================================================================== collective figures (notebook 03)
+# ================================================================= collective figures (notebook 03)
 
 _METHOD_STYLE = {
     "gloo": dict(color="tab:blue", marker="o", label="gloo all_reduce"),
@@ -364,7 +375,8 @@ def _size_label(nbytes: float) -> str:
 
 
 def allreduce_bandwidth_figure(rows, figsize=(MIN_WIDTH_IN, 3.8)):
-    """Bus bandwidth against message size, one panel per process count (``benchmarks/allreduce.csv``).
+    """Bus bandwidth against message size, one panel per process count
+    (``benchmarks/allreduce.csv``).
 
     All-reduce methods are drawn as bus bandwidth (algbw · 2(R-1)/R, nccl-tests'
     PERFORMANCE.md) so they can be read against the link: the grey lines are the measured
@@ -407,7 +419,9 @@ def allreduce_bandwidth_figure(rows, figsize=(MIN_WIDTH_IN, 3.8)):
         note = f" ({R} procs on {cpus} cores)" if R > cpus else ""
         ax.set_title(f"R = {R}{note}", fontsize=LABEL_PT)
         ax.set_xscale("log", base=2)
-        ticks = sorted({r["size_bytes"] for r in rows if r["nprocs"] == R and r["size_bytes"] >= lo})
+        ticks = sorted(
+            {r["size_bytes"] for r in rows if r["nprocs"] == R and r["size_bytes"] >= lo}
+        )
         ax.set_xticks(ticks)
         ax.set_xticklabels([_size_label(t) for t in ticks], rotation=45, fontsize=SMALL_PT)
         ax.minorticks_off()
@@ -422,13 +436,15 @@ def allreduce_bandwidth_figure(rows, figsize=(MIN_WIDTH_IN, 3.8)):
 def cost_model_figure(rows, figsize=(MIN_WIDTH_IN, 3.8)):
     """The α-β model of naive, tree and ring all-reduce against measured all-reduce times.
 
-    α and β are fitted to the two-rank send/recv times (:func:`ddp_lesson.collectives.fit_alpha_beta`),
+    α and β are fitted to the two-rank send/recv times
+    (:func:`ddp_lesson.collectives.fit_alpha_beta`),
     then the model's curves (:func:`~ddp_lesson.collectives.naive_allreduce_time`,
     ``tree_allreduce_time``, ``ring_allreduce_time``) are drawn for each process count with
     the measured times of gloo, the ring and the pipelined ring as points.
 
     Args:
-        rows: dicts as :func:`ddp_lesson.bench.allreduce.read_results` returns (needs ``sendrecv`` rows).
+        rows: dicts as :func:`ddp_lesson.bench.allreduce.read_results` returns (needs
+            ``sendrecv`` rows).
         figsize: inches.
 
     Returns:
@@ -551,7 +567,8 @@ __all__ += ["per_rank_gradients_figure", "allreduce_bandwidth_figure", "cost_mod
             "ring_allreduce_steps_figure"]
 
 
-# =========================================================================== training figures (notebook 05)
+# =================================================================== training figures (notebook 05)
+
 
 def loss_curves_figure(curves, title: str = "training loss per optimizer step",
                        reference: str | None = None, figsize=None):
@@ -693,7 +710,8 @@ def scaling_figure(rows, figsize=(8, 3)):
 __all__ += ["loss_curves_figure", "masks_figure", "scaling_figure"]
 
 
-# =========================================================================== DDP wrapper figures (notebook 04)
+# ================================================================ DDP wrapper figures (notebook 04)
+
 
 def _as_step_record(rec):
     from .ddp import StepRecord
@@ -760,7 +778,9 @@ def ddp_timeline_figure(panels, figsize=(7, 3.4), align: bool = True):
             what = "after the last rank's backward"
         else:
             exposed, what = max(r.exposed_s for r in records) * 1e3, "on the slowest rank"
-        ax.set_title(f"{title}: {exposed:.0f} ms of communication exposed {what}", fontsize=SMALL_PT)
+        ax.set_title(
+            f"{title}: {exposed:.0f} ms of communication exposed {what}", fontsize=SMALL_PT
+        )
         ax.tick_params(labelsize=SMALL_PT)
     axes[-1, 0].set_xlabel("ms since the first rank's forward returned" if align
                            else "ms since the end of forward", fontsize=SMALL_PT)
@@ -869,7 +889,8 @@ def ddp_benchmark_figure(rows, figsize=(7, 3)):
 __all__ += ["ddp_timeline_figure", "bucket_sweep_figure", "ddp_benchmark_figure"]
 
 
-# =========================================================================== memory figures (notebook 07)
+# ===================================================================== memory figures (notebook 07)
+
 
 def memory_stages_figure(num_params: float, world_size: int, capacity_bytes: float | None = None,
                          figsize=(6, 3), **kwargs):
@@ -921,22 +942,36 @@ def memory_stages_figure(num_params: float, world_size: int, capacity_bytes: flo
 __all__ += ["memory_stages_figure"]
 
 
-# =========================================================================== torch's Reducer (notebook 04)
+# ==================================================================== torch's Reducer (notebook 04)
 
 #: The rows of :func:`reducer_map_figure`: (stage, our BucketedDDP, torch's C++ Reducer).
 REDUCER_MAP = [
-    ("1 · a gradient is\naccumulated",
-     "p.register_post_accumulate_grad_hook(hook)\n→ _grad_ready(i):\n  bucket.pending -= 1",
-     "post-hook on p's AccumulateGrad node\n→ Reducer::autograd_hook(i)\n→ mark_variable_ready(i)"),
-    ("2 · a bucket is\nready",
-     "pending == 0 → _launch(bucket):\ncopy each .grad × 1/R into bucket.flat\n(in bucket order on every rank)",
-     "copy .grad into its bucket view,\n× 1/div_factor_ when no hook is set;\nmark_bucket_ready (in bucket order)"),
-    ("3 · all-reduce",
-     "comm_hook(flat, group) → work (.wait())\ndefault: dist.all_reduce(flat,\n  async_op=True), a SUM",
-     "all_reduce_bucket → run_comm_hook(\n  GradBucket) → Future[Tensor];\na registered hook divides itself"),
-    ("4 · end of\nbackward",
-     "queue_callback(_final_callback)\n→ _after_backward: wait every\nbucket, copy flat → .grad",
-     "queue_callback(finalize_backward):\nwait the futures, copy into .grad\n(a view: no copy). Buckets are rebuilt\nonce, before the 2nd forward"),
+    (
+        "1 · a gradient is\naccumulated",
+        "p.register_post_accumulate_grad_hook(hook)\n→ _grad_ready(i):\n  bucket.pending -= 1",
+        "post-hook on p's AccumulateGrad node\n→ Reducer::autograd_hook(i)\n"
+        "→ mark_variable_ready(i)",
+    ),
+    (
+        "2 · a bucket is\nready",
+        "pending == 0 → _launch(bucket):\ncopy each .grad × 1/R into bucket.flat\n"
+        "(in bucket order on every rank)",
+        "copy .grad into its bucket view,\n× 1/div_factor_ when no hook is set;\n"
+        "mark_bucket_ready (in bucket order)",
+    ),
+    (
+        "3 · all-reduce",
+        "comm_hook(flat, group) → work (.wait())\ndefault: dist.all_reduce(flat,\n"
+        "  async_op=True), a SUM",
+        "all_reduce_bucket → run_comm_hook(\n  GradBucket) → Future[Tensor];\n"
+        "a registered hook divides itself",
+    ),
+    (
+        "4 · end of\nbackward",
+        "queue_callback(_final_callback)\n→ _after_backward: wait every\nbucket, copy flat → .grad",
+        "queue_callback(finalize_backward):\nwait the futures, copy into .grad\n"
+        "(a view: no copy). Buckets are rebuilt\nonce, before the 2nd forward",
+    ),
 ]
 
 
@@ -965,8 +1000,11 @@ def reducer_map_figure(figsize=(11, 5.4)):
     ax.set_ylim(0, n * 12 + 7)
     ax.set_position([0.01, 0.01, 0.98, 0.98])
     ax.axis("off")
-    cols = [(0.8, 13.5, "stage", "#eeeeee"), (16, 40.5, "our BucketedDDP (ddp_lesson/ddp.py)", "#dbe9f6"),
-            (58.5, 40.5, "torch's Reducer (C++, reducer.cpp)", "#fde3cf")]
+    cols = [
+        (0.8, 13.5, "stage", "#eeeeee"),
+        (16, 40.5, "our BucketedDDP (ddp_lesson/ddp.py)", "#dbe9f6"),
+        (58.5, 40.5, "torch's Reducer (C++, reducer.cpp)", "#fde3cf"),
+    ]
     for x, w, title, _ in cols[1:]:
         ax.text(x + w / 2, n * 12 + 4, title, ha="center", va="center", fontsize=11,
                 fontweight="bold")

@@ -102,7 +102,7 @@ def _png(fig) -> bytes:
 _CONTROLS = ("n", "world_size", "epoch", "seed", "shuffle", "drop_last", "call_set_epoch")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _explorer_class():
     import ipywidgets as W
 
@@ -229,9 +229,10 @@ def sampler_explorer(n: int = 10, world_size: int = 3, epoch: int = 0, seed: int
                max_n, max_world_size, max_epoch)
 
 
-# =========================================================================== ring all-reduce stepper (notebook 03)
+# ============================================================ ring all-reduce stepper (notebook 03)
 
-@functools.lru_cache(maxsize=None)
+
+@functools.cache
 def _stepper_class():
     import ipywidgets as W
 

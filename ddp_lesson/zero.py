@@ -72,7 +72,8 @@ def partition_parameters(numels: list[int], world_size: int,
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of tensors in ``optimizer.state`` (e.g. Adam's ``exp_avg``, ``exp_avg_sq``, ``step``)."""
+    """Bytes of tensors in ``optimizer.state`` (e.g. Adam's ``exp_avg``, ``exp_avg_sq``,
+    ``step``)."""
     total = 0
     for state in optimizer.state.values():
         for v in state.values():
@@ -215,7 +216,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return {"state": state}
 
     def consolidate_state_dict(self, to: int = 0) -> None:
-        """Gather every rank's shard of the optimizer state on rank ``to`` (a synchronisation point).
+        """Gather every rank's shard of the optimizer state on rank ``to`` (a synchronisation
+        point).
 
         Afterwards :meth:`state_dict` works on rank ``to``. Every rank must call it.
         """

@@ -88,6 +88,8 @@ def test_numbers_in_docs_benchmarks_match_the_csvs():
     assert (round(no["exposed_ms_min"]), round(no["exposed_ms_max"])) == (16, 48)
     assert "from 3 to 38 ms with overlap and from 16 to 48 ms without" in text
     one = {r["mode"]: r for r in TABLES["scaling"] if r["nprocs"] == 1}
-    assert (round(one["weak"]["comm_exposed_s"] * 1e3), round(one["strong"]["comm_exposed_s"] * 1e3)) \
-        == (15, 25)
+    assert (
+        round(one["weak"]["comm_exposed_s"] * 1e3),
+        round(one["strong"]["comm_exposed_s"] * 1e3),
+    ) == (15, 25)
     assert "(median 15 ms weak, 25 ms strong in the stored file)" in text

@@ -251,7 +251,7 @@ def _shutdown(lab: _Lab) -> None:
     stragglers = lab.watch.reap()
     if stragglers:
         warnings.warn(f"processes left running after JupyterLab shut down were ended: "
-                      f"pids {stragglers}")
+                      f"pids {stragglers}", stacklevel=2)
     left = lab.watch.alive()
     if left:
         raise RuntimeError(f"processes {left} started by JupyterLab survive SIGKILL")

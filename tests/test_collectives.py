@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import stream_text
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -208,20 +209,16 @@ def test_odd_world_dtypes_and_reduce_scatter():
         assert f"ring reduce-scatter chunk: ({3 * c}, {3 * c + 3}) True" in lines
 
 
-# ----------------------------------------------------------------------------- notebook 03's outputs
+# ---------------------------------------------------------------------------- notebook 03's outputs
 
 
 def _cell_text(marker: str) -> str:
-    import nbformat
-
-    nb = nbformat.read(ROOT / "notebooks" / "03_collectives.ipynb", as_version=4)
-    for cell in nb.cells:
-        if cell.cell_type == "code" and marker in cell.source:
-            return "".join(o.get("text", "") for o in cell.outputs if o.get("output_type") == "stream")
-    raise AssertionError(f"no cell containing {marker!r}")
+    return stream_text("03_collectives.ipynb", marker)
 
 
-_HOLD = re.compile(r"^\[rank (\d)\] (.+?)\s+before (\S.*?)\s+after (.+?)(?:\s+\(chunk (\d+) of the sum\))?$")
+_HOLD = re.compile(
+    r"^\[rank (\d)\] (.+?)\s+before (\S.*?)\s+after (.+?)(?:\s+\(chunk (\d+) of the sum\))?$"
+)
 
 
 def _holdings(text: str) -> dict:
@@ -229,7 +226,11 @@ def _holdings(text: str) -> dict:
     for line in text.splitlines():
         m = _HOLD.match(line)
         if m:
-            out[(m.group(2).strip(), int(m.group(1)))] = (m.group(3).strip(), m.group(4).strip(), m.group(5))
+            out[(m.group(2).strip(), int(m.group(1)))] = (
+                m.group(3).strip(),
+                m.group(4).strip(),
+                m.group(5),
+            )
     return out
 
 
@@ -254,7 +255,10 @@ def test_notebook_03_collective_outputs():
     total = [sum(v[i] for v in inputs.values()) for i in range(2)]       # [6, 60]
     for r in range(R):
         assert got[("broadcast", r)][:2] == (_l([7, 8]) if r == 0 else _l([0, 0]), _l([7, 8]))
-        assert got[("reduce to 0", r)][:2] == (_l(inputs[r]), _l(total) if r == 0 else "(unspecified)")
+        assert got[("reduce to 0", r)][:2] == (
+            _l(inputs[r]),
+            _l(total) if r == 0 else "(unspecified)",
+        )
         assert got[("all_reduce", r)][:2] == (_l(inputs[r]), _l(total))
     text = _cell_text("dist.all_gather(everyone, mine)")
     got = _holdings(text)

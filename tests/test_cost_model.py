@@ -10,6 +10,7 @@ import math
 from pathlib import Path
 
 import pytest
+from conftest import stream_text
 
 from ddp_lesson.bench import allreduce as bench
 from ddp_lesson.collectives import (
@@ -105,18 +106,10 @@ def test_fit_recovers_alpha_and_beta():
 # ----------------------------------------------------------------------------- notebook 03's tables
 
 
-def _nb_outputs(name: str, marker: str) -> str:
-    import nbformat
-
-    nb = nbformat.read(ROOT / "notebooks" / name, as_version=4)
-    for cell in nb.cells:
-        if cell.cell_type == "code" and marker in cell.source:
-            return "".join(o.get("text", "") for o in cell.outputs if o.get("output_type") == "stream")
-    raise AssertionError(f"no cell containing {marker!r} in {name}")
 
 
 def test_notebook_03_cost_table_matches_hand_formulas():
-    text = _nb_outputs("03_collectives.ipynb", "for nbytes, label in")
+    text = stream_text("03_collectives.ipynb", "for nbytes, label in")
     lines = [ln for ln in text.splitlines() if ln.strip().startswith("R=")]
     expected = []
     for n in (100e6, 4):
@@ -133,13 +126,15 @@ def test_notebook_03_cost_table_matches_hand_formulas():
     assert lines == expected
     # a loss value is one float32: 4 bytes; at R = 2 all three print 0.010 ms, a tie
     assert "100 MB (gradients)" in text and "4 bytes (one float32 loss value)" in text
-    assert "  R= 2: naive    0.010 ms  tree    0.010 ms  ring    0.010 ms   tie: naive, tree, ring" \
+    assert (
+        "  R= 2: naive    0.010 ms  tree    0.010 ms  ring    0.010 ms   tie: naive, tree, ring"
         in text.splitlines()
+    )
     assert lines[3].endswith("fastest: ring") and lines[5].endswith("fastest: tree")
 
 
 def test_notebook_03_busbw_table_is_the_link_speed():
-    text = _nb_outputs("03_collectives.ipynb", "for R in (2, 4, 8, 16):\n    a = algbw")
+    text = stream_text("03_collectives.ipynb", "for R in (2, 4, 8, 16):\n    a = algbw")
     got = [ln for ln in text.splitlines() if ln.startswith("R=")]
     expected = [f"R={R:2d}: algbw {R / (2 * (R - 1)) * 10:5.2f} GB/s, busbw {10:5.2f} GB/s"
                 for R in (2, 4, 8, 16)]
@@ -153,14 +148,14 @@ def test_notebook_03_prints_each_claim_with_its_interval_and_verdict():
 
     tables = load(ROOT)
     expected = [c.line(tables) for c in CLAIMS if c.prose == NB03]
-    got = _nb_outputs("03_collectives.ipynb", "claim.line(tables)").splitlines()
+    got = stream_text("03_collectives.ipynb", "claim.line(tables)").splitlines()
     assert got == expected and len(got) == 14
     assert all(len(line) <= 100 for line in got)
     assert sum(line.endswith(": within noise") for line in got) == 13
 
 
 def test_notebook_03_sweep_cell_is_off_by_default():
-    text = _nb_outputs("03_collectives.ipynb", "RUN_SWEEP = False")
+    text = stream_text("03_collectives.ipynb", "RUN_SWEEP = False")
     assert text.strip() == "sweep skipped: set RUN_SWEEP = True to re-measure"
 
 
@@ -228,7 +223,9 @@ def test_stored_benchmark_covers_the_sweep():
         assert r["seconds"] > 0 and r["algbw_GBps"] > 0 and r["repeats"] >= 3
         assert r["seconds_min"] <= r["seconds"] <= r["seconds_max"]
         assert r["algbw_GBps_min"] <= r["algbw_GBps"] <= r["algbw_GBps_max"]
-        assert r["algbw_GBps"] == pytest.approx(r["size_bytes"] / r["seconds"] / 1e9, rel=1e-3, abs=1e-4)
+        assert r["algbw_GBps"] == pytest.approx(
+            r["size_bytes"] / r["seconds"] / 1e9, rel=1e-3, abs=1e-4
+        )
         factor = 1.0 if r["method"] in bench.LINK_METHODS else 2 * (r["nprocs"] - 1) / r["nprocs"]
         assert r["busbw_GBps"] == pytest.approx(r["algbw_GBps"] * factor, rel=1e-3, abs=1e-4)
     assert set(bench.ratios(rows)[2]) >= {"pipelined_vs_gloo", "busbw_vs_sendrecv"}

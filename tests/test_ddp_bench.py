@@ -92,6 +92,10 @@ def test_timeline_and_sweep_figures():
     rows = predict_bucket_sweep([4000] * 10, [0, 0.01, 1], 0.01, 2, 1e-4, 1e8)
     fig = bucket_sweep_figure(rows, [(0, 0.001), (1, 0.002), (None, 0.01)])
     # the caps, with their bucket counts on a second line (not inside the axes, behind points)
-    assert [t.get_text().split("\n")[0] for t in fig.axes[0].get_xticklabels()] == ["0", "0.01", "1"]
+    assert [t.get_text().split("\n")[0] for t in fig.axes[0].get_xticklabels()] == [
+        "0",
+        "0.01",
+        "1",
+    ]
     assert any(c.get_gid() == "measured" for c in fig.axes[0].collections)
     plt.close(fig)

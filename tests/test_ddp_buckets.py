@@ -1,4 +1,6 @@
-"""Pure logic of ddp_lesson.ddp, no process group: bucket assignment, link cost, recorder, predictions."""
+"""Pure logic of ddp_lesson.ddp, no process group: bucket assignment, link cost, recorder,
+predictions."""
+
 from __future__ import annotations
 
 import math

@@ -37,7 +37,8 @@ def test_three_ways_lab_prints_equal_weights_and_what_is_synchronised():
             f"{name}: NaiveDDP vs torch DDP, max |Δ| below 1e-06: True; BucketedDDP "
             f"({_torch_bucket_count(model, cap)} buckets) vs torch DDP: True; "
             "identical on every rank: True",
-            f"{name}: {synced} parameter tensors synchronised, {registered} registered in the modules",
+            f"{name}: {synced} parameter tensors synchronised, "
+            f"{registered} registered in the modules",
         ]
     assert result.rank_lines(0) == expected
     assert result.rank_lines(1) == []
@@ -56,7 +57,8 @@ def test_overlap_lab_records_timelines_and_sweep(tmp_path):
     assert counts == [43, 13, 10, 8, 4, 3, 2, 1]
     assert result.rank_lines(0) == [
         "link: alpha = 0.5 ms, bandwidth = 100 MB/s",
-        "buckets per cap (MB): " + ", ".join(f"{c:g} -> {n}" for c, n in zip(SWEEP_CAPS_MB, counts)),
+        "buckets per cap (MB): "
+        + ", ".join(f"{c:g} -> {n}" for c, n in zip(SWEEP_CAPS_MB, counts)),
         f"recorded 3 timelines and a sweep of {len(SWEEP_CAPS_MB)} caps on 2 ranks",
     ]
     data = json.loads(out.read_text())

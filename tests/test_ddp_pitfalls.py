@@ -1,7 +1,8 @@
-"""shared/cases B1, B2, B4, B5, B7, B8, B12 on 2 real processes, for NaiveDDP, BucketedDDP and torch's DDP.
+"""docs/pitfalls.md B1, B2, B4, B5, B7, B8, B12 on 2 real processes, for NaiveDDP, BucketedDDP
+and torch's DDP.
 
 One torchrun launch (gloo, 2 ranks). Every rank runs every scenario and prints one JSON
-line; the tests compare with the literal values stated in shared/cases/pitfalls.md, with
+line; the tests compare with the literal values stated in docs/pitfalls.md, with
 torch's own DistributedDataParallel, or with a plain single-process computation.
 """
 from __future__ import annotations
@@ -156,7 +157,9 @@ def test_b1_with_the_flag_a_parameter_unused_everywhere_keeps_grad_none(results)
             kind, grads = results[r][name]["B1 on, unused everywhere"]
             assert kind == "grads"
             assert grads["b.weight"] is None and grads["b.bias"] is None, (name, r)
-            assert grads["a.weight"] == results[r]["torch"]["B1 on, unused everywhere"][1]["a.weight"]
+            assert (
+                grads["a.weight"] == results[r]["torch"]["B1 on, unused everywhere"][1]["a.weight"]
+            )
 
 
 def test_b2_flag_on_with_nothing_unused_same_numbers_one_warning(results):

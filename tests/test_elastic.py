@@ -123,7 +123,8 @@ import torch.distributed as dist
 from ddp_lesson.env import init_distributed, cleanup
 
 env = init_distributed(timeout=30)
-print(f"node {os.environ['GROUP_RANK']}, local rank {env.local_rank}: global rank {env.rank} of {env.world_size}")
+print(f"node {os.environ['GROUP_RANK']}, local rank {env.local_rank}: "
+      f"global rank {env.rank} of {env.world_size}")
 x = torch.tensor([float(env.rank + 1)])
 dist.all_reduce(x)
 print("all_reduce across the two nodes:", x.item())

@@ -86,7 +86,9 @@ def test_00_3_local_rank():
                                                lambda r, n: r // n])
     assert good.passed and str(good).startswith("PASSED 00.3")
     # the notebook's attempt returns the global rank: rank 4 is node 1's GPU 0
-    assert not glob and "rank 4 with 4 processes per node on 2 nodes: got 4, expected 0" in str(glob)
+    assert not glob and "rank 4 with 4 processes per node on 2 nodes: got 4, expected 0" in str(
+        glob
+    )
     assert "C1" in glob.problems[0]
     assert "node's number" in node.problems[0]
 
@@ -112,18 +114,23 @@ def test_03_3_tree_ring_crossover():
                 hi = mid
         return lo
 
-    good, wrong, numeric = run_candidates("03.3", [reference("03.3"), forgot_latency_levels, bisect])
+    good, wrong, numeric = run_candidates(
+        "03.3", [reference("03.3"), forgot_latency_levels, bisect]
+    )
     assert good and numeric
     assert not wrong and "R=5" in wrong.problems[0] and "They cross at" in wrong.problems[0]
 
 
 def test_05_4_effective_lr():
     divided = notebook_attempt("05.4")
-    no_accum = lambda lr, bb, b, R, k, rule: reference("05.4")(lr, bb, b, R, 1, rule)
+    no_accum = lambda lr, bb, b, R, k, rule: reference("05.4")(lr, bb, b, R, 1, rule)  # noqa: E731
     good, v_div, v_acc = run_candidates("05.4", [reference("05.4"), divided, no_accum])
     assert good
     # 0.1 tuned at 256, 4 x 128 = 512 samples: linear gives 0.2; divided by 4, 0.05
-    assert "got 0.05, expected 0.2 (global batch 512): yours is divided by the 4 processes" in v_div.problems[0]
+    assert (
+        "got 0.05, expected 0.2 (global batch 512): yours is divided by the 4 processes"
+        in v_div.problems[0]
+    )
     assert "accumulation steps are part of the global batch" in v_acc.problems[0]
     def sqrt_as_linear(lr, bb, b, R, k, rule):
         return reference("05.4")(lr, bb, b, R, k, "linear" if rule == "sqrt" else rule)
@@ -143,7 +150,9 @@ def test_06_5_global_rank():
     good, rr, collide = run_candidates("06.5", [reference("06.5"), notebook_attempt("06.5"),
                                                 lambda n, l, p: n + l])
     assert good
-    assert rr.problems[0].startswith("2 nodes x 2 processes: node 0, local rank 1 got RANK 2, torchrun gives 1")
+    assert rr.problems[0].startswith(
+        "2 nodes x 2 processes: node 0, local rank 1 got RANK 2, torchrun gives 1"
+    )
     assert "node by node, not round-robin" in rr.problems[0]
     assert "node 0, local rank 1 and node 1, local rank 0 would share RANK 1" in collide.problems[0]
 
@@ -151,7 +160,7 @@ def test_06_5_global_rank():
 def test_07_1_zero3_ranks():
     assert reference("07.1")(70e9, 80e9) == 14  # 16 * 70e9 / 80e9 = 14 exactly
     floor = notebook_attempt("07.1")
-    stage0 = lambda psi, gpu: 1000
+    stage0 = lambda psi, gpu: 1000  # noqa: E731 (a candidate as a learner may write it)
     good, v_floor, v_many = run_candidates("07.1", [reference("07.1"), floor, stage0])
     assert good
     assert "7.5B parameters on 80 GB ranks: on 1 rank ZeRO-3 keeps 120 GB" in v_floor.problems[0]
@@ -185,7 +194,9 @@ def test_01_4_weighted_average():
         "01.4", plain_mean, notebook_attempt("01.4"), plain_sum, undivided, over_eight)
     assert good
     # shards 3, 6, 2 total 11
-    assert eight.problems[0].startswith("with shards of 3, 6, 2 samples, rank 0 returned "), eight.problems
+    assert eight.problems[0].startswith("with shards of 3, 6, 2 samples, rank 0 returned "), (
+        eight.problems
+    )
     assert "yours divides by 8, the total of the other cases; here it is 11" in eight.problems[0]
     # rank r's gradient is [r+1, -(r+1)/2, r^2 + 1/4]: plain mean [2, -1, 23/12], weighted
     # by 4, 2, 2: [14, -7, 12] / 8
@@ -220,7 +231,9 @@ def test_01_5_average_gradients():
     assert "Not averaged here: 0.bias, 2.bias" in v_weights.problems[0]
     # passes with 2 ranks; with 3 the sum over 3 ranks divided by 2 is 1.5x the mean
     assert not v_two
-    assert v_two.problems[0].startswith("with 3 processes: rank 0: 0.weight.grad is "), v_two.problems
+    assert v_two.problems[0].startswith("with 3 processes: rank 0: 0.weight.grad is "), (
+        v_two.problems
+    )
     assert "the sum over the 3 ranks divided by 2" in v_two.problems[0]
     assert "not a constant" in v_two.problems[0]
 
@@ -390,9 +403,13 @@ def test_02_1_sampler_rejects_the_typical_mistakes():
     assert three.startswith("N=9, R=2, shuffle=False: the sampler built with num_replicas=2, "
                             "rank=0 yields [0, 3, 6], torch's yields [0, 2, 4, 6, 8]"), three
     assert "no constant 3" in three
-    assert len0.startswith("N=9, R=3, shuffle=False: rank 0 yields 3 indices but len(sampler) says 0")
+    assert len0.startswith(
+        "N=9, R=3, shuffle=False: rank 0 yields 3 indices but len(sampler) says 0"
+    )
     # the first shuffled setting with a seed: N=7, seed=5; the ranks agree on seed 0's order
-    assert noseed.startswith("N=7, R=3, shuffle=True, seed=5, epoch 0: the ranks agree on one order")
+    assert noseed.startswith(
+        "N=7, R=3, shuffle=True, seed=5, epoch 0: the ranks agree on one order"
+    )
     assert "the seed argument (5) was ignored" in noseed
     assert ("the sampler built with rank=1 in process 0 gives [0, 3, 6], but rank 1's own gives "
             "[1, 4, 7]") in group_rank
@@ -461,7 +478,9 @@ def test_02_3_seed_epoch_check():
     assert not v_three and v_three.problems[0].startswith(
         "with 2 processes: with seeds 4, 4 and epochs 2, 2 on ranks 0, 1 (all agree), rank 0 "
         "raised RuntimeError: "), v_three.problems
-    assert "names, as numbers, the ranks whose (seed, epoch) differs from rank 0's" in describe("02.3")
+    assert "names, as numbers, the ranks whose (seed, epoch) differs from rank 0's" in describe(
+        "02.3"
+    )
     assert "seeds 7, 8, 9" in v_local.problems[0] and "nothing was raised" in v_local.problems[0]
     assert "only rank(s) 0 raised; rank(s) 1, 2 returned normally" in v_rank0.problems[0]
     assert "epochs 1, 1, 0" in v_seed.problems[0] and "the epoch matters too" in v_seed.problems[0]
@@ -525,7 +544,10 @@ def ring_without_all_gather(tensor):
         s0, s1 = b[(rank - step) % R]
         r0, r1 = b[(rank - step - 1) % R]
         buf = torch.empty(r1 - r0, dtype=flat.dtype)
-        reqs = [dist.isend(flat[s0:s1].contiguous(), (rank + 1) % R), dist.irecv(buf, (rank - 1) % R)]
+        reqs = [
+            dist.isend(flat[s0:s1].contiguous(), (rank + 1) % R),
+            dist.irecv(buf, (rank - 1) % R),
+        ]
         for q in reqs:
             q.wait()
         flat[r0:r1] += buf
@@ -631,8 +653,10 @@ def test_03_6_ring_all_reduce():
                                         "its neighbours 3 and 1"), v_a2a.problems
     assert "all-to-all" in v_a2a.problems[0]
     # 3 whole tensors of 10 elements; a ring sends 2(R-1) = 6 chunks of at most 3
-    assert v_relay.problems[0].startswith("an int64 tensor of shape (10,): the values are right, "
-                                          "but rank 0 sent 30 elements for a tensor of 10"), v_relay.problems
+    assert v_relay.problems[0].startswith(
+        "an int64 tensor of shape (10,): the values are right, "
+        "but rank 0 sent 30 elements for a tensor of 10"
+    ), v_relay.problems
     assert "(at most 18 here)" in v_relay.problems[0]
     # at 3 processes, rank 2 sends to rank (2 + 1) % 4 = 3, which does not exist
     assert re.match(r"with 3 processes: rank \d raised ValueError: dist.i(send|recv) with rank 3, "
@@ -669,7 +693,9 @@ def test_03_6_chunking_that_breaks_below_world_size_is_reported():
 
     (v,) = run_candidates("03.6", [chunked_ring])
     assert not v
-    assert re.match(r"rank \d raised IndexError: list index out of range", v.problems[0]), v.problems
+    assert re.match(r"rank \d raised IndexError: list index out of range", v.problems[0]), (
+        v.problems
+    )
 
 
 # ----------------------------------------------------------------------------- 04
@@ -721,19 +747,23 @@ def test_04_2_fp16_comm_hook_under_torch_ddp():
     assert v_nb.problems == v_none.problems
     assert v_none.problems[0].startswith(
         "at world size 2 the gradients are 2x the average (gradients 2x too large): with a hook "
-        "registered, torch's DDP does not divide by the world size -- the hook must."), v_none.problems
+        "registered, torch's DDP does not divide by the world size -- the hook must."
+    ), v_none.problems
     # R is not a constant: a hook that divides by 2 passes at world size 2 and fails alone
     for v in (v_two, v_world):
-        assert v.problems[0].startswith("in a process group of 1 rank (state = that group; rank 0 "
-                                        "alone), your gradients are 1/2 of the right ones"), v.problems
+        assert v.problems[0].startswith(
+            "in a process group of 1 rank (state = that group; rank 0 "
+            "alone), your gradients are 1/2 of the right ones"
+        ), v.problems
         assert "state.size()" in v.problems[0]
     assert "all-reduced over the default group" in v_group.problems[0], v_group.problems
     assert v_full.problems[0].startswith("the gradients are right but not compressed: your hook "
                                          "all-reduced float32"), v_full.problems
     assert v_work.problems[0].startswith("your hook returned a Work on rank 0; torch's DDP needs "
                                          "a torch.futures.Future"), v_work.problems
-    assert v_list.problems[0].startswith("your hook's future completed with a list of 1 (Tensor)"), \
-        v_list.problems
+    assert v_list.problems[0].startswith(
+        "your hook's future completed with a list of 1 (Tensor)"
+    ), v_list.problems
     assert "checked: 2 processes (torchrun, gloo), torch's DistributedDataParallel" in str(good)
 
 
@@ -773,12 +803,16 @@ def test_07_4_gather_flat():
     good, v_trunc, v_rev, v_bcast, v_three = _verdicts("07.4", truncating, reversed_order,
                                                        broadcasts, three_pieces)
     assert good
-    assert v_bcast.problems[0].startswith("10 elements over 3 ranks: the values are right, but "
-                                          "rank 0 made these calls: broadcast x3."), v_bcast.problems
+    assert v_bcast.problems[0].startswith(
+        "10 elements over 3 ranks: the values are right, but rank 0 made these calls: broadcast x3."
+    ), v_bcast.problems
     assert "3 broadcasts are 3 rounds" in v_bcast.problems[0]
     assert v_three.problems[0].startswith("with 2 processes: "), v_three.problems
     assert v_trunc.problems[0].startswith("10 elements in shards of 4, 3, 3: rank 0 got")
-    assert "(9 elements instead of 10)" in v_trunc.problems[0] and "pad every shard" in v_trunc.problems[0]
+    assert (
+        "(9 elements instead of 10)" in v_trunc.problems[0]
+        and "pad every shard" in v_trunc.problems[0]
+    )
     assert "wrong order" in v_rev.problems[0]
 
 
@@ -915,7 +949,9 @@ def test_local_checks_have_a_time_limit_and_show_the_learners_line(monkeypatch):
     v_loop, = run_candidates("07.1", [endless])
     v_text, v_none = run_candidates("00.3", [as_text, no_return])
     v_lib, = run_candidates("05.4", [library_raises])
-    assert v_loop.problems[0].startswith("case (70B, 80 GB) did not return within 0.5 s"), v_loop.problems
+    assert v_loop.problems[0].startswith("case (70B, 80 GB) did not return within 0.5 s"), (
+        v_loop.problems
+    )
     # a string is shown as one: '0', not 0
     assert v_text.problems[0] == ("your function returned '0' (str); the exercise expects a whole "
                                   "number (the GPU index).")

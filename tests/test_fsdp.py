@@ -4,23 +4,15 @@ from __future__ import annotations
 import math
 
 import pytest
+from gpt_reference import lab_value, single_process_losses
 
 from ddp_lesson.gpt import TinyGPT
-from ddp_lesson.launch import run_torchrun
-from gpt_reference import lab_value, single_process_losses
 
 pytestmark = pytest.mark.timeout(120)
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=["world2", "world3"])
-def lab(request):
-    r = run_torchrun(code="from ddp_lesson.labs.fsdp_tinygpt import main; main()",
-                     nproc_per_node=request.param, timeout=120, live=False)
-    return request.param, r.rank_lines(0)
-
-
-def test_fsdp_matches_ddp(lab):
-    world_size, lines = lab
+def test_fsdp_matches_ddp(fsdp_lab):
+    world_size, lines = fsdp_lab
     assert lab_value(lines, "parameters are DTensors sharded on dim 0") == "True"
     assert lab_value(lines, "FSDP losses match DDP within 1e-05") == "True"
     assert lab_value(lines, "weights after 5 steps match DDP within 1e-5") == "True"
@@ -30,8 +22,8 @@ def test_fsdp_matches_ddp(lab):
         assert lab_value(lines, "FSDP losses") == " ".join(f"{v:.3f}" for v in ref)
 
 
-def test_parameter_bytes_per_rank(lab):
-    world_size, lines = lab
+def test_parameter_bytes_per_rank(fsdp_lab):
+    world_size, lines = fsdp_lab
     m = TinyGPT(vocab_size=103)
     full = 4 * m.num_params()
     assert lab_value(lines, "full parameters (what DDP keeps on every rank)") == f"{full:,} bytes"

@@ -31,7 +31,9 @@ def test_corpus_numbers_printed_by_notebook():
 
 
 def _expected_params(V, T, C, L):
-    block = 2 * C + (3 * C * C + 3 * C) + (C * C + C) + 2 * C + (4 * C * C + 4 * C) + (4 * C * C + C)
+    block = (
+        2 * C + (3 * C * C + 3 * C) + (C * C + C) + 2 * C + (4 * C * C + 4 * C) + (4 * C * C + C)
+    )
     return V * C + T * C + L * block + 2 * C + C * V
 
 

@@ -27,7 +27,9 @@ NPROC = min(2, GPUS) if GPUS else 0
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.timeout(300),
-    pytest.mark.skipif(not CUDA, reason="no CUDA device: the GPU path needs torch.cuda.is_available()"),
+    pytest.mark.skipif(
+        not CUDA, reason="no CUDA device: the GPU path needs torch.cuda.is_available()"
+    ),
 ]
 
 #: A small, fast trainer run (the flags of ddp_lesson.train).
@@ -135,7 +137,8 @@ def test_bucketed_ddp_equals_torch_ddp_on_cuda():
                 g = torch.Generator().manual_seed(100 + step)
                 x = torch.randn(2 * env.world_size, 3, 32, 64, generator=g)
                 y = torch.randint(0, 19, (2 * env.world_size, 32, 64), generator=g)
-                xs, ys = x[2 * env.rank:2 * env.rank + 2].to(dev), y[2 * env.rank:2 * env.rank + 2].to(dev)
+                lo = 2 * env.rank
+                xs, ys = x[lo:lo + 2].to(dev), y[lo:lo + 2].to(dev)
                 opt.zero_grad()
                 F.cross_entropy(ddp(xs), ys).backward()
                 opt.step()
@@ -193,9 +196,10 @@ def test_checkpoint_loads_onto_each_ranks_own_gpu(tmp_path):
         env = init_distributed(timeout=60)
         dev = f"cuda:{{env.local_rank}}"
         obj = {{k: None for k in REQUIRED_KEYS}}
-        obj.update(format=CHECKPOINT_FORMAT, version=CHECKPOINT_VERSION, epoch=0, step_in_epoch=0, global_step=0,
-                   world_size=env.world_size, config={{}}, sampler={{}}, rng={{}},
-                   model={{"w": torch.arange(4.0, device="cuda:0")}}, optimizer={{}}, scheduler={{}})
+        obj.update(format=CHECKPOINT_FORMAT, version=CHECKPOINT_VERSION, epoch=0,
+                   step_in_epoch=0, global_step=0, world_size=env.world_size, config={{}},
+                   sampler={{}}, rng={{}}, model={{"w": torch.arange(4.0, device="cuda:0")}},
+                   optimizer={{}}, scheduler={{}})
         save_checkpoint(obj if env.rank == 0 else None, {str(path)!r})
         ck = load_checkpoint({str(path)!r}, map_location=dev)
         w = ck["model"]["w"]

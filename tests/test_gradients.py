@@ -12,10 +12,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch import nn
+from conftest import stream_text
 
 from ddp_lesson.gradients import (
-    all_reduce_average,
     average,
     batch_gradient,
     make_toy_batch,
@@ -44,7 +43,9 @@ def _plain_grad(model, x, y, reduction="mean"):
 
 def test_b5_scalar_values_by_hand():
     x = [1, 2, 3, 4]
-    assert scalar_squared_error_grad(1.0, x, "mean") == pytest.approx(2 * sum(v * v for v in x) / 4)  # 15
+    assert scalar_squared_error_grad(1.0, x, "mean") == pytest.approx(
+        2 * sum(v * v for v in x) / 4
+    )  # 15
     assert scalar_squared_error_grad(1.0, x, "mean") == pytest.approx(15.0)
     assert scalar_squared_error_grad(1.0, x, "sum") == pytest.approx(60.0)
     assert scalar_squared_error_grad(1.0, [1, 2]) == pytest.approx(5.0)
@@ -188,7 +189,8 @@ DDP_CHECKS = textwrap.dedent(r"""
     ref = make_toy_model(seed=0)
     gr = torch.autograd.grad(((ref(x4) - y4) ** 2).mean(), list(ref.parameters()))
     with torch.no_grad():
-        diff = max(float((p - (q - 0.1 * gq)).abs().max()) for p, q, gq in zip(stepped, ref.parameters(), gr))
+        diff = max(float((p - (q - 0.1 * gq)).abs().max())
+                   for p, q, gq in zip(stepped, ref.parameters(), gr))
     print("B7 one step equal:", diff < 1e-6)
     # 4. unequal shards: the weighted fix with two all-reduces
     sizes = [5, 3]
@@ -223,21 +225,11 @@ def test_real_all_reduce_and_ddp_on_two_processes():
         ], (rank, lines)
 
 
-# ----------------------------------------------------------------------------- notebook 01's outputs
-
-
-def _cells():
-    import nbformat
-
-    nb = nbformat.read(ROOT / "notebooks" / "01_data_parallelism.ipynb", as_version=4)
-    return [c for c in nb.cells if c.cell_type == "code"]
+# ---------------------------------------------------------------------------- notebook 01's outputs
 
 
 def _text(marker: str) -> str:
-    for cell in _cells():
-        if marker in cell.source:
-            return "".join(o.get("text", "") for o in cell.outputs if o.get("output_type") == "stream")
-    raise AssertionError(f"no cell containing {marker!r}")
+    return stream_text("01_data_parallelism.ipynb", marker)
 
 
 def test_notebook_01_single_process_outputs():
@@ -267,7 +259,7 @@ def test_notebook_01_torchrun_outputs():
         assert f"[rank {r}] shard of 4 samples; differs from the full-batch gradient: True" in avg
         assert f"[rank {r}] after all_reduce and ÷ world_size, max |Δ| below 1e-6: True" in avg
         assert f"[rank {r}] ReduceOp.AVG gives the same average: True" in avg
-        # the integer refusal, as the launch in test_real_all_reduce_and_ddp_on_two_processes sees it
+        # the integer refusal, as test_real_all_reduce_and_ddp_on_two_processes's launch sees it
         assert f"[rank {r}] ReduceOp.AVG on an integer tensor: refused" in avg
     b5 = _text("DDP gradient").splitlines()
     for r in range(2):   # pitfalls.md B5: mean 15, sum 30, mean × R 30

@@ -56,7 +56,7 @@ def test_environment_installs_the_checkout_itself():
 
 def test_package_is_imported_from_this_checkout():
     # nbval replays the notebooks with the test environment's own kernel; make sure that
-    # kernel sees this checkout, not an old installed copy (shared/cases D3)
+    # kernel sees this checkout, not an old installed copy (docs/pitfalls.md D3)
     assert Path(ddp_lesson.__file__).resolve().parent == ROOT / "ddp_lesson"
 
 

@@ -48,9 +48,22 @@ def test_sigterm_to_the_cli_ends_every_process_and_keeps_the_checkpoint(tmp_path
     out = tmp_path / "preempted"
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("DDP_LESSON_BACKEND", None)
-    cli = subprocess.Popen([sys.executable, "-m", "ddp_lesson.cli", "train", "--nproc-per-node", "2",
-                            *TINY, "--out", str(out)], env=env, stdout=subprocess.DEVNULL,
-                           stderr=subprocess.DEVNULL)
+    cli = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "ddp_lesson.cli",
+            "train",
+            "--nproc-per-node",
+            "2",
+            *TINY,
+            "--out",
+            str(out),
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     ckpt = out / "checkpoint.pt"
     _wait_for(lambda: ckpt.exists(), 90, "a first checkpoint")
     time.sleep(0.5)  # let training go on, perhaps into the next checkpoint write
@@ -65,9 +78,12 @@ def test_sigterm_to_the_cli_ends_every_process_and_keeps_the_checkpoint(tmp_path
 
 def test_next_launch_works_at_once_after_an_interrupt(tmp_path):
     worker = tmp_path / "sleeper.py"
-    worker.write_text("import os, sys, time\n"
-                      "open(os.path.join(os.path.dirname(__file__), 'started' + os.environ['RANK']), 'w').close()\n"
-                      "time.sleep(600)\n")
+    worker.write_text(
+        "import os, sys, time\n"
+        "open(os.path.join(os.path.dirname(__file__), 'started' + os.environ['RANK']), 'w')"
+        ".close()\n"
+        "time.sleep(600)\n"
+    )
     driver = tmp_path / "driver.py"
     driver.write_text(
         "import signal, sys\n"

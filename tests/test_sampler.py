@@ -13,7 +13,8 @@ from fractions import Fraction
 import pytest
 import torch
 import torch.distributed as dist
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch.utils.data import DataLoader
 from torch.utils.data import DistributedSampler as TorchSampler
 

@@ -15,13 +15,13 @@ from collections import Counter
 
 import pytest
 import torch
+from sampler_reference import torch_shards
 from torch.utils.data import DataLoader
 from torch.utils.data import DistributedSampler as TorchSampler
 
 from ddp_lesson.labs.sampler_pitfalls import NestedLenSampler, one_shot_padding
 from ddp_lesson.labs.sampler_shards import partition_facts
 from ddp_lesson.launch import run_torchrun
-from sampler_reference import torch_shards
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -39,8 +39,15 @@ def torch_order(n, shuffle, seed, epoch):
 
 @pytest.fixture(scope="module")
 def set_epoch_run():
-    return run_torchrun("ddp_lesson.labs.sampler_set_epoch", ["--dataset-len", "8", "--epochs", "3"],
-                        module=True, nproc_per_node=2, timeout=120, live=False, backend="gloo")
+    return run_torchrun(
+        "ddp_lesson.labs.sampler_set_epoch",
+        ["--dataset-len", "8", "--epochs", "3"],
+        module=True,
+        nproc_per_node=2,
+        timeout=120,
+        live=False,
+        backend="gloo",
+    )
 
 
 def _table(lines, epochs, world):

@@ -13,14 +13,20 @@ import math
 
 import pytest
 import torch
+from sampler_reference import torch_shards
 from torch.utils.data import DataLoader, WeightedRandomSampler
 from torch.utils.data import DistributedSampler as TorchSampler
 
 from ddp_lesson.labs.sampler_streams import CountingStream
 from ddp_lesson.launch import run_torchrun
-from ddp_lesson.sampler import (DistributedSampler, DistributedWeightedSampler, IterableShard,
-                                iterable_shard_counts, weighted_draw, weighted_padded_draw)
-from sampler_reference import torch_shards
+from ddp_lesson.sampler import (
+    DistributedSampler,
+    DistributedWeightedSampler,
+    IterableShard,
+    iterable_shard_counts,
+    weighted_draw,
+    weighted_padded_draw,
+)
 
 W = [2.0] * 50 + [1.0] * 50
 

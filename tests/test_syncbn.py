@@ -3,7 +3,7 @@
 One torchrun launch per world size (2 and 3, with unequal per-rank batches): every rank
 checks its slice against nn.BatchNorm2d run on the whole batch in the same process (outputs,
 running mean/var, input and weight gradients), and the 2-rank launch also checks the exact
-numbers of shared/cases B11 and one DDP training step of a converted model.
+numbers of docs/pitfalls.md B11 and one DDP training step of a converted model.
 """
 import json
 
@@ -18,7 +18,7 @@ from ddp_lesson.syncbn import SyncBatchNorm, convert_sync_batchnorm, count_batch
 pytestmark = pytest.mark.timeout(240)
 
 # Runs on every rank; prints one JSON line of results.
-CHECK = r'''
+CHECK = r"""
 import copy, json, sys
 import torch
 import torch.distributed as dist
@@ -35,7 +35,7 @@ out = {}
 def err(a, b):
     return float((a.detach() - b.detach()).abs().max()) if a.numel() else 0.0
 
-# -- shared/cases B11: 2 ranks, 1 channel, [1, 2] and [3, 4]
+# -- docs/pitfalls.md B11: 2 ranks, 1 channel, [1, 2] and [3, 4]
 if R == 2:
     x = torch.tensor([[1.0], [2.0]]) if r == 0 else torch.tensor([[3.0], [4.0]])
     sbn = SyncBatchNorm(1, eps=1e-5, momentum=0.1).train()
@@ -96,7 +96,8 @@ if R == 3:
     xs0 = x0[part].clone().requires_grad_()
     ys0 = s0(xs0)
     ys0.sum().backward()
-    out["empty_rank"] = {"y": err(ys0, yr0[part]), "running_mean": err(s0.running_mean, ref0.running_mean)}
+    out["empty_rank"] = {"y": err(ys0, yr0[part]),
+                         "running_mean": err(s0.running_mean, ref0.running_mean)}
 
 # -- converter + DDP: one SGD step of a converted model on 2 images per rank equals one step
 #    of the plain model on the concatenated batch (global mean loss over labelled pixels)
@@ -123,7 +124,7 @@ print(json.dumps(out))
 import gc
 gc.collect()  # free DDP wrappers (reference cycles) before the process group goes
 cleanup()
-'''
+"""
 
 
 def _launch(tmp_path, nproc, sizes):
@@ -145,7 +146,7 @@ def three_ranks(tmp_path_factory):
 
 
 def test_b11_exact_values(two_ranks):
-    """shared/cases B11: global mean 2.5, biased var 1.25; running stats 0.25 and 1.06667."""
+    """docs/pitfalls.md B11: global mean 2.5, biased var 1.25; running stats 0.25 and 1.06667."""
     expected_y = {0: [-1.3416, -0.4472], 1: [0.4472, 1.3416]}
     for rank in (0, 1):
         b11 = two_ranks[rank]["b11"]
@@ -175,7 +176,7 @@ def test_unequal_batches_match_batchnorm_on_the_concatenated_batch(world, two_ra
 
 
 def test_a_rank_with_an_empty_batch(three_ranks):
-    for rank, out in three_ranks.items():
+    for out in three_ranks.values():
         assert out["empty_rank"]["y"] < 1e-5 and out["empty_rank"]["running_mean"] < 1e-6
 
 

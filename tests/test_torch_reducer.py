@@ -185,7 +185,9 @@ def test_reducer_map_figure_is_readable_and_names_both_sides():
         assert "autograd_hook" in texts["torch1"].get_text()
         assert "run_comm_hook" in texts["torch3"].get_text()
         assert "finalize_backward" in texts["torch4"].get_text()
-        assert [row[0] for row in REDUCER_MAP] == [texts[f"stage{k}"].get_text() for k in range(1, 5)]
+        assert [row[0] for row in REDUCER_MAP] == [
+            texts[f"stage{k}"].get_text() for k in range(1, 5)
+        ]
         # every text fits inside its box (no overflow into the neighbour)
         fig.canvas.draw()
         renderer = fig.canvas.get_renderer()

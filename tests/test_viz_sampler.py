@@ -9,9 +9,9 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
+from sampler_reference import torch_shards  # noqa: E402
 
 from ddp_lesson.viz import assignment_over_epochs, sampler_heatmap, sampler_layout  # noqa: E402
-from sampler_reference import torch_shards  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:DistributedSampler with drop_last=True")
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from conftest import code_cells
 
 from ddp_lesson.collectives import ring_state_html, ring_state_text, simulate_ring_all_reduce
 from ddp_lesson.widgets import ring_allreduce_stepper
@@ -104,10 +105,7 @@ def test_custom_values_are_kept_for_their_world_size():
 
 
 def test_notebook_03_stepper_outputs():
-    import nbformat
-
-    nb = nbformat.read(ROOT / "notebooks" / "03_collectives.ipynb", as_version=4)
-    cells = [c for c in nb.cells if c.cell_type == "code"]
+    cells = code_cells("03_collectives.ipynb")
     shown = next(c for c in cells if c.source.strip().endswith("stepper"))
     reprs = [o["data"]["text/plain"] for o in shown.outputs if "data" in o]
     assert reprs == ["RingAllReduceStepper(world_size=3, step=0 of 4)"]

@@ -9,9 +9,9 @@ from __future__ import annotations
 import re
 
 import pytest
+from sampler_reference import torch_shards
 
 from ddp_lesson.widgets import sampler_explorer, sampler_report
-from sampler_reference import torch_shards
 
 pytestmark = pytest.mark.filterwarnings("ignore:DistributedSampler with drop_last=True")
 
@@ -61,7 +61,10 @@ def test_initial_text_is_case_a3(explorer):
     assert "ceil(10 / 3) = 4; total_size = 12" in text
     assert line_starting(text, "padding").endswith("[0, 1]")
     assert "dropped: none" in text
-    assert explorer.report.value.startswith("<pre>") and "rank 1: [1, 4, 7, 0*]" in explorer.report.value
+    assert (
+        explorer.report.value.startswith("<pre>")
+        and "rank 1: [1, 4, 7, 0*]" in explorer.report.value
+    )
 
 
 def test_sliders_redraw_text_and_figure(explorer):
@@ -71,7 +74,7 @@ def test_sliders_redraw_text_and_figure(explorer):
     explorer.n.value = 11                      # one control, one redraw
     assert explorer.redraws == before + 1
     assert explorer.image.value != before_png
-    explorer.drop_last.value = True            # A6: N=11, R=3, drop_last -> 3 each, 9 and 10 dropped
+    explorer.drop_last.value = True  # A6: N=11, R=3, drop_last -> 3 each, 9 and 10 dropped
     assert shown(explorer.text) == {0: ([0, 3, 6], [False] * 3), 1: ([1, 4, 7], [False] * 3),
                                     2: ([2, 5, 8], [False] * 3)}
     assert line_starting(explorer.text, "dropped").endswith("[9, 10]")

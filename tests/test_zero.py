@@ -1,14 +1,15 @@
-"""ZeRO stage 1 from scratch (ddp_lesson.zero) against DDP + AdamW and torch's ZeroRedundancyOptimizer."""
+"""ZeRO stage 1 from scratch (ddp_lesson.zero) against DDP + AdamW and torch's
+ZeroRedundancyOptimizer."""
+
 from __future__ import annotations
 
 import re
 
 import pytest
 import torch
+from gpt_reference import lab_value, single_process_losses
 
 from ddp_lesson.gpt import TinyGPT
-from ddp_lesson.launch import run_torchrun
-from gpt_reference import lab_value, single_process_losses
 from ddp_lesson.zero import partition_parameters
 
 pytestmark = pytest.mark.timeout(120)
@@ -35,15 +36,8 @@ def test_partition_is_greedy_by_size_and_deterministic():
             assert abs(sum(numels[i] for i in o) * R / sum(numels) - 1) < 0.1
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=["world2", "world3"])
-def lab(request):
-    r = run_torchrun(code="from ddp_lesson.labs.zero_check import main; main()",
-                     nproc_per_node=request.param, timeout=120, live=False)
-    return request.param, r.rank_lines(0)
-
-
-def test_equal_to_ddp_adamw_and_torch_zero(lab):
-    _, lines = lab
+def test_equal_to_ddp_adamw_and_torch_zero(zero_lab):
+    _, lines = zero_lab
     for key in ("same losses as DDP+AdamW",
                 "ShardedOptimizer == DDP+AdamW (rtol 1e-6)",
                 "ZeroRedundancyOptimizer == DDP+AdamW (rtol 1e-6)",
@@ -55,8 +49,8 @@ def test_equal_to_ddp_adamw_and_torch_zero(lab):
         assert lab_value(lines, key) == "True", key
 
 
-def test_losses_match_a_single_process_run(lab):
-    world_size, lines = lab
+def test_losses_match_a_single_process_run(zero_lab):
+    world_size, lines = zero_lab
     ref = single_process_losses(10, world_size)
     assert lab_value(lines, "loss step 1 -> 10 (DDP+AdamW)") == f"{ref[0]:.3f} -> {ref[-1]:.3f}"
     # the numbers notebook 07 prints (world size 2)
@@ -64,8 +58,8 @@ def test_losses_match_a_single_process_run(lab):
         assert f"{ref[0]:.3f} -> {ref[-1]:.3f}" == "4.656 -> 3.663"
 
 
-def test_optimizer_state_is_one_over_world_size(lab):
-    world_size, lines = lab
+def test_optimizer_state_is_one_over_world_size(zero_lab):
+    world_size, lines = zero_lab
     m = TinyGPT(vocab_size=103)
     # AdamW state: exp_avg + exp_avg_sq (fp32) per element, one fp32 `step` per tensor
     full = 8 * m.num_params() + 4 * len(list(m.parameters()))

@@ -5,7 +5,9 @@
 * :mod:`ddp_lesson.bench.scaling`   — the trainer at 1, 2 and 4 processes, weak and strong;
 * :mod:`ddp_lesson.bench.common`    — their shared flags, the one CSV writer, min/median/max;
 * :mod:`ddp_lesson.bench.claims`    — what the prose says about the stored results, each claim
-  classified against the CSVs' min..max intervals ("faster" or "within noise").
+  classified against the CSVs' min..max intervals ("faster" or "within noise");
+* :mod:`ddp_lesson.bench.cluster`   — persistent ranks against one-shot torchrun cells, run on
+  its own: ``python -m ddp_lesson.bench.cluster`` (it was ``python -m ddp_lesson.cluster --bench``).
 
 Layering: ``common`` imports nothing from the package; the three benchmarks import ``common``
 (and, inside functions, the lesson modules they time); nothing here imports ``ddp_lesson.cli``.

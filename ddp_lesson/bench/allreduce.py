@@ -305,7 +305,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["worker"]:
         worker(argv[1:])
         return 0
-    p = argparse.ArgumentParser(prog="ddp-lesson bench allreduce", description=__doc__.split("\n\n")[1])
+    p = argparse.ArgumentParser(
+        prog="ddp-lesson bench allreduce", description=__doc__.split("\n\n")[1]
+    )
     add_arguments(p)
     return run(p.parse_args(argv))
 

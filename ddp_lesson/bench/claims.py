@@ -39,7 +39,11 @@ class Quantity:
     label: str
 
     def interval(self, tables: dict) -> tuple[float, float, float]:
-        """``(min, median, max)`` from ``tables[self.csv]``. Raises KeyError if no single row matches."""
+        """``(min, median, max)`` from ``tables[self.csv]``.
+
+        Raises:
+            KeyError: no single row matches.
+        """
         hits = [r for r in tables[self.csv] if all(r.get(k) == v for k, v in self.row)]
         if len(hits) != 1:
             raise KeyError(f"{self.csv}.csv: {len(hits)} rows match {dict(self.row)}")
@@ -98,7 +102,8 @@ class Claim:
 
 
 def load(root=".") -> dict:
-    """Every stored benchmark CSV under ``root/benchmarks`` as rows: ``{"allreduce": [...], ...}``."""
+    """Every stored benchmark CSV under ``root/benchmarks`` as rows:
+    ``{"allreduce": [...], ...}``."""
     folder = Path(root) / "benchmarks"
     return {name: read_rows(folder / f"{name}.csv", text=_TEXT[name], bools=_BOOLS.get(name, ()))
             for name in ("allreduce", "ddp", "scaling")}

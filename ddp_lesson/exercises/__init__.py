@@ -15,24 +15,16 @@ The reference solutions live in :mod:`ddp_lesson.exercises.solutions` (spoilers)
 """
 from __future__ import annotations
 
+# the catalogue registers every exercise in core.REGISTRY when imported; importing it here
+# (rather than from core.get) keeps core free of an import back into this package
+from . import catalog  # noqa: F401
 from .core import REGISTRY, Exercise, Verdict, get, run_candidates
 
 __all__ = ["check", "describe", "reference", "exercise_ids", "Verdict", "Exercise"]
 
-_loaded = False
-
-
-def _load_all() -> None:
-    """Import the catalogue once (it registers every exercise)."""
-    global _loaded
-    if not _loaded:
-        _loaded = True
-        from . import catalog  # noqa: F401
-
 
 def exercise_ids(notebook: str | None = None) -> list[str]:
     """Ids of the checkable exercises, sorted; only notebook ``"02"``'s when given."""
-    _load_all()
     return sorted(i for i in REGISTRY if notebook is None or i.split(".")[0] == notebook)
 
 
@@ -44,9 +36,12 @@ def describe(exercise_id: str) -> str:
     """
     ex = get(exercise_id)
     where = "runs" if ex.kind == "distributed" else "runs in this process"
-    return (f"{ex.id} · {ex.title}\n{ex.task}\nchecked as: {ex.signature}\n"
-            f"{where}: {ex.checked}\n"
-            f"check it with: check(\"{ex.id}\", your_{'class' if isinstance(ex.reference, type) else 'function'})")
+    kind = "class" if isinstance(ex.reference, type) else "function"
+    return (
+        f"{ex.id} · {ex.title}\n{ex.task}\nchecked as: {ex.signature}\n"
+        f"{where}: {ex.checked}\n"
+        f'check it with: check("{ex.id}", your_{kind})'
+    )
 
 
 def reference(exercise_id: str):

@@ -1,6 +1,7 @@
 """Worker of a distributed exercise checker; started by :func:`ddp_lesson.exercises.check`.
 
-    torchrun --nproc-per-node R -m ddp_lesson.exercises._runner EXERCISE_ID CANDIDATES.pkl OUTDIR TIMEOUT_S
+    torchrun --nproc-per-node R -m ddp_lesson.exercises._runner \\
+        EXERCISE_ID CANDIDATES.pkl OUTDIR TIMEOUT_S
 
 Each rank joins a gloo process group with a short timeout (TIMEOUT_S seconds), loads the
 candidates (cloudpickled: a learner's function travels by value), runs the exercise's

@@ -14,12 +14,25 @@ from collections import Counter
 
 import torch
 
+from ..sampler import contiguous_shard_indices, num_samples_per_rank, padded_order, shard_indices
 from . import solutions as S
-from ..sampler import (contiguous_shard_indices, num_samples_per_rank, padded_order,
-                       shard_indices)
-from .core import (Exercise, StopCandidate, as_number, as_whole, call_case, close, error_record,
-                   first_error, fmt_list, fmt_num, format_error, is_timeout_error, register,
-                   returned, shown)
+from .core import (
+    Exercise,
+    StopCandidate,
+    as_number,
+    as_whole,
+    call_case,
+    close,
+    error_record,
+    first_error,
+    fmt_list,
+    fmt_num,
+    format_error,
+    is_timeout_error,
+    register,
+    returned,
+    shown,
+)
 
 
 def _ranks(rs) -> str:
@@ -354,9 +367,11 @@ def _judge_02_1(results) -> list[str]:
         problem = None
         for r, rec in enumerate(recs):
             if "construct" in rec:
-                problem = (f"{setting}: cls(dataset, num_replicas={R}, rank={r}, shuffle={shuffle}, "
-                           f"seed={seed}, drop_last={drop_last}) raised "
-                           f"{format_error(rec['construct'])}. Keep torch's signature.")
+                problem = (
+                    f"{setting}: cls(dataset, num_replicas={R}, rank={r}, shuffle={shuffle}, "
+                    f"seed={seed}, drop_last={drop_last}) raised "
+                    f"{format_error(rec['construct'])}. Keep torch's signature."
+                )
                 break
             for epoch in _EPOCHS_02_1:
                 if f"iter{epoch}" in rec:
@@ -449,7 +464,8 @@ def _judge_02_1_epochs(recs, n, R, shuffle, drop_last, seed):
             if shuffle and order == padded_order(n, R, False, seed, epoch, drop_last):
                 msg += ": nothing was shuffled"
             elif shuffle and seed and order == padded_order(n, R, True, 0, epoch, drop_last):
-                msg += f": the seed argument ({seed}) was ignored; seed the generator with seed + epoch"
+                msg += (f": the seed argument ({seed}) was ignored; "
+                        "seed the generator with seed + epoch")
             elif shuffle and epoch and order == padded_order(n, R, True, seed, 0, drop_last):
                 msg += ": epoch 0's permutation; seed the generator with seed + epoch (case A1)"
             elif not shuffle:
@@ -628,8 +644,10 @@ def _judge_02_4(results) -> list[str]:
                    f"{fmt_num(want)}")
             rank_means = [c / k for c, k in counts if k]
             if rank_means and close(got, sum(rank_means) / len(rank_means), 1e-6, 1e-9):
-                msg += (": yours is the mean of the ranks' accuracies, which over-weights the "
-                        "shorter shards. All-reduce the correct and count numbers, then divide once")
+                msg += (
+                    ": yours is the mean of the ranks' accuracies, which over-weights the "
+                    "shorter shards. All-reduce the correct and count numbers, then divide once"
+                )
             elif counts[r][1] and close(got, counts[r][0] / counts[r][1], 1e-6, 1e-9):
                 msg += ": yours is this rank's own accuracy; nothing was all-reduced"
             return [msg + "."]
@@ -842,7 +860,11 @@ def _judge_03_6(results) -> list[str]:
         for r in range(R):
             rec = results[r][i]
             got = rec["tensor"]
-            ok = (got == [int(v) for v in want]) if dtype == "int64" else close(got, want, 1e-5, 1e-5)
+            ok = (
+                (got == [int(v) for v in want])
+                if dtype == "int64"
+                else close(got, want, 1e-5, 1e-5)
+            )
             if ok:
                 continue
             if rec["returned"] is not None and close(rec["returned"], want, 1e-5, 1e-5):
@@ -1107,15 +1129,22 @@ _RULES_05_4 = {"linear": "linear: base_lr x global batch / base_batch",
                "none": "none: base_lr unchanged"}
 
 
-register(Exercise(
-    "05.4", "the learning rate for a global batch",
-    task="Write effective_lr(base_lr, base_batch, per_rank_batch, world_size, grad_accum_steps, "
-         "rule) -> float: the learning rate the trainer uses (--lr-scaling linear, sqrt or none) "
-         "when base_lr was tuned at base_batch.",
-    signature="fn(base_lr, base_batch, per_rank_batch, world_size, grad_accum_steps, rule) -> float",
-    reference=S.effective_lr, run_local=_run_05_4,
-    checked="7 settings (linear, sqrt, none; with and without accumulation), then 12 drawn "
-            "from a fixed seed"))
+register(
+    Exercise(
+        "05.4",
+        "the learning rate for a global batch",
+        task="Write effective_lr(base_lr, base_batch, per_rank_batch, world_size, "
+        "grad_accum_steps, rule) -> float: the learning rate the trainer uses "
+        "(--lr-scaling linear, sqrt or none) "
+        "when base_lr was tuned at base_batch.",
+        signature="fn(base_lr, base_batch, per_rank_batch, world_size, grad_accum_steps, rule)"
+        " -> float",
+        reference=S.effective_lr,
+        run_local=_run_05_4,
+        checked="7 settings (linear, sqrt, none; with and without accumulation), then 12 drawn "
+        "from a fixed seed",
+    )
+)
 
 
 # ===================================================================== 06.5 global rank
@@ -1195,8 +1224,11 @@ def _run_07_1(fn) -> list[str]:
             return [f"{case}: got {got} ranks; at least one is needed."]
         per = memory_per_rank(psi, got, 3).total_bytes / 1e9
         if per > gpu / 1e9:
-            return [f"{case}: on {got} rank{'s' if got != 1 else ''} ZeRO-3 keeps {fmt_num(per)} GB per rank, more than "
-                    f"{gpu / 1e9:g} GB; {want} ranks are needed."]
+            return [
+                f"{case}: on {got} rank{'s' if got != 1 else ''} ZeRO-3 keeps "
+                f"{fmt_num(per)} GB per rank, more than "
+                f"{gpu / 1e9:g} GB; {want} ranks are needed."
+            ]
         fewer = memory_per_rank(psi, want, 3).total_bytes / 1e9
         return [f"{case}: {got} ranks fit, but so do {want} ({fmt_num(fewer)} GB each): the "
                 "question asks for the fewest."]
@@ -1290,7 +1322,9 @@ def _judge_07_4(results) -> list[str]:
                         "sizes: pad every shard to the longest, gather, then trim each piece to "
                         "its rank's size")
             elif sorted(got) == sorted(want):
-                msg += ": the right elements in the wrong order; concatenate the pieces in rank order"
+                msg += (
+                    ": the right elements in the wrong order; concatenate the pieces in rank order"
+                )
             return [msg + "."]
     return _judge_07_4_method(results)
 
@@ -1318,14 +1352,22 @@ def _judge_07_4_method(results) -> list[str]:
     return []
 
 
-register(Exercise(
-    "07.4", "all_gather uneven flat shards",
-    task="Write gather_flat(shard, total_numel) -> Tensor: the ranks hold the pieces of a flat "
-         "tensor of total_numel elements split by torch.tensor_split (the first ranks one "
-         "element longer); return the whole tensor on every rank with one all-gather (dist.all_gather, "
-         "or all_gather_into_tensor).",
-    signature="fn(shard: Tensor (n_r,), total_numel: int) -> Tensor (total_numel,)   # a collective",
-    reference=S.gather_flat, kind="distributed", world_sizes=(3, 2),
-    run_rank=_rank_07_4, judge=_judge_07_4,
-    checked="3 and 2 processes (torchrun, gloo), 10, 9, 2, 1 and 17 elements; one "
-            "all-gather per call"))
+register(
+    Exercise(
+        "07.4",
+        "all_gather uneven flat shards",
+        task="Write gather_flat(shard, total_numel) -> Tensor: the ranks hold the pieces of a flat "
+        "tensor of total_numel elements split by torch.tensor_split (the first ranks one "
+        "element longer); return the whole tensor on every rank with one all-gather "
+        "(dist.all_gather, or all_gather_into_tensor).",
+        signature="fn(shard: Tensor (n_r,), total_numel: int) -> Tensor (total_numel,)"
+        "   # a collective",
+        reference=S.gather_flat,
+        kind="distributed",
+        world_sizes=(3, 2),
+        run_rank=_rank_07_4,
+        judge=_judge_07_4,
+        checked="3 and 2 processes (torchrun, gloo), 10, 9, 2, 1 and 17 elements; one "
+        "all-gather per call",
+    )
+)

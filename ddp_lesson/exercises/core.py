@@ -33,9 +33,10 @@ import shutil
 import tempfile
 import textwrap
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 #: Seconds a collective may wait inside a checker's worker before it raises
 #: (``DDP_LESSON_CHECK_TIMEOUT_S`` overrides it when a check starts; the tests use a shorter one).
@@ -166,9 +167,6 @@ def register(ex: Exercise) -> Exercise:
 
 def get(exercise_id: str) -> Exercise:
     """The registered exercise ``exercise_id``; KeyError listing the known ids otherwise."""
-    from . import _load_all
-
-    _load_all()
     key = str(exercise_id).strip()
     if re.fullmatch(r"\d\.\d+", key):  # "2.1" means "02.1"
         key = "0" + key
@@ -366,7 +364,9 @@ def first_error(results: dict[int, Any]) -> tuple[int, dict] | None:
 
     A rank whose own code raised is preferred over ranks that merely timed out waiting for it.
     """
-    errors = [(r, res) for r, res in sorted(results.items()) if isinstance(res, dict) and "error" in res]
+    errors = [
+        (r, res) for r, res in sorted(results.items()) if isinstance(res, dict) and "error" in res
+    ]
     if not errors:
         return None
     for r, rec in errors:
@@ -434,7 +434,8 @@ def _source_lines(fn) -> list[str]:
 
 
 def _pickle_candidates(candidates: list) -> bytes:
-    """cloudpickle the candidates (and their source lines); modules the workers cannot import go by value."""
+    """cloudpickle the candidates (and their source lines); modules the workers cannot import
+    go by value."""
     import sys
 
     import cloudpickle

@@ -31,7 +31,8 @@ def weighted_average_gradient(grad: torch.Tensor, count: int) -> torch.Tensor:
 
 # 01.5 -------------------------------------------------------------------------------
 def average_gradients(model: torch.nn.Module) -> None:
-    """After ``loss.backward()``: replace every ``.grad`` by its mean over the ranks. A collective."""
+    """After ``loss.backward()``: replace every ``.grad`` by its mean over the ranks.
+    A collective."""
     world_size = dist.get_world_size()
     for p in model.parameters():
         if p.grad is not None:
@@ -168,7 +169,8 @@ def global_rank(node_rank: int, local_rank: int, nproc_per_node: int) -> int:
 
 # 07.1 -------------------------------------------------------------------------------
 def min_ranks_zero3(num_params: float, gpu_bytes: float) -> int:
-    """Fewest ranks on which ZeRO-3's 16 bytes/parameter (mixed-precision Adam) fit in ``gpu_bytes``."""
+    """Fewest ranks on which ZeRO-3's 16 bytes/parameter (mixed-precision Adam) fit in
+    ``gpu_bytes``."""
     return max(1, math.ceil(16 * num_params / gpu_bytes))
 
 

@@ -31,7 +31,9 @@ def _input(numel: int, dtype: torch.dtype, rank: int, seed: int, op: str) -> tor
     return torch.randint(-hi, hi, (numel,), generator=g, dtype=dtype)
 
 
-def _ok(mine: torch.Tensor, ref: torch.Tensor, inputs_abs_sum: torch.Tensor, world_size: int) -> bool:
+def _ok(
+    mine: torch.Tensor, ref: torch.Tensor, inputs_abs_sum: torch.Tensor, world_size: int
+) -> bool:
     if not mine.dtype.is_floating_point:
         return torch.equal(mine, ref)
     # within rounding: |Δ| <= R · eps · Σ|x| (a bound on any summation order's error)
@@ -82,7 +84,9 @@ def main(argv=None) -> None:
     R, rank = env.world_size, env.rank
     variants = {
         "ring": lambda t, op, g: ring_all_reduce(t, op, g),
-        "pipelined ring": lambda t, op, g: pipelined_ring_all_reduce(t, op, g, piece_numel=args.piece_numel),
+        "pipelined ring": lambda t, op, g: pipelined_ring_all_reduce(
+            t, op, g, piece_numel=args.piece_numel
+        ),
         "naive": lambda t, op, g: naive_all_reduce(t, op, g),
     }
     dtypes = (torch.int64, torch.float32) if args.quick else DTYPES
@@ -93,7 +97,9 @@ def main(argv=None) -> None:
         group = None if k == R else dist.new_group(list(range(k)))  # every rank must call it
         if rank >= k:
             continue
-        sizes = sorted({0, 1, 2, max(1, k - 1), k, k + 1, 7, 13, 1000} | (set() if args.quick else {4099}))
+        sizes = sorted(
+            {0, 1, 2, max(1, k - 1), k, k + 1, 7, 13, 1000} | (set() if args.quick else {4099})
+        )
         where = "world" if group is None else "subgroup"
         for label, fn in variants.items():
             n, iok, fok = run_cases(fn, k, rank, sizes, group=group, dtypes=dtypes)

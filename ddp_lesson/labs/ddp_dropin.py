@@ -305,7 +305,7 @@ def zero_optimizer(rank):
     return out
 
 
-SCENARIOS = {f.__name__: f for f in (zero_optimizer, 
+SCENARIOS = {f.__name__: f for f in (zero_optimizer,
     different_models, uneven_inputs, buffers_reassigned, unfrozen_after_wrapping,
     unused_with_no_sync, reentrant_checkpoint, device_ids, skipped_backward, fp16_sum)}
 

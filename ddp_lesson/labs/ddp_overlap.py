@@ -1,6 +1,7 @@
 """Timelines and a bucket-size sweep under a simulated network link (notebook 04).
 
-    torchrun --standalone --nproc-per-node 2 -m ddp_lesson.labs.ddp_overlap --out runs/04/overlap.json
+    torchrun --standalone --nproc-per-node 2 -m ddp_lesson.labs.ddp_overlap \\
+        --out runs/04/overlap.json
 
 On a CPU machine, gloo over loopback is so cheap that overlap has little to hide. A
 :class:`ddp_lesson.ddp.SimulatedLink` (default α = 0.5 ms, 100 MB/s) makes every all-reduce
@@ -30,8 +31,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ddp_lesson.ddp import (BucketedDDP, NaiveDDP, Recorder, SimulatedLink, gather_records,
-                            job_exposed_s)
+from ddp_lesson.ddp import (
+    BucketedDDP,
+    NaiveDDP,
+    Recorder,
+    SimulatedLink,
+    gather_records,
+    job_exposed_s,
+)
 from ddp_lesson.models import build_model
 
 #: Bucket caps of the sweep (MiB); 0 puts every parameter in a bucket of its own.

@@ -1,4 +1,4 @@
-"""The DDP wrapper's classic pitfalls, run on real processes (shared/cases B1, B2, B4, B5, B8).
+"""The DDP wrapper's classic pitfalls, run on real processes (docs/pitfalls.md B1, B2, B4, B5, B8).
 
     torchrun --standalone --nproc-per-node 2 -m ddp_lesson.labs.ddp_pitfalls
 
@@ -10,8 +10,8 @@ Every function is a collective: call it on every rank, in the same order.
 from __future__ import annotations
 
 import argparse
-import gc
 import contextlib
+import gc
 
 import torch
 import torch.distributed as dist

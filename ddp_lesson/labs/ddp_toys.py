@@ -1,4 +1,4 @@
-"""Tiny models and data for the DDP lessons: a frozen layer, a tied weight, an unused branch, BatchNorm.
+"""Tiny models and data for the DDP lessons: frozen layer, tied weight, unused branch, BatchNorm.
 
 Each toy isolates one thing a gradient-averaging wrapper must get right:
 
@@ -11,7 +11,7 @@ Each toy isolates one thing a gradient-averaging wrapper must get right:
 * :class:`BatchNormToy` — BatchNorm's running statistics are *buffers*: broadcast from rank 0,
   never averaged.
 * :class:`TwoLayer` — layers ``a`` and ``b``; ``forward(x, use_b)`` decides per call whether
-  ``b`` takes part (shared/cases B1).
+  ``b`` takes part (docs/pitfalls.md B1).
 
 Data: :func:`toy_batch` gives the same global batch on every rank for a step;
 :func:`shard` cuts out one rank's contiguous rows. Everything is deterministic under a seed.
@@ -30,7 +30,8 @@ NUM_CLASSES = 3
 
 
 class FrozenToy(nn.Module):
-    """``Linear(4, 8) -> ReLU -> frozen Linear(8, 8) -> ReLU -> Linear(8, 3)``; ``(B, 4) -> (B, 3)``."""
+    """``Linear(4, 8) -> ReLU -> frozen Linear(8, 8) -> ReLU -> Linear(8, 3)``;
+    ``(B, 4) -> (B, 3)``."""
 
     def __init__(self):
         super().__init__()
@@ -44,7 +45,8 @@ class FrozenToy(nn.Module):
 
 
 class TiedToy(nn.Module):
-    """``inp -> mid1 -> mid2 -> head`` where ``mid2.weight`` *is* ``mid1.weight``; ``(B, 4) -> (B, 3)``.
+    """``inp -> mid1 -> mid2 -> head`` where ``mid2.weight`` *is* ``mid1.weight``;
+    ``(B, 4) -> (B, 3)``.
 
     ``named_parameters()`` lists the shared weight once, as ``mid1.weight``.
     """
@@ -110,7 +112,8 @@ TOYS: dict[str, tuple[type[nn.Module], bool]] = {
 
 
 def toy_batch(step: int, global_batch: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """The global batch of ``step``: ``x`` of shape ``(global_batch, 4)``, ``y`` class ids ``(global_batch,)``.
+    """The global batch of ``step``: ``x`` of shape ``(global_batch, 4)``, ``y`` class ids
+    ``(global_batch,)``.
 
     Same on every rank (a private generator seeded with ``seed * 1000 + step``).
     """

@@ -3,7 +3,7 @@
     torchrun --standalone --nproc-per-node 3 -m ddp_lesson.labs.sampler_eval --dataset-len 10
 
 A toy classifier that is right on every sample except index 0 is evaluated over the ranks
-three ways (shared/cases A3, A10):
+three ways (docs/pitfalls.md A3, A10):
 
 * over the padded ``DistributedSampler(shuffle=False)`` shards: the repeats count twice
   (N=10, R=3: 10/12 = 0.833);

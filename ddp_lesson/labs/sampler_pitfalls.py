@@ -7,7 +7,7 @@ can show exactly what breaks and where.
   ``return``: the nested ``def`` is never executed, the class has no ``__len__``, and
   ``len(sampler)`` / ``len(loader)`` raise ``TypeError``.
 * :func:`one_shot_padding` — the old padding ``indices += indices[:pad]``, which comes up
-  short when the padding is longer than the dataset (N < R/2, shared/cases A7).
+  short when the padding is longer than the dataset (N < R/2, docs/pitfalls.md A7).
 
 Run it to see both: ``python -m ddp_lesson.labs.sampler_pitfalls``.
 """

@@ -1,12 +1,13 @@
-"""Does the data order change between epochs? Every rank runs a few epochs without and with ``set_epoch``.
+"""Does the data order change between epochs? Each rank runs epochs without and with set_epoch.
 
-    torchrun --standalone --nproc-per-node 2 -m ddp_lesson.labs.sampler_set_epoch --dataset-len 8 --epochs 3
+    torchrun --standalone --nproc-per-node 2 -m ddp_lesson.labs.sampler_set_epoch \\
+        --dataset-len 8 --epochs 3
 
 Every rank builds a shuffled :class:`ddp_lesson.sampler.DistributedSampler` and a
 ``DataLoader`` on a dataset of ``n`` integers, and runs the epoch loop twice: once without
 calling ``sampler.set_epoch(epoch)`` (the seed script's loop) and once with it. The indices each
 rank receives are gathered on rank 0, which prints them side by side: without ``set_epoch``
-every epoch repeats epoch 0 (the generator is seeded with ``seed + 0`` each time, shared/cases
+every epoch repeats epoch 0 (the generator is seeded with ``seed + 0`` each time, docs/pitfalls.md
 A1); with it every epoch is a new permutation, and each epoch still covers the dataset exactly
 once over all ranks. Notebook 02 runs this with ``%%torchrun --nproc-per-node 2``.
 """

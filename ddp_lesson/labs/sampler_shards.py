@@ -1,4 +1,4 @@
-"""Who got which samples? Every rank iterates its sampler; rank 0 gathers the shards and checks the partition.
+"""Who got which samples? Each rank iterates its sampler; rank 0 gathers and checks the shards.
 
     torchrun --standalone --nproc-per-node 3 -m ddp_lesson.labs.sampler_shards
 
@@ -11,7 +11,7 @@ twice) and do they *cover the dataset* (no sample missed)? Four settings:
 1. N divisible by R, every rank on the same seed and epoch: disjoint and covering;
 2. N not divisible by R (``drop_last=False``): covering, but the padding repeats samples;
 3. the same with ``drop_last=True``: disjoint, but the tail is dropped;
-4. every rank seeding with its own rank (shared/cases A2): overlaps *and* misses.
+4. every rank seeding with its own rank (docs/pitfalls.md A2): overlaps *and* misses.
 Notebook 02 runs this with ``%%torchrun --nproc-per-node 3``.
 """
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """torch's own DDP seen from inside: real buckets, pre-division, comm hooks, static_graph and
 gradient_as_bucket_view (notebook 04, section 9).
 
-    torchrun --standalone --nproc-per-node 2 -m ddp_lesson.labs.torch_reducer [--part reducer|hooks|all] [--out FILE]
+    torchrun --standalone --nproc-per-node 2 -m ddp_lesson.labs.torch_reducer \\
+        [--part reducer|hooks|all] [--out FILE]
 
 Each function below is one scenario run under torch's ``DistributedDataParallel`` on the
 current process group (gloo on CPU; every tensor here is a CPU tensor, so it also runs
@@ -55,7 +56,9 @@ CAP_MB = 0.5
 BIG_FP16 = 40000.0
 
 
-def make_stack(layers: int = STACK_LAYERS, width: int = STACK_WIDTH, seed: int = 0) -> nn.Sequential:
+def make_stack(
+    layers: int = STACK_LAYERS, width: int = STACK_WIDTH, seed: int = 0
+) -> nn.Sequential:
     """``layers`` Linear(width, width) with ReLU between them; 2 parameter tensors per layer."""
     torch.manual_seed(seed)
     mods: list[nn.Module] = []
@@ -100,12 +103,16 @@ def real_buckets(bucket_cap_mb: float = CAP_MB, iterations: int = 3) -> dict:
         ddp(torch.randn(4, STACK_WIDTH, generator=g)).sum().backward()
         d = ddp._get_ddp_logging_data()
         ready = d.get("prev_iteration_grad_ready_order_indices")
-        per_iter.append({
-            "bucket_sizes": _parse_sizes(d.get("bucket_sizes")),
-            "rebuilt_bucket_sizes": _parse_sizes(d.get("rebuilt_bucket_sizes")),
-            "rebuilt_per_bucket_param_indices": _parse_indices(d.get("rebuilt_per_bucket_param_indices")),
-            "grad_ready_order": None if ready is None else [int(v) for v in ready.split(",")],
-        })
+        per_iter.append(
+            {
+                "bucket_sizes": _parse_sizes(d.get("bucket_sizes")),
+                "rebuilt_bucket_sizes": _parse_sizes(d.get("rebuilt_bucket_sizes")),
+                "rebuilt_per_bucket_param_indices": _parse_indices(
+                    d.get("rebuilt_per_bucket_param_indices")
+                ),
+                "grad_ready_order": None if ready is None else [int(v) for v in ready.split(",")],
+            }
+        )
     nbytes = [p.numel() * p.element_size() for p in model.parameters()]
     cap = int(bucket_cap_mb * MB)
     ours = assign_buckets(nbytes, cap)
@@ -246,7 +253,9 @@ def bucket_view_run(iterations: int = 3) -> dict:
             model.zero_grad(set_to_none=False)  # keep .grad (a bucket view stays a view)
             ddp(torch.randn(4, STACK_WIDTH, generator=g)).sum().backward()
         ranges = list(buffers.values())
-        inside = [any(lo <= p.grad.data_ptr() < lo + n for lo, n in ranges) for p in model.parameters()]
+        inside = [
+            any(lo <= p.grad.data_ptr() < lo + n for lo, n in ranges) for p in model.parameters()
+        ]
         separate = sum(p.grad.numel() * p.grad.element_size()
                        for p, ins in zip(model.parameters(), inside) if not ins)
         out[view] = {"grads_in_buckets": sum(inside), "num_grads": len(inside),
@@ -363,7 +372,10 @@ def comm_hooks_run(steps: int = 20, per_rank: int = 16, lr: float = 0.1) -> list
         per_step_bytes, loss_last, losses = [], math.nan, []
         for step in range(steps):
             x, y = _regression_batch(step, per_rank * R)
-            xs, ys = x[rank * per_rank:(rank + 1) * per_rank], y[rank * per_rank:(rank + 1) * per_rank]
+            xs, ys = (
+                x[rank * per_rank : (rank + 1) * per_rank],
+                y[rank * per_rank : (rank + 1) * per_rank],
+            )
             errs["num"] = errs["den"] = 0.0
             before = counter.nbytes
             opt.zero_grad()
