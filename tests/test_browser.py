@@ -26,6 +26,7 @@ kernels and torchrun workers included — even when a test fails.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import math
@@ -176,13 +177,11 @@ class _Lab:
         return bool(kernels) and all(k["execution_state"] == "idle" for k in kernels)
 
 
-@pytest.fixture(scope="module")
-def lab(chromium, tmp_path_factory):
-    """A JupyterLab server on 127.0.0.1 serving a temp copy of notebook 02; shut down after."""
-    base = tmp_path_factory.mktemp("jupyterlab")
+@contextlib.contextmanager
+def lab_server(base: Path, fail=pytest.fail):
+    """A JupyterLab server on 127.0.0.1 serving ``base / "root"`` (already populated); yields a
+    ``_Lab``; shuts it down (kernels and their children too) on exit."""
     root, settings = base / "root", base / "settings"
-    root.mkdir()
-    shutil.copy2(ROOT / "notebooks" / NOTEBOOK, root / NOTEBOOK)
     for plugin, values in LAB_SETTINGS.items():
         path = settings / f"{plugin}.jupyterlab-settings"
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -211,20 +210,42 @@ def lab(chromium, tmp_path_factory):
         deadline = time.monotonic() + SERVER_START_S
         while True:
             if proc.poll() is not None:
-                pytest.fail(f"JupyterLab exited with code {proc.returncode} before answering; "
+                fail(f"JupyterLab exited with code {proc.returncode} before answering; "
                             f"log:\n{lab.log_tail()}")
             try:
                 lab.api("/api/status", timeout=2)
                 break
             except OSError:
                 if time.monotonic() > deadline:
-                    pytest.fail(f"JupyterLab did not answer on port {port} within "
+                    fail(f"JupyterLab did not answer on port {port} within "
                                 f"{SERVER_START_S} s; log:\n{lab.log_tail()}")
                 time.sleep(0.3)
         yield lab
     finally:
         _shutdown(lab)
         log.close()
+
+
+def populate_root(root: Path) -> None:
+    """Copy what the README serves (``jupyter lab`` from the repository root) into ``root``:
+    README.md, docs/ and every notebook under notebooks/ (the repository's files are never
+    touched)."""
+    root.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(ROOT / "README.md", root / "README.md")
+    shutil.copytree(ROOT / "docs", root / "docs")
+    (root / "notebooks").mkdir()
+    for path in sorted((ROOT / "notebooks").glob("*.ipynb")):
+        shutil.copy2(path, root / "notebooks" / path.name)
+
+
+@pytest.fixture(scope="module")
+def lab(chromium, tmp_path_factory):
+    """A JupyterLab server on 127.0.0.1 serving a temp copy of the README's root (README, docs,
+    notebooks); shut down after."""
+    base = tmp_path_factory.mktemp("jupyterlab")
+    populate_root(base / "root")
+    with lab_server(base) as server:
+        yield server
 
 
 def _shutdown(lab: _Lab) -> None:
