@@ -192,6 +192,15 @@ def _explorer_class():
                     f"epoch={v['epoch']}, seed={v['seed']}, shuffle={v['shuffle']}, "
                     f"drop_last={v['drop_last']}, set_epoch={v['call_set_epoch']})")
 
+        def _repr_mimebundle_(self, **kwargs):
+            # What a reader sees where the widget cannot be drawn (a stored notebook opened
+            # without its kernel, GitHub): the report as text, not the Python repr. Fixed
+            # by the initial settings, so nbval's replay compares it exactly.
+            bundle = super()._repr_mimebundle_(**kwargs)
+            bundle["text/plain"] = ("sampler explorer (run the notebook to move its "
+                                    "sliders)\n" + self.text)
+            return bundle
+
     return SamplerExplorer
 
 
@@ -290,6 +299,15 @@ def _stepper_class():
         def __repr__(self) -> str:
             return (f"RingAllReduceStepper(world_size={self.world_size.value}, "
                     f"step={self.step.value} of {len(self.states) - 1})")
+
+        def _repr_mimebundle_(self, **kwargs):
+            # What a reader sees where the widget cannot be drawn (a stored notebook opened
+            # without its kernel, GitHub): the step on show as text, not the Python repr.
+            bundle = super()._repr_mimebundle_(**kwargs)
+            bundle["text/plain"] = (f"ring all-reduce stepper, world size "
+                                    f"{self.world_size.value} (run the notebook to move its "
+                                    f"sliders)\n" + self.text)
+            return bundle
 
     return RingAllReduceStepper
 

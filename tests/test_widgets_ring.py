@@ -77,6 +77,13 @@ def test_any_world_size_ends_with_the_sum_everywhere(R, numel):
 def test_stepper_is_built_without_a_display_and_follows_its_sliders():
     s = ring_allreduce_stepper(world_size=3)
     assert repr(s) == "RingAllReduceStepper(world_size=3, step=0 of 4)"
+    # shown where the widget cannot be drawn (stored notebook, GitHub): text, not the repr
+    assert s._repr_mimebundle_()["text/plain"].splitlines() == [
+        "ring all-reduce stepper, world size 3 (run the notebook to move its sliders)",
+        "step 0 of 4: inputs, nothing sent yet",
+        "rank 0: c0=[1] Σ0  c1=[2] Σ0  c2=[3] Σ0",
+        "rank 1: c0=[10] Σ1  c1=[20] Σ1  c2=[30] Σ1",
+        "rank 2: c0=[100] Σ2  c1=[200] Σ2  c2=[300] Σ2"]
     assert s.step.max == 4 and s.state.step == 0
     assert s.text.splitlines()[0] == "step 0 of 4: inputs, nothing sent yet"
     s.step.value = 2
@@ -108,7 +115,8 @@ def test_notebook_03_stepper_outputs():
     cells = code_cells("03_collectives.ipynb")
     shown = next(c for c in cells if c.source.strip().endswith("stepper"))
     reprs = [o["data"]["text/plain"] for o in shown.outputs if "data" in o]
-    assert reprs == ["RingAllReduceStepper(world_size=3, step=0 of 4)"]
+    # a reader's text where the widget cannot be drawn (issue 19), not the Python repr
+    assert reprs == [ring_allreduce_stepper(world_size=3)._repr_mimebundle_()["text/plain"]]
     printed = next(c for c in cells if "print(stepper.text" in c.source)
     text = "".join(o.get("text", "") for o in printed.outputs)
     inputs = [[1, 2, 3], [10, 20, 30], [100, 200, 300]]
