@@ -43,7 +43,6 @@ import sys
 import threading
 import types
 
-
 #: ``prctl`` option: the signal this process gets when the thread that forked it dies.
 PR_SET_PDEATHSIG = 1
 

@@ -19,17 +19,26 @@ def _train_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="ddp-lesson train",
         description="Data-parallel training of the seed's DeepLab-style model under torchrun. "
-                    "Flags not listed here go to the trainer (see python -m ddp_lesson.train --help).")
+        "Flags not listed here go to the trainer (see python -m ddp_lesson.train --help).",
+    )
     p.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=2,
                    help="processes on this machine (default 2)")
     p.add_argument("--nnodes", type=int, default=1,
                    help="machines in the job; >1 needs --rdzv-endpoint (see README)")
-    p.add_argument("--node-rank", type=int, default=None, help="this machine's rank (static rendezvous)")
-    p.add_argument("--rdzv-endpoint", default=None, help="HOST:PORT of the rendezvous, for --nnodes > 1")
+    p.add_argument(
+        "--node-rank", type=int, default=None, help="this machine's rank (static rendezvous)"
+    )
+    p.add_argument(
+        "--rdzv-endpoint", default=None, help="HOST:PORT of the rendezvous, for --nnodes > 1"
+    )
     p.add_argument("--rdzv-id", default="ddp-lesson", help="job id shared by every node")
     p.add_argument("--max-restarts", type=int, default=0, help="torchrun's --max-restarts")
-    p.add_argument("--backend", choices=BACKENDS, default="auto",
-                   help="collective backend (default: nccl when each process can have a GPU, else gloo)")
+    p.add_argument(
+        "--backend",
+        choices=BACKENDS,
+        default="auto",
+        help="collective backend (default: nccl when each process can have a GPU, else gloo)",
+    )
     return p
 
 
@@ -66,7 +75,12 @@ def train(argv: list[str]) -> int:
         print(f"ddp-lesson train: error: {exc}", file=sys.stderr)
         return 2
     backend = None if opts.backend == "auto" else opts.backend
-    program = ["-m", "ddp_lesson.train", *(["--backend", backend] if backend else []), *trainer_args]
+    program = [
+        "-m",
+        "ddp_lesson.train",
+        *(["--backend", backend] if backend else []),
+        *trainer_args,
+    ]
     print("equivalent command: " + shlex.join(["torchrun", *flags, *program]), flush=True)
     # Check the input here, once, before starting processes that would all fail alike.
     from .config import TrainInputError, preflight

@@ -21,8 +21,13 @@ import sys
 import tempfile
 from dataclasses import asdict, dataclass, field
 
-from .checkpoint import (CheckpointError, first_config_mismatch, first_state_mismatch,
-                         load_checkpoint, strip_module_prefix)
+from .checkpoint import (
+    CheckpointError,
+    first_config_mismatch,
+    first_state_mismatch,
+    load_checkpoint,
+    strip_module_prefix,
+)
 from .data import NUM_CLASSES, make_datasets
 from .env import BACKENDS, choose_backend
 from .gradients import LR_RULES, scale_lr
@@ -175,54 +180,83 @@ class TrainConfig:
             (self.epochs >= 1, f"epochs must be >= 1, got {self.epochs}"),
             (self.batch_size >= 1, f"batch_size must be >= 1, got {self.batch_size}"),
             (self.workers >= 0, f"workers must be >= 0, got {self.workers}"),
-            (math.isfinite(self.lr) and self.lr > 0, f"lr must be a finite number > 0, got {self.lr}"),
+            (
+                math.isfinite(self.lr) and self.lr > 0,
+                f"lr must be a finite number > 0, got {self.lr}",
+            ),
             (0 <= self.momentum < 1, f"momentum must be in [0, 1), got {self.momentum}"),
             (self.weight_decay >= 0, f"weight_decay must be >= 0, got {self.weight_decay}"),
             (self.num_train >= 1, f"num_train must be >= 1, got {self.num_train}"),
             (self.num_val >= 1, f"num_val must be >= 1, got {self.num_val}"),
-            (len(self.size) == 2 and min(self.size) >= 16,
-             f"size must be two numbers H W, each >= 16, got {self.size}"),
-            (self.model in MODELS,
-             f"model {self.model!r} is not one of {', '.join(MODELS)}"),
+            (
+                len(self.size) == 2 and min(self.size) >= 16,
+                f"size must be two numbers H W, each >= 16, got {self.size}",
+            ),
+            (self.model in MODELS, f"model {self.model!r} is not one of {', '.join(MODELS)}"),
             (self.width >= 1, f"width must be >= 1, got {self.width}"),
-            (self.backend in BACKENDS,
-             f"backend {self.backend!r} is not one of {', '.join(BACKENDS)}"),
-            (self.grad_accum_steps >= 1,
-             f"grad_accum_steps must be >= 1, got {self.grad_accum_steps}"),
-            (self.lr_scaling in LR_SCALINGS,
-             f"lr_scaling {self.lr_scaling!r} is not one of {', '.join(LR_SCALINGS)}"),
+            (
+                self.backend in BACKENDS,
+                f"backend {self.backend!r} is not one of {', '.join(BACKENDS)}",
+            ),
+            (
+                self.grad_accum_steps >= 1,
+                f"grad_accum_steps must be >= 1, got {self.grad_accum_steps}",
+            ),
+            (
+                self.lr_scaling in LR_SCALINGS,
+                f"lr_scaling {self.lr_scaling!r} is not one of {', '.join(LR_SCALINGS)}",
+            ),
             (self.base_batch >= 1, f"base_batch must be >= 1, got {self.base_batch}"),
-            (self.lr_schedule in LR_SCHEDULES,
-             f"lr_schedule {self.lr_schedule!r} is not one of {', '.join(LR_SCHEDULES)}"),
-            (self.ddp in DDP_WRAPPERS,
-             f"ddp {self.ddp!r} is not one of {', '.join(DDP_WRAPPERS)}"),
+            (
+                self.lr_schedule in LR_SCHEDULES,
+                f"lr_schedule {self.lr_schedule!r} is not one of {', '.join(LR_SCHEDULES)}",
+            ),
+            (self.ddp in DDP_WRAPPERS, f"ddp {self.ddp!r} is not one of {', '.join(DDP_WRAPPERS)}"),
             (self.amp in AMP_MODES, f"amp {self.amp!r} is not one of {', '.join(AMP_MODES)}"),
-            (self.clip_grad_norm is None
-             or (math.isfinite(self.clip_grad_norm) and self.clip_grad_norm > 0),
-             f"clip_grad_norm must be a finite number > 0 (leave the flag out for no "
-             f"clipping), got {self.clip_grad_norm}"),
-            (math.isfinite(self.bucket_cap_mb) and self.bucket_cap_mb > 0,
-             f"bucket_cap_mb must be a finite number > 0, got {self.bucket_cap_mb}"),
-            (self.ddp != "naive" or self.bucket_cap_mb == 25.0,
-             f"bucket_cap_mb {self.bucket_cap_mb:g} needs --ddp torch or bucketed: NaiveDDP "
-             "has no buckets (it all-reduces each gradient on its own)"),
-            (self.ddp == "torch" or not self.static_graph,
-             f"static_graph needs --ddp torch: ddp_lesson's {self.ddp} wrapper does not "
-             "implement it"),
-            (self.ddp == "torch" or not self.gradient_as_bucket_view,
-             f"gradient_as_bucket_view needs --ddp torch: ddp_lesson's {self.ddp} wrapper "
-             "does not implement it"),
-            (self.checkpoint_every_steps >= 0,
-             f"checkpoint_every_steps must be >= 0, got {self.checkpoint_every_steps}"),
+            (
+                self.clip_grad_norm is None
+                or (math.isfinite(self.clip_grad_norm) and self.clip_grad_norm > 0),
+                f"clip_grad_norm must be a finite number > 0 (leave the flag out for no "
+                f"clipping), got {self.clip_grad_norm}",
+            ),
+            (
+                math.isfinite(self.bucket_cap_mb) and self.bucket_cap_mb > 0,
+                f"bucket_cap_mb must be a finite number > 0, got {self.bucket_cap_mb}",
+            ),
+            (
+                self.ddp != "naive" or self.bucket_cap_mb == 25.0,
+                f"bucket_cap_mb {self.bucket_cap_mb:g} needs --ddp torch or bucketed: NaiveDDP "
+                "has no buckets (it all-reduces each gradient on its own)",
+            ),
+            (
+                self.ddp == "torch" or not self.static_graph,
+                f"static_graph needs --ddp torch: ddp_lesson's {self.ddp} wrapper does not "
+                "implement it",
+            ),
+            (
+                self.ddp == "torch" or not self.gradient_as_bucket_view,
+                f"gradient_as_bucket_view needs --ddp torch: ddp_lesson's {self.ddp} wrapper "
+                "does not implement it",
+            ),
+            (
+                self.checkpoint_every_steps >= 0,
+                f"checkpoint_every_steps must be >= 0, got {self.checkpoint_every_steps}",
+            ),
             (self.max_steps >= 0, f"max_steps must be >= 0, got {self.max_steps}"),
-            (self.simulate_failure_at_step >= 0,
-             f"simulate_failure_at_step must be >= 0, got {self.simulate_failure_at_step}"),
+            (
+                self.simulate_failure_at_step >= 0,
+                f"simulate_failure_at_step must be >= 0, got {self.simulate_failure_at_step}",
+            ),
             (self.failure_rank >= 0, f"failure_rank must be >= 0, got {self.failure_rank}"),
-            (not self.simulate_failure_during_save or self.simulate_failure_at_step >= 1,
-             "simulate_failure_during_save needs --simulate-failure-at-step K >= 1"),
+            (
+                not self.simulate_failure_during_save or self.simulate_failure_at_step >= 1,
+                "simulate_failure_during_save needs --simulate-failure-at-step K >= 1",
+            ),
             (self.timeout_s > 0, f"timeout_s must be > 0, got {self.timeout_s}"),
-            (self.local_rank is None or self.local_rank >= 0,
-             f"local_rank must be >= 0, got {self.local_rank}"),
+            (
+                self.local_rank is None or self.local_rank >= 0,
+                f"local_rank must be >= 0, got {self.local_rank}",
+            ),
         ]
         for ok, message in checks:
             if not ok:

@@ -181,7 +181,7 @@ def resolve_local_rank(argv: list[str] | None = None, environ=None) -> int:
     PyTorch 2.0); torchrun passes no flag and sets ``LOCAL_RANK`` instead. Scripts written
     for the old launcher (like the seed's) read only the flag and silently get its default
     under torchrun. This accepts both spellings and prefers the variable when both are set
-    (shared/cases C1: ``--local-rank=1`` -> 1, ``--local_rank=1`` -> 1, ``LOCAL_RANK=3`` -> 3,
+    (docs/pitfalls.md C1: ``--local-rank=1`` -> 1, ``--local_rank=1`` -> 1, ``LOCAL_RANK=3`` -> 3,
     nothing -> 0).
     """
     environ = os.environ if environ is None else environ

@@ -60,8 +60,16 @@ from functools import partial
 from pathlib import Path
 
 from ._worker import die_with_parent, kill_run
-from .env import (ANNOUNCED_ENV, BACKEND_ENV, BACKENDS, LAUNCHER_BACKEND_ENV, LAUNCHER_REASON_ENV,
-                  LOCAL_RUN_ENV, choose_backend)
+from .env import (
+    ANNOUNCED_ENV,
+    BACKEND_ENV,
+    BACKENDS,
+    LAUNCHER_BACKEND_ENV,
+    LAUNCHER_REASON_ENV,
+    LOCAL_RUN_ENV,
+    choose_backend,
+)
+
 DEFAULT_TIMEOUT_S = 300.0
 #: How the cell's code is named in tracebacks, warnings and ``--show-stderr``.
 CELL_LABEL = "<torchrun cell>"
@@ -73,7 +81,7 @@ class TorchrunError(RuntimeError):
     """A rank exited with an error; ``rank``, ``exitcode``, ``traceback``, ``result`` tell which."""
 
     def __init__(self, message: str, rank: int | None, exitcode: int, traceback: str,
-                 result: "TorchrunResult"):
+                 result: TorchrunResult):
         super().__init__(message)
         self.rank = rank
         self.exitcode = exitcode
@@ -106,7 +114,7 @@ class TorchrunInterrupted(KeyboardInterrupt):
 class TorchrunTimeout(subprocess.TimeoutExpired):
     """The run outlived its timeout; every process it started has been ended."""
 
-    def __init__(self, cmd, timeout: float, result: "TorchrunResult"):
+    def __init__(self, cmd, timeout: float, result: TorchrunResult):
         super().__init__(cmd, timeout, output=result.stdout, stderr=result.launcher_stderr)
         self.result = result
 
@@ -697,7 +705,7 @@ def _release_watchdog(watchdog: subprocess.Popen) -> None:
     _reap(watchdog, 10.0)
 
 
-def _supervise(launch: _Launch, timeout: float | None, status: "_LiveStatus", errfiles
+def _supervise(launch: _Launch, timeout: float | None, status: _LiveStatus, errfiles
                ) -> tuple[list[subprocess.Popen], bool, float]:
     """Start the agents and wait for them: ``(procs, timed_out, wall_s)``.
 

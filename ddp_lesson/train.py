@@ -72,13 +72,32 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from . import env as dist_env
-from .checkpoint import (CHECKPOINT_FORMAT, CHECKPOINT_VERSION, _barrier, atomic_write,
-                         capture_rng_state, decide_on_rank0, load_checkpoint, restore_rng_state,
-                         save_checkpoint, strip_module_prefix, sweep_temporaries)
-from .config import (CHECKPOINT_FILE, TrainConfig, TrainInputError, bare_model_state,
-                     check_amp, check_out_writable, check_steps, derived_values,
-                     inspect_checkpoint,
-                     load_datasets, parse_config)
+from .checkpoint import (
+    CHECKPOINT_FORMAT,
+    CHECKPOINT_VERSION,
+    _barrier,
+    atomic_write,
+    capture_rng_state,
+    decide_on_rank0,
+    load_checkpoint,
+    restore_rng_state,
+    save_checkpoint,
+    strip_module_prefix,
+    sweep_temporaries,
+)
+from .config import (
+    CHECKPOINT_FILE,
+    TrainConfig,
+    TrainInputError,
+    bare_model_state,
+    check_amp,
+    check_out_writable,
+    check_steps,
+    derived_values,
+    inspect_checkpoint,
+    load_datasets,
+    parse_config,
+)
 from .data import IGNORE_INDEX, NUM_CLASSES
 from .env import group_active, print0
 from .evaluation import evaluate_exact
@@ -198,7 +217,9 @@ def _step_stats(rows: list, cfg: TrainConfig) -> dict:
     """
     stats = {}
     if cfg.clip_grad_norm is not None:
-        norms = [r.grad_norm for r in rows if r.grad_norm is not None and math.isfinite(r.grad_norm)]
+        norms = [
+            r.grad_norm for r in rows if r.grad_norm is not None and math.isfinite(r.grad_norm)
+        ]
         stats["grad_norm_mean"] = sum(norms) / len(norms) if norms else None
         stats["grad_norm_max"] = max(norms) if norms else None
         stats["clipped_steps"] = sum(n > cfg.clip_grad_norm for n in norms)
@@ -254,10 +275,12 @@ class Trainer:
         self.val_set = val_ds  # evaluated by evaluation.evaluate_exact, unpadded shards
         self.num_train = len(train_ds)
         if len(self.train_loader) != self.derived["micro_batches_per_epoch"]:
-            raise RuntimeError(f"micro-batches per epoch: the loader has {len(self.train_loader)}"
-                               f", derived_values expected {self.derived['micro_batches_per_epoch']}"
-                               f" (N={len(train_ds)}, R={env.world_size}, B={cfg.batch_size}, "
-                               f"drop_last={cfg.drop_last})")
+            raise RuntimeError(
+                f"micro-batches per epoch: the loader has {len(self.train_loader)}"
+                f", derived_values expected {self.derived['micro_batches_per_epoch']}"
+                f" (N={len(train_ds)}, R={env.world_size}, B={cfg.batch_size}, "
+                f"drop_last={cfg.drop_last})"
+            )
 
         self.module, self.model = self._build_model()
         self.optimizer = torch.optim.SGD(self.model.parameters(),

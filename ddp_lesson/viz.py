@@ -1027,7 +1027,8 @@ def reducer_map_figure(figsize=(11, 5.4)):
 __all__ += ["REDUCER_MAP", "reducer_map_figure"]
 
 
-# =========================================================================== launch and sharding figures
+# ============================================================ launch and sharding figures
+
 
 def torchrun_topology_figure(nnodes: int = 2, nproc_per_node: int = 4, figsize=(11, 4.6)):
     """torchrun -> agents -> workers -> process group, on ``nnodes`` x ``nproc_per_node``.

@@ -15,8 +15,6 @@ import io
 import tokenize
 from pathlib import Path
 
-import pytest
-
 PKG = Path(__file__).resolve().parent.parent / "ddp_lesson"
 MAX_FUNCTION_LOC = 80
 
@@ -214,31 +212,13 @@ def long_functions() -> dict[str, int]:
             if loc > MAX_FUNCTION_LOC}
 
 
-#: Functions another engineer is splitting as this test lands (issue 18, item 4: the launcher,
-#: 98 lines of code today). The coordinator drops this set and the xfail below once that branch
-#: is merged; the xfail is strict, so it fails as soon as the function is short enough.
-BEING_SPLIT = {"ddp_lesson.launch:run_torchrun"}
-
-
-@pytest.mark.xfail(strict=True, reason="ddp_lesson.launch:run_torchrun (98 lines of code) is being "
-                   "split on another branch (issue 18 item 4); drop this xfail after merging")
-def test_the_launcher_function_is_at_most_80_lines_of_code():
-    assert {k: v for k, v in long_functions().items() if k in BEING_SPLIT} == {}
-
-
-def test_no_other_function_over_80_lines_of_code():
-    assert {k: v for k, v in long_functions().items() if k not in BEING_SPLIT} == {}
+def test_no_function_over_80_lines_of_code():
+    assert long_functions() == {}
 
 
 # ----------------------------------------------------------------------------- standing alone
 
 OUTSIDE = "shared" + "/cases"  # spelled in two parts so this file does not cite it itself
-
-#: Files other engineers own while this test lands; each still has one citation, whose
-#: replacement by ``docs/pitfalls.md`` the coordinator applies after merging (then drops this).
-PENDING = {"ddp_lesson/launch.py", "ddp_lesson/env.py", "tests/test_bad_input.py",
-           "tests/test_train_resume.py", "tests/test_launch.py"}
-
 
 def citations_outside() -> set[str]:
     """Files of the repository (package, tests, notebooks, docs, README) naming the folder of
@@ -249,12 +229,5 @@ def citations_outside() -> set[str]:
     return {str(p.relative_to(root)) for p in files if OUTSIDE in p.read_text()}
 
 
-def test_no_citation_outside_the_repository_but_the_pending_ones():
-    assert citations_outside() - PENDING == set()
-
-
-@pytest.mark.xfail(strict=True, reason="launch.py, env.py, test_bad_input.py, test_train_resume.py "
-                   "and test_launch.py are edited on other branches; their citation is replaced "
-                   "after merging (issue 18 item 5); then drop this xfail and PENDING")
 def test_no_citation_outside_the_repository():
     assert citations_outside() == set()

@@ -158,7 +158,10 @@ def test_world_size_zero(monkeypatch, capsys, tmp_path):
 @pytest.mark.parametrize("n", ["0", "-2"])
 def test_cli_nproc_per_node_not_positive(n, capsys):
     assert cli.main(["train", "--nproc-per-node", n]) == 2
-    assert capsys.readouterr().err == f"ddp-lesson train: error: --nproc-per-node must be >= 1, got {n}\n"
+    assert (
+        capsys.readouterr().err
+        == f"ddp-lesson train: error: --nproc-per-node must be >= 1, got {n}\n"
+    )
 
 
 @pytest.mark.parametrize("args, message", [
@@ -185,7 +188,7 @@ def test_cli_refuses_bad_input_before_starting_processes(args, message, capsys, 
 
 
 def test_epoch_without_steps_is_refused_before_the_run():
-    # 2 samples, 3 ranks, --drop-last: every rank would get 0 samples (shared/cases A7)
+    # 2 samples, 3 ranks, --drop-last: every rank would get 0 samples (docs/pitfalls.md A7)
     with pytest.raises(config.TrainInputError,
                        match=r"^no training steps: 2 training samples on 3 ranks with "
                              r"--drop-last give each rank 0 samples; use at most 2 ranks"):
@@ -250,12 +253,26 @@ def _bad_file(kind, out, good_checkpoint):
     return path
 
 
-@pytest.mark.parametrize("kind, message", [
-    ("truncated", "bytes) is not a readable checkpoint (no zip archive: truncated, or not written by torch.save)"),
-    ("text", "bytes) is not a readable checkpoint (no zip archive: truncated, or not written by torch.save)"),
-    ("state_dict", "is not a ddp_lesson checkpoint: it holds a dict with keys ['weight'], "
-                   "without format='ddp_lesson.checkpoint'"),
-])
+@pytest.mark.parametrize(
+    "kind, message",
+    [
+        (
+            "truncated",
+            "bytes) is not a readable checkpoint (no zip archive: truncated, or not written by "
+            "torch.save)",
+        ),
+        (
+            "text",
+            "bytes) is not a readable checkpoint (no zip archive: truncated, or not written by "
+            "torch.save)",
+        ),
+        (
+            "state_dict",
+            "is not a ddp_lesson checkpoint: it holds a dict with keys ['weight'], "
+            "without format='ddp_lesson.checkpoint'",
+        ),
+    ],
+)
 def test_truncated_or_foreign_file_at_out(kind, message, tmp_path, good_checkpoint, capsys):
     path = _bad_file(kind, tmp_path / "o", good_checkpoint)
     before = path.read_bytes()

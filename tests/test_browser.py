@@ -483,7 +483,7 @@ def runs(lab, browser):
         for tag, name in (("02", NOTEBOOK), ("00", "00_setup.ipynb")):
             (ARTIFACTS / f"browser_{tag}_failure.png").unlink(missing_ok=True)  # stale: misleads
             pages[tag] = _open_cleared(browser, lab, name)
-        for tag, (page, _) in pages.items():
+        for page, _ in pages.values():
             _menu(page, "Run", "Run All Cells")
         started = time.monotonic()
         done_s = {}
@@ -739,7 +739,8 @@ def _wait_until_drawn(page, lab, explorer) -> None:
 
 # ------------------------------------------------------------------------ tests
 
-# ------------------------------------------------------------------------ every stored notebook, opened
+# -------------------------------------------------- every stored notebook, opened
+
 
 def test_stored_notebooks_open_unmarked_and_save_as_stored(opened):
     # the unsaved dot appears when JupyterLab rewrites what it loaded (issue 19, item 2):

@@ -119,7 +119,9 @@ def test_status_and_stop_without_cluster(capsys):
     cl._CURRENT = None
     cl.dist_status_magic("")
     cl.dist_stop_magic("")
-    assert capsys.readouterr().out == "[dist_status] no ranks running\n[dist_stop] no ranks running\n"
+    assert (
+        capsys.readouterr().out == "[dist_status] no ranks running\n[dist_stop] no ranks running\n"
+    )
 
 
 # --------------------------------------------------------------------------- one shared cluster
@@ -170,7 +172,11 @@ def test_rank_selection(cluster, capsys):
 def test_error_on_one_rank_named_and_ranks_usable_afterwards(cluster, capsys):
     cluster.run("z = rank + 100")
     with pytest.raises(RanksError) as info:
-        cl.ranks_magic("", "print('before', rank)\nif rank == 1:\n    raise ValueError(f'bad shard on rank {rank}')\n")
+        cl.ranks_magic(
+            "",
+            "print('before', rank)\nif rank == 1:\n"
+            "    raise ValueError(f'bad shard on rank {rank}')\n",
+        )
     e = info.value
     assert str(e) == ("rank 1 of 2 failed (rank 1: ValueError: bad shard on rank 1); "
                       "the ranks keep their state")
@@ -185,8 +191,9 @@ def test_error_on_one_rank_named_and_ranks_usable_afterwards(cluster, capsys):
                                          r"division by zero; rank 1: ZeroDivisionError"):
         cluster.run("1 / 0")
     # usable afterwards, state kept, collectives still line up
-    assert cluster.run("t = torch.tensor([float(z)])\ndist.all_reduce(t)\nprint(int(t.item()))") == {
-        0: "201\n", 1: "201\n"}
+    assert cluster.run(
+        "t = torch.tensor([float(z)])\ndist.all_reduce(t)\nprint(int(t.item()))"
+    ) == {0: "201\n", 1: "201\n"}
 
 
 def test_notebook_01_ranks_cells_replay_their_stored_output_three_times(cluster, capsys):
@@ -202,7 +209,9 @@ def test_notebook_01_ranks_cells_replay_their_stored_output_three_times(cluster,
         for c in cells:
             line, body = c.source.split("\n", 1)
             cl.ranks_magic(line[len("%%ranks"):].strip(), body)
-            stored = "".join(o.get("text", "") for o in c.outputs if o.get("output_type") == "stream")
+            stored = "".join(
+                o.get("text", "") for o in c.outputs if o.get("output_type") == "stream"
+            )
             assert capsys.readouterr().out == stored, c.source
 
 
@@ -253,8 +262,9 @@ def test_hang_ended_by_timeout_names_waiting_rank_and_restarts_cleanly(cluster, 
     # the old processes are gone, the new ranks work and form a new group; the state is gone
     assert wait_gone(old) == set()
     assert cluster.running and cluster.restarts >= 1
-    assert cluster.run("x = torch.ones(1)\ndist.all_reduce(x)\nprint(x.item(), 'lost' in dir())") == {
-        0: "2.0 False\n", 1: "2.0 False\n"}
+    assert cluster.run(
+        "x = torch.ones(1)\ndist.all_reduce(x)\nprint(x.item(), 'lost' in dir())"
+    ) == {0: "2.0 False\n", 1: "2.0 False\n"}
 
 
 def test_stop_is_clean_and_leaves_no_process_or_file(cluster, capsys):
@@ -314,7 +324,9 @@ def test_kernel_restart_and_sigkill_leave_no_process_or_file(tmp_path):
         kc.wait_for_ready(timeout=60)
         # this time two simulated nodes of one rank each, driven through the magics
         assert _kernel_start_cluster(kc, "--nproc-per-node 1 --nnodes 2") == (
-            "[dist_start] 2 ranks (2 nodes x 1), gloo: 1 process, gloo requested: using gloo on CPU\n")
+            "[dist_start] 2 ranks (2 nodes x 1), gloo: 1 process, gloo requested: "
+            "using gloo on CPU\n"
+        )
         assert _kernel_run(kc, "%%ranks\nimport os\nx = torch.ones(1)\ndist.all_reduce(x)\n"
                                "print(os.environ['GROUP_RANK'], local_rank, x.item())") == (
             "[rank 0] 0 0 2.0\n[rank 1] 1 0 2.0\n")
@@ -350,8 +362,15 @@ def test_notebook_01_ranks_cells_print_what_one_process_computes():
     import torch
 
     from ddp_lesson.env import choose_backend
-    from ddp_lesson.gradients import (average, batch_gradient, make_toy_batch, make_toy_model,
-                                      max_abs_diff, shard_gradients, split_batch)
+    from ddp_lesson.gradients import (
+        average,
+        batch_gradient,
+        make_toy_batch,
+        make_toy_model,
+        max_abs_diff,
+        shard_gradients,
+        split_batch,
+    )
 
     def first3(g):
         return str([f"{v:+.4f}" for v in g[:3].tolist()])
@@ -391,7 +410,8 @@ def test_notebook_01_ranks_cells_print_what_one_process_computes():
 
 
 def test_readme_cluster_figures_match_the_benchmark_csv():
-    """The README's persistent-ranks table is read from benchmarks/cluster.csv (no timing asserted)."""
+    """The README's persistent-ranks table is read from benchmarks/cluster.csv (no timing
+    asserted)."""
     import csv
 
     rows = {r["what"]: r for r in csv.DictReader(open(ROOT / "benchmarks" / "cluster.csv"))}

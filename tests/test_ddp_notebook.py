@@ -112,7 +112,10 @@ def test_graph_walk_finds_exactly_the_parameters_that_get_gradients(deeplab):
         assert {n for n, p in net.named_parameters() if id(p) in reached} == got_grad
     toy = UnusedToy()
     _, reached = walk_autograd_graph(toy(torch.randn(2, 4)))
-    assert [n for n, p in toy.named_parameters() if id(p) not in reached] == ["aux.weight", "aux.bias"]
+    assert [n for n, p in toy.named_parameters() if id(p) not in reached] == [
+        "aux.weight",
+        "aux.bias",
+    ]
     _, reached = walk_autograd_graph(model(torch.randn(1, 3, 64, 128)))
     assert sum(id(p) in reached for p in model.parameters()) == len(nbytes) == 43
 
@@ -215,14 +218,18 @@ def test_notebook_04_ranks_cells_print_what_one_process_computes():
     assert not torch.equal(own[0], own[1])
     lines = []
     for r in range(2):
-        lines += [f"[rank {r}] own gradient of 4.weight: {[round(v, 3) for v in own[r][0].tolist()]}",
-                  f"[rank {r}] after forward, parameters with a .grad: []"]
+        lines += [
+            f"[rank {r}] own gradient of 4.weight: {[round(v, 3) for v in own[r][0].tolist()]}",
+            f"[rank {r}] after forward, parameters with a .grad: []",
+        ]
     assert _nb04_outputs("own = torch.autograd.grad") == lines
     mean = (own[0] + own[1]) / 2
     lines = []
     for r in range(2):
-        lines += [f"[rank {r}] after backward, 4.weight.grad: {[round(v, 3) for v in mean[0].tolist()]}",
-                  f"[rank {r}] equals the mean of the ranks' own gradients (max |Δ| < 1e-6): True"]
+        lines += [
+            f"[rank {r}] after backward, 4.weight.grad: {[round(v, 3) for v in mean[0].tolist()]}",
+            f"[rank {r}] equals the mean of the ranks' own gradients (max |Δ| < 1e-6): True",
+        ]
     assert _nb04_outputs("mean = own.clone()") == lines
     names = [n for n, _ in nets[0].named_parameters()]
     ready = [f"[rank 0] ready {n}" for n in reversed(names)]

@@ -349,7 +349,7 @@ def test_two_simulated_nodes_form_one_job():
     (1, None, False, "unset"),  # one process: torchrun overrides nothing
 ])
 def test_raw_torchrun_omp_banner(tmp_path, nproc, preset, expect_banner, expect_seen):
-    """shared/cases C5, on plain torchrun: why the launcher sets OMP_NUM_THREADS itself."""
+    """docs/pitfalls.md C5, on plain torchrun: why the launcher sets OMP_NUM_THREADS itself."""
     script = tmp_path / "omp.py"
     # one write(2) per worker: both share torchrun's stdout pipe, and writes this small are atomic
     script.write_text("import os; os.write(1, "

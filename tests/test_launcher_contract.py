@@ -13,8 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from ddp_lesson.launch import (TorchrunError, _failed_ranks, run_torchrun, terminal_text,
-                               torchrun_magic)
+from ddp_lesson.launch import (
+    TorchrunError,
+    _failed_ranks,
+    run_torchrun,
+    terminal_text,
+    torchrun_magic,
+)
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -55,7 +55,10 @@ def test_two_stores_in_torch_source():
 def test_env_lines_pure():
     lines = env_lines({"RANK": "4", "LOCAL_RANK": "0", "MASTER_PORT": "1"})
     assert lines[0].startswith("RANK=4 LOCAL_RANK=0 WORLD_SIZE=None")
-    assert lines[2] == "TORCHELASTIC_RUN_ID set: False MASTER_PORT set: True OMP_NUM_THREADS set: False"
+    assert (
+        lines[2]
+        == "TORCHELASTIC_RUN_ID set: False MASTER_PORT set: True OMP_NUM_THREADS set: False"
+    )
 
 
 @pytest.mark.timeout(150)

@@ -10,9 +10,8 @@ import pytest
 from torch.utils.data import DataLoader
 
 import ddp_lesson.train as train
-from ddp_lesson.sampler import DistributedSampler
 from ddp_lesson.config import TrainConfig, build_parser, derived_values, parse_config
-
+from ddp_lesson.sampler import DistributedSampler
 
 # ---- config and flags --------------------------------------------------------------------
 
@@ -246,8 +245,10 @@ class TestMultiProcess:
         _check_summary(s, world_size=2)
         out = proc.stdout
         # the CLI shows what to type without this package, then runs exactly that
-        assert out.splitlines()[0] == ("equivalent command: torchrun --standalone --nproc-per-node 2 "
-                                       "-m ddp_lesson.train " + " ".join(TINY))
+        assert out.splitlines()[0] == (
+            "equivalent command: torchrun --standalone --nproc-per-node 2 "
+            "-m ddp_lesson.train " + " ".join(TINY)
+        )
         # Rank 0 alone prints: each line once.
         assert out.count("world_size 2  backend gloo") == 1
         assert "global batch 8 (= 4 x 2)  steps per epoch 4  samples per epoch 32" in out

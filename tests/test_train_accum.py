@@ -9,9 +9,9 @@ import math
 
 import pytest
 
-from ddp_lesson.launch import run_torchrun
 from ddp_lesson.config import TrainConfig, derived_values, parse_config
 from ddp_lesson.gradients import scale_lr as scaled_lr
+from ddp_lesson.launch import run_torchrun
 
 CHECK = r'''
 import copy, json
@@ -147,7 +147,9 @@ def test_b7_linear_scaling_value():
     assert scaled_lr(0.1, 256, 4 * 128, "linear") == pytest.approx(0.2)
     assert scaled_lr(0.1, 256, 512, "sqrt") == pytest.approx(0.1 * math.sqrt(2))
     assert scaled_lr(0.1, 256, 512, "none") == 0.1
-    with pytest.raises(ValueError, match="lr scaling rule 'cubic' is not one of none, linear, sqrt"):
+    with pytest.raises(
+        ValueError, match="lr scaling rule 'cubic' is not one of none, linear, sqrt"
+    ):
         scaled_lr(0.1, 256, 512, "cubic")
 
 

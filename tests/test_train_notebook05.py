@@ -109,5 +109,11 @@ def test_section_8_is_one_launch_of_the_lab():
     cells = [c for c in _cells() if c.cell_type == "code" and "amp_clip" in c.source]
     assert len(cells) == 1 and cells[0].source.startswith("%%torchrun --nproc-per-node 2")
     out = _output_of("amp_clip")
-    assert "[rank 0]   step 5: own gradient finite True, after all_reduce False; skipped steps [5]" in out
-    assert "[rank 1]   step 5: own gradient finite False, after all_reduce False; skipped steps [5]" in out
+    assert (
+        "[rank 0]   step 5: own gradient finite True, after all_reduce False; skipped steps [5]"
+        in out
+    )
+    assert (
+        "[rank 1]   step 5: own gradient finite False, after all_reduce False; skipped steps [5]"
+        in out
+    )

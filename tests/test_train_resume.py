@@ -180,7 +180,7 @@ def test_the_checkpoint_holds_everything_named_in_the_issue(reference):
         assert key in ckpt
     assert (ckpt["epoch"], ckpt["step_in_epoch"], ckpt["global_step"]) == (2, 0, 8)
     assert set(ckpt["rng"][0]) == {"torch", "numpy", "python", "cuda"}
-    # a bare model loads it as it is (no "module." prefix): shared/cases B12
+    # a bare model loads it as it is (no "module." prefix): docs/pitfalls.md B12
     model = build_model("deeplab", width=4)
     model.load_state_dict(ckpt["model"], strict=True)
 

@@ -60,7 +60,8 @@ TOL = 0.001
 
 
 def _batch():
-    """This rank's slice of the fixed global batch: ``[(images (b, 3, 32, 64), target (b, 32, 64))]``."""
+    """This rank's slice of the fixed global batch:
+    ``[(images (b, 3, 32, 64), target (b, 32, 64))]``."""
     r, R = dist.get_rank(), dist.get_world_size()
     train, _ = make_datasets(GLOBAL_BATCH, 1, _SIZE, seed=0)
     per = GLOBAL_BATCH // R

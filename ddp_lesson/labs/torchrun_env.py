@@ -23,7 +23,8 @@ VARYING = ["TORCHELASTIC_RUN_ID", "MASTER_PORT", "OMP_NUM_THREADS"]
 
 
 def env_lines(environ=None) -> list[str]:
-    """Two lines of ``NAME=value`` for :data:`SHOWN`, one of ``NAME set: bool`` for :data:`VARYING`."""
+    """Two lines of ``NAME=value`` for :data:`SHOWN`, one of ``NAME set: bool`` for
+    :data:`VARYING`."""
     environ = os.environ if environ is None else environ
     values = [f"{n}={environ.get(n)}" for n in SHOWN]
     return [" ".join(values[:6]), " ".join(values[6:]),
