@@ -45,7 +45,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .env import barrier
+from .env import barrier, group_active
 
 __all__ = [
     "CHECKPOINT_FORMAT",
@@ -285,7 +285,7 @@ def save_atomic(obj: Any, path: str, before_replace: Callable[[str], None] | Non
 
 
 def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    return group_active() and dist.get_world_size() > 1
 
 
 _barrier = barrier  # one barrier for the package: env.barrier (names this rank's GPU on NCCL)

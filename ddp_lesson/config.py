@@ -176,7 +176,13 @@ class TrainConfig:
 
     def __post_init__(self):
         self.size = tuple(self.size)
-        checks = [
+        for ok, message in [*self._data_and_optimizer_checks(), *self._run_checks()]:
+            if not ok:
+                raise ValueError(message)
+
+    def _data_and_optimizer_checks(self) -> list[tuple[bool, str]]:
+        """(ok, message) pairs for the data, model, optimizer and backend fields."""
+        return [
             (self.epochs >= 1, f"epochs must be >= 1, got {self.epochs}"),
             (self.batch_size >= 1, f"batch_size must be >= 1, got {self.batch_size}"),
             (self.workers >= 0, f"workers must be >= 0, got {self.workers}"),
@@ -213,6 +219,11 @@ class TrainConfig:
             ),
             (self.ddp in DDP_WRAPPERS, f"ddp {self.ddp!r} is not one of {', '.join(DDP_WRAPPERS)}"),
             (self.amp in AMP_MODES, f"amp {self.amp!r} is not one of {', '.join(AMP_MODES)}"),
+        ]
+
+    def _run_checks(self) -> list[tuple[bool, str]]:
+        """(ok, message) pairs for precision, the DDP wrapper, checkpoints and failures."""
+        return [
             (
                 self.clip_grad_norm is None
                 or (math.isfinite(self.clip_grad_norm) and self.clip_grad_norm > 0),
@@ -258,9 +269,6 @@ class TrainConfig:
                 f"local_rank must be >= 0, got {self.local_rank}",
             ),
         ]
-        for ok, message in checks:
-            if not ok:
-                raise ValueError(message)
 
 
 class _OneLineParser(argparse.ArgumentParser):

@@ -69,6 +69,7 @@ from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from .collectives import ring_allreduce_time
+from .env import group_active
 
 __all__ = [
     "MB", "assign_buckets", "NaiveDDP", "BucketedDDP", "SimulatedLink", "Recorder",
@@ -630,6 +631,32 @@ class _WrapperJoinHook(JoinHook):
         _broadcast_coalesced(tensors, src, ddp.process_group)
 
 
+def _refuse_torch_only_options(name: str, torch_kwargs: dict) -> None:
+    """Raise for a keyword torch's DDP has and the from-scratch wrappers leave out (TypeError for
+    an unknown keyword, NotImplementedError naming torch's DDP for a left-out feature)."""
+    for key, value in torch_kwargs.items():
+        if key not in _UNSUPPORTED:
+            raise TypeError(f"{name}() got an unexpected keyword argument {key!r}")
+        if value is not _UNSUPPORTED[key] and value != _UNSUPPORTED[key]:
+            raise NotImplementedError(
+                f"{name} does not support {key}={value!r}; use torch's "
+                "DistributedDataParallel")
+
+
+def _check_same_model_everywhere(name: str, module, broadcast_buffers: bool, world_size: int,
+                                 process_group) -> None:
+    """Exchange every rank's parameter signature (all_gather_object: synchronises the ranks)
+    and raise the same ValueError on every rank naming the first difference."""
+    signatures: list = [None] * world_size
+    dist.all_gather_object(signatures, _signature(module, broadcast_buffers),
+                           group=process_group)
+    diff = _first_difference(signatures)
+    if diff is not None:
+        raise ValueError(f"{name}: the model differs between ranks, so its "
+                         f"gradients cannot be averaged: {diff}. Build the same "
+                         "model on every rank before wrapping it.")
+
+
 class _GradSyncBase(nn.Module, Joinable):
     """What NaiveDDP and BucketedDDP share: construction checks and broadcast, hooks,
     ``no_sync``, ``Join`` support, and the per-step check table.
@@ -646,14 +673,8 @@ class _GradSyncBase(nn.Module, Joinable):
         super().__init__()
         Joinable.__init__(self)
         name = type(self).__name__
-        for key, value in (torch_kwargs or {}).items():
-            if key not in _UNSUPPORTED:
-                raise TypeError(f"{name}() got an unexpected keyword argument {key!r}")
-            if value is not _UNSUPPORTED[key] and value != _UNSUPPORTED[key]:
-                raise NotImplementedError(
-                    f"{name} does not support {key}={value!r}; use torch's "
-                    "DistributedDataParallel")
-        if not (dist.is_available() and dist.is_initialized()):
+        _refuse_torch_only_options(name, torch_kwargs or {})
+        if not group_active():
             raise RuntimeError(f"{name} needs a process group: call "
                                "ddp_lesson.env.init_distributed() (or "
                                "torch.distributed.init_process_group) first")
@@ -675,14 +696,8 @@ class _GradSyncBase(nn.Module, Joinable):
         # broadcast, so a model that differs between ranks is the same ValueError everywhere
         # (torch raises on the differing rank only; the others see "connection closed").
         if init_sync:
-            signatures: list = [None] * self.world_size
-            dist.all_gather_object(signatures, _signature(module, broadcast_buffers),
-                                   group=process_group)
-            diff = _first_difference(signatures)
-            if diff is not None:
-                raise ValueError(f"{name}: the model differs between ranks, so its "
-                                 f"gradients cannot be averaged: {diff}. Build the same "
-                                 "model on every rank before wrapping it.")
+            _check_same_model_everywhere(name, module, broadcast_buffers, self.world_size,
+                                         process_group)
         # named_parameters() lists a shared (tied) parameter once: it is reduced once.
         # Frozen parameters get no gradient and are left alone.
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
@@ -700,6 +715,10 @@ class _GradSyncBase(nn.Module, Joinable):
             if broadcast_buffers:
                 tensors += list(module.buffers())
             _broadcast_coalesced(tensors, self._src, process_group)
+        self._init_sync_state()
+
+    def _init_sync_state(self) -> None:
+        """The per-parameter bookkeeping of a synchronised backward (local; no communication)."""
         P = len(self._params)
         self._used = [False] * P        # got a gradient since the last sync
         self._got = [False] * P         # got it in this synchronised backward

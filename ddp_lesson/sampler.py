@@ -40,6 +40,8 @@ from collections.abc import Iterator, Sized
 import torch
 from torch.utils.data import IterableDataset, Sampler, get_worker_info
 
+from .env import group_active
+
 __all__ = [
     "DistributedSampler",
     "DistributedEvalSampler",
@@ -99,7 +101,7 @@ def _resolve_world(num_replicas, rank) -> tuple[int, int]:
     if num_replicas is None or rank is None:
         import torch.distributed as dist
 
-        if not (dist.is_available() and dist.is_initialized()):
+        if not group_active():
             missing = " and ".join(
                 name for name, v in (("num_replicas", num_replicas), ("rank", rank)) if v is None
             )
