@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import stream_text
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from notebook_cells import stream_text
 
 from ddp_lesson.collectives import (
     chunk_bounds,

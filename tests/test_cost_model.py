@@ -10,7 +10,7 @@ import math
 from pathlib import Path
 
 import pytest
-from conftest import stream_text
+from notebook_cells import stream_text
 
 from ddp_lesson.bench import allreduce as bench
 from ddp_lesson.collectives import (

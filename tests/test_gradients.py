@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import stream_text
+from notebook_cells import stream_text
 
 from ddp_lesson.gradients import (
     average,

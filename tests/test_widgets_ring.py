@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import code_cells
+from notebook_cells import code_cells
 
 from ddp_lesson.collectives import ring_state_html, ring_state_text, simulate_ring_all_reduce
 from ddp_lesson.widgets import ring_allreduce_stepper

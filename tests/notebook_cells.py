@@ -1,0 +1,42 @@
+"""Stored-notebook readers shared by the test files (``from notebook_cells import stream_text``).
+
+Tests that check the numbers a notebook prints read them from the *stored* outputs, the ones
+nbval replays, so a printed line changed in a lab shows up in both places. A plain module, not
+``conftest.py``: ``notebooks/conftest.py`` also exists, and a second module named ``conftest``
+on ``sys.path`` would shadow this one.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import nbformat
+
+ROOT = Path(__file__).resolve().parent.parent
+NOTEBOOKS = ROOT / "notebooks"
+
+
+@functools.lru_cache(maxsize=16)
+def code_cells(notebook: str) -> tuple:
+    """The code cells of ``notebooks/<notebook>`` as stored (outputs included), in order."""
+    nb = nbformat.read(NOTEBOOKS / notebook, as_version=4)
+    return tuple(c for c in nb.cells if c.cell_type == "code")
+
+
+def cell_with(notebook: str, marker: str):
+    """The first code cell of ``notebook`` whose source contains ``marker``.
+
+    Raises:
+        AssertionError: no cell contains ``marker`` (the notebook was edited: say which).
+    """
+    for cell in code_cells(notebook):
+        if marker in cell.source:
+            return cell
+    raise AssertionError(f"no cell containing {marker!r} in {notebook}")
+
+
+def stream_text(notebook: str, marker: str) -> str:
+    """The stored stdout/stderr text of the first code cell containing ``marker``."""
+    outputs = cell_with(notebook, marker).outputs
+    return "".join(o.get("text", "") for o in outputs if o.get("output_type") == "stream")
