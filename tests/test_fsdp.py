@@ -47,11 +47,11 @@ def _padded_bytes(params, world_size):
                for p in params)
 
 
-def test_fsdp_traffic_counted_against_ddp(lab):
+def test_fsdp_traffic_counted_against_ddp(fsdp_lab):
     """One counted step: DDP one all-reduce of every gradient; FSDP2 all-gathers the root unit
     once (torch keeps the root unsharded after forward, _fsdp_state.py) and each block twice
     (forward and backward), and reduce-scatters every unit once."""
-    world_size, lines = lab
+    world_size, lines = fsdp_lab
     m = TinyGPT(vocab_size=103)
     full = 4 * m.num_params()
     R = world_size
