@@ -70,6 +70,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .env import BACKEND_ENV, BACKENDS, choose_backend
+from .launch import _reap  # one way to wait for a child that survives interrupts
 
 #: Seconds a ``%%ranks`` cell may run before its verdict (override per cell with ``--timeout``).
 DEFAULT_RUN_TIMEOUT_S = 120.0
@@ -160,24 +161,6 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except (OSError, IndexError):
         return True
-
-
-def _reap(proc: subprocess.Popen, seconds: float) -> bool:
-    """Wait up to ``seconds`` for ``proc`` to exit (os.waitpid: safe after an interrupt)."""
-    deadline = time.monotonic() + seconds
-    while True:
-        if proc.returncode is not None:
-            return True
-        try:
-            pid, status = os.waitpid(proc.pid, os.WNOHANG)
-        except ChildProcessError:
-            return True
-        if pid:
-            proc.returncode = os.waitstatus_to_exitcode(status)
-            return True
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(0.05)
 
 
 def _end(proc: subprocess.Popen | None, grace_s: float = 5.0) -> None:
