@@ -1277,15 +1277,8 @@ class BucketedDDP(_GradSyncBase):
     Synchronisation: construction, buffer broadcasts before forwards and every synchronised
     backward are collectives (all ranks together).
 
-    Left out, compared with torch's DDP (each raises NotImplementedError saying so when asked
-    for): ``gradient_as_bucket_view=True``, ``static_graph=True``, ``mixed_precision``,
-    ``device_mesh``, ``delay_all_reduce_named_params``, ``param_to_hook_all_reduce``,
-    ``skip_all_reduce_unused_params``, ``bucket_cap_mb_list``, ``batched_grad_copy``,
-    ``forward_sync_buffers``, ``dim != 0``, ``check_reduction=True`` and
-    ``register_comm_hook`` (use ``comm_hook=``); multi-device modules (``device_ids`` must
-    be None or the one GPU the module is on); sparse gradients; buffer communication hooks.
-    ``find_unused_parameters=True`` with a reentrant checkpoint raises when it would send
-    zeros for a parameter that then gets a gradient.
+    Left out, compared with torch's DDP: the same features as :class:`NaiveDDP` (listed in
+    its docstring), each raising NotImplementedError saying so when asked for.
     """
 
     def __init__(self, module: nn.Module, device_ids=None, output_device=None, dim=0,

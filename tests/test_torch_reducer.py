@@ -6,7 +6,6 @@ matrix sizes, float16's range) or against the JSON it wrote.
 """
 from __future__ import annotations
 
-import json
 import math
 import textwrap
 
@@ -16,19 +15,14 @@ import torch.distributed as dist
 
 from ddp_lesson.ddp import MB, assign_buckets
 from ddp_lesson.labs import torch_reducer as tr
-from ddp_lesson.launch import run_torchrun
 
 pytestmark = pytest.mark.timeout(150)
 
 
 @pytest.fixture(scope="module")
-def lab(tmp_path_factory):
+def lab(tmp_path_factory, json_lab):
     out = tmp_path_factory.mktemp("reducer") / "reducer.json"
-    result = run_torchrun("ddp_lesson.labs.torch_reducer", ["--out", str(out)], module=True,
-                          nproc_per_node=2, timeout=120, live=False, backend="gloo")
-    with open(out) as f:
-        data = json.load(f)
-    return result.rank_lines(0), result.rank_lines(1), data
+    return json_lab("ddp_lesson.labs.torch_reducer", out, timeout=120)
 
 
 def _expected_buckets():

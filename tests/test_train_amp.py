@@ -7,28 +7,21 @@ backoff rule worked out by hand.
 """
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 from ddp_lesson.data import NUM_CLASSES, make_datasets
 from ddp_lesson.labs import amp_clip as ac
-from ddp_lesson.launch import run_torchrun
 from ddp_lesson.models import build_model
 
 pytestmark = pytest.mark.timeout(180)
 
 
 @pytest.fixture(scope="module")
-def lab(tmp_path_factory):
+def lab(tmp_path_factory, json_lab):
     out = tmp_path_factory.mktemp("amp") / "amp.json"
-    result = run_torchrun("ddp_lesson.labs.amp_clip", ["--out", str(out)], module=True,
-                          nproc_per_node=2, timeout=150, live=False, backend="gloo")
-    with open(out) as f:
-        data = json.load(f)
-    return result.rank_lines(0), result.rank_lines(1), data
+    return json_lab("ddp_lesson.labs.amp_clip", out, timeout=150)
 
 
 def _one_process(steps, clip=None, scale=None):

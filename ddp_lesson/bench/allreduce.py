@@ -40,12 +40,12 @@ import time
 
 from .common import (
     add_common_flags,
-    figure_target,
     load_avg,
+    main_or_worker,
     parse_counts,
     read_rows,
-    save_figure,
     spread,
+    write_figure,
     write_rows,
 )
 
@@ -290,8 +290,7 @@ def run(opts) -> int:
     print(f"wrote {opts.out}")
     from ..viz import allreduce_bandwidth_figure
 
-    if save_figure(allreduce_bandwidth_figure, rows, figure_target(opts)):
-        print(f"wrote {figure_target(opts)}")
+    write_figure(allreduce_bandwidth_figure, rows, opts)
     for R, res in ratios(rows).items():
         parts = [f"{k} {v:.2f}x" for k, v in res.items()]
         if parts:
@@ -301,15 +300,8 @@ def run(opts) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m ddp_lesson.bench.allreduce worker [...]`` under torchrun, or the benchmark."""
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["worker"]:
-        worker(argv[1:])
-        return 0
-    p = argparse.ArgumentParser(
-        prog="ddp-lesson bench allreduce", description=__doc__.split("\n\n")[1]
-    )
-    add_arguments(p)
-    return run(p.parse_args(argv))
+    return main_or_worker(argv, worker, "ddp-lesson bench allreduce",
+                          __doc__.split("\n\n")[1], add_arguments, run)
 
 
 if __name__ == "__main__":

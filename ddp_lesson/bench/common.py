@@ -16,6 +16,7 @@ import argparse
 import csv
 import os
 import statistics
+import sys
 from pathlib import Path
 
 #: ``--figure none`` (any case) skips the figure, for every benchmark.
@@ -71,6 +72,28 @@ def save_figure(make, rows, path: str | None) -> str | None:
     fig.savefig(path)
     plt.close(fig)
     return path
+
+
+def write_figure(make, rows, opts) -> str | None:
+    """Save ``make(rows)`` where ``opts.figure`` asks (:func:`figure_target`) and print
+    ``wrote PATH``; nothing for ``--figure none``. Returns the path or None."""
+    path = save_figure(make, rows, figure_target(opts))
+    if path:
+        print(f"wrote {path}")
+    return path
+
+
+def main_or_worker(argv, worker, prog: str, description: str, add_arguments, run) -> int:
+    """The ``main`` of a benchmark module: ``worker ARGS`` runs one rank's part (under
+    torchrun, launched by the benchmark itself); anything else parses the benchmark's flags
+    (``add_arguments``) and calls ``run(opts)``. ``argv`` None means ``sys.argv[1:]``."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["worker"]:
+        worker(argv[1:])
+        return 0
+    p = argparse.ArgumentParser(prog=prog, description=description)
+    add_arguments(p)
+    return run(p.parse_args(argv))
 
 
 def spread(values) -> tuple[float, float, float]:

@@ -41,12 +41,12 @@ import time
 
 from .common import (
     add_common_flags,
-    figure_target,
     load_avg,
+    main_or_worker,
     parse_counts,
     read_rows,
-    save_figure,
     spread,
+    write_figure,
     write_rows,
 )
 
@@ -337,21 +337,14 @@ def run(opts) -> int:
     print(f"wrote {opts.out}")
     from ..viz import ddp_benchmark_figure
 
-    if save_figure(ddp_benchmark_figure, rows, figure_target(opts)):
-        print(f"wrote {figure_target(opts)}")
+    write_figure(ddp_benchmark_figure, rows, opts)
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m ddp_lesson.bench.ddp worker [...]`` under torchrun, or the benchmark."""
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["worker"]:
-        worker(argv[1:])
-        return 0
-    p = argparse.ArgumentParser(prog="ddp-lesson bench ddp",
-                                description="steps/s of torch DDP, NaiveDDP and BucketedDDP")
-    add_arguments(p)
-    return run(p.parse_args(argv))
+    return main_or_worker(argv, worker, "ddp-lesson bench ddp",
+                          "steps/s of torch DDP, NaiveDDP and BucketedDDP", add_arguments, run)
 
 
 if __name__ == "__main__":

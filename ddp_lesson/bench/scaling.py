@@ -45,12 +45,11 @@ import time
 
 from .common import (
     add_common_flags,
-    figure_target,
     load_avg,
     parse_counts,
     read_rows,
-    save_figure,
     spread,
+    write_figure,
     write_rows,
 )
 
@@ -305,8 +304,7 @@ def run(args) -> int:
         print(summary_line(row))
     from ..viz import scaling_figure
 
-    if save_figure(scaling_figure, rows, figure_target(args)):
-        print(f"wrote {figure_target(args)}")
+    write_figure(scaling_figure, rows, args)
     return 0
 
 
