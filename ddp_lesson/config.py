@@ -168,6 +168,11 @@ class TrainConfig:
         "with --simulate-failure-at-step K: rank 0 dies instead inside the first checkpoint "
         "write at a global step >= K, after the temporary file is written and before the "
         "rename, so the previous checkpoint must survive", action="store_true"))
+    simulate_node_loss: bool = field(default=False, metadata=_note(
+        "with --simulate-failure-at-step K: --failure-rank first kills its torchrun agent "
+        "(SIGKILL), as when its machine is lost; the agent's other workers go with it under "
+        "ddp_lesson's launcher. Nothing on that node restarts: the job goes on only where "
+        "torchrun's --nnodes MIN:MAX allows fewer nodes", action="store_true"))
     timeout_s: float = field(default=120.0, metadata=_note(
         "seconds a collective may wait for its peers before raising, instead of hanging"))
     local_rank: int | None = field(default=None, metadata=_note(
@@ -262,6 +267,12 @@ class TrainConfig:
             (
                 not self.simulate_failure_during_save or self.simulate_failure_at_step >= 1,
                 "simulate_failure_during_save needs --simulate-failure-at-step K >= 1",
+            ),
+            (
+                not self.simulate_node_loss or (self.simulate_failure_at_step >= 1
+                                                and not self.simulate_failure_during_save),
+                "simulate_node_loss needs --simulate-failure-at-step K >= 1 (and no "
+                "--simulate-failure-during-save)",
             ),
             (self.timeout_s > 0, f"timeout_s must be > 0, got {self.timeout_s}"),
             (

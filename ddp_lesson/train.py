@@ -457,8 +457,13 @@ class Trainer:
             fh.write(f"rank {self.env.rank} killed {where} at global step {self.global_step}\n")
             fh.flush()
             os.fsync(fh.fileno())
-        print(f"simulated failure: rank {self.env.rank} kills itself (SIGKILL) {where} at "
-              f"global step {self.global_step}", flush=True)
+        if self.cfg.simulate_node_loss:  # the whole node: its torchrun agent (our parent) too
+            print(f"simulated failure: rank {self.env.rank} kills its torchrun agent and itself "
+                  f"(SIGKILL) {where} at global step {self.global_step}: node lost", flush=True)
+            os.kill(os.getppid(), signal.SIGKILL)
+        else:
+            print(f"simulated failure: rank {self.env.rank} kills itself (SIGKILL) {where} at "
+                  f"global step {self.global_step}", flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
 
     def _maybe_fail_after_step(self) -> None:

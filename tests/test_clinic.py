@@ -5,51 +5,60 @@ The errors asserted are torch's and gloo's own messages: a collective that waits
 process group's timeout raises "Timed out waiting <ms>ms for recv operation" (or send); with
 ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` torch names a mismatched collective; DDP's constructor
 names a parameter whose shape differs between ranks. A 2 s timeout keeps the test short (the
-programs default to 5 s).
+programs default to 5 s). All broken runs start at once (``run_all``): they mostly wait.
 """
 import os
 
 import pytest
+from notebook_cells import stream_text
 
-from ddp_lesson.labs.clinic import CASES, diagnose, telling_line
+from ddp_lesson.labs.clinic import CASES, diagnose, run_all, split_cases, telling_line
 from ddp_lesson.launch import run_torchrun
 
 TIMEOUT_MS = "Timed out waiting 2000ms for"  # ... recv (or send) operation to complete
+NB = "06_failures_and_multinode.ipynb"
 
 
-def _broken(name, env=None):
-    r = run_torchrun(f"ddp_lesson.labs.clinic.{name}", ["--timeout", "2"], module=True,
-                     nproc_per_node=2, timeout=60, live=False, backend="gloo", check=False,
-                     env=env)
+@pytest.fixture(scope="module")
+def clinic():
+    """Every broken case, shape_mismatch again with DETAIL, and the repairs' job, at once."""
+    runs = {name: (name, ["--timeout", "2"]) for name in CASES}
+    runs["detail"] = ("shape_mismatch", ["--timeout", "2"], {"TORCH_DISTRIBUTED_DEBUG": "DETAIL"})
+    runs["fixed"] = ("fixed", ["--timeout", "10"])
+    return run_all(runs, timeout=120)
+
+
+def _broken(clinic, name):
+    r = clinic[name]
     assert r.returncode != 0
     return r, r.errors[0] + r.errors[1]
 
 
-def test_collective_called_by_one_rank_times_out():
-    r, err = _broken("partial_collective")
+def test_collective_called_by_one_rank_times_out(clinic):
+    r, err = _broken(clinic, "partial_collective")
     assert "rank 0 enters all_reduce; the other ranks do not" in r.rank_lines(0)
     assert TIMEOUT_MS in r.errors[0]
     assert diagnose(r) == "timeout"
     assert telling_line("partial_collective", r) == "RuntimeError: Timed out waiting 2000ms"
 
 
-def test_all_reduce_with_different_shapes_times_out():
-    r, err = _broken("shape_mismatch")
+def test_all_reduce_with_different_shapes_times_out(clinic):
+    r, err = _broken(clinic, "shape_mismatch")
     assert "rank 1: all_reduce of shape (3,)" in r.rank_lines(1)
     assert TIMEOUT_MS in err  # the elements the longer tensor has and the other lacks
     assert diagnose(r) == "timeout"
     assert telling_line("shape_mismatch", r) == "RuntimeError: Timed out waiting 2000ms"
 
 
-def test_debug_detail_names_the_mismatched_collective():
-    r, err = _broken("shape_mismatch", env=dict(os.environ, TORCH_DISTRIBUTED_DEBUG="DETAIL"))
+def test_debug_detail_names_the_mismatched_collective(clinic):
+    r, err = _broken(clinic, "detail")
     assert diagnose(r) == "mismatched collectives"
     assert "Detected mismatch between collectives on ranks" in err
     assert "TensorShape=[2]" in err and "TensorShape=[3]" in err
 
 
-def test_uneven_batches_time_out_in_the_extra_backward():
-    r, err = _broken("uneven_batches")
+def test_uneven_batches_time_out_in_the_extra_backward(clinic):
+    r, err = _broken(clinic, "uneven_batches")
     assert r.rank_lines(0)[:1] == ["rank 0: 3 batches"]
     assert r.rank_lines(1)[:1] == ["rank 1: 4 batches"]
     assert TIMEOUT_MS in err  # rank 1's 4th backward, or rank 0 waiting for it in barrier()
@@ -57,8 +66,8 @@ def test_uneven_batches_time_out_in_the_extra_backward():
     assert telling_line("uneven_batches", r) == "RuntimeError: Timed out waiting 2000ms"
 
 
-def test_rank_that_never_joins_fails_at_start_within_the_timeout():
-    r, err = _broken("missing_rank")
+def test_rank_that_never_joins_fails_at_start_within_the_timeout(clinic):
+    r, err = _broken(clinic, "missing_rank")
     for rank in (0, 1):
         assert r.rank_lines(rank) == [f"rank {rank}: torchrun started 2 processes; "
                                       "joining a group of 3"]
@@ -67,8 +76,8 @@ def test_rank_that_never_joins_fails_at_start_within_the_timeout():
     assert telling_line("missing_rank", r) == "DistStoreError: wait timeout after 2000ms"
 
 
-def test_model_differing_between_ranks_is_refused_by_ddp():
-    r, err = _broken("model_mismatch")
+def test_model_differing_between_ranks_is_refused_by_ddp(clinic):
+    r, err = _broken(clinic, "model_mismatch")
     assert ("params[0] in this process with sizes [9, 4] appears not to match sizes of the "
             "same param in process 0") in r.errors[1]
     assert diagnose(r) == "model differs between ranks"
@@ -78,28 +87,58 @@ def test_model_differing_between_ranks_is_refused_by_ddp():
 
 
 @pytest.fixture(scope="module")
-def fixed():
-    """Each ``--fixed`` program in a launch of its own (10 s timeout: room on a busy machine)."""
-    return {name: run_torchrun(f"ddp_lesson.labs.clinic.{name}", ["--fixed", "--timeout", "10"],
-                               module=True, nproc_per_node=2, timeout=60, live=False,
-                               backend="gloo", check=False)
-            for name in CASES}
+def fixed(clinic):
+    """Each case's ``--fixed`` output, per rank, cut from the one repairs' job."""
+    assert diagnose(clinic["fixed"]) == "finished"
+    return {rank: split_cases(clinic["fixed"].rank_lines(rank)) for rank in (0, 1)}
 
 
 def test_every_fixed_version_succeeds(fixed):
-    assert {name: diagnose(r) for name, r in fixed.items()} == dict.fromkeys(CASES, "finished")
-    assert "mean loss over 2 ranks: 1.50" in fixed["partial_collective"].rank_lines(0)  # (1+2)/2
+    assert list(fixed[0]) == list(fixed[1]) == list(CASES)  # every case ran, in order
+    assert fixed[0]["partial_collective"] == ["mean loss over 2 ranks: 1.50"]  # (1+2)/2
     for rank in (0, 1):
         # [0, 1] + [0, 1, 2] after padding to 3
-        assert f"rank {rank}: padded to 3, sum [0.0, 2.0, 2.0]" in \
-            fixed["shape_mismatch"].rank_lines(rank)
-        assert fixed["uneven_batches"].rank_lines(rank)[-2:] == [
+        assert fixed[rank]["shape_mismatch"] == [f"rank {rank}: padded to 3, sum [0.0, 2.0, 2.0]"]
+        assert fixed[rank]["uneven_batches"][-2:] == [
             f"rank {rank}: BucketedDDP under Join: weights equal on all ranks: True",
             f"rank {rank}: done; weights equal on all ranks: True"]
-        assert f"rank {rank}: one step done with DDP" in fixed["model_mismatch"].rank_lines(rank)
-        assert fixed["missing_rank"].rank_lines(rank) == [
+        assert f"rank {rank}: one step done with DDP" in fixed[rank]["model_mismatch"]
+        assert fixed[rank]["missing_rank"] == [
             f"rank {rank}: torchrun started 2 processes; joining a group of 2",
             f"rank {rank}: all 2 ranks joined"]
+
+
+def test_split_cases_cuts_at_the_headers():
+    lines = ["before", "== a", "x", "y", "== b", "== c", "z"]
+    assert split_cases(lines) == {"a": ["x", "y"], "b": [], "c": ["z"]}
+
+
+def test_notebook_clinic_cells_as_stored():
+    """Notebook 06's stored clinic outputs: the verdicts and errors of a 3 s timeout."""
+    assert stream_text(NB, "clinic = run_all(runs)") == (
+        "partial_collective   ends with: timeout\n"
+        "                     RuntimeError: Timed out waiting 3000ms\n"
+        "shape_mismatch       ends with: timeout\n"
+        "                     RuntimeError: Timed out waiting 3000ms\n"
+        "uneven_batches       ends with: timeout\n"
+        "                     RuntimeError: Timed out waiting 3000ms\n"
+        "model_mismatch       ends with: model differs between ranks\n"
+        "                     RuntimeError: [1]: params[0] in this process with sizes [9, 4] "
+        "appears not to\n"
+        "                       match sizes of the same param in process 0.\n"
+        "missing_rank         ends with: a rank never joined\n"
+        "                     DistStoreError: wait timeout after 3000ms\n")
+    assert stream_text(NB, 'detail = clinic["shape_mismatch, DETAIL"]') == (
+        "with DETAIL it ends with: mismatched collectives\n"
+        "shapes named in the error: ['TensorShape=[2]', 'TensorShape=[3]']\n")
+    assert stream_text(NB, "fixed = {rank: split_cases") == (
+        "the repairs' job: finished\n"
+        "partial_collective   --fixed: rank 0 says 'mean loss over 2 ranks: 1.50'\n"
+        "shape_mismatch       --fixed: rank 0 says 'rank 0: padded to 3, sum [0.0, 2.0, 2.0]'\n"
+        "uneven_batches       --fixed: rank 0 says 'rank 0: done; weights equal on all ranks: "
+        "True'\n"
+        "model_mismatch       --fixed: rank 0 says 'rank 0: one step done with DDP'\n"
+        "missing_rank         --fixed: rank 0 says 'rank 0: all 2 ranks joined'\n")
 
 
 def test_diagnose_reads_the_signatures():
@@ -151,6 +190,19 @@ def _worker_pids(module: str) -> dict[int, int]:
     return found
 
 
+def _catches_sigusr1(pid: int) -> bool:
+    """Whether process ``pid`` has a handler for SIGUSR1 (``SigCgt`` in /proc/PID/status):
+    before that, the signal's default action would end it."""
+    import signal
+
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            caught = next(ln for ln in f if ln.startswith("SigCgt:")).split()[1]
+    except (OSError, StopIteration):
+        return False
+    return bool(int(caught, 16) >> (signal.SIGUSR1 - 1) & 1)
+
+
 def test_stack_dump_on_sigusr1_shows_where_a_rank_waits():
     """``kill -USR1`` on a stuck worker prints its Python stack (faulthandler) and lets it run
     on: the stuck rank's stack ends in the line of the collective it waits in."""
@@ -165,7 +217,7 @@ def test_stack_dump_on_sigusr1_shows_where_a_rank_waits():
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and "pid" not in sent:
             pids = _worker_pids(module)
-            if 0 in pids:
+            if 0 in pids and _catches_sigusr1(pids[0]):  # faulthandler is registered
                 time.sleep(3)  # by now rank 0 waits inside all_reduce (timeout 15 s)
                 os.kill(pids[0], signal.SIGUSR1)
                 sent["pid"] = pids[0]
@@ -180,5 +232,5 @@ def test_stack_dump_on_sigusr1_shows_where_a_rank_waits():
     dump = r.errors[0]
     assert "Current thread" in dump or "Thread 0x" in dump  # faulthandler's format
     stuck_line = [ln for ln in dump.splitlines() if "partial_collective.py" in ln]
-    assert stuck_line and "in main" in stuck_line[0]
+    assert stuck_line and "in run" in stuck_line[0]  # the program's body, inside all_reduce
     assert TIMEOUT_MS.replace("2000", "15000") in dump  # and then the collective still timed out

@@ -15,6 +15,7 @@ import os
 
 import pytest
 import torch
+from notebook_cells import cell_with, stream_text
 
 from ddp_lesson import config, train
 from ddp_lesson.launch import launch_env, run_torchrun
@@ -116,27 +117,124 @@ def test_failure_during_save_needs_a_step(capsys):
     assert "needs --simulate-failure-at-step K >= 1" in capsys.readouterr().err
 
 
-NOTEBOOK_TWO_NODE_CELL = """
-import os
-import torch
-import torch.distributed as dist
-from ddp_lesson.env import init_distributed, cleanup
-
-env = init_distributed(timeout=30)
-print(f"node {os.environ['GROUP_RANK']}, local rank {env.local_rank}: "
-      f"global rank {env.rank} of {env.world_size}")
-x = torch.tensor([float(env.rank + 1)])
-dist.all_reduce(x)
-print("all_reduce across the two nodes:", x.item())
-cleanup()
-"""
+NB = "06_failures_and_multinode.ipynb"
+TORCH = os.path.dirname(torch.__file__)
 
 
-def test_notebook_two_node_cell():
-    """Notebook 06's ``%%torchrun --nnodes 2 --nproc-per-node 1`` cell: node i holds rank i."""
-    r = run_torchrun(code=NOTEBOOK_TWO_NODE_CELL, nnodes=2, nproc_per_node=1, timeout=120,
-                     live=False, backend="gloo")
-    assert r.rank_lines(0) == ["node 0, local rank 0: global rank 0 of 2",
-                               "all_reduce across the two nodes: 3.0"]  # 1 + 2
-    assert r.rank_lines(1) == ["node 1, local rank 0: global rank 1 of 2",
-                               "all_reduce across the two nodes: 3.0"]
+def _cell_code(marker):
+    """A stored %%torchrun cell of notebook 06 without its magic line."""
+    return cell_with(NB, marker).source.split("\n", 1)[1]
+
+
+def test_notebook_two_node_cell_names_the_missing_rank():
+    """Notebook 06's ``%%torchrun --nnodes 2 --nproc-per-node 1`` cell, run from its stored
+    source: node i holds rank i; monitored_barrier on gloo names rank 1, which never came."""
+    r = run_torchrun(code=_cell_code("monitored_barrier"), nnodes=2, nproc_per_node=1,
+                     timeout=120, live=False, backend="gloo")
+    common = ["GLOO_SOCKET_IFNAME = lo", "all_reduce across the two nodes: 3.0"]  # 1 + 2
+    assert r.rank_lines(0) == ["node 0, local rank 0: global rank 0 of 2", *common,
+                               "monitored_barrier: [Rank 0]: Rank 1 failed to pass "
+                               "monitoredBarrier in 3000 ms"]  # timeout=timedelta(seconds=3)
+    assert r.rank_lines(1) == ["node 1, local rank 0: global rank 1 of 2", *common,
+                               "rank 1 never reached the barrier; rank 0 let it go"]
+    assert r.stdout in stream_text(NB, "monitored_barrier")  # the stored output is this run's
+
+
+ELASTIC = ["--nnodes", "1:2", "--rdzv-conf", "is_host=false,join_timeout=30,last_call_timeout=3,"
+           "keep_alive_interval=1,keep_alive_max_attempt=3"]
+
+
+def test_lost_node_shrinks_the_world_and_the_trainer_refuses_the_checkpoint(tmp_path):
+    """Elastic ``--nnodes 1:2``: node 1's agent dies after step 6; node 0 restarts alone
+    (WORLD_SIZE 1) and the trainer refuses the checkpoint written by 2 processes."""
+    r = _train(tmp_path, ["--simulate-failure-at-step", "6", "--failure-rank", "1",
+                          "--simulate-node-loss"], nproc_per_node=1, nnodes=2, max_restarts=1,
+               check=False, torchrun_args=ELASTIC)
+    assert r.returncode != 0
+    assert r.rank_lines(1) == ["simulated failure: rank 1 kills its torchrun agent and itself "
+                               "(SIGKILL) after the step at global step 6: node lost"]
+    assert r.rank_lines(0)[0].startswith("world_size 2 ") and "[restart 1]" in r.rank_lines(0)
+    path = tmp_path / "checkpoint.pt"
+    refusal = [ln for ln in r.errors[0].splitlines() if ln.startswith("error:")]
+    assert refusal == [f"error: checkpoint {path} was written by 2 processes, this run has 1 "
+                       "(the data order and global batch depend on it); resume with the same "
+                       "settings, or pass --no-resume to start over"]
+    ckpt = torch.load(path, weights_only=True)
+    assert (ckpt["global_step"], ckpt["world_size"]) == (6, 2)  # untouched by the refusal
+    stored = stream_text(NB, "--simulate-node-loss")
+    assert "[rank 0] error: checkpoint runs/nb06/lost_node/checkpoint.pt was written by 2 " \
+           "processes, this run\n           has 1 (the data order" in stored
+    assert "global step 6: node lost" in stored and "the job's exit code: 1" in stored
+
+
+def test_node_loss_needs_a_step(capsys):
+    with pytest.raises(SystemExit):
+        config.parse_config(["--simulate-node-loss"])
+    assert "simulate_node_loss needs --simulate-failure-at-step K >= 1" in capsys.readouterr().err
+
+
+def _torch_src(rel):
+    with open(os.path.join(TORCH, rel)) as f:
+        return f.read()
+
+
+def test_restart_trap_is_in_torchs_source():
+    """Notebook 06's explanation of the restart trap, line by line in torch's source: the
+    agent's store is kept across rounds, the workers connect to it without a per-attempt
+    prefix, and the process group's keys carry no restart count."""
+    dyn = _torch_src("distributed/elastic/rendezvous/dynamic_rendezvous.py")
+    assert "self._shared_tcp_store_server: dist.Store | None = None" in dyn
+    assert 'return os.getenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "0") != "1"' in dyn
+    rdzv = _torch_src("distributed/rendezvous.py")
+    assert ("We create a new TCPStore for every retry so no need to add prefix for each "
+            "attempt.") in rdzv
+    c10d = _torch_src("distributed/distributed_c10d.py")
+    assert 'store = PrefixStore("default_pg", store)' in c10d
+    assert 'PrefixStore(f"{group_name}/", store)' in c10d
+    assert 'PrefixStore(f"{device}/", prefix_store)' in c10d
+    assert "RESTART_COUNT" not in c10d + rdzv
+    agent = _torch_src("distributed/elastic/agent/server/local_elastic_agent.py")
+    assert '"TORCHELASTIC_USE_AGENT_STORE": str(use_agent_store)' in agent
+
+
+def test_gloo_full_mesh_keys_are_the_ranks():
+    """The keys gloo's full-mesh connect writes and reads: ``0/<rank>`` (the same in every
+    attempt), recorded by a store that logs each call; two ranks in two threads."""
+    import datetime
+    import threading
+
+    import torch.distributed as dist
+
+    calls = []
+
+    class Recording(dist.Store):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def set(self, key, value):
+            calls.append(("set", key))
+            return self.inner.set(key, value)
+
+        def get(self, key):
+            calls.append(("get", key))
+            return self.inner.get(key)
+
+        def wait(self, keys, *timeout):
+            return self.inner.wait(keys, *timeout)
+
+    base = dist.HashStore()
+    groups = {}
+
+    def join(rank):
+        groups[rank] = dist.ProcessGroupGloo(Recording(base), rank, 2,
+                                             datetime.timedelta(seconds=30))
+
+    threads = [threading.Thread(target=join, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(groups) == [0, 1]
+    assert sorted(k for op, k in calls if op == "set") == ["0/0", "0/1"]
+    assert sorted(set(k for op, k in calls if op == "get")) == ["0/0", "0/1"]

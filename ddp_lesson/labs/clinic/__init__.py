@@ -12,8 +12,16 @@ and takes ``--fixed`` to run the repaired program:
 * :mod:`.model_mismatch`: a model that differs between ranks (DDP's constructor refuses it);
 * :mod:`.missing_rank`: a world size that does not match the launch, so one rank never joins.
 
-Notebook 06 runs them and reads the errors; tests/test_clinic.py asserts each error.
+:mod:`.fixed` runs every repaired program in one job. :func:`run_all` starts several clinic
+launches at once (their timeouts overlap instead of adding up). Notebook 06 runs them and
+reads the errors; tests/test_clinic.py asserts each error.
 """
+from __future__ import annotations
+
+import re
+import threading
+import time
+
 CASES = ("partial_collective", "shape_mismatch", "uneven_batches", "model_mismatch",
          "missing_rank")
 
@@ -76,8 +84,6 @@ def telling_line(name: str, result) -> str:
     Raises:
         KeyError: ``name`` is not a clinic case (names the known ones).
     """
-    import re
-
     if name not in TELLING:
         raise KeyError(f"{name!r} is not a clinic case; known: {', '.join(TELLING)}")
     pattern = re.compile(TELLING[name])
@@ -88,3 +94,84 @@ def telling_line(name: str, result) -> str:
             if found:
                 return found.group(0)
     return f"(no line matches {TELLING[name]!r})"
+
+
+def split_cases(lines: list[str]) -> dict[str, list[str]]:
+    """One rank's output lines of :mod:`.fixed`, cut at its ``== <case>`` headers.
+
+    Returns:
+        ``{case: [its lines]}`` in the order the cases ran; lines before the first header
+        are dropped.
+    """
+    cases: dict[str, list[str]] = {}
+    current = None
+    for line in lines:
+        if line.startswith("== "):
+            current = cases.setdefault(line[3:], [])
+        elif current is not None:
+            current.append(line)
+    return cases
+
+
+def run_all(runs: dict, *, timeout: float = 120.0, nproc_per_node: int = 2) -> dict:
+    """Start several clinic launches at once and wait for all: ``{label: TorchrunResult}``.
+
+    Each run is a :func:`ddp_lesson.launch.run_torchrun` of a clinic module (gloo,
+    ``check=False``) in a thread of its own; the launches share nothing but the machine (each
+    has its own rendezvous store, ports and folder). What the broken cases mostly do is wait
+    for their timeout, so started together they take about as long as the slowest one. In a
+    notebook one live status line counts the finished runs; the results come back in the
+    order of ``runs`` (not of finishing), so what a cell prints from them is deterministic.
+
+    Args:
+        runs: ``{label: (module, args)}`` or ``{label: (module, args, extra_env)}``, module
+            relative to ``ddp_lesson.labs.clinic`` (``"shape_mismatch"``), ``extra_env`` a dict
+            of variables added to this process's environment for that run.
+        timeout: wall-clock seconds for each run (:func:`run_torchrun`'s ``timeout``).
+        nproc_per_node: processes per run.
+
+    Raises:
+        ddp_lesson.launch.TorchrunTimeout: a run outlived ``timeout`` (raised once all
+            threads are done). An interrupt waits for the runs to end (each within
+            ``timeout``); every process ends with its run.
+    """
+    import os
+
+    from ...launch import _LiveStatus, run_torchrun
+
+    def one(spec):
+        module, args, *extra = spec
+        env = dict(os.environ, **(extra[0] if extra else {}))
+        return run_torchrun(f"{__name__}.{module}", list(args), module=True,
+                            nproc_per_node=nproc_per_node, timeout=timeout, backend="gloo",
+                            check=False, env=env, live=False)
+
+    results, errors = {}, {}
+
+    def work(label, spec):
+        try:
+            results[label] = one(spec)
+        except BaseException as exc:  # re-raised below, in the caller's thread
+            errors[label] = exc
+
+    status = _LiveStatus(None, nproc_per_node * len(runs))
+    threads = [threading.Thread(target=work, args=item, daemon=True) for item in runs.items()]
+    start = time.monotonic()
+    for t in threads:
+        t.start()
+    try:
+        while any(t.is_alive() for t in threads):
+            done = sum(not t.is_alive() for t in threads)
+            status.update(f"hang clinic: {done} of {len(threads)} runs finished, "
+                          f"{time.monotonic() - start:.0f} s")
+            status.keep_busy()
+            time.sleep(0.25)
+    except KeyboardInterrupt:
+        status.update("hang clinic: interrupted; waiting for the runs to end")
+        for t in threads:
+            t.join()
+        raise
+    status.update(f"hang clinic: {len(threads)} runs finished in {time.monotonic() - start:.1f} s")
+    if errors:
+        raise next(iter(errors.values()))
+    return {label: results[label] for label in runs}

@@ -3,6 +3,11 @@ from __future__ import annotations
 
 import argparse
 
+#: Seconds every rank may take to start and join the group, whatever ``--timeout`` is: ranks
+#: started together can still arrive seconds apart on a busy machine, and a late start is
+#: not the bug a clinic case shows.
+JOIN_TIMEOUT_S = 60.0
+
 
 def parse(doc: str, argv=None) -> argparse.Namespace:
     """``--fixed`` (run the repaired program) and ``--timeout`` (seconds, default 5)."""
@@ -15,15 +20,28 @@ def parse(doc: str, argv=None) -> argparse.Namespace:
 
 
 def start(timeout: float):
-    """Join the group with a short timeout and dump every thread's stack on SIGUSR1.
+    """Join the group, then give its collectives a short timeout; dump stacks on SIGUSR1.
 
+    The group is joined with :data:`JOIN_TIMEOUT_S` and a barrier (every rank is up), then
+    every later collective gets ``timeout`` seconds
+    (``torch.distributed.distributed_c10d._set_pg_timeout``, what torch's own
+    ``dist.breakpoint`` uses to change a live group's timeout; gloo honours it).
     ``faulthandler.register(SIGUSR1)``: ``kill -USR1 <pid>`` on a stuck worker prints where
     each of its threads is (the Python line of the collective it waits in) without ending it.
+    Synchronises ranks. Returns the :class:`ddp_lesson.env.DistEnv`.
     """
+    import datetime
     import faulthandler
     import signal
 
-    from ...env import init_distributed
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _set_pg_timeout
+
+    from ...env import barrier, group_active, init_distributed
 
     faulthandler.register(signal.SIGUSR1, all_threads=True)
-    return init_distributed(timeout=timeout)
+    env = init_distributed(timeout=max(timeout, JOIN_TIMEOUT_S))
+    if group_active():
+        barrier()
+        _set_pg_timeout(datetime.timedelta(seconds=timeout), dist.group.WORLD)
+    return env

@@ -12,6 +12,23 @@ naming how many ranks joined. The fix: take rank and world size from torchrun's 
 from __future__ import annotations
 
 
+def run(env, fixed: bool) -> None:
+    """The repaired program on an already joined group of torchrun's ``WORLD_SIZE`` (what
+    ``--fixed`` joins); the broken one needs a group of its own (:func:`main`).
+
+    Raises:
+        ValueError: ``fixed`` is False.
+    """
+    import torch.distributed as dist
+
+    if not fixed:
+        raise ValueError("the broken missing_rank joins a group of its own: run main()")
+    print(f"rank {env.rank}: torchrun started {env.world_size} processes; joining a group of "
+          f"{dist.get_world_size()}")
+    dist.barrier()
+    print(f"rank {env.rank}: all {dist.get_world_size()} ranks joined")
+
+
 def main(argv=None) -> None:
     import datetime
     import os

@@ -14,17 +14,13 @@ model from the same settings on every rank (broadcast the config from rank 0).
 from __future__ import annotations
 
 
-def main(argv=None) -> None:
+def run(env, fixed: bool) -> None:
+    """The program's body on the joined default group (no cleanup): broken or ``fixed``."""
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from ...env import cleanup
-    from ._common import parse, start
-
-    args = parse(__doc__, argv)
-    env = start(args.timeout)
-    hidden = 8 if args.fixed else 8 + env.rank  # BUG without --fixed: 8 on rank 0, 9 on rank 1
+    hidden = 8 if fixed else 8 + env.rank  # BUG without --fixed: 8 on rank 0, 9 on rank 1
     torch.manual_seed(0)
     module = torch.nn.Sequential(torch.nn.Linear(4, hidden), torch.nn.ReLU(),
                                  torch.nn.Linear(hidden, 1))
@@ -33,7 +29,15 @@ def main(argv=None) -> None:
     model(torch.ones(2, 4)).sum().backward()
     print(f"rank {env.rank}: one step done with DDP")
     dist.barrier()
-    del model
+    del model  # freed while the group lives
+
+
+def main(argv=None) -> None:
+    from ...env import cleanup
+    from ._common import parse, start
+
+    args = parse(__doc__, argv)
+    run(start(args.timeout), args.fixed)
     cleanup()
 
 

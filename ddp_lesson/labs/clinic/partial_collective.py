@@ -12,17 +12,13 @@ only the *printing* is guarded by ``if rank == 0``.
 from __future__ import annotations
 
 
-def main(argv=None) -> None:
+def run(env, fixed: bool) -> None:
+    """The program's body on the joined default group (no cleanup): broken or ``fixed``."""
     import torch
     import torch.distributed as dist
 
-    from ...env import cleanup
-    from ._common import parse, start
-
-    args = parse(__doc__, argv)
-    env = start(args.timeout)
     loss = torch.tensor([float(env.rank + 1)])
-    if args.fixed:
+    if fixed:
         dist.all_reduce(loss)  # every rank takes part ...
         if env.rank == 0:      # ... and only the printing is rank 0's
             print(f"mean loss over {env.world_size} ranks: {loss.item() / env.world_size:.2f}")
@@ -31,8 +27,16 @@ def main(argv=None) -> None:
         dist.all_reduce(loss)  # BUG: the other ranks never get here
     else:
         print(f"rank {env.rank} skips the all_reduce and goes on")
-    if args.fixed:
+    if fixed:
         dist.barrier()
+
+
+def main(argv=None) -> None:
+    from ...env import cleanup
+    from ._common import parse, start
+
+    args = parse(__doc__, argv)
+    run(start(args.timeout), args.fixed)
     cleanup()
 
 

@@ -18,17 +18,13 @@ variable-sized data with ``all_gather_object``.
 from __future__ import annotations
 
 
-def main(argv=None) -> None:
+def run(env, fixed: bool) -> None:
+    """The program's body on the joined default group (no cleanup): broken or ``fixed``."""
     import torch
     import torch.distributed as dist
 
-    from ...env import cleanup
-    from ._common import parse, start
-
-    args = parse(__doc__, argv)
-    env = start(args.timeout)
     values = torch.arange(env.rank + 2, dtype=torch.float32)  # length differs per rank
-    if args.fixed:
+    if fixed:
         n = torch.tensor([values.numel()])
         dist.all_reduce(n, op=dist.ReduceOp.MAX)  # agree on one length ...
         padded = torch.zeros(int(n.item()))
@@ -40,6 +36,14 @@ def main(argv=None) -> None:
         dist.all_reduce(values)  # BUG: shape (2,) on rank 0, (3,) on rank 1
         print(f"rank {env.rank}: got {values.tolist()}")
     dist.barrier()
+
+
+def main(argv=None) -> None:
+    from ...env import cleanup
+    from ._common import parse, start
+
+    args = parse(__doc__, argv)
+    run(start(args.timeout), args.fixed)
     cleanup()
 
 

@@ -19,18 +19,15 @@ rank the same number of batches (``DistributedSampler`` pads, ``drop_last`` trim
 from __future__ import annotations
 
 
-def main(argv=None) -> None:
+def run(env, fixed: bool) -> None:
+    """The program's body on the joined default group (no cleanup): broken or ``fixed``."""
     import torch
     import torch.distributed as dist
     from torch.distributed.algorithms import Join
     from torch.nn.parallel import DistributedDataParallel
 
     from ...ddp import BucketedDDP
-    from ...env import cleanup
-    from ._common import parse, start
 
-    args = parse(__doc__, argv)
-    env = start(args.timeout)
     gen = torch.Generator().manual_seed(env.rank)
     batches = [torch.randn(2, 4, generator=gen) for _ in range(3 + env.rank)]  # 3 vs 4
     print(f"rank {env.rank}: {len(batches)} batches")
@@ -52,7 +49,7 @@ def main(argv=None) -> None:
         dist.all_gather(same, w)
         return all(torch.equal(s, same[0]) for s in same)
 
-    if args.fixed:
+    if fixed:
         ours, opt = build(BucketedDDP)
         with Join([ours]):  # our wrapper is Joinable too
             loop(ours, opt)
@@ -67,7 +64,15 @@ def main(argv=None) -> None:
         loop(model, opt)  # BUG: the rank with more batches waits in its extra backward
         print(f"rank {env.rank}: done with my batches")
     dist.barrier()
-    del model
+    del model  # freed while the group lives
+
+
+def main(argv=None) -> None:
+    from ...env import cleanup
+    from ._common import parse, start
+
+    args = parse(__doc__, argv)
+    run(start(args.timeout), args.fixed)
     cleanup()
 
 

@@ -1,0 +1,31 @@
+"""Hang clinic, every repair in one job: each case's ``--fixed`` program, one after another.
+
+    torchrun --nproc-per-node 2 -m ddp_lesson.labs.clinic.fixed [--timeout 10]
+
+One process group for all five repaired programs (``run(env, fixed=True)`` of each case
+module, in :data:`ddp_lesson.labs.clinic.CASES` order): they leave the group healthy, so one
+start-up serves them all. Each case's output is preceded by a line ``== <case>`` on every
+rank; :func:`ddp_lesson.labs.clinic.split_cases` cuts a rank's lines at those headers. A
+barrier ends every case, so the next one starts on every rank together.
+"""
+from __future__ import annotations
+
+
+def main(argv=None) -> None:
+    import importlib
+
+    from ...env import barrier, cleanup
+    from . import CASES
+    from ._common import parse, start
+
+    args = parse(__doc__, argv)
+    env = start(args.timeout)
+    for name in CASES:
+        print(f"== {name}", flush=True)
+        importlib.import_module(f"{__package__}.{name}").run(env, fixed=True)
+        barrier()
+    cleanup()
+
+
+if __name__ == "__main__":
+    main()
