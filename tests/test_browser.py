@@ -13,19 +13,24 @@ downloaded. Then:
   for byte (tools/normalize_notebooks.py stores what JupyterLab writes); no Python repr such as
   ``Label(value=...)`` is shown where a reader expects text; stored figures are drawn at
   least 700 px wide;
-* **notebook 02 and notebook 00, run side by side** (stored outputs cleared, "Run All Cells"
-  in two pages, two kernels): every cell ran once, in order, without an error; each
-  ``%%torchrun`` cell's output shows all ``[rank 0]`` lines before ``[rank 1]`` lines, and
-  02's ``set_epoch`` cell exactly the orders torch's own ``DistributedSampler`` gives; 02's
-  figures are drawn at least 700 px wide; the sampler explorer follows real keyboard and mouse
-  input (expected values from ``torch.utils.data.DistributedSampler`` and ``ceil(N / R)``);
-  00's ``%%torchrun`` cells show a live status that changes while they run;
-* **an interrupt**: a ``%%torchrun`` cell typed at the end of 00 (2 processes sleeping),
-  interrupted from the toolbar once its workers run, ends in one line of output and leaves
-  none of its processes running.
+* **notebook 02, run** (stored outputs cleared, "Run All Cells"): every cell ran once, in
+  order, without an error; each ``%%torchrun`` cell's output shows all ``[rank 0]`` lines
+  before ``[rank 1]`` lines and its status line ends as the constant text a stored notebook
+  holds; the ``set_epoch`` cell shows exactly the orders torch's own ``DistributedSampler``
+  gives; the exercise checker answers in the page; figures are drawn at least 700 px wide; the
+  sampler explorer follows real keyboard and mouse input (expected values from
+  ``torch.utils.data.DistributedSampler`` and ``ceil(N / R)``);
+* **a long ``%%torchrun`` cell in a fresh kernel**, in a scratch notebook of two cells, run
+  while 02 runs (its own page and kernel): its status line is plain text that changes while it
+  runs; with JupyterLab's subshell probe sent to the kernel meanwhile (what made the page read
+  "Idle" during a fresh kernel's first cell), the status bar and the toolbar say busy
+  throughout; interrupted from the toolbar, it ends in one line and leaves none of its
+  processes running; run again and the kernel restarted while it runs, the page shows the
+  status line as text (no widget, no "Error displaying widget"), the cell no longer running,
+  and none of its processes is left.
 
-Screenshots (``browser_open_NN.png`` per notebook, the run-all pages, the explorer, the
-interrupted cell) are kept under ``$DDP_LESSON_ARTIFACTS`` (default ``runs/artifacts/``,
+Screenshots (``browser_open_NN.png`` per notebook, 02 run, the explorer, the long cell
+interrupted and restarted) are kept under ``$DDP_LESSON_ARTIFACTS`` (default ``runs/artifacts/``,
 git-ignored) and their paths printed. Where Chromium (``$DDP_LESSON_CHROMIUM``, default
 ``/usr/bin/chromium``) or the ``playwright`` module is missing, every test here is skipped
 with the reason. The finaliser shuts the server down and ends every process it started --
@@ -588,6 +593,8 @@ def _long_cell(browser, lab) -> dict:
             found["live"].append(line)
         return seen["prompt"] == "[*]:" and ", at " in line and len(_workers(lab)) >= 2, seen
 
+    t0 = time.monotonic()
+    phases = {}
     try:
         page.bring_to_front()
         _menu(page, "Run", "Run All Cells")
@@ -601,6 +608,7 @@ def _long_cell(browser, lab) -> dict:
                 found["samples"].append((seen["kernel"], seen["indicator"]))
             time.sleep(0.1)
 
+        phases["live and sampled"] = time.monotonic() - t0
         # the toolbar's interrupt
         workers = _workers(lab)
         page.locator(f'{_PANEL} .jp-Toolbar [data-command="notebook:interrupt-kernel"]').click()
@@ -612,6 +620,7 @@ def _long_cell(browser, lab) -> dict:
         found["interrupt_workers"], found["interrupt_left"] = workers, _gone(lab, workers)
         found["shots"] = [_shot(page, "browser_long_interrupted.png")]
 
+        phases["interrupted"] = time.monotonic() - t0
         # again, then the kernel restarted while it runs
         page.locator(f"{_PANEL} .jp-CodeCell").nth(index).locator(".jp-InputArea-editor").click()
         page.keyboard.press("Control+Enter")
@@ -629,6 +638,10 @@ def _long_cell(browser, lab) -> dict:
         _wait_for("the kernel to restart", restarted, PAGE_LOAD_S, on_poll=lab.watch.scan)
         found["restart_workers"], found["restart_left"] = workers, _gone(lab, workers)
         found["restarted"] = look()
+        phases["restarted"] = time.monotonic() - t0
+        print("long cell, seconds after Run All:",
+              ", ".join(f"{k} {v:.1f}" for k, v in phases.items()),
+              "\nscreenshots:\n" + "\n".join(f"  {p}" for p in found["shots"]))
         found["shots"].append(_shot(page, "browser_long_restarted.png"))
     except BaseException:
         print("failure screenshot:", _shot(page, "browser_long_failure.png"))
