@@ -24,9 +24,10 @@ collected (:func:`_collect_result`). What the launcher adds around torchrun:
   and wrapped to 100 characters with the ``[rank N] `` prefix, so a deterministic program gives
   a deterministic cell output (nbval replays it); stderr is shown when a rank fails (or with
   ``--show-stderr``), the cell's file named ``<torchrun cell>``;
-* live status while it runs: in a notebook an ipywidgets Label, created with a constant text
-  (:func:`status_text`, also its stored text form) and then updated through its ``value``
-  trait (nbval compares only the initial text form);
+* live status while it runs: in a notebook one line of plain text (no widget: it reads the
+  same after a kernel restart and unexecuted), shown with a display id and rewritten in place;
+  it starts and ends as a constant text (:func:`status_text`), so the stored output is
+  deterministic (see :class:`_LiveStatus`);
 * a failing rank raises :class:`TorchrunError`: the lowest failing rank and its traceback,
   every failing rank named in rank order;
 * a wall-clock timeout (:class:`TorchrunTimeout`) and, on timeout or interrupt
@@ -53,6 +54,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -490,47 +492,38 @@ def _clean_traceback(text: str, script: Path | None, label: str) -> str:
 def status_text(nprocs: int) -> str:
     """The live status's constant text form, e.g. ``"torchrun: 2 processes"``.
 
-    What a stored notebook shows for the status before the reader runs it (also on GitHub):
-    plain text that reads as well after the run as during it. nbval compares this form only
-    (the widget's later values are trait updates it ignores), so replays stay exact.
+    The status line's first and last text: what a stored notebook shows (also on GitHub),
+    plain text that reads as well after the run as before it. nbval keeps a line's first
+    form and nbclient stores its last, so both are this one and replays stay exact.
     """
     return f"torchrun: {nprocs} process{'es' if nprocs != 1 else ''}"
 
 
-def _status_label(nprocs: int):
-    """An ipywidgets Label whose text/plain form is :func:`status_text`, not its repr."""
-    import ipywidgets
-
-    class TorchrunStatus(ipywidgets.Label):
-        def _repr_mimebundle_(self, **kwargs):
-            bundle = super()._repr_mimebundle_(**kwargs)
-            if isinstance(bundle, dict) and "text/plain" in bundle:
-                bundle["text/plain"] = status_text(nprocs)
-            return bundle
-
-    return TorchrunStatus(value=status_text(nprocs))
-
-
 class _LiveStatus:
-    """A one-line live status: an ipywidgets Label in a notebook kernel, nothing elsewhere.
+    """A one-line live status in a notebook kernel (nothing elsewhere): plain text, no widget.
 
-    One label per cell: several launches from one cell (a loop of ``run_torchrun`` calls)
-    update the same line instead of stacking one widget per launch.
+    Shown with ``display(..., display_id=True)`` and rewritten in place with
+    ``update_display_data`` messages: JupyterLab (and VS Code, nbclient) apply them live, and
+    since there is no widget and no comm, nothing in the page depends on the kernel staying
+    alive -- after a kernel restart the line stays readable text (a widget's view showed a
+    broken-link icon, issue 19 item 5), and an unexecuted notebook shows the text as stored
+    (also on GitHub).
 
-    It also keeps the kernel reported busy while the run lasts (:meth:`keep_busy`): the
-    first widget of a fresh kernel makes JupyterLab's widget manager send the kernel requests
-    of its own, which the kernel answers on another thread (a subshell or the control
-    channel) with a busy/idle pair, and the last status JupyterLab saw, "idle", stayed on
-    show while the cell still ran (issue 19, item 6).
+    Replays: nbval 0.11 keeps the first ``display_data`` of a cell and ignores updates, while
+    nbclient (``jupyter nbconvert --execute``) stores the last update. So the line starts and
+    ends with the same constant text, :func:`status_text` (``"torchrun: 2 processes"``), and
+    only the updates in between carry the elapsed seconds and rank 0's progress; the stored
+    output is deterministic. One line per cell: several launches from one cell (a loop of
+    ``run_torchrun`` calls) update the same line, which ends as the cell's first launch began.
+
+    It also keeps the kernel reported busy while the cell runs (:func:`keep_kernel_status_busy`).
     """
 
-    _per_cell: dict = {}  # the cell's execute request -> the label that cell displayed
-    BUSY_EVERY_S = 2.0
+    _per_cell: dict = {}  # the cell's execute request -> (display handle, its constant text)
 
     def __init__(self, enabled: bool | None, nprocs: int):
-        self.label = None
-        self.kernel = self.request = None
-        self._busy_at = 0.0
+        self.handle = None
+        self.text = status_text(nprocs)
         try:
             from IPython import get_ipython
             from IPython.display import display
@@ -538,36 +531,103 @@ class _LiveStatus:
             ip = get_ipython()
             if ip is None or not hasattr(ip, "kernel"):
                 return
-            self.kernel = ip.kernel
-            self.request = ip.kernel.get_parent("shell")
+            keep_kernel_status_busy(ip.kernel)
             if enabled is False:
                 return
             # the request that runs this cell (nbval runs cells without counting them)
             parent = getattr(ip, "parent_header", None) or {}
             cell = parent.get("header", {}).get("msg_id") or getattr(ip, "execution_count", None)
-            self.label = self._per_cell.get(cell)
-            if self.label is None:
-                self.label = _status_label(nprocs)
-                self._per_cell.clear()  # earlier cells' labels are done with
-                self._per_cell[cell] = self.label
-                display(self.label)
-        except Exception:  # no widgets, no kernel: the run goes on without live status
-            self.label = None
+            if cell in self._per_cell:
+                self.handle, self.text = self._per_cell[cell]
+            else:
+                self.handle = display({"text/plain": self.text}, raw=True, display_id=True)
+                self._per_cell.clear()  # earlier cells' lines are done with
+                self._per_cell[cell] = (self.handle, self.text)
+        except Exception:  # no kernel, no display: the run goes on without live status
+            self.handle = None
+
+    @property
+    def live(self) -> bool:
+        return self.handle is not None
 
     def update(self, text: str) -> None:
-        if self.label is not None:
-            self.label.value = text
+        """Show ``text`` in place of the line (only while the run lasts: see :meth:`end`)."""
+        if self.handle is not None:
+            try:
+                self.handle.update({"text/plain": text}, raw=True)
+            except Exception:  # the display went away: the run matters more than its line
+                self.handle = None
 
-    def keep_busy(self) -> None:
-        """Say again, every ``BUSY_EVERY_S``, that the kernel is busy with this cell."""
-        now = time.monotonic()
-        if self.kernel is None or now - self._busy_at < self.BUSY_EVERY_S:
-            return
-        self._busy_at = now
+    def end(self, text: str | None = None) -> None:
+        """The line's last state: its constant text (what replays compare), or ``text``
+        for an outcome no stored notebook can hold (an interrupt)."""
+        self.update(self.text if text is None else text)
+
+
+def _request_id(message) -> str | None:
+    return ((message or {}).get("header") or {}).get("msg_id")
+
+
+def keep_kernel_status_busy(kernel) -> bool:
+    """Make ``kernel`` (an ipykernel Kernel) say "busy" again after each "idle" it publishes
+    for another request while a cell runs; installed once per kernel, kept for its lifetime.
+
+    Why: a front end shows the kernel's last ``status`` message. ipykernel answers requests
+    on the control channel on a thread of their own, each with a busy/idle pair on IOPub, even
+    while a cell runs (ipython/ipykernel#799). JupyterLab ignores the pairs of a few request
+    types (jupyter_server's ``untracked_message_types``: debug, kernel_info, comm_info...) but
+    not those of the subshell probe it sends when it connects to a kernel
+    (``create_subshell_request``, ``delete_subshell_request``): when a fresh kernel's first
+    cell has already started, that "idle" arrives last, and the page read "Idle" for the whole
+    of a long first ``%%torchrun`` cell (issue 19, item 6, seen in the page's websocket
+    traffic; a later run is not affected: the probe is sent once).
+
+    Every status goes through ``Kernel._publish_status``; this wraps it on the instance: it
+    tracks the execute requests being run (their own busy ... idle) and, when an "idle" for
+    any other request is published while one runs, publishes "busy" for that execute request
+    right after it. Installing it inside a cell says "busy" for that cell at once.
+
+    Returns:
+        True when the kernel is guarded (now or before), False when it cannot be (no
+        ``_publish_status``: not an ipykernel kernel).
+    """
+    if getattr(kernel, "_ddp_lesson_keeps_busy", False):
+        return True
+    original = getattr(kernel, "_publish_status", None)
+    if original is None or not hasattr(kernel, "get_parent"):
+        return False
+    running: list = []  # execute requests between their busy and their idle, oldest first
+    lock = threading.Lock()
+
+    def publish_status(status, channel, parent=None):
+        original(status, channel, parent)
         try:
-            self.kernel._publish_status("busy", "shell", parent=self.request)
-        except Exception:  # an older or different kernel: only the indicator is affected
-            self.kernel = None
+            answered = parent or kernel.get_parent(channel) or {}
+            with lock:
+                if (answered.get("header") or {}).get("msg_type") == "execute_request":
+                    rid = _request_id(answered)
+                    running[:] = [r for r in running if _request_id(r) != rid]
+                    if status == "busy":
+                        running.append(answered)
+                    return
+                if status != "idle" or not running:
+                    return
+                current = running[-1]
+            original("busy", "shell", current)
+        except Exception:  # only what the page's indicator shows is at stake
+            pass
+
+    kernel._publish_status = publish_status
+    kernel._ddp_lesson_keeps_busy = True
+    try:  # installed from inside a cell: that cell is running now
+        current = kernel.get_parent("shell")
+        if (current.get("header") or {}).get("msg_type") == "execute_request":
+            with lock:
+                running.append(current)
+            original("busy", "shell", current)
+    except Exception:
+        pass
+    return True
 
 
 def _progress_line(outdir: Path, rank: int = 0) -> str:
@@ -721,19 +781,18 @@ def _supervise(launch: _Launch, timeout: float | None, status: _LiveStatus, errf
             if timeout is not None and elapsed > timeout:
                 _terminate(procs, launch.outdir)
                 return procs, True, time.monotonic() - start
-            status.keep_busy()
-            if status.label is not None:
+            if status.live:
                 rank0 = _progress_line(launch.outdir)
-                status.update(f"{status_text(launch.total)}, {elapsed:.0f} s"
+                status.update(f"{status_text(launch.total)}, at {elapsed:.0f} s"
                               + (f" | rank 0: {rank0}" if rank0 else ""))
             time.sleep(_POLL_S)
     except KeyboardInterrupt:
         _terminate(procs, launch.outdir)
-        status.update("torchrun: interrupted; every process ended")
+        status.end("torchrun: interrupted; every process ended")
         raise TorchrunInterrupted() from None
     except BaseException:
         _terminate(procs, launch.outdir)
-        status.update("torchrun: stopped; every process ended")
+        status.end()
         raise
     return procs, False, time.monotonic() - start
 
@@ -803,7 +862,7 @@ def run_torchrun(target: str | None = None, args=(), *, code: str | None = None,
             launcher chooses once and every rank uses that choice.
         env: environment for the run (default: this process's).
         cwd: working directory of the workers.
-        live: the live status line (a widget) in a notebook kernel: None (default) or True
+        live: the live status line (plain text) in a notebook kernel: None (default) or True
             show it there, False never. Outside a kernel there is none.
         check: raise :class:`TorchrunError` when a rank fails.
         torchrun_args: further torchrun flags, passed through unchanged.
@@ -837,11 +896,9 @@ def run_torchrun(target: str | None = None, args=(), *, code: str | None = None,
             _release_watchdog(watchdog)
             for err in errfiles:
                 err.close()
+        status.end()  # the constant text: what a stored notebook holds, whatever the outcome
         if timed_out:
-            status.update(f"torchrun: timed out after {timeout:g} s; every process ended")
             raise TorchrunTimeout(launch.equivalent, timeout, result)
-        status.update(f"{status_text(launch.total)} finished in {wall:.1f} s "
-                      f"(exit {result.returncode})")
         if result.returncode != 0:
             error = _failure(launch, result, exits)
             if check:
@@ -974,5 +1031,9 @@ def torchrun_magic(line: str, cell: str | None = None):
 
 
 def load_ipython_extension(ipython) -> None:
-    """Register ``%%torchrun`` / ``%torchrun`` (called by ``%load_ext ddp_lesson``)."""
+    """Register ``%%torchrun`` / ``%torchrun`` (called by ``%load_ext ddp_lesson``), and keep
+    the kernel's status busy while its cells run (:func:`keep_kernel_status_busy`)."""
     ipython.register_magic_function(torchrun_magic, magic_kind="line_cell", magic_name="torchrun")
+    kernel = getattr(ipython, "kernel", None)
+    if kernel is not None:
+        keep_kernel_status_busy(kernel)

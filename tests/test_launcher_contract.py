@@ -245,11 +245,10 @@ def test_a_cell_that_prints_warns_and_prints_replays_five_times(tmp_path):
 # ----------------------------------------------------------- what a reader sees (issue 19)
 
 def test_status_reads_as_text_and_shows_progress_not_warnings(tmp_path):
-    from ddp_lesson.launch import _progress_line, _status_label, launcher_backend, status_text
+    from ddp_lesson.launch import _progress_line, launcher_backend, status_text
 
     # item 1: the stored text form is a plain line, not Label(value=...)
-    label = _status_label(2)
-    assert label._repr_mimebundle_()["text/plain"] == "torchrun: 2 processes"
+    assert status_text(2) == "torchrun: 2 processes"
     assert status_text(1) == "torchrun: 1 process"
     # item 4: rank 0's last stdout line, never a warning's source line from stderr ...
     (tmp_path / "rank0.out").write_text("epoch 1 step 3/10\n")
@@ -278,22 +277,42 @@ def test_interrupt_reads_as_one_line_and_lines_fit_100_characters():
     assert out[2:] == ["[rank 10]   " + "word " * 16 + "word", "[rank 10]   word word last"]
 
 
-def _run_in_kernel(client, code: str, timeout: float = 120, interrupt_after_display=None):
-    """Execute ``code``; return the iopub messages that answer it, up to its idle status."""
+def _run_in_kernel(client, code: str, timeout: float = 120, during=None):
+    """Execute ``code``; return ``(mine, statuses)``: the iopub messages that answer it, up to
+    its idle status, and every status message seen meanwhile as ``(state, parent msg_type)``.
+    ``during`` is called once, at the first display_data (the run's status line)."""
     import time
 
     msg_id = client.execute(code)
-    messages, deadline = [], time.monotonic() + timeout
+    messages, statuses, deadline = [], [], time.monotonic() + timeout
     while time.monotonic() < deadline:
         msg = client.get_iopub_msg(timeout=timeout)
+        if msg["msg_type"] == "status":
+            statuses.append((msg["content"]["execution_state"],
+                             msg["parent_header"].get("msg_type")))
         if msg["parent_header"].get("msg_id") != msg_id:
             continue
         messages.append(msg)
-        if msg["msg_type"] == "display_data" and interrupt_after_display is not None:
-            interrupt_after_display()
+        if msg["msg_type"] == "display_data" and during is not None:
+            during()
         if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
-            return messages
+            return messages, statuses
     raise AssertionError(f"no idle status within {timeout} s")
+
+
+def _subshell_probe(client) -> None:
+    """What JupyterLab sends on the control channel when it connects to a kernel: create a
+    subshell, then delete it (ipykernel answers each with busy/idle on IOPub)."""
+    import time
+
+    subshell = None
+    for kind in ("create_subshell_request", "delete_subshell_request"):
+        content = {} if subshell is None else {"subshell_id": subshell}
+        client.control_channel.send(client.session.msg(kind, content))
+        reply = client.control_channel.get_msg(timeout=30)["content"]
+        assert reply["status"] == "ok", reply
+        subshell = reply.get("subshell_id", subshell)
+    time.sleep(0.5)
 
 
 def test_in_a_kernel_busy_throughout_text_status_and_one_line_interrupt():
@@ -305,28 +324,42 @@ def test_in_a_kernel_busy_throughout_text_status_and_one_line_interrupt():
     km, kc = start_new_kernel(kernel_name="python3")
     try:
         _run_in_kernel(kc, "%load_ext ddp_lesson")
-        start = time.monotonic()
-        msgs = _run_in_kernel(kc, "%%torchrun --nproc-per-node 1 --quiet\n"
-                                  "import time\ntime.sleep(6)\nprint('slept')\n")
-        elapsed = time.monotonic() - start
-        states = [m["content"]["execution_state"] for m in msgs if m["msg_type"] == "status"]
-        # the kernel says "busy" again while the run lasts (every 2 s), then "idle" once
-        assert states[-1] == "idle" and states.count("idle") == 1
-        assert states.count("busy") >= 1 + int(elapsed // 2) - 2
-        shown = [m["content"]["data"]["text/plain"] for m in msgs
-                 if m["msg_type"] == "display_data"]
-        assert shown == ["torchrun: 1 process"]  # item 1: no Label(value=...) repr
+        msgs, statuses = _run_in_kernel(
+            kc, "%%torchrun --nproc-per-node 1 --quiet\n"
+                "import time\ntime.sleep(4)\nprint('slept')\n",
+            during=lambda: _subshell_probe(kc))
+        # item 6: the control channel's idle for the probe is followed at once by busy for the
+        # running cell, so the last status a page sees before the cell's own idle is busy
+        foreign = [i for i, (state, kind) in enumerate(statuses)
+                   if kind.endswith("subshell_request") and state == "idle"]
+        assert len(foreign) == 2, statuses
+        for i in foreign:
+            assert statuses[i + 1] == ("busy", "execute_request"), statuses
+        assert statuses[-1] == ("idle", "execute_request")
+        assert [s for s, k in statuses if k == "execute_request"].count("idle") == 1
+        # items 1, 5: a plain-text line (no widget, no comm), updated in place while the run
+        # lasts, first and last the constant text that a stored notebook holds
+        assert not [m for m in msgs if m["msg_type"].startswith("comm")]
+        shown = [m for m in msgs if m["msg_type"] in ("display_data", "update_display_data")]
+        assert [m["msg_type"] for m in shown[:1]] == ["display_data"]
+        assert {m["content"]["transient"]["display_id"] for m in shown} == {
+            shown[0]["content"]["transient"]["display_id"]}
+        texts = [m["content"]["data"] for m in shown]
+        assert texts[0] == texts[-1] == {"text/plain": "torchrun: 1 process"}
+        assert any(t["text/plain"].startswith("torchrun: 1 process, at ") for t in texts[1:-1])
         streams = [m["content"]["text"] for m in msgs if m["msg_type"] == "stream"]
         assert streams == ["[rank 0] slept\n"]
-        # item 5: an interrupt reads as one line
-        msgs = _run_in_kernel(kc, "%%torchrun --nproc-per-node 1 --quiet\n"
-                                  "import time\ntime.sleep(120)\n",
-                              interrupt_after_display=lambda: (time.sleep(3),
-                                                               km.interrupt_kernel()))
+        # item 5: an interrupt reads as one line, and the status line says so
+        msgs, _ = _run_in_kernel(kc, "%%torchrun --nproc-per-node 1 --quiet\n"
+                                     "import time\ntime.sleep(120)\n",
+                                 during=lambda: (time.sleep(3), km.interrupt_kernel()))
         errors = [m["content"] for m in msgs if m["msg_type"] == "error"]
         assert [e["ename"] for e in errors] == ["TorchrunInterrupted"]
         assert errors[0]["traceback"] == [
             "KeyboardInterrupt: torchrun interrupted: every process it started was ended"]
+        last = [m for m in msgs if m["msg_type"] == "update_display_data"][-1]
+        assert last["content"]["data"] == {
+            "text/plain": "torchrun: interrupted; every process ended"}
     finally:
         kc.stop_channels()
         km.shutdown_kernel(now=True)
