@@ -765,18 +765,22 @@ def _release_watchdog(watchdog: subprocess.Popen) -> None:
     _reap(watchdog, 10.0)
 
 
-def _supervise(launch: _Launch, timeout: float | None, status: _LiveStatus, errfiles
+def _supervise(launch: _Launch, timeout: float | None, status: _LiveStatus, errfiles,
+               cancel: threading.Event | None = None
                ) -> tuple[list[subprocess.Popen], bool, float]:
     """Start the agents and wait for them: ``(procs, timed_out, wall_s)``.
 
-    Live status every ``_POLL_S``; on timeout, interrupt or any other exception every process
-    is ended (the exception is re-raised; a timeout is reported through ``timed_out``).
+    Live status every ``_POLL_S``; on timeout, interrupt (or ``cancel`` set by another
+    thread: :func:`run_torchrun_many`) or any other exception every process is ended (the
+    exception is re-raised; a timeout is reported through ``timed_out``).
     """
     start = time.monotonic()
     procs = []
     try:
         procs = _start(launch, errfiles)
         while any(p.poll() is None for p in procs):
+            if cancel is not None and cancel.is_set():
+                raise KeyboardInterrupt
             elapsed = time.monotonic() - start
             if timeout is not None and elapsed > timeout:
                 _terminate(procs, launch.outdir)
@@ -841,7 +845,7 @@ def run_torchrun(target: str | None = None, args=(), *, code: str | None = None,
                  max_restarts: int = 0, timeout: float | None = DEFAULT_TIMEOUT_S,
                  backend: str | None = None, env: dict | None = None, cwd=None,
                  live: bool | None = None, check: bool = True,
-                 torchrun_args=()) -> TorchrunResult:
+                 torchrun_args=(), _cancel: threading.Event | None = None) -> TorchrunResult:
     """Run a program on ``nnodes * nproc_per_node`` processes with torchrun, collect each output.
 
     Give exactly one of ``code`` (source text, run as a script: what ``%%torchrun`` does),
@@ -890,7 +894,7 @@ def run_torchrun(target: str | None = None, args=(), *, code: str | None = None,
         errfiles = [open(outdir / f"launcher{n}.err", "w+b") for n in range(len(launch.commands))]
         watchdog = _start_watchdog(launch)
         try:
-            procs, timed_out, wall = _supervise(launch, timeout, status, errfiles)
+            procs, timed_out, wall = _supervise(launch, timeout, status, errfiles, _cancel)
             result, exits = _collect_result(launch, procs, errfiles, wall)
         finally:
             _release_watchdog(watchdog)
@@ -908,6 +912,68 @@ def run_torchrun(target: str | None = None, args=(), *, code: str | None = None,
         if launch is not None:  # stop the rendezvous store now, not when a traceback is freed
             launch.store = None
         shutil.rmtree(outdir, ignore_errors=True)
+
+
+def run_torchrun_many(jobs: dict, *, label: str = "torchrun", live: bool | None = None
+                      ) -> dict:
+    """Start several :func:`run_torchrun` jobs at once and wait for all of them.
+
+    Each job runs in a thread of its own with its own rendezvous store, ports and folder; they
+    share only the machine. Started together, jobs that mostly wait (for a timeout, a
+    rendezvous, a torch import on a spare core) take about as long as the slowest one, not the
+    sum. Results are deterministic in content and come back in the order of ``jobs``, not of
+    finishing. In a notebook one live status line counts the finished jobs and ends as
+    :func:`status_text` of all their processes (what a stored notebook holds).
+
+    Args:
+        jobs: ``{label: kwargs of run_torchrun}`` (``live`` is forced off for each job: the
+            line here speaks for all).
+        label: the first word of the live line (``"hang clinic: 3 of 7 runs finished, 4 s"``).
+        live: as for :func:`run_torchrun`.
+
+    Returns:
+        ``{label: TorchrunResult}`` in the order of ``jobs``.
+
+    Raises:
+        ValueError: no job, or a job's bad arguments.
+        TorchrunError / TorchrunTimeout: the first job (in ``jobs`` order) that raised one,
+            once every job has ended.
+        TorchrunInterrupted: a ``KeyboardInterrupt``; every process of every job is ended first.
+    """
+    if not jobs:
+        raise ValueError("run_torchrun_many needs at least one job, got none")
+    results, errors, cancel = {}, {}, threading.Event()
+
+    def work(name, kwargs):
+        try:
+            results[name] = run_torchrun(**{**kwargs, "live": False, "_cancel": cancel})
+        except BaseException as exc:  # re-raised below, in the caller's thread
+            errors[name] = exc
+
+    total = sum(kw.get("nproc_per_node", 2) * kw.get("nnodes", 1) for kw in jobs.values())
+    status = _LiveStatus(live, total)
+    threads = [threading.Thread(target=work, args=item, daemon=True) for item in jobs.items()]
+    start = time.monotonic()
+    for t in threads:
+        t.start()
+    try:
+        while any(t.is_alive() for t in threads):
+            done = sum(not t.is_alive() for t in threads)
+            status.update(f"{label}: {done} of {len(threads)} runs finished, "
+                          f"at {time.monotonic() - start:.0f} s")
+            for t in threads:
+                t.join(_POLL_S / len(threads))
+    except KeyboardInterrupt:
+        cancel.set()
+        for t in threads:
+            t.join()
+        status.end("torchrun: interrupted; every process ended")
+        raise TorchrunInterrupted() from None
+    status.end()
+    for name in jobs:
+        if name in errors:
+            raise errors[name]
+    return {name: results[name] for name in jobs}
 
 
 # --------------------------------------------------------------------------- cell magic

@@ -6,7 +6,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 from pathlib import Path
 
@@ -17,6 +16,7 @@ from ddp_lesson.launch import (
     TorchrunTimeout,
     format_rank_outputs,
     run_torchrun,
+    run_torchrun_many,
     split_magic_line,
     torchrun_command,
     torchrun_magic,
@@ -165,13 +165,16 @@ def _descendants(pid: int) -> list[int]:
     return found
 
 
-def _interrupt_script(tmp_path: Path, signum: int) -> tuple[list[int], int, str]:
+def _interrupt_script(tmp_path: Path, signum: int, many: bool = False
+                      ) -> tuple[list[int], int, str]:
     """Start run_torchrun in a separate Python, wait until both workers run and each started
-    a process of its own (``sleep``), send ``signum``. Returns every descendant seen before."""
+    a process of its own (``sleep``), send ``signum``. Returns every descendant seen before.
+    ``many``: two one-process jobs at once through run_torchrun_many instead."""
     driver = tmp_path / "driver.py"
     worker = (f"import os, subprocess, time\n"
               f"child = subprocess.Popen(['sleep', '600'])\n"
-              f"open(os.path.join({str(tmp_path)!r}, 'pid' + os.environ['RANK']), 'w')"
+              f"open(os.path.join({str(tmp_path)!r}, 'pid' + os.environ.get('JOB', "
+              f"os.environ['RANK'])), 'w')"
               f".write(f'{{os.getpid()}} {{child.pid}}')\n"
               f"time.sleep(600)\n")
     driver.write_text(
@@ -180,9 +183,12 @@ def _interrupt_script(tmp_path: Path, signum: int) -> tuple[list[int], int, str]
         # explicitly: a shell that starts this suite in the background (as CI may) leaves
         # SIGINT ignored, and children inherit that.
         "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
-        "from ddp_lesson.launch import run_torchrun\n"
+        "import os\n"
+        "from ddp_lesson.launch import run_torchrun, run_torchrun_many\n"
         "try:\n"
-        f"    run_torchrun(code={worker!r}, nproc_per_node=2, timeout=300, live=False)\n"
+        + (f"    run_torchrun_many({{j: dict(code={worker!r}, nproc_per_node=1, timeout=300, "
+           "env=dict(os.environ, JOB=j)) for j in '01'}, live=False)\n" if many else
+           f"    run_torchrun(code={worker!r}, nproc_per_node=2, timeout=300, live=False)\n") +
         "except KeyboardInterrupt as e:\n"
         "    print('interrupted', *e._render_traceback_(), flush=True)\n"
         "    sys.exit(130)\n")
@@ -203,8 +209,9 @@ def _interrupt_script(tmp_path: Path, signum: int) -> tuple[list[int], int, str]
     return below, proc.returncode, out
 
 
-def test_interrupt_leaves_no_process(tmp_path):
-    below, code, out = _interrupt_script(tmp_path, signal.SIGINT)
+@pytest.mark.parametrize("many", [False, True], ids=["one_job", "two_jobs_at_once"])
+def test_interrupt_leaves_no_process(tmp_path, many):
+    below, code, out = _interrupt_script(tmp_path, signal.SIGINT, many)
     assert code == 130
     # one line in a notebook, not a traceback through the launcher (issue 19, item 5)
     assert out == ("interrupted KeyboardInterrupt: torchrun interrupted: every process it "
@@ -220,28 +227,38 @@ def test_killing_the_launcher_outright_leaves_no_orphans(tmp_path):
     assert _wait_dead(below, seconds=10) == []
 
 
-def test_two_launches_at_once_get_different_ports():
+def test_launches_at_once_get_different_ports_and_come_back_in_job_order():
     code = textwrap.dedent("""
-        import os, time
+        import os, sys, time
         import torch.distributed as dist
         dist.init_process_group("gloo")
-        time.sleep(1)
+        time.sleep(float(sys.argv[1]))
         print(os.environ["MASTER_PORT"])
         dist.destroy_process_group()
+        sys.exit(int(sys.argv[2]))
     """)
-    results = [None, None]
+    script = {"code": code, "nproc_per_node": 2, "timeout": 90}
+    # "slow" finishes last but comes back first; "fails" exits 3 on both ranks (check=False)
+    results = run_torchrun_many({"slow": dict(script, args=["3", "0"]),
+                                 "fast": dict(script, args=["0", "0"]),
+                                 "fails": dict(script, args=["0", "3"], check=False)},
+                                live=False)
+    assert list(results) == ["slow", "fast", "fails"]
+    assert [r.returncode for r in results.values()] == [0, 0, 1]
+    assert results["fails"].failed_ranks == [0, 1]
+    ports = [r.rank_lines(0)[0] for r in results.values()]
+    assert all(r.rank_lines(1) == r.rank_lines(0) for r in results.values())  # one port per job
+    assert len(set(ports)) == 3
 
-    def go(i):
-        results[i] = run_torchrun(code=code, nproc_per_node=2, timeout=90, live=False)
 
-    threads = [threading.Thread(target=go, args=(i,)) for i in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    ports = [r.rank_lines(0)[0] for r in results]
-    assert all(r.rank_lines(1) == r.rank_lines(0) for r in results)  # one port per job
-    assert ports[0] != ports[1]
+def test_launches_at_once_raise_the_first_failed_job_in_order():
+    with pytest.raises(ValueError, match="at least one job"):
+        run_torchrun_many({})
+    # bad arguments fail before any process starts; the first job in order is the one raised
+    jobs = {"first": {"code": "print(1)", "nproc_per_node": 0},
+            "second": {"code": "print(1)", "nproc_per_node": 1, "nnodes": 0}}
+    with pytest.raises(ValueError, match=r"^nproc_per_node must be an integer >= 1, got 0$"):
+        run_torchrun_many(jobs, live=False)
 
 
 def test_module_and_script_targets_get_their_arguments(tmp_path):

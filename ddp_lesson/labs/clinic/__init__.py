@@ -19,8 +19,6 @@ reads the errors; tests/test_clinic.py asserts each error.
 from __future__ import annotations
 
 import re
-import threading
-import time
 
 CASES = ("partial_collective", "shape_mismatch", "uneven_batches", "model_mismatch",
          "missing_rank")
@@ -132,46 +130,17 @@ def run_all(runs: dict, *, timeout: float = 120.0, nproc_per_node: int = 2) -> d
 
     Raises:
         ddp_lesson.launch.TorchrunTimeout: a run outlived ``timeout`` (raised once all
-            threads are done). An interrupt waits for the runs to end (each within
-            ``timeout``); every process ends with its run.
+            runs are done).
+        ddp_lesson.launch.TorchrunInterrupted: an interrupt; every process of every run
+            is ended first (:func:`ddp_lesson.launch.run_torchrun_many`).
     """
     import os
 
-    from ...launch import _LiveStatus, run_torchrun
+    from ...launch import run_torchrun_many
 
-    def one(spec):
-        module, args, *extra = spec
-        env = dict(os.environ, **(extra[0] if extra else {}))
-        return run_torchrun(f"{__name__}.{module}", list(args), module=True,
-                            nproc_per_node=nproc_per_node, timeout=timeout, backend="gloo",
-                            check=False, env=env, live=False)
-
-    results, errors = {}, {}
-
-    def work(label, spec):
-        try:
-            results[label] = one(spec)
-        except BaseException as exc:  # re-raised below, in the caller's thread
-            errors[label] = exc
-
-    status = _LiveStatus(None, nproc_per_node * len(runs))
-    threads = [threading.Thread(target=work, args=item, daemon=True) for item in runs.items()]
-    start = time.monotonic()
-    for t in threads:
-        t.start()
-    try:
-        while any(t.is_alive() for t in threads):
-            done = sum(not t.is_alive() for t in threads)
-            status.update(f"hang clinic: {done} of {len(threads)} runs finished, "
-                          f"{time.monotonic() - start:.0f} s")
-            status.keep_busy()
-            time.sleep(0.25)
-    except KeyboardInterrupt:
-        status.update("hang clinic: interrupted; waiting for the runs to end")
-        for t in threads:
-            t.join()
-        raise
-    status.update(f"hang clinic: {len(threads)} runs finished in {time.monotonic() - start:.1f} s")
-    if errors:
-        raise next(iter(errors.values()))
-    return {label: results[label] for label in runs}
+    jobs = {}
+    for label, (module, args, *extra) in runs.items():
+        jobs[label] = dict(target=f"{__name__}.{module}", args=list(args), module=True,
+                           nproc_per_node=nproc_per_node, timeout=timeout, backend="gloo",
+                           check=False, env=dict(os.environ, **(extra[0] if extra else {})))
+    return run_torchrun_many(jobs, label="hang clinic")
