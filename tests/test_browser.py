@@ -432,9 +432,12 @@ def opened(lab, browser):
             page.keyboard.press("Control+s")
             _wait_for(f"{name} saved", lambda name=name, mtime=mtime: (
                 (folder / name).stat().st_mtime_ns != mtime, "not written yet"), WIDGET_S)
+            saved = _settled_bytes(folder / name)
+            if saved != stored[name]:  # kept for a diff with the stored file
+                (ARTIFACTS / f"saved_{name}").write_bytes(saved)
             results[name] = {"dirty": dirty, "outputs": seen["outputs"],
                              "images": seen["images"], "shot": shot,
-                             "saved_as_stored": (folder / name).read_bytes() == stored[name]}
+                             "saved_as_stored": saved == stored[name]}
     finally:
         lab.watch.scan()
         _shut_down_kernels(lab, keep=before)
@@ -529,6 +532,20 @@ def _cmdline(pid: int) -> str:
         return ""
 
 
+def _settled_bytes(path: Path, quiet_s: float = 0.5) -> bytes:
+    """``path``'s bytes once two reads ``quiet_s`` apart agree (bounded): a save seen by its
+    mtime may still be in progress on a loaded machine."""
+    deadline = time.monotonic() + WIDGET_S
+    last = path.read_bytes()
+    while time.monotonic() < deadline:
+        time.sleep(quiet_s)
+        now = path.read_bytes()
+        if now == last:
+            break
+        last = now
+    return last
+
+
 def _workers(lab) -> list[int]:
     """The running cells' torchrun workers (the cell's script, not the torchrun agent)."""
     lab.watch.scan()
@@ -586,12 +603,15 @@ def _long_cell(browser, lab) -> dict:
     def look():
         return page.evaluate(_LOOK_JS, [_PANEL, index])
 
-    def running():  # the status line shows the run going ("..., at N s | rank 0: ...")
+    def running():  # the status line shows the run going ("..., at N s | rank 0: step N")
         seen = look()
         line = _status_line(seen) or ""
         if ", at " in line and (not found["live"] or found["live"][-1] != line):
             found["live"].append(line)
-        return seen["prompt"] == "[*]:" and ", at " in line and len(_workers(lab)) >= 2, seen
+        # rank 0's progress in the line: the workers are past their start-up and in the loop
+        # (on a loaded machine that takes seconds after the line first goes live)
+        return (seen["prompt"] == "[*]:" and "| rank 0: step " in line
+                and len(_workers(lab)) >= 2), seen
 
     t0 = time.monotonic()
     phases = {}
