@@ -301,8 +301,9 @@ def launch_env(base, backend: str | None, nprocs_here: int, announced: bool = Tr
     # Restarts (--max-restarts): by default torchrun >= 2.4 keeps one rendezvous TCP store
     # across restarts, and on torch 2.13 + gloo the restarted workers then often fail in
     # init_process_group with "Gloo connectFullMesh failed ... Connection refused": the shared
-    # store still holds the dead worker's address (pytorch/pytorch#135712). A fresh store per
-    # rendezvous round removed it here (13 of 13 restarts recovered, against 11 of 16 failing).
+    # store still holds the dead attempt's keys, which carry no restart count (pitfall C7 in
+    # docs/pitfalls.md; pytorch/pytorch#135712, reported for NCCL). A fresh store per
+    # rendezvous round removes them: tests/test_elastic.py's restarts recover with it.
     env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     # Let the workers import this package even when it is not installed (a plain checkout).
     pkg_root = str(Path(__file__).resolve().parent.parent)
