@@ -156,11 +156,12 @@ atexit.register(print, "last words, no newline", end="")  # atexit runs last-in 
 MARK = "the script's module"
 atexit.register(lambda: print("atexit handler ran in", sys.modules["__main__"].MARK,
                               "| __file__ kept:", "__file__" in vars(sys.modules["__main__"])))
-def late():
+def late():  # one write per line: two threads' print()s can interleave text and newline
     time.sleep(0.5)
-    print("non-daemon thread finished")
+    sys.stdout.write("non-daemon thread finished\n")
 threading.Thread(target=late).start()
-ThreadPoolExecutor(1).submit(lambda: (time.sleep(0.5), print("executor job finished")))
+ThreadPoolExecutor(1).submit(lambda: (time.sleep(0.5),
+                                      sys.stdout.write("executor job finished\n")))
 unclosed = open(os.path.join(out, "unclosed.txt"), "w")
 unclosed.write("written, never closed")
 here = os.path.dirname(os.path.abspath(__file__))
