@@ -80,8 +80,11 @@ def test_notebook00_lab_on_three_ranks():
 def test_plain_torchrun_defaults(tmp_path):
     """Plain torchrun, nothing preset: OMP_NUM_THREADS=1 with 2 processes, shared agent store."""
     script = tmp_path / "show.py"
-    script.write_text("import os\nprint(os.environ['OMP_NUM_THREADS'], "
-                      "os.environ['TORCHELASTIC_USE_AGENT_STORE'], os.environ['LOCAL_RANK'])\n")
+    # one os.write per rank: both ranks share torchrun's stdout, and an unbuffered print()
+    # writes its pieces separately, so the two ranks' lines could interleave
+    script.write_text("import os\nos.write(1, (' '.join([os.environ['OMP_NUM_THREADS'], "
+                      "os.environ['TORCHELASTIC_USE_AGENT_STORE'], os.environ['LOCAL_RANK']])"
+                      " + '\\n').encode())\n")
     env = {k: v for k, v in os.environ.items()
            if k not in ("OMP_NUM_THREADS", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE")}
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
