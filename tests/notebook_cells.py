@@ -9,6 +9,7 @@ on ``sys.path`` would shadow this one.
 from __future__ import annotations
 
 import functools
+import re
 from pathlib import Path
 
 import nbformat
@@ -40,3 +41,29 @@ def stream_text(notebook: str, marker: str) -> str:
     """The stored stdout/stderr text of the first code cell containing ``marker``."""
     outputs = cell_with(notebook, marker).outputs
     return "".join(o.get("text", "") for o in outputs if o.get("output_type") == "stream")
+
+
+def stored_run(notebook: str, marker: str,
+               indent: int = 11) -> tuple[dict[int, list[str]], list[str]]:
+    """The stored stdout of the cell containing ``marker``, read as a run's result.
+
+    Lines ``[rank N] text`` go to ``ranks[N]`` (in order), every other line to ``other``; a
+    line that starts with ``indent`` spaces is a ``textwrap.fill`` continuation (the notebooks
+    wrap long rank lines at 100 characters) and is joined back to the line before it with one
+    space. Returns ``(ranks, other)``.
+    """
+    joined: list[str] = []
+    for line in stream_text(notebook, marker).splitlines():
+        if line.startswith(" " * indent) and joined:
+            joined[-1] += " " + line.strip()
+        else:
+            joined.append(line)
+    ranks: dict[int, list[str]] = {}
+    other = []
+    for line in joined:
+        m = re.match(r"\[rank (\d+)\] (.*)$", line)
+        if m:
+            ranks.setdefault(int(m.group(1)), []).append(m.group(2))
+        else:
+            other.append(line)
+    return ranks, other
