@@ -5,8 +5,11 @@ would shadow a ``from conftest import ...``).
 
 ``json_lab``: :func:`run_json_lab` (a lab that writes its results as JSON to ``--out``).
 
-Lab fixtures (``zero_lab``, ``fsdp_lab``): one torchrun launch per world size (2 and 3, where
-3 catches uneven splits) per test module; each yields ``(world_size, rank 0's printed lines)``.
+Lab fixtures (``zero_lab``, ``fsdp_lab``): world sizes 2 and 3 (3 catches uneven splits); each
+yields ``(world_size, rank 0's printed lines)``. World size 3 is one torchrun launch per test
+module; world size 2 is the run notebook 07's ``%%torchrun`` cell makes (``main([])`` on 2
+processes), read from its stored output: the suite's nbval replay runs that cell and fails unless
+it prints exactly what is stored, so the same lines are checked on a fresh run either way.
 """
 
 from __future__ import annotations
@@ -43,13 +46,27 @@ def json_lab():
     return run_json_lab
 
 
+def notebook07_or_launch(module: str, world_size: int) -> list[str]:
+    """Rank 0's lines of ``module``'s ``main()`` on ``world_size`` processes: notebook 07's
+    stored run for 2 (its cell is exactly ``from MODULE import main`` / ``main([])`` under
+    ``%%torchrun --nproc-per-node 2``), a torchrun launch otherwise."""
+    if world_size != 2:
+        return lab_rank0_lines(module, world_size)
+    from notebook_cells import cell_with, stored_run
+
+    nb, marker = "07_beyond_ddp_zero_fsdp.ipynb", f"from {module} import main"
+    assert cell_with(nb, marker).source == f"%%torchrun --nproc-per-node 2\n{marker}\n\nmain([])"
+    ranks, _ = stored_run(nb, marker)
+    return ranks[0]
+
+
 @pytest.fixture(scope="module", params=[2, 3], ids=["world2", "world3"])
 def zero_lab(request):
     """``(world_size, lines)`` of ``ddp_lesson.labs.zero_check`` (ZeRO-1 against DDP+AdamW)."""
-    return request.param, lab_rank0_lines("ddp_lesson.labs.zero_check", request.param)
+    return request.param, notebook07_or_launch("ddp_lesson.labs.zero_check", request.param)
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["world2", "world3"])
 def fsdp_lab(request):
     """``(world_size, lines)`` of ``ddp_lesson.labs.fsdp_tinygpt`` (FSDP2 against DDP)."""
-    return request.param, lab_rank0_lines("ddp_lesson.labs.fsdp_tinygpt", request.param)
+    return request.param, notebook07_or_launch("ddp_lesson.labs.fsdp_tinygpt", request.param)
