@@ -44,6 +44,7 @@ Source: torchrun's documentation, https://pytorch.org/docs/stable/elastic/run.ht
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
 import re
 import shlex
@@ -951,7 +952,9 @@ def run_torchrun_many(jobs: dict, *, label: str = "torchrun", live: bool | None 
         except BaseException as exc:  # re-raised below, in the caller's thread
             errors[name] = exc
 
-    total = sum(kw.get("nproc_per_node", 2) * kw.get("nnodes", 1) for kw in jobs.values())
+    defaults = inspect.signature(run_torchrun).parameters  # one source for the defaults
+    total = sum(kw.get("nproc_per_node", defaults["nproc_per_node"].default)
+                * kw.get("nnodes", defaults["nnodes"].default) for kw in jobs.values())
     status = _LiveStatus(live, total)
     threads = [threading.Thread(target=work, args=item, daemon=True) for item in jobs.items()]
     start = time.monotonic()
