@@ -45,3 +45,13 @@ def start(timeout: float):
         barrier()
         _set_pg_timeout(datetime.timedelta(seconds=timeout), dist.group.WORLD)
     return env
+
+
+def main(doc: str, run, argv=None) -> None:
+    """A case program's entry point: parse ``argv`` (:func:`parse`), join the group
+    (:func:`start`), ``run(env, fixed)``, leave the group. Synchronises ranks."""
+    from ...env import cleanup
+
+    args = parse(doc, argv)
+    run(start(args.timeout), args.fixed)
+    cleanup()

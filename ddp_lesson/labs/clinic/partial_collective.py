@@ -32,12 +32,9 @@ def run(env, fixed: bool) -> None:
 
 
 def main(argv=None) -> None:
-    from ...env import cleanup
-    from ._common import parse, start
+    from . import _common
 
-    args = parse(__doc__, argv)
-    run(start(args.timeout), args.fixed)
-    cleanup()
+    _common.main(__doc__, run, argv)
 
 
 if __name__ == "__main__":
