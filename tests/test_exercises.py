@@ -3,8 +3,10 @@
 The wrong answers are the mistakes the series teaches about (the seed's sampler defects, a
 sum instead of a mean, a forgotten set_epoch, a ring without its all-gather phase, ...); each
 test asserts the verdict's specific words, not only that it failed. Distributed checkers
-start real torchrun jobs, so the candidates of one exercise are judged in as few launches as
-possible (``run_candidates``), and the public ``check()`` path is exercised too.
+start real torchrun jobs, so each test declares the distributed candidates it judges
+(``@judges``) and the ``judged`` fixture judges those of every selected test that start the
+same number of processes together (``run_pairs``: one launch per number of processes, plus
+one after a candidate that ends its launch); the public ``check()`` path is exercised too.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ import torch.distributed as dist
 from torch.utils.data import Sampler
 
 from ddp_lesson.exercises import check, describe, exercise_ids, reference
-from ddp_lesson.exercises.core import run_candidates
+from ddp_lesson.exercises.core import get, run_candidates, run_pairs
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -29,8 +31,70 @@ ROOT = Path(__file__).resolve().parent.parent
 os.environ.setdefault("DDP_LESSON_CHECK_TIMEOUT_S", "4")
 
 
-def _verdicts(exercise_id, *candidates):
-    return run_candidates(exercise_id, [reference(exercise_id), *candidates])
+class Attempt:
+    """Stands for :func:`notebook_attempt` of ``exercise_id`` in ``@judges``: the notebook's
+    code is run when the candidates are judged, not when this file is imported."""
+
+    def __init__(self, exercise_id):
+        self.exercise_id = exercise_id
+
+
+# test name -> [(exercise id, candidate)]: the distributed candidates each test judges, and
+# those that end their launch (a rank exits, gloo aborts a process), judged after all others
+JUDGED: dict[str, list] = {}
+ENDS_LAUNCH: dict[str, list] = {}
+
+
+def judges(exercise_id, *candidates, ends_launch=False):
+    """Declare the distributed candidates a test judges; the test reads their verdicts, in
+    this order, from the ``judged`` fixture (after its other candidates when it has both)."""
+    def declare(test):
+        table = ENDS_LAUNCH if ends_launch else JUDGED
+        table.setdefault(test.__name__, []).extend((exercise_id, c) for c in candidates)
+        return test
+    return declare
+
+
+class _Verdicts:
+    """The verdicts of the selected tests' declared candidates, judged on first need: all
+    those that start the same number of processes in one ``run_pairs`` call (declared order,
+    the ones that end a launch last), so each number of processes costs one launch."""
+
+    def __init__(self, selected):
+        self.selected, self.done = selected, {}
+
+    @staticmethod
+    def _processes(test):
+        return {get(e).world_size for t in (JUDGED, ENDS_LAUNCH) for e, _ in t.get(test, [])}
+
+    def of(self, test):
+        for size in sorted(self._processes(test) - set(self.done)):
+            owners, pairs = [], []
+            for table in (JUDGED, ENDS_LAUNCH):
+                for name, declared in table.items():
+                    for e, c in declared:
+                        if name in self.selected and get(e).world_size == size:
+                            owners.append(name)
+                            pairs.append((e, notebook_attempt(c.exercise_id)
+                                          if isinstance(c, Attempt) else c))
+            found: dict[str, list] = {}
+            for name, verdict in zip(owners, run_pairs(pairs)):
+                found.setdefault(name, []).append(verdict)
+            self.done[size] = found
+        return [v for found in self.done.values() for v in found.get(test, [])]
+
+
+@pytest.fixture(scope="module")
+def _verdicts(request):
+    selected = {item.originalname for item in request.session.items
+                if getattr(item, "module", None) is request.module}
+    return _Verdicts(selected)
+
+
+@pytest.fixture
+def judged(_verdicts, request):
+    """The verdicts of the candidates this test declared with ``@judges``, in order."""
+    return _verdicts.of(request.node.originalname)
 
 
 def notebook_attempt(exercise_id):
@@ -169,29 +233,34 @@ def test_07_1_zero3_ranks():
 
 # ----------------------------------------------------------------------------- 01
 
-def test_01_4_weighted_average():
-    def plain_mean(grad, count):
-        g = grad.clone()
-        dist.all_reduce(g)
-        return g / dist.get_world_size()
+def plain_mean(grad, count):
+    g = grad.clone()
+    dist.all_reduce(g)
+    return g / dist.get_world_size()
 
-    def plain_sum(grad, count):
-        g = grad.clone()
-        dist.all_reduce(g)
-        return g
 
-    def undivided(grad, count):
-        g = grad * count
-        dist.all_reduce(g)
-        return g
+def plain_sum(grad, count):
+    g = grad.clone()
+    dist.all_reduce(g)
+    return g
 
-    def over_eight(grad, count):  # right while the shards total 8 samples
-        g = grad * count
-        dist.all_reduce(g)
-        return g / 8
 
-    good, mean, nb_mean, total, undiv, eight = _verdicts(
-        "01.4", plain_mean, notebook_attempt("01.4"), plain_sum, undivided, over_eight)
+def undivided(grad, count):
+    g = grad * count
+    dist.all_reduce(g)
+    return g
+
+
+def over_eight(grad, count):  # right while the shards total 8 samples
+    g = grad * count
+    dist.all_reduce(g)
+    return g / 8
+
+
+@judges("01.4", reference("01.4"), plain_mean, Attempt("01.4"), plain_sum, undivided,
+        over_eight)
+def test_01_4_weighted_average(judged):
+    good, mean, nb_mean, total, undiv, eight = judged
     assert good
     # shards 3, 6, 2 total 11
     assert eight.problems[0].startswith("with shards of 3, 6, 2 samples, rank 0 returned "), (
@@ -209,23 +278,27 @@ def test_01_4_weighted_average():
     assert "divide it by the total count 8" in undiv.problems[0]
 
 
-def test_01_5_average_gradients():
-    def summed(model):
-        for p in model.parameters():
+def summed(model):
+    for p in model.parameters():
+        dist.all_reduce(p.grad)
+
+
+def weights_only(model):
+    for name, p in model.named_parameters():
+        if name.endswith("weight"):
             dist.all_reduce(p.grad)
+            p.grad /= dist.get_world_size()
 
-    def weights_only(model):
-        for name, p in model.named_parameters():
-            if name.endswith("weight"):
-                dist.all_reduce(p.grad)
-                p.grad /= dist.get_world_size()
 
-    def divided_by_two(model):  # right with 2 ranks only: a constant for the world size
-        for p in model.parameters():
-            dist.all_reduce(p.grad)
-            p.grad /= 2
+def divided_by_two(model):  # right with 2 ranks only: a constant for the world size
+    for p in model.parameters():
+        dist.all_reduce(p.grad)
+        p.grad /= 2
 
-    good, v_sum, v_weights, v_two = _verdicts("01.5", summed, weights_only, divided_by_two)
+
+@judges("01.5", reference("01.5"), summed, weights_only, divided_by_two)
+def test_01_5_average_gradients(judged):
+    good, v_sum, v_weights, v_two = judged
     assert good
     assert "2x too big" in v_sum.problems[0] and "divide by world_size (2)" in v_sum.problems[0]
     assert "Not averaged here: 0.bias, 2.bias" in v_weights.problems[0]
@@ -385,11 +458,11 @@ def test_02_1_reference_passes_through_the_public_check():
     assert "3 processes (torchrun, gloo)" in str(v)
 
 
-def test_02_1_sampler_rejects_the_typical_mistakes():
-    verdicts = run_candidates("02.1", [SeedSampler, SeedSamplerWithLen, EpochIgnored, RankSeeded,
-                                       Contiguous, notebook_attempt("02.1"), PadsWithTheEnd,
-                                       LenAlwaysZero, SeedIgnored, RankFromTheGroup,
-                                       CountsItsPasses, ThreeReplicas])
+@judges("02.1", SeedSampler, SeedSamplerWithLen, EpochIgnored, RankSeeded, Contiguous,
+        Attempt("02.1"), PadsWithTheEnd, LenAlwaysZero, SeedIgnored, RankFromTheGroup,
+        CountsItsPasses, ThreeReplicas)
+def test_02_1_sampler_rejects_the_typical_mistakes(judged):
+    verdicts = judged
     (seed, seed_len, epoch, ranked, contiguous, nopad, ends, len0, noseed, group_rank, passes,
      three) = [v.problems[0] if v.problems else "" for v in verdicts]
     assert not any(verdicts)
@@ -428,50 +501,57 @@ def test_02_1_sampler_rejects_the_typical_mistakes():
     assert "the padded indices are 0 and 1" in ends
 
 
-def test_02_3_seed_epoch_check():
-    def local_only(seed, epoch):
-        assert seed == seed and epoch == epoch
+def local_only(seed, epoch):
+    assert seed == seed and epoch == epoch
 
-    def raises_on_rank0_only(seed, epoch):
-        mine = torch.tensor([seed, epoch])
-        all_ = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
-        dist.all_gather(all_, mine)
-        if dist.get_rank() == 0 and any(not torch.equal(t, all_[0]) for t in all_):
-            raise RuntimeError("ranks disagree")
 
-    def seed_only(seed, epoch):
-        mine = torch.tensor([seed])
-        all_ = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
-        dist.all_gather(all_, mine)
-        bad = [r for r, t in enumerate(all_) if not torch.equal(t, all_[0])]
-        if bad:
-            raise RuntimeError(f"ranks {bad} have another seed")
+def raises_on_rank0_only(seed, epoch):
+    mine = torch.tensor([seed, epoch])
+    all_ = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(all_, mine)
+    if dist.get_rank() == 0 and any(not torch.equal(t, all_[0]) for t in all_):
+        raise RuntimeError("ranks disagree")
 
-    def unnamed(seed, epoch):
-        mine = torch.tensor([seed, epoch])
-        all_ = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
-        dist.all_gather(all_, mine)
-        if any(not torch.equal(t, all_[0]) for t in all_):
-            raise RuntimeError("seeds differ")
 
-    def multiline(seed, epoch):  # right: the ranks are named on the lines after the first
-        mine = torch.tensor([seed, epoch])
-        all_ = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
-        dist.all_gather(all_, mine)
-        if any(not torch.equal(t, all_[0]) for t in all_):
-            raise RuntimeError("the ranks disagree on (seed, epoch):\n" + "\n".join(
-                f"  rank {r}: seed {int(t[0])}, epoch {int(t[1])}" for r, t in enumerate(all_)))
+def seed_only(seed, epoch):
+    mine = torch.tensor([seed])
+    all_ = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(all_, mine)
+    bad = [r for r, t in enumerate(all_) if not torch.equal(t, all_[0])]
+    if bad:
+        raise RuntimeError(f"ranks {bad} have another seed")
 
-    def three_ranks(seed, epoch):  # a constant 3 for the world size
-        mine = torch.tensor([seed, epoch])
-        all_ = [torch.zeros_like(mine) for _ in range(3)]
-        dist.all_gather(all_, mine)
-        bad = [r for r, t in enumerate(all_) if not torch.equal(t, all_[0])]
-        if bad:
-            raise RuntimeError(f"ranks {bad} differ from rank 0")
 
-    good, v_local, v_rank0, v_seed, v_unnamed, v_lines, v_three = _verdicts(
-        "02.3", local_only, raises_on_rank0_only, seed_only, unnamed, multiline, three_ranks)
+def unnamed(seed, epoch):
+    mine = torch.tensor([seed, epoch])
+    all_ = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(all_, mine)
+    if any(not torch.equal(t, all_[0]) for t in all_):
+        raise RuntimeError("seeds differ")
+
+
+def multiline(seed, epoch):  # right: the ranks are named on the lines after the first
+    mine = torch.tensor([seed, epoch])
+    all_ = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(all_, mine)
+    if any(not torch.equal(t, all_[0]) for t in all_):
+        raise RuntimeError("the ranks disagree on (seed, epoch):\n" + "\n".join(
+            f"  rank {r}: seed {int(t[0])}, epoch {int(t[1])}" for r, t in enumerate(all_)))
+
+
+def three_ranks(seed, epoch):  # a constant 3 for the world size
+    mine = torch.tensor([seed, epoch])
+    all_ = [torch.zeros_like(mine) for _ in range(3)]
+    dist.all_gather(all_, mine)
+    bad = [r for r, t in enumerate(all_) if not torch.equal(t, all_[0])]
+    if bad:
+        raise RuntimeError(f"ranks {bad} differ from rank 0")
+
+
+@judges("02.3", reference("02.3"), local_only, raises_on_rank0_only, seed_only, unnamed,
+        multiline, three_ranks)
+def test_02_3_seed_epoch_check(judged):
+    good, v_local, v_rank0, v_seed, v_unnamed, v_lines, v_three = judged
     assert good
     assert v_lines.passed, v_lines.problems
     # right with 3 ranks; with 2, all_gather refuses a list of 3 tensors
@@ -487,28 +567,32 @@ def test_02_3_seed_epoch_check():
     assert "does not name rank(s) 1, 2" in v_unnamed.problems[0]
 
 
-def test_02_4_exact_accuracy():
-    def mean_of_means(correct, count):
-        acc = torch.tensor([correct / count])
-        dist.all_reduce(acc)
-        return acc.item() / dist.get_world_size()
+def mean_of_means(correct, count):
+    acc = torch.tensor([correct / count])
+    dist.all_reduce(acc)
+    return acc.item() / dist.get_world_size()
 
-    def local(correct, count):
-        return correct / count
 
-    def float32_counts(correct, count):  # float32 arithmetic: right within rounding
-        t = torch.tensor([correct, count], dtype=torch.float32)
-        dist.all_reduce(t)
-        return t[0] / t[1]
+def local(correct, count):
+    return correct / count
 
-    def three_pairs(correct, count):  # right with 3 ranks only: a list of 3 for all_gather
-        pairs = [torch.zeros(2, dtype=torch.int64) for _ in range(3)]
-        dist.all_gather(pairs, torch.tensor([correct, count]))
-        total = sum(pairs)
-        return total[0].item() / total[1].item()
 
-    good, v_means, v_local, v_f32, v_three = _verdicts("02.4", mean_of_means, local,
-                                                       float32_counts, three_pairs)
+def float32_counts(correct, count):  # float32 arithmetic: right within rounding
+    t = torch.tensor([correct, count], dtype=torch.float32)
+    dist.all_reduce(t)
+    return t[0] / t[1]
+
+
+def three_pairs(correct, count):  # right with 3 ranks only: a list of 3 for all_gather
+    pairs = [torch.zeros(2, dtype=torch.int64) for _ in range(3)]
+    dist.all_gather(pairs, torch.tensor([correct, count]))
+    total = sum(pairs)
+    return total[0].item() / total[1].item()
+
+
+@judges("02.4", reference("02.4"), mean_of_means, local, float32_counts, three_pairs)
+def test_02_4_exact_accuracy(judged):
+    good, v_means, v_local, v_f32, v_three = judged
     assert good
     assert v_f32.passed, v_f32.problems
     # N=7 over 2 ranks: shards of 4 and 3; all_gather refuses a list of 3 tensors
@@ -521,15 +605,17 @@ def test_02_4_exact_accuracy():
     assert "this rank's own accuracy" in v_local.problems[0]
 
 
-def test_02_4_empty_shard_crash_is_reported_not_hung():
-    def guarded_mean_of_means(correct, count):  # right on the first three cases only
-        pair = torch.tensor([correct, count])
-        dist.all_reduce(pair)
-        if count == 0:
-            raise ZeroDivisionError("division by zero")
-        return pair[0].item() / pair[1].item()
+def guarded_mean_of_means(correct, count):  # right on the first three cases only
+    pair = torch.tensor([correct, count])
+    dist.all_reduce(pair)
+    if count == 0:
+        raise ZeroDivisionError("division by zero")
+    return pair[0].item() / pair[1].item()
 
-    (v,) = run_candidates("02.4", [guarded_mean_of_means])
+
+@judges("02.4", guarded_mean_of_means)
+def test_02_4_empty_shard_crash_is_reported_not_hung(judged):
+    (v,) = judged
     assert "N=2 split 1, 1, 0 over 3 ranks: rank 2 raised ZeroDivisionError" in v.problems[0]
     assert "divide once, after the all-reduce" in v.problems[0]
 
@@ -640,11 +726,10 @@ def ring_batched(tensor):
     return tensor
 
 
-def test_03_6_ring_all_reduce():
-    # ring_for_four ends its launch (an error at 3 processes): last, so that one launch does
-    good, v_half, v_nb, v_mean, v_copy, v_a2a, v_relay, v_batched, v_four = _verdicts(
-        "03.6", ring_without_all_gather, notebook_attempt("03.6"), ring_mean, out_of_place,
-        all_to_all_exchange, whole_tensor_relay, ring_batched, ring_for_four)
+@judges("03.6", reference("03.6"), ring_without_all_gather, Attempt("03.6"), ring_mean,
+        out_of_place, all_to_all_exchange, whole_tensor_relay, ring_batched, ring_for_four)
+def test_03_6_ring_all_reduce(judged):
+    good, v_half, v_nb, v_mean, v_copy, v_a2a, v_relay, v_batched, v_four = judged
     assert good
     assert v_batched.passed, v_batched.problems
     # rank 0's neighbours on a ring of 4 are 3 and 1; the all-to-all also talks to rank 2
@@ -675,23 +760,25 @@ def test_03_6_ring_all_reduce():
     assert "work in place" in v_copy.problems[0]
 
 
-def test_03_6_chunking_that_breaks_below_world_size_is_reported():
-    def chunked_ring(tensor):  # tensor.chunk(R) returns fewer than R chunks when numel < R
-        rank, R = dist.get_rank(), dist.get_world_size()
-        chunks = list(tensor.view(-1).chunk(R))
-        for step in range(2 * (R - 1)):
-            send, recv = chunks[(rank - step) % R], chunks[(rank - step - 1) % R]
-            buf = torch.empty_like(recv)
-            reqs = [dist.isend(send.contiguous(), (rank + 1) % R), dist.irecv(buf, (rank - 1) % R)]
-            for q in reqs:
-                q.wait()
-            if step < R - 1:
-                recv += buf
-            else:
-                recv.copy_(buf)
-        return tensor
+def chunked_ring(tensor):  # tensor.chunk(R) returns fewer than R chunks when numel < R
+    rank, R = dist.get_rank(), dist.get_world_size()
+    chunks = list(tensor.view(-1).chunk(R))
+    for step in range(2 * (R - 1)):
+        send, recv = chunks[(rank - step) % R], chunks[(rank - step - 1) % R]
+        buf = torch.empty_like(recv)
+        reqs = [dist.isend(send.contiguous(), (rank + 1) % R), dist.irecv(buf, (rank - 1) % R)]
+        for q in reqs:
+            q.wait()
+        if step < R - 1:
+            recv += buf
+        else:
+            recv.copy_(buf)
+    return tensor
 
-    (v,) = run_candidates("03.6", [chunked_ring])
+
+@judges("03.6", chunked_ring)
+def test_03_6_chunking_that_breaks_below_world_size_is_reported(judged):
+    (v,) = judged
     assert not v
     assert re.match(r"rank \d raised IndexError: list index out of range", v.problems[0]), (
         v.problems
@@ -721,28 +808,32 @@ def _group_size(state):
     return (state if state is not None else dist.group.WORLD).size()
 
 
-def test_04_2_fp16_comm_hook_under_torch_ddp():
-    no_division = _fp16_hook(lambda state: 1)
-    constant_two = _fp16_hook(lambda state: 2)
-    global_world_size = _fp16_hook(lambda state: dist.get_world_size())
-    default_group = _fp16_hook(_group_size, group_of=lambda state: None)
+no_division = _fp16_hook(lambda state: 1)
+constant_two = _fp16_hook(lambda state: 2)
+global_world_size = _fp16_hook(lambda state: dist.get_world_size())
+default_group = _fp16_hook(_group_size, group_of=lambda state: None)
 
-    def uncompressed(state, bucket):  # torch's allreduce_hook: right average, float32 on the wire
-        t = bucket.buffer().div_(_group_size(state))
-        return dist.all_reduce(t, group=state, async_op=True).get_future().then(
-            lambda fut: fut.value()[0])
 
-    def returns_work(state, bucket):  # BucketedDDP's old contract: a handle with .wait()
-        half = bucket.buffer().to(torch.float16).div_(_group_size(state))
-        return dist.all_reduce(half, group=state, async_op=True)
+def uncompressed(state, bucket):  # torch's allreduce_hook: right average, float32 on the wire
+    t = bucket.buffer().div_(_group_size(state))
+    return dist.all_reduce(t, group=state, async_op=True).get_future().then(
+        lambda fut: fut.value()[0])
 
-    def returns_list(state, bucket):  # the raw future: its value is a list of tensors
-        half = bucket.buffer().to(torch.float16).div_(_group_size(state))
-        return dist.all_reduce(half, group=state, async_op=True).get_future()
 
-    good, v_nb, v_none, v_two, v_world, v_group, v_full, v_work, v_list = _verdicts(
-        "04.2", notebook_attempt("04.2"), no_division, constant_two, global_world_size,
-        default_group, uncompressed, returns_work, returns_list)
+def returns_work(state, bucket):  # BucketedDDP's old contract: a handle with .wait()
+    half = bucket.buffer().to(torch.float16).div_(_group_size(state))
+    return dist.all_reduce(half, group=state, async_op=True)
+
+
+def returns_list(state, bucket):  # the raw future: its value is a list of tensors
+    half = bucket.buffer().to(torch.float16).div_(_group_size(state))
+    return dist.all_reduce(half, group=state, async_op=True).get_future()
+
+
+@judges("04.2", reference("04.2"), Attempt("04.2"), no_division, constant_two,
+        global_world_size, default_group, uncompressed, returns_work, returns_list)
+def test_04_2_fp16_comm_hook_under_torch_ddp(judged):
+    good, v_nb, v_none, v_two, v_world, v_group, v_full, v_work, v_list = judged
     assert good, good.problems
     assert v_nb.problems == v_none.problems
     assert v_none.problems[0].startswith(
@@ -769,39 +860,43 @@ def test_04_2_fp16_comm_hook_under_torch_ddp():
 
 # ----------------------------------------------------------------------------- 07
 
-def test_07_4_gather_flat():
-    def truncating(shard, total):  # assumes equal shards: cuts every piece to the shortest
-        R = dist.get_world_size()
-        n = total // R
-        pieces = [torch.empty(n, dtype=shard.dtype) for _ in range(R)]
-        dist.all_gather(pieces, shard[:n].contiguous())
-        return torch.cat(pieces)
+def truncating(shard, total):  # assumes equal shards: cuts every piece to the shortest
+    R = dist.get_world_size()
+    n = total // R
+    pieces = [torch.empty(n, dtype=shard.dtype) for _ in range(R)]
+    dist.all_gather(pieces, shard[:n].contiguous())
+    return torch.cat(pieces)
 
-    def reversed_order(shard, total):
-        out = reference("07.4")(shard, total)
-        sizes = [t.numel() for t in torch.tensor_split(torch.empty(total), dist.get_world_size())]
-        return torch.cat(list(reversed(torch.split(out, sizes))))
 
-    def broadcasts(shard, total):  # right values, R rounds where one all-gather is asked
-        R = dist.get_world_size()
-        sizes = [t.numel() for t in torch.tensor_split(torch.empty(total), R)]
-        pieces = []
-        for src, n in enumerate(sizes):
-            piece = shard.clone() if src == dist.get_rank() else torch.empty(n, dtype=shard.dtype)
-            dist.broadcast(piece, src)
-            pieces.append(piece)
-        return torch.cat(pieces)
+def reversed_order(shard, total):
+    out = reference("07.4")(shard, total)
+    sizes = [t.numel() for t in torch.tensor_split(torch.empty(total), dist.get_world_size())]
+    return torch.cat(list(reversed(torch.split(out, sizes))))
 
-    def three_pieces(shard, total):  # a constant 3 for the world size
-        sizes = [t.numel() for t in torch.tensor_split(torch.empty(total), 3)]
-        padded = torch.zeros(max(sizes), dtype=shard.dtype)
-        padded[:shard.numel()] = shard
-        pieces = [torch.empty_like(padded) for _ in range(3)]
-        dist.all_gather(pieces, padded)
-        return torch.cat([p[:n] for p, n in zip(pieces, sizes)])
 
-    good, v_trunc, v_rev, v_bcast, v_three = _verdicts("07.4", truncating, reversed_order,
-                                                       broadcasts, three_pieces)
+def broadcasts(shard, total):  # right values, R rounds where one all-gather is asked
+    R = dist.get_world_size()
+    sizes = [t.numel() for t in torch.tensor_split(torch.empty(total), R)]
+    pieces = []
+    for src, n in enumerate(sizes):
+        piece = shard.clone() if src == dist.get_rank() else torch.empty(n, dtype=shard.dtype)
+        dist.broadcast(piece, src)
+        pieces.append(piece)
+    return torch.cat(pieces)
+
+
+def three_pieces(shard, total):  # a constant 3 for the world size
+    sizes = [t.numel() for t in torch.tensor_split(torch.empty(total), 3)]
+    padded = torch.zeros(max(sizes), dtype=shard.dtype)
+    padded[:shard.numel()] = shard
+    pieces = [torch.empty_like(padded) for _ in range(3)]
+    dist.all_gather(pieces, padded)
+    return torch.cat([p[:n] for p, n in zip(pieces, sizes)])
+
+
+@judges("07.4", reference("07.4"), truncating, reversed_order, broadcasts, three_pieces)
+def test_07_4_gather_flat(judged):
+    good, v_trunc, v_rev, v_bcast, v_three = judged
     assert good
     assert v_bcast.problems[0].startswith(
         "10 elements over 3 ranks: the values are right, but rank 0 made these calls: broadcast x3."
@@ -816,13 +911,15 @@ def test_07_4_gather_flat():
     assert "wrong order" in v_rev.problems[0]
 
 
-def test_a_collective_only_one_rank_calls_ends_in_a_verdict_not_a_hang():
-    def lonely(shard, total):
-        if dist.get_rank() == 0:
-            dist.all_reduce(torch.zeros(1))
-        return reference("07.4")(shard, total)
+def lonely(shard, total):
+    if dist.get_rank() == 0:
+        dist.all_reduce(torch.zeros(1))
+    return reference("07.4")(shard, total)
 
-    (v,) = run_candidates("07.4", [lonely])
+
+@judges("07.4", lonely)
+def test_a_collective_only_one_rank_calls_ends_in_a_verdict_not_a_hang(judged):
+    (v,) = judged
     assert not v
     # rank 0 waits in its extra all_reduce, ranks 1 and 2 in the all_gather it should have
     # joined: both places are named
@@ -831,47 +928,55 @@ def test_a_collective_only_one_rank_calls_ends_in_a_verdict_not_a_hang():
     assert re.search(r"rank 0 at line \d+ \(dist.all_reduce\(torch.zeros\(1\)\)\)", v.problems[0])
 
 
-def test_a_deadlocked_exchange_ends_in_a_verdict():
-    def recv_first(tensor):  # every rank waits to receive before it sends: nobody sends
-        rank, R = dist.get_rank(), dist.get_world_size()
-        buf = torch.empty_like(tensor)
-        dist.recv(buf, (rank - 1) % R)
-        dist.send(tensor, (rank + 1) % R)
-        return tensor
+def recv_first(tensor):  # every rank waits to receive before it sends: nobody sends
+    rank, R = dist.get_rank(), dist.get_world_size()
+    buf = torch.empty_like(tensor)
+    dist.recv(buf, (rank - 1) % R)
+    dist.send(tensor, (rank + 1) % R)
+    return tensor
 
-    (v,) = run_candidates("03.6", [recv_first])
+
+@judges("03.6", recv_first)
+def test_a_deadlocked_exchange_ends_in_a_verdict(judged):
+    (v,) = judged
     assert re.search(r"ranks? [\d, ]+ at line \d+ \(dist.recv\(buf, \(rank - 1\) % R\)\)",
                      v.problems[0]), v.problems
     assert "use isend/irecv" in v.problems[0]
 
 
-def test_03_6_a_ring_may_not_call_torchs_all_reduce():
-    def not_a_ring(tensor):
-        dist.all_reduce(tensor)
-        return tensor
+def not_a_ring(tensor):
+    dist.all_reduce(tensor)
+    return tensor
 
-    (v,) = run_candidates("03.6", [not_a_ring])
+
+@judges("03.6", not_a_ring)
+def test_03_6_a_ring_may_not_call_torchs_all_reduce(judged):
+    (v,) = judged
     assert re.match(r"rank \d raised BuiltInCollectiveUsed: your ring called dist.all_reduce; "
                     r"build it from dist.isend / dist.irecv", v.problems[0]), v.problems
 
 
-def test_a_rank_that_exits_is_named():
-    def rank1_leaves(grad, count):
-        if dist.get_rank() == 1:
-            os._exit(0)
-        return reference("01.4")(grad, count)
+def rank1_leaves(grad, count):
+    if dist.get_rank() == 1:
+        os._exit(0)
+    return reference("01.4")(grad, count)
 
-    (v,) = run_candidates("01.4", [rank1_leaves])
+
+@judges("01.4", rank1_leaves, ends_launch=True)
+def test_a_rank_that_exits_is_named(judged):
+    (v,) = judged
     assert v.problems[0].startswith("rank(s) 1 did not finish your function: no error message: "
                                     "it was still running when the job was ended, or it left "
                                     "without one (os._exit)"), v.problems
 
 
-def test_what_a_function_returns_is_checked_before_it_is_judged():
-    def returns_none(grad, count):
-        reference("01.4")(grad, count)
+def returns_none(grad, count):
+    reference("01.4")(grad, count)
 
-    (v,) = run_candidates("01.4", [returns_none])
+
+@judges("01.4", returns_none)
+def test_what_a_function_returns_is_checked_before_it_is_judged(judged):
+    (v,) = judged
     assert re.match(r"rank \d: your function returned None \(missing return\?\); the exercise "
                     r"expects a tensor of 3 numbers\.", v.problems[0]), v.problems
     half, none = run_candidates("07.1", [lambda psi, gpu: 16 * psi / gpu, lambda psi, gpu: None])
@@ -962,17 +1067,80 @@ def test_local_checks_have_a_time_limit_and_show_the_learners_line(monkeypatch):
     assert v_lib.problems[0].endswith("(return statistics.mean([]))")
 
 
-def test_a_size_mismatch_on_the_wire_is_named_as_such():
-    def too_small_buffer(tensor):  # receives the whole tensor into a one-element buffer
-        rank, R = dist.get_rank(), dist.get_world_size()
-        buf = torch.empty(1, dtype=tensor.dtype)
-        reqs = [dist.isend(tensor.reshape(-1).contiguous(), (rank + 1) % R),
-                dist.irecv(buf, (rank - 1) % R)]
-        for q in reqs:
-            q.wait()
-        return tensor
+def too_small_buffer(tensor):  # receives the whole tensor into a one-element buffer
+    rank, R = dist.get_rank(), dist.get_world_size()
+    buf = torch.empty(1, dtype=tensor.dtype)
+    reqs = [dist.isend(tensor.reshape(-1).contiguous(), (rank + 1) % R),
+            dist.irecv(buf, (rank - 1) % R)]
+    for q in reqs:
+        q.wait()
+    return tensor
 
-    (v,) = run_candidates("03.6", [too_small_buffer])
+
+@judges("03.6", too_small_buffer, ends_launch=True)
+def test_a_size_mismatch_on_the_wire_is_named_as_such(judged):
+    (v,) = judged
     # the first case is 10 int64 elements: 80 bytes into a buffer of 8
     assert re.match(r"size mismatch on the wire: rank \d received a message of 80 bytes into a "
                     r"buffer of 8 bytes", v.problems[0]), v.problems
+
+
+
+def test_a_launch_blames_only_the_candidate_it_stopped_in(monkeypatch):
+    """What a launch left as a whole (stderr, its wall clock) speaks about the candidate it
+    stopped in, never about one it survived: a torchrun stand-in writes what the workers
+    would after candidate 0 timed out on every rank (the launch went on) and candidate 1 lost
+    rank 1, whose stderr holds lines from candidate 0."""
+    import pickle
+    from types import SimpleNamespace
+
+    from ddp_lesson import launch
+    from ddp_lesson.exercises import core
+
+    waited = {"error": "DistBackendError", "where": "line 3 (dist.all_gather(pieces, shard))",
+              "message": "Timed out waiting 4000ms for recv operation to complete"}
+    mark = core.CANDIDATE_MARK.format
+    launches, how = [], {}
+
+    def stand_in(target, *, args, nproc_per_node, timeout, **kwargs):
+        launches.append((nproc_per_node, timeout))
+        for r in range(3):  # every rank came back from candidate 0; rank 1 not from 1
+            records = [{3: waited}] + ([{3: waited}] if r != 1 else [])
+            (Path(args[1]) / f"result{r}.pkl").write_bytes(pickle.dumps(records))
+        rank1 = f"{mark(0)}\n[E ProcessGroupGloo.cpp:67] Connection closed by peer\n{mark(1)}\n"
+        if how.get("last_words"):
+            rank1 += how["last_words"] + "\n"
+        if how.get("timed_out"):
+            raise launch.TorchrunTimeout("torchrun", timeout,
+                                         SimpleNamespace(stdout="", launcher_stderr=""))
+        return SimpleNamespace(errors={0: f"{mark(0)}\n{mark(1)}\n", 1: rank1, 2: ""})
+
+    monkeypatch.setattr(launch, "run_torchrun", stand_in)
+    candidates = [(get("07.4"), reference("07.4")) for _ in range(3)]
+    done, problems = core._launch(candidates)
+    # candidate 2 never started: it is left to a fresh launch. One launch of 3 processes that
+    # allows 90 s, and 2 world sizes x (2 x 4 s timeout + 5 s) for each further candidate
+    assert done == 2 and launches == [(3, 90 + 2 * 2 * (2 * 4 + 5))]
+    assert problems[0][0].startswith("ranks waited for peers that never answered and gave up "
+                                     "after the checker's 4 s timeout: ranks 0, 1, 2 at line 3 "
+                                     "(dist.all_gather(pieces, shard))"), problems[0]
+    # rank 1's line from candidate 0 is not taken for its last words in candidate 1
+    assert problems[1][0].startswith("rank(s) 1 did not finish your function: no error message: "
+                                     "it was still running when the job was ended"), problems[1]
+    how["last_words"] = "RuntimeError: rank 1 gave up"
+    done, problems = core._launch(candidates)
+    assert problems[1][0].startswith("rank(s) 1 did not finish your function: its last words: "
+                                     "RuntimeError: rank 1 gave up."), problems[1]
+    # gloo aborted rank 1 in candidate 1: that is candidate 1's size mismatch, not 0's
+    how["last_words"] = "terminate called: [enforce fail at pair.cc:446] op.preamble.length <= "\
+                        "op.nbytes. 80 vs 8"
+    done, problems = core._launch(candidates)
+    assert problems[0][0].startswith("ranks waited for peers"), problems[0]
+    assert problems[1][0].startswith("size mismatch on the wire: rank 1 received a message of 80 "
+                                     "bytes into a buffer of 8 bytes"), problems[1]
+    how["timed_out"] = True  # the wall clock ended the launch in candidate 1, not in 0
+    done, problems = core._launch(candidates)
+    assert done == 2 and problems[0][0].startswith("ranks waited for peers"), problems[0]
+    assert problems[1][0].startswith("rank(s) 1 did not finish your function: still running."), (
+        problems[1]
+    )

@@ -1,18 +1,27 @@
 """Worker of a distributed exercise checker; started by :func:`ddp_lesson.exercises.check`.
 
-    torchrun --nproc-per-node R -m ddp_lesson.exercises._runner \\
-        EXERCISE_ID CANDIDATES.pkl OUTDIR TIMEOUT_S
+    torchrun --nproc-per-node R -m ddp_lesson.exercises._runner CANDIDATES.pkl OUTDIR TIMEOUT_S
 
 Each rank joins a gloo process group with a short timeout (TIMEOUT_S seconds), loads the
-candidates (cloudpickled: a learner's function travels by value), runs the exercise's
-``run_rank`` on each, at each of the exercise's world sizes (R is the largest; for a smaller
-size W the default process group is rebuilt on ranks 0..W-1 through a FileStore in OUTDIR,
-and the other ranks sit that size out), and after each run rewrites
+candidates (cloudpickled: a learner's function travels by value, with the id of the exercise
+it is for: one launch may judge several exercises that start R processes), runs each one's
+exercise's ``run_rank`` on it, at each of that exercise's world sizes (R is the largest; for
+a smaller size W the default process group is rebuilt on ranks 0..W-1 through a FileStore
+in OUTDIR, and the other ranks sit that size out), and after each run rewrites
 ``OUTDIR/result{RANK}.pkl`` with everything it has so far (one ``{W: result}`` per
-candidate), so that a later hang or crash loses nothing already judged. A candidate that
-raises on any rank ends the list, since its collectives may have left the ranks out of step:
-the ranks agree on that through marker files (the process group may be broken), and then
-exit with status 3, so torchrun ends any rank still busy in the candidate.
+candidate), so that a later hang or crash loses nothing already judged. Before each
+candidate every rank writes :data:`~ddp_lesson.exercises.core.CANDIDATE_MARK` to its stderr,
+so that the checker reads a rank's last words from the candidate it died in.
+
+After each world size the ranks agree, through marker files (the process group may be broken
+by now), on how it went. All clean: the next size or candidate runs in the same group. A
+candidate raised (or timed out waiting) on some rank but every rank came back from it: its
+collectives may have left the group out of step, so every rank leaves that group and the next
+candidate starts in a fresh one (a new FileStore, new connections; nothing the failed
+candidate left pending can reach it). A rank did not come back within the wait (still busy,
+or gone: ``os._exit``, a process gloo aborted), or a candidate left a thread of its own
+running: the launch ends, each rank that came back exiting with status 3 so that torchrun
+ends any rank still busy; the checker judges the candidates after it in a fresh launch.
 """
 from __future__ import annotations
 
@@ -24,22 +33,51 @@ import time
 from pathlib import Path
 
 
-def _all_clean(outdir: Path, index: int, rank: int, world_size: int, clean: bool,
-               wait_s: float) -> bool:
-    """A barrier through files (the process group may be broken by now): after candidate
-    ``index`` every rank writes ``done{index}.{rank}`` saying ``ok`` or ``stop``, then waits up
-    to ``wait_s`` seconds for all of them. True when every rank finished it cleanly."""
-    (outdir / f"done{index}.{rank}").write_text("ok" if clean else "stop")
+def _agree(outdir: Path, name: str, rank: int, world_size: int, state: str, threads: bool,
+           wait_s: float) -> tuple[str, bool]:
+    """A barrier through files (the process group may be broken by now): every rank of the
+    launch writes ``agree{name}.{rank}`` with its ``state`` (``"ok"``, or ``"failed"``: the
+    candidate raised or timed out here) and whether the candidate left a thread of its own
+    running on it, then waits up to ``wait_s`` seconds for every rank's mark.
+
+    Returns ``(outcome, threads)``: ``"ok"`` when every rank is ok, ``"failed"`` when every
+    rank came back and some failed, ``"gone"`` when a rank did not come back in time (still
+    busy in the candidate, or gone); and whether any rank has a candidate's thread left."""
+    (outdir / f"agree{name}.{rank}").write_text(state + (" thread" if threads else ""))
+    marks = [outdir / f"agree{name}.{r}" for r in range(world_size)]
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:
-        marks = [outdir / f"done{index}.{r}" for r in range(world_size)]
         texts = [m.read_text() if m.exists() else "" for m in marks]
-        # Wait for every rank's mark even after a "stop": leaving early makes torchrun end
+        # Wait for every rank's mark even after a "failed": leaving early makes torchrun end
         # ranks that are about to record their own outcome (say, a timeout naming their line).
         if all(texts):
-            return all(t == "ok" for t in texts)
+            ok = all(t.split()[0] == "ok" for t in texts)
+            return "ok" if ok else "failed", any(" thread" in t for t in texts)
         time.sleep(0.05)
-    return False  # a rank is still busy in the candidate (or gone)
+    return "gone", False
+
+
+def _leave_group(wait_s: float) -> bool:
+    """Destroy every process group of this rank (a failed candidate's group may be out of
+    step). Bounded: True when that took less than ``wait_s`` seconds."""
+    import threading
+
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return True
+    leaving = threading.Thread(target=dist.destroy_process_group, daemon=True)
+    leaving.start()
+    leaving.join(wait_s)
+    return not leaving.is_alive()
+
+
+def _own_threads() -> set:
+    """The Python threads of this process, less the placeholders Python makes for foreign
+    threads (torch's own C++ threads running a callback)."""
+    import threading
+
+    return {t for t in threading.enumerate() if not isinstance(t, threading._DummyThread)}
 
 
 def _join(outdir: Path, timeout_s: float):
@@ -74,13 +112,15 @@ def _save(out: Path, results: list) -> None:
 def _regroup(outdir: Path, tag: str, rank: int, world_size: int, timeout_s: float) -> bool:
     """Make the default process group ranks 0..world_size-1 of this launch (a fresh gloo
     group with the short timeout, met through a FileStore), after leaving the current one.
-    Returns whether this rank is in the new group."""
+    Returns whether this rank is in the new group; exits (status 3, ending the launch) when
+    leaving the current group does not finish within a collective timeout and a margin."""
     import datetime
 
     import torch.distributed as dist
 
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    if not _leave_group(timeout_s + 3.0):
+        sys.stdout.flush()
+        os._exit(3)
     if rank >= world_size:
         return False
     (outdir / f"arrived.{tag}.{rank}").write_text("")
@@ -104,42 +144,51 @@ def main(argv=None) -> int:
 
     from . import core
 
-    exercise_id, payload, outdir, timeout_s = (argv or sys.argv[1:])[:4]
+    payload, outdir, timeout_s = (argv or sys.argv[1:])[:3]
     timeout_s = float(timeout_s)
     outdir = Path(outdir)
     env = _join(outdir, timeout_s)
-    ex = core.get(exercise_id)
     loaded = cloudpickle.loads(Path(payload).read_bytes())
     out = outdir / f"result{env.rank}.pkl"
     results = []
     current = env.world_size  # the size of the default group now (None: not in one)
-    for index, (fn, lines) in enumerate(zip(loaded["candidates"], loaded["sources"])):
+    for index, (exercise_id, fn, lines) in enumerate(
+            zip(loaded["exercises"], loaded["candidates"], loaded["sources"])):
+        ex = core.get(exercise_id)
         for code in core._code_objects(fn):  # so a traceback shows the learner's lines
             if lines:
                 linecache.cache[code.co_filename] = (sum(map(len, lines)), None, lines,
                                                      code.co_filename)
-        clean = True
+        print(core.CANDIDATE_MARK.format(index), file=sys.stderr, flush=True)
         record: dict = {}
         results.append(record)
+        threads = _own_threads()
         for size in ex.sizes():
             if size != current:
                 joined = _regroup(outdir, f"{index}.{size}", env.rank, size, timeout_s)
                 current = size if joined else None
-            if env.rank >= size:
-                continue
-            try:
-                record[size] = ex.run_rank(fn, env.rank, size)
-            except (Exception, SystemExit) as exc:
-                clean = False
-                record[size] = (exc.result if isinstance(exc, core.StopCandidate)
-                                else core.error_record(exc))
-            _save(out, results)
-            if not clean:
+            state = "ok"
+            if env.rank < size:
+                try:
+                    record[size] = ex.run_rank(fn, env.rank, size)
+                except (Exception, SystemExit) as exc:
+                    state = "failed"
+                    record[size] = (exc.result if isinstance(exc, core.StopCandidate)
+                                    else core.error_record(exc))
+                _save(out, results)
+            # Peers waiting for a failing rank give up within one collective timeout; a rank
+            # sitting this size out waits as long as a rank joining a group does.
+            wait_s = timeout_s + 3.0 if env.rank < size else max(60.0, timeout_s + 3.0)
+            agreed, stray = _agree(outdir, f"{index}.{size}", env.rank, env.world_size, state,
+                                   bool(_own_threads() - threads), wait_s)
+            if agreed != "ok":
                 break
         _save(out, results)
-        # Peers waiting for this rank give up within one collective timeout; a rank still
-        # busy after that is ended by torchrun when this one exits with an error status.
-        if not _all_clean(outdir, index, env.rank, env.world_size, clean, timeout_s + 3.0):
+        # A thread the candidate left running could call collectives in the next candidate's
+        # group: only a fresh launch is safe from it.
+        if agreed == "failed" and not stray and _leave_group(timeout_s + 3.0):
+            current = None  # the next candidate starts in a fresh group
+        elif agreed != "ok" or stray:  # torchrun ends any rank still busy when this one exits
             sys.stdout.flush()
             os._exit(3)
     if dist.is_initialized():

@@ -46,8 +46,13 @@ COLLECTIVE_TIMEOUT_S = 10.0
 def collective_timeout_s() -> float:
     """The per-collective timeout a check starts its workers with, in seconds."""
     return float(os.environ.get("DDP_LESSON_CHECK_TIMEOUT_S", COLLECTIVE_TIMEOUT_S))
-#: Wall-clock seconds one checker launch may take (start-up of R processes included).
+#: Wall-clock seconds one checker launch of one candidate may take (start-up of R processes
+#: included); each further candidate in the launch adds :func:`candidate_allowance_s`.
 LAUNCH_TIMEOUT_S = 90.0
+
+#: The line a checker's worker writes to its stderr as it starts candidate N (``.format(N)``):
+#: what a rank wrote after it is about that candidate.
+CANDIDATE_MARK = "--- ddp_lesson.exercises: candidate {} ---"
 
 
 @dataclass
@@ -126,9 +131,10 @@ class Exercise:
         judge: ``judge(results_by_rank) -> list[str]`` problems (distributed).
         checked: the "checked:" line of the verdict.
 
-    A distributed candidate that raises on any rank ends its launch (its collectives may have
-    left the ranks out of step); a ``run_rank`` that catches a case's error itself raises
-    :class:`StopCandidate` to the same effect.
+    A distributed candidate that raises on any rank stops at that world size, and the next
+    candidate runs in a fresh process group (its collectives may have left the ranks out of
+    step); a ``run_rank`` that catches a case's error itself raises :class:`StopCandidate` to
+    the same effect.
     """
 
     id: str
@@ -181,7 +187,8 @@ def get(exercise_id: str) -> Exercise:
 
 class StopCandidate(Exception):
     """Raised by a ``run_rank`` that caught a case's error itself: ``result`` is what it has,
-    and no further candidate may run in this launch (the ranks may be out of step)."""
+    and the candidate stops there; the next one runs in a fresh process group (the ranks may
+    be out of step in this one)."""
 
     def __init__(self, result):
         super().__init__("stop after this candidate")
@@ -433,9 +440,9 @@ def _source_lines(fn) -> list[str]:
     return []
 
 
-def _pickle_candidates(candidates: list) -> bytes:
-    """cloudpickle the candidates (and their source lines); modules the workers cannot import
-    go by value."""
+def _pickle_candidates(candidates: list, exercise_ids: list[str]) -> bytes:
+    """cloudpickle the candidates (with their source lines and each one's exercise id); modules
+    the workers cannot import go by value."""
     import sys
 
     import cloudpickle
@@ -452,7 +459,7 @@ def _pickle_candidates(candidates: list) -> bytes:
                 except ValueError:
                     pass
     try:
-        return cloudpickle.dumps({"candidates": candidates,
+        return cloudpickle.dumps({"exercises": list(exercise_ids), "candidates": candidates,
                                   "sources": [_source_lines(fn) for fn in candidates]})
     except Exception as exc:
         raise TypeError(
@@ -465,23 +472,51 @@ def run_candidates(exercise_id: str, candidates: list) -> list[Verdict]:
     """Judge several candidates for one exercise; one verdict each, in order.
 
     Local exercises call each candidate here. Distributed ones run as many candidates as
-    possible in one torchrun launch: a candidate that raises or hangs ends its launch (the
-    ranks may be out of step), and the ones after it get a fresh launch.
+    possible in one torchrun launch. A candidate that raises or waits in vain on some rank
+    (a collective timeout) is judged from what each rank recorded, and when every rank came
+    back from it the next candidate runs in a fresh process group of the same launch. A
+    candidate that a rank does not come back from (it exits, loops, or gloo aborts the
+    process on a size mismatch) ends its launch, and the ones after it get a fresh launch: put
+    such candidates last. Each verdict is built from its own candidate's records; what the
+    launch as a whole left (stderr, exit codes, the wall clock) is read only for the
+    candidate the launch stopped in.
 
     Synchronisation: none in this process; each launch is a separate job of
     ``world_size`` processes.
     """
-    ex = get(exercise_id)
-    if not candidates:
-        return []
-    if ex.kind == "local":
-        return [_verdict(ex, _problems_local(ex, fn)) for fn in candidates]
-    verdicts: list[Verdict] = []
-    pending = list(candidates)
-    while pending:
-        done, problems = _launch(ex, pending)
-        verdicts += [_verdict(ex, p) for p in problems]
-        pending = pending[done:]
+    get(exercise_id)  # an unknown id is refused even with no candidates
+    return run_pairs([(exercise_id, fn) for fn in candidates])
+
+
+def run_pairs(pairs: list) -> list[Verdict]:
+    """Judge ``(exercise id, candidate)`` pairs, of one exercise or several; one verdict each,
+    in the order given.
+
+    Each is judged as :func:`run_candidates` judges it, and distributed candidates of
+    exercises that start the same number of processes (``Exercise.world_size``, the largest
+    of their world sizes) share launches, in the order given: a test suite judges many
+    exercises' candidates in a few launches. Put the candidates that end a launch (a rank
+    exits, a size mismatch) last among those of their number of processes.
+
+    Raises:
+        KeyError: an unknown exercise id.
+
+    Synchronisation: none in this process; each launch is a separate job.
+    """
+    items = [(get(exercise_id), fn) for exercise_id, fn in pairs]
+    verdicts: list = [None] * len(items)
+    by_size: dict[int, list[int]] = {}  # processes -> the items' indices, in order
+    for k, (ex, fn) in enumerate(items):
+        if ex.kind == "local":
+            verdicts[k] = _verdict(ex, _problems_local(ex, fn))
+        else:
+            by_size.setdefault(ex.world_size, []).append(k)
+    for pending in by_size.values():
+        while pending:
+            done, problems = _launch([items[k] for k in pending])
+            for k, found in zip(pending, problems):
+                verdicts[k] = _verdict(items[k][0], found)
+            pending = pending[done:]
     return verdicts
 
 
@@ -502,22 +537,37 @@ def _problems_local(ex: Exercise, fn) -> list[str]:
         return [f"your function raised {format_error(error_record(exc))}"]
 
 
-def _launch(ex: Exercise, candidates: list) -> tuple[int, list[list[str]]]:
-    """One torchrun launch over ``candidates``; returns (how many got a verdict, their problems)."""
+def candidate_allowance_s(ex: Exercise, timeout_s: float) -> float:
+    """Wall-clock seconds a launch allows for each candidate after its first: one collective
+    timeout and one wait at the ranks' barrier per world size, and a margin."""
+    return len(ex.sizes()) * (2 * timeout_s + 5.0)
+
+
+def _launch(items: list) -> tuple[int, list[list[str]]]:
+    """One torchrun launch over ``items`` (``(exercise, candidate)`` pairs whose exercises
+    start the same number of processes); returns (how many got a verdict, their problems).
+
+    The launch reached a candidate when some rank saved a record of it. It survived every
+    reached candidate but the last (a rank starts the next one only once every rank came back
+    from this one), so the launch's own evidence (stderr, the wall clock) is read for the last
+    one only; the candidates after it were never run and are left to a fresh launch.
+    """
     from ..launch import TorchrunTimeout, run_torchrun
 
     timeout_s = collective_timeout_s()
-    launch_size = max(ex.sizes())
+    launch_size = max(ex.world_size for ex, _ in items)
+    limit_s = LAUNCH_TIMEOUT_S + sum(candidate_allowance_s(ex, timeout_s) for ex, _ in items[1:])
     tmp = Path(tempfile.mkdtemp(prefix="ddp_lesson_check_"))
     try:
         payload = tmp / "candidates.pkl"
-        payload.write_bytes(_pickle_candidates(candidates))
+        payload.write_bytes(_pickle_candidates([fn for _, fn in items],
+                                               [ex.id for ex, _ in items]))
         timed_out = False
         try:
             result = run_torchrun("ddp_lesson.exercises._runner", module=True,
-                                  args=[ex.id, str(payload), str(tmp), str(timeout_s)],
+                                  args=[str(payload), str(tmp), str(timeout_s)],
                                   nproc_per_node=launch_size, backend="gloo",
-                                  timeout=LAUNCH_TIMEOUT_S, check=False)
+                                  timeout=limit_s, check=False)
         except TorchrunTimeout:
             timed_out, result = True, None
         per_rank = {}
@@ -527,31 +577,63 @@ def _launch(ex: Exercise, candidates: list) -> tuple[int, list[list[str]]]:
                 per_rank[r] = pickle.loads(f.read_bytes()) if f.exists() else []
             except (EOFError, pickle.UnpicklingError):
                 per_rank[r] = []
-        problems_all: list[list[str]] = []
-        for i in range(len(candidates)):
-            if i > 0 and not any(len(per_rank[r]) > i for r in per_rank):
-                return i, problems_all  # the launch stopped after the previous candidate
-            problems, stop = [], False
-            for W in ex.sizes():
-                results = {r: per_rank[r][i][W] for r in range(W)
-                           if len(per_rank[r]) > i and W in per_rank[r][i]}
-                problems, stop = _judge_size(ex, W, results, result, timed_out, timeout_s)
-                if problems or stop:
-                    break
+        # the first candidate gets a verdict even when no rank recorded anything
+        last = max(1, max(len(records) for records in per_rank.values())) - 1
+        problems_all = []
+        for i, (ex, _) in enumerate(items[:last + 1]):
+            records = {r: rs[i] for r, rs in per_rank.items() if len(rs) > i}
+            if i < last:  # survived: every rank came back from it; its records say it all
+                problems = _judge_candidate(ex, records, {}, True, False, timeout_s, limit_s)
+            else:  # where the launch stopped
+                problems = _judge_candidate(ex, records,
+                                            None if result is None else _last_words(result),
+                                            result is not None, timed_out, timeout_s, limit_s)
             problems_all.append(problems)
-            if stop:
-                return i + 1, problems_all
-        return len(candidates), problems_all
+        return last + 1, problems_all
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _judge_size(ex: Exercise, W: int, results: dict, result, timed_out: bool,
-                timeout_s: float) -> tuple[list[str], bool]:
+def _last_words(result) -> dict[int, str]:
+    """Each rank's stderr from the start of the last candidate it began (the launch's
+    earlier candidates may have left lines there that say nothing about how it ended)."""
+    prefix = CANDIDATE_MARK.split("{}")[0]
+    out = {}
+    for r, text in result.errors.items():
+        text = text or ""
+        at = text.rfind(prefix)
+        if at >= 0:  # what follows the mark's line
+            end = text.find("\n", at)
+            text = text[end + 1:] if end >= 0 else ""
+        out[r] = text
+    return out
+
+
+def _judge_candidate(ex: Exercise, records: dict, errors: dict | None, finished: bool,
+                     timed_out: bool, timeout_s: float, limit_s: float) -> list[str]:
+    """Problems of one candidate from ``records`` (rank -> {world size: what it got}), size by
+    size in judging order, stopping at the first size with a problem or a failure."""
+    problems: list[str] = []
+    for W in ex.sizes():
+        results = {r: rec[W] for r, rec in records.items() if r < W and W in rec}
+        problems, stop = _judge_size(ex, W, results, errors, finished, timed_out, timeout_s,
+                                     limit_s)
+        if problems or stop:
+            break
+    return problems
+
+
+def _judge_size(ex: Exercise, W: int, results: dict, errors: dict | None, finished: bool,
+                timed_out: bool, timeout_s: float, limit_s: float) -> tuple[list[str], bool]:
     """Problems of one candidate run at world size ``W`` (``results``: rank -> what it got),
-    and whether the launch stopped there (an error, a hang, a missing rank)."""
+    and whether the candidate stopped there (an error, a hang, a missing rank).
+
+    ``errors``: rank -> its stderr about this candidate (None: none to read); ``finished``:
+    the launch ended by itself rather than by its wall clock (``limit_s`` seconds) or was
+    survived past this candidate; ``timed_out``: the wall clock ended it in this candidate.
+    """
     prefix = f"with {W} processes: " if len(ex.sizes()) > 1 and W != ex.sizes()[0] else ""
-    mismatch = _mismatch_problem(result, W)
+    mismatch = _mismatch_problem(errors, W)
     if len(results) == W:
         err = first_error(results)
         if err is None:
@@ -573,7 +655,7 @@ def _judge_size(ex: Exercise, W: int, results: dict, result, timed_out: bool,
         return [prefix + _error_problem(r, rec, timeout_s)], True
     if err is not None:
         who = ", ".join(map(str, missing))
-        why = _crash_reason(result, missing) if result is not None else "still running"
+        why = _crash_reason(errors, missing) if finished else "still running"
         return [prefix +
                 f"rank(s) {who} did not finish your function: {why}. The other ranks waited "
                 f"for {'it' if len(missing) == 1 else 'them'} in a collective and gave up "
@@ -582,21 +664,22 @@ def _judge_size(ex: Exercise, W: int, results: dict, result, timed_out: bool,
                 "only? (For slow but correct code, set DDP_LESSON_CHECK_TIMEOUT_S higher.)"], True
     if timed_out:
         return [prefix +
-                f"the run did not finish within {LAUNCH_TIMEOUT_S:.0f} s: rank(s) "
+                f"the run did not finish within {limit_s:.0f} s: rank(s) "
                 f"{', '.join(map(str, missing))} still waiting. A rank that waits for a message "
                 "nobody sends (a blocking send/recv in the same order on every rank, or a "
                 "collective one rank skips) hangs; use isend/irecv for the exchange."], True
-    why = _crash_reason(result, missing)
+    why = _crash_reason(errors, missing)
     return [prefix + f"rank(s) {', '.join(map(str, missing))} died before finishing: {why}"], True
 
 
-def _mismatch_problem(result, world_size: int) -> str | None:
+def _mismatch_problem(errors: dict | None, world_size: int) -> str | None:
     """The verdict for a message larger than the buffer posted for it: gloo ends the
-    receiving process (SIGABRT), so its peers only see a closed connection or a timeout."""
-    if result is None:
+    receiving process (SIGABRT), so its peers only see a closed connection or a timeout.
+    ``errors``: rank -> its stderr about this candidate."""
+    if not errors:
         return None
     for r in range(world_size):
-        found = size_mismatch(result.errors.get(r) or "")
+        found = size_mismatch(errors.get(r) or "")
         if found:
             got, room = found
             return (f"size mismatch on the wire: rank {r} received a message of {got} bytes "
@@ -607,11 +690,11 @@ def _mismatch_problem(result, world_size: int) -> str | None:
     return None
 
 
-def _crash_reason(result, missing) -> str:
-    if result is None:
+def _crash_reason(errors: dict | None, missing) -> str:
+    if errors is None:
         return "no result"
     for r in missing:
-        err = [line for line in (result.errors.get(r) or "").strip().splitlines()
+        err = [line for line in (errors.get(r) or "").strip().splitlines()
                if "Warning" not in line]
         if err:
             return f"its last words: {err[-1][:300]}"
