@@ -67,22 +67,34 @@ def test_outputs_come_back_in_rank_order_whatever_the_finishing_order():
     assert result.rank_lines(2) == ["hello from 2", "second line 2"]
 
 
-def test_workers_get_backend_threads_and_a_real_process_group():
+ARGS_LINE = "['--epochs', '1', '--out', 'a b']"  # what args="--epochs 1 --out 'a b'" gives
+
+
+@pytest.fixture(scope="module")
+def gloo_pair():
+    """One launch, two checks: 2 ranks with backend="gloo" and OMP_NUM_THREADS=2 set, whose
+    program arguments are given as one string. Each rank prints its backend line, then argv."""
     code = textwrap.dedent("""
-        import os, torch, torch.distributed as dist
+        import os, sys, torch, torch.distributed as dist
         from ddp_lesson.env import init_distributed, cleanup
         env = init_distributed(timeout=30)
         t = torch.tensor([env.rank + 1])
         dist.all_reduce(t)
         print(env.backend, os.environ.get("DDP_LESSON_BACKEND"), os.environ["OMP_NUM_THREADS"],
               int(t))
+        print(sys.argv[1:])
         cleanup()
     """)
-    result = run_torchrun(code=code, nproc_per_node=2, timeout=90, live=False, backend="gloo",
-                          env={**os.environ, "OMP_NUM_THREADS": "2"})
+    return run_torchrun(code=code, args="--epochs 1 --out 'a b'", nproc_per_node=2, timeout=90,
+                        live=False, backend="gloo", env={**os.environ, "OMP_NUM_THREADS": "2"})
+
+
+def test_workers_get_backend_threads_and_a_real_process_group(gloo_pair):
+    result = gloo_pair
     # an explicit backend reaches every rank; the user's OMP_NUM_THREADS is kept; 1 + 2 = 3
-    assert result.rank_lines(0) == ["gloo gloo 2 3"]
-    assert result.rank_lines(1) == ["gloo gloo 2 3"]
+    # (then each rank's argv: test_error_message_carries_the_cause_and_args_may_be_a_string)
+    assert result.rank_lines(0) == ["gloo gloo 2 3", ARGS_LINE]
+    assert result.rank_lines(1) == ["gloo gloo 2 3", ARGS_LINE]
     assert result.backend == "gloo"
 
 
@@ -123,9 +135,30 @@ def test_failing_rank_raises_with_its_traceback():
     assert err.result.rank_lines(2) == ["before 2"]
 
 
-def test_check_false_returns_the_failure_instead():
-    result = run_torchrun(code="import sys; sys.exit(3)", nproc_per_node=2, timeout=90,
-                          live=False, check=False)
+@pytest.fixture(scope="module")
+def jobs_at_once():
+    """Three 2-rank jobs started at once (run_torchrun_many): "slow" sleeps 3 s, "fast" none,
+    "fails" exits 3 on both ranks with check=False. Each rank prints its job's MASTER_PORT."""
+    code = textwrap.dedent("""
+        import os, sys, time
+        import torch.distributed as dist
+        dist.init_process_group("gloo")
+        time.sleep(float(sys.argv[1]))
+        print(os.environ["MASTER_PORT"])
+        dist.destroy_process_group()
+        sys.exit(int(sys.argv[2]))
+    """)
+    script = {"code": code, "nproc_per_node": 2, "timeout": 90}
+    return run_torchrun_many({"slow": dict(script, args=["3", "0"]),
+                              "fast": dict(script, args=["0", "0"]),
+                              "fails": dict(script, args=["0", "3"], check=False)},
+                             live=False)
+
+
+def test_check_false_returns_the_failure_instead(jobs_at_once):
+    # the "fails" job: every rank exits 3, and run_torchrun(check=False) returned its result
+    # (with check=True it would have raised, and run_torchrun_many with it)
+    result = jobs_at_once["fails"]
     assert result.returncode != 0
     assert result.failed_rank in (0, 1)
 
@@ -138,9 +171,11 @@ def test_timeout_ends_every_process(tmp_path):
         time.sleep(600)
     """)
     start = time.monotonic()
+    # 15 s, not less: on 2 loaded cores torchrun and both workers took over 8 s to start once
+    # (no pid file yet when the timeout ended the run)
     with pytest.raises(TorchrunTimeout) as info:
-        run_torchrun(code=code, nproc_per_node=2, timeout=8, live=False)
-    assert time.monotonic() - start < 30
+        run_torchrun(code=code, nproc_per_node=2, timeout=15, live=False)
+    assert time.monotonic() - start < 40
     assert isinstance(info.value, subprocess.TimeoutExpired)
     pids = [int((tmp_path / f"pid{r}").read_text()) for r in (0, 1)]
     assert _wait_dead(pids) == []
@@ -227,22 +262,9 @@ def test_killing_the_launcher_outright_leaves_no_orphans(tmp_path):
     assert _wait_dead(below, seconds=10) == []
 
 
-def test_launches_at_once_get_different_ports_and_come_back_in_job_order():
-    code = textwrap.dedent("""
-        import os, sys, time
-        import torch.distributed as dist
-        dist.init_process_group("gloo")
-        time.sleep(float(sys.argv[1]))
-        print(os.environ["MASTER_PORT"])
-        dist.destroy_process_group()
-        sys.exit(int(sys.argv[2]))
-    """)
-    script = {"code": code, "nproc_per_node": 2, "timeout": 90}
+def test_launches_at_once_get_different_ports_and_come_back_in_job_order(jobs_at_once):
     # "slow" finishes last but comes back first; "fails" exits 3 on both ranks (check=False)
-    results = run_torchrun_many({"slow": dict(script, args=["3", "0"]),
-                                 "fast": dict(script, args=["0", "0"]),
-                                 "fails": dict(script, args=["0", "3"], check=False)},
-                                live=False)
+    results = jobs_at_once
     assert list(results) == ["slow", "fast", "fails"]
     assert [r.returncode for r in results.values()] == [0, 0, 1]
     assert results["fails"].failed_ranks == [0, 1]
@@ -397,15 +419,13 @@ def test_error_shows_a_rank_that_said_why():
     assert _failed_rank("", {0: "", 1: "Traceback (most recent call last):\nE\n"}) == (1, None)
 
 
-def test_error_message_carries_the_cause_and_args_may_be_a_string():
+def test_error_message_carries_the_cause_and_args_may_be_a_string(gloo_pair):
     code = "import os, sys\nif os.environ['RANK'] == '0': sys.exit('epochs must be >= 1, got 0')\n"
     with pytest.raises(TorchrunError) as info:
         run_torchrun(code=code, nproc_per_node=2, timeout=90, live=False)
     assert str(info.value) == "rank 0 of 2 failed (exit code 1): epochs must be >= 1, got 0"
-    script_args = "import sys; print(sys.argv[1:])"
-    result = run_torchrun(code=script_args, args="--epochs 1 --out 'a b'", nproc_per_node=2,
-                          timeout=90, live=False)
-    assert result.rank_lines(0) == ["['--epochs', '1', '--out', 'a b']"]
+    # args as one string are split as a shell would (gloo_pair's launch: its second line)
+    assert gloo_pair.rank_lines(0)[1:] == [ARGS_LINE]
     with pytest.raises(ValueError, match="nproc_per_node must be an integer >= 1, got True"):
         run_torchrun(code="pass", nproc_per_node=True)
     with pytest.raises(ValueError, match=r"--ranks 0,5: ranks must be in \[0, 1\]"):
