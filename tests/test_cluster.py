@@ -234,12 +234,18 @@ def test_notebook_04_ranks_cells_replay_their_stored_output(cluster, capsys):
 def test_interrupt_reaches_the_ranks_and_keeps_the_cluster(cluster):
     cluster.run("kept = rank * 7")
     restarts, pids = cluster.restarts, dict(cluster.engine_pids)
+    # Python's own handler, as a kernel has: a shell that starts pytest in the background
+    # leaves SIGINT ignored, and the SIGINT below would never become a KeyboardInterrupt
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT))
     timer.start()
     t0 = time.monotonic()
-    with pytest.raises(KeyboardInterrupt):
-        cluster.run("import time\nfor _ in range(1200):\n    time.sleep(0.1)", timeout=100)
-    timer.join()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            cluster.run("import time\nfor _ in range(1200):\n    time.sleep(0.1)", timeout=100)
+    finally:
+        timer.join()
+        signal.signal(signal.SIGINT, previous)
     # the ranks were interrupted (the cell was 120 s long), not restarted: state kept
     assert time.monotonic() - t0 < 60
     assert cluster.restarts == restarts and cluster.engine_pids == pids
