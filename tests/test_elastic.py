@@ -17,6 +17,7 @@ what is stored, so the same values are checked on a fresh run either way.
 Config: 32 samples, 2 ranks, batch 4 -> 4 steps per epoch, 8 in all; checkpoints every 2
 steps and at each epoch end, i.e. after global steps 2, 4, 6 and 8.
 """
+import json
 import os
 
 import pytest
@@ -93,8 +94,19 @@ def _assert_mid_epoch_recovery(lines0, lines1):
     assert any(line.endswith("epoch 2/2, step 0/4 (global step 4)") for line in lines0)
 
 
+def _notebook_job(name: str, flags: str) -> None:
+    """Notebook 06 starts the job ``name`` with this test file's BASE and ``flags``, one
+    restart allowed (so its stored output answers for the same run as the tests here)."""
+    setup = " ".join(cell_with(NB, "run_torchrun_many({").source.split())  # one line
+    assert "BASE = " + json.dumps(BASE) in setup
+    assert f'"{name}": job("{name}", {flags}' in setup
+    assert 'module=True, timeout=120, backend="gloo"' in setup
+
+
 def test_notebook_kill_mid_epoch_recovers_bit_identical():
     """The same run a third time: notebook 06's ``killed`` cell as stored (nbval replays it)."""
+    _notebook_job("killed", '"--simulate-failure-at-step", "5", "--failure-rank", "1", '
+                            'max_restarts=1)')
     ranks, other = stored_run(NB, "show(killed)")
     _assert_mid_epoch_recovery(ranks[0], ranks[1])
     assert other == ["same weights as the uninterrupted run: True"]
@@ -103,6 +115,8 @@ def test_notebook_kill_mid_epoch_recovers_bit_identical():
 def test_kill_during_checkpoint_write_keeps_previous_checkpoint():
     """Notebook 06's ``torn`` cell as stored (nbval replays it): rank 0, the writer, killed
     once the temporary file of step 6 is complete, before the rename."""
+    _notebook_job("torn", '"--simulate-failure-at-step", "5", "--simulate-failure-during-save", '
+                          'max_restarts=1)')
     ranks, other = stored_run(NB, "show(torn)")
     assert ("simulated failure: rank 0 kills itself (SIGKILL) during the checkpoint write at "
             "global step 6") in ranks[0]
