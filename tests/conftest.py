@@ -52,11 +52,11 @@ def notebook07_or_launch(module: str, world_size: int) -> list[str]:
     ``%%torchrun --nproc-per-node 2``), a torchrun launch otherwise."""
     if world_size != 2:
         return lab_rank0_lines(module, world_size)
-    from notebook_cells import cell_with, stored_run
+    from notebook_cells import lab_cell, stored_run
 
-    nb, marker = "07_beyond_ddp_zero_fsdp.ipynb", f"from {module} import main"
-    assert cell_with(nb, marker).source == f"%%torchrun --nproc-per-node 2\n{marker}\n\nmain([])"
-    ranks, _ = stored_run(nb, marker)
+    nb = "07_beyond_ddp_zero_fsdp.ipynb"
+    lab_cell(nb, module)
+    ranks, _ = stored_run(nb, f"from {module} import main")
     return ranks[0]
 
 

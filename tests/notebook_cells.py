@@ -67,3 +67,13 @@ def stored_run(notebook: str, marker: str,
         else:
             other.append(line)
     return ranks, other
+
+
+def lab_cell(notebook: str, module: str):
+    """The stored cell that runs lab ``module`` as ``%%torchrun --nproc-per-node 2`` /
+    ``from MODULE import main`` / ``main([])``, asserting its source is exactly that: a test
+    that reads the cell's output instead of launching the lab checks that very job."""
+    marker = f"from {module} import main"
+    cell = cell_with(notebook, marker)
+    assert cell.source == f"%%torchrun --nproc-per-node 2\n{marker}\n\nmain([])", cell.source
+    return cell

@@ -577,8 +577,11 @@ def _launch(items: list) -> tuple[int, list[list[str]]]:
                 per_rank[r] = pickle.loads(f.read_bytes()) if f.exists() else []
             except (EOFError, pickle.UnpicklingError):
                 per_rank[r] = []
-        # the first candidate gets a verdict even when no rank recorded anything
-        last = max(1, max(len(records) for records in per_rank.values())) - 1
+        # Where the launch stopped: the last candidate some rank began (its mark on stderr;
+        # a rank gloo aborted may have recorded nothing of it) or recorded; the first
+        # candidate gets a verdict even when no rank did either.
+        recorded = max(len(records) for records in per_rank.values()) - 1
+        last = min(len(items) - 1, max(0, recorded, _last_started(result)))
         problems_all = []
         for i, (ex, _) in enumerate(items[:last + 1]):
             records = {r: rs[i] for r, rs in per_rank.items() if len(rs) > i}
@@ -592,6 +595,17 @@ def _launch(items: list) -> tuple[int, list[list[str]]]:
         return last + 1, problems_all
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+_MARK_RE = re.compile(re.escape(CANDIDATE_MARK).replace(r"\{\}", r"(\d+)"))
+
+
+def _last_started(result) -> int:
+    """The highest candidate index any rank of the launch began (its mark), -1 for none."""
+    if result is None:
+        return -1
+    return max((int(m.group(1)) for text in result.errors.values()
+                for m in _MARK_RE.finditer(text or "")), default=-1)
 
 
 def _last_words(result) -> dict[int, str]:
