@@ -4,105 +4,144 @@ its timeout instead of hanging, and every ``--fixed`` version succeeds.
 The errors asserted are torch's and gloo's own messages: a collective that waits past the
 process group's timeout raises "Timed out waiting <ms>ms for recv operation" (or send); with
 ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` torch names a mismatched collective; DDP's constructor
-names a parameter whose shape differs between ranks. A 2 s timeout keeps the test short (the
-programs default to 5 s). All broken runs start at once (``run_all``): they mostly wait.
+names a parameter whose shape differs between ranks.
+
+One job, one launch (docs/architecture.md): notebook 06's clinic cell starts exactly these
+launches (every broken case with a 3 s timeout, shape_mismatch again with DETAIL, the repairs'
+job) and prints, per case, its verdict, every line each rank printed and the telling line of its
+error. The tests below read that stored output, after asserting the cell's source starts those
+very launches; nbval's replay of the notebook reruns the cell and fails unless it prints exactly
+what is stored. Only the SIGUSR1 stack dump launches here.
 """
 import os
+import re
 
 import pytest
-from notebook_cells import stream_text
+from notebook_cells import cell_with, stream_text
 
-from ddp_lesson.labs.clinic import CASES, diagnose, run_all, split_cases, telling_line
+from ddp_lesson.labs.clinic import CASES, split_cases, telling_line
 from ddp_lesson.launch import run_torchrun
 
-TIMEOUT_MS = "Timed out waiting 2000ms for"  # ... recv (or send) operation to complete
 NB = "06_failures_and_multinode.ipynb"
+CLINIC_CELL = "clinic = run_all(runs)"
+FIXED_CELL = "fixed = {rank: split_cases"
+TIMEOUT_LINE = "RuntimeError: Timed out waiting 3000ms"
+
+
+def _blocks(marker: str) -> dict[str, dict]:
+    """A clinic cell's stored output, per case: ``{case: {"head": text after the name,
+    "ranks": {rank: [lines]}, "rest": [other indented lines, wrapped ones joined]}}``."""
+    blocks: dict[str, dict] = {}
+    block = None
+    for line in stream_text(NB, marker).splitlines():
+        if not line.startswith(" "):
+            name, _, head = line.partition(" ")
+            block = blocks.setdefault(name, {"head": head.strip(), "ranks": {}, "rest": []})
+            continue
+        m = re.match(r" {21}\[rank (\d+)\] (.*)$", line)
+        if m:
+            block["ranks"].setdefault(int(m.group(1)), []).append(m.group(2))
+        elif line.startswith(" " * 23) and block["rest"]:  # a textwrap continuation
+            block["rest"][-1] += " " + line.strip()
+        else:
+            block["rest"].append(line.strip())
+    return blocks
 
 
 @pytest.fixture(scope="module")
 def clinic():
-    """Every broken case, shape_mismatch again with DETAIL, and the repairs' job, at once."""
-    runs = {name: (name, ["--timeout", "2"]) for name in CASES}
-    runs["detail"] = ("shape_mismatch", ["--timeout", "2"], {"TORCH_DISTRIBUTED_DEBUG": "DETAIL"})
-    runs["fixed"] = ("fixed", ["--timeout", "10"])
-    return run_all(runs, timeout=120)
+    """Notebook 06's stored clinic verdicts, after checking the cell starts the launches the
+    tests expect: each case with ``--timeout 3``, DETAIL on shape_mismatch, the repairs' job."""
+    source = cell_with(NB, CLINIC_CELL).source
+    for line in ('runs = {name: (name, ["--timeout", "3"]) for name in CASES}',
+                 'runs["shape_mismatch, DETAIL"] = ("shape_mismatch", ["--timeout", "3"],',
+                 '{"TORCH_DISTRIBUTED_DEBUG": "DETAIL"})',
+                 'runs["fixed"] = ("fixed", ["--timeout", "10"])',
+                 "clinic = run_all(runs)"):
+        assert line in source, line
+    blocks = _blocks(CLINIC_CELL)
+    assert list(blocks) == list(CASES)
+    return blocks
 
 
-def _broken(clinic, name):
-    r = clinic[name]
-    assert r.returncode != 0
-    return r, r.errors[0] + r.errors[1]
+def _broken(clinic, name, verdict):
+    block = clinic[name]
+    assert block["head"] == f"ends with: {verdict}"  # diagnose(): not "finished", so rc != 0
+    return block
 
 
 def test_collective_called_by_one_rank_times_out(clinic):
-    r, err = _broken(clinic, "partial_collective")
-    assert "rank 0 enters all_reduce; the other ranks do not" in r.rank_lines(0)
-    assert TIMEOUT_MS in r.errors[0]
-    assert diagnose(r) == "timeout"
-    assert telling_line("partial_collective", r) == "RuntimeError: Timed out waiting 2000ms"
+    b = _broken(clinic, "partial_collective", "timeout")
+    assert b["ranks"] == {0: ["rank 0 enters all_reduce; the other ranks do not"],
+                          1: ["rank 1 skips the all_reduce and goes on"]}
+    assert b["rest"] == [TIMEOUT_LINE]
 
 
 def test_all_reduce_with_different_shapes_times_out(clinic):
-    r, err = _broken(clinic, "shape_mismatch")
-    assert "rank 1: all_reduce of shape (3,)" in r.rank_lines(1)
-    assert TIMEOUT_MS in err  # the elements the longer tensor has and the other lacks
-    assert diagnose(r) == "timeout"
-    assert telling_line("shape_mismatch", r) == "RuntimeError: Timed out waiting 2000ms"
+    b = _broken(clinic, "shape_mismatch", "timeout")
+    assert b["ranks"][1] == ["rank 1: all_reduce of shape (3,)"]
+    # rank 0's all_reduce returned, summed over the two elements it has: [0, 1] + [0, 1]
+    assert b["ranks"][0] == ["rank 0: all_reduce of shape (2,)", "rank 0: got [0.0, 2.0]"]
+    assert b["rest"] == [TIMEOUT_LINE]  # rank 1 waits for the element rank 0 lacks
 
 
-def test_debug_detail_names_the_mismatched_collective(clinic):
-    r, err = _broken(clinic, "detail")
-    assert diagnose(r) == "mismatched collectives"
-    assert "Detected mismatch between collectives on ranks" in err
-    assert "TensorShape=[2]" in err and "TensorShape=[3]" in err
+def test_debug_detail_names_the_mismatched_collective():
+    # diagnose() says "mismatched collectives" only where the ranks' stderr holds torch's
+    # "Detected mismatch between collectives on ranks" (SIGNATURES)
+    assert stream_text(NB, 'detail = clinic["shape_mismatch, DETAIL"]') == (
+        "with DETAIL it ends with: mismatched collectives\n"
+        "shapes named in the error: ['TensorShape=[2]', 'TensorShape=[3]']\n")
 
 
 def test_uneven_batches_time_out_in_the_extra_backward(clinic):
-    r, err = _broken(clinic, "uneven_batches")
-    assert r.rank_lines(0)[:1] == ["rank 0: 3 batches"]
-    assert r.rank_lines(1)[:1] == ["rank 1: 4 batches"]
-    assert TIMEOUT_MS in err  # rank 1's 4th backward, or rank 0 waiting for it in barrier()
-    assert diagnose(r) == "timeout"
-    assert telling_line("uneven_batches", r) == "RuntimeError: Timed out waiting 2000ms"
+    b = _broken(clinic, "uneven_batches", "timeout")
+    assert b["ranks"] == {0: ["rank 0: 3 batches", "rank 0: done with my batches"],
+                          1: ["rank 1: 4 batches"]}
+    assert b["rest"] == [TIMEOUT_LINE]  # rank 1's 4th backward, or rank 0 waiting for it
 
 
 def test_rank_that_never_joins_fails_at_start_within_the_timeout(clinic):
-    r, err = _broken(clinic, "missing_rank")
+    b = _broken(clinic, "missing_rank", "a rank never joined")
     for rank in (0, 1):
-        assert r.rank_lines(rank) == [f"rank {rank}: torchrun started 2 processes; "
-                                      "joining a group of 3"]
-    assert "DistStoreError: wait timeout after 2000ms" in err
-    assert diagnose(r) == "a rank never joined"
-    assert telling_line("missing_rank", r) == "DistStoreError: wait timeout after 2000ms"
+        assert b["ranks"][rank] == [f"rank {rank}: torchrun started 2 processes; "
+                                    "joining a group of 3"]
+    assert b["rest"] == ["DistStoreError: wait timeout after 3000ms"]
 
 
 def test_model_differing_between_ranks_is_refused_by_ddp(clinic):
-    r, err = _broken(clinic, "model_mismatch")
-    assert ("params[0] in this process with sizes [9, 4] appears not to match sizes of the "
-            "same param in process 0") in r.errors[1]
-    assert diagnose(r) == "model differs between ranks"
-    assert telling_line("model_mismatch", r) == (
-        "RuntimeError: [1]: params[0] in this process with sizes [9, 4] appears not to "
-        "match sizes of the same param in process 0.")
+    b = _broken(clinic, "model_mismatch", "model differs between ranks")
+    assert b["ranks"] == {0: ["rank 0: hidden width 8"], 1: ["rank 1: hidden width 9"]}
+    # "[1]:": rank 1's error, naming the parameter and both sizes
+    assert b["rest"] == ["RuntimeError: [1]: params[0] in this process with sizes [9, 4] "
+                         "appears not to match sizes of the same param in process 0."]
 
 
 @pytest.fixture(scope="module")
 def fixed(clinic):
-    """Each case's ``--fixed`` output, per rank, cut from the one repairs' job."""
-    assert diagnose(clinic["fixed"]) == "finished"
-    return {rank: split_cases(clinic["fixed"].rank_lines(rank)) for rank in (0, 1)}
+    """Each case's ``--fixed`` output, per rank, as notebook 06 prints it from the repairs'
+    job (one launch, every repaired program in order)."""
+    text = stream_text(NB, FIXED_CELL)
+    assert text.startswith("the repairs' job: finished\n")
+    blocks = _blocks(FIXED_CELL)
+    del blocks["the"]  # the first line, asserted above
+    assert all(b["head"] == "--fixed:" and not b["rest"] for b in blocks.values())
+    return {rank: {name: b["ranks"].get(rank, []) for name, b in blocks.items()}
+            for rank in (0, 1)}
 
 
 def test_every_fixed_version_succeeds(fixed):
     assert list(fixed[0]) == list(fixed[1]) == list(CASES)  # every case ran, in order
     assert fixed[0]["partial_collective"] == ["mean loss over 2 ranks: 1.50"]  # (1+2)/2
+    assert fixed[1]["partial_collective"] == []  # only rank 0 prints
     for rank in (0, 1):
         # [0, 1] + [0, 1, 2] after padding to 3
         assert fixed[rank]["shape_mismatch"] == [f"rank {rank}: padded to 3, sum [0.0, 2.0, 2.0]"]
-        assert fixed[rank]["uneven_batches"][-2:] == [
+        assert fixed[rank]["uneven_batches"] == [
+            f"rank {rank}: {3 + rank} batches",
             f"rank {rank}: BucketedDDP under Join: weights equal on all ranks: True",
             f"rank {rank}: done; weights equal on all ranks: True"]
-        assert f"rank {rank}: one step done with DDP" in fixed[rank]["model_mismatch"]
+        assert fixed[rank]["model_mismatch"] == [f"rank {rank}: hidden width 8",
+                                                 f"rank {rank}: one step done with DDP"]
         assert fixed[rank]["missing_rank"] == [
             f"rank {rank}: torchrun started 2 processes; joining a group of 2",
             f"rank {rank}: all 2 ranks joined"]
@@ -111,34 +150,6 @@ def test_every_fixed_version_succeeds(fixed):
 def test_split_cases_cuts_at_the_headers():
     lines = ["before", "== a", "x", "y", "== b", "== c", "z"]
     assert split_cases(lines) == {"a": ["x", "y"], "b": [], "c": ["z"]}
-
-
-def test_notebook_clinic_cells_as_stored():
-    """Notebook 06's stored clinic outputs: the verdicts and errors of a 3 s timeout."""
-    assert stream_text(NB, "clinic = run_all(runs)") == (
-        "partial_collective   ends with: timeout\n"
-        "                     RuntimeError: Timed out waiting 3000ms\n"
-        "shape_mismatch       ends with: timeout\n"
-        "                     RuntimeError: Timed out waiting 3000ms\n"
-        "uneven_batches       ends with: timeout\n"
-        "                     RuntimeError: Timed out waiting 3000ms\n"
-        "model_mismatch       ends with: model differs between ranks\n"
-        "                     RuntimeError: [1]: params[0] in this process with sizes [9, 4] "
-        "appears not to\n"
-        "                       match sizes of the same param in process 0.\n"
-        "missing_rank         ends with: a rank never joined\n"
-        "                     DistStoreError: wait timeout after 3000ms\n")
-    assert stream_text(NB, 'detail = clinic["shape_mismatch, DETAIL"]') == (
-        "with DETAIL it ends with: mismatched collectives\n"
-        "shapes named in the error: ['TensorShape=[2]', 'TensorShape=[3]']\n")
-    assert stream_text(NB, "fixed = {rank: split_cases") == (
-        "the repairs' job: finished\n"
-        "partial_collective   --fixed: rank 0 says 'mean loss over 2 ranks: 1.50'\n"
-        "shape_mismatch       --fixed: rank 0 says 'rank 0: padded to 3, sum [0.0, 2.0, 2.0]'\n"
-        "uneven_batches       --fixed: rank 0 says 'rank 0: done; weights equal on all ranks: "
-        "True'\n"
-        "model_mismatch       --fixed: rank 0 says 'rank 0: one step done with DDP'\n"
-        "missing_rank         --fixed: rank 0 says 'rank 0: all 2 ranks joined'\n")
 
 
 def test_diagnose_reads_the_signatures():
@@ -233,4 +244,4 @@ def test_stack_dump_on_sigusr1_shows_where_a_rank_waits():
     assert "Current thread" in dump or "Thread 0x" in dump  # faulthandler's format
     stuck_line = [ln for ln in dump.splitlines() if "partial_collective.py" in ln]
     assert stuck_line and "in run" in stuck_line[0]  # the program's body, inside all_reduce
-    assert TIMEOUT_MS.replace("2000", "15000") in dump  # and then the collective still timed out
+    assert "Timed out waiting 15000ms for" in dump  # and then the collective still timed out
