@@ -50,11 +50,11 @@ def stored_run(notebook: str, marker: str,
     Lines ``[rank N] text`` go to ``ranks[N]`` (in order), every other line to ``other``; a
     line that starts with ``indent`` spaces is a ``textwrap.fill`` continuation (the notebooks
     wrap long rank lines at 100 characters) and is joined back to the line before it with one
-    space. Returns ``(ranks, other)``.
+    space (``indent=0``: no line is a continuation). Returns ``(ranks, other)``.
     """
     joined: list[str] = []
     for line in stream_text(notebook, marker).splitlines():
-        if line.startswith(" " * indent) and joined:
+        if indent and line.startswith(" " * indent) and joined:
             joined[-1] += " " + line.strip()
         else:
             joined.append(line)
@@ -77,3 +77,17 @@ def lab_cell(notebook: str, module: str):
     cell = cell_with(notebook, marker)
     assert cell.source == f"%%torchrun --nproc-per-node 2\n{marker}\n\nmain([])", cell.source
     return cell
+
+
+class StoredRun:
+    """A stored ``%%torchrun`` cell read as the run's result: ``rank_lines(rank)`` as
+    :class:`ddp_lesson.launch.TorchrunResult` gives them (``[]`` for a rank that printed
+    nothing), ``other`` the cell's lines that are not a rank's (the launcher's backend line)."""
+
+    def __init__(self, notebook: str, marker: str, source: str):
+        cell = cell_with(notebook, marker)
+        assert cell.source == source, cell.source  # the very job the test would launch
+        self.ranks, self.other = stored_run(notebook, marker, indent=0)  # no wrapped lines
+
+    def rank_lines(self, rank: int) -> list[str]:
+        return list(self.ranks.get(rank, []))

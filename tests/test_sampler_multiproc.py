@@ -3,7 +3,8 @@
 Every expectation is computed here from torch's own ``DistributedSampler`` or from
 ``torch.randperm`` seeded as the docs say (``seed + epoch``), or is a literal value of
 pitfalls.md §A; the processes run the package's sampler through a real ``DataLoader``.
-Two launches (2 and 3 processes) cover everything.
+Notebook 02's set_epoch cell (2 processes, read from its stored output: one job, one launch,
+docs/architecture.md) and one launch of 3 processes here cover everything.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from collections import Counter
 
 import pytest
 import torch
+from notebook_cells import StoredRun
 from sampler_reference import torch_shards
 from torch.utils.data import DataLoader
 from torch.utils.data import DistributedSampler as TorchSampler
@@ -35,19 +37,16 @@ def torch_order(n, shuffle, seed, epoch):
     return torch.randperm(n, generator=g).tolist()
 
 
-# --------------------------------------------------------------------------- launch 1: set_epoch
+# ------------------------------------------------------------ notebook 02's set_epoch run
 
 @pytest.fixture(scope="module")
 def set_epoch_run():
-    return run_torchrun(
-        "ddp_lesson.labs.sampler_set_epoch",
-        ["--dataset-len", "8", "--epochs", "3"],
-        module=True,
-        nproc_per_node=2,
-        timeout=120,
-        live=False,
-        backend="gloo",
-    )
+    """Notebook 02's set_epoch cell as stored: one job, one launch (docs/architecture.md);
+    nbval's replay reruns the cell and fails unless it prints exactly this."""
+    return StoredRun("02_sampler_sharding.ipynb", "from ddp_lesson.labs.sampler_set_epoch import",
+                     "%%torchrun --nproc-per-node 2\n"
+                     "from ddp_lesson.labs.sampler_set_epoch import main\n\n"
+                     "main(n=8, epochs=3, seed=0)")
 
 
 def _table(lines, epochs, world):
@@ -84,7 +83,7 @@ def test_a1_set_epoch_lab_every_rank_three_epochs(set_epoch_run):
             "my epochs are all the same without set_epoch: True; all different with it: True")
 
 
-# --------------------------------------------------------------------------- launch 2: 3 ranks
+# --------------------------------------------------------------------------- launch 1: 3 ranks
 
 CONFIGS = [dict(n=n, shuffle=shuffle, seed=seed, epoch=epoch, drop_last=drop_last)
            for n in (12, 9, 10, 11, 2, 1)

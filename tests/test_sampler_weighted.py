@@ -5,7 +5,8 @@ Expectations come from torch's own pieces: ``WeightedRandomSampler`` with a gene
 ``seed + epoch`` (the draw), torch's ``DistributedSampler`` (its dealing, and the trap of
 wrapping a weighted sampler), real ``DataLoader`` workers, and the worker seeding rule of
 ``torch/utils/data/_utils/worker.py`` (``base_seed + worker_id``, ``base_seed`` drawn from
-the loader's generator or the global one). Two launches (3 and 2 processes).
+the loader's generator or the global one). The labs' runs are notebook 02's cells as stored
+(3 and 2 processes; nbval's replay reruns them): one job, one launch (docs/architecture.md).
 """
 from __future__ import annotations
 
@@ -13,12 +14,12 @@ import math
 
 import pytest
 import torch
+from notebook_cells import StoredRun
 from sampler_reference import torch_shards
 from torch.utils.data import DataLoader, WeightedRandomSampler
 from torch.utils.data import DistributedSampler as TorchSampler
 
 from ddp_lesson.labs.sampler_streams import CountingStream
-from ddp_lesson.launch import run_torchrun
 from ddp_lesson.sampler import (
     DistributedSampler,
     DistributedWeightedSampler,
@@ -29,6 +30,8 @@ from ddp_lesson.sampler import (
 )
 
 W = [2.0] * 50 + [1.0] * 50
+
+NB = "02_sampler_sharding.ipynb"
 
 
 def torch_draw(weights, n, replacement=True, seed=0, epoch=0):
@@ -173,10 +176,17 @@ def test_iterable_shard_without_workers_strides_by_rank_and_checks_the_rank():
 
 # ------------------------------------------------------------------------ the labs, on real ranks
 
+# One job, one launch (docs/architecture.md): notebook 02 runs both labs with these arguments
+# (the labs' defaults); the tests read its stored output, which nbval's replay reruns and
+# compares, instead of launching the same jobs again.
 @pytest.fixture(scope="module")
 def weighted_run():
-    return run_torchrun("ddp_lesson.labs.sampler_weighted", [], module=True, nproc_per_node=3,
-                        timeout=120, live=False, backend="gloo")
+    run = StoredRun(NB, "from ddp_lesson.labs.sampler_weighted import main",
+                    "%%torchrun --nproc-per-node 3\n"
+                    "from ddp_lesson.labs.sampler_weighted import main\n\n"
+                    "main(num_samples=100, seed=0)")
+    assert run.other == ["[torchrun] 3 processes and no GPU: using gloo on CPU"]
+    return run
 
 
 @pytest.mark.timeout(150)
@@ -203,8 +213,10 @@ def test_weighted_lab_three_ranks_draw_the_same_sequence(weighted_run):
 
 @pytest.fixture(scope="module")
 def streams_run():
-    return run_torchrun("ddp_lesson.labs.sampler_streams", ["--part", "all"], module=True,
-                        nproc_per_node=2, timeout=120, live=False, backend="gloo")
+    return StoredRun(NB, "from ddp_lesson.labs.sampler_streams import main",
+                     "%%torchrun --nproc-per-node 2\n"
+                     "from ddp_lesson.labs.sampler_streams import main\n\n"
+                     'main()   # part="stream", then part="seeds" (section 11)')
 
 
 def _loader_order(n, R, rank, workers, batch_size):

@@ -1,7 +1,8 @@
 """Notebook 00's account of torchrun: the variables its agent sets, the two stores, OMP_NUM_THREADS.
 
-Checked against torch's source (torch 2.13) and by real runs: one through the package's
-launcher (what notebook 00 prints) and one of plain torchrun with nothing preset.
+Checked against torch's source (torch 2.13) and by real runs: notebook 00's three-rank cell
+through the package's launcher (its stored output, which nbval's replay reruns and compares) and
+one of plain torchrun with nothing preset.
 """
 from __future__ import annotations
 
@@ -12,9 +13,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from notebook_cells import cell_with, stored_run
 
 from ddp_lesson.labs.torchrun_env import SHOWN, VARYING, env_lines
-from ddp_lesson.launch import launch_env, run_torchrun
+from ddp_lesson.launch import launch_env
 
 TORCH_DIST = Path(torch.__file__).parent / "distributed"
 ROOT = Path(__file__).resolve().parent.parent
@@ -61,12 +63,18 @@ def test_env_lines_pure():
     )
 
 
-@pytest.mark.timeout(150)
 def test_notebook00_lab_on_three_ranks():
-    r = run_torchrun(code="from ddp_lesson.labs.torchrun_env import main; main()",
-                     nproc_per_node=3, timeout=120, live=False)
+    """Notebook 00's three-rank cell as stored (one job, one launch: nbval's replay reruns it
+    and fails unless it prints exactly this)."""
+    cell = cell_with("00_setup.ipynb", "from ddp_lesson.labs.torchrun_env import main")
+    assert cell.source.splitlines()[:3] == ["%%torchrun --nproc-per-node 3",
+                                            "from ddp_lesson.labs.torchrun_env import main", ""]
+    assert cell.source.splitlines()[3].startswith("main()")
+    ranks, other = stored_run("00_setup.ipynb", "from ddp_lesson.labs.torchrun_env import main")
+    assert other == ["[torchrun] 3 processes and no GPU: using gloo on CPU"]
+    assert sorted(ranks) == [0, 1, 2]
     for rank in range(3):
-        assert r.rank_lines(rank) == [
+        assert ranks[rank] == [
             (f"RANK={rank} LOCAL_RANK={rank} WORLD_SIZE=3 LOCAL_WORLD_SIZE=3 GROUP_RANK=0 "
              f"ROLE_RANK={rank}"),
             "TORCHELASTIC_RESTART_COUNT=0 MASTER_ADDR=localhost TORCHELASTIC_USE_AGENT_STORE=False",
