@@ -16,32 +16,6 @@ from __future__ import annotations
 
 import pytest
 
-#: The longest files (a notebook is replayed whole by one worker), longest first, as the
-#: --durations list and a per-file CPU profile found them: scheduled before every other file
-#: (see pytest_collection_modifyitems). A file not named here keeps its place after them.
-HEAVY_FIRST = (
-    "tests/test_browser.py", "notebooks/06_failures_and_multinode.ipynb",
-    "notebooks/05_training_the_seed_model.ipynb", "tests/test_elastic.py",
-    "tests/test_train_resume.py", "notebooks/03_collectives.ipynb",
-    "tests/test_ddp_equality.py", "notebooks/04_ddp_from_scratch.ipynb",
-    "tests/test_collectives.py", "tests/test_launch.py", "notebooks/02_sampler_sharding.ipynb",
-    "notebooks/01_data_parallelism.ipynb", "notebooks/00_setup.ipynb",
-    "tests/test_syncbn.py", "notebooks/07_beyond_ddp_zero_fsdp.ipynb",
-)
-
-
-def pytest_collection_modifyitems(session, config, items):
-    """Long work first: ``HEAVY_FIRST`` in its order, then the rest, each file's tests in their
-    own order. pytest-xdist's ``--dist loadfile`` hands whole files to its workers in
-    collection order; a long file handed out last keeps one worker busy while the others have
-    nothing left (on 2 cores, idle time the whole suite waits for)."""
-    order = {path: i for i, path in enumerate(HEAVY_FIRST)}
-
-    def rank(item):
-        return order.get(item.nodeid.split("::")[0], len(order))
-
-    items[:] = sorted(items, key=rank)  # stable: same-rank items keep collection order
-
 
 def lab_rank0_lines(module: str, world_size: int, timeout: float = 120) -> list[str]:
     """Run ``module``'s ``main()`` under torchrun on ``world_size`` processes; rank 0's lines."""
