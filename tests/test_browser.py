@@ -581,24 +581,34 @@ def _subshell_probe_from_outside(lab) -> None:
 
 def _run_all_until_started(page, attempts: int = 3, wait_s: float = 20) -> None:
     """"Run All Cells" on ``page``, clicked again (up to ``attempts`` times) while nothing has
-    started after ``wait_s``: every prompt still ``[ ]:`` and the kernel idle, so no cell is
-    queued twice. On a loaded machine, with another page of the same browser running a
-    notebook, a first click was seen to run nothing (2 of 5 suite runs)."""
+    started after ``wait_s``: every prompt still ``[ ]:``, no output, and the kernel idle, so
+    no cell is queued twice (JupyterLab shows ``[*]:`` on a cell as soon as it is queued). On a
+    loaded machine, with another page of the same browser running a notebook, a first click
+    was seen to run nothing (2 of 5 suite runs). The kernel's busy indicator alone is no sign
+    that a cell started: a fresh kernel reads busy while it starts up, and a click lost then
+    left every prompt ``[ ]:`` with the kernel idle after (seen in a suite run)."""
     def started():
         cells = _cells(page)
         idle = page.get_attribute(".jp-Notebook-ExecutionIndicator", "data-status") == "idle"
-        ok = not (idle and all(c["prompt"] == "[ ]:" and not c["outputs"] for c in cells))
-        return ok, [c["prompt"] for c in cells]
+        ok = any(c["prompt"] != "[ ]:" or c["outputs"] for c in cells)
+        return ok, ([c["prompt"] for c in cells], "idle" if idle else "busy")
+
+    def settled():  # nothing started and the kernel idle: a click now cannot queue twice
+        ok, (_, kernel) = started()
+        return ok or kernel == "idle"
 
     for _ in range(attempts):
         page.bring_to_front()
         _menu(page, "Run", "Run All Cells")
         deadline = time.monotonic() + wait_s
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline or not settled():
             if started()[0]:
                 return
+            if time.monotonic() > deadline + PAGE_LOAD_S:  # busy all along, nothing started
+                break
             time.sleep(0.25)
-    pytest.fail(f"Run All Cells started nothing in {attempts} tries: prompts {started()[1]}")
+    pytest.fail(f"Run All Cells started nothing in {attempts} tries: prompts and kernel "
+                f"{started()[1]}")
 
 
 def _long_cell(browser, lab) -> dict:
