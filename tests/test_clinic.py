@@ -28,12 +28,12 @@ FIXED_CELL = "fixed = {rank: split_cases"
 TIMEOUT_LINE = "RuntimeError: Timed out waiting 3000ms"
 
 
-def _blocks(marker: str) -> dict[str, dict]:
-    """A clinic cell's stored output, per case: ``{case: {"head": text after the name,
+def _blocks(text: str) -> dict[str, dict]:
+    """A clinic cell's printed text, per case: ``{case: {"head": text after the name,
     "ranks": {rank: [lines]}, "rest": [other indented lines, wrapped ones joined]}}``."""
     blocks: dict[str, dict] = {}
     block = None
-    for line in stream_text(NB, marker).splitlines():
+    for line in text.splitlines():
         if not line.startswith(" "):
             name, _, head = line.partition(" ")
             block = blocks.setdefault(name, {"head": head.strip(), "ranks": {}, "rest": []})
@@ -59,7 +59,7 @@ def clinic():
                  'runs["fixed"] = ("fixed", ["--timeout", "10"])',
                  "clinic = run_all(runs)"):
         assert line in source, line
-    blocks = _blocks(CLINIC_CELL)
+    blocks = _blocks(stream_text(NB, CLINIC_CELL))
     assert list(blocks) == list(CASES)
     return blocks
 
@@ -120,10 +120,9 @@ def test_model_differing_between_ranks_is_refused_by_ddp(clinic):
 def fixed(clinic):
     """Each case's ``--fixed`` output, per rank, as notebook 06 prints it from the repairs'
     job (one launch, every repaired program in order)."""
-    text = stream_text(NB, FIXED_CELL)
-    assert text.startswith("the repairs' job: finished\n")
-    blocks = _blocks(FIXED_CELL)
-    del blocks["the"]  # the first line, asserted above
+    first, _, rest = stream_text(NB, FIXED_CELL).partition("\n")
+    assert first == "the repairs' job: finished"
+    blocks = _blocks(rest)
     assert all(b["head"] == "--fixed:" and not b["rest"] for b in blocks.values())
     return {rank: {name: b["ranks"].get(rank, []) for name, b in blocks.items()}
             for rank in (0, 1)}

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from notebook_cells import cell_with, stored_run
+from notebook_cells import StoredRun
 
 from ddp_lesson.labs.torchrun_env import SHOWN, VARYING, env_lines
 from ddp_lesson.launch import launch_env
@@ -66,15 +66,15 @@ def test_env_lines_pure():
 def test_notebook00_lab_on_three_ranks():
     """Notebook 00's three-rank cell as stored (one job, one launch: nbval's replay reruns it
     and fails unless it prints exactly this)."""
-    cell = cell_with("00_setup.ipynb", "from ddp_lesson.labs.torchrun_env import main")
-    assert cell.source.splitlines()[:3] == ["%%torchrun --nproc-per-node 3",
-                                            "from ddp_lesson.labs.torchrun_env import main", ""]
-    assert cell.source.splitlines()[3].startswith("main()")
-    ranks, other = stored_run("00_setup.ipynb", "from ddp_lesson.labs.torchrun_env import main")
-    assert other == ["[torchrun] 3 processes and no GPU: using gloo on CPU"]
-    assert sorted(ranks) == [0, 1, 2]
+    run = StoredRun("00_setup.ipynb", "from ddp_lesson.labs.torchrun_env import main",
+                    "%%torchrun --nproc-per-node 3\n"
+                    "from ddp_lesson.labs.torchrun_env import main\n\n"
+                    "main()   # prints this rank's variables, read_env()'s DistEnv, then runs "
+                    "raw_setup()")
+    assert run.other == ["[torchrun] 3 processes and no GPU: using gloo on CPU"]
+    assert sorted(run.ranks) == [0, 1, 2]
     for rank in range(3):
-        assert ranks[rank] == [
+        assert run.rank_lines(rank) == [
             (f"RANK={rank} LOCAL_RANK={rank} WORLD_SIZE=3 LOCAL_WORLD_SIZE=3 GROUP_RANK=0 "
              f"ROLE_RANK={rank}"),
             "TORCHELASTIC_RESTART_COUNT=0 MASTER_ADDR=localhost TORCHELASTIC_USE_AGENT_STORE=False",
