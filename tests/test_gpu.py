@@ -236,3 +236,30 @@ def test_step_timer_synchronises_cuda_before_reading_the_clock(monkeypatch):
     assert len(calls) == 2              # before starting and before stopping the clock
     assert busy_after_bare              # the difference sync makes
     assert timer.counts == {"kernel": 1}
+
+
+def test_doctor_finds_another_process_holding_gpu_0():
+    """``ddp-lesson doctor``'s gpu0 check, with the fault reproduced: a process that made a CUDA
+    context on GPU 0 (as a rank does that touches CUDA before ``set_device``)."""
+    import subprocess
+    import sys
+    import time
+
+    from ddp_lesson.doctor import check_gpu0_contexts
+
+    holder = subprocess.Popen(
+        [sys.executable, "-c",
+         "import torch, time; torch.zeros(1, device='cuda:0'); print('ready', flush=True); "
+         "time.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "ready"
+        deadline = time.monotonic() + 20
+        f = check_gpu0_contexts()
+        while f.ok and time.monotonic() < deadline:
+            time.sleep(0.5)
+            f = check_gpu0_contexts()
+        assert not f.ok
+        assert f"pid {holder.pid} " in f.symptom
+    finally:
+        holder.kill()
+        holder.wait(timeout=20)

@@ -30,7 +30,7 @@ def test_gpu_group_has_at_least_six_tests_skipped_with_a_reason_without_cuda():
     assert "no CUDA device" in skip.kwargs["reason"]
     covered = " ".join(tests)
     for topic in ("nccl", "torchrun_cell", "amp_bf16", "amp_fp16", "bucketed_ddp",
-                  "sync_batchnorm", "checkpoint", "step_timer"):
+                  "sync_batchnorm", "checkpoint", "step_timer", "doctor"):
         assert topic in covered, topic
 
 
