@@ -22,7 +22,7 @@ MAX_FUNCTION_LOC = 80
 #: Keep in step with docs/architecture.md.
 LAYERS = {
     "runtime": ["env", "launch", "_worker", "cluster", "doctor"],
-    "lesson core": ["sampler", "collectives", "ddp", "zero", "syncbn", "gradients",
+    "lesson core": ["sampler", "collectives", "ddp", "zero", "syncbn", "gradients", "flight",
                     "evaluation", "metrics", "memory", "checkpoint"],
     "trainer": ["config", "step", "train", "data", "models", "gpt"],
     "display": ["viz", "widgets"],
