@@ -6,6 +6,7 @@ running mean/var, input and weight gradients), and the 2-rank launch also checks
 numbers of docs/pitfalls.md B11 and one DDP training step of a converted model.
 """
 import json
+import math
 
 import pytest
 import torch
@@ -84,6 +85,27 @@ for step, grad in enumerate((gy, gy2)):  # two steps: running stats accumulate
 sbn.eval(); ref.eval()
 res["eval_y"] = err(sbn(full[mine]), ref(full[mine]))  # running stats, no communication
 out["unequal"] = res
+
+# -- bf16: fp32 parameters with a bf16 input (what a bf16 conv feeds BN under autocast):
+#    torch's dtype out, values within one bf16 step of nn.BatchNorm2d on the global batch
+b16, ref16 = SyncBatchNorm(4), nn.BatchNorm2d(4)
+with torch.no_grad():
+    for m in (b16, ref16):
+        m.weight.copy_(weight); m.bias.copy_(bias)
+xb = full[mine].bfloat16().requires_grad_()
+yb = b16(xb)
+(yb.float() * gy[mine]).sum().backward()
+yr16 = ref16(full.bfloat16())[mine]
+with torch.autocast("cpu", dtype=torch.bfloat16):
+    conv = nn.Conv2d(4, 4, 1)
+    ya, yra = b16(conv(full[mine])), ref16(conv(full))[mine]
+    yf, yrf = b16(full[mine]), ref16(full)[mine]  # a float32 input stays float32
+out["bf16"] = {
+    "dtype": [str(yb.dtype), str(yr16.dtype)], "autocast": [str(ya.dtype), str(yra.dtype)],
+    "autocast_fp32_in": [str(yf.dtype), str(yrf.dtype)],
+    "grads": [str(xb.grad.dtype), str(b16.weight.grad.dtype), str(b16.bias.grad.dtype)],
+    "y": err(yb.float(), yr16.float()), "max_abs": float(yr16.float().abs().max()),
+}
 
 # -- a rank with an empty batch still takes part (3 ranks: sizes 0, 3, 2)
 if R == 3:
@@ -173,6 +195,20 @@ def test_unequal_batches_match_batchnorm_on_the_concatenated_batch(world, two_ra
                     (world, rank, step, key, res[key])
         assert out["unequal"]["step1"]["tracked"] == [2, 2]
         assert out["unequal"]["eval_y"] < 1e-5
+
+
+def test_bf16_input_keeps_torchs_dtype(two_ranks):
+    """fp32 parameters with a bf16 input, and under autocast (the ``--sync-bn --amp bf16``
+    path): the output dtype is torch's BatchNorm's; values within one bf16 step (2^-7 of the
+    largest output's power of two) of ``nn.BatchNorm2d`` on the global batch."""
+    for rank, out in two_ranks.items():
+        b = out["bf16"]
+        assert b["dtype"] == ["torch.bfloat16", "torch.bfloat16"], rank
+        assert b["autocast"] == ["torch.bfloat16", "torch.bfloat16"], rank
+        assert b["autocast_fp32_in"] == ["torch.float32", "torch.float32"], rank
+        assert b["grads"] == ["torch.bfloat16", "torch.float32", "torch.float32"], rank
+        step = 2.0 ** (math.floor(math.log2(b["max_abs"])) - 7)
+        assert b["y"] <= step, (rank, b["y"], step)
 
 
 def test_a_rank_with_an_empty_batch(three_ranks):
