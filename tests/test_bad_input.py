@@ -77,12 +77,45 @@ def good_checkpoint(tmp_path_factory):
      "static_graph needs --ddp torch: ddp_lesson's naive wrapper does not implement it"),
     (["--ddp", "bucketed", "--static-graph"],
      "static_graph needs --ddp torch: ddp_lesson's bucketed wrapper does not implement it"),
+    (["--static-graph", "--grad-accum-steps", "2"],
+     "static_graph with grad_accum_steps 2: torch's DDP fails in its first no_sync() backward "
+     "(expect_autograd_hooks_ INTERNAL ASSERT, seen in torch 2.13); drop --static-graph or use "
+     "--grad-accum-steps 1"),
     (["--ddp", "bucketed", "--gradient-as-bucket-view"],
      "gradient_as_bucket_view needs --ddp torch: ddp_lesson's bucketed wrapper does not"),
 ])
 def test_bad_flags(argv, message, capsys):
     line = _fails(argv, capsys)
     assert line.startswith("python -m ddp_lesson.train: error: ") and message in line
+
+
+STATIC_NO_SYNC = """
+import torch, torch.distributed as dist, torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+dist.init_process_group("gloo")
+m = DDP(nn.Linear(2, 1), static_graph=True)
+try:
+    with m.no_sync():
+        m(torch.ones(4, 2)).sum().backward()
+    m(torch.ones(4, 2)).sum().backward()
+    print("ok")
+except RuntimeError as e:
+    print(str(e).split(" at ")[0])
+dist.destroy_process_group()
+"""
+
+
+def test_static_graph_with_no_sync_fails_in_torch_as_the_refusal_says():
+    """Why ``--static-graph --grad-accum-steps 2`` is refused: torch's DDP itself fails with
+    ``static_graph=True`` when its first backward runs inside ``no_sync()`` (huggingface/
+    accelerate#3679; pytorch/pytorch PR #187732). If a torch release fixes it, this fails:
+    then allow the combination with equal weights to the run without the flag."""
+    from ddp_lesson.launch import run_torchrun
+
+    result = run_torchrun(code=STATIC_NO_SYNC, nproc_per_node=2, backend="gloo", timeout=120,
+                          live=False)
+    assert [result.rank_lines(r) for r in (0, 1)] == [
+        ["expect_autograd_hooks_ INTERNAL ASSERT FAILED"]] * 2
 
 
 def test_bf16_where_the_device_cannot_do_it(monkeypatch, capsys, tmp_path):
