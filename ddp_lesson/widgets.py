@@ -50,7 +50,7 @@ def sampler_report(n: int, world_size: int, epoch: int = 0, seed: int = 0,
     Raises:
         ValueError: ``n < 0`` or ``world_size < 1``.
     """
-    from .viz import sampler_layout
+    from .viz.sampler import sampler_layout
 
     sampler_epoch = epoch if call_set_epoch else 0
     lay = sampler_layout(n, world_size, shuffle, seed, sampler_epoch, drop_last)
@@ -175,7 +175,7 @@ def _explorer_class():
             """Recompute the text and redraw the heatmap from the controls."""
             import html
 
-            from .viz import sampler_heatmap
+            from .viz.sampler import sampler_heatmap
 
             v = self.values()
             self.text = sampler_report(**v)
@@ -212,7 +212,7 @@ def sampler_explorer(n: int = 10, world_size: int = 3, epoch: int = 0, seed: int
 
     Sliders for N, world size, epoch and seed; toggles for shuffle, drop_last and "call
     set_epoch". Every change redraws the rank x position heatmap
-    (:func:`ddp_lesson.viz.sampler_heatmap`) and the text of :func:`sampler_report`: each
+    (:func:`ddp_lesson.viz.sampler.sampler_heatmap`) and the text of :func:`sampler_report`: each
     rank's indices, the padded repeats and the dropped indices. Constructible without a
     display; nothing communicates (pure index arithmetic).
 
@@ -251,7 +251,7 @@ def _stepper_class():
         Controls: ``world_size`` and ``step`` (IntSliders; set ``.value`` to drive them).
         Views: ``view`` (an ``ipywidgets.HTML`` table, ranks x chunks, coloured by how many
         ranks' inputs a chunk already sums), ``text`` (the same as plain text, from
-        :func:`ddp_lesson.collectives.ring_state_text`). ``states`` is the list of
+        :func:`ddp_lesson.viz.collectives.ring_state_text`). ``states`` is the list of
         :class:`ddp_lesson.collectives.RingState` from
         :func:`ddp_lesson.collectives.simulate_ring_all_reduce`; ``state`` the one shown.
         """
@@ -291,7 +291,7 @@ def _stepper_class():
 
         def refresh(self) -> None:
             """Redraw the table and the text for the current step."""
-            from .collectives import ring_state_html, ring_state_text
+            from .viz.collectives import ring_state_html, ring_state_text
 
             self.text = ring_state_text(self.state)
             self.view.value = ring_state_html(self.state)

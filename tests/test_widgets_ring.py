@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 from notebook_cells import code_cells
 
-from ddp_lesson.collectives import ring_state_html, ring_state_text, simulate_ring_all_reduce
+from ddp_lesson.collectives import simulate_ring_all_reduce
+from ddp_lesson.viz.collectives import ring_state_html, ring_state_text
 from ddp_lesson.widgets import ring_allreduce_stepper
 
 ROOT = Path(__file__).resolve().parent.parent

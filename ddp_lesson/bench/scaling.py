@@ -28,7 +28,7 @@ the main source of that noise).
 One thread per process (``OMP_NUM_THREADS=1``) by default: on a machine with C cores, R <= C
 processes each get a core, and R > C processes share them (expect the efficiency to drop).
 
-Writes ``benchmarks/scaling.csv`` and ``benchmarks/scaling.png`` (:func:`ddp_lesson.viz.
+Writes ``benchmarks/scaling.csv`` and ``benchmarks/scaling.png`` (:func:`ddp_lesson.viz.training.
 scaling_figure`; ``--figure none`` skips it). Timings are not tests: they depend on the machine
 and its load. One run on a rank: ``torchrun --standalone --nproc-per-node 2 -m
 ddp_lesson.bench.scaling worker '{"batch_per_rank": 8, "steps": 10, ...}'``.
@@ -302,7 +302,7 @@ def run(args) -> int:
     print(f"wrote {args.out}")
     for row in rows:
         print(summary_line(row))
-    from ..viz import scaling_figure
+    from ..viz.training import scaling_figure
 
     write_figure(scaling_figure, rows, args)
     return 0
