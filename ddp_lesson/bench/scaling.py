@@ -108,7 +108,9 @@ def run_worker(spec: dict) -> dict:
     import torch.distributed as dist
 
     from .. import env as dist_env
-    from ..train import StepTimer, TrainConfig, Trainer, _set_threads_from_env
+    from ..config import TrainConfig
+    from ..step import StepTimer
+    from ..train import Trainer, _set_threads_from_env
 
     _set_threads_from_env()
     env = dist_env.init_distributed(timeout=spec.get("timeout_s", 300), announce=False)
