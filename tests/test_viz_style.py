@@ -85,7 +85,7 @@ def _overlaps(a, b) -> bool:
 
 
 def test_allreduce_legend_covers_no_panel():
-    """The R = 4 panel's legend once covered its lines: it now sits below both panels."""
+    """The legend sits below both panels, so it covers none of the R = 4 panel's lines."""
     fig = allreduce_bandwidth_figure(_allreduce_rows())
     try:
         fig.canvas.draw()
