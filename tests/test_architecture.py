@@ -26,7 +26,7 @@ LAYERS = {
                     "evaluation", "metrics", "memory", "checkpoint"],
     "trainer": ["config", "step", "train", "data", "models", "gpt"],
     "display": ["viz", "widgets"],
-    "programs": ["labs", "bench", "cli", "bench_ddp", "bench_scaling", ""],  # "" = __init__
+    "programs": ["labs", "bench", "cli", ""],  # "" = __init__
     "exercises": ["exercises"],
 }
 RANK = {name: i for i, name in enumerate(LAYERS)}

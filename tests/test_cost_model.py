@@ -237,7 +237,7 @@ def test_figures_from_rows():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from ddp_lesson.viz import allreduce_bandwidth_figure, cost_model_figure
+    from ddp_lesson.viz.collectives import allreduce_bandwidth_figure, cost_model_figure
 
     rows = bench.read_results(ROOT / "benchmarks" / "allreduce.csv")
     fig = allreduce_bandwidth_figure(rows)

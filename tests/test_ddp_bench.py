@@ -58,7 +58,7 @@ def test_benchmark_figure_has_both_panels():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from ddp_lesson.viz import ddp_benchmark_figure
+    from ddp_lesson.viz.ddp import ddp_benchmark_figure
 
     fig = ddp_benchmark_figure(ROWS)
     assert len(fig.axes) == 2
@@ -73,7 +73,7 @@ def test_timeline_and_sweep_figures():
     import matplotlib.pyplot as plt
 
     from ddp_lesson.ddp import CommEvent, StepRecord, predict_bucket_sweep
-    from ddp_lesson.viz import bucket_sweep_figure, ddp_timeline_figure
+    from ddp_lesson.viz.ddp import bucket_sweep_figure, ddp_timeline_figure
 
     def rec(rank, t0):
         return StepRecord(rank=rank, step=0, t0_s=t0, backward_end_s=0.010, sync_end_s=0.014,

@@ -214,7 +214,7 @@ def test_checkpoint_loads_onto_each_ranks_own_gpu(tmp_path):
 
 
 def test_step_timer_synchronises_cuda_before_reading_the_clock(monkeypatch):
-    from ddp_lesson.train import StepTimer
+    from ddp_lesson.step import StepTimer
 
     stream = torch.cuda.current_stream()
     # Without sync: the block returns while the GPU is still busy (the clock would stop early).
@@ -223,7 +223,7 @@ def test_step_timer_synchronises_cuda_before_reading_the_clock(monkeypatch):
         torch.cuda._sleep(200_000_000)  # queue a GPU busy-wait of ~0.1 s and return at once
     busy_after_bare = not stream.query()
     torch.cuda.synchronize()
-    # With sync=torch.cuda.synchronize (what bench_scaling passes on CUDA): the phase ends
+    # With sync=torch.cuda.synchronize (what bench.scaling passes on CUDA): the phase ends
     # only when the queued work has finished.
     calls = []
     real = torch.cuda.synchronize

@@ -128,7 +128,7 @@ def test_per_rank_gradients_figure():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from ddp_lesson.viz import per_rank_gradients_figure
+    from ddp_lesson.viz.gradients import per_rank_gradients_figure
 
     model = make_toy_model(seed=0)
     x, y = make_toy_batch(8, seed=1)

@@ -8,7 +8,8 @@ import matplotlib.pyplot as plt
 import pytest
 from matplotlib.text import Text
 
-from ddp_lesson import viz
+from ddp_lesson.viz.memory import data_movement_figure, data_movement_per_step
+from ddp_lesson.viz.torchrun import torchrun_topology_figure
 
 
 def _check_style(fig):
@@ -18,7 +19,7 @@ def _check_style(fig):
 
 
 def test_topology_grid_ranks_and_local_ranks():
-    fig = viz.torchrun_topology_figure(2, 4)
+    fig = torchrun_topology_figure(2, 4)
     try:
         _check_style(fig)
         texts = {t.get_gid(): t.get_text() for t in fig.findobj(Text) if t.get_gid()}
@@ -32,17 +33,17 @@ def test_topology_grid_ranks_and_local_ranks():
 @pytest.mark.parametrize("R", [2, 8])
 def test_data_movement_per_step(R):
     f = (R - 1) / R
-    totals = {k: sum(u for _, u in v) for k, v in viz.data_movement_per_step(R).items()}
+    totals = {k: sum(u for _, u in v) for k, v in data_movement_per_step(R).items()}
     assert totals == pytest.approx({"DDP": 2 * f, "ZeRO-1 (ours, torch ZeRO)": 3 * f,
                                     "ZeRO-1 (paper)": 2 * f, "FSDP (ZeRO-3)": 3 * f})
     # ZeRO-3's 1.5x of DDP's traffic, in the ring model
     assert totals["FSDP (ZeRO-3)"] / totals["DDP"] == pytest.approx(1.5)
     with pytest.raises(ValueError, match="got 0"):
-        viz.data_movement_per_step(0)
+        data_movement_per_step(0)
 
 
 def test_data_movement_figure_totals():
-    fig = viz.data_movement_figure(8)
+    fig = data_movement_figure(8)
     try:
         _check_style(fig)
         texts = {t.get_gid(): t.get_text() for t in fig.findobj(Text) if t.get_gid()}

@@ -63,7 +63,7 @@ def test_memory_figure_bars():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from ddp_lesson.viz import memory_stages_figure
+    from ddp_lesson.viz.memory import memory_stages_figure
 
     fig = memory_stages_figure(7.5e9, 64, capacity_bytes=80e9)
     opt = [p for p in fig.axes[0].patches if p.get_gid() == "optimizer"]

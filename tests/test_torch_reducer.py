@@ -164,7 +164,7 @@ def test_reducer_map_figure_is_readable_and_names_both_sides():
     import matplotlib.pyplot as plt
     from matplotlib.patches import FancyBboxPatch
 
-    from ddp_lesson.viz import REDUCER_MAP, reducer_map_figure
+    from ddp_lesson.viz.ddp import REDUCER_MAP, reducer_map_figure
 
     fig = reducer_map_figure()
     try:

@@ -1,4 +1,4 @@
-"""The scaling study (ddp_lesson.bench.scaling) and the training figures (ddp_lesson.viz).
+"""The scaling study (ddp_lesson.bench.scaling) and the training figures (ddp_lesson.viz.training).
 
 No timing is asserted: the arithmetic (efficiency, medians, spread), the CSV round trip, the
 stored benchmark's consistency, one tiny timed run in this process, and the figures' data.
@@ -135,7 +135,7 @@ def test_one_timed_run_in_this_process(monkeypatch, capsys):
 # ---- figures -------------------------------------------------------------------------------
 
 def test_loss_curves_figure_draws_the_curves_and_differences():
-    from ddp_lesson.viz import loss_curves_figure
+    from ddp_lesson.viz.training import loss_curves_figure
 
     curves = {"one": [3.0, 2.0, 1.0], "two": [3.0, 2.0001, 1.001]}
     fig = loss_curves_figure(curves, reference="one")
@@ -148,7 +148,7 @@ def test_loss_curves_figure_draws_the_curves_and_differences():
 
 def test_masks_figure_uses_the_cityscapes_palette():
     from ddp_lesson.data import TRAIN_ID_COLORS
-    from ddp_lesson.viz import masks_figure
+    from ddp_lesson.viz.training import masks_figure
 
     images = torch.zeros(2, 3, 4, 6)
     targets = torch.full((2, 4, 6), 255)
@@ -164,7 +164,7 @@ def test_masks_figure_uses_the_cityscapes_palette():
 
 
 def test_scaling_figure_draws_every_row():
-    from ddp_lesson.viz import scaling_figure
+    from ddp_lesson.viz.training import scaling_figure
 
     rows = bs.aggregate([_run("weak", 1, 100.0), _run("weak", 2, 150.0),
                          _run("strong", 1, 90.0, b=16), _run("strong", 2, 150.0)])

@@ -1,4 +1,4 @@
-"""Sampler figures (ddp_lesson.viz): the data they draw, checked against torch's sampler."""
+"""Sampler figures (ddp_lesson.viz.sampler): the data they draw, checked against torch's sampler."""
 from __future__ import annotations
 
 import matplotlib
@@ -11,7 +11,7 @@ import pytest  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 from sampler_reference import torch_shards  # noqa: E402
 
-from ddp_lesson.viz import assignment_over_epochs, sampler_heatmap, sampler_layout  # noqa: E402
+from ddp_lesson.viz.sampler import assignment_over_epochs, sampler_heatmap, sampler_layout  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:DistributedSampler with drop_last=True")
 

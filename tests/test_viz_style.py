@@ -14,7 +14,15 @@ import matplotlib.pyplot as plt
 import pytest
 from matplotlib.text import Text
 
-from ddp_lesson import viz
+from ddp_lesson.viz.collectives import (
+    allreduce_bandwidth_figure,
+    cost_model_figure,
+    ring_allreduce_steps_figure,
+)
+from ddp_lesson.viz.ddp import bucket_sweep_figure
+from ddp_lesson.viz.sampler import sampler_heatmap
+from ddp_lesson.viz.style import DPI, subplots
+from ddp_lesson.viz.training import scaling_figure
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -42,12 +50,12 @@ def _figures():
             for n, s in ((1, 100.0), (1, 110.0), (2, 180.0), (2, 170.0))]
     sweep = predict_bucket_sweep([4000] * 10, [0, 0.01, 1], 0.01, 2, 1e-4, 1e8)
     return {
-        "allreduce_bandwidth_figure": lambda: viz.allreduce_bandwidth_figure(ar),
-        "cost_model_figure": lambda: viz.cost_model_figure(ar),
-        "ring_allreduce_steps_figure": lambda: viz.ring_allreduce_steps_figure(3),
-        "scaling_figure": lambda: viz.scaling_figure(aggregate(runs)),
-        "bucket_sweep_figure": lambda: viz.bucket_sweep_figure(sweep, [(0, 0.001), (1, 0.002)]),
-        "sampler_heatmap": lambda: viz.sampler_heatmap(10, 3),
+        "allreduce_bandwidth_figure": lambda: allreduce_bandwidth_figure(ar),
+        "cost_model_figure": lambda: cost_model_figure(ar),
+        "ring_allreduce_steps_figure": lambda: ring_allreduce_steps_figure(3),
+        "scaling_figure": lambda: scaling_figure(aggregate(runs)),
+        "bucket_sweep_figure": lambda: bucket_sweep_figure(sweep, [(0, 0.001), (1, 0.002)]),
+        "sampler_heatmap": lambda: sampler_heatmap(10, 3),
     }
 
 
@@ -57,7 +65,7 @@ def test_figure_is_wide_enough_and_its_text_big_enough(name):
     try:
         width_px = fig.get_size_inches()[0] * fig.dpi
         assert width_px >= 700, f"{name}: {width_px:.0f} px wide"
-        assert fig.dpi == viz.DPI
+        assert fig.dpi == DPI
         sizes = {t.get_text(): t.get_fontsize() for t in fig.findobj(Text) if t.get_text()}
         small = {k: v for k, v in sizes.items() if v < 9}
         assert not small, f"{name}: text under 9 pt: {small}"
@@ -66,7 +74,7 @@ def test_figure_is_wide_enough_and_its_text_big_enough(name):
 
 
 def test_subplots_widens_a_narrow_figure_keeping_its_aspect():
-    fig, _ = viz.subplots(figsize=(3.6, 1.5))
+    fig, _ = subplots(figsize=(3.6, 1.5))
     assert tuple(fig.get_size_inches()) == pytest.approx((7.2, 3.0))
     assert fig.get_size_inches()[0] * fig.dpi == pytest.approx(720)
     plt.close(fig)
@@ -77,8 +85,8 @@ def _overlaps(a, b) -> bool:
 
 
 def test_allreduce_legend_covers_no_panel():
-    """The R = 4 panel's legend once covered its lines: it now sits below both panels."""
-    fig = viz.allreduce_bandwidth_figure(_allreduce_rows())
+    """The legend sits below both panels, so it covers none of the R = 4 panel's lines."""
+    fig = allreduce_bandwidth_figure(_allreduce_rows())
     try:
         fig.canvas.draw()
         renderer = fig.canvas.get_renderer()
@@ -96,7 +104,7 @@ def test_bucket_sweep_counts_sit_under_the_ticks_not_behind_points():
     from ddp_lesson.ddp import predict_bucket_sweep
 
     rows = predict_bucket_sweep([4000] * 10, [0, 0.01, 1], 0.01, 2, 1e-4, 1e8)
-    fig = viz.bucket_sweep_figure(rows, [(0, 0.001), (1, 0.002)])
+    fig = bucket_sweep_figure(rows, [(0, 0.001), (1, 0.002)])
     try:
         ax = fig.axes[0]
         assert not ax.texts                            # no labels inside the axes

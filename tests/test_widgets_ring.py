@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 from notebook_cells import code_cells
 
-from ddp_lesson.collectives import ring_state_html, ring_state_text, simulate_ring_all_reduce
+from ddp_lesson.collectives import simulate_ring_all_reduce
+from ddp_lesson.viz.collectives import ring_state_html, ring_state_text
 from ddp_lesson.widgets import ring_allreduce_stepper
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -115,7 +116,8 @@ def test_notebook_03_stepper_outputs():
     cells = code_cells("03_collectives.ipynb")
     shown = next(c for c in cells if c.source.strip().endswith("stepper"))
     reprs = [o["data"]["text/plain"] for o in shown.outputs if "data" in o]
-    # a reader's text where the widget cannot be drawn (issue 19), not the Python repr
+    # a reader's text where the widget cannot be drawn (a stored notebook on GitHub), not the
+    # Python repr
     assert reprs == [ring_allreduce_stepper(world_size=3)._repr_mimebundle_()["text/plain"]]
     printed = next(c for c in cells if "print(stepper.text" in c.source)
     text = "".join(o.get("text", "") for o in printed.outputs)

@@ -45,7 +45,7 @@ def test_builds_without_a_display_and_has_a_constant_repr():
     assert repr(e) == ("SamplerExplorer(N=10, world_size=3, epoch=0, seed=0, shuffle=False, "
                        "drop_last=False, set_epoch=True)")
     # what nbval compares when the widget is displayed, and what a reader sees where it cannot
-    # be drawn (issue 19): the report as text, fixed by the initial settings
+    # be drawn (a stored notebook on GitHub): the report as text, fixed by the initial settings
     assert e._repr_mimebundle_()["text/plain"] == (
         "sampler explorer (run the notebook to move its sliders)\n" + e.text)
     assert e.text.splitlines()[3:6] == ["rank 0: [0, 3, 6, 9]", "rank 1: [1, 4, 7, 0*]",
