@@ -1005,7 +1005,9 @@ def test_unsendable_globals_and_loose_ids_get_clear_answers():
 # ----------------------------------------------------------------------------- shortcuts, local
 
 def test_local_checkers_vary_what_a_constant_or_a_table_could_stand_in_for():
-    from ddp_lesson.exercises.catalog import _CASES_03_3, _CASES_05_4, _CASES_07_1
+    from ddp_lesson.exercises.catalog.ex_03_3_tree_vs_ring import _CASES as _CASES_03_3
+    from ddp_lesson.exercises.catalog.ex_05_4_effective_lr import _CASES as _CASES_05_4
+    from ddp_lesson.exercises.catalog.ex_07_1_zero3_ranks import _CASES as _CASES_07_1
 
     table = {(psi, gpu): reference("07.1")(psi, gpu) for psi, gpu in _CASES_07_1[:6]}
     crossover = {R: reference("03.3")(a, b, R) for a, b, R in _CASES_03_3[:7]}
