@@ -68,9 +68,9 @@ def _judge_size(ex: Exercise, W: int, results: dict, errors: dict | None, finish
     if timed_out:
         return [prefix +
                 f"the run did not finish within {limit_s:.0f} s: rank(s) "
-                f"{', '.join(map(str, missing))} still waiting. A rank that waits for a message "
-                "nobody sends (a blocking send/recv in the same order on every rank, or a "
-                "collective one rank skips) hangs; use isend/irecv for the exchange."], True
+                f"{', '.join(map(str, missing))} still waiting. A rank waits for ever for a "
+                "message nobody sends: a blocking send/recv in the same order on every rank "
+                "(isend/irecv avoid it), or a collective one rank skips."], True
     why = _crash_reason(errors, missing)
     return [prefix + f"rank(s) {', '.join(map(str, missing))} died before finishing: {why}"], True
 

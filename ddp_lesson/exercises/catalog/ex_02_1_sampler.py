@@ -71,7 +71,8 @@ def _rank(cls, rank, world_size):
 
 def _extra(cls, sampler, rank, world_size, n, shuffle, drop_last, seed) -> dict:
     """What the shortcuts a fixed sequence of calls would miss give: a second pass in the
-    same epoch, a fresh sampler given a later epoch first, other world sizes."""
+    same epoch, a fresh sampler given a later epoch first, other world sizes. On an error,
+    ``"error"`` is its record and ``"error_in"`` says which of these raised."""
     def orders(make, epoch=None):
         s = make()
         if epoch is not None:
@@ -80,15 +81,20 @@ def _extra(cls, sampler, rank, world_size, n, shuffle, drop_last, seed) -> dict:
 
     extra = {}
     try:
-        extra["again"] = [int(i) for i in iter(sampler)]  # epoch 1 again, no set_epoch between
+        extra["error_in"] = "a second pass in epoch 1 (no set_epoch between)"
+        extra["again"] = [int(i) for i in iter(sampler)]
+        extra["error_in"] = f"a fresh sampler given set_epoch({_FRESH_EPOCH})"
         extra["fresh"] = orders(lambda: cls(list(range(n)), num_replicas=world_size, rank=rank,
                                             shuffle=shuffle, seed=seed, drop_last=drop_last),
                                 _FRESH_EPOCH)[0]
         for R in _OTHER_R:
             for r in range(R):
+                extra["error_in"] = (f"the sampler built with num_replicas={R}, rank={r} "
+                                     "(given set_epoch(2))")
                 extra[R, r] = orders(lambda R=R, r=r: cls(list(range(n)), num_replicas=R, rank=r,
                                                           shuffle=shuffle, seed=seed,
                                                           drop_last=drop_last), 2)
+        del extra["error_in"]
     except Exception as exc:
         extra["error"] = error_record(exc)
     return extra
@@ -102,8 +108,7 @@ def _judge_extra(recs, n, shuffle, drop_last, seed) -> str | None:
     for r, rec in enumerate(recs):
         extra = rec["extra"]
         if "error" in extra:
-            return (f"{setting}: a second pass, a fresh sampler given set_epoch"
-                    f"({_FRESH_EPOCH}), or one built for another num_replicas raised "
+            return (f"{setting}: on rank {r}, {extra['error_in']} raised "
                     f"{format_error(extra['error'])}")
         want = shard_indices(n, R, r, shuffle, seed, _FRESH_EPOCH, drop_last)
         if extra["fresh"] != want:
@@ -120,17 +125,34 @@ def _judge_extra(recs, n, shuffle, drop_last, seed) -> str | None:
                     f"{extra['again']} on a second pass with no set_epoch between: the order "
                     "must depend on seed + epoch only, not on how many passes were made "
                     "(as torch's: a loop may iterate a sampler more than once per epoch).")
+    return _judge_other_sizes(recs, n, shuffle, drop_last, seed)
+
+
+def _judge_other_sizes(recs, n, shuffle, drop_last, seed) -> str | None:
+    """Samplers built in process 0 for ``num_replicas`` 2 and 5 (every rank, epoch 2) against
+    torch's: the first size that differs is named with every rank's list, and a cause only
+    where the lists show it (those of num_replicas=3, the checker's own size)."""
     for R2 in _OTHER_R:
+        got = [recs[0]["extra"][R2, r][0] for r in range(R2)]
+        want = [shard_indices(n, R2, r, shuffle, seed, 2, drop_last) for r in range(R2)]
+        per = num_samples_per_rank(n, R2, drop_last)
+        where = _describe(n, R2, shuffle, drop_last, seed, 2)
+        if got != want:
+            r = next(r for r in range(R2) if got[r] != want[r])
+            msg = (f"{where}: the sampler built with num_replicas={R2}, rank={r} yields "
+                   f"{got[r]}, torch's yields {want[r]} (ranks 0 to {R2 - 1}: yours "
+                   f"{', '.join(map(str, got))}; torch's {', '.join(map(str, want))})")
+            as_three = [shard_indices(n, 3, q, shuffle, seed, 2, drop_last) for q in range(3)]
+            if all(got[q] == as_three[q] for q in range(min(R2, 3))):
+                return msg + (". These are the lists of num_replicas=3: use the num_replicas "
+                              "argument everywhere (no constant 3: the checker runs 3 processes, "
+                              "your training may not).")
+            if any(len(g) != per for g in got):
+                return (msg + f". Ranks got {', '.join(str(len(g)) for g in got)} indices; "
+                        + _padding_sentence(n, R2, shuffle, drop_last, seed, 2) + ".")
+            return msg + "."
         for r in range(R2):
-            got, length = recs[0]["extra"][R2, r]
-            want = shard_indices(n, R2, r, shuffle, seed, 2, drop_last)
-            per = num_samples_per_rank(n, R2, drop_last)
-            where = _describe(n, R2, shuffle, drop_last, seed, 2)
-            if got != want:
-                return (f"{where}: the sampler built with num_replicas={R2}, rank={r} yields "
-                        f"{got}, torch's yields {want}. Use the num_replicas argument "
-                        "everywhere (no constant 3: the checker runs 3 processes, your "
-                        "training may not).")
+            length = recs[0]["extra"][R2, r][1]
             if length != per:
                 return (f"{where}: the sampler built with num_replicas={R2}, rank={r} yields "
                         f"{per} indices but len(sampler) says {length}.")
@@ -150,6 +172,9 @@ def _describe(n, R, shuffle, drop_last, seed, epoch=None) -> str:
 
 def _padding_sentence(n, R, shuffle, drop_last, seed, epoch) -> str:
     per = num_samples_per_rank(n, R, drop_last)
+    if drop_last and n % R == 0:
+        return (f"with drop_last=True every rank gets {per}: {n} divides by {R}, so no index "
+                "is dropped")
     if drop_last:
         return (f"with drop_last=True every rank gets {per} (the order is cut to {per * R}, "
                 f"dropping {n - per * R})")
@@ -181,9 +206,10 @@ def _judge(results) -> list[str]:
                     problem = (f"{setting}: iterating rank {r}'s sampler raised "
                                f"{format_error(rec[f'iter{epoch}'])}")
                     if 0 < n < R and not drop_last:
-                        problem += (". With fewer samples than ranks the order must wrap round "
-                                    "more than once: padding once with indices[:pad] is not "
-                                    "enough (case A7)")
+                        per = num_samples_per_rank(n, R, False)
+                        problem += (f". Here N={n} is below R={R}: to give every rank {per} "
+                                    f"{'index' if per == 1 else 'indices'}, the order must wrap "
+                                    "round more than once (case A7)")
                     break
             if problem:
                 break
@@ -193,8 +219,10 @@ def _judge(results) -> list[str]:
                 break
             if "len_error" in rec:
                 problem = (f"len(sampler) raised {format_error(rec['len_error'])}: a DataLoader "
-                           "and progress bars need __len__ (the seed's __len__ was indented into "
-                           "__iter__, so the class had none)")
+                           "and progress bars need __len__")
+                if "has no len()" in rec["len_error"]["message"]:
+                    problem += (", and this class defines none (the seed's __len__ was "
+                                "indented into __iter__, so its class had none either)")
                 break
         if problem is None:
             problem = _judge_epochs(recs, n, R, shuffle, drop_last, seed)
@@ -209,9 +237,14 @@ def _judge(results) -> list[str]:
                 nxt = (r + 1) % R
                 if "next" in rec and rec["next"] != recs[nxt][0]:
                     problem = (f"{setting}: the sampler built with rank={nxt} in process {r} "
-                               f"gives {rec['next']}, but rank {nxt}'s own gives {recs[nxt][0]}: "
-                               "use the rank and num_replicas arguments (as torch does), not "
-                               "the process group's")
+                               f"gives {rec['next']}, but rank {nxt}'s own gives {recs[nxt][0]}")
+                    if rec["next"] == recs[r][0]:  # process r's own list: the group's rank
+                        problem += (f"; that is process {r}'s own list: use the rank and "
+                                    "num_replicas arguments (as torch does), not the process "
+                                    "group's")
+                    else:
+                        problem += (": the indices must follow the rank and num_replicas "
+                                    "arguments only, as torch's")
                     break
         if problem:
             problems.append(problem)
@@ -282,36 +315,48 @@ def _judge_epochs(recs, n, R, shuffle, drop_last, seed):
                         "g.manual_seed(seed + epoch), as torch does")
             return msg + "."
         wanted = Counter(padded_order(n, R, shuffle, seed, epoch, drop_last))
-        have = Counter(i for g in got for i in g)
-        msg = f"{setting}: every rank got {per} indices, but they are not torch's"
-        if have != wanted:
-            for r, g in enumerate(got):
-                twice = [i for i, c in Counter(g).items() if c > 1 and c > wanted[i]]
-                if twice:
-                    msg = (f"{setting}: rank {r} got index {twice[0]} twice; "
-                           + _padding_sentence(n, R, shuffle, drop_last, seed, epoch))
-                    break
-            else:
-                extra = sorted(i for i in have if have[i] > wanted[i])
-                missing = sorted(i for i in wanted if have[i] < wanted[i])
-                if extra:
-                    i = extra[0]
-                    on = [r for r, g in enumerate(got) if i in g]
-                    msg = (f"{setting}: index {i} is on ranks {ranks_text(on)}; "
-                           + _padding_sentence(n, R, shuffle, drop_last, seed, epoch))
-                if missing:
-                    i = missing[0]
-                    where = ("on no rank" if not have[i] else
-                             f"there {have[i]} time(s) in all, {wanted[i]} expected")
-                    msg += (";" if extra else ":") + f" index {i} is {where}"
-            if shuffle:
-                msg += (". Do all ranks draw the same permutation? Seed it with seed + epoch, "
-                        "never with the rank (case A2)")
-            return msg + "."
+        if Counter(i for g in got for i in g) != wanted:
+            return _coverage_problem(got, wanted, setting, n, R, shuffle, drop_last, seed, epoch)
         r = next(r for r in range(R) if got[r] != want[r])
         return (f"{setting}: every index is covered, but rank {r} got {got[r]} where torch's "
                 f"DistributedSampler gives {want[r]}.")
     return None
+
+
+def _coverage_problem(got, wanted, setting, n, R, shuffle, drop_last, seed, epoch) -> str:
+    """The ranks' lists have the right lengths but not torch's indices (``wanted`` counts
+    them): name an index a rank holds twice, one on too many ranks, or one missing; and, for
+    a shuffled order, whether the lists interleave to one permutation at all."""
+    per = len(got[0])
+    have = Counter(i for g in got for i in g)
+    msg = f"{setting}: every rank got {per} indices, but they are not torch's"
+    for r, g in enumerate(got):
+        twice = [i for i, c in Counter(g).items() if c > 1 and c > wanted[i]]
+        if twice:
+            msg = (f"{setting}: rank {r} got index {twice[0]} twice; "
+                   + _padding_sentence(n, R, shuffle, drop_last, seed, epoch))
+            break
+    else:
+        extra = sorted(i for i in have if have[i] > wanted[i])
+        missing = sorted(i for i in wanted if have[i] < wanted[i])
+        if extra:
+            i = extra[0]
+            on = [r for r, g in enumerate(got) if i in g]
+            msg = (f"{setting}: index {i} is on ranks {ranks_text(on)}; "
+                   + _padding_sentence(n, R, shuffle, drop_last, seed, epoch))
+        if missing:
+            i = missing[0]
+            where = ("on no rank" if not have[i] else
+                     f"there {have[i]} time(s) in all, {wanted[i]} expected")
+            msg += (";" if extra else ":") + f" index {i} is {where}"
+    order = [g[k] for k in range(per) for g in got]
+    shared = (len(set(order)) == len(order) if drop_last
+              else sorted(order[:n]) == list(range(n)))
+    if shuffle and not shared:
+        msg += (". The ranks' lists do not interleave to one permutation of range(N): "
+                "every rank must draw the same one, seeded with seed + epoch, never "
+                "with the rank (case A2)")
+    return msg + "."
 
 
 register(Exercise(

@@ -40,8 +40,9 @@ def _judge(results) -> list[str]:
             r, rec = err
             msg = (f"N={n} split {', '.join(str(k) for _, k in counts)} over {R} ranks: rank {r} "
                    f"raised {format_error(rec)}")
-            if any(k == 0 for _, k in counts):
-                msg += ". A rank may have no sample at all: divide once, after the all-reduce"
+            if counts[r][1] == 0:
+                msg += (f". Rank {r}'s shard is empty (count 0): divide once, after the "
+                        "all-reduce")
             return [msg + "."]
         for r in range(R):
             got = results[r][i]

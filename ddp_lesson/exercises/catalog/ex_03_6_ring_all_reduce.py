@@ -75,8 +75,8 @@ def _call_recording_p2p(fn, tensor):
             if isinstance(peer, int) and not 0 <= peer < world:
                 # gloo would wait for a rank that does not exist until the timeout
                 raise ValueError(f"dist.{name} with rank {peer}, but there are {world} ranks "
-                                 f"(0 to {world - 1}): take R from dist.get_world_size(), "
-                                 "not a constant")
+                                 f"(0 to {world - 1}): a ring's neighbours are (rank + 1) % R "
+                                 "and (rank - 1) % R, with R = dist.get_world_size()")
             messages.append((kind, peer, int(t.numel()) if hasattr(t, "numel") else -1))
             return f(*args, **kwargs)
         recorded.__name__ = name

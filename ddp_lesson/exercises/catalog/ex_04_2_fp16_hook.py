@@ -117,7 +117,8 @@ def _judge(results) -> list[str]:
     if any(results[r]["world"] != results[0]["world"] for r in range(R)):
         q = next(r for r in range(R) if results[r]["world"] != results[0]["world"])
         return [f"at world size {R}, rank 0 and rank {q} hold different gradients after "
-                "backward: the all-reduced bucket never reached the gradients. Return a future "
+                "backward: torch's DDP writes into the gradients what the hook's future "
+                "completes with, so that value differed between the ranks. Return a future "
                 "whose value is the reduced (decompressed) bucket."]
     got = results[0]["world"]
     if close(got, [R * v for v in want], **tol):
