@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from .errors import first_error, format_error, is_timeout_error, size_mismatch
 from .registry import Exercise
+from .values import ranks_text
 
 
 def judge_candidate(ex: Exercise, records: dict, errors: dict | None, finished: bool,
@@ -114,21 +115,17 @@ def _waiting_problem(results: dict, timeout_s: float) -> str:
             by_where.setdefault(res.get("where") or "an unknown line", []).append(r)
         else:
             finished.append(r)
-    places = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {_join(rs)} at {where}"
+    places = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {ranks_text(rs)} at {where}"
                        for where, rs in by_where.items())
     text = (f"ranks waited for peers that never answered and gave up after the checker's "
             f"{timeout_s:g} s timeout: {places}")
     if finished:
-        text += f"; rank{'s' if len(finished) > 1 else ''} {_join(finished)} finished"
+        text += f"; rank{'s' if len(finished) > 1 else ''} {ranks_text(finished)} finished"
     return text + (". Do all ranks call the same collectives, in the same order, with the same "
                    "shapes? Does every recv have a matching send that is not itself waiting "
                    "(blocking send/recv in the same order on every rank deadlocks; use "
                    "isend/irecv)? (If one rank is only slow, set DDP_LESSON_CHECK_TIMEOUT_S "
                    "higher.)")
-
-
-def _join(ranks) -> str:
-    return ", ".join(map(str, ranks))
 
 
 def _error_problem(rank: int, rec: dict, timeout_s: float) -> str:

@@ -3,7 +3,8 @@
 A checker calls the learner's code through :func:`call_case` (a time limit per case), turns
 what came back into the value it compares with :func:`returned` and :func:`as_number` /
 :func:`as_whole` (refusing a string where a number belongs), compares with :func:`close`, and
-shows values in its sentences with :func:`shown`, :func:`fmt_num` and :func:`fmt_list`.
+shows values in its sentences with :func:`shown`, :func:`fmt_num`, :func:`fmt_list` and
+:func:`ranks_text`.
 """
 from __future__ import annotations
 
@@ -109,6 +110,11 @@ def fmt_num(x: float, digits: int = 4) -> str:
     if x == 0:
         return "0"
     return f"{x:.{digits}g}"
+
+
+def ranks_text(ranks) -> str:
+    """``[2, 0]`` -> ``"0, 2"``: ranks in a verdict, in order."""
+    return ", ".join(map(str, sorted(ranks)))
 
 
 def fmt_list(values, digits: int = 4, limit: int = 8) -> str:

@@ -1,14 +1,9 @@
-"""What several exercises' checkers share: how ranks are listed in a verdict, and a way to
-stand in for ``torch.distributed`` functions while a candidate runs (03.6 refuses torch's
-collectives and records point-to-point messages; 07.4 records every communication call)."""
+"""What several exercises' checkers share: standing in for ``torch.distributed`` functions
+while a candidate runs (03.6 refuses torch's collectives and records point-to-point messages;
+07.4 records every communication call)."""
 from __future__ import annotations
 
 from contextlib import contextmanager
-
-
-def ranks_text(ranks) -> str:
-    """``[2, 0]`` -> ``"0, 2"``: ranks in a verdict, in order."""
-    return ", ".join(map(str, sorted(ranks)))
 
 
 @contextmanager

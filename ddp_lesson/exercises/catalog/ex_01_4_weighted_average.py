@@ -10,8 +10,7 @@ import torch
 
 from .. import solutions as S
 from ..registry import Exercise, register
-from ..values import close, fmt_list, returned
-from ._shared import ranks_text
+from ..values import close, fmt_list, ranks_text, returned
 
 #: Shard sizes per rank. The first three total 8, so a constant 8 could stand in for the total
 #: count; the last two total 11 and 13.

@@ -16,7 +16,7 @@ from ...sampler import contiguous_shard_indices, num_samples_per_rank, padded_or
 from .. import solutions as S
 from ..errors import error_record, format_error
 from ..registry import Exercise, register
-from ._shared import ranks_text
+from ..values import ranks_text
 
 # (N, shuffle, drop_last, seed): simple settings first, so the first problem reported is the
 # most basic one.

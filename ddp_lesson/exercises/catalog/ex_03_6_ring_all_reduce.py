@@ -13,8 +13,8 @@ import torch
 
 from .. import solutions as S
 from ..registry import Exercise, register
-from ..values import close, fmt_list
-from ._shared import dist_patched, ranks_text
+from ..values import close, fmt_list, ranks_text
+from ._shared import dist_patched
 
 # (dtype, shape): an integer tensor has a digit per rank, so a wrong element says which
 # ranks it summed; sizes below, at and above the world size.
