@@ -1,6 +1,8 @@
-"""Exercise 05.4: the learning rate for a global batch (linear, sqrt or no scaling), local.
+"""Exercise 05.4: the learning rate for a global batch (linear, sqrt or no scaling).
 
-The reference is :func:`ddp_lesson.train.scaled_lr`, the trainer's own rule.
+Checked in this process, on fixed and seeded settings.
+
+The expected values come from :func:`ddp_lesson.train.scaled_lr`, the trainer's own rule.
 """
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
-"""Exercise 06.5: the global RANK torchrun gives from node rank and local rank, local.
+"""Exercise 06.5: the global RANK torchrun gives from node rank and local rank.
+
+Checked in this process, on every process of fixed and seeded layouts.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Exercise 07.1: the fewest ranks on which ZeRO-3 fits a model's states, local.
+"""Exercise 07.1: the fewest ranks on which ZeRO-3 fits a model's states (checked in this process).
 
 The judge's explanation uses :func:`ddp_lesson.memory.memory_per_rank`.
 """
