@@ -101,10 +101,6 @@ from .config import (
 from .data import IGNORE_INDEX, NUM_CLASSES
 from .env import group_active, print0
 from .evaluation import evaluate_exact
-
-# Not used here: the 05.4 checker in exercises/catalog.py imports ``scaled_lr`` from this module
-# and that file belongs to the exercises; the name lives in ddp_lesson.gradients (``scale_lr``).
-from .gradients import scale_lr as scaled_lr  # noqa: F401
 from .metrics import miou_from_confusion
 from .models import build_model
 from .sampler import DistributedSampler

@@ -27,6 +27,10 @@ LAYERS = {
     "trainer": ["config", "step", "train", "data", "models", "gpt"],
     "display": ["viz", "widgets"],
     "programs": ["labs", "bench", "cli", ""],  # "" = __init__
+    # what runs and judges a candidate, knowing no exercise: it never imports the catalogue
+    "exercise machinery": ["exercises.registry", "exercises.values", "exercises.errors",
+                           "exercises.failures", "exercises.core", "exercises._runner"],
+    # the package (check, describe), catalog/ (one module per exercise), the solutions
     "exercises": ["exercises"],
 }
 RANK = {name: i for i, name in enumerate(LAYERS)}

@@ -476,6 +476,9 @@ def test_02_1_sampler_rejects_the_typical_mistakes(judged):
     assert three.startswith("N=9, R=2, shuffle=False: the sampler built with num_replicas=2, "
                             "rank=0 yields [0, 3, 6], torch's yields [0, 2, 4, 6, 8]"), three
     assert "no constant 3" in three
+    # named because the lists show it: process 0's samplers for 2 ranks give num_replicas=3's
+    assert ("(ranks 0 to 1: yours [0, 3, 6], [1, 4, 7]; torch's [0, 2, 4, 6, 8], [1, 3, 5, 7, 0]). "
+            "These are the lists of num_replicas=3") in three
     assert len0.startswith(
         "N=9, R=3, shuffle=False: rank 0 yields 3 indices but len(sampler) says 0"
     )
@@ -499,6 +502,56 @@ def test_02_1_sampler_rejects_the_typical_mistakes(judged):
                      "are 0 and 1. (8 of 10 settings fail)")
     assert ends.startswith("N=10, R=3, shuffle=False: index 8 is on ranks 1, 2")
     assert "the padded indices are 0 and 1" in ends
+
+
+class DropsWhenDivisible(Sampler):
+    """With drop_last, cuts the order to whole rounds by ceil((N - R) / R) even when N divides
+    by R (torch cuts only when it does not): right for every setting at 3 processes (N = 10
+    and 11 with drop_last), wrong for N=10 at num_replicas 2 and 5."""
+
+    def __init__(self, dataset, num_replicas, rank, shuffle=True, seed=0, drop_last=False):
+        import math
+        self.n, self.num_replicas, self.rank = len(dataset), num_replicas, rank
+        self.shuffle, self.seed, self.drop_last, self.epoch = shuffle, seed, drop_last, 0
+        if drop_last:
+            self.num_samples = math.ceil((self.n - num_replicas) / num_replicas)
+        else:
+            self.num_samples = math.ceil(self.n / num_replicas)
+        self.total_size = self.num_samples * num_replicas
+
+    def set_epoch(self, epoch):
+        self.epoch = epoch
+
+    def __iter__(self):
+        if self.shuffle:
+            g = torch.Generator()
+            g.manual_seed(self.seed + self.epoch)
+            indices = torch.randperm(self.n, generator=g).tolist()
+        else:
+            indices = list(range(self.n))
+        if not self.drop_last:
+            while 0 < len(indices) < self.total_size:
+                indices += indices[:self.total_size - len(indices)]
+        return iter(indices[self.rank:self.total_size:self.num_replicas])
+
+    def __len__(self):
+        return self.num_samples
+
+
+@judges("02.1", DropsWhenDivisible)
+def test_02_1_hint_names_the_case_that_differs_and_guesses_no_cause(judged):
+    (v,) = judged
+    text = v.problems[0]
+    # the case: N, R, shuffle, drop_last, and every rank's list against torch's
+    assert text.startswith("N=10, R=2, shuffle=False, drop_last=True: the sampler built with "
+                           "num_replicas=2, rank=0 yields [0, 2, 4, 6], torch's yields "
+                           "[0, 2, 4, 6, 8]"), text
+    assert ("(ranks 0 to 1: yours [0, 2, 4, 6], [1, 3, 5, 7]; torch's [0, 2, 4, 6, 8], "
+            "[1, 3, 5, 7, 9])") in text
+    assert "Ranks got 4, 4 indices; with drop_last=True every rank gets 5: 10 divides by 2, " \
+           "so no index is dropped." in text
+    # the lists are not num_replicas=3's, so no constant 3 is blamed
+    assert "constant 3" not in text and "3 processes" not in text, text
 
 
 def local_only(seed, epoch):
@@ -744,9 +797,11 @@ def test_03_6_ring_all_reduce(judged):
     ), v_relay.problems
     assert "(at most 18 here)" in v_relay.problems[0]
     # at 3 processes, rank 2 sends to rank (2 + 1) % 4 = 3, which does not exist
+    # the rule, not a guess: a constant 4 and a missing % R send rank 2's message to the same 3
     assert re.match(r"with 3 processes: rank \d raised ValueError: dist.i(send|recv) with rank 3, "
-                    r"but there are 3 ranks \(0 to 2\): take R from dist.get_world_size\(\), not "
-                    r"a constant at line \d+", v_four.problems[0]), v_four.problems
+                    r"but there are 3 ranks \(0 to 2\): a ring's neighbours are \(rank \+ 1\) % R "
+                    r"and \(rank - 1\) % R, with R = dist.get_world_size\(\) at line \d+",
+                    v_four.problems[0]), v_four.problems
     half = v_half.problems[0]
     # rank k's input is (i+1)*10**k; after the 3 reduce-scatter steps rank 0 holds chunk 1
     # (elements 2-4) summed by all 4 ranks, chunk 3 by ranks 0 and 3, chunk 2 by 0, 2, 3
@@ -1005,7 +1060,9 @@ def test_unsendable_globals_and_loose_ids_get_clear_answers():
 # ----------------------------------------------------------------------------- shortcuts, local
 
 def test_local_checkers_vary_what_a_constant_or_a_table_could_stand_in_for():
-    from ddp_lesson.exercises.catalog import _CASES_03_3, _CASES_05_4, _CASES_07_1
+    from ddp_lesson.exercises.catalog.ex_03_3_tree_vs_ring import _CASES as _CASES_03_3
+    from ddp_lesson.exercises.catalog.ex_05_4_effective_lr import _CASES as _CASES_05_4
+    from ddp_lesson.exercises.catalog.ex_07_1_zero3_ranks import _CASES as _CASES_07_1
 
     table = {(psi, gpu): reference("07.1")(psi, gpu) for psi, gpu in _CASES_07_1[:6]}
     crossover = {R: reference("03.3")(a, b, R) for a, b, R in _CASES_03_3[:7]}
