@@ -14,7 +14,16 @@ it prints exactly what is stored, so the same lines are checked on a fresh run e
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
+
+# The shared helpers (notebook_cells, gpt_reference, sampler_reference) live beside this file and
+# the tests sit in folders below it: put this folder on sys.path whatever pytest's import mode.
+HELPERS = str(Path(__file__).resolve().parent)
+if HELPERS not in sys.path:
+    sys.path.insert(0, HELPERS)
 
 
 def lab_rank0_lines(module: str, world_size: int, timeout: float = 120) -> list[str]:

@@ -15,7 +15,7 @@ import pytest
 
 from ddp_lesson.bench.claims import CLAIMS, NB04, NB05, Claim, Quantity, compare, load, word
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TABLES = load(ROOT)
 #: Files whose text this project's benchmark owner keeps in step with the claims; claims for
 #: notebooks 04 and 05 are checked against the CSVs here, their sentences by those notebooks.

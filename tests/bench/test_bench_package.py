@@ -13,7 +13,7 @@ from ddp_lesson.bench import BENCHMARKS
 from ddp_lesson.bench.common import figure_target, parse_counts, spread
 from ddp_lesson.cli import _parser
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "ddp_lesson" / "bench"
 
 

@@ -16,7 +16,7 @@ import torch  # noqa: E402
 
 from ddp_lesson.bench import scaling as bs  # noqa: E402
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _run(mode, nprocs, sps, b=8, step_s=None):

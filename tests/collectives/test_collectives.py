@@ -34,7 +34,7 @@ from ddp_lesson.launch import run_torchrun
 
 pytestmark = pytest.mark.timeout(180)
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 # ----------------------------------------------------------------------------- pure schedule

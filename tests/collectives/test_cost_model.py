@@ -26,7 +26,7 @@ from ddp_lesson.collectives import (
 
 pytestmark = pytest.mark.timeout(120)
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 ALPHA, BETA = 5e-6, 1e-10          # 5 µs, 10 GB/s
 N = 1e8                            # 100 MB
 

@@ -17,7 +17,7 @@ from ddp_lesson.labs.ddp_overlap import SWEEP_CAPS_MB
 from ddp_lesson.labs.ddp_toys import UnusedToy
 from ddp_lesson.models import build_model
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 ALPHA, BANDWIDTH, R, BACKWARD_S = 0.5e-3, 100e6, 2, 0.020
 

@@ -31,7 +31,7 @@ from ddp_lesson.launch import run_torchrun
 
 pytestmark = pytest.mark.timeout(150)
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _plain_grad(model, x, y, reduction="mean"):

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _gpu_module():
-    spec = importlib.util.spec_from_file_location("gpu_tests", ROOT / "tests" / "test_gpu.py")
+    spec = importlib.util.spec_from_file_location("gpu_tests", ROOT / "tests/gpu/test_gpu.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -18,7 +18,7 @@ import pytest
 from ddp_lesson import cluster as cl
 from ddp_lesson.cluster import Cluster, RanksError, RanksTimeout
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _children() -> dict[int, int]:

@@ -206,7 +206,7 @@ def test_a_cell_that_prints_warns_and_prints_replays_five_times(tmp_path):
     import nbformat
     from nbformat.v4 import new_code_cell, new_notebook, new_output
 
-    repo = Path(__file__).resolve().parent.parent
+    repo = Path(__file__).resolve().parents[2]
     cell = new_code_cell("import warnings\nprint('before')\nwarnings.warn('careful')\n"
                          "print('after')")
     cell.execution_count = 1

@@ -19,7 +19,7 @@ from ddp_lesson.labs.torchrun_env import SHOWN, VARYING, env_lines
 from ddp_lesson.launch import launch_env
 
 TORCH_DIST = Path(torch.__file__).parent / "distributed"
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _src(rel: str) -> str:

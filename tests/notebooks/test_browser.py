@@ -59,7 +59,7 @@ import pytest
 
 pytestmark = pytest.mark.timeout(300)
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOK = "02_sampler_sharding.ipynb"
 CHROMIUM = os.environ.get("DDP_LESSON_CHROMIUM") or "/usr/bin/chromium"
 ARTIFACTS = Path(os.environ.get("DDP_LESSON_ARTIFACTS") or ROOT / "runs" / "artifacts")

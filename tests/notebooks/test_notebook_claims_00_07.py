@@ -11,7 +11,7 @@ import torch
 from ddp_lesson.gpt import TinyGPT
 from ddp_lesson.memory import memory_per_rank
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TORCH_DIST = Path(torch.__file__).parent / "distributed"
 
 

@@ -15,7 +15,7 @@ import io
 import tokenize
 from pathlib import Path
 
-PKG = Path(__file__).resolve().parent.parent / "ddp_lesson"
+PKG = Path(__file__).resolve().parents[2] / "ddp_lesson"
 MAX_FUNCTION_LOC = 80
 
 #: Layer of each module, lowest first; a module's layer is that of its longest listed prefix.
@@ -224,7 +224,7 @@ def citations_outside() -> set[str]:
     """Files of the repository (package, tests, notebooks, docs, README) naming the folder of
     cases outside the repository instead of ``docs/pitfalls.md``."""
     root = PKG.parent
-    files = [*root.glob("ddp_lesson/**/*.py"), *root.glob("tests/*.py"),
+    files = [*root.glob("ddp_lesson/**/*.py"), *root.glob("tests/**/*.py"),
              *root.glob("notebooks/*.ipynb"), *root.glob("docs/*.md"), root / "README.md"]
     return {str(p.relative_to(root)) for p in files if OUTSIDE in p.read_text()}
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import ddp_lesson
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 if sys.version_info >= (3, 11):
     import tomllib

@@ -9,7 +9,7 @@ from torch.utils.data import DistributedSampler as TorchSampler
 
 from ddp_lesson.env import choose_backend
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 N, R = 10, 3
 
 

@@ -19,7 +19,7 @@ import torch.distributed.constants as constants
 from ddp_lesson import syncbn
 from ddp_lesson.bench.claims import CLAIMS, NB05, load
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 NB = ROOT / NB05
 
 

@@ -16,7 +16,7 @@ from matplotlib.text import Text
 
 from ddp_lesson import viz
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _allreduce_rows():

@@ -14,7 +14,7 @@ from notebook_cells import code_cells
 from ddp_lesson.collectives import ring_state_html, ring_state_text, simulate_ring_all_reduce
 from ddp_lesson.widgets import ring_allreduce_stepper
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 # R = 3, contributors of every (rank, chunk) after each step, worked out by hand.
 # Step 1: 0->1 c0, 1->2 c1, 2->0 c2.  Step 2: 0->1 c2, 1->2 c0, 2->0 c1 (reduce-scatter done:
