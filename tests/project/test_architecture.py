@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import io
+import re
 import tokenize
 from pathlib import Path
 
@@ -231,3 +232,95 @@ def citations_outside() -> set[str]:
 
 def test_no_citation_outside_the_repository():
     assert citations_outside() == set()
+
+
+# ----------------------------------------------------------------------------- teaching cores
+# The five ideas the notebooks print whole, one short file each (docs/architecture.md). A core
+# imports only other cores: the hardened drop-ins and the display layer build on the cores,
+# never the reverse, so a printed core is all a reader needs to follow it.
+
+CORE_FILES = ["core/sampler.py", "core/ring.py", "core/naive_ddp.py", "core/bucketed_ddp.py",
+              "core/zero1.py"]
+MAX_CORE_LINES = 300  # docstrings and comments included: what the notebook prints
+
+
+def _is_core(module: str) -> bool:
+    return module == "core" or module.startswith("core.")
+
+
+def test_each_core_file_exists_and_fits_its_line_budget():
+    missing = [f for f in CORE_FILES if not (PKG / f).is_file()]
+    assert missing == [], f"teaching cores missing from ddp_lesson/: {missing}"
+    long = {f: n for f in CORE_FILES
+            if (n := len((PKG / f).read_text().splitlines())) > MAX_CORE_LINES}
+    assert long == {}, f"core files over {MAX_CORE_LINES} lines: {long}"
+
+
+def test_a_core_imports_only_other_cores():
+    cores = [m for m in MODULES if _is_core(m)]
+    assert {f"core.{Path(f).stem}" for f in CORE_FILES} <= set(cores), cores
+    bad = [f"ddp_lesson.{m} imports ddp_lesson.{d or '__init__'}"
+           for m in cores for d in sorted(GRAPH[m]) if not _is_core(d)]
+    assert bad == []
+
+
+#: Imports that are display code: figures, widgets, rich output.
+DISPLAY_IMPORTS = ("matplotlib", "ipywidgets", "IPython.display", "IPython.core.display")
+#: A string that is HTML markup (a tag a renderer draws), not prose that mentions a tag.
+HTML_TAG = re.compile(r"<(div|span|table|thead|tbody|tr|td|th|pre|code|b|i|em|strong|small|br|"
+                      r"p|ul|ol|li|h[1-6]|style|svg|img|details|summary|html|body)\b[^<>]*>",
+                      re.IGNORECASE)
+
+
+def _docstring_nodes(tree: ast.AST) -> set[int]:
+    ids = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            body = node.body
+            if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+                ids.add(id(body[0].value))
+    return ids
+
+
+def display_code(source: str) -> list[str]:
+    """What in ``source`` is display code: an import of :data:`DISPLAY_IMPORTS` (anywhere,
+    functions included) or a string constant holding HTML markup (docstrings excepted)."""
+    tree = ast.parse(source)
+    docstrings = _docstring_nodes(tree)
+    found = []
+    for node in ast.walk(tree):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        found += [f"line {node.lineno}: import {n}" for n in names
+                  if any(n == d or n.startswith(d + ".") for d in DISPLAY_IMPORTS)]
+        if (isinstance(node, ast.Constant) and isinstance(node.value, str)
+                and id(node) not in docstrings and HTML_TAG.search(node.value)):
+            found.append(f"line {node.lineno}: HTML {node.value[:40]!r}")
+    return sorted(set(found))
+
+
+def test_display_code_reader_sees_imports_and_html_and_spares_prose():
+    seen = display_code('import matplotlib.pyplot as plt\n'
+                        'def f(x):\n    from IPython.display import HTML\n'
+                        '    return f"<td style=\'a\'>{x}</td>"\n')
+    assert [s.split(":")[0] for s in seen] == ["line 1", "line 3", "line 3", "line 4"], seen
+    assert display_code('"""A <div> in a docstring is prose."""\nimport torch\n'
+                        'x = "a < b and c > d"\nfrom IPython import get_ipython\n') == []
+
+
+def lesson_modules() -> list[str]:
+    """The cores and the lesson-core layer: the files a lesson reads for its algorithm."""
+    prefixes = LAYERS["lesson core"]
+    return [m for m in MODULES if _is_core(m)
+            or any(m == p or m.startswith(p + ".") for p in prefixes)]
+
+
+def test_no_display_code_in_a_lesson_file():
+    lessons = lesson_modules()
+    assert {"sampler", "collectives", "ddp", "zero"} <= set(lessons)
+    found = {f"ddp_lesson.{m}": hits for m in lessons
+             if (hits := display_code(MODULES[m].read_text()))}
+    assert found == {}
