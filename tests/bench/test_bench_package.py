@@ -1,6 +1,7 @@
 """The benchmarks' package: no import circle, one set of launcher flags, short functions.
 
-No timing here: the flags are parsed, not run (tests/test_cost_model.py runs a tiny sweep).
+No timing here: the flags are parsed, not run (tests/collectives/test_cost_model.py runs a tiny
+sweep).
 """
 from __future__ import annotations
 

@@ -143,7 +143,7 @@ def test_notebook_03_busbw_table_is_the_link_speed():
 
 def test_notebook_03_prints_each_claim_with_its_interval_and_verdict():
     """Section 5 prints, from ``ddp_lesson.bench.claims``, every comparison its prose makes;
-    tests/test_bench_claims.py checks the verdicts and finds the sentences."""
+    tests/bench/test_bench_claims.py checks the verdicts and finds the sentences."""
     from ddp_lesson.bench.claims import CLAIMS, NB03, load
 
     tables = load(ROOT)

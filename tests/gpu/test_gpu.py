@@ -5,7 +5,7 @@ Every test here is marked ``gpu`` and is skipped, with the reason, on a machine 
 device"). Multi-process tests use min(2, GPUs) processes, one GPU each, on NCCL: the same code
 that runs on gloo/CPU elsewhere in the suite. Run on a GPU machine with
 
-    pytest -m gpu -p no:nbval tests/test_gpu.py -q
+    pytest -m gpu -n 0 tests/gpu -q
 
 and record the result in README.md's "Tested on" table.
 """

@@ -1,6 +1,6 @@
 """The GPU group's shape, checked on any machine: at least 6 tests marked ``gpu``, each skipped
 with a reason where CUDA is missing, and the marker registered (so ``pytest -m gpu`` selects
-them without a warning). The tests themselves live in tests/test_gpu.py."""
+them without a warning). The tests themselves live in tests/gpu/test_gpu.py."""
 from __future__ import annotations
 
 import importlib.util

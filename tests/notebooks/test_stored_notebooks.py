@@ -14,7 +14,7 @@ Checks on the files as committed, no kernel needed:
 * every relative link in a notebook's Markdown, in the README and in docs/ resolves to a file
   inside the folder the README starts JupyterLab in (outside it the server answers 404).
 
-The Markdown ``**`` slip has its own test: tests/test_notebook_markdown.py.
+The Markdown ``**`` slip has its own test: tests/notebooks/test_notebook_markdown.py.
 """
 from __future__ import annotations
 
