@@ -324,3 +324,30 @@ def test_no_display_code_in_a_lesson_file():
     found = {f"ddp_lesson.{m}": hits for m in lessons
              if (hits := display_code(MODULES[m].read_text()))}
     assert found == {}
+
+
+# ----------------------------------------------------------------------------- test paths named
+
+TEST_PATH = re.compile(r"\btests/[\w/]+\.py\b")
+
+
+def stale_test_paths() -> dict[str, list[str]]:
+    """Paths ``tests/....py`` that a file of the repository names but that do not exist (a
+    test file moved into its module's folder and a mention left behind)."""
+    root = PKG.parent
+    files = [*root.glob("ddp_lesson/**/*.py"), *root.glob("tests/**/*.py"),
+             *root.glob("notebooks/*.ipynb"), *root.glob("docs/*.md"), *root.glob("tools/*.py"),
+             *[root / n for n in ("README.md", "CONTRIBUTING.md", "pyproject.toml",
+                                  "environment.yml", ".ci/run")]]
+    stale = {}
+    for p in files:
+        if p.is_file():
+            missing = sorted({m for m in TEST_PATH.findall(p.read_text())
+                              if not (root / m).is_file()})
+            if missing:
+                stale[str(p.relative_to(root))] = missing
+    return stale
+
+
+def test_every_test_file_the_repository_names_exists():
+    assert stale_test_paths() == {}
