@@ -17,7 +17,7 @@ exits 1 when any problem was found, 0 otherwise. The checks, and the public repo
 ``interface``      ``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME`` / ``TP_SOCKET_IFNAME`` naming
                    an interface this machine does not have. gloo fails in ``init_process_group``
                    with "Unable to find address for: NAME" (reproduced in
-                   ``tests/test_doctor.py``); a wrong interface on a real cluster hangs or
+                   ``tests/launch/test_doctor.py``); a wrong interface on a real cluster hangs or
                    fails at connection (pytorch/pytorch#58431).
 ``shm``            ``/dev/shm`` smaller than :data:`MIN_SHM_BYTES`: NCCL's shared-memory
                    transport and DataLoader workers put their buffers there, and Docker's

@@ -15,7 +15,7 @@ one verdict line naming the rank and collective that diverged.
 torch has its own analyzer, ``python -m torch.distributed.flight_recorder.fr_trace DIR``; on the
 gloo dumps of torch 2.13 it stops with ``KeyError: ('0', 0)`` (its ``pg_config`` is keyed by the
 group's description, ``''`` for the default group, the entries by its name ``'0'``:
-``tests/test_flight.py`` shows it). This reader needs no such match.
+``tests/collectives/test_flight.py`` shows it). This reader needs no such match.
 """
 from __future__ import annotations
 
