@@ -291,59 +291,116 @@ def _distributed() -> bool:
 _barrier = barrier  # one barrier for the package: env.barrier (names this rank's GPU on NCCL)
 
 
-def decide_on_rank0(decide: Callable[[], Any]) -> Any:
+#: How long the other ranks wait for rank 0's answer or write (seconds): a checkpoint save or
+#: check may take far longer than the process group's timeout (minutes for a large model on a
+#: shared file system), so that wait does not go through a collective.
+RANK0_WAIT_S = 1800.0
+_answers = 0  # how many rank-0 answers this process took part in: the store key's number
+
+
+def _from_rank0(compute: Callable[[], Any], what: str, timeout_s: float) -> Any:
+    """``compute()`` on rank 0, its (picklable) result on every rank, through the store.
+
+    The other ranks wait in ``store.wait`` with ``timeout_s`` of their own instead of in a
+    collective, whose timeout (the process group's, seconds in the lessons) would fire while rank
+    0 is still busy: gloo then fails with "Timed out waiting ... for recv" on one rank and
+    "Connection closed by peer" on the other, naming neither the save nor the timeout
+    (mosaicml/llm-foundry PR #733; meta-pytorch/torchtune#2093). Every rank calls it the same
+    number of times, so the key's number agrees across ranks.
+
+    Raises:
+        TimeoutError: rank 0 did not answer within ``timeout_s`` (raised on the waiting ranks,
+            naming ``what`` and the timeout).
+    """
+    import datetime
+    import pickle
+
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    global _answers
+    _answers += 1
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    key = f"ddp_lesson/rank0/{attempt}/{_answers}"
+    store = _get_default_store()
+    if dist.get_rank() == 0:
+        value = compute()
+        store.set(key, pickle.dumps(value))
+        return value
+    try:
+        store.wait([key], datetime.timedelta(seconds=timeout_s))
+    except Exception as exc:  # the store's timeout error (a RuntimeError subclass, by version)
+        if "timeout" not in str(exc).lower() and "timed out" not in str(exc).lower():
+            raise
+        raise TimeoutError(f"rank {dist.get_rank()} waited {timeout_s:g} s for rank 0 to "
+                           f"{what}; it has not finished (raise the wait: "
+                           f"timeout_s=..., now {timeout_s:g} s)") from None
+    return pickle.loads(store.get(key))
+
+
+def decide_on_rank0(decide: Callable[[], Any], timeout_s: float = RANK0_WAIT_S) -> Any:
     """Run ``decide()`` on rank 0 only and give its result to every rank.
 
     For questions whose answer must be the same everywhere ("does the checkpoint exist?",
     "is it valid?"): if each rank looked for itself, a slow shared file system could answer
     differently on different ranks, and the ranks would then take different paths and
-    deadlock in mismatched collectives (KempnerInstitute/KempnerForge#49). A
-    synchronisation point (a ``broadcast_object_list``) when a process group with more than
-    one rank exists; otherwise just ``decide()``.
+    deadlock in mismatched collectives (KempnerInstitute/KempnerForge#49). The other ranks wait
+    up to ``timeout_s`` for the answer, through the process group's store rather than a
+    collective (reading a large checkpoint may outlast the group's timeout). Without a process
+    group of more than one rank it is just ``decide()``.
 
     Args:
         decide: a function of no arguments returning a picklable value.
+        timeout_s: how long the other ranks wait for rank 0 (seconds).
 
     Returns:
         Rank 0's result, on every rank.
+
+    Raises:
+        TimeoutError: rank 0 took longer than ``timeout_s`` (on the other ranks).
     """
     if not _distributed():
         return decide()
-    box = [decide() if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+    return _from_rank0(decide, "check the checkpoint", timeout_s)
 
 
 def save_checkpoint(obj: Any, path: str,
-                    before_replace: Callable[[str], None] | None = None) -> str:
+                    before_replace: Callable[[str], None] | None = None,
+                    timeout_s: float = RANK0_WAIT_S) -> str:
     """Rank 0 writes ``obj`` atomically to ``path``; every rank returns once the file is complete.
 
-    The B14 protocol: rank 0 calls :func:`save_atomic` while the other ranks wait; rank 0
-    broadcasts whether the write succeeded; all ranks meet at a barrier. After the call any
-    rank may ``torch.load(path)`` safely, and a failed write raises on *every* rank (so no rank
-    waits forever for a peer that gave up). Call it on every rank, with the same ``path``;
-    ``obj`` matters on rank 0 only (others may pass None). Without a process group it is
-    :func:`save_atomic`.
+    The B14 protocol: rank 0 calls :func:`save_atomic` while the other ranks wait; rank 0 then
+    tells every rank whether the write succeeded. After the call any rank may
+    ``torch.load(path)`` safely, and a failed write raises on *every* rank (so no rank waits
+    forever for a peer that gave up). The others wait up to ``timeout_s`` through the process
+    group's store, not in a collective: a write slower than the group's timeout (a large model,
+    a slow file system) is waited for, and one slower than ``timeout_s`` is named. Call it on
+    every rank, with the same ``path``; ``obj`` matters on rank 0 only (others may pass None).
+    Without a process group it is :func:`save_atomic`.
 
-    Synchronises all ranks (a broadcast and a barrier). ``before_replace`` is passed on to
+    Synchronises all ranks (they wait for rank 0's write, then meet at a barrier).
+    ``before_replace`` is passed on to
     :func:`save_atomic` (rank 0 only).
 
     Raises:
         OSError: rank 0 could not write (raised on every rank, with rank 0's message).
+        TimeoutError: rank 0's write took longer than ``timeout_s`` (on the other ranks).
     """
     if not _distributed():
         return save_atomic(obj, path, before_replace)
-    error = None
-    if dist.get_rank() == 0:
+
+    def write() -> str | None:
         try:
             save_atomic(obj, path, before_replace)
         except OSError as exc:
-            error = f"rank 0 could not write checkpoint {path}: {exc}"
-    box = [error]
-    dist.broadcast_object_list(box, src=0)
+            return f"rank 0 could not write checkpoint {path}: {exc}"
+        return None
+
+    error = _from_rank0(write, f"write checkpoint {path}", timeout_s)
+    # Every rank leaves together (a quick barrier: no rank is busy any more), so rank 0 does not
+    # start its next write while the others still look at this one.
     _barrier()
-    if box[0] is not None:
-        raise OSError(box[0])
+    if error is not None:
+        raise OSError(error)
     return path
 
 

@@ -217,7 +217,7 @@ import torch.distributed as dist
 from ddp_lesson.env import init_distributed, cleanup
 from ddp_lesson import checkpoint as ck
 
-env = init_distributed(timeout=60, announce=False)
+env = init_distributed(timeout=4, announce=False)  # the group's timeout: 4 s
 path = sys.argv[1]
 out = {}
 # rank 0 is slow to write; the others call load right after save_checkpoint returns
@@ -245,8 +245,28 @@ try:
     out["failure"] = None
 except OSError as exc:
     out["failure"] = str(exc)
-print(json.dumps(out))
-cleanup()
+# a write slower than the group's timeout (6 s against 4 s): the others wait for it outside any
+# collective, and the group still works afterwards
+def sleepy(seconds):
+    def hook(tmp):
+        time.sleep(seconds)
+    return hook
+ck.save_checkpoint(obj if env.rank == 0 else None, path, before_replace=sleepy(6.0))
+t = torch.ones(1)
+dist.all_reduce(t)
+out["after_slow_save"] = t.item()
+# a write slower than the save's own wait: named on the waiting ranks, which stop there (the
+# job is over); rank 0 then finds its peers gone at the save's closing barrier
+try:
+    ck.save_checkpoint(obj if env.rank == 0 else None, path, before_replace=sleepy(1.5),
+                       timeout_s=0.3)
+    out["slow"] = None
+except TimeoutError as exc:
+    out["slow"] = str(exc)
+except RuntimeError as exc:
+    out["slow"] = "peers gone" if "closed" in str(exc) or "reset" in str(exc) else str(exc)
+print(json.dumps(out), flush=True)
+os._exit(0)
 '''
 
 
@@ -264,6 +284,13 @@ def test_b14_save_then_load_on_every_rank(tmp_path):
         assert out["temporaries"] == []
         assert out["exists"] is True
         assert out["failure"].startswith("rank 0 could not write checkpoint ")
+        assert out["after_slow_save"] == 3.0
+        if rank == 0:
+            assert out["slow"] == "peers gone"
+        else:
+            assert out["slow"] == (f"rank {rank} waited 0.3 s for rank 0 to write checkpoint "
+                                   f"{path}; it has not finished (raise the wait: "
+                                   "timeout_s=..., now 0.3 s)")
 
 
 # ---- default map_location: this rank's device (issue 15, item 3) ---------------------------
