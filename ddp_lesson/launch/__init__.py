@@ -16,7 +16,7 @@ rank-ordered output, tracebacks, live status); :mod:`.magic` is the notebook fac
 * a free rendezvous port on 127.0.0.1: the agents' c10d rendezvous store is hosted here, on a
   socket bound to loopback (torchrun's own would listen on every interface), so two launches
   at once never collide and nothing listens beyond this machine; rank 0's store and gloo are
-  kept on loopback too (see :mod:`.agent`, :func:`.command._loopback_env`,
+  kept on loopback too (see :mod:`.agent`, :func:`.command.loopback_env`,
   :func:`ddp_lesson.env.init_distributed`);
 * one backend/device choice, made with :func:`ddp_lesson.env.choose_backend` for every
   process on this host, printed once and used by every rank (``DDP_LESSON_LAUNCHER_BACKEND``);

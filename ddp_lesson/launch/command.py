@@ -176,7 +176,7 @@ class _Launch:
     store: object = None  # the agents' rendezvous store, alive for the run
 
 
-def _rendezvous_store():
+def rendezvous_store():
     """A TCPStore server on 127.0.0.1 for torchrun's agents: ``(store, "127.0.0.1:PORT")``.
 
     torch's TCPStore server binds every interface, but accepts a listening socket from the
@@ -193,7 +193,7 @@ def _rendezvous_store():
     return store, f"127.0.0.1:{port}"
 
 
-def _loopback_env(env: dict) -> dict:
+def loopback_env(env: dict) -> dict:
     """Variables that keep a run whose ranks are all on this machine off the network.
 
     Rank 0's store binds 127.0.0.1 (``DDP_LESSON_ALL_RANKS_LOCAL``, read by
@@ -230,14 +230,14 @@ def _build_launch(target, args, code, module, nproc_per_node, nnodes, max_restar
     base = launch_env(env, backend, nproc_per_node, max_restarts=max_restarts)
     chosen = launcher_backend(nproc_per_node, nnodes, backend, base)
     child_env = launch_env(base, None, nproc_per_node, chosen=chosen, max_restarts=max_restarts)
-    child_env.update(_loopback_env(child_env))
+    child_env.update(loopback_env(child_env))
     # torchrun itself, with the workers' store (or port) on loopback and held (.agent)
     torchrun = [sys.executable, "-m", "ddp_lesson.launch.agent"]
     # The agents' rendezvous store is hosted here, on 127.0.0.1 only (torchrun's own would
     # listen on every interface); each agent is a client of it (is_host=false), known by
     # 127.0.0.1, which node 0's agent hands its workers as MASTER_ADDR. torchrun's log
     # folder goes inside the run's own, removed with it.
-    store, endpoint = _rendezvous_store()
+    store, endpoint = rendezvous_store()
     common = dict(rdzv_endpoint=endpoint, rdzv_id=uuid.uuid4().hex[:8], rdzv_conf="is_host=false",
                   local_addr="127.0.0.1", max_restarts=max_restarts,
                   log_dir=outdir / "torchelastic", extra=torchrun_args)
