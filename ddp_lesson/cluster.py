@@ -10,8 +10,8 @@ look again) the ranks must keep their state between cells. This module starts:
   :func:`ddp_lesson.launch.torchrun_flags` and stores on 127.0.0.1, as ``run_torchrun``'s), each
   starting ``nproc_per_node`` ipyparallel engines (``-m ddp_lesson.cluster engine
   --file=<the controller's engine connection file>``, a thin bootstrap around
-  ``python -m ipyparallel.engine``), so every engine has exactly the environment a rank of a real job has (``RANK``, ``LOCAL_RANK``,
-  ``WORLD_SIZE``, ``MASTER_ADDR``...);
+  ``python -m ipyparallel.engine``), so every engine has exactly the environment a rank of a
+  real job has (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``...);
 
 then joins the process group once on every engine with :func:`ddp_lesson.env.init_distributed`
 (the series' backend rule: NCCL on ``cuda:LOCAL_RANK`` when each local rank has a GPU, gloo on
