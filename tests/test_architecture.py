@@ -21,7 +21,7 @@ MAX_FUNCTION_LOC = 80
 #: Layer of each module, lowest first; a module's layer is that of its longest listed prefix.
 #: Keep in step with docs/architecture.md.
 LAYERS = {
-    "runtime": ["env", "launch", "_worker", "cluster"],
+    "runtime": ["env", "procs", "launch", "_worker", "cluster"],
     "lesson core": ["sampler", "collectives", "ddp", "zero", "syncbn", "gradients",
                     "evaluation", "metrics", "memory", "checkpoint"],
     "trainer": ["config", "step", "train", "data", "models", "gpt"],

@@ -13,21 +13,18 @@ from pathlib import Path
 
 import pytest
 
-from ddp_lesson.launch import (
-    TorchrunError,
-    _failed_ranks,
-    run_torchrun,
-    terminal_text,
-)
+from ddp_lesson.launch import TorchrunError, run_torchrun, terminal_text
+from ddp_lesson.launch.output import _failed_ranks
 
 pytestmark = pytest.mark.timeout(180)
 
-# Rank 0 lists the listening TCP sockets of its torchrun agent and of every worker
+# Rank 0 lists the listening TCP sockets of every torchrun agent of the run (the pids the launcher
+# recorded in the run's folder, named on rank 0's command line) and of every worker
 # (/proc/net/tcp and tcp6, matched to the processes' socket descriptors).
 LISTENING = r'''
 import os, socket
 
-def listening(pids):
+def listening(pids, agents):
     inodes = {}
     for pid in pids:
         for fd in os.listdir(f"/proc/{pid}/fd"):
@@ -46,7 +43,7 @@ def listening(pids):
                     continue
                 raw = bytes.fromhex(parts[1].split(":")[0])
                 raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
-                who = "agent" if inodes[parts[9]] == os.getppid() else "rank"
+                who = "agent" if inodes[parts[9]] in agents else "rank"
                 found.add(f"{who} {socket.inet_ntop(family, raw)}")
     return sorted(found)
 '''
@@ -64,9 +61,11 @@ print("done")
 warnings.warn("a warning names the cell, not a temporary path")
 dist.barrier()
 if env.rank == 0:
-    agent = os.getppid()
-    ranks = [int(p) for p in open(f"/proc/{agent}/task/{agent}/children").read().split()]
-    print(json.dumps(listening([agent, *ranks])), file=sys.stderr)
+    argv = open("/proc/self/cmdline", "rb").read().split(b"\0")
+    outdir = argv[argv.index(b"ddp_lesson._worker") + 1].decode()
+    agents = [int(p) for p in open(os.path.join(outdir, "agents.pid")).read().split()]
+    ranks = [int(p) for a in agents for p in open(f"/proc/{a}/task/{a}/children").read().split()]
+    print(json.dumps(listening([*agents, *ranks], agents)), file=sys.stderr)
 dist.barrier()
 cleanup()
 '''
@@ -94,10 +93,11 @@ def test_progress_bars_stderr_names_temp_folder_and_sockets(tmp_path, monkeypatc
             f"<torchrun cell>:{line}: UserWarning: a warning names the cell, not a temporary path")
     # 10: nothing left in $TMPDIR (torchrun's torchelastic_* folder was in the run's folder)
     assert os.listdir(private_tmp) == []
-    # 11: rank 0's store and gloo listen on loopback only; torchrun's agent listens nowhere
-    # (its rendezvous store is hosted by the launcher, on 127.0.0.1)
+    # 11: the workers' store (node 0's agent hosts it: a run that cannot restart shares it) and
+    # gloo listen on loopback only; the agents' rendezvous store is hosted by the launcher, on
+    # 127.0.0.1 too
     sockets = json.loads(result.errors[0].splitlines()[-1])
-    assert sockets == ["rank 127.0.0.1"]
+    assert sockets == ["agent 127.0.0.1", "rank 127.0.0.1"]
 
 
 def test_terminal_text_keeps_what_a_terminal_shows():
@@ -237,7 +237,8 @@ def test_a_cell_that_prints_warns_and_prints_replays_five_times(tmp_path):
 # ----------------------------------------------------------- what a reader sees (issue 19)
 
 def test_status_reads_as_text_and_shows_progress_not_warnings(tmp_path):
-    from ddp_lesson.launch import _progress_line, launcher_backend, status_text
+    from ddp_lesson.launch import launcher_backend, status_text
+    from ddp_lesson.launch.output import _progress_line
 
     # item 1: the stored text form is a plain line, not Label(value=...)
     assert status_text(2) == "torchrun: 2 processes"
