@@ -239,7 +239,7 @@ def _interrupt_script(tmp_path: Path, signum: int, many: bool = False
 def test_interrupt_leaves_no_process(tmp_path, many):
     below, code, out = _interrupt_script(tmp_path, signal.SIGINT, many)
     assert code == 130
-    # one line in a notebook, not a traceback through the launcher (issue 19, item 5)
+    # one line in a notebook, not a traceback through the launcher
     assert out == ("interrupted KeyboardInterrupt: torchrun interrupted: every process it "
                    "started was ended\n")
     assert _wait_dead(below) == []
@@ -247,7 +247,7 @@ def test_interrupt_leaves_no_process(tmp_path, many):
 
 def test_killing_the_launcher_outright_leaves_no_orphans(tmp_path):
     # a notebook kernel killed with SIGKILL cannot clean up: its watchdog and the death
-    # signals must do it, for the processes the ranks started too (issue 15, item 7)
+    # signals must do it, for the processes the ranks started too
     below, code, _ = _interrupt_script(tmp_path, signal.SIGKILL)
     assert code == -signal.SIGKILL
     assert _wait_dead(below, seconds=10) == []

@@ -276,7 +276,7 @@ class _LiveStatus:
     ``update_display_data`` messages: JupyterLab (and VS Code, nbclient) apply them live, and
     since there is no widget and no comm, nothing in the page depends on the kernel staying
     alive -- after a kernel restart the line stays readable text (a widget's view showed a
-    broken-link icon, issue 19 item 5), and an unexecuted notebook shows the text as stored
+    broken-link icon), and an unexecuted notebook shows the text as stored
     (also on GitHub).
 
     Replays: nbval 0.11 keeps the first ``display_data`` of a cell and ignores updates, while
@@ -349,8 +349,8 @@ def keep_kernel_status_busy(kernel) -> bool:
     not those of the subshell probe it sends when it connects to a kernel
     (``create_subshell_request``, ``delete_subshell_request``): when a fresh kernel's first
     cell has already started, that "idle" arrives last, and the page read "Idle" for the whole
-    of a long first ``%%torchrun`` cell (issue 19, item 6, seen in the page's websocket
-    traffic; a later run is not affected: the probe is sent once).
+    of a long first ``%%torchrun`` cell (seen in the page's websocket traffic; a later run is
+    not affected: the probe is sent once).
 
     Every status goes through ``Kernel._publish_status``; this wraps it on the instance: it
     tracks the execute requests being run (their own busy ... idle) and, when an "idle" for
