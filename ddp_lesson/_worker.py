@@ -9,8 +9,8 @@ once per rank. Before running the real target this:
 2. appends its pid to ``OUTDIR/rank{RANK}.pid`` (every restart's) and asks Linux to kill it if
    torchrun dies (``PR_SET_PDEATHSIG``): torchrun starts every worker in a session of its own,
    so without this a SIGKILL to the launcher alone would leave orphans. The pid is also the
-   id of the worker's process group, which the launcher's watchdog kills (see ``watch``), so
-   processes the rank started die too;
+   id of the worker's process group, which the launcher's watchdog kills
+   (:func:`ddp_lesson.procs.watch`), so processes the rank started die too;
 3. when the target fails, writes ``OUTDIR/rank{RANK}.exit`` (its exit code) before anything
    else, so the launcher knows every rank whose own program failed, not only the one torchrun
    noticed first.
@@ -38,35 +38,11 @@ import gc
 import io
 import os
 import runpy
-import signal
 import sys
 import threading
 import types
 
-#: ``prctl`` option: the signal this process gets when the thread that forked it dies.
-PR_SET_PDEATHSIG = 1
-
-
-def die_with_parent(parent_pid: int | None = None) -> None:
-    """Ask Linux to SIGKILL this process when its parent dies (``PR_SET_PDEATHSIG``).
-
-    Used twice by the launcher: in the torchrun child before it execs (so torchrun dies with
-    the notebook kernel) and here, in every worker (so workers die with torchrun). The parent
-    may have died between fork and ``prctl``: then this process is already an orphan and
-    leaves at once. ``parent_pid`` is the expected parent (None: only "not reparented to
-    init" is checked). Does nothing outside Linux.
-    """
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    except OSError:
-        return
-    ppid = os.getppid()
-    if ppid == 1 or (parent_pid is not None and ppid != parent_pid):
-        os._exit(1)
+from .procs import die_with_parent
 
 
 def _redirect(outdir: str, rank: str) -> None:
@@ -120,8 +96,6 @@ def _run_as_main(kind: str, target: str, args: list[str]) -> None:
 
 
 def main(argv: list[str]) -> None:
-    if argv and argv[0] == "--watch":
-        return watch(argv[1])
     if len(argv) < 3 or argv[1] not in ("--module", "--script"):
         raise SystemExit("usage: python -m ddp_lesson._worker OUTDIR "
                          "(--module NAME | --script PATH) [ARGS...]")
@@ -160,54 +134,6 @@ def _finish() -> None:
         except (OSError, ValueError):
             pass
     os._exit(0)
-
-
-# --------------------------------------------------------------------------- the watchdog
-
-def run_pids(outdir: str) -> tuple[list[int], list[int]]:
-    """``(agents, workers)``: torchrun agents' and every rank's pids recorded in ``outdir``."""
-    found = {"agents": [], "workers": []}
-    for name in sorted(os.listdir(outdir)) if os.path.isdir(outdir) else []:
-        key = "agents" if name == "agents.pid" else "workers" if name.endswith(".pid") else None
-        if key is None:
-            continue
-        with open(os.path.join(outdir, name)) as f:
-            found[key] += [int(x) for x in f.read().split() if x.isdigit()]
-    return found["agents"], found["workers"]
-
-
-def kill_run(outdir: str, sig: int = signal.SIGKILL) -> None:
-    """Send ``sig`` to every process group of a run: each torchrun agent's and each worker's.
-
-    Both are session leaders (``start_new_session``), so their process group id is their pid;
-    a group outlives its leader while any member lives, so this also reaches processes a rank
-    started (a ``subprocess.Popen`` that stayed in the rank's session).
-    """
-    agents, workers = run_pids(outdir)
-    for pid in agents + workers:
-        for kill in (os.killpg, os.kill):
-            try:
-                kill(pid, sig)
-            except (ProcessLookupError, PermissionError):
-                pass
-
-
-def watch(outdir: str) -> None:
-    """The run's watchdog: wait for EOF on stdin, then end the run unless told it is done.
-
-    The launcher holds the only write end of the pipe. It writes ``done`` when it has ended
-    the run itself; if it dies in any way (kernel restart, SIGKILL) the pipe closes with
-    nothing written and the watchdog kills every process group of the run and removes its
-    folder. Started in a session of its own, so an interrupt aimed at the launcher's group
-    does not reach it.
-    """
-    import shutil
-
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    if sys.stdin.buffer.read().startswith(b"done"):
-        return
-    kill_run(outdir)
-    shutil.rmtree(outdir, ignore_errors=True)
 
 
 if __name__ == "__main__":

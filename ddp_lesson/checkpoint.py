@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 
 from .env import barrier, group_active
+from .procs import alive
 
 __all__ = [
     "CHECKPOINT_FORMAT",
@@ -196,19 +197,6 @@ def _temporary_pid(name: str, base: str) -> int | None:
     return int(name[len(prefix):])
 
 
-def _pid_alive(pid: int) -> bool:
-    """True when a process ``pid`` exists on this machine (signal 0 checks, sends nothing)."""
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # exists, owned by someone else
-        return True
-    return True
-
-
 def sweep_temporaries(path: str, *, only_dead: bool = True) -> list[str]:
     """Remove the temporary files an interrupted :func:`atomic_write` left next to ``path``.
 
@@ -218,7 +206,8 @@ def sweep_temporaries(path: str, *, only_dead: bool = True) -> list[str]:
     of ``path`` (no other file, not another checkpoint's), except this process's own:
 
     * ``only_dead=True`` (the default, safe at any time): only those whose writer ``<pid>`` is
-      not alive on this machine. A live writer's temporary file is left alone: deleting it
+      not alive on this machine (:func:`ddp_lesson.procs.alive`: a zombie is not, another
+      user's process is). A live writer's temporary file is left alone: deleting it
       would make that writer's rename fail. :func:`save_atomic` sweeps this way after each
       good save.
     * ``only_dead=False``: every one, whatever its pid. For the job's only writer (rank 0)
@@ -246,7 +235,7 @@ def sweep_temporaries(path: str, *, only_dead: bool = True) -> list[str]:
     removed = []
     for name in sorted(names):
         pid = _temporary_pid(name, base)
-        if pid is None or pid == os.getpid() or (only_dead and _pid_alive(pid)):
+        if pid is None or pid == os.getpid() or (only_dead and alive(pid)):
             continue
         try:
             os.remove(os.path.join(folder, name))

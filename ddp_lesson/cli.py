@@ -92,7 +92,8 @@ def train(argv: list[str]) -> int:
     except (TrainInputError, ValueError) as exc:
         print(f"ddp-lesson train: error: {exc}", file=sys.stderr)
         return 2
-    env = launch_env(None, backend, opts.nproc_per_node, announced=False)
+    env = launch_env(None, backend, opts.nproc_per_node, announced=False,
+                     max_restarts=opts.max_restarts)
     cmd = [sys.executable, "-m", "torch.distributed.run", *flags, *program]
     return _run_forwarding_signals(cmd, env)
 

@@ -6,11 +6,12 @@ look again) the ranks must keep their state between cells. This module starts:
 
 * an ipyparallel controller on 127.0.0.1 (``python -m ipyparallel.controller``, schedulers in
   threads, profile and connection files in a private temporary folder);
-* ``nnodes`` torchrun agents (``python -m torch.distributed.run``), each starting
-  ``nproc_per_node`` ipyparallel engines (``-m ddp_lesson.cluster engine --file=<the controller's
-  engine connection file>``, a thin bootstrap around ``python -m ipyparallel.engine``), so every
-  engine has exactly the environment a rank of a real job has (``RANK``, ``LOCAL_RANK``,
-  ``WORLD_SIZE``, ``MASTER_ADDR``...);
+* ``nnodes`` torchrun agents (``python -m ddp_lesson.launch.agent``: torchrun, with flags from
+  :func:`ddp_lesson.launch.torchrun_flags` and stores on 127.0.0.1, as ``run_torchrun``'s), each
+  starting ``nproc_per_node`` ipyparallel engines (``-m ddp_lesson.cluster engine
+  --file=<the controller's engine connection file>``, a thin bootstrap around
+  ``python -m ipyparallel.engine``), so every engine has exactly the environment a rank of a
+  real job has (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``...);
 
 then joins the process group once on every engine with :func:`ddp_lesson.env.init_distributed`
 (the series' backend rule: NCCL on ``cuda:LOCAL_RANK`` when each local rank has a GPU, gloo on
@@ -40,10 +41,11 @@ Failures and hangs:
 * interrupting the kernel sends SIGINT to the ranks still running; if they all come back within
   a few seconds the cluster stays as it was, otherwise it is restarted as after a timeout.
 
-No process outlives its owner: the controller and torchrun get ``PR_SET_PDEATHSIG`` (killed when
-the thread that started them dies), every engine gets it against its torchrun agent, and a small
-watchdog (own session, no PDEATHSIG) notices when the owner is gone (SIGKILL included), kills
-whatever is left by pid and removes the private temporary folder. ``stop()`` is clean: the process
+No process outlives its owner (the helpers are :mod:`ddp_lesson.procs`'): the controller and
+torchrun get ``PR_SET_PDEATHSIG`` (killed when the thread that started them dies), every engine
+gets it against its torchrun agent, and a small watchdog (own session, no PDEATHSIG, reading a
+pipe only the owner writes) notices when the owner is gone (SIGKILL included), kills whatever is
+left by pid and removes the private temporary folder. ``stop()`` is clean: the process
 group is destroyed (barrier, then ``destroy_process_group``) before the engines leave with exit
 status 0, then the controller is stopped and the folder removed.
 
@@ -67,10 +69,12 @@ import tempfile
 import time
 import uuid
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 from .env import BACKEND_ENV, BACKENDS, choose_backend
-from .launch import _reap  # one way to wait for a child that survives interrupts
+from .launch.command import loopback_env, rendezvous_store, torchrun_flags
+from .procs import alive, die_with_parent, reap, release_watchdog, start_watchdog
 
 #: Seconds a ``%%ranks`` cell may run before its verdict (override per cell with ``--timeout``).
 DEFAULT_RUN_TIMEOUT_S = 120.0
@@ -128,41 +132,6 @@ class RanksResult:
 
 # --------------------------------------------------------------------------- process helpers
 
-def _libc():
-    """libc, loaded in the parent: a forked child must not import or load anything (another
-    thread of the parent, e.g. ipyparallel's client, may have held the import lock at fork)."""
-    global _LIBC
-    if _LIBC is None:
-        import ctypes
-
-        try:
-            _LIBC = ctypes.CDLL("libc.so.6", use_errno=True)
-        except OSError:
-            _LIBC = False
-    return _LIBC
-
-
-_LIBC = None
-
-
-def _set_pdeathsig() -> None:
-    """In a child before exec: SIGKILL it when the thread that started it dies (Linux only)."""
-    if _LIBC:
-        _LIBC.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except (ProcessLookupError, PermissionError):
-        return False
-    try:  # a zombie (exited, not yet reaped) counts as gone
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True
-
-
 def _end(proc: subprocess.Popen | None, grace_s: float = 5.0) -> None:
     """SIGTERM ``proc``'s process group, then SIGKILL after ``grace_s``; reap it."""
     if proc is None:
@@ -174,37 +143,12 @@ def _end(proc: subprocess.Popen | None, grace_s: float = 5.0) -> None:
             os.killpg(proc.pid, sig)
         except ProcessLookupError:
             pass
-        if _reap(proc, wait):
+        if reap(proc, wait):
             break
     try:  # children it forked into its group (the controller forks one) and left behind
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
-
-
-# The watchdog: its own session (a kernel interrupt does not reach it), no PDEATHSIG. It polls
-# its parent; once the parent is gone (even by SIGKILL) it kills every pid listed in PIDFILE and
-# removes the private folder. It also leaves when the folder disappears (a clean stop).
-_WATCHDOG = r"""
-import os, shutil, signal, sys, time
-parent, folder = int(sys.argv[1]), sys.argv[2]
-pidfile = os.path.join(folder, "pids")
-while os.getppid() == parent and os.path.isdir(folder):
-    time.sleep(0.2)
-if os.path.isdir(folder):
-    try:
-        pids = [int(p) for p in open(pidfile).read().split()]
-    except (OSError, ValueError):
-        pids = []
-    for pid in pids:  # each was started in a session (process group) of its own: its group
-        for kill in (os.killpg, os.kill):  # also holds the children it forked (the controller's)
-            try:
-                kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
-    time.sleep(0.5)
-    shutil.rmtree(folder, ignore_errors=True)
-"""
 
 
 def _engine_main(argv: list[str]) -> None:
@@ -213,10 +157,7 @@ def _engine_main(argv: list[str]) -> None:
     torchrun starts each worker in a session of its own, so a SIGKILL to torchrun alone would
     orphan the engines; ``PR_SET_PDEATHSIG`` makes the kernel kill the engine instead.
     """
-    _libc()
-    _set_pdeathsig()
-    if os.getppid() == 1:  # torchrun died between fork and prctl
-        os._exit(1)
+    die_with_parent()  # leaves at once if torchrun died before this line
     # torchrun starts while the controller is still coming up (the two start-ups overlap):
     # wait until the controller's engine connection file is complete JSON (it is not written
     # atomically), dying with torchrun meanwhile.
@@ -306,6 +247,7 @@ class Cluster:
         self.controller: subprocess.Popen | None = None
         self.agents: list[subprocess.Popen] = []
         self.watchdog: subprocess.Popen | None = None
+        self.store = None  # the agents' rendezvous store, alive while they run
         self.engine_pids: dict[int, int] = {}   # rank -> pid
         self.engine_ids: dict[int, int] = {}    # rank -> ipyparallel engine id
 
@@ -329,9 +271,9 @@ class Cluster:
 
     def _write_pids(self) -> None:
         pids = [p for p in self.pids() if self.watchdog is None or p != self.watchdog.pid]
-        tmp = self.folder / "pids.tmp"
+        tmp = self.folder / "cluster.pid.tmp"
         tmp.write_text(" ".join(map(str, pids)))
-        os.replace(tmp, self.folder / "pids")
+        os.replace(tmp, self.folder / "cluster.pid")  # what the watchdog kills
 
     def _child_env(self) -> dict:
         env = dict(os.environ if self.base_env is None else self.base_env)
@@ -343,6 +285,7 @@ class Cluster:
         # in the private folder, which is removed on stop or by the watchdog.
         env["TMPDIR"] = str(self.folder / "tmp")
         env["PYTHONUNBUFFERED"] = "1"
+        env.update(loopback_env(env))  # every rank is on this machine: stores and gloo on lo
         pkg_root = str(Path(__file__).resolve().parent.parent)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, env.get("PYTHONPATH")) if p)
         return env
@@ -350,11 +293,11 @@ class Cluster:
     def _popen(
         self, cmd: list[str], env: dict, log: Path, pdeathsig: bool = True
     ) -> subprocess.Popen:
-        _libc()
         with open(log, "ab") as out:
             return subprocess.Popen(cmd, env=env, cwd=self.cwd, stdin=subprocess.DEVNULL,
                                     stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                    preexec_fn=_set_pdeathsig if pdeathsig else None)
+                                    preexec_fn=partial(die_with_parent, os.getpid())
+                                    if pdeathsig else None)
 
     def _log_tail(self, n: int = 30) -> str:
         lines = []
@@ -393,10 +336,7 @@ class Cluster:
         t0 = time.monotonic()
         self.timings = {}
         env = self._child_env()
-        self.watchdog = subprocess.Popen(
-            [sys.executable, "-c", _WATCHDOG, str(os.getpid()), str(self.folder)],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            start_new_session=True)
+        self.watchdog = start_watchdog(self.folder, env)
         profile = self.folder / "profile"
         self.controller = self._popen(
             [sys.executable, "-m", "ipyparallel.controller", "--ip=127.0.0.1", "--usethreads",
@@ -414,17 +354,16 @@ class Cluster:
         )
         engine = ["-m", "ddp_lesson.cluster", "engine", f"--file={engine_file}",
                   f"--profile-dir={profile}", "--IPEngine.enable_nanny=False", "--log-level=WARN"]
-        base = [sys.executable, "-m", "torch.distributed.run",
-                "--nproc-per-node", str(self.nproc_per_node), "--max-restarts", "0"]
-        if self.nnodes == 1:
-            commands = [base[:3] + ["--standalone"] + base[3:] + engine]
-        else:
-            from .launch import free_port
-
-            endpoint, run_id = f"127.0.0.1:{free_port()}", uuid.uuid4().hex[:8]
-            commands = [base + ["--nnodes", str(self.nnodes), "--rdzv-backend", "c10d",
-                                "--rdzv-endpoint", endpoint, "--rdzv-id", run_id,
-                                "--node-rank", str(node), *engine] for node in range(self.nnodes)]
+        # torchrun's agents as run_torchrun starts them (ddp_lesson.launch.command): they meet
+        # at a rendezvous store hosted here on 127.0.0.1, and node 0's agent hosts the
+        # workers' store on loopback too (ddp_lesson.launch.agent)
+        self.store, endpoint = rendezvous_store()
+        common = dict(rdzv_endpoint=endpoint, rdzv_id=uuid.uuid4().hex[:8],
+                      rdzv_conf="is_host=false", local_addr="127.0.0.1")
+        commands = [[sys.executable, "-m", "ddp_lesson.launch.agent",
+                     *torchrun_flags(self.nproc_per_node, self.nnodes,
+                                     node_rank=node if self.nnodes > 1 else None, **common),
+                     *engine] for node in range(self.nnodes)]
         for node, cmd in enumerate(commands):
             self.agents.append(self._popen(cmd, env, self.folder / f"torchrun{node}.log"))
         self._write_pids()
@@ -490,7 +429,7 @@ class Cluster:
                         for eid in self.engine_ids.values():
                             self.client[eid].execute(_EXIT, block=False)
                         for p in self.agents:
-                            _reap(p, 15.0)
+                            reap(p, 15.0)
                 except Exception:
                     pass
         finally:
@@ -509,7 +448,7 @@ class Cluster:
         if self.agents:
             self.exit_codes = [p.returncode for p in self.agents]
         for pid in self.engine_pids.values():
-            if _alive(pid):
+            if alive(pid):
                 try:
                     os.kill(pid, signal.SIGKILL)
                 except OSError:
@@ -517,9 +456,7 @@ class Cluster:
         _end(self.controller)
         if self.folder is not None:
             shutil.rmtree(self.folder, ignore_errors=True)
-        # the watchdog leaves by itself once the folder is gone
-        if self.watchdog is not None and not _reap(self.watchdog, 2.0):
-            _end(self.watchdog, 1.0)
+        release_watchdog(self.watchdog, 2.0)
         self._reset()
 
     def restart(self) -> Cluster:
@@ -533,7 +470,7 @@ class Cluster:
         rank -> engine process alive)."""
         return {"running": self.running, "world_size": self.world_size, "nnodes": self.nnodes,
                 "nproc_per_node": self.nproc_per_node, "backend": self.backend,
-                "alive": {r: _alive(pid) for r, pid in sorted(self.engine_pids.items())}}
+                "alive": {r: alive(pid) for r, pid in sorted(self.engine_pids.items())}}
 
     # ---------------------------------------------------------------- running cells
 
@@ -583,7 +520,7 @@ class Cluster:
                 if time.monotonic() > deadline:
                     self._hung(ars, timeout)
                 for r in ranks:
-                    if not _alive(self.engine_pids[r]):
+                    if not alive(self.engine_pids[r]):
                         self._died(ars, r)
                 pending[0].wait(_POLL_S)  # returns as soon as that rank is done
         except KeyboardInterrupt:

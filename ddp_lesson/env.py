@@ -323,6 +323,9 @@ def _loopback_store(env: DistEnv, timeout: datetime.timedelta):
     if env.rank != 0:
         return dist.TCPStore("127.0.0.1", port, env.world_size, is_master=False, timeout=timeout)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    # SO_REUSEADDR: under the package's launcher the agent keeps MASTER_PORT bound (never
+    # listening) until this bind, so no other process is given it in between
+    # (ddp_lesson.launch.agent); Linux lets a second SO_REUSEADDR socket bind it and listen
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", port))
     sock.listen(128)

@@ -167,8 +167,10 @@ SLOW: dict[str, str | frozenset[str]] = {
         "test_several_failing_ranks_report_the_lowest_and_list_all",
     }),
     "launch/test_preemption.py": ALL,
+    "launch/test_procs.py": ALL,
     "launch/test_torchrun_env.py": frozenset({
         "test_plain_torchrun_defaults",
+        "test_shared_store_follows_restarts",
     }),
     "models/test_data.py": frozenset({
         "test_dataloader_workers_see_the_same_samples",

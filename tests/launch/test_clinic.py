@@ -160,7 +160,7 @@ def test_diagnose_reads_the_signatures():
         return SimpleNamespace(returncode=rc, errors=dict(enumerate(errs)))
 
     assert diagnose(res(0, "")) == "finished"
-    # rank 0's store waiting for a client that never comes: the same verdict (CASE_ENV)
+    # rank 0's store (sharing off) waiting for a client that never comes: the same verdict
     assert diagnose(res(1, "torch.distributed.DistStoreError: Timed out after 4 seconds "
                            "waiting for clients. 2/3 clients joined.")) == "a rank never joined"
     assert diagnose(res(1, "Timed out waiting 5000ms", "Connection closed by peer")) == "timeout"
@@ -169,11 +169,12 @@ def test_diagnose_reads_the_signatures():
 
 
 def test_missing_rank_runs_on_torchruns_shared_store(monkeypatch):
-    """run_all gives missing_rank torchrun's shared store (every rank a client), so its error
-    is the ranks' wait for the missing key on every run; the other cases keep the launcher's
-    default, and a case's own extra variables still apply."""
+    """No clinic case can restart, so the launcher gives every one torchrun's shared store
+    (every rank a client) and missing_rank's error is the ranks' wait for the missing key on
+    every run, with no variable of its own; a case's own extra variables still apply."""
     import ddp_lesson.launch
     from ddp_lesson.labs import clinic as clinic_pkg
+    from ddp_lesson.launch import launch_env
 
     seen = {}
     monkeypatch.setattr(ddp_lesson.launch, "run_torchrun_many",
@@ -181,7 +182,8 @@ def test_missing_rank_runs_on_torchruns_shared_store(monkeypatch):
     monkeypatch.delenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", raising=False)
     clinic_pkg.run_all({"m": ("missing_rank", ["--timeout", "3"]),
                         "p": ("partial_collective", [], {"X_CLINIC": "1"})})
-    assert seen["m"]["env"]["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "0"
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in launch_env(
+        seen["m"]["env"], None, 2, max_restarts=seen["m"].get("max_restarts", 0))
     assert seen["m"]["target"] == "ddp_lesson.labs.clinic.missing_rank"
     assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in seen["p"]["env"]
     assert seen["p"]["env"]["X_CLINIC"] == "1"

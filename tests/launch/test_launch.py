@@ -1,6 +1,7 @@
 """The launcher's contract (design.md, "The torchrun cell contract"), on real torchrun runs."""
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import subprocess
@@ -21,21 +22,11 @@ from ddp_lesson.launch import (
     torchrun_command,
     torchrun_magic,
 )
+from ddp_lesson.procs import alive
 
 pytestmark = pytest.mark.timeout(120)
 
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # a zombie still answers kill(0); it holds no resources but is not running
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
+_alive = alive  # a zombie is not alive
 
 
 def _wait_dead(pids, seconds=10.0) -> list[int]:
@@ -248,7 +239,7 @@ def _interrupt_script(tmp_path: Path, signum: int, many: bool = False
 def test_interrupt_leaves_no_process(tmp_path, many):
     below, code, out = _interrupt_script(tmp_path, signal.SIGINT, many)
     assert code == 130
-    # one line in a notebook, not a traceback through the launcher (issue 19, item 5)
+    # one line in a notebook, not a traceback through the launcher
     assert out == ("interrupted KeyboardInterrupt: torchrun interrupted: every process it "
                    "started was ended\n")
     assert _wait_dead(below) == []
@@ -256,7 +247,7 @@ def test_interrupt_leaves_no_process(tmp_path, many):
 
 def test_killing_the_launcher_outright_leaves_no_orphans(tmp_path):
     # a notebook kernel killed with SIGKILL cannot clean up: its watchdog and the death
-    # signals must do it, for the processes the ranks started too (issue 15, item 7)
+    # signals must do it, for the processes the ranks started too
     below, code, _ = _interrupt_script(tmp_path, signal.SIGKILL)
     assert code == -signal.SIGKILL
     assert _wait_dead(below, seconds=10) == []
@@ -339,6 +330,97 @@ def test_torchrun_flags_are_built_in_one_place():
     assert torchrun_command("a.py", nproc_per_node=1, nnodes=2) == (
         "torchrun --nnodes 2 --rdzv-backend c10d --rdzv-endpoint HOST:PORT --rdzv-id JOB_ID "
         "--nproc-per-node 1 a.py")
+    assert torchrun_flags(2, rdzv_endpoint="h:1", rdzv_id="j", local_addr="127.0.0.1") == [
+        "--nnodes", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", "h:1", "--rdzv-id", "j",
+        "--local-addr", "127.0.0.1", "--nproc-per-node", "2"]
+
+
+def test_cluster_builds_its_agents_with_the_launchers_flags():
+    """The persistent ranks start torchrun as run_torchrun does: flags from torchrun_flags,
+    the launcher's agent, a rendezvous store hosted on 127.0.0.1 (no --standalone, no port
+    chosen and released)."""
+    import inspect
+
+    from ddp_lesson import cluster
+
+    src = inspect.getsource(cluster.Cluster._start)
+    assert "torchrun_flags(" in src and '"ddp_lesson.launch.agent"' in src
+    assert "rendezvous_store()" in src
+    assert "--standalone" not in src and "--rdzv-backend" not in src and "free_port" not in src
+
+
+def test_agent_holds_the_workers_port_until_the_next_round():
+    """MASTER_PORT for a run that can restart: bound (SO_REUSEADDR, not listening) by the
+    agent, so the kernel gives it to no bind(port 0) and no connect(); worker rank 0 can still
+    bind it with SO_REUSEADDR and listen (ddp_lesson.env._loopback_store); the next round's
+    choice releases it."""
+    import socket
+
+    from ddp_lesson.launch import agent
+
+    port = agent.held_port()
+    try:
+        taken = set()
+        for _ in range(2000):  # the kernel's choices for port 0 skip a bound port
+            with socket.socket() as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                s.bind(("127.0.0.1", 0))
+                taken.add(s.getsockname()[1])
+        assert port not in taken
+        with socket.socket() as plain, pytest.raises(OSError) as info:
+            plain.bind(("127.0.0.1", port))
+        assert info.value.errno == errno.EADDRINUSE
+        with socket.socket() as rank0:
+            rank0.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            rank0.bind(("127.0.0.1", port))
+            rank0.listen(8)
+            with socket.create_connection(("127.0.0.1", port), timeout=5):
+                pass
+        nxt = agent.held_port()
+        assert len(agent._held) == 1 and agent._held[0].getsockname()[1] == nxt
+        with socket.socket() as plain:
+            plain.bind(("127.0.0.1", port))  # the previous round's port is free again
+    finally:
+        for s in agent._held:
+            s.close()
+        agent._held.clear()
+
+
+def test_agent_installs_its_sockets_only_for_local_runs(monkeypatch):
+    """The two replacements go where torch 2.13 looks them up (read from its source), and only
+    when every process of the run is local; the shared store then listens on 127.0.0.1."""
+    from pathlib import Path
+
+    import torch
+    from torch.distributed.elastic.rendezvous import api, dynamic_rendezvous
+
+    from ddp_lesson.env import LOCAL_RUN_ENV
+    from ddp_lesson.launch import agent
+
+    rdzv = Path(torch.__file__).parent / "distributed/elastic/rendezvous"
+    api_src = (rdzv / "api.py").read_text()
+    assert "from torch.distributed.elastic.utils.distributed import get_free_port" in api_src
+    assert "port = server_port or get_free_port()" in api_src
+    dyn_src = (rdzv / "dynamic_rendezvous.py").read_text()
+    assert "def _create_tcp_store_server(self, master_addr, master_port) -> dist.TCPStore:" \
+        in dyn_src
+    assert "self._shared_tcp_store_server = self._create_tcp_store_server(" in dyn_src
+    handler = dynamic_rendezvous.DynamicRendezvousHandler
+    monkeypatch.setattr(api, "get_free_port", api.get_free_port)  # restored after the test
+    monkeypatch.setattr(handler, "_create_tcp_store_server", handler._create_tcp_store_server)
+    assert agent.install({}) is False and api.get_free_port is not agent.held_port
+    assert agent.install({LOCAL_RUN_ENV: "1"}) is True
+    assert api.get_free_port is agent.held_port
+    assert handler._create_tcp_store_server is agent.loopback_store_server
+    store = agent.loopback_store_server(None, "somehost", 0)
+    listening = []
+    for name in ("tcp", "tcp6"):
+        with open(f"/proc/net/{name}") as f:
+            listening += [line.split()[1] for line in f.readlines()[1:]
+                          if line.split()[3] == "0A"
+                          and line.split()[1].endswith(f":{store.port:04X}")]
+    assert listening == [f"0100007F:{store.port:04X}"]  # 127.0.0.1 only
+    del store
 
 
 def test_magic_line_splitting():
@@ -408,7 +490,7 @@ def test_raw_torchrun_omp_banner(tmp_path, nproc, preset, expect_banner, expect_
 def test_error_shows_a_rank_that_said_why():
     """Every rank exits on the same bad input but only rank 0 prints the reason; torchrun
     may name silent rank 1 as the first failure. The error must still show the reason."""
-    from ddp_lesson.launch import _failed_rank
+    from ddp_lesson.launch.output import _failed_rank
 
     launcher = ("Root Cause (first observed failure):\n[0]:\n  time : x\n  host : h\n"
                 "  rank      : 1 (local_rank: 1)\n  exitcode  : 2 (pid: 7)\n")

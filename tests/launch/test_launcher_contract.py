@@ -1,4 +1,4 @@
-"""The launcher behaves as plain torchrun would, and leaves nothing behind (issue 15, items 5-11).
+"""The launcher behaves as plain torchrun would, and leaves nothing behind.
 
 Several checks share one launch where they share a world size: every launch costs seconds.
 """
@@ -13,21 +13,18 @@ from pathlib import Path
 
 import pytest
 
-from ddp_lesson.launch import (
-    TorchrunError,
-    _failed_ranks,
-    run_torchrun,
-    terminal_text,
-)
+from ddp_lesson.launch import TorchrunError, run_torchrun, terminal_text
+from ddp_lesson.launch.output import _failed_ranks
 
 pytestmark = pytest.mark.timeout(180)
 
-# Rank 0 lists the listening TCP sockets of its torchrun agent and of every worker
+# Rank 0 lists the listening TCP sockets of every torchrun agent of the run (the pids the launcher
+# recorded in the run's folder, named on rank 0's command line) and of every worker
 # (/proc/net/tcp and tcp6, matched to the processes' socket descriptors).
 LISTENING = r'''
 import os, socket
 
-def listening(pids):
+def listening(pids, agents):
     inodes = {}
     for pid in pids:
         for fd in os.listdir(f"/proc/{pid}/fd"):
@@ -46,7 +43,7 @@ def listening(pids):
                     continue
                 raw = bytes.fromhex(parts[1].split(":")[0])
                 raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
-                who = "agent" if inodes[parts[9]] == os.getppid() else "rank"
+                who = "agent" if inodes[parts[9]] in agents else "rank"
                 found.add(f"{who} {socket.inet_ntop(family, raw)}")
     return sorted(found)
 '''
@@ -64,9 +61,11 @@ print("done")
 warnings.warn("a warning names the cell, not a temporary path")
 dist.barrier()
 if env.rank == 0:
-    agent = os.getppid()
-    ranks = [int(p) for p in open(f"/proc/{agent}/task/{agent}/children").read().split()]
-    print(json.dumps(listening([agent, *ranks])), file=sys.stderr)
+    argv = open("/proc/self/cmdline", "rb").read().split(b"\0")
+    outdir = argv[argv.index(b"ddp_lesson._worker") + 1].decode()
+    agents = [int(p) for p in open(os.path.join(outdir, "agents.pid")).read().split()]
+    ranks = [int(p) for a in agents for p in open(f"/proc/{a}/task/{a}/children").read().split()]
+    print(json.dumps(listening([*agents, *ranks], agents)), file=sys.stderr)
 dist.barrier()
 cleanup()
 '''
@@ -74,7 +73,8 @@ cleanup()
 
 @pytest.mark.parametrize("nnodes", [1, 2])
 def test_progress_bars_stderr_names_temp_folder_and_sockets(tmp_path, monkeypatch, nnodes):
-    """Items 5, 9, 10, 11 on one launch each for 1 node x 2 and 2 simulated nodes x 1."""
+    """Progress bars, stderr, the temporary folder and the listening sockets, on one launch each
+    for 1 node x 2 and 2 simulated nodes x 1."""
     private_tmp = tmp_path / "tmp"
     private_tmp.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(private_tmp))  # the launcher's own folder
@@ -94,10 +94,11 @@ def test_progress_bars_stderr_names_temp_folder_and_sockets(tmp_path, monkeypatc
             f"<torchrun cell>:{line}: UserWarning: a warning names the cell, not a temporary path")
     # 10: nothing left in $TMPDIR (torchrun's torchelastic_* folder was in the run's folder)
     assert os.listdir(private_tmp) == []
-    # 11: rank 0's store and gloo listen on loopback only; torchrun's agent listens nowhere
-    # (its rendezvous store is hosted by the launcher, on 127.0.0.1)
+    # 11: the workers' store (node 0's agent hosts it: a run that cannot restart shares it) and
+    # gloo listen on loopback only; the agents' rendezvous store is hosted by the launcher, on
+    # 127.0.0.1 too
     sockets = json.loads(result.errors[0].splitlines()[-1])
-    assert sockets == ["rank 127.0.0.1"]
+    assert sockets == ["agent 127.0.0.1", "rank 127.0.0.1"]
 
 
 def test_terminal_text_keeps_what_a_terminal_shows():
@@ -122,7 +123,7 @@ time.sleep(60)
 
 
 def test_several_failing_ranks_report_the_lowest_and_list_all(tmp_path):
-    """Item 6: deterministic whichever rank torchrun saw first."""
+    """Deterministic whichever rank torchrun saw first."""
     with pytest.raises(TorchrunError) as info:
         run_torchrun(code=FAIL_TOGETHER, nproc_per_node=3, timeout=120, live=False,
                      env={**os.environ, "MEET": str(tmp_path)})
@@ -145,7 +146,7 @@ def test_failing_ranks_from_records_and_torchrun_summary():
     assert _failed_ranks(summary, {2: "Traceback (most recent call last):\nE\n"}, {}) == [(2, 1)]
 
 
-# Everything Python does at a normal exit; the cell prints what it saw (item 8).
+# Everything Python does at a normal exit; the cell prints what it saw.
 AT_EXIT = r"""
 import atexit, os, sys, threading, time
 from concurrent.futures import ThreadPoolExecutor
@@ -170,7 +171,7 @@ print("cwd on sys.path:", os.getcwd() in sys.path)
 
 
 def test_cell_program_ends_as_under_plain_torchrun(tmp_path):
-    """Item 8: the same script under plain torchrun and under the launcher, line for line.
+    """The same script under plain torchrun and under the launcher, line for line.
 
     Threads joined and executors' queued work done before atexit handlers, handlers run,
     ``__main__`` still the script's module (without ``__file__``: CPython removes it once the
@@ -200,7 +201,7 @@ def test_cell_program_ends_as_under_plain_torchrun(tmp_path):
 
 
 def test_a_cell_that_prints_warns_and_prints_replays_five_times(tmp_path):
-    """Item 9: nbval never compares stderr (notebooks/conftest.py), whose text varies."""
+    """nbval never compares stderr (notebooks/conftest.py), whose text varies."""
     import shutil
 
     import nbformat
@@ -234,15 +235,16 @@ def test_a_cell_that_prints_warns_and_prints_replays_five_times(tmp_path):
     assert proc.returncode == 1 and "1 failed" in proc.stdout
 
 
-# ----------------------------------------------------------- what a reader sees (issue 19)
+# ----------------------------------------------------------- what a reader sees
 
 def test_status_reads_as_text_and_shows_progress_not_warnings(tmp_path):
-    from ddp_lesson.launch import _progress_line, launcher_backend, status_text
+    from ddp_lesson.launch import launcher_backend, status_text
+    from ddp_lesson.launch.output import _progress_line
 
-    # item 1: the stored text form is a plain line, not Label(value=...)
+    # the stored text form is a plain line, not Label(value=...)
     assert status_text(2) == "torchrun: 2 processes"
     assert status_text(1) == "torchrun: 1 process"
-    # item 4: rank 0's last stdout line, never a warning's source line from stderr ...
+    # rank 0's last stdout line, never a warning's source line from stderr ...
     (tmp_path / "rank0.out").write_text("epoch 1 step 3/10\n")
     (tmp_path / "rank0.err").write_text(
         "lab.py:7: UserWarning: slow\n  worst = torch.tensor(max(float(x) for x in v))\n")
@@ -261,7 +263,7 @@ def test_interrupt_reads_as_one_line_and_lines_fit_100_characters():
     assert isinstance(err, KeyboardInterrupt)
     assert err._render_traceback_() == [
         "KeyboardInterrupt: torchrun interrupted: every process it started was ended"]
-    # item 7: a message pre-wrapped at 100 characters, shown with its [rank N] prefix
+    # a message pre-wrapped at 100 characters, shown with its [rank N] prefix
     message = "word " * 19 + "last"  # 99 characters
     out = format_rank_outputs({0: message + "\n", 10: "  " + message + "\n"}).splitlines()
     assert max(len(line) for line in out) <= 100
@@ -308,7 +310,8 @@ def _subshell_probe(client) -> None:
 
 
 def test_in_a_kernel_busy_throughout_text_status_and_one_line_interrupt():
-    """Issue 19, items 1, 5, 6, in a real IPython kernel; and ``--show-stderr`` names the cell."""
+    """The status line, the busy kernel and the interrupt in a real IPython kernel; and
+    ``--show-stderr`` names the cell."""
     import time
 
     from jupyter_client.manager import start_new_kernel
@@ -321,7 +324,7 @@ def test_in_a_kernel_busy_throughout_text_status_and_one_line_interrupt():
             kc, "%%torchrun --nproc-per-node 1 --timeout 90 --backend gloo --quiet --show-stderr\n"
                 "import time, warnings\nwarnings.warn('look')\ntime.sleep(4)\nprint('slept')\n",
             during=lambda: _subshell_probe(kc))
-        # item 6: the control channel's idle for the probe is followed at once by busy for the
+        # the control channel's idle for the probe is followed at once by busy for the
         # running cell, so the last status a page sees before the cell's own idle is busy
         foreign = [i for i, (state, kind) in enumerate(statuses)
                    if kind.endswith("subshell_request") and state == "idle"]
@@ -330,7 +333,7 @@ def test_in_a_kernel_busy_throughout_text_status_and_one_line_interrupt():
             assert statuses[i + 1] == ("busy", "execute_request"), statuses
         assert statuses[-1] == ("idle", "execute_request")
         assert [s for s, k in statuses if k == "execute_request"].count("idle") == 1
-        # items 1, 5: a plain-text line (no widget, no comm), updated in place while the run
+        # a plain-text line (no widget, no comm), updated in place while the run
         # lasts, first and last the constant text that a stored notebook holds
         assert not [m for m in msgs if m["msg_type"].startswith("comm")]
         shown = [m for m in msgs if m["msg_type"] in ("display_data", "update_display_data")]
@@ -349,7 +352,7 @@ def test_in_a_kernel_busy_throughout_text_status_and_one_line_interrupt():
         assert streams["stdout"] == ["[rank 0] slept\n"]
         assert "".join(streams["stderr"]).splitlines()[0] == (
             "[rank 0] <torchrun cell>:2: UserWarning: look")
-        # item 5: an interrupt reads as one line, and the status line says so
+        # an interrupt reads as one line, and the status line says so
         msgs, _ = _run_in_kernel(kc, "%%torchrun --nproc-per-node 1 --quiet\n"
                                      "import time\ntime.sleep(120)\n",
                                  during=lambda: (time.sleep(3), km.interrupt_kernel()))

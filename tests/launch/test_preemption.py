@@ -1,6 +1,6 @@
 """A job stopped from outside (SIGTERM, as a scheduler preempting it does, or SIGINT as the
 Jupyter stop button does): no process is left behind, the latest complete checkpoint loads,
-and the next launch works at once (issue: interrupt safety)."""
+and the next launch works at once."""
 from __future__ import annotations
 
 import os

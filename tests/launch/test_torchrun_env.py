@@ -6,6 +6,7 @@ one of plain torchrun with nothing preset.
 """
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -48,8 +49,11 @@ def test_two_stores_in_torch_source():
     assert "is_master=False" in rdzv          # agent store: every worker is a client
     api = _src("elastic/agent/server/api.py")
     assert "master_port = spec.master_port or rdzv_info.bootstrap_store_info.master_port" in api
-    # the package's launcher opts out of sharing (so worker rank 0 hosts the store)
+    # the package's launcher opts out of sharing for a run that can restart (or may: not
+    # said), so worker rank 0 hosts the store; a run that cannot restart keeps it shared
     assert launch_env({}, None, 2)["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
+    assert launch_env({}, None, 2, max_restarts=1)["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in launch_env({}, None, 2, max_restarts=0)
     assert launch_env({}, None, 3)["OMP_NUM_THREADS"] == str(max(1, (os.cpu_count() or 1) // 3))
     assert launch_env({"OMP_NUM_THREADS": "5"}, None, 3)["OMP_NUM_THREADS"] == "5"
 
@@ -77,7 +81,7 @@ def test_notebook00_lab_on_three_ranks():
         assert run.rank_lines(rank) == [
             (f"RANK={rank} LOCAL_RANK={rank} WORLD_SIZE=3 LOCAL_WORLD_SIZE=3 GROUP_RANK=0 "
              f"ROLE_RANK={rank}"),
-            "TORCHELASTIC_RESTART_COUNT=0 MASTER_ADDR=localhost TORCHELASTIC_USE_AGENT_STORE=False",
+            "TORCHELASTIC_RESTART_COUNT=0 MASTER_ADDR=127.0.0.1 TORCHELASTIC_USE_AGENT_STORE=True",
             "TORCHELASTIC_RUN_ID set: True MASTER_PORT set: True OMP_NUM_THREADS set: True",
             f"DistEnv: rank={rank} local_rank={rank} world_size=3 device=cpu",
             "raw setup on gloo: all_reduce(sum of ranks) = 3",
@@ -101,3 +105,72 @@ def test_plain_torchrun_defaults(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     assert sorted(out.stdout.split("\n")[:-1]) == ["1 True 0", "1 True 1"]
     assert "Setting OMP_NUM_THREADS environment variable for each process to be 1" in out.stderr
+
+
+SHOW_STORE = r"""
+import errno, json, os, socket
+from ddp_lesson.env import cleanup, init_distributed
+
+def agent_sockets(port):
+    # the agent's (the parent's) TCP sockets listening on 127.0.0.1:port (a socket that is
+    # only bound is not in /proc/net/tcp)
+    agent = os.getppid()
+    inodes = set()
+    for fd in os.listdir(f"/proc/{agent}/fd"):
+        try:
+            link = os.readlink(f"/proc/{agent}/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            inodes.add(link[8:-1])
+    found = []
+    with open("/proc/net/tcp") as f:
+        for line in f.readlines()[1:]:
+            parts = line.split()
+            if parts[1] == f"0100007F:{port:04X}" and parts[9] in inodes and parts[3] == "0A":
+                found.append("listening")
+    return sorted(found)
+
+def plain_bind(port):
+    # what another process binding the port now gets (no SO_REUSEADDR)
+    s = socket.socket()
+    try:
+        s.bind(("127.0.0.1", port))
+        return "free"
+    except OSError as e:
+        return errno.errorcode[e.errno]
+    finally:
+        s.close()
+
+port = int(os.environ["MASTER_PORT"])
+before = agent_sockets(port), plain_bind(port)
+env = init_distributed(timeout=30)
+if env.rank == 0:
+    print(json.dumps({"agent_store": os.environ["TORCHELASTIC_USE_AGENT_STORE"],
+                      "master_addr": os.environ["MASTER_ADDR"], "agent_before_init": before}))
+cleanup()
+"""
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("max_restarts", [0, 1])
+def test_shared_store_follows_restarts(max_restarts):
+    """A run that cannot restart uses torchrun's shared store: node 0's agent listens on
+    127.0.0.1:MASTER_PORT before any worker starts, and every rank is a client. A run that can
+    restart does not share it (worker rank 0 hosts a fresh store per attempt), and the agent
+    holds MASTER_PORT bound, not listening, so no other process can be given it before rank 0
+    binds it (ddp_lesson.launch.agent)."""
+    from ddp_lesson.launch import run_torchrun
+
+    result = run_torchrun(code=SHOW_STORE, nproc_per_node=2, max_restarts=max_restarts,
+                          timeout=120, live=False, backend="gloo",
+                          env={k: v for k, v in os.environ.items()
+                               if k != "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"})
+    seen = json.loads(result.rank_lines(0)[-1])
+    assert seen["master_addr"] == "127.0.0.1"
+    if max_restarts == 0:
+        assert seen == {"agent_store": "True", "master_addr": "127.0.0.1",
+                        "agent_before_init": [["listening"], "EADDRINUSE"]}
+    else:
+        assert seen == {"agent_store": "False", "master_addr": "127.0.0.1",
+                        "agent_before_init": [[], "EADDRINUSE"]}

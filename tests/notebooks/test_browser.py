@@ -550,7 +550,7 @@ def _workers(lab) -> list[int]:
     """The running cells' torchrun workers (the cell's script, not the torchrun agent)."""
     lab.watch.scan()
     return [pid for pid in lab.watch.alive() if "torchrun_cell.py" in _cmdline(pid)
-            and "torch.distributed.run" not in _cmdline(pid)]
+            and "ddp_lesson.launch.agent" not in _cmdline(pid)]
 
 
 def _gone(lab, pids) -> list[int]:

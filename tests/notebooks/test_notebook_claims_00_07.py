@@ -79,9 +79,9 @@ def test_07_prose_numbers_are_the_stored_run():
 
 def test_00_prose_matches_run_and_source():
     prose, out = _nb("00_setup.ipynb")
-    assert "`TORCHELASTIC_USE_AGENT_STORE=False`, printed below" in prose
-    assert "[rank 0] TORCHELASTIC_RESTART_COUNT=0 MASTER_ADDR=localhost " \
-           "TORCHELASTIC_USE_AGENT_STORE=False" in out
+    assert "`TORCHELASTIC_USE_AGENT_STORE=True`, printed below" in prose
+    assert "[rank 0] TORCHELASTIC_RESTART_COUNT=0 MASTER_ADDR=127.0.0.1 " \
+           "TORCHELASTIC_USE_AGENT_STORE=True" in out
     assert "[rank 2] raw setup on gloo: all_reduce(sum of ranks) = 3" in out
     run = (TORCH_DIST / "run.py").read_text()
     assert "args.rdzv_id = str(uuid.uuid4())" in run          # --standalone: a random run id

@@ -22,7 +22,7 @@ MAX_FUNCTION_LOC = 80
 #: Layer of each module, lowest first; a module's layer is that of its longest listed prefix.
 #: Keep in step with docs/architecture.md.
 LAYERS = {
-    "runtime": ["env", "launch", "_worker", "cluster", "doctor"],
+    "runtime": ["env", "procs", "launch", "_worker", "cluster", "doctor"],
     "lesson core": ["sampler", "collectives", "ddp", "zero", "syncbn", "gradients", "flight",
                     "evaluation", "metrics", "memory", "checkpoint"],
     "trainer": ["config", "step", "train", "data", "models", "gpt"],

@@ -28,7 +28,9 @@ SIGNATURES = (
     ("model differs between ranks", "appears not to match sizes of the same param"),
     ("mismatched collectives", "Detected mismatch between collectives on ranks"),
     ("a rank never joined", "DistStoreError: wait timeout"),
-    ("a rank never joined", "waiting for clients"),  # rank 0's store gave up first (CASE_ENV)
+    # rank 0 hosting the workers' store (store sharing off, as in a run that can restart)
+    # gave up waiting for the missing client before the others' wait for its key ended
+    ("a rank never joined", "waiting for clients"),
     ("timeout", "Timed out waiting"),
     ("a peer crashed", "Connection closed by peer"),
 )
@@ -62,18 +64,6 @@ TELLING = {
                       r"\[\d+, \d+\] appears not to match sizes of the same param in process 0\.",
     "missing_rank": r"DistStoreError: wait timeout after \d+ms",       # the group never fills
 }
-
-
-#: Environment added to one case's launch by :func:`run_all`. ``missing_rank`` runs with torchrun's
-#: own shared store (the agent hosts it; every rank is a client), as under plain ``torchrun``. The
-#: launcher turns sharing off for restarts (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE``, see
-#: ``ddp_lesson.launch.launch_env``), and then rank 0 hosts the store and waits for all
-#: ``world_size`` clients itself: which timeout fires first, rank 1's wait for the missing rank's
-#: key ("wait timeout after 3000ms") or rank 0's wait for a third client ("Timed out after 4
-#: seconds waiting for clients. 2/3 clients joined."), then depends on the machine's load (seen
-#: both ways in suite runs). With the shared store every rank waits for the key, and the error is
-#: the same on every run. No restart is involved in the clinic.
-CASE_ENV = {"missing_rank": {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "0"}}
 
 
 def telling_line(name: str, result) -> str:
@@ -133,8 +123,9 @@ def run_all(runs: dict, *, timeout: float = 120.0, nproc_per_node: int = 2) -> d
     for their timeout, so started together they take about as long as the slowest one. In a
     notebook one live status line counts the finished runs; the results come back in the
     order of ``runs`` (not of finishing), so what a cell prints from them is deterministic.
-    A case's :data:`CASE_ENV` is added to its environment (``missing_rank``: torchrun's shared
-    store, so its error does not depend on the machine's load).
+    No case can restart, so every one runs on torchrun's shared workers' store (every rank a
+    client: ``missing_rank``'s error is the others' wait for the missing rank's key, whatever
+    the machine's load; see :func:`ddp_lesson.launch.launch_env`).
 
     Args:
         runs: ``{label: (module, args)}`` or ``{label: (module, args, extra_env)}``, module
@@ -155,7 +146,7 @@ def run_all(runs: dict, *, timeout: float = 120.0, nproc_per_node: int = 2) -> d
 
     jobs = {}
     for label, (module, args, *extra) in runs.items():
-        env = dict(os.environ, **CASE_ENV.get(module, {}), **(extra[0] if extra else {}))
+        env = dict(os.environ, **(extra[0] if extra else {}))
         jobs[label] = dict(target=f"{__name__}.{module}", args=list(args), module=True,
                            nproc_per_node=nproc_per_node, timeout=timeout, backend="gloo",
                            check=False, env=env)

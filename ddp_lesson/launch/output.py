@@ -1,0 +1,412 @@
+"""What a run shows and leaves: rank-ordered output, failures, live status.
+
+Each rank's captured stdout and stderr read as a terminal shows them (:func:`terminal_text`),
+joined in rank order with ``[rank N] `` prefixes and wrapped to :data:`LINE_WIDTH`
+(:func:`format_rank_outputs`); the failing ranks and the traceback to show, read from the
+ranks' records and torchrun's summary; the one-line live status of a notebook cell
+(:class:`_LiveStatus`, :func:`keep_kernel_status_busy`); and the result and error types
+that :func:`ddp_lesson.launch.run_torchrun` returns and raises.
+"""
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import textwrap
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+#: How the cell's code is named in tracebacks, warnings and ``--show-stderr``.
+CELL_LABEL = "<torchrun cell>"
+
+
+class TorchrunError(RuntimeError):
+    """A rank exited with an error; ``rank``, ``exitcode``, ``traceback``, ``result`` tell which."""
+
+    def __init__(self, message: str, rank: int | None, exitcode: int, traceback: str,
+                 result: TorchrunResult):
+        super().__init__(message)
+        self.rank = rank
+        self.exitcode = exitcode
+        self.traceback = traceback
+        self.result = result
+
+    def _render_traceback_(self):  # IPython shows this instead of the launcher's own frames
+        lines = [f"TorchrunError: {self}"]
+        if self.traceback:
+            lines += ["", *self.traceback.rstrip().splitlines()]
+        return lines
+
+
+class TorchrunInterrupted(KeyboardInterrupt):
+    """The run was interrupted (Ctrl-C, the notebook's stop button); every process was ended.
+
+    A ``KeyboardInterrupt``, so a run-all stops here; in a notebook it shows as one line,
+    not a traceback through the launcher.
+    """
+
+    MESSAGE = "torchrun interrupted: every process it started was ended"
+
+    def __str__(self):
+        return self.MESSAGE
+
+    def _render_traceback_(self):  # IPython shows this instead of a traceback
+        return [f"KeyboardInterrupt: {self.MESSAGE}"]
+
+
+class TorchrunTimeout(subprocess.TimeoutExpired):
+    """The run outlived its timeout; every process it started has been ended."""
+
+    def __init__(self, cmd, timeout: float, result: TorchrunResult):
+        super().__init__(cmd, timeout, output=result.stdout, stderr=result.launcher_stderr)
+        self.result = result
+
+    def __str__(self):
+        return (f"torchrun did not finish within {self.timeout:g} s; all its processes were "
+                "ended (a rank waiting in a collective its peers never reach hangs until "
+                "the process group's timeout)")
+
+
+@dataclass
+class TorchrunResult:
+    """What a run left behind.
+
+    Attributes:
+        returncode: torchrun's exit status (0 when every rank succeeded).
+        outputs: global rank -> that rank's stdout (all restarts, in order).
+        errors: global rank -> that rank's stderr.
+        launcher_stderr: torchrun's own stderr (its log lines and failure summary).
+        command: the command actually run.
+        torchrun_command: the equivalent command to type in a terminal.
+        backend, backend_reason: the launcher's backend choice and why.
+        wall_s: seconds from start to exit.
+        failed_rank: the lowest failing rank (None when all succeeded).
+        failed_ranks: every failing rank, in rank order.
+    """
+
+    returncode: int
+    outputs: dict[int, str]
+    errors: dict[int, str]
+    launcher_stderr: str
+    command: list[str]
+    torchrun_command: str
+    backend: str
+    backend_reason: str
+    wall_s: float = 0.0
+    failed_rank: int | None = field(default=None)
+    failed_ranks: list[int] = field(default_factory=list)
+
+    @property
+    def stdout(self) -> str:
+        """Every rank's stdout in rank order, each line prefixed ``[rank N] ``."""
+        return format_rank_outputs(self.outputs)
+
+    def rank_lines(self, rank: int) -> list[str]:
+        """Lines rank ``rank`` printed to stdout."""
+        return self.outputs.get(rank, "").splitlines()
+
+
+#: Widest stored output line, ``[rank N] `` prefix included: JupyterLab breaks wider lines
+#: anywhere, mid-word.
+LINE_WIDTH = 100
+
+
+def _fit(line: str, prefix: str, width: int = LINE_WIDTH) -> list[str]:
+    """``prefix + line``, wrapped at spaces so each piece fits ``width`` with its prefix.
+
+    Continuation lines keep the line's indentation; a single word longer than the room left
+    is not broken (it would stop being searchable or copyable).
+    """
+    room = width - len(prefix)
+    if len(line) <= room:
+        return [prefix + line]
+    indent = line[:len(line) - len(line.lstrip(" "))]
+    pieces = textwrap.wrap(line, room, subsequent_indent=indent, break_long_words=False,
+                           break_on_hyphens=False, drop_whitespace=True) or [line]
+    if line.startswith(indent) and not pieces[0].startswith(indent):
+        pieces[0] = indent + pieces[0]
+    return [prefix + piece for piece in pieces]
+
+
+def format_rank_outputs(outputs: dict[int, str], ranks=None) -> str:
+    """Join per-rank outputs in rank order, each line prefixed ``[rank N] ``.
+
+    Lines wider than :data:`LINE_WIDTH` with their prefix are wrapped at spaces.
+    """
+    lines = []
+    for rank in sorted(outputs):
+        if ranks is not None and rank not in ranks:
+            continue
+        for line in outputs[rank].splitlines():
+            lines += _fit(line, f"[rank {rank}] ")
+    return "\n".join(lines) + ("\n" if lines else "")
+
+
+def _read(path: Path) -> str:
+    """The file's text as written: ``\\r`` kept (no newline translation), bad bytes replaced."""
+    try:
+        with open(path, encoding="utf-8", errors="replace", newline="") as f:
+            return f.read()
+    except FileNotFoundError:
+        return ""
+
+
+def terminal_text(text: str) -> str:
+    """What a terminal shows for ``text``: each ``\\r`` returns to the start of the line and
+    what follows overwrites it (a tqdm bar's many updates end as its final state).
+
+    >>> terminal_text("  0%|  | 0/2\\r 50%|# | 1/2\\r100%|##| 2/2\\ndone\\n")
+    '100%|##| 2/2\\ndone\\n'
+    """
+    lines = []
+    for line in text.split("\n"):
+        screen = ""
+        for part in line.split("\r"):
+            screen = part + screen[len(part):]
+        lines.append(screen)
+    return "\n".join(lines)
+
+
+def _collect(outdir: Path, script: Path | None = None
+             ) -> tuple[dict[int, str], dict[int, str], dict[int, int]]:
+    """Each rank's stdout and stderr as a terminal shows them, and the ranks' own failures.
+
+    The cell's temporary file is named ``<torchrun cell>`` (tracebacks, warnings), so
+    nothing shown depends on where the run's folder was.
+    """
+    def text(p: Path) -> str:
+        t = terminal_text(_read(p))
+        return t.replace(str(script), CELL_LABEL) if script is not None else t
+
+    outputs = {int(p.stem[4:]): text(p) for p in outdir.glob("rank*.out")}
+    errors = {int(p.stem[4:]): text(p) for p in outdir.glob("rank*.err")}
+    exits = {}
+    for p in outdir.glob("rank*.exit"):
+        try:
+            exits[int(p.stem[4:])] = int(_read(p) or 1)
+        except ValueError:
+            exits[int(p.stem[4:])] = 1
+    return outputs, errors, exits
+
+
+
+_ROOT_CAUSE = re.compile(r"Root Cause.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", re.S)
+
+
+def _failed_rank(launcher_stderr: str, errors: dict[int, str]) -> tuple[int | None, int | None]:
+    """The rank to show: torchrun's first observed failure, unless that rank said nothing.
+
+    When every rank exits on the same bad input, often only rank 0 prints why; torchrun may
+    still name another rank as the first failure. Show one that left a traceback or message.
+    """
+    m = _ROOT_CAUSE.search(launcher_stderr)
+    root = (int(m.group(1)), int(m.group(2))) if m else (None, None)
+    if root[0] is not None and errors.get(root[0], "").strip():
+        return root
+    for marker in ("Traceback (most recent call last)", ""):
+        for rank in sorted(errors):
+            if errors[rank].strip() and marker in errors[rank]:
+                return rank, (root[1] if rank == root[0] else None)
+    return root
+
+
+_FAILURE = re.compile(r"rank\s*:\s*(\d+)[^\n]*\n\s*exitcode\s*:\s*(-?\d+)")
+
+
+def _failed_ranks(launcher_stderr: str, errors: dict[int, str], exits: dict[int, int]
+                  ) -> list[tuple[int, int | None]]:
+    """Every failing rank with its exit code, in rank order (the error names the lowest).
+
+    A rank whose own program failed recorded it (``rank{N}.exit``); torchrun's summary adds
+    ranks that died without a word (a signal), but not the ones torchrun itself ended
+    (SIGTERM) because a peer failed first. Without records: torchrun's choice (see
+    :func:`_failed_rank`).
+    """
+    failed = dict(exits)
+    for rank, code in _FAILURE.findall(launcher_stderr):
+        if int(code) != -signal.SIGTERM and int(rank) not in failed and exits:
+            failed[int(rank)] = int(code)
+    if not failed:
+        rank, code = _failed_rank(launcher_stderr, errors)
+        return [] if rank is None else [(rank, code)]
+    return sorted(failed.items())
+
+
+def _clean_traceback(text: str, script: Path | None, label: str) -> str:
+    """The rank's traceback without the bootstrap's frames, the cell file shown as ``label``."""
+    if script is not None:
+        text = text.replace(str(script), label)
+    start = text.rfind("Traceback (most recent call last):")
+    if start < 0:
+        return text[-4000:]
+    tb = text[start:].splitlines()
+    frames, i = [tb[0]], 1
+    skip = ("ddp_lesson/_worker.py", "<frozen runpy>", "/runpy.py")
+    while i < len(tb):
+        line = tb[i]
+        if line.startswith("  File "):
+            block = [line]
+            i += 1
+            while i < len(tb) and tb[i].startswith("    "):
+                block.append(tb[i])
+                i += 1
+            if not any(s in line for s in skip):
+                frames += block
+        else:
+            frames.append(line)
+            i += 1
+    return "\n".join(frames)
+
+
+def status_text(nprocs: int) -> str:
+    """The live status's constant text form, e.g. ``"torchrun: 2 processes"``.
+
+    The status line's first and last text: what a stored notebook shows (also on GitHub),
+    plain text that reads as well after the run as before it. nbval keeps a line's first
+    form and nbclient stores its last, so both are this one and replays stay exact.
+    """
+    return f"torchrun: {nprocs} process{'es' if nprocs != 1 else ''}"
+
+
+class _LiveStatus:
+    """A one-line live status in a notebook kernel (nothing elsewhere): plain text, no widget.
+
+    Shown with ``display(..., display_id=True)`` and rewritten in place with
+    ``update_display_data`` messages: JupyterLab (and VS Code, nbclient) apply them live, and
+    since there is no widget and no comm, nothing in the page depends on the kernel staying
+    alive -- after a kernel restart the line stays readable text (a widget's view showed a
+    broken-link icon), and an unexecuted notebook shows the text as stored
+    (also on GitHub).
+
+    Replays: nbval 0.11 keeps the first ``display_data`` of a cell and ignores updates, while
+    nbclient (``jupyter nbconvert --execute``) stores the last update. So the line starts and
+    ends with the same constant text, :func:`status_text` (``"torchrun: 2 processes"``), and
+    only the updates in between carry the elapsed seconds and rank 0's progress; the stored
+    output is deterministic. One line per cell: several launches from one cell (a loop of
+    ``run_torchrun`` calls) update the same line, which ends as the cell's first launch began.
+
+    It also keeps the kernel reported busy while the cell runs (:func:`keep_kernel_status_busy`).
+    """
+
+    _per_cell: dict = {}  # the cell's execute request -> (display handle, its constant text)
+
+    def __init__(self, enabled: bool | None, nprocs: int):
+        self.handle = None
+        self.text = status_text(nprocs)
+        try:
+            from IPython import get_ipython
+            from IPython.display import display
+
+            ip = get_ipython()
+            if ip is None or not hasattr(ip, "kernel"):
+                return
+            keep_kernel_status_busy(ip.kernel)
+            if enabled is False:
+                return
+            # the request that runs this cell (nbval runs cells without counting them)
+            parent = getattr(ip, "parent_header", None) or {}
+            cell = parent.get("header", {}).get("msg_id") or getattr(ip, "execution_count", None)
+            if cell in self._per_cell:
+                self.handle, self.text = self._per_cell[cell]
+            else:
+                self.handle = display({"text/plain": self.text}, raw=True, display_id=True)
+                self._per_cell.clear()  # earlier cells' lines are done with
+                self._per_cell[cell] = (self.handle, self.text)
+        except Exception:  # no kernel, no display: the run goes on without live status
+            self.handle = None
+
+    @property
+    def live(self) -> bool:
+        return self.handle is not None
+
+    def update(self, text: str) -> None:
+        """Show ``text`` in place of the line (only while the run lasts: see :meth:`end`)."""
+        if self.handle is not None:
+            try:
+                self.handle.update({"text/plain": text}, raw=True)
+            except Exception:  # the display went away: the run matters more than its line
+                self.handle = None
+
+    def end(self, text: str | None = None) -> None:
+        """The line's last state: its constant text (what replays compare), or ``text``
+        for an outcome no stored notebook can hold (an interrupt)."""
+        self.update(self.text if text is None else text)
+
+
+def _request_id(message) -> str | None:
+    return ((message or {}).get("header") or {}).get("msg_id")
+
+
+def keep_kernel_status_busy(kernel) -> bool:
+    """Make ``kernel`` (an ipykernel Kernel) say "busy" again after each "idle" it publishes
+    for another request while a cell runs; installed once per kernel, kept for its lifetime.
+
+    Why: a front end shows the kernel's last ``status`` message. ipykernel answers requests
+    on the control channel on a thread of their own, each with a busy/idle pair on IOPub, even
+    while a cell runs (ipython/ipykernel#799). JupyterLab ignores the pairs of a few request
+    types (jupyter_server's ``untracked_message_types``: debug, kernel_info, comm_info...) but
+    not those of the subshell probe it sends when it connects to a kernel
+    (``create_subshell_request``, ``delete_subshell_request``): when a fresh kernel's first
+    cell has already started, that "idle" arrives last, and the page read "Idle" for the whole
+    of a long first ``%%torchrun`` cell (seen in the page's websocket traffic; a later run is
+    not affected: the probe is sent once).
+
+    Every status goes through ``Kernel._publish_status``; this wraps it on the instance: it
+    tracks the execute requests being run (their own busy ... idle) and, when an "idle" for
+    any other request is published while one runs, publishes "busy" for that execute request
+    right after it. Installing it inside a cell says "busy" for that cell at once.
+
+    Returns:
+        True when the kernel is guarded (now or before), False when it cannot be (no
+        ``_publish_status``: not an ipykernel kernel).
+    """
+    if getattr(kernel, "_ddp_lesson_keeps_busy", False):
+        return True
+    original = getattr(kernel, "_publish_status", None)
+    if original is None or not hasattr(kernel, "get_parent"):
+        return False
+    running: list = []  # execute requests between their busy and their idle, oldest first
+    lock = threading.Lock()
+
+    def publish_status(status, channel, parent=None):
+        original(status, channel, parent)
+        try:
+            answered = parent or kernel.get_parent(channel) or {}
+            with lock:
+                if (answered.get("header") or {}).get("msg_type") == "execute_request":
+                    rid = _request_id(answered)
+                    running[:] = [r for r in running if _request_id(r) != rid]
+                    if status == "busy":
+                        running.append(answered)
+                    return
+                if status != "idle" or not running:
+                    return
+                current = running[-1]
+            original("busy", "shell", current)
+        except Exception:  # only what the page's indicator shows is at stake
+            pass
+
+    kernel._publish_status = publish_status
+    kernel._ddp_lesson_keeps_busy = True
+    try:  # installed from inside a cell: that cell is running now
+        current = kernel.get_parent("shell")
+        if (current.get("header") or {}).get("msg_type") == "execute_request":
+            with lock:
+                running.append(current)
+            original("busy", "shell", current)
+    except Exception:
+        pass
+    return True
+
+
+def _progress_line(outdir: Path, rank: int = 0) -> str:
+    """What rank ``rank`` is showing now: a progress bar being redrawn on stderr (tqdm), else
+    its last line of stdout. Never stderr's other lines (warnings and their source lines)."""
+    err = _read(outdir / f"rank{rank}.err")
+    tail = err.rsplit("\n", 1)[-1]
+    if "\r" in tail and terminal_text(tail).strip():
+        return terminal_text(tail).strip()[:120]
+    out = terminal_text(_read(outdir / f"rank{rank}.out")).rstrip()
+    return out.rsplit("\n", 1)[-1].strip()[:120] if out else ""
+

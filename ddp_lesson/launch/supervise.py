@@ -1,0 +1,291 @@
+"""Start a run, watch it, end it: timeouts, interrupts, the watchdog, every process reaped.
+
+:func:`run_torchrun` (one run) and :func:`run_torchrun_many` (several at once) build a run
+(:mod:`.command`), start its torchrun agents, supervise them (:func:`_supervise`) and read
+what they left (:mod:`.output`).
+"""
+from __future__ import annotations
+
+import inspect
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from functools import partial
+from pathlib import Path
+
+from ..procs import die_with_parent, folder_pids, kill_pids, reap, release_watchdog, start_watchdog
+from .command import _build_launch, _Launch, _validate
+from .output import (
+    CELL_LABEL,
+    TorchrunError,
+    TorchrunInterrupted,
+    TorchrunResult,
+    TorchrunTimeout,
+    _clean_traceback,
+    _collect,
+    _failed_ranks,
+    _LiveStatus,
+    _progress_line,
+    status_text,
+)
+
+DEFAULT_TIMEOUT_S = 300.0
+
+_POLL_S = 0.25
+_TERM_GRACE_S = 5.0
+
+
+def _terminate(procs: list[subprocess.Popen], outdir: Path) -> None:
+    """End torchrun agents and every process group of the run (see the module docstring)."""
+    for p in procs:
+        if p.returncode is None:
+            try:
+                os.killpg(p.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+    deadline = time.monotonic() + _TERM_GRACE_S
+    for p in procs:
+        if not reap(p, max(0.1, deadline - time.monotonic())):
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            reap(p, 10.0)
+    # workers live in sessions of their own, and so may processes they started
+    kill_pids(folder_pids(str(outdir)))
+
+
+
+def _start(launch: _Launch, errfiles) -> list[subprocess.Popen]:
+    """Start one torchrun agent per command, each in a session of its own, dying with us."""
+    procs = []
+    linux = sys.platform.startswith("linux")
+    for cmd, err in zip(launch.commands, errfiles):
+        procs.append(subprocess.Popen(
+            cmd, env=launch.env, cwd=launch.cwd, stdin=subprocess.DEVNULL, stdout=err,
+            stderr=subprocess.STDOUT, start_new_session=True,
+            preexec_fn=partial(die_with_parent, os.getpid()) if linux else None))
+        with open(launch.outdir / "agents.pid", "a") as f:  # for the watchdog
+            f.write(f"{procs[-1].pid}\n")
+    return procs
+
+
+def _supervise(launch: _Launch, timeout: float | None, status: _LiveStatus, errfiles,
+               cancel: threading.Event | None = None
+               ) -> tuple[list[subprocess.Popen], bool, float]:
+    """Start the agents and wait for them: ``(procs, timed_out, wall_s)``.
+
+    Live status every ``_POLL_S``; on timeout, interrupt (or ``cancel`` set by another
+    thread: :func:`run_torchrun_many`) or any other exception every process is ended (the
+    exception is re-raised; a timeout is reported through ``timed_out``).
+    """
+    start = time.monotonic()
+    procs = []
+    try:
+        procs = _start(launch, errfiles)
+        while any(p.poll() is None for p in procs):
+            if cancel is not None and cancel.is_set():
+                raise KeyboardInterrupt
+            elapsed = time.monotonic() - start
+            if timeout is not None and elapsed > timeout:
+                _terminate(procs, launch.outdir)
+                return procs, True, time.monotonic() - start
+            if status.live:
+                rank0 = _progress_line(launch.outdir)
+                status.update(f"{status_text(launch.total)}, at {elapsed:.0f} s"
+                              + (f" | rank 0: {rank0}" if rank0 else ""))
+            time.sleep(_POLL_S)
+    except KeyboardInterrupt:
+        _terminate(procs, launch.outdir)
+        status.end("torchrun: interrupted; every process ended")
+        raise TorchrunInterrupted() from None
+    except BaseException:
+        _terminate(procs, launch.outdir)
+        status.end()
+        raise
+    return procs, False, time.monotonic() - start
+
+
+def _collect_result(launch: _Launch, procs, errfiles, wall: float
+                    ) -> tuple[TorchrunResult, dict[int, int]]:
+    """Read what the run left in its folder: every rank's output, torchrun's own log, and
+    the exit codes of the ranks whose own program failed."""
+    launcher_stderr = ""
+    for err in errfiles:
+        err.seek(0)
+        launcher_stderr += err.read().decode(errors="replace")
+    outputs, errors, exits = _collect(launch.outdir, launch.script)
+    returncode = next((p.returncode for p in procs if p.returncode), 0)
+    return TorchrunResult(returncode, outputs, errors, launcher_stderr, launch.commands[0],
+                          launch.equivalent, launch.backend, launch.reason, wall), exits
+
+
+def _failure(launch: _Launch, result: TorchrunResult, exits: dict[int, int]) -> TorchrunError:
+    """The error for a failed run: every failing rank in rank order, the lowest one's traceback."""
+    failed = _failed_ranks(result.launcher_stderr, result.errors, exits)
+    result.failed_ranks = [r for r, _ in failed]
+    if not failed:
+        tb = _clean_traceback(result.launcher_stderr, launch.script, CELL_LABEL)
+        last = tb.strip().splitlines()[-1] if tb.strip() else ""
+        return TorchrunError(f"torchrun failed (exit code {result.returncode})"
+                             + (f": {last}" if last else ""), None, result.returncode, tb, result)
+    rank, code = failed[0]
+    result.failed_rank = rank
+    # the traceback: the lowest failing rank's, else the first failing rank that said why
+    said = [r for r, _ in failed if result.errors.get(r, "").strip()] or [rank]
+    tb = _clean_traceback(result.errors.get(said[0], ""), launch.script, CELL_LABEL)
+    exitcode = code if code is not None else result.returncode
+    last = tb.strip().splitlines()[-1] if tb.strip() else ""
+    if len(failed) == 1:
+        where = f"rank {rank} of {launch.total} failed (exit code {exitcode})"
+    else:
+        codes = ", ".join(str(c if c is not None else result.returncode) for _, c in failed)
+        where = (f"ranks {', '.join(str(r) for r, _ in failed)} of {launch.total} failed "
+                 f"(exit codes {codes})")
+    return TorchrunError(where + (f": {last}" if last else ""), rank, exitcode, tb, result)
+
+
+def run_torchrun(target: str | None = None, args=(), *, code: str | None = None,
+                 module: bool = False, nproc_per_node: int = 2, nnodes: int = 1,
+                 max_restarts: int = 0, timeout: float | None = DEFAULT_TIMEOUT_S,
+                 backend: str | None = None, env: dict | None = None, cwd=None,
+                 live: bool | None = None, check: bool = True,
+                 torchrun_args=(), _cancel: threading.Event | None = None) -> TorchrunResult:
+    """Run a program on ``nnodes * nproc_per_node`` processes with torchrun, collect each output.
+
+    Give exactly one of ``code`` (source text, run as a script: what ``%%torchrun`` does),
+    ``target`` with ``module=True`` (like ``torchrun -m NAME``) or ``target`` as a script path.
+    With ``nnodes > 1`` it starts that many torchrun agents on this host, one per simulated
+    node, joined by c10d rendezvous on 127.0.0.1 (as separate machines would be).
+
+    Args:
+        target: module name or script path.
+        args: the program's command-line arguments.
+        code: Python source to run on every rank instead of ``target``.
+        module: ``target`` is a module name.
+        nproc_per_node: processes per node (torchrun's ``--nproc-per-node``).
+        nnodes: number of torchrun agents (simulated nodes) to start here.
+        max_restarts: torchrun's ``--max-restarts``.
+        timeout: wall-clock seconds for the whole run; None waits forever (not advised).
+        backend: ``"auto"``, ``"gloo"``, ``"nccl"``; None reads ``DDP_LESSON_BACKEND``. The
+            launcher chooses once and every rank uses that choice.
+        env: environment for the run (default: this process's).
+        cwd: working directory of the workers.
+        live: the live status line (plain text) in a notebook kernel: None (default) or True
+            show it there, False never. Outside a kernel there is none.
+        check: raise :class:`TorchrunError` when a rank fails.
+        torchrun_args: further torchrun flags, passed through unchanged.
+
+    Returns:
+        A :class:`TorchrunResult`; ``result.stdout`` is every rank's output in rank order.
+
+    Raises:
+        ValueError: bad arguments (named with their values).
+        TorchrunError: a rank failed (``check=True``); carries its traceback.
+        TorchrunTimeout: the run outlived ``timeout``; all processes were ended.
+        TorchrunInterrupted: a ``KeyboardInterrupt``, raised after ending every process.
+    """
+    if (code is None) == (target is None):
+        raise ValueError("give exactly one of code= or target=")
+    if isinstance(args, str):  # "--epochs 1" means what a shell would make of it
+        args = shlex.split(args)
+    _validate(nproc_per_node, nnodes, max_restarts, timeout)
+    outdir = Path(tempfile.mkdtemp(prefix="ddp_lesson_run_"))
+    launch = None
+    try:
+        launch = _build_launch(target, args, code, module, nproc_per_node, nnodes, max_restarts,
+                               backend, env, cwd, [str(a) for a in torchrun_args], outdir)
+        status = _LiveStatus(live, launch.total)
+        errfiles = [open(outdir / f"launcher{n}.err", "w+b") for n in range(len(launch.commands))]
+        # ends the run and removes its folder if this process dies (a kernel restart, SIGKILL)
+        watchdog = start_watchdog(launch.outdir, launch.env)
+        try:
+            procs, timed_out, wall = _supervise(launch, timeout, status, errfiles, _cancel)
+            result, exits = _collect_result(launch, procs, errfiles, wall)
+        finally:
+            release_watchdog(watchdog)
+            for err in errfiles:
+                err.close()
+        status.end()  # the constant text: what a stored notebook holds, whatever the outcome
+        if timed_out:
+            raise TorchrunTimeout(launch.equivalent, timeout, result)
+        if result.returncode != 0:
+            error = _failure(launch, result, exits)
+            if check:
+                raise error
+        return result
+    finally:
+        if launch is not None:  # stop the rendezvous store now, not when a traceback is freed
+            launch.store = None
+        shutil.rmtree(outdir, ignore_errors=True)
+
+
+def run_torchrun_many(jobs: dict, *, label: str = "torchrun", live: bool | None = None
+                      ) -> dict:
+    """Start several :func:`run_torchrun` jobs at once and wait for all of them.
+
+    Each job runs in a thread of its own with its own rendezvous store, ports and folder; they
+    share only the machine. Started together, jobs that mostly wait (for a timeout, a
+    rendezvous, a torch import on a spare core) take about as long as the slowest one, not the
+    sum. Results are deterministic in content and come back in the order of ``jobs``, not of
+    finishing. In a notebook one live status line counts the finished jobs and ends as
+    :func:`status_text` of all their processes (what a stored notebook holds).
+
+    Args:
+        jobs: ``{label: kwargs of run_torchrun}`` (``live`` is forced off for each job: the
+            line here speaks for all).
+        label: the first word of the live line (``"hang clinic: 3 of 7 runs finished, 4 s"``).
+        live: as for :func:`run_torchrun`.
+
+    Returns:
+        ``{label: TorchrunResult}`` in the order of ``jobs``.
+
+    Raises:
+        ValueError: no job, or a job's bad arguments.
+        TorchrunError / TorchrunTimeout: the first job (in ``jobs`` order) that raised one,
+            once every job has ended.
+        TorchrunInterrupted: a ``KeyboardInterrupt``; every process of every job is ended first.
+    """
+    if not jobs:
+        raise ValueError("run_torchrun_many needs at least one job, got none")
+    results, errors, cancel = {}, {}, threading.Event()
+
+    def work(name, kwargs):
+        try:
+            results[name] = run_torchrun(**{**kwargs, "live": False, "_cancel": cancel})
+        except BaseException as exc:  # re-raised below, in the caller's thread
+            errors[name] = exc
+
+    defaults = inspect.signature(run_torchrun).parameters  # one source for the defaults
+    total = sum(kw.get("nproc_per_node", defaults["nproc_per_node"].default)
+                * kw.get("nnodes", defaults["nnodes"].default) for kw in jobs.values())
+    status = _LiveStatus(live, total)
+    threads = [threading.Thread(target=work, args=item, daemon=True) for item in jobs.items()]
+    start = time.monotonic()
+    for t in threads:
+        t.start()
+    try:
+        while any(t.is_alive() for t in threads):
+            done = sum(not t.is_alive() for t in threads)
+            status.update(f"{label}: {done} of {len(threads)} runs finished, "
+                          f"at {time.monotonic() - start:.0f} s")
+            for t in threads:
+                t.join(_POLL_S / len(threads))
+    except KeyboardInterrupt:
+        cancel.set()
+        for t in threads:
+            t.join()
+        status.end("torchrun: interrupted; every process ended")
+        raise TorchrunInterrupted() from None
+    status.end()
+    for name in jobs:
+        if name in errors:
+            raise errors[name]
+    return {name: results[name] for name in jobs}
+
