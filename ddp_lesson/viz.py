@@ -714,7 +714,7 @@ __all__ += ["loss_curves_figure", "masks_figure", "scaling_figure"]
 
 
 def _as_step_record(rec):
-    from .ddp import StepRecord
+    from .commsim import StepRecord
 
     return rec if isinstance(rec, StepRecord) else StepRecord.from_dict(rec)
 
@@ -772,7 +772,7 @@ def ddp_timeline_figure(panels, figsize=(7, 3.4), align: bool = True):
                            fontsize=SMALL_PT)
         ax.set_ylim(-0.6, len(records) - 0.4)
         if align:
-            from .ddp import job_exposed_s
+            from .commsim import job_exposed_s
 
             exposed = job_exposed_s(records) * 1e3
             what = "after the last rank's backward"

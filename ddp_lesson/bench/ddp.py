@@ -112,7 +112,8 @@ def _make_variant(variant: str, link: bool, opts, env, device) -> dict:
     import torch
     from torch.nn.parallel import DistributedDataParallel
 
-    from ..ddp import BucketedDDP, NaiveDDP, Recorder, SimulatedLink
+    from ..commsim import Recorder, SimulatedLink
+    from ..ddp import BucketedDDP, NaiveDDP
     from ..models import build_model
 
     torch.manual_seed(0)
@@ -159,7 +160,8 @@ def _time_rounds(runs: dict, step, rounds: int, steps: int, device) -> dict:
 def _exposed(run: dict, R: int) -> dict:
     """Exposed ms per step (min/median/max), its share and the model's prediction, from the
     recorder of every rank. A collective: every rank calls it for the same runs."""
-    from ..ddp import BucketedDDP, gather_records, job_exposed_s, job_exposed_share, predict_overlap
+    from ..commsim import gather_records, job_exposed_s, job_exposed_share
+    from ..ddp import BucketedDDP, predict_overlap
 
     ddp, link = run["ddp"], run["ddp"].comm_hook
     everyone = gather_records(run["rec"])
