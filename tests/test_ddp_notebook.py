@@ -231,7 +231,7 @@ def test_notebook_04_ranks_cells_print_what_one_process_computes():
             f"[rank {r}] after backward, 4.weight.grad: {[round(v, 3) for v in mean[0].tolist()]}",
             f"[rank {r}] equals the mean of the ranks' own gradients (max |Δ| < 1e-6): True",
         ]
-    assert _nb04_outputs("mean = own.clone()") == lines
+    assert _nb04_outputs("mean = own / world_size") == lines
     names = [n for n, _ in nets[0].named_parameters()]
     ready = [f"[rank 0] ready {n}" for n in reversed(names)]
     same = [f"[rank {r}] the same order on every rank: True" for r in range(2)]
