@@ -15,13 +15,15 @@ data-parallel wrapper has two jobs:
 
 Why a callback and not the hook itself: a hook sees one parameter; the callback runs once, when
 every gradient is final, and before ``backward()`` returns, so the caller needs to call
-nothing. Why divide first: torch's DDP does (``Reducer::mark_variable_ready_dense`` in
-``torch/csrc/distributed/c10d/reducer.cpp`` multiplies each gradient by ``1 / div_factor_``
-while copying it into its bucket, before the all-reduce; the comm-hook path,
-``_allreduce_fut`` in ``torch/distributed/algorithms/ddp_comm_hooks/default_hooks.py``, says
-"Apply the division first to avoid overflow, especially for FP16"): a SUM over R ranks of
-float16 gradients near 65,504 overflows to inf, the sum of gradients already divided by R
-cannot.
+nothing. Why divide first: torch's DDP does. Its C++ ``Reducer``
+(``torch/csrc/distributed/c10d/reducer.cpp``) multiplies each gradient by ``1 / div_factor_``
+as it copies it into its bucket (``at::mul_out(bucket_view, grad, wrapped)``), before the
+all-reduce; ``div_factor_`` is "Division factor for reduction of gradients. Equal to the
+process group size" (``torch/include/torch/csrc/distributed/c10d/reducer.hpp``, installed with
+torch). Its default comm hook, ``_allreduce_fut`` in
+``torch/distributed/algorithms/ddp_comm_hooks/default_hooks.py``, says "Apply the division
+first to avoid overflow, especially for FP16": a SUM over R ranks of float16 gradients near
+65,504 overflows to inf, the sum of gradients already divided by R cannot.
 
 It is slow on purpose: one message per parameter (each pays the network's latency), and nothing
 is sent until backward has finished. ``ddp_lesson.core.bucketed_ddp`` fixes both.
