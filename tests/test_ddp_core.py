@@ -3,14 +3,18 @@
 Each core module is printed whole by its notebook (``inspect.getsource(module)``), so it must
 stay readable in one sitting: at most 300 lines including docstrings, importing only torch,
 the standard library and other ``ddp_lesson.core`` modules, never the hardened layers on top
-(``ddp_lesson.ddp`` and its siblings) nor display code. Pure source reading, no process group;
-the cores' numbers are checked against torch's DDP in tests/test_ddp_equality.py.
+(``ddp_lesson.ddp`` and its siblings) nor display code: read from the source, no process
+group. One launch of 2 gloo ranks then checks when the cores communicate: the bucketed core's
+first all-reduce leaves from a gradient hook while backward still runs, the naive core's only
+after backward, and neither sends anything inside ``no_sync()``. The cores' numbers are
+checked against torch's DDP in tests/test_ddp_equality.py.
 """
 from __future__ import annotations
 
 import ast
 import inspect
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -83,3 +87,58 @@ def test_drop_ins_are_layers_on_the_cores():
     assert issubclass(ddp.NaiveDDP, naive_ddp.NaiveDDP)
     assert issubclass(ddp.BucketedDDP, bucketed_ddp.BucketedDDP)
     assert ddp.assign_buckets is bucketed_ddp.assign_buckets and ddp.MB == bucketed_ddp.MB
+
+
+OVERLAP_WORKER = textwrap.dedent("""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from ddp_lesson.core.bucketed_ddp import MB, BucketedDDP
+    from ddp_lesson.core.naive_ddp import NaiveDDP
+    from ddp_lesson.env import cleanup, init_distributed
+    from ddp_lesson.labs.ddp_toys import TiedToy, shard, toy_batch
+
+    env = init_distributed(timeout=60)
+    R, rank = env.world_size, env.rank
+    seen = []                                  # per all-reduce: gradients already there
+    real_all_reduce = dist.all_reduce
+
+    def spy(tensor, *args, **kwargs):
+        if tensor.numel() > 1:                 # a gradient message, not a scalar check
+            seen.append(sum(p.grad is not None for p in model.parameters()))
+        return real_all_reduce(tensor, *args, **kwargs)
+
+    dist.all_reduce = spy
+    for name in ("naive", "bucketed"):
+        torch.manual_seed(0)
+        model = TiedToy()
+        ddp = NaiveDDP(model) if name == "naive" else BucketedDDP(model, bucket_cap_mb=0)
+        x, y = toy_batch(0, 2 * R)
+        seen.clear()
+        with ddp.no_sync():
+            F.cross_entropy(ddp(shard(x, rank, R)), shard(y, rank, R)).backward()
+        print(f"{name} no_sync all-reduces: {len(seen)}")
+        model.zero_grad(set_to_none=True)
+        F.cross_entropy(ddp(shard(x, rank, R)), shard(y, rank, R)).backward()
+        total = sum(1 for _ in model.parameters())
+        print(f"{name} all-reduces: {len(seen)} of {total} parameters")
+        print(f"{name} first all-reduce before the last gradient: {seen[0] < total}")
+    dist.all_reduce = real_all_reduce
+    cleanup()
+""")
+
+
+def test_bucketed_core_launches_from_the_hooks_while_backward_runs():
+    from ddp_lesson.launch import run_torchrun
+
+    result = run_torchrun(code=OVERLAP_WORKER, nproc_per_node=2, timeout=120, live=False,
+                          backend="gloo")
+    for rank in (0, 1):
+        assert result.rank_lines(rank) == [
+            "naive no_sync all-reduces: 0",
+            "naive all-reduces: 7 of 7 parameters",
+            "naive first all-reduce before the last gradient: False",  # after backward
+            "bucketed no_sync all-reduces: 0",
+            "bucketed all-reduces: 7 of 7 parameters",                 # cap 0: one each
+            "bucketed first all-reduce before the last gradient: True",  # from a hook
+        ], result.rank_lines(rank)
