@@ -1,143 +1,67 @@
-"""Data-parallel gradient averaging from scratch: NaiveDDP, BucketedDDP, a simulated link,
-a recorder.
+"""The torch drop-ins: NaiveDDP and BucketedDDP as replacements for DistributedDataParallel.
 
 Run the three-way comparison (torch's DDP, NaiveDDP, BucketedDDP give the same weights)::
 
     torchrun --standalone --nproc-per-node 2 -m ddp_lesson.labs.ddp_three_ways
 
-Both wrappers are drop-in replacements for ``torch.nn.parallel.DistributedDataParallel`` in an
-ordinary loop: wrap the model, run ``loss = f(model(x)); loss.backward()``, and when
-``backward()`` returns every gradient is already the average over ranks. Nothing else to call.
+The algorithms are the teaching cores, :mod:`ddp_lesson.core.naive_ddp` (a hook per
+parameter, a callback queued for the end of backward that divides each gradient by the world
+size and SUM-all-reduces it) and :mod:`ddp_lesson.core.bucketed_ddp` (buckets in reverse
+registration order, each all-reduced asynchronously from the hook that completes it, waited
+for at the end of backward). The classes here subclass those cores and add what makes them a
+drop-in replacement for ``torch.nn.parallel.DistributedDataParallel`` in an ordinary loop:
 
-How the gradients get averaged
-------------------------------
-* At construction every parameter and buffer is broadcast from rank 0, so every rank starts
-  from the same weights whatever it initialised (docs/pitfalls.md B8).
-* Before that broadcast, every rank's parameter list (names, shapes, dtypes) is all-gathered
-  and compared, so a model that differs between ranks is the same ValueError on every rank.
-* A *post-accumulate-grad hook* on each trainable parameter
-  (``Tensor.register_post_accumulate_grad_hook``) fires inside ``backward()`` the moment that
-  parameter's ``.grad`` is final for this pass. The first hook of a pass also queues a
-  callback that autograd runs when the whole pass is done
-  (``Variable._execution_engine.queue_callback``): there the wrapper waits for its
-  all-reduces and writes the averages into ``.grad``, so ``backward()`` returns with them.
-  (One callback per autograd task: a reentrant activation checkpoint runs an inner backward
-  whose end is not the end of the pass.)
-* Averaging divides each gradient by ``R`` *before* the SUM all-reduce, as torch does: a sum
-  over ``R`` ranks of fp16 gradients can overflow, a sum of pre-divided ones cannot.
-* :class:`NaiveDDP` does all the work in that final callback: one blocking ``all_reduce`` per
-  parameter, one after the other, once backward has finished. Simple, correct, slow: many
-  small messages (each pays the link's latency) and no communication while backward computes.
-* :class:`BucketedDDP` groups the parameters into buckets of about ``bucket_cap_mb``, in
-  *reverse* registration order, because backward produces gradients from the last layer to
-  the first. When the last gradient of a bucket arrives, the bucket is copied into one flat
-  tensor and all-reduced *asynchronously* (``async_op=True``) while backward goes on with
-  the earlier layers: communication overlaps computation. The final callback only waits for
-  what is still in flight. Buckets are launched strictly in bucket order on every rank,
-  because collectives are matched by the order in which ranks issue them.
+* torch's constructor signature (``device_ids``, ``output_device``, ``broadcast_buffers``,
+  ``init_sync``, ``bucket_cap_mb``, ``find_unused_parameters``, ...), and NotImplementedError
+  naming any torch option they leave out;
+* before the construction broadcast, every rank's parameter list (names, shapes, dtypes) is
+  all-gathered and compared, so a model that differs between ranks is the same ValueError on
+  every rank;
+* a small check table all-reduced after each synchronised backward, so every rank raises the
+  same clear error where torch hangs or lets the ranks silently diverge: a parameter that got
+  no gradient, a rank that skipped a backward, a parameter unfrozen or added after wrapping;
+* ``find_unused_parameters`` (a walk of the autograd graph after forward, as torch);
+* buffers broadcast from rank 0 before every forward that follows a synchronised one;
+* ``Join`` for uneven inputs (both classes are ``Joinable``);
+* reentrant activation checkpoints: one final callback per autograd task, because a
+  reentrant checkpoint runs an inner backward whose end is not the end of the pass;
+* a pluggable ``comm_hook`` (e.g. :class:`ddp_lesson.commsim.SimulatedLink`) and a
+  :class:`ddp_lesson.commsim.Recorder`.
+
+Averaging is the cores' contract: each gradient is divided by ``R`` *before* the SUM
+all-reduce, as torch does (a sum over ``R`` ranks of fp16 gradients can overflow, a sum of
+pre-divided ones cannot).
 
 The design follows PyTorch's own DDP: S. Li et al., "PyTorch Distributed: Experiences on
 Accelerating Data Parallel Training", VLDB 2020 (arXiv:2006.15704), sections 3.2-3.3
 (gradient bucketing, overlap, ``no_sync``, unused parameters), and
 ``torch/csrc/distributed/c10d/reducer.cpp``. Differences from torch are named in each
-docstring; the main one is a small extra collective per step (a check table) that lets every
-rank raise the same clear error where torch hangs or lets the ranks silently diverge: a
-parameter that got no gradient, a rank that skipped a backward, a parameter unfrozen or added
-after wrapping. Both wrappers are ``Joinable`` (``torch.distributed.algorithms.Join``) for
-uneven inputs, take torch's constructor signature, and raise NotImplementedError naming any
-torch option they leave out.
+docstring.
 
-Also here: the bucket assignment as a pure function (:func:`assign_buckets`, equal to torch's
-``_compute_bucket_assignment_by_size`` applied in reverse order), :class:`SimulatedLink` (an
-α-β network on top of the real all-reduce, so the benefit of buckets and overlap shows on a
-CPU machine whose loopback is nearly free), :class:`Recorder` (when each gradient was ready and
-each all-reduce ran, per rank, and how much communication was exposed), and the cost-model
-predictions the notebook's bucket-size sweep prints (:func:`predict_bucket_sweep`).
+Also here: the cost-model predictions the notebook's bucket-size sweep prints
+(:func:`predict_bucket_sweep`).
 """
 from __future__ import annotations
 
-import contextlib
-import math
-import time
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
-from .collectives import ring_allreduce_time
+from .commsim import Recorder, SimulatedLink
+from .core import bucketed_ddp as _bucketed_core
+from .core import naive_ddp as _naive_core
+from .core.bucketed_ddp import MB, assign_buckets
 from .env import group_active
 
 __all__ = [
-    "MB", "assign_buckets", "NaiveDDP", "BucketedDDP", "SimulatedLink", "Recorder",
-    "StepRecord", "CommEvent", "gather_records", "job_exposed_s", "job_exposed_share",
-    "union_length", "predict_overlap",
+    "MB", "assign_buckets", "NaiveDDP", "BucketedDDP", "predict_overlap",
     "model_ready_times", "predict_bucket_sweep", "default_all_reduce", "walk_autograd_graph",
 ]
-
-#: Bytes in one "MB" of ``bucket_cap_mb`` (torch uses 1024 * 1024).
-MB = 1024 * 1024
-
-
-# =========================================================================== bucket assignment
-
-
-def assign_buckets(nbytes: Sequence[int], bucket_cap_bytes: int,
-                   keys: Sequence | None = None) -> list[list[int]]:
-    """Group parameters into buckets, filling them in *reverse* registration order.
-
-    Walks the parameters from the last to the first (the order in which backward produces
-    their gradients) and appends each to the open bucket of its ``key`` (dtype and device:
-    one bucket is one flat tensor, so it holds one dtype). A bucket is closed as soon as it
-    holds **at least** ``bucket_cap_bytes``, so a bucket can pass the cap by its last
-    parameter, and a parameter larger than the cap gets a bucket of its own. This is torch's
-    rule (``torch.distributed._compute_bucket_assignment_by_size``, used by DDP), applied to
-    the reversed list.
-
-    Pure function, no process group.
-
-    Args:
-        nbytes: bytes of each parameter's gradient, in registration order
-            (``p.numel() * p.element_size()``).
-        bucket_cap_bytes: the cap, ``>= 0`` (0: every parameter in a bucket of its own).
-        keys: one hashable per parameter (e.g. ``(dtype, device)``); parameters with
-            different keys never share a bucket. None: all the same.
-
-    Returns:
-        Buckets in launch order; each is a list of parameter indices in the order their
-        gradients become ready (descending indices). Every index appears exactly once.
-
-    Raises:
-        ValueError: a negative cap or size, or ``keys`` of the wrong length.
-
-    >>> assign_buckets([16, 16, 16, 16, 16], 32)
-    [[4, 3], [2, 1], [0]]
-    """
-    if bucket_cap_bytes < 0:
-        raise ValueError(f"bucket_cap_bytes must be >= 0, got {bucket_cap_bytes}")
-    if keys is None:
-        keys = [None] * len(nbytes)
-    if len(keys) != len(nbytes):
-        raise ValueError(f"{len(keys)} keys for {len(nbytes)} parameters")
-    open_buckets: dict = {}  # key -> (indices, bytes so far)
-    closed: list[list[int]] = []
-    for i in reversed(range(len(nbytes))):
-        if nbytes[i] < 0:
-            raise ValueError(f"parameter {i} has a negative size {nbytes[i]}")
-        indices, size = open_buckets.pop(keys[i], ([], 0))
-        indices.append(i)
-        size += nbytes[i]
-        if size >= bucket_cap_bytes:
-            closed.append(indices)
-        else:
-            open_buckets[keys[i]] = (indices, size)
-    closed.extend(indices for indices, _ in open_buckets.values())
-    # launch order = the order of each bucket's first-ready (highest-index) parameter
-    closed.sort(key=lambda b: -b[0])
-    return closed
 
 
 # =========================================================================== communication
@@ -152,325 +76,7 @@ def default_all_reduce(tensor: torch.Tensor, process_group=None):
     return dist.all_reduce(tensor, group=process_group, async_op=True)
 
 
-class _LinkWork:
-    """The handle :class:`SimulatedLink` returns: the real all-reduce plus a modelled finish
-    time."""
-
-    def __init__(self, work, start_s: float, done_at_s: float):
-        self.work = work
-        self.start_s = start_s
-        self.done_at_s = done_at_s
-
-    def get_future(self):
-        return self.work.get_future()
-
-    def is_completed(self) -> bool:
-        return self.work.is_completed() and time.perf_counter() >= self.done_at_s
-
-    def wait(self) -> bool:
-        self.work.wait()
-        remaining = self.done_at_s - time.perf_counter()
-        if remaining > 0:
-            time.sleep(remaining)
-        return True
-
-
-class SimulatedLink:
-    """A network with latency α and bandwidth 1/β, laid over the real (nearly free) all-reduce.
-
-    Each all-reduce is given the time the α-β model gives a ring all-reduce of ``n`` bytes on
-    ``R`` ranks (:func:`ddp_lesson.collectives.ring_allreduce_time`)::
-
-        T(n) = 2 (R-1) α + 2 (R-1)/R · n / bandwidth
-
-    and the link carries one all-reduce at a time: a message starts when it is issued or
-    when the previous one has finished, whichever is later. The real all-reduce runs as
-    usual (so the numbers are right); waiting on the returned handle additionally sleeps
-    until the modelled finish time. Because the model runs on a clock while backward keeps
-    computing, an all-reduce issued early (a bucket) is hidden behind backward, exactly as
-    on a real network; one issued after backward (NaiveDDP) is all exposed.
-
-    Use it as a wrapper's ``comm_hook`` (``BucketedDDP(model, comm_hook=link)``), or with
-    torch's DDP: ``ddp.register_comm_hook(link, SimulatedLink.torch_hook)``.
-
-    Args:
-        latency_s: α, seconds per message step (>= 0).
-        bandwidth_bytes_per_s: bytes per second of one link direction (> 0).
-
-    Raises:
-        ValueError: a negative latency or a non-positive bandwidth.
-
-    Source: the α-β model of R. Thakur, R. Rabenseifner, W. Gropp, "Optimization of collective
-    communication operations in MPICH", IJHPCA 2005.
-    """
-
-    def __init__(self, latency_s: float, bandwidth_bytes_per_s: float):
-        if latency_s < 0:
-            raise ValueError(f"latency_s must be >= 0, got {latency_s}")
-        if not bandwidth_bytes_per_s > 0:
-            raise ValueError(f"bandwidth_bytes_per_s must be > 0, got {bandwidth_bytes_per_s}")
-        self.latency_s = float(latency_s)
-        self.bandwidth_bytes_per_s = float(bandwidth_bytes_per_s)
-        self._free_at = 0.0
-
-    def __repr__(self) -> str:
-        return (f"SimulatedLink(latency_s={self.latency_s:g}, "
-                f"bandwidth_bytes_per_s={self.bandwidth_bytes_per_s:g})")
-
-    def cost_s(self, nbytes: float, world_size: int) -> float:
-        """Modelled seconds for one ring all-reduce of ``nbytes`` on ``world_size`` ranks."""
-        return ring_allreduce_time(nbytes, world_size, self.latency_s,
-                                   1.0 / self.bandwidth_bytes_per_s)
-
-    def reserve(self, nbytes: float, world_size: int) -> tuple[float, float]:
-        """Book the link for one all-reduce issued now: ``(start_s, done_at_s)``
-        (perf_counter clock)."""
-        now = time.perf_counter()
-        start = max(now, self._free_at)
-        self._free_at = start + self.cost_s(nbytes, world_size)
-        return start, self._free_at
-
-    def __call__(self, tensor: torch.Tensor, process_group=None) -> _LinkWork:
-        """All-reduce (SUM) ``tensor`` asynchronously; ``.wait()`` returns at the modelled finish.
-
-        A collective, like ``dist.all_reduce``: every rank must call it, in the same order.
-        """
-        world_size = dist.get_world_size(process_group)
-        start, done_at = self.reserve(tensor.numel() * tensor.element_size(), world_size)
-        return _LinkWork(dist.all_reduce(tensor, group=process_group, async_op=True),
-                         start, done_at)
-
-    @staticmethod
-    def torch_hook(state, bucket):  # no annotations: torch checks them against its own types
-        """A DDP communication hook for ``torch.nn.parallel.DistributedDataParallel``.
-
-        ``ddp.register_comm_hook(link, SimulatedLink.torch_hook)``: averages the bucket like
-        torch's default hook (divide by R, all-reduce SUM, on the default process group) and
-        completes the future no earlier than the link's modelled finish time. The wait runs
-        in the callback of the all-reduce's future, on gloo's thread, not in backward.
-        """
-        tensor = bucket.buffer()
-        group = dist.group.WORLD
-        world_size = dist.get_world_size(group)
-        tensor.div_(world_size)
-        _, done_at = state.reserve(tensor.numel() * tensor.element_size(), world_size)
-        fut = dist.all_reduce(tensor, group=group, async_op=True).get_future()
-
-        def _arrive(f):
-            remaining = done_at - time.perf_counter()
-            if remaining > 0:
-                time.sleep(remaining)
-            return f.value()[0]
-
-        return fut.then(_arrive)
-
-
-# =========================================================================== recorder
-
-
-@dataclass
-class CommEvent:
-    """One all-reduce issued by a wrapper (a bucket, or one parameter for NaiveDDP).
-
-    Times are seconds since the step's forward returned, on this rank's clock.
-
-    Attributes:
-        index: bucket index (NaiveDDP: parameter index).
-        nbytes: bytes all-reduced.
-        params: names of the parameters in it.
-        issued_s: when the wrapper issued it.
-        start_s: when it started: ``issued_s``, or later on a :class:`SimulatedLink` that was
-            still busy with the previous message.
-        end_s: when it finished (the real completion, or the simulated link's finish if later).
-    """
-
-    index: int
-    nbytes: int
-    params: list[str]
-    issued_s: float
-    start_s: float
-    end_s: float = math.nan
-
-
-@dataclass
-class StepRecord:
-    """What one rank did in one synchronised backward pass.
-
-    Attributes:
-        rank: this process's rank.
-        step: 0-based count of synchronised steps seen by the recorder.
-        grad_ready_s: parameter name -> seconds (since forward returned) when its gradient
-            was accumulated.
-        comm: the all-reduces, in issue order.
-        backward_end_s: when autograd finished computing (the final callback started).
-        sync_end_s: when ``backward()`` was about to return with averaged gradients.
-        t0_s: ``time.perf_counter()`` when forward returned: the origin of the other times.
-            A monotonic clock, comparable between processes of one machine (Linux
-            ``CLOCK_MONOTONIC``), which lets a figure align the ranks' timelines.
-    """
-
-    rank: int
-    step: int
-    t0_s: float = math.nan
-    grad_ready_s: dict[str, float] = field(default_factory=dict)
-    comm: list[CommEvent] = field(default_factory=list)
-    backward_end_s: float = math.nan
-    sync_end_s: float = math.nan
-
-    @property
-    def comm_s(self) -> float:
-        """Seconds during which at least one all-reduce was in flight (union of intervals)."""
-        return union_length([(e.start_s, e.end_s) for e in self.comm])
-
-    @property
-    def exposed_s(self) -> float:
-        """Communication not hidden behind backward: ``sync_end_s - backward_end_s``."""
-        return max(0.0, self.sync_end_s - self.backward_end_s)
-
-    @property
-    def exposed_share(self) -> float:
-        """``exposed_s / comm_s`` (0 when nothing was communicated); 1.0 = nothing overlapped."""
-        comm = self.comm_s
-        return min(1.0, self.exposed_s / comm) if comm > 0 else 0.0
-
-    def to_dict(self) -> dict:
-        """Plain data (JSON-able)."""
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> StepRecord:
-        """Inverse of :meth:`to_dict`."""
-        d = dict(d)
-        d["comm"] = [CommEvent(**e) for e in d.get("comm", [])]
-        return cls(**d)
-
-
-class Recorder:
-    """Collects a :class:`StepRecord` per synchronised backward pass of a wrapper.
-
-    Attach with ``BucketedDDP(..., recorder=Recorder())`` or ``ddp.recorder = Recorder()``.
-    Recording costs a few ``time.perf_counter()`` calls per parameter; it changes no number.
-
-    Attributes:
-        steps: the records, oldest first.
-    """
-
-    def __init__(self):
-        self.steps: list[StepRecord] = []
-        self._current: StepRecord | None = None
-        self._t0 = 0.0
-
-    def clear(self) -> None:
-        """Forget every record."""
-        self.steps.clear()
-        self._current = None
-
-    def _now(self) -> float:
-        return time.perf_counter() - self._t0
-
-    def _begin(self, rank: int) -> None:
-        self._t0 = time.perf_counter()
-        self._current = StepRecord(rank=rank, step=len(self.steps), t0_s=self._t0)
-
-    def _grad(self, name: str) -> None:
-        if self._current is not None:
-            self._current.grad_ready_s[name] = self._now()
-
-    def _comm_start(self, index: int, nbytes: int, names: list[str], work) -> CommEvent | None:
-        if self._current is None:
-            return None
-        issued = self._now()
-        link_start = getattr(work, "start_s", None)
-        event = CommEvent(index, nbytes, names, issued,
-                          issued if link_start is None else link_start - self._t0)
-        event._real_end = math.nan  # set by the future's callback, on the communication thread
-        getter = getattr(work, "get_future", None)
-        if getter is not None:
-            try:
-                getter().add_done_callback(
-                    lambda _f, e=event: setattr(e, "_real_end", self._now()))
-            except RuntimeError:  # a backend without futures: fall back to the wait time
-                pass
-        event._done_at = getattr(work, "done_at_s", None)
-        self._current.comm.append(event)
-        return event
-
-    def _comm_end(self, event: CommEvent | None) -> None:
-        if event is None:
-            return
-        end = event._real_end if not math.isnan(event._real_end) else self._now()
-        if event._done_at is not None:
-            end = max(end, event._done_at - self._t0)
-        event.end_s = end
-        del event._real_end, event._done_at
-
-    def _backward_end(self) -> None:
-        if self._current is not None:
-            self._current.backward_end_s = self._now()
-
-    def _finish(self) -> None:
-        if self._current is not None:
-            self._current.sync_end_s = self._now()
-            self.steps.append(self._current)
-            self._current = None
-
-    def exposed_shares(self) -> list[float]:
-        """:attr:`StepRecord.exposed_share` of every recorded step."""
-        return [s.exposed_share for s in self.steps]
-
-
-def union_length(intervals: Sequence[tuple[float, float]]) -> float:
-    """Total length covered by ``[(start, end), ...]`` (overlaps counted once).
-
-    >>> union_length([(0, 2), (1, 3), (5, 6)])
-    4
-    """
-    total, cur_start, cur_end = 0, None, None
-    for start, end in sorted(intervals):
-        if cur_end is None or start > cur_end:
-            if cur_end is not None:
-                total += cur_end - cur_start
-            cur_start, cur_end = start, end
-        else:
-            cur_end = max(cur_end, end)
-    if cur_end is not None:
-        total += cur_end - cur_start
-    return total
-
-
-def job_exposed_s(records: Sequence[StepRecord]) -> float:
-    """Exposed communication of one step of the whole job (one record per rank).
-
-    From the moment the *last* rank finished backward to the moment the last rank had its
-    averaged gradients: the communication nobody's computation hid. A rank that finished
-    backward early and waits for a slow peer is waiting for the straggler, not for the
-    network, and this measure does not count it (a per-rank ``exposed_s`` does). Uses each
-    record's ``t0_s``, so the ranks must share a clock (processes of one machine).
-    """
-    last_backward = max(r.t0_s + r.backward_end_s for r in records)
-    last_sync = max(r.t0_s + r.sync_end_s for r in records)
-    return max(0.0, last_sync - last_backward)
-
-
-def job_exposed_share(records: Sequence[StepRecord]) -> float:
-    """:func:`job_exposed_s` over the communication time of the rank that finished backward last."""
-    last = max(records, key=lambda r: r.t0_s + r.backward_end_s)
-    return min(1.0, job_exposed_s(records) / last.comm_s) if last.comm_s > 0 else 0.0
-
-
-def gather_records(recorder: Recorder, process_group=None) -> list[list[StepRecord]]:
-    """Every rank's records, on every rank: ``result[rank][step]``.
-
-    A collective (``all_gather_object``): every rank of ``process_group`` must call it.
-    """
-    world_size = dist.get_world_size(process_group)
-    mine = [s.to_dict() for s in recorder.steps]
-    out: list = [None] * world_size
-    dist.all_gather_object(out, mine, group=process_group)
-    return [[StepRecord.from_dict(d) for d in rank_steps] for rank_steps in out]
-
-
-# =========================================================================== the wrappers
+# =========================================================================== the drop-ins
 
 
 def _find_tensors(obj) -> list[torch.Tensor]:
@@ -608,7 +214,7 @@ class _WrapperJoinHook(JoinHook):
     (and buffers) from the highest rank among the last to join, as torch does.
     """
 
-    def __init__(self, ddp: _GradSyncBase, divide_by_initial_world_size: bool):
+    def __init__(self, ddp: _DropIn, divide_by_initial_world_size: bool):
         self.ddp = ddp
         ddp._divide_by_initial_world_size = divide_by_initial_world_size
 
@@ -657,10 +263,15 @@ def _check_same_model_everywhere(name: str, module, broadcast_buffers: bool, wor
                          "model on every rank before wrapping it.")
 
 
-class _GradSyncBase(nn.Module, Joinable):
-    """What NaiveDDP and BucketedDDP share: construction checks and broadcast, hooks,
-    ``no_sync``, ``Join`` support, and the per-step check table.
+class _DropIn:
+    """What the NaiveDDP and BucketedDDP drop-ins add to their cores: torch's signature, the
+    construction checks, buffers, hooks that keep the check table, ``Join``, and reentrant
+    checkpoints.
 
+    Mixed in before a core class (``class NaiveDDP(_DropIn, core.NaiveDDP, Joinable)``), it
+    plugs into the core's overridable methods: ``_broadcast_state`` (checks, then one
+    coalesced broadcast), ``forward``, ``_on_grad_ready`` (the per-parameter hook the core
+    registers) and the final callback, which calls the subclass's ``_after_backward``.
     Subclasses implement ``_grad_ready(index)`` (a gradient arrived during a synchronised
     backward), ``_after_backward()`` (autograd finished; make ``.grad`` the average) and
     ``_shadow_backward()`` (a joined rank's matching collectives with zeros).
@@ -669,53 +280,56 @@ class _GradSyncBase(nn.Module, Joinable):
     def __init__(self, module: nn.Module, device_ids=None, output_device=None, *,
                  broadcast_buffers: bool = True, init_sync: bool = True, process_group=None,
                  find_unused_parameters: bool = False, comm_hook: Callable | None = None,
-                 recorder: Recorder | None = None, torch_kwargs: dict | None = None):
-        super().__init__()
-        Joinable.__init__(self)
+                 recorder: Recorder | None = None, torch_kwargs: dict | None = None,
+                 core_kwargs: dict | None = None):
         name = type(self).__name__
         _refuse_torch_only_options(name, torch_kwargs or {})
         if not group_active():
             raise RuntimeError(f"{name} needs a process group: call "
                                "ddp_lesson.env.init_distributed() (or "
                                "torch.distributed.init_process_group) first")
-        self.module = module
-        self.process_group = process_group
-        self.world_size = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)
         if self.rank < 0:
             raise RuntimeError("this process is not a member of the process group it was given")
-        self.device_ids, self.output_device = self._check_devices(device_ids, output_device)
-        self.find_unused_parameters = find_unused_parameters
+        self.device_ids, self.output_device = self._check_devices(module, device_ids,
+                                                                  output_device)
+        # read by _broadcast_state, which the core's constructor calls
         self.broadcast_buffers = broadcast_buffers
+        self._init_sync = init_sync
+        self._src = 0 if process_group is None else dist.get_global_rank(process_group, 0)
+        super().__init__(module, process_group=process_group, **(core_kwargs or {}))
+        Joinable.__init__(self)
+        self.find_unused_parameters = find_unused_parameters
         self.comm_hook = comm_hook if comm_hook is not None else default_all_reduce
         self.recorder = recorder
-        #: like torch's DDP: False inside ``no_sync()``; read by ``forward``.
-        self.require_backward_grad_sync = True
-        self._src = 0 if process_group is None else dist.get_global_rank(process_group, 0)
-        # Case 1 of the drop-in checks: exchange every rank's parameter list before any
-        # broadcast, so a model that differs between ranks is the same ValueError everywhere
-        # (torch raises on the differing rank only; the others see "connection closed").
-        if init_sync:
-            _check_same_model_everywhere(name, module, broadcast_buffers, self.world_size,
-                                         process_group)
-        # named_parameters() lists a shared (tied) parameter once: it is reduced once.
-        # Frozen parameters get no gradient and are left alone.
-        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-        if not named:
-            raise ValueError(f"{name}: the module has no parameter with "
-                             "requires_grad=True, so there is nothing to synchronise")
-        self.param_names = [n for n, _ in named]
-        self._params = [p for _, p in named]
+        # named_parameters() lists a shared (tied) parameter once, in the core's order
+        self.param_names = [n for n, p in module.named_parameters() if p.requires_grad]
         self._param_ids = {id(p) for p in self._params}
         self._device = self._params[0].device
-        # B8: whatever each rank initialised, everyone starts from rank 0's weights (and,
-        # unless broadcast_buffers=False, rank 0's buffers: torch's rule, also at init).
-        if init_sync:
-            tensors = [p.detach() for p in module.parameters()]
-            if broadcast_buffers:
-                tensors += list(module.buffers())
-            _broadcast_coalesced(tensors, self._src, process_group)
         self._init_sync_state()
+
+    def _broadcast_state(self) -> None:
+        """The core's construction broadcast, checked first, and with torch's buffer rule.
+
+        Case 1 of the drop-in checks: every rank's parameter list is exchanged before any
+        broadcast, so a model that differs between ranks is the same ValueError everywhere
+        (torch raises on the differing rank only; the others see "connection closed"). B8:
+        whatever each rank initialised, everyone starts from rank 0's weights (and, unless
+        ``broadcast_buffers=False``, rank 0's buffers: torch's rule, also at init).
+        ``init_sync=False`` skips both.
+        """
+        name = type(self).__name__
+        if self._init_sync:
+            _check_same_model_everywhere(name, self.module, self.broadcast_buffers,
+                                         self.world_size, self.process_group)
+        if not self._params:
+            raise ValueError(f"{name}: the module has no parameter with "
+                             "requires_grad=True, so there is nothing to synchronise")
+        if self._init_sync:
+            tensors = [p.detach() for p in self.module.parameters()]
+            if self.broadcast_buffers:
+                tensors += list(self.module.buffers())
+            _broadcast_coalesced(tensors, self._src, self.process_group)
 
     def _init_sync_state(self) -> None:
         """The per-parameter bookkeeping of a synchronised backward (local; no communication)."""
@@ -733,12 +347,10 @@ class _GradSyncBase(nn.Module, Joinable):
         self._divisor = self.world_size
         self._divide_by_initial_world_size = True
         self._unsynced: list[str] = []  # trainable now, but not when wrapped
-        self._hook_handles = [p.register_post_accumulate_grad_hook(self._make_hook(i))
-                              for i, p in enumerate(self._params)]
 
-    def _check_devices(self, device_ids, output_device):
+    def _check_devices(self, module: nn.Module, device_ids, output_device):
         """torch's rule: ``device_ids`` / ``output_device`` only for a single-GPU module."""
-        devices = {p.device for p in self.module.parameters()}
+        devices = {p.device for p in module.parameters()}
         name = type(self).__name__
         if len(devices) > 1 or all(d.type == "cpu" for d in devices):
             if device_ids or output_device is not None:
@@ -820,23 +432,6 @@ class _GradSyncBase(nn.Module, Joinable):
                     t.register_hook(self._on_output_grad)
         return output
 
-    @contextlib.contextmanager
-    def no_sync(self):
-        """Accumulate gradients locally: backward passes of forwards run inside skip the all-reduce.
-
-        The usual pattern with ``k`` micro-batches: the first ``k-1`` (forward *and* backward)
-        inside ``no_sync()``, the last one outside, so its backward all-reduces the
-        accumulated ``.grad`` (docs/pitfalls.md B4: local grads 1+3 and 1+6 give 5.5 on both
-        ranks; syncing the first micro-batch instead leaves 4.0 and 7.0). Like torch, the
-        forward decides: a ``no_sync()`` around ``backward()`` only does nothing.
-        """
-        old = self.require_backward_grad_sync
-        self.require_backward_grad_sync = False
-        try:
-            yield
-        finally:
-            self.require_backward_grad_sync = old
-
     def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
              throw_on_early_termination: bool = False) -> Join:
         """``with ddp.join():`` is ``with Join([ddp], ...)`` (torch's ``DDP.join``)."""
@@ -869,21 +464,20 @@ class _GradSyncBase(nn.Module, Joinable):
 
     # ------------------------------------------------------------------ hooks
 
-    def _make_hook(self, index: int):
-        def hook(param: torch.Tensor) -> None:
-            self._used[index] = True
-            if not self._armed:
-                return  # a no_sync backward: the gradient just accumulates
-            self._begin_backward()
-            if self.recorder is not None:
-                self.recorder._grad(self.param_names[index])
-            self._got[index] = True
-            if not self._ready[index]:
-                self._ready[index] = True
-                self._grad_ready(index)
-            else:  # counted unused by the graph walk, its zeros may be on the wire already
-                self._late[index] = True
-        return hook
+    def _on_grad_ready(self, index: int) -> None:
+        """The core's per-parameter hook, keeping the check table's bits."""
+        self._used[index] = True
+        if not self._armed:
+            return  # a no_sync backward: the gradient just accumulates
+        self._begin_backward()
+        if self.recorder is not None:
+            self.recorder._grad(self.param_names[index])
+        self._got[index] = True
+        if not self._ready[index]:
+            self._ready[index] = True
+            self._grad_ready(index)
+        else:  # counted unused by the graph walk, its zeros may be on the wire already
+            self._late[index] = True
 
     def _on_output_grad(self, grad):
         if self._armed:
@@ -941,15 +535,6 @@ class _GradSyncBase(nn.Module, Joinable):
 
     def _backward_started(self) -> None:
         """Called at the first gradient of a synchronised backward."""
-
-    def _grad_ready(self, index: int) -> None:
-        raise NotImplementedError
-
-    def _after_backward(self) -> None:
-        raise NotImplementedError
-
-    def _shadow_backward(self) -> None:
-        raise NotImplementedError
 
     def _table(self, joined: bool = False) -> torch.Tensor:
         """Row ``rank`` of an ``(R, P + 3)`` int32 table; all-reduced, every rank sees every row.
@@ -1080,13 +665,14 @@ class _GradSyncBase(nn.Module, Joinable):
             p.grad.copy_(value.view(p.shape))
 
 
-class NaiveDDP(_GradSyncBase):
+class NaiveDDP(_DropIn, _naive_core.NaiveDDP, Joinable):
     """Data parallelism the simplest way: after backward, one all-reduce per parameter.
 
-    A drop-in replacement for ``torch.nn.parallel.DistributedDataParallel(module, ...)``,
-    with torch's signature: when ``loss.backward()`` returns, every ``p.grad`` is the mean
-    over ranks. It is slow on purpose: every parameter is its own message (each pays the link
-    latency α), and nothing is sent until backward has finished (no overlap).
+    The core :class:`ddp_lesson.core.naive_ddp.NaiveDDP` made a drop-in replacement for
+    ``torch.nn.parallel.DistributedDataParallel(module, ...)``, with torch's signature: when
+    ``loss.backward()`` returns, every ``p.grad`` is the mean over ranks. It is slow on
+    purpose: every parameter is its own message (each pays the link latency α), and nothing
+    is sent until backward has finished (no overlap).
     :class:`BucketedDDP` fixes both.
 
     Averaging: each gradient is divided by ``R`` *before* the SUM all-reduce, as torch's DDP
@@ -1204,7 +790,6 @@ class _Bucket:
     params: list[int]                  # parameter indices, in gradient-ready order
     offsets: list[tuple[int, int]]     # their [start, stop) in ``flat``
     flat: torch.Tensor                 # the message: every gradient of the bucket, flattened
-    pending: int = 0                   # gradients still missing in this backward
     handle: object = None              # the all-reduce in flight
 
     @property
@@ -1212,11 +797,12 @@ class _Bucket:
         return self.flat.numel() * self.flat.element_size()
 
 
-class BucketedDDP(_GradSyncBase):
+class BucketedDDP(_DropIn, _bucketed_core.BucketedDDP, Joinable):
     """Data parallelism with gradient buckets all-reduced while backward is still running.
 
-    A drop-in replacement for ``torch.nn.parallel.DistributedDataParallel(module,
-    bucket_cap_mb=..., find_unused_parameters=...)``: when ``loss.backward()`` returns, every
+    The core :class:`ddp_lesson.core.bucketed_ddp.BucketedDDP` made a drop-in replacement
+    for ``torch.nn.parallel.DistributedDataParallel(module, bucket_cap_mb=...,
+    find_unused_parameters=...)``: when ``loss.backward()`` returns, every
     ``p.grad`` is the mean over ranks.
 
     Parameters are grouped by :func:`assign_buckets` (reverse registration order, a bucket
@@ -1298,32 +884,28 @@ class BucketedDDP(_GradSyncBase):
         super().__init__(module, device_ids, output_device, broadcast_buffers=broadcast_buffers,
                          init_sync=init_sync, process_group=process_group,
                          find_unused_parameters=find_unused_parameters, comm_hook=comm_hook,
-                         recorder=recorder, torch_kwargs=torch_kwargs)
+                         recorder=recorder, torch_kwargs=torch_kwargs,
+                         core_kwargs={"bucket_cap_mb": bucket_cap_mb})
         self.bucket_cap_mb = bucket_cap_mb
         self.overlap = overlap
-        self.bucket_indices = assign_buckets(
-            [p.numel() * p.element_size() for p in self._params], int(bucket_cap_mb * MB),
-            [(p.dtype, p.device) for p in self._params])
+        # one flat tensor per bucket, allocated once and reused by every backward
         self._buckets: list[_Bucket] = []
-        self._bucket_of: dict[int, int] = {}
         for b, indices in enumerate(self.bucket_indices):
             offsets, start = [], 0
             for i in indices:
                 offsets.append((start, start + self._params[i].numel()))
                 start += self._params[i].numel()
-                self._bucket_of[i] = b
             first = self._params[indices[0]]
             flat = torch.empty(start, dtype=first.dtype, device=first.device)
             self._buckets.append(_Bucket(b, list(indices), offsets, flat))
-        self._next_bucket = 0
         self._unused_in_forward: list[int] = []
 
     # ------------------------------------------------------------------ backward machinery
 
     def _prepare_backward(self, output) -> None:
+        self._reset_buckets()
         for bucket in self._buckets:
-            bucket.pending, bucket.handle = len(bucket.params), None
-        self._next_bucket = 0
+            bucket.handle = None
         if self.find_unused_parameters:
             _, reached = walk_autograd_graph(output)
             self._unused_in_forward = [i for i, p in enumerate(self._params)
@@ -1338,20 +920,15 @@ class BucketedDDP(_GradSyncBase):
                 self._grad_ready(i)
 
     def _grad_ready(self, index: int) -> None:
-        bucket = self._buckets[self._bucket_of[index]]
-        bucket.pending -= 1
-        if bucket.pending == 0 and self.overlap:
-            self._launch_ready_buckets()
+        if self.overlap:
+            super()._grad_ready(index)  # the core: count it in, launch complete buckets
+        else:
+            self._pending[self._bucket_of[index]] -= 1  # everything waits for the callback
 
-    def _launch_ready_buckets(self) -> None:
-        # Strictly in bucket order: every rank must issue its collectives in the same order,
-        # or rank 0's bucket 3 would be summed with rank 1's bucket 2.
-        while (self._next_bucket < len(self._buckets)
-               and self._buckets[self._next_bucket].pending == 0):
-            self._launch(self._buckets[self._next_bucket])
-            self._next_bucket += 1
-
-    def _launch(self, bucket: _Bucket) -> None:
+    def _launch(self, b: int) -> None:
+        """The core's launch into the bucket's own flat tensor, divided by the Join-aware
+        divisor, through ``comm_hook`` and the recorder."""
+        bucket = self._buckets[b]
         scale = 1.0 / self._divisor  # pre-divide (torch's order: no fp16 overflow in the sum)
         with torch.no_grad():
             for i, (start, stop) in zip(bucket.params, bucket.offsets):
@@ -1366,9 +943,7 @@ class BucketedDDP(_GradSyncBase):
     def _after_backward(self) -> None:
         # Issue what is left (everything, without overlap; buckets whose gradients never
         # came, with zeros), then the flags table, then wait: same order on every rank.
-        while self._next_bucket < len(self._buckets):
-            self._launch(self._buckets[self._next_bucket])
-            self._next_bucket += 1
+        self._launch_in_order(everything=True)
         table = self._table()
         table_work = dist.all_reduce(table, group=self.process_group, async_op=True)
         for bucket in self._buckets:

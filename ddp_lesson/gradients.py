@@ -2,7 +2,8 @@
 
 Data parallelism in one sentence: R ranks hold identical model copies, each computes the
 gradient of the **mean** loss over its own shard of the global batch, and the gradients are
-averaged with an all-reduce. For equal shards of size B, with global batch N = R·B,
+averaged with an all-reduce (as torch's DDP does it: each rank divides its gradient by R, then
+the all-reduce sums). For equal shards of size B, with global batch N = R·B,
 
     (1/R) Σ_r ∇ (1/B) Σ_{i in shard r} ℓ_i  =  ∇ (1/N) Σ_i ℓ_i ,
 
@@ -24,6 +25,8 @@ from collections.abc import Sequence
 
 import torch
 from torch import nn
+
+from .core.naive_ddp import all_reduce_mean_
 
 __all__ = [
     "make_toy_model", "make_toy_batch", "split_batch", "batch_gradient", "shard_gradients",
@@ -161,11 +164,13 @@ def weighted_average(grads: Sequence[torch.Tensor], counts: Sequence[int]) -> to
 
 
 def all_reduce_average(tensor: torch.Tensor, group=None) -> torch.Tensor:
-    """Average ``tensor`` over the ranks in place: ``all_reduce(SUM)`` then ``÷ world_size``.
+    """Average ``tensor`` over the ranks in place: ``÷ world_size``, then ``all_reduce(SUM)``.
 
-    Portable on every backend: gloo before PyTorch's 2025 change (pytorch/pytorch#149781) had
-    no ``ReduceOp.AVG``, and even where it has one, an integer tensor cannot be averaged in
-    place. This is also what DDP does internally (sum, divided by the world size).
+    The package's one averaging rule, :func:`ddp_lesson.core.naive_ddp.all_reduce_mean_`, in
+    torch's DDP order: each rank divides by the world size *before* the SUM, so a float16 sum
+    over the ranks cannot overflow where the mean itself fits. Portable on every backend:
+    gloo before PyTorch's 2025 change (pytorch/pytorch#149781) had no ``ReduceOp.AVG``, and
+    even where it has one, an integer tensor cannot be averaged in place.
 
     Args:
         tensor: floating-point tensor, same shape on every rank.
@@ -179,12 +184,9 @@ def all_reduce_average(tensor: torch.Tensor, group=None) -> torch.Tensor:
 
     Synchronisation: yes — a collective; every rank must call it.
     """
-    import torch.distributed as dist
-
     if not tensor.is_floating_point():
         raise TypeError(f"cannot average a {tensor.dtype} tensor in place; convert to float first")
-    dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
-    tensor.div_(dist.get_world_size(group))
+    all_reduce_mean_(tensor, group)
     return tensor
 
 

@@ -11,7 +11,7 @@ batch with every variant, from the same seed:
 * without a link: ``torch`` (``DistributedDataParallel`` with its defaults), ``naive``
   (:class:`~ddp_lesson.ddp.NaiveDDP`), ``bucketed`` (:class:`~ddp_lesson.ddp.BucketedDDP`,
   ``bucket_cap_mb=25`` like torch);
-* under a :class:`~ddp_lesson.ddp.SimulatedLink` (default α = 0.5 ms, 100 MB/s): ``torch``
+* under a :class:`~ddp_lesson.commsim.SimulatedLink` (default α = 0.5 ms, 100 MB/s): ``torch``
   (the link as a DDP communication hook), ``naive``, ``bucketed`` with overlap and
   ``bucketed`` without overlap (both with ``--link-bucket-cap-mb``, several buckets).
 
@@ -21,8 +21,8 @@ of load from other programs hits them alike). Each timed block starts after a ba
 counts the slowest rank's time. A variant's steps/s is kept as min, median and max over rounds;
 ``ratio_to_torch`` (with its min and max) is this variant's rate divided by torch's rate in the
 same round (same link setting), the number least disturbed by a machine shared with other work.
-For the wrappers under the link, a :class:`~ddp_lesson.ddp.Recorder` measures the exposed
-communication per step (:func:`~ddp_lesson.ddp.job_exposed_s`: from the last rank's end of
+For the wrappers under the link, a :class:`~ddp_lesson.commsim.Recorder` measures the exposed
+communication per step (:func:`~ddp_lesson.commsim.job_exposed_s`: from the last rank's end of
 backward to the last rank's averaged gradients; min, median and max over steps) and its share of
 that rank's communication time, next to the cost model's prediction from the measured
 gradient-ready times (:func:`~ddp_lesson.ddp.predict_overlap`).
@@ -112,7 +112,8 @@ def _make_variant(variant: str, link: bool, opts, env, device) -> dict:
     import torch
     from torch.nn.parallel import DistributedDataParallel
 
-    from ..ddp import BucketedDDP, NaiveDDP, Recorder, SimulatedLink
+    from ..commsim import Recorder, SimulatedLink
+    from ..ddp import BucketedDDP, NaiveDDP
     from ..models import build_model
 
     torch.manual_seed(0)
@@ -159,7 +160,8 @@ def _time_rounds(runs: dict, step, rounds: int, steps: int, device) -> dict:
 def _exposed(run: dict, R: int) -> dict:
     """Exposed ms per step (min/median/max), its share and the model's prediction, from the
     recorder of every rank. A collective: every rank calls it for the same runs."""
-    from ..ddp import BucketedDDP, gather_records, job_exposed_s, job_exposed_share, predict_overlap
+    from ..commsim import gather_records, job_exposed_s, job_exposed_share
+    from ..ddp import BucketedDDP, predict_overlap
 
     ddp, link = run["ddp"], run["ddp"].comm_hook
     everyone = gather_records(run["rec"])

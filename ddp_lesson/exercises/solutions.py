@@ -13,6 +13,8 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Sampler
 
+from ..core.naive_ddp import all_reduce_mean_
+
 
 # 00.3 -------------------------------------------------------------------------------
 def local_rank_from_rank(rank: int, nproc_per_node: int) -> int:
@@ -32,12 +34,13 @@ def weighted_average_gradient(grad: torch.Tensor, count: int) -> torch.Tensor:
 # 01.5 -------------------------------------------------------------------------------
 def average_gradients(model: torch.nn.Module) -> None:
     """After ``loss.backward()``: replace every ``.grad`` by its mean over the ranks.
+
+    Each gradient is divided by the world size, then SUM-all-reduced: the package's one
+    averaging rule (:func:`ddp_lesson.core.naive_ddp.all_reduce_mean_`, torch's DDP order).
     A collective."""
-    world_size = dist.get_world_size()
     for p in model.parameters():
         if p.grad is not None:
-            dist.all_reduce(p.grad)
-            p.grad /= world_size
+            all_reduce_mean_(p.grad)
 
 
 # 02.1 -------------------------------------------------------------------------------

@@ -4,7 +4,7 @@ Run from ``%%ranks`` cells (persistent ranks, :mod:`ddp_lesson.cluster`); on its
 
     torchrun --nproc-per-node 2 -m ddp_lesson.labs.ddp_hooks
 
-A :class:`~ddp_lesson.ddp.Recorder` attached to a wrapper notes, for one synchronised backward,
+A :class:`~ddp_lesson.commsim.Recorder` attached to a wrapper notes, for one synchronised backward,
 when each gradient's hook fired, when each all-reduce was issued and when autograd finished;
 :func:`hook_trace` puts those events in the order they happened, without their times, so the
 printed lines are the same on every machine.
@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ddp_lesson.ddp import StepRecord
+from ddp_lesson.commsim import StepRecord
 
 __all__ = ["hook_trace", "small_mlp"]
 
@@ -47,7 +47,8 @@ def hook_trace(record: StepRecord) -> list[str]:
 
 
 def main() -> None:
-    from ddp_lesson.ddp import NaiveDDP, Recorder
+    from ddp_lesson.commsim import Recorder
+    from ddp_lesson.ddp import NaiveDDP
     from ddp_lesson.env import cleanup, init_distributed
 
     env = init_distributed()

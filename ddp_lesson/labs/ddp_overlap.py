@@ -4,7 +4,7 @@
         --out runs/04/overlap.json
 
 On a CPU machine, gloo over loopback is so cheap that overlap has little to hide. A
-:class:`ddp_lesson.ddp.SimulatedLink` (default α = 0.5 ms, 100 MB/s) makes every all-reduce
+:class:`ddp_lesson.commsim.SimulatedLink` (default α = 0.5 ms, 100 MB/s) makes every all-reduce
 take the α-β model's time, so the effect of message count and of overlap shows. Every rank
 trains the DeepLab-style model on its own fixed batch with:
 
@@ -13,7 +13,7 @@ trains the DeepLab-style model on its own fixed batch with:
 3. BucketedDDP with overlap (a bucket is sent as soon as its last gradient is ready);
 4. BucketedDDP with overlap for each cap of a sweep.
 
-A :class:`ddp_lesson.ddp.Recorder` on each wrapper records gradient-ready times and
+A :class:`ddp_lesson.commsim.Recorder` on each wrapper records gradient-ready times and
 all-reduce intervals; rank 0 gathers every rank's records and writes them to ``--out`` as
 JSON for :func:`ddp_lesson.viz.ddp.ddp_timeline_figure` and
 :func:`ddp_lesson.viz.ddp.bucket_sweep_figure`.
@@ -32,14 +32,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ddp_lesson.ddp import (
-    BucketedDDP,
-    NaiveDDP,
-    Recorder,
-    SimulatedLink,
-    gather_records,
-    job_exposed_s,
-)
+from ddp_lesson.commsim import Recorder, SimulatedLink, gather_records, job_exposed_s
+from ddp_lesson.ddp import BucketedDDP, NaiveDDP
 from ddp_lesson.models import build_model
 
 #: Bucket caps of the sweep (MiB); 0 puts every parameter in a bucket of its own.
@@ -69,7 +63,7 @@ def run(width: int = 16, batch: int = 4, size=(64, 128), latency_ms: float = 0.5
          "backward_s": median measured backward, "param_nbytes": [...],
          "buckets": {cap: n}, "link": [latency_s, bandwidth_bytes_per_s], "world_size": R}
 
-    Exposed times are per step, for the whole job (:func:`ddp_lesson.ddp.job_exposed_s`).
+    Exposed times are per step, for the whole job (:func:`ddp_lesson.commsim.job_exposed_s`).
     """
     rank = dist.get_rank()
     g = torch.Generator().manual_seed(1000 + rank)

@@ -17,7 +17,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddp_lesson.ddp import BucketedDDP, NaiveDDP, Recorder
+from ddp_lesson.commsim import Recorder
+from ddp_lesson.ddp import BucketedDDP, NaiveDDP
 from ddp_lesson.labs.ddp_toys import IN_FEATURES, TwoLayer
 
 __all__ = ["Scalar", "MICRO_GRADS", "no_sync_accumulation", "unused_parameters",

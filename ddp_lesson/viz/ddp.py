@@ -9,7 +9,7 @@ __all__ = ["ddp_timeline_figure", "bucket_sweep_figure", "ddp_benchmark_figure",
 
 
 def _as_step_record(rec):
-    from ..ddp import StepRecord
+    from ..commsim import StepRecord
 
     return rec if isinstance(rec, StepRecord) else StepRecord.from_dict(rec)
 
@@ -24,11 +24,11 @@ def ddp_timeline_figure(panels, figsize=(7, 3.4), align: bool = True):
     per parameter) and, hatched in red, the time between the end of that rank's backward
     and the moment its ``backward()`` returned with averaged gradients (communication, or
     waiting for a slower rank). Each panel's title gives the job's exposed communication
-    (:func:`ddp_lesson.ddp.job_exposed_s`).
+    (:func:`ddp_lesson.commsim.job_exposed_s`).
 
     Args:
         panels: ``[(title, records), ...]`` where ``records`` holds one
-            :class:`ddp_lesson.ddp.StepRecord` (or its ``to_dict()``) per rank, in rank order.
+            :class:`ddp_lesson.commsim.StepRecord` (or its ``to_dict()``) per rank, in rank order.
         figsize: inches.
         align: shift each rank by its ``t0_s`` (when its forward returned, on the machine's
             monotonic clock) so that the ranks share one time axis, starting at the earliest
@@ -67,7 +67,7 @@ def ddp_timeline_figure(panels, figsize=(7, 3.4), align: bool = True):
                            fontsize=SMALL_PT)
         ax.set_ylim(-0.6, len(records) - 0.4)
         if align:
-            from ..ddp import job_exposed_s
+            from ..commsim import job_exposed_s
 
             exposed = job_exposed_s(records) * 1e3
             what = "after the last rank's backward"

@@ -72,7 +72,8 @@ def test_timeline_and_sweep_figures():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from ddp_lesson.ddp import CommEvent, StepRecord, predict_bucket_sweep
+    from ddp_lesson.commsim import CommEvent, StepRecord
+    from ddp_lesson.ddp import predict_bucket_sweep
     from ddp_lesson.viz.ddp import bucket_sweep_figure, ddp_timeline_figure
 
     def rec(rank, t0):

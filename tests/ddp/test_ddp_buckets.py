@@ -1,5 +1,5 @@
-"""Pure logic of ddp_lesson.ddp, no process group: bucket assignment, link cost, recorder,
-predictions."""
+"""Pure logic of ddp_lesson.ddp and ddp_lesson.commsim, no process group: bucket assignment,
+link cost, recorder, predictions."""
 
 from __future__ import annotations
 
@@ -12,20 +12,22 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+from ddp_lesson.commsim import (
+    CommEvent,
+    SimulatedLink,
+    StepRecord,
+    job_exposed_s,
+    job_exposed_share,
+    union_length,
+)
 from ddp_lesson.ddp import (
     MB,
     BucketedDDP,
-    CommEvent,
     NaiveDDP,
-    SimulatedLink,
-    StepRecord,
     assign_buckets,
-    job_exposed_s,
-    job_exposed_share,
     model_ready_times,
     predict_bucket_sweep,
     predict_overlap,
-    union_length,
 )
 
 DTYPES = (torch.float32, torch.float64, torch.float16)

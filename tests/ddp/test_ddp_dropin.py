@@ -1,12 +1,13 @@
 """NaiveDDP and BucketedDDP as drop-ins for torch's DDP: the cases of issue 14, world size 2.
 
-One torchrun launch (gloo, 20 s process-group timeout) runs every scenario of
-``ddp_lesson.labs.ddp_dropin`` and prints one JSON line per scenario and rank; torch's
+One torchrun launch (gloo, 20 s process-group timeout) runs every scenario of the test program
+``tests/programs/ddp_dropin.py`` and prints one JSON line per scenario and rank; torch's
 ``DistributedDataParallel`` runs the same inputs where it is the reference.
 """
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -15,12 +16,12 @@ from ddp_lesson.launch import run_torchrun
 pytestmark = pytest.mark.timeout(180)
 OURS = ("naive", "bucketed")
 NAMES = {"naive": "NaiveDDP", "bucketed": "BucketedDDP"}
+PROGRAM = Path(__file__).resolve().parents[1] / "programs" / "ddp_dropin.py"
 
 
 @pytest.fixture(scope="module")
 def lab():
-    r = run_torchrun("ddp_lesson.labs.ddp_dropin", module=True, nproc_per_node=2, timeout=150,
-                     live=False, backend="gloo")
+    r = run_torchrun(str(PROGRAM), nproc_per_node=2, timeout=150, live=False, backend="gloo")
     out: dict = {}
     for rank in (0, 1):
         for line in r.rank_lines(rank):

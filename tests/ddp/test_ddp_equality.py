@@ -1,12 +1,15 @@
 """NaiveDDP and BucketedDDP train exactly like torch's DDP and like one process on the global batch.
 
 One torchrun launch per world size (2 and 3, gloo). In it every rank trains, from the same
-seed and data, with torch's ``DistributedDataParallel``, :class:`NaiveDDP` and
-:class:`BucketedDDP` with caps that force 1, 2 and one-bucket-per-parameter, on four toy
-models (a frozen layer, a tied weight, an unused branch with ``find_unused_parameters=True``,
-a BatchNorm buffer) for 10 SGD-with-momentum steps, and on the DeepLab-style model for 3
-steps; plus gradient accumulation over 4 micro-batches with ``no_sync``. Each rank saves its
-final parameters; this process recomputes everything on one process and compares.
+seed and data, with torch's ``DistributedDataParallel``, and with both the teaching cores
+(``ddp_lesson.core.naive_ddp.NaiveDDP``, ``ddp_lesson.core.bucketed_ddp.BucketedDDP``) and
+the drop-ins built on them (``ddp_lesson.ddp.NaiveDDP`` / ``BucketedDDP``), the bucketed ones
+with caps that force 1, 2 and one-bucket-per-parameter, on four toy models (a frozen layer, a
+tied weight, an unused branch with ``find_unused_parameters=True`` for the drop-ins, a
+BatchNorm buffer) for 10 SGD-with-momentum steps, and on the DeepLab-style model for 3 steps;
+plus gradient accumulation over 4 micro-batches with ``no_sync``. Each rank saves its final
+parameters and its bucket counts, next to torch's bucket counts for the same caps; this
+process recomputes everything on one process and compares.
 
 The single-process baseline: mean cross-entropy over the global batch. With BatchNorm, a
 data-parallel forward normalises each rank's slice with that slice's statistics, and the
@@ -33,7 +36,11 @@ STEPS, PER_RANK, LR, MOMENTUM = 10, 2, 0.1, 0.9
 DEEPLAB_STEPS, DEEPLAB_SIZE, DEEPLAB_WIDTH = 3, (32, 48), 8
 ACC_STEPS, ACC_MICRO = 3, 4
 RTOL, ATOL = 1e-5, 1e-6
-VARIANTS = ("torch", "naive", "bucketed-1", "bucketed-2", "bucketed-many")
+DROPINS = ("naive", "bucketed-1", "bucketed-2", "bucketed-many")
+CORES = tuple(f"core-{v}" for v in DROPINS)
+VARIANTS = ("torch", *DROPINS, *CORES)
+NO_SYNC_VARIANTS = ("torch", "naive", "bucketed-2", "core-naive", "core-bucketed-2")
+CAPS = ("bucketed-1", "bucketed-2", "bucketed-many")
 
 WORKER = textwrap.dedent(f"""
     import sys, torch
@@ -41,22 +48,45 @@ WORKER = textwrap.dedent(f"""
     from torch.nn.parallel import DistributedDataParallel as DDP
     from ddp_lesson.env import init_distributed, cleanup
     from ddp_lesson.ddp import NaiveDDP, BucketedDDP, MB
+    from ddp_lesson.core import naive_ddp, bucketed_ddp
     from ddp_lesson.labs.ddp_toys import TOYS, toy_batch, shard
     from ddp_lesson.models import build_model
 
     env = init_distributed(timeout=60)
     R, rank = env.world_size, env.rank
 
-    def wrap(variant, model, unused):
+    def cap_of(variant, model):
         sizes = [p.numel() * p.element_size() for p in model.parameters() if p.requires_grad]
+        return {{"bucketed-1": 25, "bucketed-many": 0,
+                # every parameter but the first-registered one fills bucket 0 exactly
+                "bucketed-2": (sum(sizes) - sizes[0]) / MB}}[variant]
+
+    def wrap(variant, model, unused):
         if variant == "torch":
             return DDP(model, find_unused_parameters=unused)
         if variant == "naive":
             return NaiveDDP(model, find_unused_parameters=unused)
-        cap = {{"bucketed-1": 25, "bucketed-many": 0,
-                # every parameter but the first-registered one fills bucket 0 exactly
-                "bucketed-2": (sum(sizes) - sizes[0]) / MB}}[variant]
-        return BucketedDDP(model, bucket_cap_mb=cap, find_unused_parameters=unused)
+        if variant == "core-naive":  # the core has no find_unused_parameters: zeros instead
+            return naive_ddp.NaiveDDP(model)
+        if variant.startswith("core-"):
+            return bucketed_ddp.BucketedDDP(model, bucket_cap_mb=cap_of(variant[5:], model))
+        return BucketedDDP(model, bucket_cap_mb=cap_of(variant, model),
+                           find_unused_parameters=unused)
+
+    def torch_buckets(make, batch, variant):
+        # torch's Reducer rebuilds its buckets with the cap after the first iteration (not
+        # with find_unused_parameters); its logger reports them from the third iteration on
+        torch.manual_seed(0)
+        model = make()
+        ddp = DDP(model, bucket_cap_mb=cap_of(variant, model))
+        for step in range(3):
+            x, y = batch(step)
+            F.cross_entropy(ddp(shard(x, rank, R)), shard(y, rank, R)).backward()
+        sizes = ddp._get_ddp_logging_data().get("rebuilt_bucket_sizes")
+        del ddp
+        if sizes is None:
+            raise RuntimeError("torch reported no rebuilt buckets after 3 iterations")
+        return len(str(sizes).split(","))
 
     def train(make, batch, steps, variant, unused, micro=1):
         torch.manual_seed(0)
@@ -83,6 +113,10 @@ WORKER = textwrap.dedent(f"""
     for name, (cls, unused) in TOYS.items():
         for v in {VARIANTS!r}:
             out[(name, v)] = train(cls, lambda s: toy_batch(s, {PER_RANK} * R), {STEPS}, v, unused)
+        if not unused:
+            for v in {CAPS!r}:
+                out[(name, "torch-buckets", v)] = torch_buckets(
+                    cls, lambda s: toy_batch(s, {PER_RANK} * R), v)
     H, W = {DEEPLAB_SIZE!r}
     def seg_batch(step):
         g = torch.Generator().manual_seed(100 + step)
@@ -90,7 +124,7 @@ WORKER = textwrap.dedent(f"""
     for v in {VARIANTS!r}:
         out[("deeplab", v)] = train(lambda: build_model("deeplab", width={DEEPLAB_WIDTH}),
                                     seg_batch, {DEEPLAB_STEPS}, v, False)
-    for v in ("torch", "naive", "bucketed-2"):
+    for v in {NO_SYNC_VARIANTS!r}:
         out[("no_sync", v)] = train(TOYS["tied"][0], lambda s: toy_batch(s, {PER_RANK} * R, seed=7),
                                     {ACC_STEPS}, v, False, micro={ACC_MICRO})
     torch.save(out, f"{{sys.argv[1]}}/rank{{rank}}.pt")
@@ -186,7 +220,19 @@ def test_bucket_caps_force_one_two_and_many_buckets(runs):
         trainable = sum(p.requires_grad for p in cls().parameters())
         got = {v: per_rank[0][(name, v)]["buckets"] for v in VARIANTS}
         assert got == {"torch": None, "naive": None, "bucketed-1": 1, "bucketed-2": 2,
-                       "bucketed-many": trainable}, name
+                       "bucketed-many": trainable, "core-naive": None, "core-bucketed-1": 1,
+                       "core-bucketed-2": 2, "core-bucketed-many": trainable}, name
+
+
+def test_core_bucket_counts_equal_torch_for_the_same_cap(runs):
+    _, per_rank = runs
+    for name, (_, unused) in TOYS.items():
+        if unused:  # torch does not rebuild its buckets with find_unused_parameters
+            continue
+        for v in CAPS:
+            theirs = per_rank[0][(name, "torch-buckets", v)]
+            assert per_rank[0][(name, f"core-{v}")]["buckets"] == theirs, (name, v)
+            assert per_rank[0][(name, v)]["buckets"] == theirs, (name, v)
 
 
 def test_frozen_param_untouched_and_unused_branch_keeps_its_init(runs):
@@ -207,7 +253,7 @@ def test_no_sync_accumulation_equals_one_step_on_the_concatenated_batch(runs):
     ref = _single_process(TOYS["tied"][0],
                           lambda s: toy_batch(s, PER_RANK * world_size, seed=7),
                           ACC_STEPS, world_size, micro=ACC_MICRO)
-    for v in ("torch", "naive", "bucketed-2"):
+    for v in NO_SYNC_VARIANTS:
         _close(per_rank[0][("no_sync", v)]["params"], ref["params"], f"no_sync/{v}")
         for r in range(1, world_size):
             for pname, p in per_rank[r][("no_sync", v)]["params"].items():

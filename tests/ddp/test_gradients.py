@@ -163,6 +163,8 @@ DDP_CHECKS = textwrap.dedent(r"""
         all_reduce_average(torch.ones(2, dtype=torch.int64))
     except TypeError:
         print("int average refused: True")
+    h = torch.full((1,), 40000.0, dtype=torch.float16)  # a float16 SUM of 2 would be inf
+    print("float16 average finite:", all_reduce_average(h).item() == 40000.0)
     try:   # torch's own gloo: ReduceOp.AVG, where it exists, averages floating tensors only
         dist.all_reduce(torch.ones(2, dtype=torch.int64), op=dist.ReduceOp.AVG)
         print("gloo AVG of an int tensor refused: False")
@@ -217,6 +219,7 @@ def test_real_all_reduce_and_ddp_on_two_processes():
         assert lines == [
             "average equals full batch: True",
             "int average refused: True",
+            "float16 average finite: True",   # divided by R before the SUM, as torch
             "gloo AVG of an int tensor refused: True",
             "B5 mean: 15", "B5 sum: 30", "B5 meanxR: 30",   # pitfalls.md B5
             "B7 one step equal: True",

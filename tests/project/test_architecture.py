@@ -22,9 +22,10 @@ MAX_FUNCTION_LOC = 80
 #: Layer of each module, lowest first; a module's layer is that of its longest listed prefix.
 #: Keep in step with docs/architecture.md.
 LAYERS = {
+    "teaching core": ["core"],
     "runtime": ["env", "procs", "launch", "_worker", "cluster", "doctor"],
     "lesson core": ["sampler", "collectives", "ddp", "zero", "syncbn", "gradients", "flight",
-                    "evaluation", "metrics", "memory", "checkpoint"],
+                    "evaluation", "metrics", "memory", "checkpoint", "commsim"],
     "trainer": ["config", "step", "train", "data", "models", "gpt"],
     "display": ["viz", "widgets"],
     "programs": ["labs", "bench", "cli", ""],  # "" = __init__

@@ -1,6 +1,6 @@
 """NaiveDDP and BucketedDDP as drop-ins for torch's DDP on cases from public bug reports.
 
-    torchrun --standalone --nproc-per-node 2 -m ddp_lesson.labs.ddp_dropin [SCENARIO ...]
+    torchrun --standalone --nproc-per-node 2 tests/programs/ddp_dropin.py [SCENARIO ...]
 
 Each scenario runs the same inputs through torch's ``DistributedDataParallel`` (where torch
 is the reference: it neither hangs nor breaks the process group) and through both wrappers,
