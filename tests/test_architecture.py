@@ -21,9 +21,10 @@ MAX_FUNCTION_LOC = 80
 #: Layer of each module, lowest first; a module's layer is that of its longest listed prefix.
 #: Keep in step with docs/architecture.md.
 LAYERS = {
+    "teaching core": ["core"],
     "runtime": ["env", "launch", "_worker", "cluster"],
     "lesson core": ["sampler", "collectives", "ddp", "zero", "syncbn", "gradients",
-                    "evaluation", "metrics", "memory", "checkpoint"],
+                    "evaluation", "metrics", "memory", "checkpoint", "cost_model"],
     "trainer": ["config", "step", "train", "data", "models", "gpt"],
     "display": ["viz", "widgets"],
     "programs": ["labs", "bench", "cli", "bench_ddp", "bench_scaling", ""],  # "" = __init__

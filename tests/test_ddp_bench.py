@@ -72,7 +72,8 @@ def test_timeline_and_sweep_figures():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from ddp_lesson.ddp import CommEvent, StepRecord, predict_bucket_sweep
+    from ddp_lesson.cost_model import predict_bucket_sweep
+    from ddp_lesson.ddp import CommEvent, StepRecord
     from ddp_lesson.viz import bucket_sweep_figure, ddp_timeline_figure
 
     def rec(rank, t0):

@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+from ddp_lesson.cost_model import model_ready_times, predict_bucket_sweep, predict_overlap
 from ddp_lesson.ddp import (
     MB,
     BucketedDDP,
@@ -22,9 +23,6 @@ from ddp_lesson.ddp import (
     assign_buckets,
     job_exposed_s,
     job_exposed_share,
-    model_ready_times,
-    predict_bucket_sweep,
-    predict_overlap,
     union_length,
 )
 

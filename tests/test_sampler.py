@@ -30,7 +30,6 @@ from ddp_lesson.sampler import (
     shard_indices,
 )
 
-
 #: The core alone and the hardened drop-in built on it: both must equal torch's.
 SAMPLERS = pytest.mark.parametrize("Sampler", [core.DistributedSampler, DistributedSampler],
                                    ids=["core", "hardened"])
