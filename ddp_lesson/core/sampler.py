@@ -42,8 +42,8 @@ class DistributedSampler(Sampler[int]):
     Attributes: ``num_samples`` (indices per rank, ``len(self)``), ``total_size``
     (``num_samples * R``), ``epoch`` (0 until :meth:`set_epoch`), and the arguments.
 
-    Raises:
-        ValueError: ``rank`` outside ``[0, R - 1]`` (torch's message).
+    The arguments are taken as given: the drop-in :class:`ddp_lesson.sampler.DistributedSampler`
+    checks them, with errors that name the numbers.
     """
 
     def __init__(self, dataset, num_replicas=None, rank=None, shuffle=True, seed=0,
@@ -52,9 +52,6 @@ class DistributedSampler(Sampler[int]):
             num_replicas = dist.get_world_size()   # a local query, not a collective
         if rank is None:
             rank = dist.get_rank()
-        if rank >= num_replicas or rank < 0:
-            raise ValueError(
-                f"Invalid rank {rank}, rank should be in the interval [0, {num_replicas - 1}]")
         self.dataset, self.num_replicas, self.rank = dataset, num_replicas, rank
         self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
         self.epoch = 0
