@@ -52,7 +52,8 @@ class Zero1Optimizer(torch.optim.Optimizer):
         self.process_group = process_group
         self.world_size = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)
-        self.global_ranks = dist.get_process_group_ranks(process_group or dist.group.WORLD)
+        group = dist.group.WORLD if process_group is None else process_group
+        self.global_ranks = dist.get_process_group_ranks(group)   # broadcast takes global ranks
         self.optimizer_class = optimizer_class
         super().__init__(params, defaults)       # self.param_groups: every parameter
         self.partition()
