@@ -165,7 +165,7 @@ def padding_count(n: int, num_replicas: int) -> int:
     """
     n = _check_n(n)
     num_replicas = _check_num_replicas(num_replicas)
-    return (num_replicas - n % num_replicas) % num_replicas
+    return num_replicas * core.num_samples_per_rank(n, num_replicas) - n
 
 
 def global_order(n: int, shuffle: bool = False, seed: int = 0, epoch: int = 0) -> list[int]:
