@@ -132,11 +132,14 @@ def _parser() -> argparse.ArgumentParser:
     import importlib
 
     from .bench import BENCHMARKS
+    from .doctor import parser as doctor_parser
 
     parser = argparse.ArgumentParser(prog="ddp-lesson", description=__doc__.split("\n\n")[0])
-    commands = parser.add_subparsers(dest="command", metavar="{train,bench}")
+    commands = parser.add_subparsers(dest="command", metavar="{train,doctor,bench}")
     commands.add_parser("train", parents=[_train_parser()], add_help=False,
                         help="the main job under torchrun (trainer flags pass through)")
+    commands.add_parser("doctor", parents=[doctor_parser()], add_help=False,
+                        help="check this machine before a job (GPUs, port, interface, /dev/shm)")
     bench = commands.add_parser("bench", help="benchmarks: allreduce, ddp, scaling")
     which = bench.add_subparsers(dest="benchmark", metavar="{" + ",".join(BENCHMARKS) + "}")
     for name, module_name in BENCHMARKS.items():
@@ -149,7 +152,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``ddp-lesson train [...]`` or ``ddp-lesson bench {allreduce,ddp,scaling} [...]``."""
+    """``ddp-lesson train [...]``, ``ddp-lesson doctor [...]`` or
+    ``ddp-lesson bench {allreduce,ddp,scaling} [...]``."""
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = _parser()
     if not argv:
@@ -158,6 +162,10 @@ def main(argv: list[str] | None = None) -> int:
     opts, extra = parser.parse_known_args(argv)
     if opts.command == "train":
         return train(argv[1:])          # the trainer's own flags pass through
+    if opts.command == "doctor":
+        from .doctor import main as doctor_main
+
+        return doctor_main(argv[1:])
     if extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if opts.command == "bench" and getattr(opts, "run", None) is not None:

@@ -53,7 +53,7 @@ from .env import group_active
 __all__ = [
     "OPS", "chunk_bounds", "piece_bounds", "ring_send_chunk", "ring_recv_chunk", "ring_schedule",
     "ring_all_reduce", "pipelined_ring_all_reduce", "naive_all_reduce", "ring_reduce_scatter",
-    "holdings_line", "RingState", "simulate_ring_all_reduce", "ring_state_text", "ring_state_html",
+    "holdings_line", "RingState", "simulate_ring_all_reduce",
     "clear_buffer_cache", "default_piece_numel",
 ]
 
@@ -601,56 +601,3 @@ def simulate_ring_all_reduce(world_size: int = 3, values=None) -> list[RingState
             moves.append((src, dst, c))
         states.append(snapshot(step + 1, "reduce-scatter" if reduce_phase else "all-gather", moves))
     return states
-
-
-def _state_title(state: RingState) -> str:
-    total = 2 * (state.world_size - 1)
-    if state.step == 0:
-        return f"step 0 of {total}: inputs, nothing sent yet"
-    done = " (done: every rank holds the full sum)" if state.step == total else ""
-    return f"step {state.step} of {total}: {state.phase}{done}"
-
-
-def ring_state_text(state: RingState) -> str:
-    """Plain-text picture of one :class:`RingState`: a row per rank, a column per chunk.
-
-    Each cell shows the chunk's numbers and, after ``Σ``, the ranks summed into it.
-    """
-    lines = [_state_title(state)]
-    if state.moves:
-        lines.append("moves: " + ", ".join(f"r{s}->r{d} c{c}" for s, d, c in state.moves))
-    for r, row in enumerate(state.values):
-        cells = []
-        for c, vals in enumerate(row):
-            contrib = "".join(str(i) for i in sorted(state.contributors[r][c]))
-            cells.append(f"c{c}={_fmt(list(vals))} Σ{contrib}")
-        lines.append(f"rank {r}: " + "  ".join(cells))
-    return "\n".join(lines)
-
-
-def ring_state_html(state: RingState) -> str:
-    """HTML table of one :class:`RingState` (the stepper widget's picture).
-
-    Green: a chunk summed over every rank; yellow: partly summed; grey: only the rank's own
-    input. A bold border marks the chunk that arrived at this step.
-    """
-    full = frozenset(range(state.world_size))
-    arrived = {(d, c) for _, d, c in state.moves}
-    head = "".join(
-        f"<th style='padding:2px 8px'>chunk {c}</th>" for c in range(len(state.values[0]))
-    )
-    rows = []
-    for r, row in enumerate(state.values):
-        cells = []
-        for c, vals in enumerate(row):
-            contrib = state.contributors[r][c]
-            color = "#b7e4b0" if contrib == full else ("#ffe9a8" if len(contrib) > 1 else "#eeeeee")
-            border = "2px solid #333" if (r, c) in arrived else "1px solid #ccc"
-            label = "+".join(f"r{i}" for i in sorted(contrib))
-            cells.append(f"<td style='background:{color};border:{border};padding:2px 8px;"
-                         f"text-align:center'>{_fmt(list(vals))}<br><small>{label}</small></td>")
-        rows.append(f"<tr><th style='padding:2px 8px'>rank {r}</th>{''.join(cells)}</tr>")
-    moves = ", ".join(f"rank {s} → rank {d}: chunk {c}" for s, d, c in state.moves) or "—"
-    return (f"<div><b>{_state_title(state)}</b><br><small>messages: {moves}</small>"
-            f"<table style='border-collapse:collapse;margin-top:4px'><tr><th></th>{head}</tr>"
-            f"{''.join(rows)}</table></div>")

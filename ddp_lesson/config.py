@@ -250,6 +250,12 @@ class TrainConfig:
                 "implement it",
             ),
             (
+                not (self.static_graph and self.grad_accum_steps > 1),
+                f"static_graph with grad_accum_steps {self.grad_accum_steps}: torch's DDP fails "
+                "in its first no_sync() backward (expect_autograd_hooks_ INTERNAL ASSERT, seen "
+                "in torch 2.13); drop --static-graph or use --grad-accum-steps 1",
+            ),
+            (
                 self.ddp == "torch" or not self.gradient_as_bucket_view,
                 f"gradient_as_bucket_view needs --ddp torch: ddp_lesson's {self.ddp} wrapper "
                 "does not implement it",

@@ -304,7 +304,7 @@ def launch_env(base, backend: str | None, nprocs_here: int, announced: bool = Tr
     # init_process_group with "Gloo connectFullMesh failed ... Connection refused": the shared
     # store still holds the dead attempt's keys, which carry no restart count (pitfall C7 in
     # docs/pitfalls.md; pytorch/pytorch#135712, reported for NCCL). A fresh store per
-    # rendezvous round removes them: tests/test_elastic.py's restarts recover with it.
+    # rendezvous round removes them: tests/launch/test_elastic.py's restarts recover with it.
     env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     # Let the workers import this package even when it is not installed (a plain checkout).
     pkg_root = str(Path(__file__).resolve().parent.parent)

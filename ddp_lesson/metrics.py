@@ -13,7 +13,7 @@ to exactly one rank (no padding, no duplicates), and integer sums do not depend 
 they are added in. So the summed matrix is the single-process matrix, element for element,
 and the mIoU is the same at any world size (1, 2, 3, ...). torch's ``DistributedSampler``
 would not do: it pads the shards to equal length by repeating samples, which counts those
-samples twice (tests/test_metrics.py checks the exact equality with 2 and 3 ranks).
+samples twice (tests/evaluation/test_metrics.py checks the exact equality with 2 and 3 ranks).
 
 Definitions follow the Cityscapes benchmark (Cordts et al., CVPR 2016, "Semantic
 Segmentation: IoU = TP / (TP + FP + FN)"); pixels labelled ``ignore_index`` (255, "void")

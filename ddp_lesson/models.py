@@ -18,7 +18,7 @@ Two facts matter when the model is wrapped in ``DistributedDataParallel``:
   for every parameter each step, so ``find_unused_parameters`` stays ``False`` (its default).
   The seed script passed ``find_unused_parameters=True`` without a reason; that makes DDP
   walk the autograd graph after every forward to look for parameters that did not take part,
-  which costs time and hides nothing here. ``tests/test_models.py`` checks that every
+  which costs time and hides nothing here. ``tests/models/test_models.py`` checks that every
   parameter receives a gradient.
 * **BatchNorm normalises with the statistics of the batch it sees, and under DDP each rank
   sees only its own slice** of the global batch. With 4 ranks of 2 images each, every

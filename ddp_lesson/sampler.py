@@ -5,7 +5,7 @@ data. The slice is chosen by a *sampler*: an iterable of dataset indices handed 
 ``DataLoader``. :class:`DistributedSampler` rebuilds ``torch.utils.data.DistributedSampler``
 (source: ``torch/utils/data/distributed.py``) line by line in idea, and yields the same
 indices, index for index, for every dataset length, world size, rank, seed, epoch,
-``shuffle`` and ``drop_last`` (``tests/test_sampler.py`` checks this against torch's own).
+``shuffle`` and ``drop_last`` (``tests/sampler/test_sampler.py`` checks this against torch's own).
 
 The recipe, for a dataset of ``N`` samples and ``R = num_replicas`` ranks:
 

@@ -70,10 +70,15 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         c = x.shape[1]
         dims = [d for d in range(x.dim()) if d != 1]
         n_local = x.numel() // c if c else 0
+        # Low-precision inputs (bf16, fp16) are normalised in float32 and the result cast back
+        # to the input's dtype: torch's batch norm returns the input's dtype, also with fp32
+        # parameters (the --sync-bn --amp bf16 path), and computes in float internally.
+        acc = torch.promote_types(x.dtype, torch.float32)
+        xa = x.to(acc)
         if n_local > 0:
             # Stable local statistics first (var_mean is a two-pass/Welford reduction), then
             # turned into sums in float64, so combining them cannot cancel catastrophically.
-            var_l, mean_l = torch.var_mean(x, dim=dims, correction=0)
+            var_l, mean_l = torch.var_mean(xa, dim=dims, correction=0)
             mean_l, var_l = mean_l.double(), var_l.double()
             sums = torch.stack([mean_l * n_local, (var_l + mean_l * mean_l) * n_local,
                                 torch.full_like(mean_l, float(n_local))])
@@ -88,37 +93,40 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         mean = total_sum / count
         var = (total_sq / count - mean * mean).clamp_(min=0.0)  # biased: normalises
         invstd = torch.rsqrt(var + eps)
-        mean_x = mean.to(x.dtype)
-        invstd_x = invstd.to(x.dtype)
+        mean_a = mean.to(acc)
+        invstd_a = invstd.to(acc)
         shape = [1, c] + [1] * (x.dim() - 2)
-        xhat = (x - mean_x.view(shape)) * invstd_x.view(shape)
-        y = xhat
+        y = (xa - mean_a.view(shape)) * invstd_a.view(shape)
         if weight is not None:
-            y = y * weight.view(shape) + bias.view(shape)
-        ctx.save_for_backward(x, weight, mean_x, invstd_x, count.to(x.dtype))
+            y = y * weight.to(acc).view(shape) + bias.to(acc).view(shape)
+        ctx.save_for_backward(x, weight, mean_a, invstd_a, count.to(acc))
         ctx.process_group = process_group
         count0 = count[0].clone()
         ctx.mark_non_differentiable(mean, var, count0)
-        return y, mean, var, count0
+        return y.to(x.dtype), mean, var, count0
 
     @staticmethod
     def backward(ctx, dy, _dmean, _dvar, _dcount):
         x, weight, mean, invstd, count = ctx.saved_tensors
+        acc = mean.dtype
         c = x.shape[1]
         shape = [1, c] + [1] * (x.dim() - 2)
         dims = [d for d in range(x.dim()) if d != 1]
-        xmu = x - mean.view(shape)
+        dy = dy.to(acc)
+        xmu = x.to(acc) - mean.view(shape)
         if x.numel():
             sum_dy = dy.sum(dim=dims)
             sum_dy_xmu = (dy * xmu).sum(dim=dims)
         else:
-            sum_dy = torch.zeros(c, dtype=x.dtype, device=x.device)
+            sum_dy = torch.zeros(c, dtype=acc, device=x.device)
             sum_dy_xmu = torch.zeros_like(sum_dy)
         grad_weight = grad_bias = None
         if weight is not None:
             # Local contributions only: DDP's gradient all_reduce combines them across ranks.
-            grad_weight = sum_dy_xmu * invstd if ctx.needs_input_grad[1] else None
-            grad_bias = sum_dy.clone() if ctx.needs_input_grad[2] else None
+            if ctx.needs_input_grad[1]:
+                grad_weight = (sum_dy_xmu * invstd).to(weight.dtype)
+            if ctx.needs_input_grad[2]:
+                grad_bias = sum_dy.to(weight.dtype)
         # dx depends on the whole global batch through two per-channel sums. The all_reduce
         # runs whether or not this rank needs dx, so every rank issues the same collectives.
         both = torch.stack([sum_dy, sum_dy_xmu])
@@ -128,9 +136,10 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             mean_dy = both[0] / count
             mean_dy_xmu = both[1] / count
-            scale = invstd if weight is None else invstd * weight
-            grad_x = (dy - mean_dy.view(shape)
-                      - xmu * (invstd * invstd * mean_dy_xmu).view(shape)) * scale.view(shape)
+            scale = invstd if weight is None else invstd * weight.to(acc)
+            grad_x = ((dy - mean_dy.view(shape)
+                       - xmu * (invstd * invstd * mean_dy_xmu).view(shape))
+                      * scale.view(shape)).to(x.dtype)
         return grad_x, grad_weight, grad_bias, None, None
 
 
@@ -144,7 +153,8 @@ def sync_batch_norm(x: torch.Tensor, weight, bias, eps: float = 1e-5, process_gr
         process_group: the ranks to reduce over (None: the default group).
 
     Returns:
-        ``(y, mean, var, count)``: ``y`` like ``x``; the global per-channel ``mean`` and
+        ``(y, mean, var, count)``: ``y`` like ``x`` (its dtype too, as torch's batch norm:
+        bf16 in, bf16 out, computed in float32); the global per-channel ``mean`` and
         biased ``var`` as ``(C,)`` float64; ``count`` = global values per channel (0-dim).
 
     Synchronises: one all_reduce in forward and one in backward, on every rank of the group.

@@ -101,20 +101,16 @@ from .config import (
 from .data import IGNORE_INDEX, NUM_CLASSES
 from .env import group_active, print0
 from .evaluation import evaluate_exact
-from .gradients import scale_lr as scaled_lr
 from .metrics import miou_from_confusion
 from .models import build_model
 from .sampler import DistributedSampler
-from .step import Precision, StepTimer, model_logits, sum_over_ranks, train_step
+from .step import Precision, model_logits, sum_over_ranks, train_step
 from .syncbn import convert_sync_batchnorm
 
-# Re-exported: notebook 05 imports parse_config, derived_values and scaled_lr from here, the
-# exercise checker scaled_lr, the scaling benchmark TrainConfig and StepTimer; they live in
-# config.py, gradients.py and step.py. train_step is looked up here by Trainer.step (tests
-# replace it to simulate a crash).
-__all__ = ["TrainConfig", "TrainInputError", "parse_config", "derived_values", "scaled_lr",
-           "StepRecord", "StepTimer", "SkipSampler", "train_step", "Trainer", "wrap_model",
-           "main"]
+# Only what this module defines; import the flags, the checks and one step from config.py and
+# step.py. Trainer.step calls train_step through this module's globals, so a test can replace
+# ``ddp_lesson.train.train_step`` to simulate a crash.
+__all__ = ["StepRecord", "SkipSampler", "Trainer", "wrap_model", "main"]
 
 
 class StepRecord(NamedTuple):

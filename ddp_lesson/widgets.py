@@ -50,7 +50,7 @@ def sampler_report(n: int, world_size: int, epoch: int = 0, seed: int = 0,
     Raises:
         ValueError: ``n < 0`` or ``world_size < 1``.
     """
-    from .viz import sampler_layout
+    from .viz.sampler import sampler_layout
 
     sampler_epoch = epoch if call_set_epoch else 0
     lay = sampler_layout(n, world_size, shuffle, seed, sampler_epoch, drop_last)
@@ -102,6 +102,38 @@ def _png(fig) -> bytes:
 _CONTROLS = ("n", "world_size", "epoch", "seed", "shuffle", "drop_last", "call_set_epoch")
 
 
+def _sampler_controls(W, initial: dict, max_n: int, max_world_size: int,
+                      max_epoch: int) -> dict:
+    """The explorer's controls by name (:data:`_CONTROLS`): four IntSliders (N, world size,
+    epoch, seed) with their ranges and three Checkboxes, set to ``initial[name]``. ``W`` is
+    the ``ipywidgets`` module."""
+    style = {"description_width": "90px"}
+    return {
+        "n": W.IntSlider(value=initial["n"], min=0, max=max_n, description="N (samples)",
+                         style=style),
+        "world_size": W.IntSlider(value=initial["world_size"], min=1, max=max_world_size,
+                                  description="world size", style=style),
+        "epoch": W.IntSlider(value=initial["epoch"], min=0, max=max_epoch,
+                             description="epoch", style=style),
+        "seed": W.IntSlider(value=initial["seed"], min=0, max=99, description="seed",
+                            style=style),
+        "shuffle": W.Checkbox(value=initial["shuffle"], description="shuffle"),
+        "drop_last": W.Checkbox(value=initial["drop_last"], description="drop_last"),
+        "call_set_epoch": W.Checkbox(value=initial["call_set_epoch"],
+                                     description="call set_epoch"),
+    }
+
+
+def _heatmap_png(v: dict) -> bytes:
+    """The rank x position heatmap for the settings ``v`` (as ``SamplerExplorer.values()``),
+    as PNG bytes. The sampler sees the loop's epoch only when ``set_epoch`` is called."""
+    from .viz.sampler import sampler_heatmap
+
+    epoch = v["epoch"] if v["call_set_epoch"] else 0
+    return _png(sampler_heatmap(v["n"], v["world_size"], v["shuffle"], v["seed"], epoch,
+                                v["drop_last"]))
+
+
 @functools.cache
 def _explorer_class():
     import ipywidgets as W
@@ -117,21 +149,10 @@ def _explorer_class():
         ``redraws`` counts redraws.
         """
 
-        def __init__(self, n, world_size, epoch, seed, shuffle, drop_last, call_set_epoch,
-                     show_figure, max_n, max_world_size, max_epoch):
-            style = {"description_width": "90px"}
-            self.n = W.IntSlider(value=n, min=0, max=max_n, description="N (samples)",
-                                 style=style)
-            self.world_size = W.IntSlider(value=world_size, min=1, max=max_world_size,
-                                          description="world size", style=style)
-            self.epoch = W.IntSlider(value=epoch, min=0, max=max_epoch,
-                                     description="epoch", style=style)
-            self.seed = W.IntSlider(value=seed, min=0, max=99, description="seed",
-                                    style=style)
-            self.shuffle = W.Checkbox(value=shuffle, description="shuffle")
-            self.drop_last = W.Checkbox(value=drop_last, description="drop_last")
-            self.call_set_epoch = W.Checkbox(value=call_set_epoch,
-                                             description="call set_epoch")
+        def __init__(self, initial: dict, show_figure, limits: dict):
+            controls = _sampler_controls(W, initial, **limits)
+            for name in _CONTROLS:
+                setattr(self, name, controls[name])
             self.show_figure = show_figure
             self.image = W.Image(format="png") if show_figure else None
             self.report = W.HTML()
@@ -140,11 +161,8 @@ def _explorer_class():
             self._hold = False
             sliders = W.VBox([self.n, self.world_size, self.epoch, self.seed])
             toggles = W.VBox([self.shuffle, self.drop_last, self.call_set_epoch])
-            children = [W.HBox([sliders, toggles])]
-            if self.image is not None:
-                children.append(self.image)
-            children.append(self.report)
-            super().__init__(children=children)
+            views = [self.image] if self.image is not None else []
+            super().__init__(children=[W.HBox([sliders, toggles]), *views, self.report])
             for name in _CONTROLS:
                 getattr(self, name).observe(self._on_change, names="value")
             self.refresh()
@@ -175,15 +193,11 @@ def _explorer_class():
             """Recompute the text and redraw the heatmap from the controls."""
             import html
 
-            from .viz import sampler_heatmap
-
             v = self.values()
             self.text = sampler_report(**v)
             self.report.value = f"<pre>{html.escape(self.text)}</pre>"
             if self.image is not None:
-                epoch = v["epoch"] if v["call_set_epoch"] else 0
-                self.image.value = _png(sampler_heatmap(
-                    v["n"], v["world_size"], v["shuffle"], v["seed"], epoch, v["drop_last"]))
+                self.image.value = _heatmap_png(v)
             self.redraws += 1
 
         def __repr__(self) -> str:
@@ -212,7 +226,7 @@ def sampler_explorer(n: int = 10, world_size: int = 3, epoch: int = 0, seed: int
 
     Sliders for N, world size, epoch and seed; toggles for shuffle, drop_last and "call
     set_epoch". Every change redraws the rank x position heatmap
-    (:func:`ddp_lesson.viz.sampler_heatmap`) and the text of :func:`sampler_report`: each
+    (:func:`ddp_lesson.viz.sampler.sampler_heatmap`) and the text of :func:`sampler_report`: each
     rank's indices, the padded repeats and the dropped indices. Constructible without a
     display; nothing communicates (pure index arithmetic).
 
@@ -233,9 +247,10 @@ def sampler_explorer(n: int = 10, world_size: int = 3, epoch: int = 0, seed: int
                                 ("epoch", epoch, 0, max_epoch), ("seed", seed, 0, 99)):
         if not lo <= value <= hi:
             raise ValueError(f"{name}={value} is outside the slider range [{lo}, {hi}]")
-    cls = _explorer_class()
-    return cls(n, world_size, epoch, seed, shuffle, drop_last, call_set_epoch, show_figure,
-               max_n, max_world_size, max_epoch)
+    initial = {"n": n, "world_size": world_size, "epoch": epoch, "seed": seed,
+               "shuffle": shuffle, "drop_last": drop_last, "call_set_epoch": call_set_epoch}
+    limits = {"max_n": max_n, "max_world_size": max_world_size, "max_epoch": max_epoch}
+    return _explorer_class()(initial, show_figure, limits)
 
 
 # ============================================================ ring all-reduce stepper (notebook 03)
@@ -251,7 +266,7 @@ def _stepper_class():
         Controls: ``world_size`` and ``step`` (IntSliders; set ``.value`` to drive them).
         Views: ``view`` (an ``ipywidgets.HTML`` table, ranks x chunks, coloured by how many
         ranks' inputs a chunk already sums), ``text`` (the same as plain text, from
-        :func:`ddp_lesson.collectives.ring_state_text`). ``states`` is the list of
+        :func:`ddp_lesson.viz.collectives.ring_state_text`). ``states`` is the list of
         :class:`ddp_lesson.collectives.RingState` from
         :func:`ddp_lesson.collectives.simulate_ring_all_reduce`; ``state`` the one shown.
         """
@@ -291,7 +306,7 @@ def _stepper_class():
 
         def refresh(self) -> None:
             """Redraw the table and the text for the current step."""
-            from .collectives import ring_state_html, ring_state_text
+            from .viz.collectives import ring_state_html, ring_state_text
 
             self.text = ring_state_text(self.state)
             self.view.value = ring_state_html(self.state)

@@ -21,6 +21,10 @@ def _without_stderr(outputs):
 
 def pytest_collection_modifyitems(items):
     for item in items:
+        if type(item).__name__ == "IPyNbCell":
+            # a replay runs the notebook's cells in a kernel: not the quick tier (tests/tiers.py)
+            item.add_marker("slow")
+            item.add_marker("notebook")
         if type(item).__name__ == "IPyNbCell" and hasattr(item, "compare_outputs"):
             compare = item.compare_outputs
 

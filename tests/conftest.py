@@ -14,7 +14,17 @@ it prints exactly what is stored, so the same lines are checked on a fresh run e
 
 from __future__ import annotations
 
+import contextlib
+import sys
+from pathlib import Path
+
 import pytest
+
+# The shared helpers (notebook_cells, gpt_reference, sampler_reference) live beside this file and
+# the tests sit in folders below it: put this folder on sys.path whatever pytest's import mode.
+HELPERS = str(Path(__file__).resolve().parent)
+if HELPERS not in sys.path:
+    sys.path.insert(0, HELPERS)
 
 
 def lab_rank0_lines(module: str, world_size: int, timeout: float = 120) -> list[str]:
@@ -70,3 +80,53 @@ def zero_lab(request):
 def fsdp_lab(request):
     """``(world_size, lines)`` of ``ddp_lesson.labs.fsdp_tinygpt`` (FSDP2 against DDP)."""
     return request.param, notebook07_or_launch("ddp_lesson.labs.fsdp_tinygpt", request.param)
+
+
+# ----------------------------------------------------------------------------- the quick tier
+# tests/tiers.py: the slow tests, and the guard that fails a test not marked slow that starts
+# a process. `pytest -m "not slow"` is the quick tier (CONTRIBUTING.md, "Tests").
+
+import tiers  # noqa: E402  (found through the sys.path entry above)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items):
+    for item in items:
+        path = getattr(item, "path", None)
+        cls = getattr(item, "cls", None)
+        names = {getattr(item, "originalname", None) or item.name, cls and cls.__name__}
+        if path is not None and tiers.is_listed_slow(path, names):
+            item.add_marker(pytest.mark.slow)
+        if path is not None and tiers.reads_notebooks(path):
+            item.add_marker(pytest.mark.notebook)
+
+
+def _guarded(item):
+    """The process guard for a test below tests/ not marked slow; a no-op otherwise."""
+    below_tests = tiers.TESTS in Path(item.path).resolve().parents
+    if not below_tests or item.get_closest_marker("slow") is not None:
+        return contextlib.nullcontext()
+    return tiers.no_process_starts(item.nodeid, lambda msg: pytest.fail(msg, pytrace=False))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item):
+    with _guarded(item) as guard:
+        result = yield
+    _fail_if_swallowed(item, guard)
+    return result
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    with _guarded(item) as guard:
+        result = yield
+    _fail_if_swallowed(item, guard)
+    return result
+
+
+def _fail_if_swallowed(item, guard):
+    if guard is not None and guard.started:
+        pytest.fail(f"{item.nodeid} starts a process ({guard.started[0]}) but is not marked "
+                    "slow (the test caught the failure): add it to SLOW in tests/tiers.py",
+                    pytrace=False)

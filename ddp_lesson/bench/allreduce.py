@@ -24,7 +24,8 @@ Timing: float32 tensors of zeros (no overflow, no denormals), SUM, one warm-up c
 rank. Methods are interleaved so load from other programs hits them alike. Each row keeps the
 minimum, median and maximum over the rounds of the seconds per call (``seconds`` is the
 median) and of the bandwidths derived from them: algbw = bytes / time, busbw = algbw ·
-2(R-1)/R (nccl-tests doc/PERFORMANCE.md). Figure: :func:`ddp_lesson.viz.allreduce_bandwidth_figure`.
+2(R-1)/R (nccl-tests doc/PERFORMANCE.md). Figure:
+:func:`ddp_lesson.viz.collectives.allreduce_bandwidth_figure`.
 
 On a 2-core machine 4 processes are oversubscribed (two processes per core): that run shows
 what the algorithms do when compute and communication compete for the CPU, not a network.
@@ -288,7 +289,7 @@ def run(opts) -> int:
         rows += got
     write_results(rows, opts.out)
     print(f"wrote {opts.out}")
-    from ..viz import allreduce_bandwidth_figure
+    from ..viz.collectives import allreduce_bandwidth_figure
 
     write_figure(allreduce_bandwidth_figure, rows, opts)
     for R, res in ratios(rows).items():

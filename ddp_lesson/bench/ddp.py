@@ -335,7 +335,7 @@ def run(opts) -> int:
     rows = read_results(opts.out)
     print("\n".join(summary_lines(rows)))
     print(f"wrote {opts.out}")
-    from ..viz import ddp_benchmark_figure
+    from ..viz.ddp import ddp_benchmark_figure
 
     write_figure(ddp_benchmark_figure, rows, opts)
     return 0

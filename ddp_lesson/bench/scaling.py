@@ -28,7 +28,7 @@ the main source of that noise).
 One thread per process (``OMP_NUM_THREADS=1``) by default: on a machine with C cores, R <= C
 processes each get a core, and R > C processes share them (expect the efficiency to drop).
 
-Writes ``benchmarks/scaling.csv`` and ``benchmarks/scaling.png`` (:func:`ddp_lesson.viz.
+Writes ``benchmarks/scaling.csv`` and ``benchmarks/scaling.png`` (:func:`ddp_lesson.viz.training.
 scaling_figure`; ``--figure none`` skips it). Timings are not tests: they depend on the machine
 and its load. One run on a rank: ``torchrun --standalone --nproc-per-node 2 -m
 ddp_lesson.bench.scaling worker '{"batch_per_rank": 8, "steps": 10, ...}'``.
@@ -108,7 +108,9 @@ def run_worker(spec: dict) -> dict:
     import torch.distributed as dist
 
     from .. import env as dist_env
-    from ..train import StepTimer, TrainConfig, Trainer, _set_threads_from_env
+    from ..config import TrainConfig
+    from ..step import StepTimer
+    from ..train import Trainer, _set_threads_from_env
 
     _set_threads_from_env()
     env = dist_env.init_distributed(timeout=spec.get("timeout_s", 300), announce=False)
@@ -302,7 +304,7 @@ def run(args) -> int:
     print(f"wrote {args.out}")
     for row in rows:
         print(summary_line(row))
-    from ..viz import scaling_figure
+    from ..viz.training import scaling_figure
 
     write_figure(scaling_figure, rows, args)
     return 0

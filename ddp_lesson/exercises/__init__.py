@@ -11,14 +11,16 @@ Distributed exercises run your function or class on several real processes throu
 torchrun (gloo on CPU, whatever the hardware; a few seconds each), so a collective that
 hangs or a rank that raises ends in a verdict naming the rank, not a frozen notebook.
 The reference solutions live in :mod:`ddp_lesson.exercises.solutions` (spoilers);
-``reference("02.1")`` returns one.
+``reference("02.1")`` returns one. Each exercise's checker is a module of its own in
+:mod:`ddp_lesson.exercises.catalog` (``catalog/ex_02_1_sampler.py``, ...).
 """
 from __future__ import annotations
 
-# the catalogue registers every exercise in core.REGISTRY when imported; importing it here
-# (rather than from core.get) keeps core free of an import back into this package
+# the catalogue registers every exercise in registry.REGISTRY when imported; importing it here
+# (rather than from registry.get) keeps the registry free of an import of its own exercises
 from . import catalog  # noqa: F401
-from .core import REGISTRY, Exercise, Verdict, get, run_candidates
+from .core import run_candidates
+from .registry import REGISTRY, Exercise, Verdict, get
 
 __all__ = ["check", "describe", "reference", "exercise_ids", "Verdict", "Exercise"]
 

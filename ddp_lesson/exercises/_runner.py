@@ -143,6 +143,8 @@ def main(argv=None) -> int:
     import torch.distributed as dist
 
     from . import core
+    from .errors import error_record
+    from .registry import StopCandidate, get
 
     payload, outdir, timeout_s = (argv or sys.argv[1:])[:3]
     timeout_s = float(timeout_s)
@@ -154,7 +156,7 @@ def main(argv=None) -> int:
     current = env.world_size  # the size of the default group now (None: not in one)
     for index, (exercise_id, fn, lines) in enumerate(
             zip(loaded["exercises"], loaded["candidates"], loaded["sources"])):
-        ex = core.get(exercise_id)
+        ex = get(exercise_id)
         for code in core._code_objects(fn):  # so a traceback shows the learner's lines
             if lines:
                 linecache.cache[code.co_filename] = (sum(map(len, lines)), None, lines,
@@ -173,8 +175,8 @@ def main(argv=None) -> int:
                     record[size] = ex.run_rank(fn, env.rank, size)
                 except (Exception, SystemExit) as exc:
                     state = "failed"
-                    record[size] = (exc.result if isinstance(exc, core.StopCandidate)
-                                    else core.error_record(exc))
+                    record[size] = (exc.result if isinstance(exc, StopCandidate)
+                                    else error_record(exc))
                 _save(out, results)
             # Peers waiting for a failing rank give up within one collective timeout; a rank
             # sitting this size out waits as long as a rank joining a group does.

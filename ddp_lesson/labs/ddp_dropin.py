@@ -6,7 +6,7 @@ Each scenario runs the same inputs through torch's ``DistributedDataParallel`` (
 is the reference: it neither hangs nor breaks the process group) and through both wrappers,
 and prints one JSON line per scenario and rank: ``{"scenario": ..., "rank": r, ...}`` where
 each wrapper's entry is a number list, or ``["error", type, message]``. World size 2, gloo;
-tests/test_ddp_dropin.py reads the lines and asserts the values.
+tests/ddp/test_ddp_dropin.py reads the lines and asserts the values.
 """
 from __future__ import annotations
 

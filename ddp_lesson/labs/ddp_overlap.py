@@ -15,7 +15,8 @@ trains the DeepLab-style model on its own fixed batch with:
 
 A :class:`ddp_lesson.ddp.Recorder` on each wrapper records gradient-ready times and
 all-reduce intervals; rank 0 gathers every rank's records and writes them to ``--out`` as
-JSON for :func:`ddp_lesson.viz.ddp_timeline_figure` and :func:`ddp_lesson.viz.bucket_sweep_figure`.
+JSON for :func:`ddp_lesson.viz.ddp.ddp_timeline_figure` and
+:func:`ddp_lesson.viz.ddp.bucket_sweep_figure`.
 Printed lines are deterministic (bucket counts, what was written); the measured times go only
 into the JSON.
 """

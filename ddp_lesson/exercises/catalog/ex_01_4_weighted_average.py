@@ -1,0 +1,76 @@
+"""Exercise 01.4: the gradient average weighted by unequal shard sizes, on 3 processes.
+
+Every rank passes its own mean-loss gradient and sample count; the judge recomputes the
+weighted average with :func:`ddp_lesson.gradients.weighted_average` and names the usual
+wrong answers (the plain mean, the sum, a constant total) when the values show one.
+"""
+from __future__ import annotations
+
+import torch
+
+from .. import solutions as S
+from ..registry import Exercise, register
+from ..values import close, fmt_list, ranks_text, returned
+
+#: Shard sizes per rank. The first three total 8, so a constant 8 could stand in for the total
+#: count; the last two total 11 and 13.
+_COUNTS = ([4, 2, 2], [5, 2, 1], [1, 1, 6], [3, 6, 2], [7, 5, 1])
+
+
+def _grad(rank: int) -> torch.Tensor:
+    return torch.tensor([rank + 1.0, -0.5 * (rank + 1), rank * rank + 0.25])
+
+
+def _rank(fn, rank, world_size):
+    out = []
+    for counts in _COUNTS:
+        got = fn(_grad(rank), counts[rank])
+        out.append(returned(got, "a tensor of 3 numbers",
+                            lambda v: [float(x) for x in torch.as_tensor(v).reshape(-1)]))
+    return out
+
+
+def _judge(results) -> list[str]:
+    from ...gradients import average, weighted_average
+
+    R = len(results)
+    grads = [_grad(r) for r in range(R)]
+    for i, counts in enumerate(_COUNTS):
+        want = weighted_average(grads, counts).tolist()
+        for r in range(R):
+            got = results[r][i]
+            if close(got, want):
+                continue
+            shards = ", ".join(map(str, counts))
+            msg = (f"with shards of {shards} samples, rank {r} returned {fmt_list(got)}; the "
+                   f"global-batch gradient is {fmt_list(want)}")
+            if close(got, average(grads).tolist()):
+                msg += (": yours is the plain mean of the 3 gradients, right only for equal "
+                        "shards. Weight each rank's gradient by its count: sum n_r * g_r and "
+                        "n_r over the ranks (two all-reduces, or one), then divide")
+            elif close(got, sum(grads).tolist()):
+                msg += ": yours is the plain sum. Weight by the counts and divide by their total"
+            elif close(got, sum(g * n for g, n in zip(grads, counts)).tolist()):
+                msg += f": yours is sum n_r * g_r; divide it by the total count {sum(counts)}"
+            elif close(got, grads[r].tolist()):
+                msg += ": yours is this rank's own gradient; nothing was all-reduced"
+            elif sum(counts) != 8 and close(got, (weighted_average(grads, counts)
+                                                  * sum(counts) / 8).tolist()):
+                msg += (f": yours divides by 8, the total of the other cases; here it is "
+                        f"{sum(counts)}. All-reduce the counts too")
+            others = [s for s in range(R) if s != r and not close(results[s][i], got)]
+            if others:
+                msg += f". Ranks {ranks_text([r] + others)} also disagree with each other"
+            return [msg + "."]
+    return []
+
+
+register(Exercise(
+    "01.4", "weighted gradient average over unequal shards",
+    task="Write weighted_average_gradient(grad, count) -> Tensor, called on every rank with "
+         "its mean-loss gradient and its shard's sample count; return sum_r n_r g_r / sum_r n_r "
+         "(the same on every rank) using all_reduce.",
+    signature="fn(grad: Tensor (3,), count: int) -> Tensor (3,)   # a collective",
+    reference=S.weighted_average_gradient, kind="distributed", world_size=3,
+    run_rank=_rank, judge=_judge,
+    checked="3 processes (torchrun, gloo), shards 4/2/2, 5/2/1, 1/1/6, 3/6/2 and 7/5/1"))

@@ -1,0 +1,254 @@
+"""Which rank, which collective? A reader of torch's flight-recorder dumps, for gloo and NCCL.
+
+    python -m ddp_lesson.flight DIR [--prefix trace_]
+
+torch's flight recorder keeps, in every rank, a ring buffer of the collectives that rank issued
+(sequence id, op, tensor sizes and dtypes, the Python stack that called it, and whether it
+completed). torch 2.13 records on gloo as well as NCCL, with the buffer size variable
+(``TORCH_FR_BUFFER_SIZE``) left unset: ``torch._C._distributed_c10d._dump_fr_trace()`` returns
+the pickled record (``{"version", "pg_config", "pg_status", "entries", ...}``). Each rank of a
+hung or failed job writes its record to ``DIR/<prefix><rank>`` (:func:`write_trace` does that;
+NCCL's watchdog does it itself with ``TORCH_FR_DUMP_TEMP_FILE``), and this module reads the
+files back and prints, for every rank, its last completed and first unfinished collective, then
+one verdict line naming the rank and collective that diverged.
+
+torch has its own analyzer, ``python -m torch.distributed.flight_recorder.fr_trace DIR``; on the
+gloo dumps of torch 2.13 it stops with ``KeyError: ('0', 0)`` (its ``pg_config`` is keyed by the
+group's description, ``''`` for the default group, the entries by its name ``'0'``:
+``tests/collectives/test_flight.py`` shows it). This reader needs no such match.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pickle
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+#: A frame inside torch itself (its wrappers around the call), skipped when naming the caller.
+_TORCH_FRAME = re.compile(r"[/\\]torch[/\\]")
+_RANK_FILE = re.compile(r"^(?P<prefix>.*?)(?P<rank>\d+)$")
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One recorded collective of one rank.
+
+    Attributes:
+        seq: the collective's sequence id in its process group (1, 2, ...): the same
+            collective has the same id on every rank of the group.
+        op: the op, e.g. ``"all_reduce"`` (torch's ``profiling_name`` without ``gloo:``/``nccl:``).
+        sizes: the input tensors' shapes.
+        dtypes: their dtypes as torch records them (``"Float"``).
+        caller: ``file:line`` of the first frame outside torch (the program's call), or ``"?"``.
+    """
+
+    seq: int
+    op: str
+    sizes: tuple
+    dtypes: tuple
+    caller: str
+
+    def text(self) -> str:
+        """``#3 all_reduce [3] Float (job.py:9)``."""
+        sizes = ", ".join(str(list(s)) for s in self.sizes) or "[]"
+        return f"#{self.seq} {self.op} {sizes} {'/'.join(self.dtypes)} ({self.caller})"
+
+    def signature(self) -> tuple:
+        """What must be equal on every rank for the collective to match."""
+        return self.op, self.sizes, self.dtypes
+
+
+@dataclass(frozen=True)
+class RankLedger:
+    """One rank's place in one process group, read from its dump.
+
+    Attributes:
+        rank: the global rank (from the file name).
+        group: the process group's name (``"0"`` for the default group).
+        last_completed: the last collective that completed on this rank, or None.
+        first_unfinished: the first one issued and not completed, or None.
+    """
+
+    rank: int
+    group: str
+    last_completed: Collective | None
+    first_unfinished: Collective | None
+
+    def lines(self) -> list[str]:
+        """Two short lines, one fact each."""
+        done = self.last_completed.text() if self.last_completed else "none"
+        todo = self.first_unfinished.text() if self.first_unfinished else "none"
+        return [f"rank {self.rank} last completed: {done}",
+                f"rank {self.rank} first unfinished: {todo}"]
+
+
+def write_trace(directory: str | os.PathLike, rank: int, prefix: str = "trace_",
+                stacks: bool = True) -> Path:
+    """Write this rank's flight record to ``directory/<prefix><rank>`` and return the path.
+
+    Local, no communication: safe to call while a collective hangs, or after it failed (then
+    the failed collective reads as completed: see :func:`verdict`). ``stacks=False`` leaves out
+    the callers' stacks: a process's first dump with stacks imports ``torch._dynamo`` to
+    symbolise them, a few CPU-seconds (measured in torch 2.13), later dumps are immediate.
+    """
+    from torch._C._distributed_c10d import _dump_fr_trace
+
+    path = Path(directory) / f"{prefix}{rank}"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = _dump_fr_trace(includeStackTraces=stacks)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)  # a reader never sees half a dump
+    return path
+
+
+def dump_when_stuck(directory: str | os.PathLike, rank: int, after_s: float,
+                    prefix: str = "trace_", stacks: bool = True):
+    """Start a thread that writes this rank's record after ``after_s`` seconds unless told not
+    to, so the dump shows the job as it hangs (the stuck collective still unfinished).
+
+    Returns ``(ok, thread)``: set the ``threading.Event`` ``ok`` once the step went well and
+    nothing is written; join ``thread`` before the process exits, or the dump is cut short.
+    """
+    import threading
+
+    ok = threading.Event()
+
+    def watch():
+        if not ok.wait(after_s):
+            write_trace(directory, rank, prefix, stacks)
+
+    thread = threading.Thread(target=watch, name="flight-dump", daemon=True)
+    thread.start()
+    return ok, thread
+
+
+def _caller(frames) -> str:
+    for frame in frames or ():
+        name = frame.get("filename", "")
+        if name and not _TORCH_FRAME.search(name):
+            return f"{os.path.basename(name)}:{frame.get('line', '?')}"
+    return "?"
+
+
+def _collective(entry: dict) -> Collective:
+    op = str(entry.get("profiling_name", "?")).split(":", 1)[-1]
+    return Collective(int(entry["collective_seq_id"]), op,
+                      tuple(tuple(s) for s in entry.get("input_sizes") or ()),
+                      tuple(entry.get("input_dtypes") or ()), _caller(entry.get("frames")))
+
+
+def load_dumps(directory: str | os.PathLike, prefix: str | None = None) -> dict[int, dict]:
+    """``{rank: dump}`` for every ``<prefix><rank>`` file in ``directory`` (pickle or JSON).
+
+    Raises:
+        FileNotFoundError: no dump file there.
+        ValueError: files with different prefixes and no ``prefix`` given.
+    """
+    files = {}
+    for path in sorted(Path(directory).iterdir()):
+        m = _RANK_FILE.match(path.name)  # "trace_0.tmp" (a dump being written) does not match
+        if path.is_file() and m and (prefix is None or m["prefix"] == prefix):
+            files.setdefault(m["prefix"], {})[int(m["rank"])] = path
+    if not files:
+        raise FileNotFoundError(f"no flight-recorder dump (<prefix><rank>) in {directory}")
+    if len(files) > 1:
+        raise ValueError(f"dumps with several prefixes in {directory}: {sorted(files)}; "
+                         "pass --prefix")
+    dumps = {}
+    for rank, path in next(iter(files.values())).items():
+        raw = path.read_bytes()
+        dumps[rank] = json.loads(raw) if raw[:1] == b"{" else pickle.loads(raw)
+    return dumps
+
+
+def _issued(dump: dict, group: str) -> list[Collective]:
+    return [_collective(e) for e in dump.get("entries", ())
+            if str(e.get("process_group", ("0",))[0]) == group and not e.get("is_p2p")]
+
+
+def ledgers(dumps: dict[int, dict], group: str = "0") -> list[RankLedger]:
+    """Every rank's :class:`RankLedger` in process group ``group`` (``"0"``: the default)."""
+    out = []
+    for rank in sorted(dumps):
+        status = dumps[rank].get("pg_status", {}).get(group, {})
+        done = int(status.get("last_completed_collective", -1))
+        seen = _issued(dumps[rank], group)
+        last = next((c for c in reversed(seen) if c.seq <= done), None)
+        first = next((c for c in seen if c.seq > done), None)
+        out.append(RankLedger(rank, group, last, first))
+    return out
+
+
+def _group_ranks(dumps: dict[int, dict]) -> list[int]:
+    for dump in dumps.values():
+        for config in dump.get("pg_config", {}).values():
+            ranks = config.get("ranks")
+            if isinstance(ranks, str):
+                return json.loads(ranks)
+    return sorted(dumps)
+
+
+def verdict(dumps: dict[int, dict], group: str = "0") -> str:
+    """One line: which rank and which collective diverged, from every rank's record.
+
+    The first sequence id that some rank never issued, or that ranks issued with different
+    ops, shapes or dtypes, is the divergence. The ranks' records are compared id by id rather
+    than by completion state, because completion is recorded after the fact: a collective that
+    failed (a timeout, a peer gone) is retired as completed once the error is raised, and one
+    that succeeded reads as unfinished for a moment after the call returned (both seen on gloo,
+    torch 2.13). So "every rank waits" means something only in a dump taken during a hang.
+    """
+    rows = ledgers(dumps, group)
+    silent = [r for r in _group_ranks(dumps) if r not in dumps]
+    if silent:
+        return f"rank {', '.join(map(str, silent))} wrote no trace: it died or never got there"
+    issued = {r: {c.seq: c for c in _issued(dumps[r], group)} for r in dumps}
+    start = max((min(s) for s in issued.values() if s), default=1)  # older ids may be dropped
+    for seq in sorted({s for seqs in issued.values() for s in seqs if s >= start}):
+        have = {r: seqs[seq] for r, seqs in issued.items() if seq in seqs}
+        some = next(iter(have.values()))
+        if len(have) < len(issued):
+            missing = ", ".join(str(r) for r in sorted(issued) if r not in have)
+            return (f"rank {missing} never called #{seq} {some.op} ({some.caller}), "
+                    f"rank {', '.join(map(str, sorted(have)))} did")
+        if len({c.signature() for c in have.values()}) > 1:
+            parts = "; ".join(f"rank {r} {c.op} {[list(x) for x in c.sizes]} ({c.caller})"
+                              for r, c in sorted(have.items()))
+            return f"#{seq} differs: {parts}"
+    waiting = [r.first_unfinished for r in rows if r.first_unfinished]
+    if waiting:
+        c = min(waiting, key=lambda c: c.seq)
+        return f"every rank waits in #{c.seq} {c.op} ({c.caller}): the records match"
+    last = max((r.last_completed.seq for r in rows if r.last_completed), default=0)
+    return f"nothing unfinished: every rank completed collective #{last}"
+
+
+def report(directory: str | os.PathLike, prefix: str | None = None) -> list[str]:
+    """The ledger lines of every rank, then the verdict line."""
+    dumps = load_dumps(directory, prefix)
+    lines = [line for row in ledgers(dumps) for line in row.lines()]
+    return lines + ["verdict: " + verdict(dumps)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m ddp_lesson.flight",
+                                description="Per-rank ledger of flight-recorder dumps.")
+    p.add_argument("directory", help="folder holding one dump per rank, <prefix><rank>")
+    p.add_argument("--prefix", default=None, help="file name before the rank (inferred)")
+    opts = p.parse_args(argv)
+    try:
+        lines = report(opts.directory, opts.prefix)
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"ddp_lesson.flight: {exc}", file=sys.stderr)
+        return 2
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,261 @@
+"""The DDP wrappers at work (notebook 04): a step's timeline per rank, the bucket-size
+sweep, the wrappers' benchmark, and the map of torch's C++ Reducer onto our BucketedDDP."""
+from __future__ import annotations
+
+from .style import LABEL_PT, MIN_WIDTH_IN, SMALL_PT, finish, subplots
+
+__all__ = ["ddp_timeline_figure", "bucket_sweep_figure", "ddp_benchmark_figure", "REDUCER_MAP",
+           "reducer_map_figure"]
+
+
+def _as_step_record(rec):
+    from ..ddp import StepRecord
+
+    return rec if isinstance(rec, StepRecord) else StepRecord.from_dict(rec)
+
+
+def ddp_timeline_figure(panels, figsize=(7, 3.4), align: bool = True):
+    """Per-rank timeline of one training step: backward, gradient-ready ticks, all-reduces.
+
+    One panel per scenario (e.g. NaiveDDP, buckets without overlap, buckets with overlap),
+    sharing the time axis. In each, every rank has two lanes: the upper one is backward
+    (grey bar from the end of forward to the end of autograd, a tick where each gradient was
+    accumulated), the lower one its all-reduces (alternating colours, one box per bucket or
+    per parameter) and, hatched in red, the time between the end of that rank's backward
+    and the moment its ``backward()`` returned with averaged gradients (communication, or
+    waiting for a slower rank). Each panel's title gives the job's exposed communication
+    (:func:`ddp_lesson.ddp.job_exposed_s`).
+
+    Args:
+        panels: ``[(title, records), ...]`` where ``records`` holds one
+            :class:`ddp_lesson.ddp.StepRecord` (or its ``to_dict()``) per rank, in rank order.
+        figsize: inches.
+        align: shift each rank by its ``t0_s`` (when its forward returned, on the machine's
+            monotonic clock) so that the ranks share one time axis, starting at the earliest
+            rank; False: every rank starts at 0 (use for ranks on different machines).
+
+    Returns:
+        The ``Figure``, one Axes per panel. Exposed spans are patches with
+        ``gid == "exposed"``, all-reduce boxes ``gid == "comm"``.
+    """
+    from matplotlib.patches import Patch
+
+    fig, axes = subplots(len(panels), 1, figsize=figsize, sharex=True,
+                             squeeze=False)
+    colours = ("tab:blue", "tab:orange")
+    for ax, (title, records) in zip(axes[:, 0], panels):
+        records = [_as_step_record(r) for r in records]
+        first = min(r.t0_s for r in records) if align else 0.0
+        for row, rec in enumerate(records):
+            y = len(records) - 1 - row
+            shift = (rec.t0_s - first) * 1e3 if align else 0.0
+            ax.broken_barh([(shift, rec.backward_end_s * 1e3)], (y + 0.05, 0.4),
+                           facecolors="lightgrey", edgecolors="grey", linewidth=0.5)
+            ticks = [shift + t * 1e3 for t in rec.grad_ready_s.values()]
+            ax.vlines(ticks, y + 0.05, y + 0.45, colors="black", linewidth=0.5)
+            for k, e in enumerate(rec.comm):
+                ax.broken_barh([(shift + e.start_s * 1e3,
+                                 max(e.end_s - e.start_s, 1e-5) * 1e3)],
+                               (y - 0.45, 0.4), facecolors=colours[k % 2], edgecolors="white",
+                               linewidth=0.3, gid="comm")
+            if rec.exposed_s > 0:
+                ax.broken_barh([(shift + rec.backward_end_s * 1e3, rec.exposed_s * 1e3)],
+                               (y - 0.5, 1.0), facecolors="none", edgecolors="red",
+                               hatch="///", linewidth=0.8, gid="exposed")
+        ax.set_yticks(range(len(records)))
+        ax.set_yticklabels([f"rank {len(records) - 1 - i}" for i in range(len(records))],
+                           fontsize=SMALL_PT)
+        ax.set_ylim(-0.6, len(records) - 0.4)
+        if align:
+            from ..ddp import job_exposed_s
+
+            exposed = job_exposed_s(records) * 1e3
+            what = "after the last rank's backward"
+        else:
+            exposed, what = max(r.exposed_s for r in records) * 1e3, "on the slowest rank"
+        ax.set_title(
+            f"{title}: {exposed:.0f} ms of communication exposed {what}", fontsize=SMALL_PT
+        )
+        ax.tick_params(labelsize=SMALL_PT)
+    axes[-1, 0].set_xlabel("ms since the first rank's forward returned" if align
+                           else "ms since the end of forward", fontsize=SMALL_PT)
+    handles = [Patch(facecolor="lightgrey", edgecolor="grey", label="backward (| = grad ready)"),
+               Patch(facecolor=colours[0], label="all-reduce"),
+               Patch(facecolor="none", edgecolor="red", hatch="///",
+                     label="after backward (communication or waiting)")]
+    fig.legend(handles=handles, loc="lower center", ncol=3, fontsize=SMALL_PT, frameon=False)
+    return finish(fig, rect=(0, 0.06, 1, 1))
+
+
+def bucket_sweep_figure(predicted, measured=None, figsize=(MIN_WIDTH_IN, 3.4)):
+    """Exposed communication against bucket cap: the cost model's curve and measured points.
+
+    Args:
+        predicted: rows of :func:`ddp_lesson.ddp.predict_bucket_sweep` (the last row, with
+            ``cap_mb=None``, is NaiveDDP and is drawn as a horizontal line).
+        measured: optional ``[(cap_mb, exposed_s), ...]`` (several per cap allowed);
+            ``cap_mb=None`` marks NaiveDDP measurements.
+        figsize: inches.
+
+    Returns:
+        The ``Figure`` (one Axes, log-scaled x). The model's line has ``gid == "model"``,
+        the measured points ``gid == "measured"``.
+    """
+
+    fig, ax = subplots(figsize=figsize)
+    caps = [r for r in predicted if r["cap_mb"] is not None]
+    naive = [r for r in predicted if r["cap_mb"] is None]
+    xs = [max(r["cap_mb"], 1e-3) for r in caps]
+    ys = [r["exposed_s"] * 1e3 for r in caps]
+    ax.plot(xs, ys, "-o", color="tab:blue", markersize=4, label="cost model", gid="model")
+    best = min(range(len(ys)), key=ys.__getitem__)
+    ax.plot([xs[best]], [ys[best]], "*", color="tab:green", markersize=12,
+            label=f"model optimum: {caps[best]['cap_mb']:g} MB")
+    if naive:
+        ax.axhline(naive[0]["exposed_s"] * 1e3, color="tab:red", linestyle="--", linewidth=1,
+                   label="NaiveDDP (model)")
+    if measured:
+        pts = [(max(c, 1e-3), e * 1e3) for c, e in measured if c is not None]
+        if pts:
+            ax.scatter(*zip(*pts), s=12, color="black", zorder=3, label="measured",
+                       gid="measured")
+        nv = [e * 1e3 for c, e in measured if c is None]
+        if nv:
+            ax.scatter([xs[0]] * len(nv), nv, s=12, marker="x", color="tab:red", zorder=3,
+                       label="NaiveDDP measured")
+    ax.set_xscale("log")
+    # every cap gets its own tick; a cap of 0 (one bucket per parameter) sits at 1e-3
+    # the bucket counts go under the ticks, where no measured point can hide them
+    ax.set_xticks(xs, [("0" if r["cap_mb"] == 0 else f"{r['cap_mb']:g}") + f"\n{r['buckets']}"
+                       for r in caps])
+    ax.minorticks_off()
+    ax.set_xlabel("bucket_cap_mb (second line: buckets)", fontsize=LABEL_PT)
+    ax.set_ylabel("exposed communication (ms)", fontsize=LABEL_PT)
+    ax.tick_params(labelsize=SMALL_PT)
+    ax.legend(fontsize=SMALL_PT, frameon=False, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    return finish(fig)
+
+
+def ddp_benchmark_figure(rows, figsize=(7, 3)):
+    """Steps/s of torch's DDP, NaiveDDP and BucketedDDP, without and with a simulated link.
+
+    Args:
+        rows: rows of ``benchmarks/ddp.csv`` (:func:`ddp_lesson.bench.ddp.read_results`):
+            ``variant``, ``link``, ``steps_per_s`` (median), ``steps_per_s_min``/``_max``,
+            ``exposed_share``.
+        figsize: inches.
+
+    Returns:
+        The ``Figure``: left, no link; right, under the link, each bar labelled with its
+        exposed-communication share where measured. Error bars span min..max over rounds.
+    """
+
+    fig, axes = subplots(1, 2, figsize=figsize)
+    colours = {"torch": "tab:grey", "naive": "tab:red", "bucketed": "tab:blue",
+               "bucketed-no-overlap": "tab:cyan"}
+    for ax, link in zip(axes, (False, True)):
+        mine = [r for r in rows if bool(r["link"]) == link]
+        names = [r["variant"] for r in mine]
+        med = [float(r["steps_per_s"]) for r in mine]
+        lo = [m - float(r["steps_per_s_min"]) for m, r in zip(med, mine)]
+        hi = [float(r["steps_per_s_max"]) - m for m, r in zip(med, mine)]
+        ax.bar(range(len(mine)), med, yerr=[lo, hi], capsize=3,
+               color=[colours.get(n, "tab:purple") for n in names])
+        for i, r in enumerate(mine):
+            if r.get("exposed_share") not in (None, ""):
+                ax.text(i, med[i] * 0.3, f"exposed\n{float(r['exposed_share']):.0%}",
+                        ha="center", va="center", fontsize=SMALL_PT, color="white")
+        ax.set_xticks(range(len(mine)))
+        ax.set_xticklabels([n.replace("-no-overlap", "\nno overlap") for n in names],
+                           fontsize=SMALL_PT)
+        ax.set_ylabel("steps/s (median; bars: min..max)", fontsize=LABEL_PT)
+        ax.tick_params(labelsize=SMALL_PT)
+        described = [r for r in mine if r.get("latency_ms") not in (None, "")]
+        if link and described:
+            ax.set_title(f"simulated link: {float(described[0]['latency_ms']):g} ms, "
+                         f"{float(described[0]['bandwidth_MBps']):g} MB/s", fontsize=SMALL_PT)
+        elif link:
+            ax.set_title("simulated link", fontsize=SMALL_PT)
+        else:
+            ax.set_title("gloo on this machine (no link model)", fontsize=SMALL_PT)
+    return finish(fig)
+
+
+#: The rows of :func:`reducer_map_figure`: (stage, our BucketedDDP, torch's C++ Reducer).
+REDUCER_MAP = [
+    (
+        "1 · a gradient is\naccumulated",
+        "p.register_post_accumulate_grad_hook(hook)\n→ _grad_ready(i):\n  bucket.pending -= 1",
+        "post-hook on p's AccumulateGrad node\n→ Reducer::autograd_hook(i)\n"
+        "→ mark_variable_ready(i)",
+    ),
+    (
+        "2 · a bucket is\nready",
+        "pending == 0 → _launch(bucket):\ncopy each .grad × 1/R into bucket.flat\n"
+        "(in bucket order on every rank)",
+        "copy .grad into its bucket view,\n× 1/div_factor_ when no hook is set;\n"
+        "mark_bucket_ready (in bucket order)",
+    ),
+    (
+        "3 · all-reduce",
+        "comm_hook(flat, group) → work (.wait())\ndefault: dist.all_reduce(flat,\n"
+        "  async_op=True), a SUM",
+        "all_reduce_bucket → run_comm_hook(\n  GradBucket) → Future[Tensor];\n"
+        "a registered hook divides itself",
+    ),
+    (
+        "4 · end of\nbackward",
+        "queue_callback(_final_callback)\n→ _after_backward: wait every\nbucket, copy flat → .grad",
+        "queue_callback(finalize_backward):\nwait the futures, copy into .grad\n"
+        "(a view: no copy). Buckets are rebuilt\nonce, before the 2nd forward",
+    ),
+]
+
+
+def reducer_map_figure(figsize=(11, 5.4)):
+    """Our ``BucketedDDP`` (ddp_lesson/ddp.py) beside torch's C++ ``Reducer``, stage by stage.
+
+    Four rows (:data:`REDUCER_MAP`): a parameter's gradient is accumulated (a hook after
+    gradient accumulation), its bucket is ready, the bucket is all-reduced, backward ends
+    (a callback queued on autograd's engine finalizes). Sources: ``torch/nn/parallel/
+    distributed.py`` and ``torch/csrc/distributed/c10d/reducer.hpp`` (torch 2.13).
+
+    Args:
+        figsize: inches; at the figure's 80 dpi the default is 880 px wide. Every text is
+            at least 9 pt.
+
+    Returns:
+        The ``Figure`` (one Axes, axis off); each box's text artist has ``gid``
+        ``"stage{k}"``, ``"ours{k}"`` or ``"torch{k}"``. Pure drawing, no process group.
+    """
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import FancyBboxPatch
+
+    fig, ax = plt.subplots(figsize=figsize, dpi=80)
+    ax.set_xlim(0, 100)
+    n = len(REDUCER_MAP)
+    ax.set_ylim(0, n * 12 + 7)
+    ax.set_position([0.01, 0.01, 0.98, 0.98])
+    ax.axis("off")
+    cols = [
+        (0.8, 13.5, "stage", "#eeeeee"),
+        (16, 40.5, "our BucketedDDP (ddp_lesson/ddp.py)", "#dbe9f6"),
+        (58.5, 40.5, "torch's Reducer (C++, reducer.cpp)", "#fde3cf"),
+    ]
+    for x, w, title, _ in cols[1:]:
+        ax.text(x + w / 2, n * 12 + 4, title, ha="center", va="center", fontsize=11,
+                fontweight="bold")
+    for k, row in enumerate(REDUCER_MAP):
+        y = (n - 1 - k) * 12 + 1
+        for (x, w, kind, colour), text, gid in zip(cols, row, ("stage", "ours", "torch")):
+            ax.add_patch(FancyBboxPatch((x, y), w, 10, boxstyle="round,pad=0.3,rounding_size=1",
+                                        facecolor=colour, edgecolor="grey", linewidth=0.8))
+            t = ax.text(x + w / 2, y + 5, text, ha="center", va="center",
+                        fontsize=10 if kind == "stage" else 9,
+                        family="sans-serif" if kind == "stage" else "monospace")
+            t.set_gid(f"{gid}{k + 1}")
+        if k < n - 1:
+            for x, w, _, _ in cols[1:]:
+                ax.annotate("", xy=(x + w / 2, y - 1.4), xytext=(x + w / 2, y + 0.2),
+                            arrowprops={"arrowstyle": "->", "color": "grey"})
+    return fig

@@ -1,0 +1,143 @@
+"""The trainer's results (notebook 05): loss curves, predicted masks, the scaling study."""
+from __future__ import annotations
+
+from .style import LABEL_PT, SMALL_PT, TITLE_PT, finish, subplots
+
+__all__ = ["loss_curves_figure", "masks_figure", "scaling_figure"]
+
+
+def loss_curves_figure(curves, title: str = "training loss per optimizer step",
+                       reference: str | None = None, figsize=None):
+    """Loss curves overlaid, one line per run, x = optimizer step (1-based).
+
+    Args:
+        curves: ``{label: [loss per step, ...]}`` (e.g. ``summary["step_losses"]`` of runs
+            with 1 and 2 processes at the same global batch). Later lines are drawn dashed
+            so that curves that coincide stay visible.
+        title: title of the loss axes.
+        reference: a label of ``curves``; when given, a second panel shows every other
+            curve's ``|loss - reference loss|`` per step on a log scale (curves that look
+            the same on the left may differ by 1e-7 or by 1e-3: the right panel tells).
+        figsize: default ``(6, 3)``, or ``(9, 3)`` with a reference panel.
+
+    Returns:
+        The figure.
+    """
+
+    panels = 2 if reference is not None else 1
+    fig, axes = subplots(1, panels, figsize=figsize or ((9, 3) if panels == 2 else (6, 3)),
+                         squeeze=False)
+    ax = axes[0][0]
+    styles = ["-", "--", ":", "-."]
+    for i, (label, losses) in enumerate(curves.items()):
+        ax.plot(range(1, len(losses) + 1), losses, styles[i % len(styles)],
+                lw=max(0.8, 2 - 0.4 * i), label=label)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("loss (mean over labelled pixels)")
+    ax.set_title(title, fontsize=TITLE_PT)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=SMALL_PT)
+    if reference is not None:
+        bx = axes[0][1]
+        ref = curves[reference]
+        for i, (label, losses) in enumerate(curves.items()):
+            if label == reference:
+                continue
+            # 0 cannot be drawn on a log scale: exact agreement shows at the floor, 1e-9
+            delta = [max(abs(a - b), 1e-9) for a, b in zip(losses, ref)]
+            bx.semilogy(range(1, len(delta) + 1), delta, "o" + styles[i % len(styles)],
+                        color=f"C{i}", ms=3, label=label)
+        bx.set_xlabel("optimizer step")
+        bx.set_ylabel(f"|loss - loss of '{reference}'|", fontsize=SMALL_PT)
+        bx.set_title("difference from the reference", fontsize=TITLE_PT)
+        bx.grid(alpha=0.3, which="both")
+        bx.legend(fontsize=SMALL_PT)
+    return finish(fig)
+
+
+def masks_figure(images, targets, preds, figsize=None):
+    """Image, ground truth and prediction side by side, in the official Cityscapes colours.
+
+    Args:
+        images: ``(N, 3, H, W)`` normalised images (as the data sets return them).
+        targets: ``(N, H, W)`` trainIds 0..18 or 255 (void, drawn black).
+        preds: ``(N, H, W)`` predicted trainIds (``logits.argmax(1)``).
+        figsize: default ``(6, 1.1 * N + 0.4)``.
+
+    Returns:
+        The figure: one row per sample, columns image | ground truth | prediction.
+    """
+
+    from ..data import colorize_target, denormalize_image
+
+    n = len(images)
+    fig, axes = subplots(n, 3, figsize=figsize or (6, 1.1 * n + 0.4), squeeze=False)
+    for i in range(n):
+        panels = (denormalize_image(images[i]), colorize_target(targets[i]),
+                  colorize_target(preds[i]))
+        for j, (ax, panel) in enumerate(zip(axes[i], panels)):
+            ax.imshow(panel, interpolation="nearest")
+            ax.set_xticks([])
+            ax.set_yticks([])
+            if i == 0:
+                ax.set_title(("image", "ground truth", "prediction")[j], fontsize=LABEL_PT)
+    return finish(fig)
+
+
+def scaling_figure(rows, figsize=(8, 3)):
+    """The scaling study: samples/s against processes (left), step-time breakdown (right).
+
+    Args:
+        rows: rows of ``benchmarks/scaling.csv`` (:func:`ddp_lesson.bench.scaling.read_csv`):
+            mode, nprocs, samples_per_s, samples_per_s_min/max, efficiency and the phase
+            seconds data_s, forward_s, backward_s, comm_exposed_s, optimizer_s, other_s.
+
+    Returns:
+        The figure. Left: measured samples/s per mode with min-max bars over repeats, and the
+        ideal line (R x the 1-process rate). Right: one stacked bar per (mode, R), the
+        median seconds per step in each phase.
+    """
+
+    phases = ("data", "forward", "backward", "comm_exposed", "optimizer", "other")
+    colors = ("#8c8c8c", "#4c72b0", "#55a868", "#c44e52", "#dd8452", "#cccccc")
+    fig, (ax, bx) = subplots(1, 2, figsize=figsize,
+                                 gridspec_kw={"width_ratios": [1, 1.3]})
+    modes = [m for m in ("weak", "strong") if any(r["mode"] == m for r in rows)]
+    for mode, color, dy in zip(modes, ("#4c72b0", "#dd8452"), (5, -12)):
+        rs = sorted((r for r in rows if r["mode"] == mode), key=lambda r: r["nprocs"])
+        x = [r["nprocs"] for r in rs]
+        y = [r["samples_per_s"] for r in rs]
+        err = [[r["samples_per_s"] - r["samples_per_s_min"] for r in rs],
+               [r["samples_per_s_max"] - r["samples_per_s"] for r in rs]]
+        ax.errorbar(x, y, yerr=err, marker="o", color=color, capsize=3, label=f"{mode} scaling")
+        one = next((r["samples_per_s"] for r in rs if r["nprocs"] == 1), None)
+        if one:
+            ax.plot(x, [one * n for n in x], ":", color=color, lw=1, label=f"{mode}: ideal")
+            for xi, r in zip(x, rs):
+                ax.annotate(f"{r['efficiency']:.2f}", (xi, r["samples_per_s"]),
+                            textcoords="offset points", xytext=(4, dy), fontsize=SMALL_PT,
+                            color=color)
+    ax.set_xlabel("processes R")
+    ax.set_ylabel("samples / s")
+    ax.set_xticks(sorted({r["nprocs"] for r in rows}))
+    ax.set_title("throughput (labels: efficiency)", fontsize=LABEL_PT)
+    ax.legend(fontsize=SMALL_PT)
+    ax.grid(alpha=0.3)
+    labels, bottoms = [], []
+    bars = [r for m in modes for r in sorted((r for r in rows if r["mode"] == m),
+                                             key=lambda r: r["nprocs"])]
+    for i, r in enumerate(bars):
+        labels.append(f"{r['mode'][0]}{r['nprocs']}")
+        bottom = 0.0
+        for phase, color in zip(phases, colors):
+            h = r[f"{phase}_s"] * 1e3
+            bx.bar(i, h, bottom=bottom, color=color, label=phase if i == 0 else None)
+            bottom += h
+        bottoms.append(bottom)
+    bx.set_xticks(range(len(bars)))
+    bx.set_xticklabels(labels, fontsize=SMALL_PT)
+    bx.set_xlabel("mode (w = weak, s = strong) and R")
+    bx.set_ylabel("ms per step")
+    bx.set_title("where a step's time goes (rank 0)", fontsize=LABEL_PT)
+    bx.legend(fontsize=SMALL_PT, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    return finish(fig)

@@ -1,0 +1,365 @@
+"""The launcher behaves as plain torchrun would, and leaves nothing behind (issue 15, items 5-11).
+
+Several checks share one launch where they share a world size: every launch costs seconds.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from ddp_lesson.launch import (
+    TorchrunError,
+    _failed_ranks,
+    run_torchrun,
+    terminal_text,
+)
+
+pytestmark = pytest.mark.timeout(180)
+
+# Rank 0 lists the listening TCP sockets of its torchrun agent and of every worker
+# (/proc/net/tcp and tcp6, matched to the processes' socket descriptors).
+LISTENING = r'''
+import os, socket
+
+def listening(pids):
+    inodes = {}
+    for pid in pids:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if link.startswith("socket:["):
+                inodes[link[8:-1]] = pid
+    found = set()
+    for name, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
+        with open(f"/proc/net/{name}") as f:
+            for line in f.readlines()[1:]:
+                parts = line.split()
+                if parts[3] != "0A" or parts[9] not in inodes:  # 0A: LISTEN
+                    continue
+                raw = bytes.fromhex(parts[1].split(":")[0])
+                raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+                who = "agent" if inodes[parts[9]] == os.getppid() else "rank"
+                found.add(f"{who} {socket.inet_ntop(family, raw)}")
+    return sorted(found)
+'''
+
+ONE_RUN = LISTENING + r'''
+import json, sys, warnings
+import torch.distributed as dist
+from tqdm import tqdm
+from ddp_lesson.env import init_distributed, cleanup
+
+env = init_distributed(timeout=30)
+for _ in tqdm(range(40), file=sys.stdout, mininterval=0, ascii=True):
+    pass
+print("done")
+warnings.warn("a warning names the cell, not a temporary path")
+dist.barrier()
+if env.rank == 0:
+    agent = os.getppid()
+    ranks = [int(p) for p in open(f"/proc/{agent}/task/{agent}/children").read().split()]
+    print(json.dumps(listening([agent, *ranks])), file=sys.stderr)
+dist.barrier()
+cleanup()
+'''
+
+
+@pytest.mark.parametrize("nnodes", [1, 2])
+def test_progress_bars_stderr_names_temp_folder_and_sockets(tmp_path, monkeypatch, nnodes):
+    """Items 5, 9, 10, 11 on one launch each for 1 node x 2 and 2 simulated nodes x 1."""
+    private_tmp = tmp_path / "tmp"
+    private_tmp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(private_tmp))  # the launcher's own folder
+    env = {**os.environ, "TMPDIR": str(private_tmp)}           # torchrun's and the ranks'
+    result = run_torchrun(code=ONE_RUN, nproc_per_node=2 // nnodes, nnodes=nnodes, timeout=120,
+                          live=False, backend="gloo", env=env)
+    # 5: a tqdm bar of 40 steps then "done": 2 lines per rank, the bar in its final state
+    for rank in (0, 1):
+        lines = result.rank_lines(rank)
+        assert len(lines) == 2 and lines[1] == "done"
+        assert lines[0].startswith("100%|##########| 40/40 [")
+    # 9: a warning names "<torchrun cell>", never the run's temporary script path
+    warn = 'warnings.warn("a warning names the cell, not a temporary path")'
+    line = 1 + ONE_RUN.splitlines().index(warn)
+    for rank in (0, 1):
+        assert result.errors[rank].splitlines()[0] == (
+            f"<torchrun cell>:{line}: UserWarning: a warning names the cell, not a temporary path")
+    # 10: nothing left in $TMPDIR (torchrun's torchelastic_* folder was in the run's folder)
+    assert os.listdir(private_tmp) == []
+    # 11: rank 0's store and gloo listen on loopback only; torchrun's agent listens nowhere
+    # (its rendezvous store is hosted by the launcher, on 127.0.0.1)
+    sockets = json.loads(result.errors[0].splitlines()[-1])
+    assert sockets == ["rank 127.0.0.1"]
+
+
+def test_terminal_text_keeps_what_a_terminal_shows():
+    assert terminal_text("a\rbb\rc\n") == "cb\n"  # a shorter write leaves the tail
+    assert terminal_text("x\r\n") == "x\n"       # a Windows line end is one line end
+    assert terminal_text("\r 50%\r100%\ndone\n") == "100%\ndone\n"
+
+
+FAIL_TOGETHER = r'''
+import os, time
+rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+folder = os.environ["MEET"]
+failing = [1, 2]
+if rank in failing:
+    # the failing ranks raise together, so both fail before torchrun ends anyone
+    open(os.path.join(folder, f"ready{rank}"), "w").close()
+    while not all(os.path.exists(os.path.join(folder, f"ready{r}")) for r in failing):
+        time.sleep(0.01)
+    raise ValueError(f"bad batch on rank {rank}")
+time.sleep(60)
+'''
+
+
+def test_several_failing_ranks_report_the_lowest_and_list_all(tmp_path):
+    """Item 6: deterministic whichever rank torchrun saw first."""
+    with pytest.raises(TorchrunError) as info:
+        run_torchrun(code=FAIL_TOGETHER, nproc_per_node=3, timeout=120, live=False,
+                     env={**os.environ, "MEET": str(tmp_path)})
+    err = info.value
+    assert err.rank == 1
+    assert err.result.failed_ranks == [1, 2]
+    assert str(err) == "ranks 1, 2 of 3 failed (exit codes 1, 1): ValueError: bad batch on rank 1"
+    assert err.traceback.splitlines()[-1] == "ValueError: bad batch on rank 1"
+
+
+def test_failing_ranks_from_records_and_torchrun_summary():
+    summary = ("Failures:\n[1]:\n  time : x\n  host : h\n  rank      : 3 (local_rank: 3)\n"
+               "  exitcode  : -9 (pid: 9)\n"
+               "[2]:\n  rank      : 0 (local_rank: 0)\n  exitcode  : -15 (pid: 8)\n"
+               "Root Cause (first observed failure):\n[0]:\n"
+               "  rank      : 2 (local_rank: 2)\n  exitcode  : 1 (pid: 7)\n")
+    # recorded failures in any order come back in rank order; a rank killed by a signal of
+    # its own (-9) is added, one ended by torchrun (SIGTERM, -15) is not
+    assert _failed_ranks(summary, {}, {2: 1, 1: 3}) == [(1, 3), (2, 1), (3, -9)]
+    assert _failed_ranks(summary, {2: "Traceback (most recent call last):\nE\n"}, {}) == [(2, 1)]
+
+
+# Everything Python does at a normal exit; the cell prints what it saw (item 8).
+AT_EXIT = r"""
+import atexit, os, sys, threading, time
+from concurrent.futures import ThreadPoolExecutor
+
+out = sys.argv[1]
+atexit.register(print, "last words, no newline", end="")  # atexit runs last-in first-out
+MARK = "the script's module"
+atexit.register(lambda: print("atexit handler ran in", sys.modules["__main__"].MARK,
+                              "| __file__ kept:", "__file__" in vars(sys.modules["__main__"])))
+def late():  # one write per line: two threads' print()s can interleave text and newline
+    time.sleep(0.5)
+    sys.stdout.write("non-daemon thread finished\n")
+threading.Thread(target=late).start()
+ThreadPoolExecutor(1).submit(lambda: (time.sleep(0.5),
+                                      sys.stdout.write("executor job finished\n")))
+unclosed = open(os.path.join(out, "unclosed.txt"), "w")
+unclosed.write("written, never closed")
+here = os.path.dirname(os.path.abspath(__file__))
+print("sys.path[0] is the script folder:", sys.path[0] == here)
+print("cwd on sys.path:", os.getcwd() in sys.path)
+"""
+
+
+def test_cell_program_ends_as_under_plain_torchrun(tmp_path):
+    """Item 8: the same script under plain torchrun and under the launcher, line for line.
+
+    Threads joined and executors' queued work done before atexit handlers, handlers run,
+    ``__main__`` still the script's module (without ``__file__``: CPython removes it once the
+    script returns), a last partial line and an unclosed file flushed,
+    ``sys.path[0]`` the script's folder. (Left out on purpose: ``__del__`` of objects alive at
+    exit, which Python does not promise; see ``ddp_lesson._worker``.)
+    """
+    script = tmp_path / "prog" / "at_exit.py"
+    script.parent.mkdir()
+    script.write_text(AT_EXIT)
+    runs = {"plain": tmp_path / "plain", "cell": tmp_path / "cell"}
+    for folder in runs.values():
+        folder.mkdir()
+    plain = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                            "--nproc-per-node", "1", str(script), str(runs["plain"])],
+                           capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert plain.returncode == 0, plain.stderr
+    cell = run_torchrun(code=AT_EXIT, args=[str(runs["cell"])], nproc_per_node=1, timeout=120,
+                        live=False, cwd=tmp_path)
+    for seen in (plain.stdout.splitlines(), cell.rank_lines(0)):
+        assert seen[:2] == ["sys.path[0] is the script folder: True", "cwd on sys.path: False"]
+        assert sorted(seen[2:4]) == ["executor job finished", "non-daemon thread finished"]
+        assert seen[4:] == ["atexit handler ran in the script's module | __file__ kept: False",
+                            "last words, no newline"]
+    for folder in runs.values():
+        assert (folder / "unclosed.txt").read_text() == "written, never closed"
+
+
+def test_a_cell_that_prints_warns_and_prints_replays_five_times(tmp_path):
+    """Item 9: nbval never compares stderr (notebooks/conftest.py), whose text varies."""
+    import shutil
+
+    import nbformat
+    from nbformat.v4 import new_code_cell, new_notebook, new_output
+
+    repo = Path(__file__).resolve().parents[2]
+    cell = new_code_cell("import warnings\nprint('before')\nwarnings.warn('careful')\n"
+                         "print('after')")
+    cell.execution_count = 1
+    cell.outputs = [new_output("stream", name="stdout", text="before\n"),
+                    new_output("stream", name="stderr",
+                               text="/tmp/ipykernel_1/2.py:3: UserWarning: careful\n"),
+                    new_output("stream", name="stdout", text="after\n")]
+    nb = new_notebook(cells=[cell], metadata={"kernelspec": {
+        "name": "python3", "display_name": "Python 3", "language": "python"}})
+    for i in range(5):
+        nbformat.write(nb, tmp_path / f"replay_{i}.ipynb")
+    shutil.copy(repo / "notebooks" / "conftest.py", tmp_path / "conftest.py")
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           "--nbval", "--nbval-current-env", "--rootdir", str(tmp_path),
+                           "--confcutdir", str(tmp_path), str(tmp_path)],
+                          capture_output=True, text=True, timeout=150, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert proc.stdout.strip().splitlines()[-1].startswith("5 passed")
+    # and without the hook the same notebook fails: the check is real
+    (tmp_path / "conftest.py").unlink()
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           "--nbval", "--nbval-current-env", "--rootdir", str(tmp_path),
+                           str(tmp_path / "replay_0.ipynb")],
+                          capture_output=True, text=True, timeout=150, cwd=tmp_path)
+    assert proc.returncode == 1 and "1 failed" in proc.stdout
+
+
+# ----------------------------------------------------------- what a reader sees (issue 19)
+
+def test_status_reads_as_text_and_shows_progress_not_warnings(tmp_path):
+    from ddp_lesson.launch import _progress_line, launcher_backend, status_text
+
+    # item 1: the stored text form is a plain line, not Label(value=...)
+    assert status_text(2) == "torchrun: 2 processes"
+    assert status_text(1) == "torchrun: 1 process"
+    # item 4: rank 0's last stdout line, never a warning's source line from stderr ...
+    (tmp_path / "rank0.out").write_text("epoch 1 step 3/10\n")
+    (tmp_path / "rank0.err").write_text(
+        "lab.py:7: UserWarning: slow\n  worst = torch.tensor(max(float(x) for x in v))\n")
+    assert _progress_line(tmp_path) == "epoch 1 step 3/10"
+    # ... but a progress bar being redrawn on stderr is progress
+    (tmp_path / "rank0.err").write_text("\r 10%|#         | 1/10\r 20%|##        | 2/10")
+    assert _progress_line(tmp_path) == "20%|##        | 2/10"
+    # 2 simulated nodes x 1 process are 2 processes on this host
+    assert launcher_backend(1, 2, "gloo")[1] == "2 processes, gloo requested: using gloo on CPU"
+
+
+def test_interrupt_reads_as_one_line_and_lines_fit_100_characters():
+    from ddp_lesson.launch import TorchrunInterrupted, format_rank_outputs
+
+    err = TorchrunInterrupted()
+    assert isinstance(err, KeyboardInterrupt)
+    assert err._render_traceback_() == [
+        "KeyboardInterrupt: torchrun interrupted: every process it started was ended"]
+    # item 7: a message pre-wrapped at 100 characters, shown with its [rank N] prefix
+    message = "word " * 19 + "last"  # 99 characters
+    out = format_rank_outputs({0: message + "\n", 10: "  " + message + "\n"}).splitlines()
+    assert max(len(line) for line in out) <= 100
+    assert out[:2] == ["[rank 0] " + "word " * 17 + "word", "[rank 0] word last"]
+    assert out[2:] == ["[rank 10]   " + "word " * 16 + "word", "[rank 10]   word word last"]
+
+
+def _run_in_kernel(client, code: str, timeout: float = 120, during=None):
+    """Execute ``code``; return ``(mine, statuses)``: the iopub messages that answer it, up to
+    its idle status, and every status message seen meanwhile as ``(state, parent msg_type)``.
+    ``during`` is called once, at the first display_data (the run's status line)."""
+    import time
+
+    msg_id = client.execute(code)
+    messages, statuses, deadline = [], [], time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        msg = client.get_iopub_msg(timeout=timeout)
+        if msg["msg_type"] == "status":
+            statuses.append((msg["content"]["execution_state"],
+                             msg["parent_header"].get("msg_type")))
+        if msg["parent_header"].get("msg_id") != msg_id:
+            continue
+        messages.append(msg)
+        if msg["msg_type"] == "display_data" and during is not None:
+            during()
+        if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
+            return messages, statuses
+    raise AssertionError(f"no idle status within {timeout} s")
+
+
+def _subshell_probe(client) -> None:
+    """What JupyterLab sends on the control channel when it connects to a kernel: create a
+    subshell, then delete it (ipykernel answers each with busy/idle on IOPub)."""
+    import time
+
+    subshell = None
+    for kind in ("create_subshell_request", "delete_subshell_request"):
+        content = {} if subshell is None else {"subshell_id": subshell}
+        client.control_channel.send(client.session.msg(kind, content))
+        reply = client.control_channel.get_msg(timeout=30)["content"]
+        assert reply["status"] == "ok", reply
+        subshell = reply.get("subshell_id", subshell)
+    time.sleep(0.5)
+
+
+def test_in_a_kernel_busy_throughout_text_status_and_one_line_interrupt():
+    """Issue 19, items 1, 5, 6, in a real IPython kernel; and ``--show-stderr`` names the cell."""
+    import time
+
+    from jupyter_client.manager import start_new_kernel
+
+    km, kc = start_new_kernel(kernel_name="python3")
+    try:
+        _run_in_kernel(kc, "%load_ext ddp_lesson")
+        # the cell also warns, shown by --show-stderr (named as the cell, after the output)
+        msgs, statuses = _run_in_kernel(
+            kc, "%%torchrun --nproc-per-node 1 --timeout 90 --backend gloo --quiet --show-stderr\n"
+                "import time, warnings\nwarnings.warn('look')\ntime.sleep(4)\nprint('slept')\n",
+            during=lambda: _subshell_probe(kc))
+        # item 6: the control channel's idle for the probe is followed at once by busy for the
+        # running cell, so the last status a page sees before the cell's own idle is busy
+        foreign = [i for i, (state, kind) in enumerate(statuses)
+                   if kind.endswith("subshell_request") and state == "idle"]
+        assert len(foreign) == 2, statuses
+        for i in foreign:
+            assert statuses[i + 1] == ("busy", "execute_request"), statuses
+        assert statuses[-1] == ("idle", "execute_request")
+        assert [s for s, k in statuses if k == "execute_request"].count("idle") == 1
+        # items 1, 5: a plain-text line (no widget, no comm), updated in place while the run
+        # lasts, first and last the constant text that a stored notebook holds
+        assert not [m for m in msgs if m["msg_type"].startswith("comm")]
+        shown = [m for m in msgs if m["msg_type"] in ("display_data", "update_display_data")]
+        assert [m["msg_type"] for m in shown[:1]] == ["display_data"]
+        assert {m["content"]["transient"]["display_id"] for m in shown} == {
+            shown[0]["content"]["transient"]["display_id"]}
+        texts = [m["content"]["data"] for m in shown]
+        assert texts[0] == texts[-1] == {"text/plain": "torchrun: 1 process"}
+        assert any(t["text/plain"].startswith("torchrun: 1 process, at ") for t in texts[1:-1])
+        # (stdout and stderr are flushed on separate timers: their order is not compared)
+        streams = {}
+        for m in msgs:
+            if m["msg_type"] == "stream":
+                streams.setdefault(m["content"]["name"], []).append(m["content"]["text"])
+        assert set(streams) == {"stdout", "stderr"}
+        assert streams["stdout"] == ["[rank 0] slept\n"]
+        assert "".join(streams["stderr"]).splitlines()[0] == (
+            "[rank 0] <torchrun cell>:2: UserWarning: look")
+        # item 5: an interrupt reads as one line, and the status line says so
+        msgs, _ = _run_in_kernel(kc, "%%torchrun --nproc-per-node 1 --quiet\n"
+                                     "import time\ntime.sleep(120)\n",
+                                 during=lambda: (time.sleep(3), km.interrupt_kernel()))
+        errors = [m["content"] for m in msgs if m["msg_type"] == "error"]
+        assert [e["ename"] for e in errors] == ["TorchrunInterrupted"]
+        assert errors[0]["traceback"] == [
+            "KeyboardInterrupt: torchrun interrupted: every process it started was ended"]
+        last = [m for m in msgs if m["msg_type"] == "update_display_data"][-1]
+        assert last["content"]["data"] == {
+            "text/plain": "torchrun: interrupted; every process ended"}
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)

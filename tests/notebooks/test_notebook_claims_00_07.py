@@ -1,0 +1,102 @@
+"""Notebooks 00 and 07: numbers in prose bound to stored outputs, sentences about torch bound to
+torch's source (torch 2.13)."""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+
+from ddp_lesson.gpt import TinyGPT
+from ddp_lesson.memory import memory_per_rank
+
+ROOT = Path(__file__).resolve().parents[2]
+TORCH_DIST = Path(torch.__file__).parent / "distributed"
+
+
+def _nb(name):
+    cells = json.loads((ROOT / "notebooks" / name).read_text())["cells"]
+    prose = "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "markdown")
+    out = "\n".join("".join(o.get("text", "")) for c in cells if c["cell_type"] == "code"
+                    for o in c.get("outputs", []) if o.get("output_type") == "stream")
+    return prose, out
+
+
+def test_07_fp32_adamw_memory_line():
+    m = TinyGPT(vocab_size=103)
+    n, tensors = m.num_params(), len(list(m.parameters()))
+    mem = memory_per_rank(n, 1, 0, param_bytes=4, grad_bytes=4, optimizer_bytes=8)
+    assert (mem.params_bytes, mem.grads_bytes, mem.optimizer_bytes) == (461_312, 461_312, 922_624)
+    assert mem.optimizer_bytes + 4 * tensors == 922_740
+    _, out = _nb("07_beyond_ddp_zero_fsdp.ipynb")
+    assert ("TinyGPT, fp32 AdamW (K = 8), DDP: params 461,312 + grads 461,312 + optimizer "
+            "922,624 bytes") in out
+    assert "optimizer state with 29 step counters: 922,740 bytes" in out
+    # the ZeRO lab's measured unsharded state is the same number
+    assert "unsharded optimizer state per rank: 922,740 bytes" in out
+    # AdamW keeps exactly these two moments (and `step`) per parameter
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.AdamW([p])
+    p.grad = torch.ones(3)
+    opt.step()
+    assert sorted(opt.state[p]) == ["exp_avg", "exp_avg_sq", "step"]
+    assert torch.is_tensor(opt.state[p]["step"]) and opt.state[p]["step"].element_size() == 4
+
+
+def test_07_zero_redundancy_optimizer_broadcasts_after_step():
+    src = (TORCH_DIST / "optim" / "zero_redundancy_optimizer.py").read_text()
+    step = src[src.index("    def step(\n"):]
+    step = step[:step.index("\n    def ", 10)]
+    assert "self._sync_params()" in step
+    sync = src[src.index("    def _sync_params(self):"):]
+    sync = sync[:sync.index("\n    def ", 10)]
+    assert "self._broadcast_params_from_rank(rank)" in sync
+    bcast = src[src.index("    def _broadcast_params_from_rank"):src.index("    def _sync_params")]
+    assert "dist.broadcast(" in bcast
+
+
+def test_07_fsdp_sentences_match_torch_source():
+    coll = (TORCH_DIST / "fsdp" / "_fully_shard" / "_fsdp_collectives.py").read_text()
+    assert "return dist.all_gather_single(" in coll          # what the lab wraps
+    assert "return dist.reduce_scatter_single(" in coll
+    state = (TORCH_DIST / "fsdp" / "_fully_shard" / "_fsdp_state.py").read_text()
+    assert "For the root, do not reshard after forward" in state
+    assert "all_gather_stream" in state                       # a separate stream on GPUs
+
+
+def test_07_prose_numbers_are_the_stored_run():
+    prose, out = _nb("07_beyond_ddp_zero_fsdp.ipynb")
+    ratio = re.search(r"FSDP / DDP bytes sent per rank: ([\d.]+)", out).group(1)
+    peak = re.search(r"while a block runs: [\d,]+ = ([\d.]+) of full", out).group(1)
+    assert ratio == "1.43" and peak == "0.567"
+    assert f"FSDP sent {ratio} times DDP's bytes" in prose
+    assert f"{peak} of the full parameters" in prose
+    assert "5 x all_gather_single" in out and "3 x reduce_scatter_single" in out
+    assert "1 x all_reduce" in out
+    assert "5 all-gathers" in prose and "3 reduce-scatters" in prose
+
+
+def test_00_prose_matches_run_and_source():
+    prose, out = _nb("00_setup.ipynb")
+    assert "`TORCHELASTIC_USE_AGENT_STORE=False`, printed below" in prose
+    assert "[rank 0] TORCHELASTIC_RESTART_COUNT=0 MASTER_ADDR=localhost " \
+           "TORCHELASTIC_USE_AGENT_STORE=False" in out
+    assert "[rank 2] raw setup on gloo: all_reduce(sum of ranks) = 3" in out
+    run = (TORCH_DIST / "run.py").read_text()
+    assert "args.rdzv_id = str(uuid.uuid4())" in run          # --standalone: a random run id
+    assert 'args.rdzv_endpoint = "localhost:0"' in run        # ... and a free local port
+    agent = (TORCH_DIST / "elastic" / "agent" / "server" / "local_elastic_agent.py").read_text()
+    for name in ("ROLE_NAME", "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "TORCHELASTIC_MAX_RESTARTS",
+                 "TORCHELASTIC_USE_AGENT_STORE"):
+        assert f'"{name}":' in agent
+        assert f"`{name}`" in prose
+    # env:// reads RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT when they are not passed
+    rdzv = (TORCH_DIST / "rendezvous.py").read_text()
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        assert f'_get_env_or_raise("{name}")' in rdzv
+    # the agent restarts the workers while restarts remain, else stops them all
+    api = (TORCH_DIST / "elastic" / "agent" / "server" / "api.py").read_text()
+    run_loop = api[api.index("if self._remaining_restarts > 0:"):][:800]
+    assert "self._restart_workers(self._worker_group)" in run_loop
+    assert "self._stop_workers(self._worker_group)" in run_loop

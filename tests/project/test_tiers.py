@@ -1,0 +1,64 @@
+"""The quick tier holds itself (tests/tiers.py): the slow list names real tests, the guard
+refuses every way of starting a process, and the markers are registered."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import tiers
+
+
+class Refused(Exception):
+    pass
+
+
+def _refuse(message):
+    raise Refused(message)
+
+
+def test_every_slow_entry_names_an_existing_test_file_and_function():
+    assert tiers.SLOW, "the slow list is empty"
+    assert tiers.stale_entries() == []
+
+
+def test_the_guard_refuses_a_subprocess_a_multiprocessing_process_and_os_calls():
+    original = subprocess.Popen._execute_child
+    with tiers.no_process_starts("t", _refuse) as guard:
+        with pytest.raises(Refused, match=r"^t starts a process \(subprocess \[.*'-c', 'pass'\]"):
+            subprocess.run([sys.executable, "-c", "pass"])
+        with pytest.raises(Refused, match=r"multiprocessing SpawnProcess\) but is not marked slow"):
+            multiprocessing.get_context("spawn").Process(target=print).start()
+        with pytest.raises(Refused, match=r"os\.system\('true'\)"):
+            os.system("true")
+        with pytest.raises(Refused, match=r"os\.fork\(\)"):
+            os.fork()
+    assert len(guard.started) == 4
+    assert subprocess.Popen._execute_child is original  # restored on leaving the block
+
+
+def test_system_tools_libraries_call_are_let_through():
+    assert tiers._command_name(["uname", "-p"]) in tiers.TOOLS
+    assert tiers._command_name("/sbin/ldconfig -p") in tiers.TOOLS
+    assert tiers._command_name([sys.executable, "-m", "torch.distributed.run"]) not in tiers.TOOLS
+
+
+def test_slow_lookup_by_file_function_and_class():
+    assert tiers.is_listed_slow(tiers.TESTS / "launch/test_preemption.py", {"anything"})
+    train = tiers.TESTS / "train/test_train.py"
+    assert tiers.is_listed_slow(train, {"test_two_process_training_run", "TestMultiProcess"})
+    assert not tiers.is_listed_slow(train, {"test_defaults", None})
+    assert tiers.reads_notebooks(tiers.TESTS / "notebooks/test_stored_notebooks.py")
+    assert not tiers.reads_notebooks(tiers.TESTS / "sampler/test_sampler.py")
+
+
+def test_slow_and_notebook_markers_are_registered_in_pyproject():
+    text = (tiers.TESTS.parent / "pyproject.toml").read_text()
+    markers = re.search(r"^markers = \[(.*?)^\]", text, re.MULTILINE | re.DOTALL)
+    assert markers, "no markers list in pyproject.toml"
+    for name in ("gpu", "slow", "notebook"):
+        assert re.search(rf'^\s+"{name}: ', markers.group(1), re.MULTILINE), name

@@ -1,0 +1,122 @@
+"""Notebook 05's sentences about torch and about the stored benchmarks, bound to their sources.
+
+Each test reads the fact from where it lives (torch's installed source and constants, the
+stored ``benchmarks/scaling.csv`` through ``ddp_lesson.bench.claims``) and finds the sentence
+that states it in the notebook, so a torch upgrade or a re-measured benchmark that changes the
+fact fails here, naming it. No process is started.
+"""
+from __future__ import annotations
+
+import inspect
+import re
+from datetime import timedelta
+from pathlib import Path
+
+import nbformat
+import torch
+import torch.distributed.constants as constants
+
+from ddp_lesson import syncbn
+from ddp_lesson.bench.claims import CLAIMS, NB05, load
+
+ROOT = Path(__file__).resolve().parents[2]
+NB = ROOT / NB05
+
+
+def _cells():
+    return nbformat.read(NB, as_version=4).cells
+
+
+def _markdown() -> str:
+    return re.sub(r"\s+", " ", "\n".join(c.source for c in _cells() if c.cell_type == "markdown"))
+
+
+def _output_of(marker: str) -> str:
+    cell = next(c for c in _cells() if c.cell_type == "code" and marker in c.source)
+    return "".join(o.get("text", "") for o in cell.outputs)
+
+
+def test_default_timeouts_stated_are_torchs():
+    """The seed's init_process_group has no explicit timeout: torch's defaults apply."""
+    assert constants.default_pg_timeout == timedelta(minutes=30)  # gloo (non-NCCL backends)
+    nccl = constants.default_pg_nccl_timeout
+    if nccl is None:  # a CPU build: the NCCL constant lives in the C++ header only
+        header = (Path(torch.__file__).parent / "include/torch/csrc/distributed/c10d/"
+                  "ProcessGroupNCCL.hpp").read_text()
+        m = re.search(r"kProcessGroupNCCLDefaultTimeout\s*=\s*std::chrono::milliseconds\("
+                      r"(\d+) \* (\d+) \* (\d+)\)", header)
+        nccl = timedelta(milliseconds=int(m[1]) * int(m[2]) * int(m[3]))
+    assert nccl == timedelta(minutes=10)
+    assert torch.__version__.startswith("2.13")
+    assert ("no explicit timeout, so torch's defaults apply (10 minutes for NCCL and 30 for gloo "
+            "in torch 2.13)") in _markdown()
+
+
+def test_syncbn_gathers_in_torch_and_reduces_in_the_package():
+    fwd = inspect.getsource(torch.nn.modules._functions.SyncBatchNorm.forward)
+    bwd = inspect.getsource(torch.nn.modules._functions.SyncBatchNorm.backward)
+    assert "dist.all_gather(" in fwd and "all_reduce(" not in fwd
+    assert "all_reduce(" in bwd
+    ours = inspect.getsource(syncbn)
+    assert "dist.all_reduce(sums" in ours and "all_gather" not in ours.split("class ")[1]
+    text = _markdown()
+    assert "Torch's **all-gathers** every rank's mean, inverse standard deviation and count" in text
+    assert "the package's **all-reduces** the per-channel sums, sums of squares and counts" in text
+
+
+def test_no_unbound_claims_left():
+    text = _markdown()
+    assert "mIoU about" not in text          # the trained model's mIoU is only in the ignored log
+    assert "dedicated hardware" not in text and "off the compute cores" not in text
+    assert "compete with the compute for memory bandwidth" in text
+    assert "three numbers per channel" not in text  # collective counts of SyncBN: not stated
+
+
+def test_scaling_claims_stated_and_printed_from_the_csv():
+    tables = load(ROOT)
+    mine = [c for c in CLAIMS if c.prose == NB05]
+    assert len(mine) == 3
+    text = _markdown()
+    for claim in mine:
+        assert re.sub(r"\s+", " ", claim.sentence) in text, claim.sentence
+        assert claim.verdict(tables) == claim.says, claim.id
+    printed = _output_of("claim.line(tables)")
+    for claim in mine:
+        assert claim.line(tables) + "\n" in printed
+    rows = tables["scaling"]
+    one = {r["mode"]: r for r in rows if r["nprocs"] == 1}
+    weak, strong = (round(one[m]["comm_exposed_s"] * 1e3) for m in ("weak", "strong"))
+    assert (weak, strong) == (15, 25)
+    assert f"'exposed communication' at 1 process: weak {weak} ms, strong {strong} ms" in printed
+    assert (f"At one process 'exposed communication' ({weak} ms weak, {strong} ms strong) is not "
+            "communication: it is DDP's own work (torch's reducer has no special case for a world "
+            "size of 1), the pixel-count all_reduce call, and timing noise. Read it as a floor to "
+            "subtract.") in text
+    load_avg = round(sum(r["load_avg_1min"] for r in rows) / len(rows))
+    assert f"load average during the study: {load_avg}\n" in printed
+    assert f"load average was about {load_avg} during the study" in text
+    assert "a bigger share of the 2 cores" in text
+
+
+def test_section_3_runs_at_once_and_shows_live_progress():
+    cell = next(c for c in _cells() if c.cell_type == "code" and "run_torchrun_many(" in c.source)
+    assert "live=False" not in cell.source
+    widgets = [o for o in cell.outputs if o.get("output_type") == "display_data"]
+    # one live status line for the five jobs started at once; its stored text is plain (no
+    # widget repr): every process of the five jobs, 1 + 2 + 2 + 2 + 1
+    assert len(widgets) == 1
+    assert widgets[0]["data"] == {"text/plain": "torchrun: 8 processes"}
+
+
+def test_section_8_is_one_launch_of_the_lab():
+    cells = [c for c in _cells() if c.cell_type == "code" and "amp_clip" in c.source]
+    assert len(cells) == 1 and cells[0].source.startswith("%%torchrun --nproc-per-node 2")
+    out = _output_of("amp_clip")
+    assert (
+        "[rank 0]   step 5: own gradient finite True, after all_reduce False; skipped steps [5]"
+        in out
+    )
+    assert (
+        "[rank 1]   step 5: own gradient finite False, after all_reduce False; skipped steps [5]"
+        in out
+    )
