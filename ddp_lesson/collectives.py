@@ -1,5 +1,4 @@
-"""All-reduce built from point-to-point messages: the ring, a pipelined ring, a naive one,
-and their cost.
+"""All-reduce built from point-to-point messages: the ring, a pipelined ring and a naive one.
 
 Run the check against torch's own all_reduce on 3 CPU processes::
 
@@ -7,6 +6,11 @@ Run the check against torch's own all_reduce on 3 CPU processes::
 
 What is here
 ------------
+The ring's algorithm alone, short enough to print whole, is :mod:`ddp_lesson.core.ring` (its
+schedule, :func:`chunk_bounds` and the one formula of :func:`ring_send_chunk`, is used here
+too); this module is the hardened layer: every reduce op, dtype checks, process groups,
+receive buffers kept between calls. The α-β cost model is :mod:`ddp_lesson.cost_model`.
+
 * :func:`ring_all_reduce` — the bandwidth-optimal ring: a **reduce-scatter** (R-1 steps; after
   it, rank r holds the fully reduced chunk (r+1) mod R) followed by an **all-gather** (R-1 more
   steps that pass the reduced chunks round the ring). Every rank sends and receives
@@ -16,9 +20,6 @@ What is here
   overlap (what NCCL and gloo do in C++).
 * :func:`naive_all_reduce` — gather everything to rank 0, reduce there, send the result back:
   rank 0's link carries 2(R-1) full tensors.
-* The α-β cost model (:func:`ring_allreduce_time`, :func:`tree_allreduce_time`,
-  :func:`naive_allreduce_time`), algorithm and bus bandwidth (:func:`algbw`, :func:`busbw`),
-  and a least-squares fit of α and β (:func:`fit_alpha_beta`).
 * A pure-Python simulation of the ring (:func:`simulate_ring_all_reduce`) that the stepper
   widget (``ddp_lesson.widgets.ring_allreduce_stepper``) draws, with no process group needed.
 
@@ -40,20 +41,19 @@ and the same ``op`` (and the same ``piece_numel`` for the pipelined ring), like 
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from .core import ring as _core
+from .core.ring import chunk_bounds
 from .env import group_active
 
 __all__ = [
     "OPS", "chunk_bounds", "piece_bounds", "ring_send_chunk", "ring_recv_chunk", "ring_schedule",
     "ring_all_reduce", "pipelined_ring_all_reduce", "naive_all_reduce", "ring_reduce_scatter",
-    "holdings_line", "naive_allreduce_time", "tree_allreduce_time", "ring_allreduce_time",
-    "ring_bytes_sent_per_rank", "algbw", "busbw", "bus_factor", "fit_alpha_beta",
-    "RingState", "simulate_ring_all_reduce",
+    "holdings_line", "RingState", "simulate_ring_all_reduce",
     "clear_buffer_cache", "default_piece_numel",
 ]
 
@@ -111,34 +111,6 @@ def _finish_avg_(flat: torch.Tensor, name: str, world_size: int) -> None:
 # ----------------------------------------------------------------------------- schedule
 
 
-def chunk_bounds(numel: int, world_size: int) -> list[tuple[int, int]]:
-    """Split ``numel`` elements into ``world_size`` contiguous chunks ``[(start, stop), ...]``.
-
-    Sizes differ by at most one: the first ``numel % world_size`` chunks get one extra element.
-    With ``numel < world_size`` some chunks are empty (``start == stop``) — the ring still
-    works, those chunks simply carry no message.
-
-    >>> chunk_bounds(7, 3)
-    [(0, 3), (3, 5), (5, 7)]
-    >>> chunk_bounds(2, 3)
-    [(0, 1), (1, 2), (2, 2)]
-
-    Raises:
-        ValueError: ``numel < 0`` or ``world_size < 1``.
-    """
-    if numel < 0:
-        raise ValueError(f"numel must be >= 0, got {numel}")
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
-    base, extra = divmod(numel, world_size)
-    bounds, start = [], 0
-    for c in range(world_size):
-        stop = start + base + (1 if c < extra else 0)
-        bounds.append((start, stop))
-        start = stop
-    return bounds
-
-
 def piece_bounds(start: int, stop: int, piece_numel: int) -> list[tuple[int, int]]:
     """Cut the chunk ``[start, stop)`` into pieces of ``piece_numel`` elements (the last may
     be shorter).
@@ -157,28 +129,29 @@ def piece_bounds(start: int, stop: int, piece_numel: int) -> list[tuple[int, int
 def ring_send_chunk(rank: int, step: int, world_size: int) -> int:
     """Chunk that ``rank`` sends to ``rank + 1`` at ``step`` (0-based, ``0 <= step < 2(R-1)``).
 
-    Reduce-scatter steps ``s = 0 .. R-2``: chunk ``(rank - s) mod R``. All-gather steps
-    ``s = R-1 .. 2R-3``: chunk ``(rank + 1 - (s - (R-1))) mod R``. The chunk a rank receives at
-    one step is the chunk it sends at the next, which is what lets a pipelined ring forward
-    each piece as soon as it arrives.
+    ``(rank - step) mod R`` in both phases: the core's formula
+    (:func:`ddp_lesson.core.ring.ring_send_chunk`), with ``step`` checked. The chunk a rank
+    receives at one step is the chunk it sends at the next, which is what lets a pipelined ring
+    forward each piece as soon as it arrives.
+
+    Raises:
+        ValueError: ``world_size < 1`` or ``step`` outside ``[0, 2(R-1) - 1]``.
     """
     _check_step(step, world_size)
-    if step < world_size - 1:
-        return (rank - step) % world_size
-    return (rank + 1 - (step - (world_size - 1))) % world_size
+    return _core.ring_send_chunk(rank, step, world_size)
 
 
 def ring_recv_chunk(rank: int, step: int, world_size: int) -> int:
-    """Chunk that ``rank`` receives from ``rank - 1`` at ``step``.
-
-    Reduce-scatter: ``(rank - s - 1) mod R``, reduced into the local copy; all-gather:
-    ``(rank - (s - (R-1))) mod R``, copied over the local copy. Equal to
+    """Chunk that ``rank`` receives from ``rank - 1`` at ``step``: ``(rank - step - 1) mod R``
+    (:func:`ddp_lesson.core.ring.ring_recv_chunk`), reduced into the local copy in the
+    reduce-scatter, copied over it in the all-gather. Equal to
     ``ring_send_chunk(rank - 1, step, R)``.
+
+    Raises:
+        ValueError: as :func:`ring_send_chunk`.
     """
     _check_step(step, world_size)
-    if step < world_size - 1:
-        return (rank - step - 1) % world_size
-    return (rank - (step - (world_size - 1))) % world_size
+    return _core.ring_recv_chunk(rank, step, world_size)
 
 
 def _check_step(step: int, world_size: int) -> None:
@@ -543,119 +516,6 @@ def _fmt(values) -> str:
     if isinstance(values, float):
         return f"{values:.4g}"
     return str(values)
-
-
-# ----------------------------------------------------------------------------- cost model
-# Thakur, Rabenseifner & Gropp (2005): sending a message of n bytes costs alpha + n * beta
-# (alpha: latency in seconds; beta: seconds per byte = 1 / link bandwidth).
-
-
-def _check_cost_args(
-    nbytes: float, world_size: int, alpha_s: float, beta_s_per_byte: float
-) -> None:
-    if nbytes < 0:
-        raise ValueError(f"nbytes must be >= 0, got {nbytes}")
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
-    if alpha_s < 0 or beta_s_per_byte < 0:
-        raise ValueError(
-            f"alpha_s and beta_s_per_byte must be >= 0, got {alpha_s}, {beta_s_per_byte}"
-        )
-
-
-def naive_allreduce_time(nbytes: float, world_size: int, alpha_s: float,
-                         beta_s_per_byte: float) -> float:
-    """Seconds for gather-to-rank-0 + broadcast-from-rank-0 done as R-1 sends each way.
-
-    ``T = 2 (R-1) (α + n β)``: rank 0's link carries every message, one after another.
-    """
-    _check_cost_args(nbytes, world_size, alpha_s, beta_s_per_byte)
-    return 2 * (world_size - 1) * (alpha_s + nbytes * beta_s_per_byte)
-
-
-def tree_allreduce_time(nbytes: float, world_size: int, alpha_s: float,
-                        beta_s_per_byte: float) -> float:
-    """Seconds for a binomial-tree reduce followed by a binomial-tree broadcast.
-
-    ``T = 2 ⌈log2 R⌉ (α + n β)``: few messages (good for small n), but each carries the whole
-    tensor (bad for large n). Thakur et al. (2005), section 4.
-    """
-    _check_cost_args(nbytes, world_size, alpha_s, beta_s_per_byte)
-    rounds = math.ceil(math.log2(world_size)) if world_size > 1 else 0
-    return 2 * rounds * (alpha_s + nbytes * beta_s_per_byte)
-
-
-def ring_allreduce_time(nbytes: float, world_size: int, alpha_s: float,
-                        beta_s_per_byte: float) -> float:
-    """Seconds for the ring: ``T = 2 (R-1) α + 2 (R-1)/R · n β``.
-
-    2(R-1) steps, each sending n/R bytes. The bandwidth term is at most ``2 n β`` for any R,
-    the lower bound for all-reduce (Patarasuk & Yuan 2009); the latency term grows with R.
-    """
-    _check_cost_args(nbytes, world_size, alpha_s, beta_s_per_byte)
-    return (
-        2 * (world_size - 1) * alpha_s
-        + 2 * (world_size - 1) / world_size * nbytes * beta_s_per_byte
-    )
-
-
-def ring_bytes_sent_per_rank(nbytes: float, world_size: int) -> float:
-    """Bytes each rank sends in a ring all-reduce of ``nbytes``: ``2 (R-1)/R · n``."""
-    return bus_factor(world_size) * nbytes
-
-
-def bus_factor(world_size: int) -> float:
-    """``2 (R-1) / R``: busbw / algbw for all-reduce (nccl-tests PERFORMANCE.md)."""
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
-    return 2 * (world_size - 1) / world_size
-
-
-def algbw(nbytes: float, seconds: float) -> float:
-    """Algorithm bandwidth in bytes/s: the tensor's size over the time of one all-reduce."""
-    if seconds <= 0:
-        raise ValueError(f"seconds must be > 0, got {seconds}")
-    return nbytes / seconds
-
-
-def busbw(algbw_bytes_per_s: float, world_size: int) -> float:
-    """Bus bandwidth in bytes/s: ``algbw · 2(R-1)/R`` (nccl-tests PERFORMANCE.md).
-
-    The rate at which each rank's link actually moved data in a bandwidth-optimal all-reduce,
-    so it can be compared with the link's own speed (and across world sizes).
-    """
-    return algbw_bytes_per_s * bus_factor(world_size)
-
-
-def fit_alpha_beta(nbytes, seconds) -> tuple[float, float]:
-    """Least-squares fit of ``seconds ≈ α + nbytes · β`` (relative errors, α clipped at 0).
-
-    Args:
-        nbytes: message sizes in bytes (at least two different sizes).
-        seconds: measured time of one message of each size.
-
-    Returns:
-        ``(alpha_s, beta_s_per_byte)``.
-
-    Raises:
-        ValueError: fewer than two distinct sizes or mismatched lengths.
-    """
-    xs, ts = [float(x) for x in nbytes], [float(t) for t in seconds]
-    if len(xs) != len(ts) or len(set(xs)) < 2:
-        raise ValueError("need at least two distinct message sizes, one time each")
-    # weight each point by 1/t so small and large messages count alike (relative error)
-    w = [1.0 / t for t in ts]
-    sw = sum(wi * wi for wi in w)
-    sx = sum(wi * wi * x for wi, x in zip(w, xs))
-    sxx = sum(wi * wi * x * x for wi, x in zip(w, xs))
-    st = sum(wi * wi * t for wi, t in zip(w, ts))
-    sxt = sum(wi * wi * x * t for wi, x, t in zip(w, xs, ts))
-    det = sw * sxx - sx * sx
-    alpha = (sxx * st - sx * sxt) / det
-    beta = (sw * sxt - sx * st) / det
-    if alpha < 0:  # latency cannot be negative: refit the slope alone
-        alpha, beta = 0.0, sxt / sxx
-    return alpha, beta
 
 
 # ----------------------------------------------------------------------------- simulation

@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.distributed as dist
 
-from .collectives import ring_allreduce_time
+from .cost_model import ring_allreduce_time
 
 __all__ = ["SimulatedLink", "CommEvent", "StepRecord", "Recorder", "union_length",
            "job_exposed_s", "job_exposed_share", "gather_records"]
@@ -59,7 +59,7 @@ class SimulatedLink:
     """A network with latency α and bandwidth 1/β, laid over the real (nearly free) all-reduce.
 
     Each all-reduce is given the time the α-β model gives a ring all-reduce of ``n`` bytes on
-    ``R`` ranks (:func:`ddp_lesson.collectives.ring_allreduce_time`)::
+    ``R`` ranks (:func:`ddp_lesson.cost_model.ring_allreduce_time`)::
 
         T(n) = 2 (R-1) α + 2 (R-1)/R · n / bandwidth
 

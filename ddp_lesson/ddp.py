@@ -38,13 +38,13 @@ Accelerating Data Parallel Training", VLDB 2020 (arXiv:2006.15704), sections 3.2
 ``torch/csrc/distributed/c10d/reducer.cpp``. Differences from torch are named in each
 docstring.
 
-Also here: the cost-model predictions the notebook's bucket-size sweep prints
-(:func:`predict_bucket_sweep`).
+The cost-model predictions the notebook's bucket-size sweep prints are in
+:mod:`ddp_lesson.cost_model`; the simulated link and the recorder in :mod:`ddp_lesson.commsim`.
 """
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -52,15 +52,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
-from .commsim import Recorder, SimulatedLink
+from .commsim import Recorder
 from .core import bucketed_ddp as _bucketed_core
 from .core import naive_ddp as _naive_core
 from .core.bucketed_ddp import MB, assign_buckets
 from .env import group_active
 
 __all__ = [
-    "MB", "assign_buckets", "NaiveDDP", "BucketedDDP", "predict_overlap",
-    "model_ready_times", "predict_bucket_sweep", "default_all_reduce", "walk_autograd_graph",
+    "MB", "assign_buckets", "NaiveDDP", "BucketedDDP", "default_all_reduce", "walk_autograd_graph",
 ]
 
 
@@ -969,97 +968,3 @@ class BucketedDDP(_DropIn, _bucketed_core.BucketedDDP, Joinable):
             self._wait(handle)
         table_work.wait()
         self._check_table(table)
-
-
-# =========================================================================== cost-model predictions
-
-
-def predict_overlap(bucket_nbytes: Sequence[float], bucket_ready_s: Sequence[float],
-                    backward_s: float, world_size: int, latency_s: float,
-                    bandwidth_bytes_per_s: float, overlap: bool = True) -> dict:
-    """When each bucket's all-reduce runs on a serial α-β link, and how much is exposed.
-
-    Bucket ``i`` starts at ``max(ready_i, end_{i-1})`` (with ``overlap=False``: no earlier
-    than ``backward_s``) and takes :meth:`SimulatedLink.cost_s`. Exposed communication is
-    ``max(0, end_last - backward_s)``. Pure arithmetic, no process group.
-
-    Args:
-        bucket_nbytes: bytes of each bucket, in launch order.
-        bucket_ready_s: when each bucket's last gradient is ready (seconds since backward began).
-        backward_s: when backward finishes.
-        world_size: R.
-        latency_s, bandwidth_bytes_per_s: the link (α and 1/β).
-        overlap: issue buckets when ready (True) or after backward (False).
-
-    Returns:
-        ``{"start": [...], "end": [...], "comm_s": total busy time of the link,
-        "exposed_s": ..., "step_s": backward_s + exposed_s}``.
-    """
-    link = SimulatedLink(latency_s, bandwidth_bytes_per_s)
-    starts, ends, prev_end = [], [], 0.0
-    for nbytes, ready in zip(bucket_nbytes, bucket_ready_s):
-        start = max(ready if overlap else backward_s, prev_end)
-        prev_end = start + link.cost_s(nbytes, world_size)
-        starts.append(start)
-        ends.append(prev_end)
-    exposed = max(0.0, (ends[-1] if ends else 0.0) - backward_s)
-    return {"start": starts, "end": ends, "comm_s": sum(e - s for s, e in zip(starts, ends)),
-            "exposed_s": exposed, "step_s": backward_s + exposed}
-
-
-def model_ready_times(param_nbytes: Sequence[float], backward_s: float) -> list[float]:
-    """A simple model of when backward produces each gradient: at a steady rate per byte.
-
-    Gradients arrive in reverse registration order; parameter ``i`` is ready when backward
-    has produced all bytes of parameters ``i..P-1``. (Real layers cost compute in proportion
-    to their parameters *times* their feature-map size, so early, high-resolution layers are
-    slower than this model says; the notebook's measured timeline shows the difference.)
-
-    Args:
-        param_nbytes: bytes per parameter, registration order.
-        backward_s: duration of backward.
-
-    Returns:
-        Ready time of each parameter, registration order.
-    """
-    total = float(sum(param_nbytes)) or 1.0
-    ready, done = [0.0] * len(param_nbytes), 0.0
-    for i in reversed(range(len(param_nbytes))):
-        done += param_nbytes[i]
-        ready[i] = backward_s * done / total
-    return ready
-
-
-def predict_bucket_sweep(param_nbytes: Sequence[float], caps_mb: Sequence[float],
-                         backward_s: float, world_size: int, latency_s: float,
-                         bandwidth_bytes_per_s: float) -> list[dict]:
-    """The cost model's exposed communication for each bucket cap (and for NaiveDDP).
-
-    Buckets from :func:`assign_buckets`, ready times from :func:`model_ready_times`, link
-    schedule from :func:`predict_overlap`. Small buckets start early but pay α many times;
-    big buckets pay α rarely but the last one starts only when backward ends: the exposed time
-    has a minimum in between.
-
-    Args:
-        param_nbytes: bytes per trainable parameter, registration order.
-        caps_mb: bucket caps to try (MiB).
-        backward_s, world_size, latency_s, bandwidth_bytes_per_s: as :func:`predict_overlap`.
-
-    Returns:
-        One dict per cap: ``{"cap_mb", "buckets", "exposed_s", "comm_s", "step_s"}``; and a
-        last one with ``cap_mb=None`` for NaiveDDP (one message per parameter, after backward).
-    """
-    ready = model_ready_times(param_nbytes, backward_s)
-    rows = []
-    for cap in caps_mb:
-        buckets = assign_buckets(param_nbytes, int(cap * MB))
-        pred = predict_overlap([sum(param_nbytes[i] for i in b) for b in buckets],
-                               [max(ready[i] for i in b) for b in buckets], backward_s,
-                               world_size, latency_s, bandwidth_bytes_per_s)
-        rows.append({"cap_mb": cap, "buckets": len(buckets), "exposed_s": pred["exposed_s"],
-                     "comm_s": pred["comm_s"], "step_s": pred["step_s"]})
-    naive = predict_overlap(list(param_nbytes), [backward_s] * len(param_nbytes), backward_s,
-                            world_size, latency_s, bandwidth_bytes_per_s, overlap=False)
-    rows.append({"cap_mb": None, "buckets": len(param_nbytes), "exposed_s": naive["exposed_s"],
-                 "comm_s": naive["comm_s"], "step_s": naive["step_s"]})
-    return rows

@@ -18,6 +18,8 @@ The recipe, for a dataset of ``N`` samples and ``R = num_replicas`` ranks:
 3. **Deal it out.** Rank ``r`` takes every R-th entry starting at ``r``:
    ``indices[r:total_size:R]``.
 
+The algorithm itself, short enough to print whole, is :mod:`ddp_lesson.core.sampler`; this
+module is the hardened layer on top: arguments checked, with errors that name the numbers.
 The pure functions (:func:`global_order`, :func:`padded_order`, :func:`shard_indices`,
 :func:`num_samples_per_rank`, :func:`padding_count`, :func:`contiguous_shard_indices`)
 need no process group, so notebooks and tests can show every rank's shard from one
@@ -32,7 +34,6 @@ and by DataLoader worker.
 from __future__ import annotations
 
 import itertools
-import math
 import operator
 import warnings
 from collections.abc import Iterator, Sized
@@ -40,6 +41,7 @@ from collections.abc import Iterator, Sized
 import torch
 from torch.utils.data import IterableDataset, Sampler, get_worker_info
 
+from .core import sampler as core
 from .env import group_active
 
 __all__ = [
@@ -140,13 +142,7 @@ def num_samples_per_rank(n: int, num_replicas: int, drop_last: bool = False) -> 
     Raises:
         ValueError: ``n < 0`` or ``num_replicas < 1``.
     """
-    n = _check_n(n)
-    num_replicas = _check_num_replicas(num_replicas)
-    if drop_last and n % num_replicas != 0:
-        # Largest per-rank count that the real data fills without repeats. Written as
-        # torch writes it, so that N < R gives 0 exactly as upstream does.
-        return math.ceil((n - num_replicas) / num_replicas)
-    return math.ceil(n / num_replicas)
+    return core.num_samples_per_rank(_check_n(n), _check_num_replicas(num_replicas), drop_last)
 
 
 def padding_count(n: int, num_replicas: int) -> int:
@@ -169,7 +165,7 @@ def padding_count(n: int, num_replicas: int) -> int:
     """
     n = _check_n(n)
     num_replicas = _check_num_replicas(num_replicas)
-    return (num_replicas - n % num_replicas) % num_replicas
+    return num_replicas * core.num_samples_per_rank(n, num_replicas) - n
 
 
 def global_order(n: int, shuffle: bool = False, seed: int = 0, epoch: int = 0) -> list[int]:
@@ -195,12 +191,7 @@ def global_order(n: int, shuffle: bool = False, seed: int = 0, epoch: int = 0) -
     Raises:
         ValueError: ``n < 0``.
     """
-    n = _check_n(n)
-    if not shuffle:
-        return list(range(n))
-    g = torch.Generator()
-    g.manual_seed(seed + epoch)
-    return torch.randperm(n, generator=g).tolist()
+    return core.global_order(_check_n(n), shuffle, seed, epoch)
 
 
 def padded_order(n: int, num_replicas: int, shuffle: bool = False, seed: int = 0,
@@ -228,14 +219,8 @@ def padded_order(n: int, num_replicas: int, shuffle: bool = False, seed: int = 0
     Raises:
         ValueError: ``n < 0`` or ``num_replicas < 1``.
     """
-    total_size = num_replicas * num_samples_per_rank(n, num_replicas, drop_last)
-    indices = global_order(n, shuffle, seed, epoch)
-    if drop_last:
-        return indices[:total_size]
-    pad = total_size - len(indices)
-    if pad > 0:  # pad > 0 implies n > 0, so no division by zero
-        indices += (indices * math.ceil(pad / len(indices)))[:pad]
-    return indices
+    num_replicas = _check_num_replicas(num_replicas)
+    return core.pad_or_cut(global_order(n, shuffle, seed, epoch), num_replicas, drop_last)
 
 
 def shard_indices(n: int, num_replicas: int, rank: int, shuffle: bool = False,
@@ -297,15 +282,17 @@ def contiguous_shard_indices(n: int, num_replicas: int, rank: int, shuffle: bool
 
 # --------------------------------------------------------------------------- samplers
 
-class DistributedSampler(Sampler[int]):
+class DistributedSampler(core.DistributedSampler):
     """Give each rank its own equal-sized shard of a map-style dataset; same as torch's.
 
     A from-scratch rebuild of ``torch.utils.data.DistributedSampler`` (source:
     ``torch/utils/data/distributed.py``) with the same signature, attributes and output,
     index for index. Each epoch: a global order (a ``seed + epoch`` permutation when
     ``shuffle``), padded by wrapping round or cut to a multiple of ``num_replicas``, then
-    dealt out interleaved: rank ``r`` gets ``indices[r::num_replicas]``. See
-    :func:`shard_indices`, which this sampler's ``__iter__`` calls.
+    dealt out interleaved: rank ``r`` gets ``indices[r::num_replicas]``: the algorithm is
+    :class:`ddp_lesson.core.sampler.DistributedSampler`, which this class extends with checks
+    that name the numbers (world size and rank resolved from the process group, a warning for
+    an empty epoch, an error if the dataset's length changed).
 
     Call :meth:`set_epoch` at the start of every epoch, before iterating the DataLoader,
     or every epoch repeats the same "shuffled" order (case A1). Give every rank the same
@@ -351,15 +338,9 @@ class DistributedSampler(Sampler[int]):
     def __init__(self, dataset: Sized, num_replicas: int | None = None,
                  rank: int | None = None, shuffle: bool = True, seed: int = 0,
                  drop_last: bool = False) -> None:
-        self.num_replicas, self.rank = _resolve_world(num_replicas, rank)
-        self.dataset = dataset
-        self.epoch = 0
-        self.shuffle = shuffle
-        self.seed = seed
-        self.drop_last = drop_last
+        num_replicas, rank = _resolve_world(num_replicas, rank)
+        super().__init__(dataset, num_replicas, rank, shuffle, seed, drop_last)
         n = len(dataset)
-        self.num_samples = num_samples_per_rank(n, self.num_replicas, drop_last)
-        self.total_size = self.num_samples * self.num_replicas
         if self.num_samples == 0 and n > 0:
             warnings.warn(
                 f"DistributedSampler with drop_last=True: dataset length N={n} is smaller "
@@ -379,8 +360,7 @@ class DistributedSampler(Sampler[int]):
                 f"dataset length changed to {n} after the sampler was built "
                 f"(num_samples={self.num_samples}, num_replicas={self.num_replicas})"
             )
-        return iter(shard_indices(n, self.num_replicas, self.rank, self.shuffle,
-                                  self.seed, self.epoch, self.drop_last))
+        return super().__iter__()
 
     def __len__(self) -> int:
         """Indices this rank yields per epoch (``num_samples``), not the dataset length."""
@@ -531,18 +511,7 @@ def weighted_padded_draw(weights, num_samples: int, num_replicas: int, replaceme
     """
     num_replicas = _check_num_replicas(num_replicas)
     draw = weighted_draw(weights, num_samples, replacement, seed, epoch)
-    return _pad_or_cut(draw, num_replicas, drop_last)
-
-
-def _pad_or_cut(draw: list[int], num_replicas: int, drop_last: bool) -> list[int]:
-    per_rank = num_samples_per_rank(len(draw), num_replicas, drop_last)
-    total_size = per_rank * num_replicas
-    if drop_last:
-        return draw[:total_size]
-    pad = total_size - len(draw)
-    if pad > 0:
-        draw = draw + (draw * math.ceil(pad / len(draw)))[:pad]
-    return draw
+    return core.pad_or_cut(draw, num_replicas, drop_last)
 
 
 class DistributedWeightedSampler(Sampler[int]):
@@ -618,7 +587,7 @@ class DistributedWeightedSampler(Sampler[int]):
         """This epoch's draw, padded or cut to ``total_size``: the same list on every rank."""
         draw = torch.multinomial(self.weights, self.num_samples, self.replacement,
                                  generator=torch.Generator().manual_seed(self.seed + self.epoch))
-        return _pad_or_cut(draw.tolist(), self.num_replicas, self.drop_last)
+        return core.pad_or_cut(draw.tolist(), self.num_replicas, self.drop_last)
 
     def __iter__(self) -> Iterator[int]:
         return iter(self.padded_draw()[self.rank::self.num_replicas])

@@ -1,74 +1,29 @@
-"""ZeRO stage 1 from scratch: each rank keeps optimizer state only for its shard of the parameters.
+"""ZeRO stage 1 as a torch drop-in: each rank keeps optimizer state only for its shard.
 
-Under DDP every rank holds the full optimizer state (for Adam, two fp32 tensors per
-parameter: ``exp_avg`` and ``exp_avg_sq``), although every rank computes exactly the same
-update from the same averaged gradients. ZeRO stage 1 (Rajbhandari et al. 2020, "ZeRO:
-Memory Optimizations Toward Training Trillion Parameter Models", ``P_os``) removes that
-redundancy:
+The algorithm, short enough to print whole, is :mod:`ddp_lesson.core.zero1`
+(:class:`~ddp_lesson.core.zero1.Zero1Optimizer` and :func:`partition_parameters`): partition
+the parameters over the ranks, build the real optimizer over this rank's shard only, and after
+each update broadcast every parameter from its owner. :class:`ShardedOptimizer` is that core
+made a drop-in for torch's ``torch.distributed.optim.ZeroRedundancyOptimizer`` (the
+``optimizer_class`` + ``**defaults`` signature, the same partition, the same values): the
+gradients come averaged from DDP, the groups' hyperparameters stay in step both ways (a
+learning-rate scheduler works on :attr:`param_groups`), ``add_param_group`` keeps earlier
+owners, and checkpoints go through ``consolidate_state_dict`` / ``state_dict`` /
+``load_state_dict`` in torch's format. Rajbhandari et al. 2020, "ZeRO: Memory Optimizations
+Toward Training Trillion Parameter Models", stage ``P_os``.
 
-1. the parameters are partitioned across the ``R`` ranks (:func:`partition_parameters`:
-   whole tensors, group by group, largest first, each to the least-loaded rank —
-   deterministic, the same on every rank, and torch's own rule);
-2. each rank builds the real optimizer (e.g. ``torch.optim.AdamW``) over *its* parameters
-   only, so it holds ~``1/R`` of the optimizer state;
-3. ``step()``: each rank updates its own parameters (the gradients are already averaged by
-   DDP), then every parameter is broadcast from the rank that owns it, so every rank again
-   holds the full, updated parameters.
-
-The result equals unsharded training bit for bit up to floating-point summation order (the
-element-wise Adam update does not depend on which rank computes it). torch's own version is
-``torch.distributed.optim.ZeroRedundancyOptimizer`` (which this mirrors, with the
-``optimizer_class`` + ``**defaults`` signature). Rule for an even split: the partition is by
-whole tensors, so the per-rank share is close to ``1/R`` only when no single tensor is a large
-part of the model (the largest tensor bounds the imbalance).
+Rule for an even split: the partition is by whole tensors, so the per-rank share is close to
+``1/R`` only when no single tensor is a large part of the model (the largest tensor bounds the
+imbalance).
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
+from .core.zero1 import Zero1Optimizer, partition_parameters
+
 __all__ = ["partition_parameters", "ShardedOptimizer", "optimizer_state_bytes"]
-
-
-def partition_parameters(numels: list[int], world_size: int,
-                         group_sizes: list[int] | None = None) -> list[list[int]]:
-    """Greedy size-balanced split of tensors across ranks (longest-processing-time first).
-
-    Group by group (in order), the group's tensors are taken largest first (ties: lower index
-    first) and each goes to the rank with the fewest elements so far, counting earlier
-    groups (ties: lower rank). Pure and deterministic: torch's
-    ``ZeroRedundancyOptimizer._partition_parameters``. Adding a group at the end leaves the
-    earlier groups' owners unchanged.
-
-    Args:
-        numels: element count of each parameter, in parameter order.
-        world_size: number of ranks R (>= 1).
-        group_sizes: how many consecutive parameters each param group holds (None: one group).
-
-    Returns:
-        ``owned[r]`` = sorted indices of the parameters rank ``r`` owns.
-
-    Raises:
-        ValueError: ``world_size < 1``.
-    """
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
-    if group_sizes is None:
-        group_sizes = [len(numels)]
-    if sum(group_sizes) != len(numels):
-        raise ValueError(f"group sizes {group_sizes} add up to {sum(group_sizes)}, "
-                         f"not to the {len(numels)} parameters")
-    loads = [0] * world_size
-    owned: list[list[int]] = [[] for _ in range(world_size)]
-    start = 0
-    for size in group_sizes:
-        group = range(start, start + size)
-        for i in sorted(group, key=lambda i: (-numels[i], i)):
-            r = min(range(world_size), key=lambda r: (loads[r], r))
-            owned[r].append(i)
-            loads[r] += numels[i]
-        start += size
-    return [sorted(o) for o in owned]
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
@@ -82,7 +37,7 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     return total
 
 
-class ShardedOptimizer(torch.optim.Optimizer):
+class ShardedOptimizer(Zero1Optimizer):
     """ZeRO-1: a ``torch.optim.Optimizer`` whose state is sharded: each rank holds its part only.
 
     Built like torch's ``ZeroRedundancyOptimizer(params, optimizer_class, **defaults)``:
@@ -119,46 +74,18 @@ class ShardedOptimizer(torch.optim.Optimizer):
         ValueError: no parameters.
     """
 
+    #: DDP has averaged the gradients already (torch's ZeroRedundancyOptimizer's contract).
+    average_gradients = False
+
     def __init__(self, params, optimizer_class, process_group=None, **defaults):
         groups = list(params)
         if not groups:
             raise ValueError("ShardedOptimizer got an empty parameter list")
         self._ready = False  # add_param_group from Optimizer.__init__: no local optimizer yet
-        self.process_group = process_group
-        self.world_size = dist.get_world_size(process_group)
-        self.rank = dist.get_rank(process_group)
-        self._global_ranks = (list(range(self.world_size)) if process_group is None
-                              else dist.get_process_group_ranks(process_group))
-        self.optimizer_class = optimizer_class
-        super().__init__(groups, defaults)
-        self._build_local()
+        super().__init__(groups, optimizer_class, process_group, **defaults)
+        self._sync_groups(self.optim.param_groups, self.param_groups)  # the class's defaults
         self._ready = True
         self._consolidated: dict | None = None
-
-    # ------------------------------------------------------------------ partition
-    def _partition(self) -> None:
-        self.params = [p for g in self.param_groups for p in g["params"]]
-        owned = partition_parameters([p.numel() for p in self.params], self.world_size,
-                                     [len(g["params"]) for g in self.param_groups])
-        self.owner = [0] * len(self.params)
-        for r, idx in enumerate(owned):
-            for i in idx:
-                self.owner[i] = r
-        self.local_indices = owned[self.rank]
-
-    def _local_group(self, gi: int) -> dict:
-        start = sum(len(g["params"]) for g in self.param_groups[:gi])
-        g = self.param_groups[gi]
-        mine = [p for k, p in enumerate(g["params"]) if self.owner[start + k] == self.rank]
-        return {**{k: v for k, v in g.items() if k != "params"}, "params": mine}
-
-    def _build_local(self) -> None:
-        self._partition()
-        self.optim = self.optimizer_class(
-            [self._local_group(gi) for gi in range(len(self.param_groups))],
-            **self.defaults)
-        self.state = self.optim.state
-        self._sync_groups(self.optim.param_groups, self.param_groups)  # the class's defaults
 
     @staticmethod
     def _sync_groups(src: list[dict], dst: list[dict]) -> None:
@@ -176,8 +103,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """
         super().add_param_group(param_group)
         if self._ready:
-            self._partition()
-            self.optim.add_param_group(self._local_group(len(self.param_groups) - 1))
+            self.partition()
+            self.optim.add_param_group(self.local_group(len(self.param_groups) - 1))
             self._sync_groups(self.optim.param_groups[-1:], self.param_groups[-1:])
 
     # ------------------------------------------------------------------ training
@@ -190,19 +117,17 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 else:
                     p.grad.zero_()
 
-    @torch.no_grad()
     def step(self, closure=None):
-        """Update this rank's shard, then broadcast every parameter from its owner.
+        """Update this rank's shard, then broadcast every parameter from its owner
+        (:meth:`Zero1Optimizer.step` without the gradient average, which DDP did).
 
         The global groups' hyperparameters (``lr`` set by hand or by a scheduler) are copied
-        into the local optimizer first. A synchronisation point (one broadcast per parameter
-        tensor, in parameter order). Returns what the local optimizer's ``step`` returns.
+        into the local optimizer first, and back afterwards. A synchronisation point (one
+        broadcast per parameter tensor, in parameter order). Returns what the local
+        optimizer's ``step`` returns.
         """
-        self._sync_groups(self.param_groups, self.optim.param_groups)
-        loss = self.optim.step(closure)
+        loss = super().step(closure)
         self._sync_groups(self.optim.param_groups, self.param_groups)
-        for p, r in zip(self.params, self.owner):
-            dist.broadcast(p.data, src=self._global_ranks[r], group=self.process_group)
         return loss
 
     def state_bytes(self) -> int:
@@ -227,7 +152,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                               for n, t in v.items()}
                           for k, v in local["state"].items()}
         gathered = [None] * self.world_size if self.rank == to else None
-        dist.gather_object(local, gathered, dst=self._global_ranks[to], group=self.process_group)
+        dist.gather_object(local, gathered, dst=self.global_ranks[to], group=self.process_group)
         if self.rank != to:
             self._consolidated = None
             return

@@ -44,6 +44,7 @@ TOOLS = frozenset({"uname", "ldconfig", "fc-list", "gcc", "cc", "ld", "objdump",
 SLOW: dict[str, str | frozenset[str]] = {
     "collectives/test_collectives.py": frozenset({
         "test_against_all_reduce_world_sizes_one_to_four",
+        "test_core_and_hardened_ring_equal_torch_all_reduce",
         "test_odd_world_dtypes_and_reduce_scatter",
     }),
     "collectives/test_flight.py": frozenset({
@@ -182,6 +183,7 @@ SLOW: dict[str, str | frozenset[str]] = {
     "notebooks/test_browser.py": ALL,
     "sampler/test_sampler_multiproc.py": frozenset({
         "test_a2_same_seed_and_epoch_partition_on_every_rank",
+        "test_core_and_hardened_equal_torch_on_two_and_three_ranks",
         "test_every_rank_gets_torchs_shard_through_a_real_dataloader",
         "test_one_epoch_touches_each_index_once_or_exactly_the_padding",
         "test_shards_lab_report_as_the_notebook_shows_it",
@@ -228,6 +230,7 @@ SLOW: dict[str, str | frozenset[str]] = {
     }),
     "zero/test_fsdp.py": ALL,
     "zero/test_zero.py": frozenset({
+        "test_core_and_hardened_equal_adamw_and_torch_zero",
         "test_equal_to_ddp_adamw_and_torch_zero",
         "test_losses_match_a_single_process_run",
         "test_optimizer_state_is_one_over_world_size",

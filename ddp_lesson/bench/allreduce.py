@@ -161,7 +161,7 @@ def _calls(methods, nbytes, rank, R, piece):
 
 def summarise(R: int, method: str, nbytes: int, seconds: list[float], iters: int) -> dict:
     """One CSV row from the per-round seconds per call: min/median/max of time and bandwidth."""
-    from ..collectives import bus_factor
+    from ..cost_model import bus_factor
 
     lo, med, hi = spread(seconds)
     factor = 1.0 if method in LINK_METHODS else bus_factor(R)

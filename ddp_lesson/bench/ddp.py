@@ -25,7 +25,7 @@ For the wrappers under the link, a :class:`~ddp_lesson.commsim.Recorder` measure
 communication per step (:func:`~ddp_lesson.commsim.job_exposed_s`: from the last rank's end of
 backward to the last rank's averaged gradients; min, median and max over steps) and its share of
 that rank's communication time, next to the cost model's prediction from the measured
-gradient-ready times (:func:`~ddp_lesson.ddp.predict_overlap`).
+gradient-ready times (:func:`~ddp_lesson.cost_model.predict_overlap`).
 
 Writes one CSV row per variant (``--out``, default ``benchmarks/ddp.csv``) and a figure
 (``--figure``, default next to the CSV, ``.png``; ``none`` skips it); prints the ratios.
@@ -161,7 +161,8 @@ def _exposed(run: dict, R: int) -> dict:
     """Exposed ms per step (min/median/max), its share and the model's prediction, from the
     recorder of every rank. A collective: every rank calls it for the same runs."""
     from ..commsim import gather_records, job_exposed_s, job_exposed_share
-    from ..ddp import BucketedDDP, predict_overlap
+    from ..cost_model import predict_overlap
+    from ..ddp import BucketedDDP
 
     ddp, link = run["ddp"], run["ddp"].comm_hook
     everyone = gather_records(run["rec"])

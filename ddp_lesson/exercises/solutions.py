@@ -1,7 +1,9 @@
 """Reference solutions of the checkable exercises, one per exercise id.
 
 Spoilers, kept out of the notebooks on purpose: try the exercise first, then compare.
-Each is small and written the way the lesson explains it; the package's full versions
+Each is small and written the way the lesson explains it. Where the lesson's idea has a
+teaching core, the reference *is* that core (02.1: :mod:`ddp_lesson.core.sampler`, 03.6:
+:mod:`ddp_lesson.core.ring`), not a second copy; the package's full versions
 (``ddp_lesson.sampler``, ``ddp_lesson.collectives``, ...) add argument checks, pipelining and
 options. ``ddp_lesson.exercises.reference(ID)`` returns the one for an id.
 """
@@ -11,9 +13,10 @@ import math
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import Sampler
 
 from ..core.naive_ddp import all_reduce_mean_
+from ..core.ring import ring_all_reduce as ring_all_reduce  # 03.6's reference
+from ..core.sampler import DistributedSampler as DistributedSampler  # 02.1's reference
 
 
 # 00.3 -------------------------------------------------------------------------------
@@ -44,39 +47,8 @@ def average_gradients(model: torch.nn.Module) -> None:
 
 
 # 02.1 -------------------------------------------------------------------------------
-class DistributedSampler(Sampler):
-    """torch's ``DistributedSampler`` in twenty lines: permute, pad or cut, deal out interleaved."""
-
-    def __init__(self, dataset, num_replicas, rank, shuffle=True, seed=0, drop_last=False):
-        self.n, self.num_replicas, self.rank = len(dataset), num_replicas, rank
-        self.shuffle, self.seed, self.drop_last, self.epoch = shuffle, seed, drop_last, 0
-        if drop_last and self.n % num_replicas:
-            self.num_samples = math.ceil((self.n - num_replicas) / num_replicas)
-        else:
-            self.num_samples = math.ceil(self.n / num_replicas)
-        self.total_size = self.num_samples * num_replicas
-
-    def set_epoch(self, epoch):
-        self.epoch = epoch
-
-    def __iter__(self):
-        if self.shuffle:
-            g = torch.Generator()
-            g.manual_seed(self.seed + self.epoch)  # the same on every rank, new each epoch
-            indices = torch.randperm(self.n, generator=g).tolist()
-        else:
-            indices = list(range(self.n))
-        if self.drop_last:
-            indices = indices[:self.total_size]
-        else:
-            pad = self.total_size - len(indices)
-            if pad > 0 and indices:
-                indices += (indices * math.ceil(pad / len(indices)))[:pad]  # wrap round
-        return iter(indices[self.rank:self.total_size:self.num_replicas])
-
-    def __len__(self):
-        return self.num_samples
-
+# The teaching core itself (ddp_lesson/core/sampler.py, imported above): permute with
+# seed + epoch, pad or cut to a multiple of R, deal out strided. No second copy here.
 
 # 02.3 -------------------------------------------------------------------------------
 def check_same_seed_epoch(seed: int, epoch: int) -> None:
@@ -113,26 +85,9 @@ def tree_beats_ring_below(alpha_s: float, beta_s_per_byte: float, world_size: in
 
 
 # 03.6 -------------------------------------------------------------------------------
-def ring_all_reduce(tensor: torch.Tensor) -> torch.Tensor:
-    """In-place SUM all-reduce of ``tensor`` on a ring: reduce-scatter, then all-gather."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    flat = tensor.view(-1)
-    bounds = [(flat.numel() * c // world, flat.numel() * (c + 1) // world) for c in range(world)]
-    right, left = (rank + 1) % world, (rank - 1) % world
-    for step in range(2 * (world - 1)):
-        send_c = (rank - step) % world
-        recv_c = (rank - step - 1) % world
-        s0, s1 = bounds[send_c]
-        r0, r1 = bounds[recv_c]
-        incoming = torch.empty(r1 - r0, dtype=flat.dtype)
-        reqs = [dist.isend(flat[s0:s1].contiguous(), right), dist.irecv(incoming, left)]
-        for req in reqs:
-            req.wait()
-        if step < world - 1:
-            flat[r0:r1] += incoming  # reduce-scatter: add the neighbour's partial sum
-        else:
-            flat[r0:r1] = incoming  # all-gather: take the finished chunk
-    return tensor
+# The teaching core itself (ddp_lesson/core/ring.py, imported above): ring_all_reduce(tensor)
+# is an in-place SUM on a ring, reduce-scatter then all-gather, with send chunk
+# (rank - step) % R and receive chunk (rank - step - 1) % R at every step.
 
 
 # 04.2 -------------------------------------------------------------------------------

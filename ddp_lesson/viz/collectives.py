@@ -97,8 +97,8 @@ def cost_model_figure(rows, figsize=(MIN_WIDTH_IN, 3.8)):
     """The α-β model of naive, tree and ring all-reduce against measured all-reduce times.
 
     α and β are fitted to the two-rank send/recv times
-    (:func:`ddp_lesson.collectives.fit_alpha_beta`),
-    then the model's curves (:func:`~ddp_lesson.collectives.naive_allreduce_time`,
+    (:func:`ddp_lesson.cost_model.fit_alpha_beta`),
+    then the model's curves (:func:`~ddp_lesson.cost_model.naive_allreduce_time`,
     ``tree_allreduce_time``, ``ring_allreduce_time``) are drawn for each process count with
     the measured times of gloo, the ring and the pipelined ring as points.
 
@@ -115,7 +115,7 @@ def cost_model_figure(rows, figsize=(MIN_WIDTH_IN, 3.8)):
     """
     import numpy as np
 
-    from ..collectives import (
+    from ..cost_model import (
         fit_alpha_beta,
         naive_allreduce_time,
         ring_allreduce_time,

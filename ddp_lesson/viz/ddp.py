@@ -91,7 +91,7 @@ def bucket_sweep_figure(predicted, measured=None, figsize=(MIN_WIDTH_IN, 3.4)):
     """Exposed communication against bucket cap: the cost model's curve and measured points.
 
     Args:
-        predicted: rows of :func:`ddp_lesson.ddp.predict_bucket_sweep` (the last row, with
+        predicted: rows of :func:`ddp_lesson.cost_model.predict_bucket_sweep` (the last row, with
             ``cap_mb=None``, is NaiveDDP and is drawn as a horizontal line).
         measured: optional ``[(cap_mb, exposed_s), ...]`` (several per cap allowed);
             ``cap_mb=None`` marks NaiveDDP measurements.

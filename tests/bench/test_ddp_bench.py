@@ -73,7 +73,7 @@ def test_timeline_and_sweep_figures():
     import matplotlib.pyplot as plt
 
     from ddp_lesson.commsim import CommEvent, StepRecord
-    from ddp_lesson.ddp import predict_bucket_sweep
+    from ddp_lesson.cost_model import predict_bucket_sweep
     from ddp_lesson.viz.ddp import bucket_sweep_figure, ddp_timeline_figure
 
     def rec(rank, t0):

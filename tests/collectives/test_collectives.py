@@ -209,6 +209,60 @@ def test_odd_world_dtypes_and_reduce_scatter():
         assert f"ring reduce-scatter chunk: ({3 * c}, {3 * c + 3}) True" in lines
 
 
+CORE_VS_TORCH = textwrap.dedent(r"""
+    import torch, torch.distributed as dist
+    from ddp_lesson.core import ring as core
+    from ddp_lesson.collectives import ring_all_reduce
+    from ddp_lesson.env import init_distributed, cleanup
+    env = init_distributed(timeout=60)
+    rank = env.rank
+    results = {"core": True, "hardened": True}
+    for name, fn in (("core", core.ring_all_reduce), ("hardened", ring_all_reduce)):
+        for dtype in (torch.int64, torch.float32, torch.float64):
+            for numel in (1, 2, 3, 7, 1000, 1001):
+                ops = (dist.ReduceOp.SUM, dist.ReduceOp.AVG) if dtype.is_floating_point else (
+                    dist.ReduceOp.SUM,)
+                for op in ops:
+                    g = torch.Generator().manual_seed(numel * 7 + rank)
+                    if dtype.is_floating_point:
+                        x = torch.randn(numel, generator=g).to(dtype)
+                    else:
+                        x = torch.randint(-2**40, 2**40, (numel,), generator=g, dtype=dtype)
+                    ref = x.clone(); dist.all_reduce(ref, op=op)
+                    got = fn(x.clone().reshape(numel, 1), op=op).reshape(-1)
+                    if dtype.is_floating_point:
+                        results[name] &= bool(torch.allclose(got, ref, rtol=1e-5, atol=1e-6))
+                    else:
+                        results[name] &= torch.equal(got, ref)
+    for name, ok in results.items():
+        print(f"{name} ring equals dist.all_reduce:", ok)
+    cleanup()
+""")
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_core_and_hardened_ring_equal_torch_all_reduce(world):
+    result = run_torchrun(code=CORE_VS_TORCH, nproc_per_node=world, timeout=120, live=False,
+                          backend="gloo")
+    for rank in range(world):
+        lines = result.rank_lines(rank)
+        for name in ("core", "hardened"):
+            assert f"{name} ring equals dist.all_reduce: True" in lines, (rank, lines)
+
+
+def test_core_schedule_is_the_one_formula():
+    from ddp_lesson.core import ring as core
+
+    for R in (1, 2, 3, 5):
+        for step in range(2 * (R - 1)):
+            for r in range(R):
+                assert core.ring_send_chunk(r, step, R) == ring_send_chunk(r, step, R)
+                assert core.ring_recv_chunk(r, step, R) == ring_recv_chunk(r, step, R)
+    assert chunk_bounds is core.chunk_bounds
+    with pytest.raises(ValueError, match="SUM and AVG only"):
+        core.ring_all_reduce(torch.ones(2), op=dist.ReduceOp.MAX)
+
+
 # ---------------------------------------------------------------------------- notebook 03's outputs
 
 

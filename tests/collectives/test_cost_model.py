@@ -13,7 +13,7 @@ import pytest
 from notebook_cells import stream_text
 
 from ddp_lesson.bench import allreduce as bench
-from ddp_lesson.collectives import (
+from ddp_lesson.cost_model import (
     algbw,
     bus_factor,
     busbw,

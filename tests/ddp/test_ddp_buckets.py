@@ -20,14 +20,12 @@ from ddp_lesson.commsim import (
     job_exposed_share,
     union_length,
 )
+from ddp_lesson.cost_model import model_ready_times, predict_bucket_sweep, predict_overlap
 from ddp_lesson.ddp import (
     MB,
     BucketedDDP,
     NaiveDDP,
     assign_buckets,
-    model_ready_times,
-    predict_bucket_sweep,
-    predict_overlap,
 )
 
 DTYPES = (torch.float32, torch.float64, torch.float16)

@@ -13,7 +13,8 @@ import torch
 import torch.distributed as dist
 
 from ddp_lesson.commsim import SimulatedLink
-from ddp_lesson.ddp import MB, predict_bucket_sweep, walk_autograd_graph
+from ddp_lesson.cost_model import predict_bucket_sweep
+from ddp_lesson.ddp import MB, walk_autograd_graph
 from ddp_lesson.labs.ddp_overlap import SWEEP_CAPS_MB
 from ddp_lesson.labs.ddp_toys import UnusedToy
 from ddp_lesson.models import build_model

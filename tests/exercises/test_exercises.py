@@ -166,7 +166,7 @@ def test_03_3_tree_ring_crossover():
         return max(0.0, (R - 1 - L) * alpha / ((L - (R - 1) / R) * beta))
 
     def bisect(alpha, beta, R):  # a numerical answer is fine
-        from ddp_lesson.collectives import ring_allreduce_time, tree_allreduce_time
+        from ddp_lesson.cost_model import ring_allreduce_time, tree_allreduce_time
         lo, hi = 0.0, 1e12
         if tree_allreduce_time(0, R, alpha, beta) >= ring_allreduce_time(0, R, alpha, beta):
             return 0.0

@@ -25,7 +25,7 @@ LAYERS = {
     "teaching core": ["core"],
     "runtime": ["env", "procs", "launch", "_worker", "cluster", "doctor"],
     "lesson core": ["sampler", "collectives", "ddp", "zero", "syncbn", "gradients", "flight",
-                    "evaluation", "metrics", "memory", "checkpoint", "commsim"],
+                    "evaluation", "metrics", "memory", "checkpoint", "commsim", "cost_model"],
     "trainer": ["config", "step", "train", "data", "models", "gpt"],
     "display": ["viz", "widgets"],
     "programs": ["labs", "bench", "cli", ""],  # "" = __init__

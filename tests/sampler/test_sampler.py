@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from torch.utils.data import DataLoader
 from torch.utils.data import DistributedSampler as TorchSampler
 
+from ddp_lesson.core import sampler as core
 from ddp_lesson.sampler import (
     DistributedEvalSampler,
     DistributedSampler,
@@ -28,6 +29,10 @@ from ddp_lesson.sampler import (
     padding_count,
     shard_indices,
 )
+
+#: The core alone and the hardened drop-in built on it: both must equal torch's.
+SAMPLERS = pytest.mark.parametrize("Sampler", [core.DistributedSampler, DistributedSampler],
+                                   ids=["core", "hardened"])
 
 
 def ours(n, r, rank, **kw):
@@ -60,10 +65,11 @@ def configs(draw):
 @pytest.mark.filterwarnings("ignore:DistributedSampler with drop_last=True")
 @settings(max_examples=200, deadline=None, database=None)
 @given(configs())
-def test_equals_torch_index_for_index(c):
+@SAMPLERS
+def test_equals_torch_index_for_index(Sampler, c):
     kw = dict(shuffle=c["shuffle"], seed=c["seed"], drop_last=c["drop_last"])
     ref = TorchSampler(range(c["n"]), num_replicas=c["r"], rank=c["rank"], **kw)
-    mine = DistributedSampler(range(c["n"]), num_replicas=c["r"], rank=c["rank"], **kw)
+    mine = Sampler(range(c["n"]), num_replicas=c["r"], rank=c["rank"], **kw)
     ref.set_epoch(c["epoch"])
     mine.set_epoch(c["epoch"])
     expected = list(ref)
@@ -79,9 +85,10 @@ def test_equals_torch_index_for_index(c):
         assert padding_count(c["n"], c["r"]) == ref.total_size - c["n"]
 
 
-def test_attributes_match_torch():
+@SAMPLERS
+def test_attributes_match_torch(Sampler):
     kw = dict(num_replicas=3, rank=1, shuffle=False, seed=7, drop_last=True)
-    mine, ref = DistributedSampler(range(11), **kw), TorchSampler(range(11), **kw)
+    mine, ref = Sampler(range(11), **kw), TorchSampler(range(11), **kw)
     for name in ("num_replicas", "rank", "epoch", "shuffle", "seed", "drop_last",
                  "num_samples", "total_size"):
         assert getattr(mine, name) == getattr(ref, name), name
@@ -89,12 +96,13 @@ def test_attributes_match_torch():
     assert mine.epoch == 5
 
 
-def test_empty_dataset_matches_torch():
+@SAMPLERS
+def test_empty_dataset_matches_torch(Sampler):
     # N = 0: torch gives num_samples = total_size = 0 and pads nothing, either drop_last.
     for drop_last in (False, True):
         for r in (1, 3):
             assert theirs(0, r, 0, drop_last=drop_last) == []
-            s = DistributedSampler([], num_replicas=r, rank=r - 1, drop_last=drop_last)
+            s = Sampler([], num_replicas=r, rank=r - 1, drop_last=drop_last)
             assert (list(s), len(s), s.total_size) == ([], 0, 0)
     assert padding_count(0, 4) == 0
 
@@ -303,10 +311,11 @@ def test_a8_len_is_per_rank_not_dataset_length():
 
 @pytest.mark.parametrize("n,r,drop_last", [(10, 3, False), (10, 3, True), (800, 4, False),
                                             (3, 7, False), (0, 2, False), (13, 5, True)])
-def test_a8_len_equals_number_yielded_on_every_rank(n, r, drop_last):
+@SAMPLERS
+def test_a8_len_equals_number_yielded_on_every_rank(Sampler, n, r, drop_last):
     for rank in range(r):
         for shuffle in (False, True):
-            s = DistributedSampler(range(n), r, rank, shuffle=shuffle, drop_last=drop_last)
+            s = Sampler(range(n), r, rank, shuffle=shuffle, drop_last=drop_last)
             assert len(s) == len(list(s)) == len(TorchSampler(range(n), r, rank,
                                                               drop_last=drop_last))
 

@@ -93,35 +93,69 @@ CONFIGS = [dict(n=n, shuffle=shuffle, seed=seed, epoch=epoch, drop_last=drop_las
 
 SHARDS_WORKER = textwrap.dedent("""
     import json, sys, warnings
+    import torch.distributed as dist
+    from torch.utils.data import DataLoader
+    from ddp_lesson.core.sampler import DistributedSampler as CoreSampler
     from ddp_lesson.env import init_distributed
     from ddp_lesson.labs import sampler_shards
+
+    def core_shards(n, shuffle, seed, epoch, drop_last):
+        # the teaching core alone, world read from the process group, through a DataLoader
+        sampler = CoreSampler(range(n), shuffle=shuffle, seed=seed, drop_last=drop_last)
+        sampler.set_epoch(epoch)
+        mine = [i for b in DataLoader(range(n), batch_size=2, sampler=sampler) for i in b.tolist()]
+        shards = [None] * dist.get_world_size()
+        dist.all_gather_object(shards, mine)
+        return shards
 
     warnings.simplefilter("ignore")   # drop_last with N < R warns; expected here
     env = init_distributed(timeout=60)
     configs = json.loads(sys.argv[1])
     got = [sampler_shards.gather_shards(**c) for c in configs]
+    core = [core_shards(**c) for c in configs]
     if env.rank == 0:
         print("JSON " + json.dumps(got))
-    sampler_shards.main()              # the notebook's cell; tears the group down at the end
+        print("CORE " + json.dumps(core))
+    if sys.argv[2:] == ["--lab"]:
+        sampler_shards.main()          # the notebook's cell; tears the group down at the end
+    else:
+        dist.destroy_process_group()
 """)
+
+
+def _launch(tmp_path_factory, nproc: int, extra: list[str]):
+    script = tmp_path_factory.mktemp("lab") / "shards_worker.py"
+    script.write_text(SHARDS_WORKER)
+    return run_torchrun(str(script), [json.dumps(CONFIGS)] + extra, nproc_per_node=nproc,
+                        timeout=120, live=False, backend="gloo")
 
 
 @pytest.fixture(scope="module")
 def shards_run(tmp_path_factory):
-    script = tmp_path_factory.mktemp("lab") / "shards_worker.py"
-    script.write_text(SHARDS_WORKER)
-    return run_torchrun(str(script), [json.dumps(CONFIGS)], nproc_per_node=3, timeout=120,
-                        live=False, backend="gloo")
+    return _launch(tmp_path_factory, 3, ["--lab"])
 
 
-def _gathered(run):
-    line = next(l for l in run.rank_lines(0) if l.startswith("JSON "))
-    return json.loads(line[5:])
+@pytest.fixture(scope="module")
+def shards_run_world2(tmp_path_factory):
+    return _launch(tmp_path_factory, 2, [])
+
+
+def _gathered(run, prefix: str = "JSON "):
+    line = next(l for l in run.rank_lines(0) if l.startswith(prefix))
+    return json.loads(line[len(prefix):])
 
 
 def test_every_rank_gets_torchs_shard_through_a_real_dataloader(shards_run):
     for c, shards in zip(CONFIGS, _gathered(shards_run)):
         assert shards == torch_shards(r=3, **c), c
+
+
+@pytest.mark.parametrize("prefix", ["CORE ", "JSON "], ids=["core", "hardened"])
+@pytest.mark.parametrize("world", [2, 3])
+def test_core_and_hardened_equal_torch_on_two_and_three_ranks(request, prefix, world):
+    run = request.getfixturevalue("shards_run" if world == 3 else "shards_run_world2")
+    for c, shards in zip(CONFIGS, _gathered(run, prefix)):
+        assert shards == torch_shards(r=world, **c), (world, c)
 
 
 def test_one_epoch_touches_each_index_once_or_exactly_the_padding(shards_run):
@@ -173,7 +207,7 @@ def _blocks(lines):
 
 
 def test_shards_lab_report_as_the_notebook_shows_it(shards_run):
-    lines = [l for l in shards_run.rank_lines(0) if not l.startswith("JSON ")]
+    lines = [l for l in shards_run.rank_lines(0) if not l.startswith(("JSON ", "CORE "))]
     blocks = _blocks(lines)
     assert list(blocks) == [
         "N=12, shuffle=True, seed=0, set_epoch(0) on every rank:",

@@ -40,7 +40,7 @@ def _allreduce_rows():
 
 def _figures():
     from ddp_lesson.bench.scaling import aggregate
-    from ddp_lesson.ddp import predict_bucket_sweep
+    from ddp_lesson.cost_model import predict_bucket_sweep
 
     ar = _allreduce_rows()
     phases = {p: 0.001 for p in ("data", "forward", "backward", "comm_exposed", "optimizer",
@@ -101,7 +101,7 @@ def test_allreduce_legend_covers_no_panel():
 
 
 def test_bucket_sweep_counts_sit_under_the_ticks_not_behind_points():
-    from ddp_lesson.ddp import predict_bucket_sweep
+    from ddp_lesson.cost_model import predict_bucket_sweep
 
     rows = predict_bucket_sweep([4000] * 10, [0, 0.01, 1], 0.01, 2, 1e-4, 1e8)
     fig = bucket_sweep_figure(rows, [(0, 0.001), (1, 0.002)])

@@ -1,15 +1,18 @@
-"""ZeRO stage 1 from scratch (ddp_lesson.zero) against DDP + AdamW and torch's
-ZeroRedundancyOptimizer."""
+"""ZeRO stage 1 from scratch against DDP + AdamW and torch's ZeroRedundancyOptimizer: the teaching
+core (ddp_lesson.core.zero1) alone and the hardened drop-in on it (ddp_lesson.zero)."""
 
 from __future__ import annotations
 
 import re
+import textwrap
 
 import pytest
 import torch
 from gpt_reference import lab_value, single_process_losses
 
+from ddp_lesson.core import zero1
 from ddp_lesson.gpt import TinyGPT
+from ddp_lesson.launch import run_torchrun
 from ddp_lesson.zero import partition_parameters
 
 pytestmark = pytest.mark.timeout(120)
@@ -34,6 +37,81 @@ def test_partition_is_greedy_by_size_and_deterministic():
         assert sorted(i for o in owned for i in o) == list(range(len(numels)))
         for o in owned:  # TinyGPT splits evenly: each share within 10% of 1/R
             assert abs(sum(numels[i] for i in o) * R / sum(numels) - 1) < 0.1
+
+
+def test_the_hardened_layer_uses_the_cores_partition():
+    assert partition_parameters is zero1.partition_parameters
+
+
+CORE_AND_HARDENED = textwrap.dedent(r"""
+    import torch, torch.distributed as dist
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from ddp_lesson.core.zero1 import Zero1Optimizer
+    from ddp_lesson.env import init_distributed, cleanup
+    from ddp_lesson.zero import ShardedOptimizer
+
+    env = init_distributed(timeout=60)
+    R, rank = env.world_size, env.rank
+    HP = dict(lr=0.05, weight_decay=0.1)
+
+    def model():
+        torch.manual_seed(0)   # the same start on every rank
+        return torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+
+    def average(m):            # what DDP does before a ZeroRedundancyOptimizer step
+        for p in m.parameters():
+            p.grad /= R
+            dist.all_reduce(p.grad)
+
+    ref, core, hard, tz = model(), model(), model(), model()
+    opts = {"AdamW": torch.optim.AdamW(ref.parameters(), **HP),
+            "core": Zero1Optimizer(core.parameters(), torch.optim.AdamW, **HP),
+            "hardened": ShardedOptimizer(hard.parameters(), torch.optim.AdamW, **HP),
+            "torch": ZeroRedundancyOptimizer(tz.parameters(), optimizer_class=torch.optim.AdamW,
+                                             **HP)}
+    models = {"AdamW": ref, "core": core, "hardened": hard, "torch": tz}
+    for step in range(4):
+        g = torch.Generator().manual_seed(100 * step + rank)   # each rank its own batch
+        x, y = torch.randn(4, 6, generator=g), torch.randn(4, 3, generator=g)
+        for name, m in models.items():
+            opts[name].zero_grad()
+            ((m(x) - y) ** 2).mean().backward()
+            if name != "core":   # the core averages the gradients itself
+                average(m)
+            opts[name].step()
+
+    def equal(a, b):
+        return all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+
+    for name in ("core", "hardened"):
+        opt = opts[name]
+        print(f"{name} == AdamW:", equal(models[name], ref))
+        print(f"{name} == ZeroRedundancyOptimizer:", equal(models[name], tz))
+        mine = sorted(i for i, r in enumerate(opt.owner) if r == rank)
+        held = sorted(i for i, p in enumerate(opt.params) if p in opt.state)
+        shards = [None] * R
+        dist.all_gather_object(shards, held)
+        print(f"{name} holds state for its own shard only:", held == mine)
+        print(f"{name} shards cover every parameter once:",
+              sorted(i for s in shards for i in s) == list(range(len(opt.params))))
+        print(f"{name} state equals AdamW's:", all(
+            torch.equal(opt.state[p]["exp_avg_sq"], opts["AdamW"].state[q]["exp_avg_sq"])
+            for p, q in zip(opt.params, ref.parameters()) if p in opt.state))
+    cleanup()
+""")
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_core_and_hardened_equal_adamw_and_torch_zero(world):
+    result = run_torchrun(code=CORE_AND_HARDENED, nproc_per_node=world, timeout=120, live=False,
+                          backend="gloo")
+    for rank in range(world):
+        lines = result.rank_lines(rank)
+        for name in ("core", "hardened"):
+            for fact in ("== AdamW", "== ZeroRedundancyOptimizer",
+                         "holds state for its own shard only",
+                         "shards cover every parameter once", "state equals AdamW's"):
+                assert f"{name} {fact}: True" in lines, (rank, name, fact, lines)
 
 
 def test_equal_to_ddp_adamw_and_torch_zero(zero_lab):

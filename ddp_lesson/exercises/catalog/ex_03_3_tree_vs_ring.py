@@ -24,7 +24,7 @@ _CASES += [(_RNG.uniform(1e-6, 5e-5), _RNG.uniform(1e-11, 1e-9),
 
 
 def _run(fn) -> list[str]:
-    from ...collectives import ring_allreduce_time, tree_allreduce_time
+    from ...cost_model import ring_allreduce_time, tree_allreduce_time
 
     for alpha, beta, R in _CASES:
         want = S.tree_beats_ring_below(alpha, beta, R)

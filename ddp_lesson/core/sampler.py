@@ -1,0 +1,115 @@
+"""The DistributedSampler: which dataset indices each rank reads, index for index as torch's.
+
+Every rank runs the same program on a different slice of the data, and no rank tells the others
+which slice it took: each works it out alone from values they all share (the dataset length
+``N``, the world size ``R``, ``seed`` and ``epoch``). One epoch, three steps:
+
+1. **One global order.** ``range(N)``, or ``torch.randperm(N)`` from a private generator seeded
+   with ``seed + epoch``: the same permutation on every rank, a new one each epoch (if the loop
+   calls :meth:`DistributedSampler.set_epoch`), and the global RNG left alone.
+2. **Make it divisible by R** (:func:`pad_or_cut`, the one padding rule). Every rank must get
+   the same number of samples, hence of batches, because every training step ends in a
+   collective that all ranks must join. ``drop_last=False`` repeats indices from the start of
+   the list (several times over when ``N < R``); ``drop_last=True`` cuts the tail.
+3. **Deal it out, strided.** Rank ``r`` takes ``indices[r::R]``: the padding duplicates at the
+   end land on different ranks, one each at most.
+
+Source: ``torch/utils/data/distributed.py`` (``DistributedSampler``), whose signature,
+attributes and output this module reproduces. No function here communicates.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import Sampler
+
+__all__ = ["DistributedSampler", "global_order", "pad_or_cut", "num_samples_per_rank"]
+
+
+class DistributedSampler(Sampler[int]):
+    """Give each of ``num_replicas`` ranks an equal, disjoint (up to padding) share of a dataset.
+
+    Args:
+        dataset: a sized dataset; only ``len(dataset)`` is used.
+        num_replicas: world size R. Default: ``torch.distributed.get_world_size()``.
+        rank: this rank in ``[0, R - 1]``. Default: ``torch.distributed.get_rank()``.
+        shuffle: a new permutation each epoch (``seed + epoch``) instead of ``0..N-1``.
+        seed: base seed; must be the same on every rank.
+        drop_last: cut the tail to a multiple of R instead of padding with repeats.
+
+    Attributes: ``num_samples`` (indices per rank, ``len(self)``), ``total_size``
+    (``num_samples * R``), ``epoch`` (0 until :meth:`set_epoch`), and the arguments.
+
+    The arguments are taken as given: the drop-in :class:`ddp_lesson.sampler.DistributedSampler`
+    checks them, with errors that name the numbers.
+    """
+
+    def __init__(self, dataset, num_replicas=None, rank=None, shuffle=True, seed=0,
+                 drop_last=False):
+        if num_replicas is None:
+            num_replicas = dist.get_world_size()   # a local query, not a collective
+        if rank is None:
+            rank = dist.get_rank()
+        self.dataset, self.num_replicas, self.rank = dataset, num_replicas, rank
+        self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
+        self.epoch = 0
+        self.num_samples = num_samples_per_rank(len(dataset), num_replicas, drop_last)
+        self.total_size = self.num_samples * num_replicas
+
+    def __iter__(self):
+        # 1. the same order on every rank, computed alone from shared values
+        indices = global_order(len(self.dataset), self.shuffle, self.seed, self.epoch)
+        # 2. pad (repeat from the start) or cut, to total_size = R * num_samples
+        indices = pad_or_cut(indices, self.num_replicas, self.drop_last)
+        assert len(indices) == self.total_size, (len(indices), self.total_size)
+        # 3. deal out strided: rank r takes r, r + R, r + 2R, ...
+        return iter(indices[self.rank:self.total_size:self.num_replicas])
+
+    def __len__(self):
+        """Indices this rank yields per epoch: ``num_samples``, not the dataset's length."""
+        return self.num_samples
+
+    def set_epoch(self, epoch):
+        """Seed the next epoch's permutation with ``seed + epoch``.
+
+        Call it on every rank with the same value before iterating the DataLoader (which calls
+        ``iter(sampler)`` at once); without it every epoch repeats the same order.
+        """
+        self.epoch = epoch
+
+
+def global_order(n, shuffle=False, seed=0, epoch=0):
+    """The whole dataset's order for one epoch: ``randperm(n)`` seeded ``seed + epoch``, or
+    ``0..n-1``. A list of ``n`` indices, each once; the same on every rank given the same
+    arguments. A private ``torch.Generator``, so dropout and augmentation RNG are untouched."""
+    if not shuffle:
+        return list(range(n))
+    g = torch.Generator()
+    g.manual_seed(seed + epoch)
+    return torch.randperm(n, generator=g).tolist()
+
+
+def num_samples_per_rank(n, num_replicas, drop_last=False):
+    """Indices per rank per epoch: ``ceil(N / R)``, or with ``drop_last`` and ``R ∤ N``,
+    ``ceil((N - R) / R)`` (= ``N // R``, and 0 when ``N < R``), written as torch writes it."""
+    if drop_last and n % num_replicas != 0:
+        return math.ceil((n - num_replicas) / num_replicas)
+    return math.ceil(n / num_replicas)
+
+
+def pad_or_cut(indices, num_replicas, drop_last=False):
+    """``indices`` made ``R * num_samples_per_rank(len(indices), R, drop_last)`` long.
+
+    ``drop_last=False``: repeat entries from the start, wrapping round as often as needed (with
+    ``N < R`` one wrap is not enough: ``N = 3, R = 8`` pads 5). ``drop_last=True``: cut the
+    tail. A new list; ``indices`` is not changed.
+    """
+    total_size = num_replicas * num_samples_per_rank(len(indices), num_replicas, drop_last)
+    if drop_last:
+        return list(indices[:total_size])
+    pad = total_size - len(indices)
+    if pad <= 0:            # already divisible (or empty: N = 0 gives every rank nothing)
+        return list(indices)
+    return list(indices) + (list(indices) * math.ceil(pad / len(indices)))[:pad]
