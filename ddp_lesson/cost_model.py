@@ -167,7 +167,7 @@ def predict_overlap(bucket_nbytes: Sequence[float], bucket_ready_s: Sequence[flo
 
     Bucket ``i`` starts at ``max(ready_i, end_{i-1})`` (with ``overlap=False``: no earlier
     than ``backward_s``) and takes :func:`ring_allreduce_time` (what
-    ``ddp_lesson.ddp.SimulatedLink`` charges). Exposed communication is
+    ``ddp_lesson.commsim.SimulatedLink`` charges). Exposed communication is
     ``max(0, end_last - backward_s)``. Pure arithmetic, no process group.
 
     Args:
