@@ -47,13 +47,17 @@ def stored_run(notebook: str, marker: str,
                indent: int = 11) -> tuple[dict[int, list[str]], list[str]]:
     """The stored stdout of the cell containing ``marker``, read as a run's result.
 
-    Lines ``[rank N] text`` go to ``ranks[N]`` (in order), every other line to ``other``; a
-    line that starts with ``indent`` spaces is a ``textwrap.fill`` continuation (the notebooks
-    wrap long rank lines at 100 characters) and is joined back to the line before it with one
-    space (``indent=0``: no line is a continuation). Returns ``(ranks, other)``.
+    Lines ``[rank N] text`` go to ``ranks[N]`` (in order), every other line to ``other``. A
+    rank line the launcher broke at 100 characters is made whole first
+    (:func:`ddp_lesson.launch.output.join_continuations`); then a line that starts with
+    ``indent`` spaces is a ``textwrap.fill`` continuation of a cell's own printing and is joined
+    back to the line before it with one space (``indent=0``: none is). Returns
+    ``(ranks, other)``.
     """
+    from ddp_lesson.launch.output import join_continuations
+
     joined: list[str] = []
-    for line in stream_text(notebook, marker).splitlines():
+    for line in join_continuations(stream_text(notebook, marker)):
         if indent and line.startswith(" " * indent) and joined:
             joined[-1] += " " + line.strip()
         else:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import re
 import signal
 import subprocess
-import textwrap
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -113,26 +112,50 @@ LINE_WIDTH = 100
 
 
 def _fit(line: str, prefix: str, width: int = LINE_WIDTH) -> list[str]:
-    """``prefix + line``, wrapped at spaces so each piece fits ``width`` with its prefix.
+    """``prefix + line``, broken at spaces so each piece fits ``width``; the pieces after the
+    first are indented by ``len(prefix)`` spaces and carry no ``[rank N]`` prefix, so a long
+    line never reads as two prints of the rank.
 
-    Continuation lines keep the line's indentation; a single word longer than the room left
-    is not broken (it would stop being searchable or copyable).
+    The break drops exactly one space, so :func:`join_continuations` restores the line as
+    printed. A single word longer than the room left is not broken (it would stop being
+    searchable or copyable).
     """
     room = width - len(prefix)
-    if len(line) <= room:
-        return [prefix + line]
-    indent = line[:len(line) - len(line.lstrip(" "))]
-    pieces = textwrap.wrap(line, room, subsequent_indent=indent, break_long_words=False,
-                           break_on_hyphens=False, drop_whitespace=True) or [line]
-    if line.startswith(indent) and not pieces[0].startswith(indent):
-        pieces[0] = indent + pieces[0]
-    return [prefix + piece for piece in pieces]
+    pieces, rest = [], line
+    while len(rest) > room:
+        cut = rest.rfind(" ", 1, room + 1)
+        if cut <= 0:
+            cut = rest.find(" ", room)
+        if cut <= 0:
+            break
+        pieces.append(rest[:cut])
+        rest = rest[cut + 1:]
+    pieces.append(rest)
+    pad = " " * len(prefix)
+    return [prefix + pieces[0]] + [pad + piece for piece in pieces[1:]]
+
+
+_RANK_PREFIX = re.compile(r"\[rank \d+\] ")
+
+
+def join_continuations(text: str) -> list[str]:
+    """The lines of :func:`format_rank_outputs`'s ``text`` with each broken line made whole again
+    (a line of spaces as long as the previous rank line's prefix continues it)."""
+    joined: list[str] = []
+    for line in text.splitlines():
+        m = _RANK_PREFIX.match(joined[-1]) if joined else None
+        if m and line.startswith(" " * m.end()) and not _RANK_PREFIX.match(line):
+            joined[-1] += " " + line[m.end():]
+        else:
+            joined.append(line)
+    return joined
 
 
 def format_rank_outputs(outputs: dict[int, str], ranks=None) -> str:
     """Join per-rank outputs in rank order, each line prefixed ``[rank N] ``.
 
-    Lines wider than :data:`LINE_WIDTH` with their prefix are wrapped at spaces.
+    Lines wider than :data:`LINE_WIDTH` with their prefix are broken at spaces and continued
+    on indented lines without a prefix (:func:`_fit`; :func:`join_continuations` undoes it).
     """
     lines = []
     for rank in sorted(outputs):

@@ -263,12 +263,20 @@ def test_interrupt_reads_as_one_line_and_lines_fit_100_characters():
     assert isinstance(err, KeyboardInterrupt)
     assert err._render_traceback_() == [
         "KeyboardInterrupt: torchrun interrupted: every process it started was ended"]
-    # a message pre-wrapped at 100 characters, shown with its [rank N] prefix
+    # a line longer than 100 characters with its [rank N] prefix: broken at a space, continued
+    # indented without a second prefix (it reads as one print), and joined back exactly
+    from ddp_lesson.launch.output import join_continuations
+
     message = "word " * 19 + "last"  # 99 characters
-    out = format_rank_outputs({0: message + "\n", 10: "  " + message + "\n"}).splitlines()
+    text = format_rank_outputs({0: message + "\n", 10: "  " + message + "\n"})
+    out = text.splitlines()
     assert max(len(line) for line in out) <= 100
-    assert out[:2] == ["[rank 0] " + "word " * 17 + "word", "[rank 0] word last"]
-    assert out[2:] == ["[rank 10]   " + "word " * 16 + "word", "[rank 10]   word word last"]
+    assert out[:2] == ["[rank 0] " + "word " * 17 + "word", "         word last"]
+    assert out[2:] == ["[rank 10]   " + "word " * 16 + "word", "          word word last"]
+    assert join_continuations(text) == ["[rank 0] " + message, "[rank 10]   " + message]
+    # double spaces at the break survive the round trip
+    two = "a" * 85 + "  b" * 10
+    assert join_continuations(format_rank_outputs({3: two + "\n"})) == ["[rank 3] " + two]
 
 
 def _run_in_kernel(client, code: str, timeout: float = 120, during=None):
