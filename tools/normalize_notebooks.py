@@ -83,7 +83,8 @@ def main(argv=None) -> int:
                         help="notebooks (default: notebooks/*.ipynb)")
     parser.add_argument("--check", action="store_true", help="only report; exit 1 on any")
     args = parser.parse_args(argv)
-    paths = args.paths or sorted(NOTEBOOKS.glob("*.ipynb"))
+    paths = args.paths or sorted(p for p in NOTEBOOKS.rglob("*.ipynb")
+                                 if ".ipynb_checkpoints" not in p.parts)
     problems = [p for path in paths for p in differences(path)]
     if args.check:
         print("\n".join(problems) or f"{len(paths)} notebooks: metadata as JupyterLab writes it")

@@ -29,7 +29,8 @@ import nbformat
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
+NOTEBOOKS = sorted(p for p in (ROOT / "notebooks").rglob("*.ipynb")
+                   if ".ipynb_checkpoints" not in p.parts)  # the core path and notebooks/deep/
 IDS = [p.name for p in NOTEBOOKS]
 MAX_LINE = 100
 MIN_FIGURE_PX = 700

@@ -231,7 +231,7 @@ def citations_outside() -> set[str]:
     cases outside the repository instead of ``docs/pitfalls.md``."""
     root = PKG.parent
     files = [*root.glob("ddp_lesson/**/*.py"), *root.glob("tests/**/*.py"),
-             *root.glob("notebooks/*.ipynb"), *root.glob("docs/*.md"), root / "README.md"]
+             *root.glob("notebooks/**/*.ipynb"), *root.glob("docs/*.md"), root / "README.md"]
     return {str(p.relative_to(root)) for p in files if OUTSIDE in p.read_text()}
 
 
@@ -341,7 +341,7 @@ def stale_test_paths() -> dict[str, list[str]]:
     test file moved into its module's folder and a mention left behind)."""
     root = PKG.parent
     files = [*root.glob("ddp_lesson/**/*.py"), *root.glob("tests/**/*.py"),
-             *root.glob("notebooks/*.ipynb"), *root.glob("docs/*.md"), *root.glob("tools/*.py"),
+             *root.glob("notebooks/**/*.ipynb"), *root.glob("docs/*.md"), *root.glob("tools/*.py"),
              *[root / n for n in ("README.md", "CONTRIBUTING.md", "pyproject.toml",
                                   "environment.yml", ".ci/run")]]
     stale = {}
