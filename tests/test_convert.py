@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from notebook_cells import StoredRun, cell_with, code_cells
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
@@ -22,8 +23,6 @@ from ddp_lesson.convert import SINGLE, ConversionDiff, conversion_hunks
 from ddp_lesson.exercises import reference
 from ddp_lesson.exercises.catalog import ex_08_1_convert_loop as ex
 from ddp_lesson.exercises.core import run_candidates
-
-from notebook_cells import StoredRun, cell_with, code_cells
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOK = "08_your_script_data_parallel.ipynb"
@@ -71,6 +70,26 @@ def test_the_single_script_is_deterministic_and_saves_a_loadable_checkpoint(tmp_
     assert first == _run_single(tmp_path / "b")
     state = torch.load(tmp_path / "a" / "checkpoint.pt")
     assert state["epoch"] == 2 and not any(k.startswith("module.") for k in state["model"])
+
+
+GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(GPUS < 2, reason="needs 2 CUDA devices: NCCL, one GPU per rank")
+def test_on_two_gpus_the_ddp_script_ends_where_one_gpu_ends(tmp_path):
+    from ddp_lesson.launch import run_torchrun
+
+    _run_single(tmp_path / "single")
+    runs = {}
+    for name, extra in (("ddp", []), ("fp16", ["--fp16"])):
+        runs[name] = run_torchrun("ddp_lesson.convert.ddp", ["--out", str(tmp_path / name), *extra],
+                                  module=True, nproc_per_node=2, timeout=240)
+        assert "saved and reloaded checkpoint.pt (epoch 2)" in runs[name].outputs[1]
+    single = torch.load(tmp_path / "single" / "checkpoint.pt", map_location="cpu")["model"]
+    ddp = torch.load(tmp_path / "ddp" / "checkpoint.pt", map_location="cpu")["model"]
+    assert max((single[k] - ddp[k]).abs().max().item() for k in single) < 1e-5
 
 
 # ----------------------------------------------------------------------------- the diff

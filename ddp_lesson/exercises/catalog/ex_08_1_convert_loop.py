@@ -204,7 +204,7 @@ def _checkpoint_problem(results, ref) -> str | None:
     if len(savers) > 1:
         return (f"ranks {ranks_text(savers)} each wrote the checkpoint: on a shared disk they "
                 "write one file at once. Save on rank 0 only (if dist.get_rank() == 0) and "
-                "let every rank wait with dist.barrier() after it.")
+                "let every rank wait with dist.barrier() after it (pitfall B14).")
     r = savers[0]
     save = results[r]["saves"][-1]
     if r != 0:
@@ -213,7 +213,8 @@ def _checkpoint_problem(results, ref) -> str | None:
         return "rank 0 saved something other than a state_dict: torch.save(state_dict, path)."
     if any(k.startswith("module.") for k in save["keys"]):
         return ("the checkpoint's keys start with 'module.' (the DDP wrapper's state_dict): "
-                "save ddp_model.module.state_dict(), which loads into the plain model.")
+                "save ddp_model.module.state_dict(), which loads into the plain model "
+                "(pitfall B12).")
     if not close(save["weights"], ref["weights"]):
         return "rank 0 saved other weights than the trained ones: save after the last epoch."
     return None
