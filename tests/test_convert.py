@@ -226,6 +226,17 @@ def loss_not_reduced(model, dataset, epochs, batch_size, lr, checkpoint_path):
     return losses  # what `if rank == 0: print(loss)` shows: rank 0's shard only
 
 
+def unshuffled(model, dataset, epochs, batch_size, lr, checkpoint_path):
+    ddp, sampler = DDP(model), DistributedSampler(dataset, shuffle=False)
+    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler)
+    opt = torch.optim.SGD(ddp.parameters(), lr=lr)
+    losses = _reduced(_loop(ddp, loader, sampler, opt, epochs))
+    if dist.get_rank() == 0:
+        torch.save(model.state_dict(), checkpoint_path)
+    dist.barrier()
+    return losses
+
+
 def every_rank_saves(model, dataset, epochs, batch_size, lr, checkpoint_path):
     ddp, sampler = DDP(model), DistributedSampler(dataset)
     loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler)
@@ -285,8 +296,8 @@ def by_hand(model, dataset, epochs, batch_size, lr, checkpoint_path):
     return losses
 
 
-WRONG = [no_sampler, no_set_epoch, no_ddp, loss_not_reduced, every_rank_saves, wrapper_keys,
-         barrier_on_rank0_only]
+WRONG = [no_sampler, no_set_epoch, unshuffled, no_ddp, loss_not_reduced, every_rank_saves,
+         wrapper_keys, barrier_on_rank0_only]
 
 
 @pytest.fixture(scope="module")
@@ -306,6 +317,7 @@ def test_08_1_accepts_two_correct_answers_written_differently(verdicts):
 @pytest.mark.parametrize("name, words", [
     ("no_sampler", "each read all 32 samples in epoch 0"),
     ("no_set_epoch", "call sampler.set_epoch(epoch)"),
+    ("unshuffled", "in index order, unshuffled"),
     ("no_ddp", "ranks 0 and 1 end with different weights"),
     ("loss_not_reduced", "that is rank 0's own shard only"),
     ("every_rank_saves", "ranks 0, 1 each wrote the checkpoint"),

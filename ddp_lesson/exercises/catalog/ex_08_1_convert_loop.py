@@ -137,6 +137,10 @@ def _data_problem(results, ref) -> str | None:
     epochs = {r: [results[r]["seen"][e * per_epoch[r]:(e + 1) * per_epoch[r]]
                   for e in range(EPOCHS)] for r in range(R)}
     first = [set(epochs[r][0]) for r in range(R)]
+    if not any(results[r]["seen"] for r in range(R)):
+        return ("no rank read a sample in its own process: keep the DataLoader's num_workers=0 "
+                "(the checker's dataset notes the indices each rank reads, and workers are other "
+                "processes).")
     if all(s == first[0] for s in first) and len(first[0]) == N:
         return (f"ranks {ranks_text(range(R))} each read all {N} samples in epoch 0: every rank "
                 "trained on the whole dataset, the same data. Give the DataLoader a "
@@ -147,6 +151,10 @@ def _data_problem(results, ref) -> str | None:
         return (f"in epoch 0 the ranks' samples overlap in {len(overlap)} and cover "
                 f"{len(set.union(*first))} of {N}: a DistributedSampler gives each rank a "
                 "disjoint share of all of them.")
+    if epochs[0][0] == list(range(0, N, R)):
+        return ("rank 0 read its samples in index order, unshuffled (shuffle=False on the "
+                "sampler?): the loop shuffles every epoch, so keep DistributedSampler's default "
+                "shuffle=True and call set_epoch(epoch).")
     if EPOCHS > 1 and epochs[0][0] == epochs[0][1]:
         return ("rank 0 read its samples in the same order in epochs 0 and 1: call "
                 "sampler.set_epoch(epoch) at the start of every epoch, on every rank (pitfall "
