@@ -11,6 +11,7 @@ import os
 import re
 from pathlib import Path
 
+import nbformat
 import pytest
 import torch
 import torch.distributed as dist
@@ -63,6 +64,22 @@ def test_the_notebook_compares_both_checkpoints_within_its_tolerance():
                    if o.get("output_type") == "stream")
     assert "max |Δ| below 1e-06: True" in text
     assert "same parameter names: True" in text
+
+
+def test_the_prose_quotes_the_stored_numbers():
+    """The numbers the Markdown quotes are those the cells printed."""
+    cells = nbformat.read(ROOT / "notebooks" / NOTEBOOK, as_version=4).cells
+    prose = " ".join(" ".join(c.source.split()) for c in cells if c.cell_type == "markdown")
+    single = "".join(o.get("text", "") for o in cell_with(NOTEBOOK, "convert.single import main")
+                     .outputs if o.get("output_type") == "stream")
+    assert "epoch 0: mean loss 1.6491" in single and "epoch 2: mean loss 1.1102" in single
+    assert "from about 1.65 to 1.11" in prose
+    assert "last step's gradient norm: 1.5609" in single
+    assert "gradient norm, 1.56, was above 1" in prose
+    removed, added = ConversionDiff().changed_lines()
+    assert f"{removed} lines replaced by {added}" in prose
+    epochs, steps = 3, 64 // 16
+    assert f"within 1e-6 over {epochs * steps} steps" in prose
 
 
 def test_the_single_script_is_deterministic_and_saves_a_loadable_checkpoint(tmp_path):
