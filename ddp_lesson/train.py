@@ -745,14 +745,17 @@ def _start_lines(trainer: Trainer) -> list[str]:
         extras.append(f"amp {cfg.amp}" + (" (GradScaler)" if cfg.amp == "fp16" else ""))
     if cfg.clip_grad_norm is not None:
         extras.append(f"clip-grad-norm {cfg.clip_grad_norm:g}")
+    # One fact per line, each short enough to stay one line in a notebook (100 characters
+    # with its [rank 0] prefix).
     return [
-        f"world_size {env.world_size}  backend {env.backend} ({env.reason})  "
-        f"device {trainer.device.type}",
-        f"batch per rank {cfg.batch_size}  global batch {d['global_batch']} (= {made_of})  "
+        f"world_size {env.world_size}  backend {env.backend}  device {trainer.device.type}",
+        f"backend choice: {env.reason}",
+        f"batch per rank {cfg.batch_size}  global batch {d['global_batch']} (= {made_of})",
         f"steps per epoch {d['steps_per_epoch']}  samples per epoch {d['samples_per_epoch']} "
         f"({d['samples_per_rank']} per rank)",
         f"lr {d['effective_lr']:.6g} (--lr {cfg.lr:g} at base global batch {cfg.base_batch}, "
-        f"--lr-scaling {cfg.lr_scaling})  schedule {cfg.lr_schedule}  " + "  ".join(extras),
+        f"--lr-scaling {cfg.lr_scaling})",
+        f"schedule {cfg.lr_schedule}  " + "  ".join(extras),
     ]
 
 

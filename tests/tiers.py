@@ -59,6 +59,14 @@ SLOW: dict[str, str | frozenset[str]] = {
     "collectives/test_cost_model.py": frozenset({
         "test_bench_cli_runs_a_tiny_sweep",
     }),
+    "convert/test_convert.py": frozenset({
+        "test_the_ddp_run_ends_where_the_single_process_run_ends",
+        "test_the_single_script_is_deterministic_and_saves_a_loadable_checkpoint",
+        "test_on_two_gpus_the_ddp_script_ends_where_one_gpu_ends",
+        "test_08_1_accepts_two_correct_answers_written_differently",
+        "test_08_1_names_the_missing_piece",
+        "test_08_1_a_collective_only_rank_0_reaches_is_named_not_hung",
+    }),
     "ddp/test_ddp_core.py": frozenset({
         "test_bucketed_core_launches_from_the_hooks_while_backward_runs",
     }),

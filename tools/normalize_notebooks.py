@@ -18,8 +18,8 @@ So this sets ``metadata.kernelspec`` to the ``python3`` kernelspec of this envir
 everything else, and writes with nbformat (cell ids kept). ``--check`` and the test compare
 ``language_info`` without its ``version`` (the executing Python's, which JupyterLab rewrites on a
 reader's other Python whatever is stored). Run it after re-executing notebooks
-(``jupyter nbconvert --execute --inplace`` stores "Python 3"). tests/notebooks/test_stored_notebooks.py
-fails when a stored notebook differs from it.
+(``jupyter nbconvert --execute --inplace`` stores "Python 3").
+tests/notebooks/test_stored_notebooks.py fails when a stored notebook differs from it.
 """
 from __future__ import annotations
 

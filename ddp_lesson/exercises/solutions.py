@@ -142,3 +142,33 @@ def gather_flat(shard: torch.Tensor, total_numel: int) -> torch.Tensor:
     pieces = [torch.empty_like(padded) for _ in range(world)]
     dist.all_gather(pieces, padded)
     return torch.cat([p[:n] for p, n in zip(pieces, sizes)])
+
+
+# 08.1 -------------------------------------------------------------------------------
+def train_ddp(model, dataset, epochs, batch_size, lr, checkpoint_path):
+    """The DDP version of notebook 08's ``train_single``: each rank trains on its share,
+    ``batch_size`` per rank; returns each epoch's mean loss over all ranks. A collective."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    sampler = DistributedSampler(dataset)  # rank and world size from the process group
+    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler)
+    ddp = DDP(model)  # CPU: device_ids=None; on GPU rank r: DDP(model, device_ids=[r])
+    opt = torch.optim.SGD(ddp.parameters(), lr=lr)
+    losses = []
+    for epoch in range(epochs):
+        sampler.set_epoch(epoch)
+        total, steps = 0.0, 0
+        for x, y in loader:
+            loss = torch.nn.functional.mse_loss(ddp(x), y)
+            opt.zero_grad()
+            loss.backward()  # the gradients come back averaged over the ranks
+            opt.step()
+            total, steps = total + loss.item(), steps + 1
+        mean = torch.tensor([total, steps], dtype=torch.float64)
+        dist.all_reduce(mean)  # every rank: the sum over the ranks of both
+        losses.append((mean[0] / mean[1]).item())
+    if dist.get_rank() == 0:
+        torch.save(model.state_dict(), checkpoint_path)  # the plain model's keys
+    dist.barrier()  # nobody reads the checkpoint before it is complete
+    return losses

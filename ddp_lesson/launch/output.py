@@ -116,16 +116,20 @@ def _fit(line: str, prefix: str, width: int = LINE_WIDTH) -> list[str]:
     first are indented by ``len(prefix)`` spaces and carry no ``[rank N]`` prefix, so a long
     line never reads as two prints of the rank.
 
-    The break drops exactly one space, so :func:`join_continuations` restores the line as
-    printed. A single word longer than the room left is not broken (it would stop being
-    searchable or copyable).
+    The break drops exactly one space, the last of its run, so a continuation starts with a
+    character (which tells it from a cell's own indented lines) and
+    :func:`join_continuations` restores the line as printed. A single word longer than the
+    room left is not broken (it would stop being searchable or copyable).
     """
     room = width - len(prefix)
     pieces, rest = [], line
     while len(rest) > room:
-        cut = rest.rfind(" ", 1, room + 1)
+        # the last space of a run of spaces, so a continuation never starts with a space
+        cut = next((i for i in range(min(room, len(rest) - 1), 0, -1)
+                    if rest[i] == " " and rest[i + 1] != " " and rest[:i].strip()), 0)
         if cut <= 0:
-            cut = rest.find(" ", room)
+            cut = next((i for i in range(room, len(rest) - 1)
+                        if rest[i] == " " and rest[i + 1] != " "), 0)
         if cut <= 0:
             break
         pieces.append(rest[:cut])
@@ -139,12 +143,13 @@ _RANK_PREFIX = re.compile(r"\[rank \d+\] ")
 
 
 def join_continuations(text: str) -> list[str]:
-    """The lines of :func:`format_rank_outputs`'s ``text`` with each broken line made whole again
-    (a line of spaces as long as the previous rank line's prefix continues it)."""
+    """The lines of :func:`format_rank_outputs`'s ``text`` with each broken line made whole again:
+    a line indented by exactly the previous rank line's prefix width, then a non-space,
+    continues it."""
     joined: list[str] = []
     for line in text.splitlines():
         m = _RANK_PREFIX.match(joined[-1]) if joined else None
-        if m and line.startswith(" " * m.end()) and not _RANK_PREFIX.match(line):
+        if m and line.startswith(" " * m.end()) and line[m.end():m.end() + 1].strip():
             joined[-1] += " " + line[m.end():]
         else:
             joined.append(line)

@@ -224,8 +224,8 @@ def test_single_process_run(tmp_path):
     assert "note: --local_rank=0 is the legacy" in proc.stdout
     assert "epoch 1/1  train_loss " in proc.stdout
     assert "wrote out/summary.json" in proc.stdout
-    assert "lr 0.05 (--lr 0.05 at base global batch 16, --lr-scaling none)  schedule constant  " \
-           "no DDP wrapper (1 process)" in proc.stdout
+    assert "lr 0.05 (--lr 0.05 at base global batch 16, --lr-scaling none)\n" in proc.stdout
+    assert "schedule constant  no DDP wrapper (1 process)\n" in proc.stdout
     assert len(s["step_losses"]) == s["steps_per_epoch"] == 8
     assert (tmp_path / "out" / "checkpoint.pt").is_file()
     # a finished run's checkpoint counts epochs *completed* (notebook 05 prints it so)
@@ -250,12 +250,14 @@ class TestMultiProcess:
             "-m ddp_lesson.train " + " ".join(TINY)
         )
         # Rank 0 alone prints: each line once.
-        assert out.count("world_size 2  backend gloo") == 1
-        assert "global batch 8 (= 4 x 2)  steps per epoch 4  samples per epoch 32" in out
+        assert out.count("world_size 2  backend gloo  device cpu\n") == 1
+        assert out.count("backend choice: 2 processes, gloo requested: using gloo on CPU\n") == 1
+        assert "batch per rank 4  global batch 8 (= 4 x 2)\n" in out
+        assert "steps per epoch 4  samples per epoch 32 (16 per rank)\n" in out
         assert out.count("epoch 1/1  train_loss ") == 1
         assert out.count("wrote out/summary.json") == 1
-        assert out.count("lr 0.05 (--lr 0.05 at base global batch 16, --lr-scaling none)  "
-                         "schedule constant  ddp torch") == 1
+        assert out.count("lr 0.05 (--lr 0.05 at base global batch 16, --lr-scaling none)\n") == 1
+        assert out.count("schedule constant  ddp torch\n") == 1
         assert "Traceback" not in proc.stderr
 
 
