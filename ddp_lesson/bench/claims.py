@@ -4,7 +4,7 @@ A benchmark row keeps the minimum, median and maximum over its repeats. Two meas
 told apart only when their min..max intervals do not overlap; otherwise the difference is
 **within noise**, whatever the medians say. :func:`compare` is that rule, and :data:`CLAIMS`
 lists every comparison that the README, notebook 03 and ``docs/benchmarks.md`` state (and the
-ones notebooks 04 and 05 should state), with the verdict the prose uses. ``tests/
+ones notebooks 04 and 06 should state), with the verdict the prose uses. ``tests/
 test_bench_claims.py`` classifies each claim against ``benchmarks/*.csv`` and finds its sentence
 in the file that makes it, so re-measuring a benchmark makes any claim that no longer holds fail.
 
@@ -124,7 +124,7 @@ def _sc(mode, R):
 
 NB03 = "notebooks/03_collectives.ipynb"
 NB04 = "notebooks/04_ddp_from_scratch.ipynb"
-NB05 = "notebooks/05_training_the_seed_model.ipynb"
+NB05 = "notebooks/06_training_the_seed_model.ipynb"
 DOC = "docs/benchmarks.md"
 
 _NOISE_03 = ("the pipelined ring, the simple ring and gloo's `all_reduce` are within noise of "
@@ -188,7 +188,7 @@ _SCALING_DOC = {
     "strong 2": "strong scaling with 2 processes is faster than 1 process",
     "weak 4": "weak scaling with 4 processes is faster than 1 process",
 }
-#: Sentences proposed for notebooks 04 and 05 (their owners write them; checked against the
+#: Sentences proposed for notebooks 04 and 06 (their owners write them; checked against the
 #: CSVs here, and against those notebooks' text by nobody yet).
 _DDP_NB04 = {
     "bucketed": "without a link, `BucketedDDP` runs within noise of torch's DDP",

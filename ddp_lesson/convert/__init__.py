@@ -2,7 +2,7 @@
 
 ``single.py`` is the kind of script a learner starts from; ``ddp.py`` is the same script
 converted to ``DistributedDataParallel``, changed only where data parallelism needs it, so the
-unified diff of the two files is the conversion. Notebook 08 shows that diff, computed here
+unified diff of the two files is the conversion. Notebook 05 shows that diff, computed here
 from the files at run time (it cannot drift from the code), and runs both. The two scripts
 are plain torch: they import only the package's toy data and model (``ddp_lesson.gradients``).
 """

@@ -111,7 +111,7 @@ def fp16_compress_hook(state, bucket):
     return fut.then(decompress)
 
 
-# 05.4 -------------------------------------------------------------------------------
+# 06.4 -------------------------------------------------------------------------------
 def effective_lr(base_lr: float, base_batch: int, per_rank_batch: int, world_size: int,
                  grad_accum_steps: int = 1, rule: str = "linear") -> float:
     """The learning rate for the global batch per_rank_batch × world_size × grad_accum_steps."""
@@ -119,20 +119,20 @@ def effective_lr(base_lr: float, base_batch: int, per_rank_batch: int, world_siz
     return {"linear": base_lr * ratio, "sqrt": base_lr * math.sqrt(ratio), "none": base_lr}[rule]
 
 
-# 06.5 -------------------------------------------------------------------------------
+# 07.5 -------------------------------------------------------------------------------
 def global_rank(node_rank: int, local_rank: int, nproc_per_node: int) -> int:
     """torchrun's global RANK of process ``local_rank`` on node ``node_rank``."""
     return node_rank * nproc_per_node + local_rank
 
 
-# 07.1 -------------------------------------------------------------------------------
+# 08.1 -------------------------------------------------------------------------------
 def min_ranks_zero3(num_params: float, gpu_bytes: float) -> int:
     """Fewest ranks on which ZeRO-3's 16 bytes/parameter (mixed-precision Adam) fit in
     ``gpu_bytes``."""
     return max(1, math.ceil(16 * num_params / gpu_bytes))
 
 
-# 07.4 -------------------------------------------------------------------------------
+# 08.4 -------------------------------------------------------------------------------
 def gather_flat(shard: torch.Tensor, total_numel: int) -> torch.Tensor:
     """Rebuild the flat tensor split by ``tensor_split`` over the ranks, with one all_gather."""
     world = dist.get_world_size()
@@ -144,9 +144,9 @@ def gather_flat(shard: torch.Tensor, total_numel: int) -> torch.Tensor:
     return torch.cat([p[:n] for p, n in zip(pieces, sizes)])
 
 
-# 08.1 -------------------------------------------------------------------------------
+# 05.1 -------------------------------------------------------------------------------
 def train_ddp(model, dataset, epochs, batch_size, lr, checkpoint_path):
-    """The DDP version of notebook 08's ``train_single``: each rank trains on its share,
+    """The DDP version of notebook 05's ``train_single``: each rank trains on its share,
     ``batch_size`` per rank; returns each epoch's mean loss over all ranks. A collective."""
     from torch.nn.parallel import DistributedDataParallel as DDP
     from torch.utils.data import DataLoader, DistributedSampler

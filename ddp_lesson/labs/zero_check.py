@@ -1,4 +1,4 @@
-"""ZeRO-1 from scratch against DDP + AdamW and torch's ZeroRedundancyOptimizer (notebook 07).
+"""ZeRO-1 from scratch against DDP + AdamW and torch's ZeroRedundancyOptimizer (notebook 08).
 
     torchrun --standalone --nproc-per-node 2 -m ddp_lesson.labs.zero_check
 

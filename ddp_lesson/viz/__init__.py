@@ -11,8 +11,8 @@ sampler_heatmap``; this package re-exports nothing, so the import names where th
 * :mod:`~ddp_lesson.viz.collectives`: ring states, bandwidth, cost model (notebook 03);
 * :mod:`~ddp_lesson.viz.ddp`: step timelines, bucket sweep, benchmark, torch's Reducer
   (notebook 04);
-* :mod:`~ddp_lesson.viz.training`: loss curves, masks, the scaling study (notebook 05);
-* :mod:`~ddp_lesson.viz.memory`: memory and data movement per rank (notebook 07).
+* :mod:`~ddp_lesson.viz.training`: loss curves, masks, the scaling study (notebook 06);
+* :mod:`~ddp_lesson.viz.memory`: memory and data movement per rank (notebook 08).
 
 Figures are drawn with pyplot (so a notebook cell ends with ``plt.show()`` and the image is
 stored as a small PNG); a caller that only wants the picture (a widget, a test) closes the

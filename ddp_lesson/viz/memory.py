@@ -1,4 +1,4 @@
-"""Memory and data movement per rank under DDP, ZeRO and FSDP (notebook 07)."""
+"""Memory and data movement per rank under DDP, ZeRO and FSDP (notebook 08)."""
 from __future__ import annotations
 
 from .style import LABEL_PT, MIN_WIDTH_IN, SMALL_PT, finish, subplots

@@ -18,7 +18,7 @@ from ddp_lesson.bench.claims import CLAIMS, NB04, NB05, Claim, Quantity, compare
 ROOT = Path(__file__).resolve().parents[2]
 TABLES = load(ROOT)
 #: Files whose text this project's benchmark owner keeps in step with the claims; claims for
-#: notebooks 04 and 05 are checked against the CSVs here, their sentences by those notebooks.
+#: notebooks 04 and 06 are checked against the CSVs here, their sentences by those notebooks.
 CHECKED_PROSE = ("notebooks/03_collectives.ipynb", "README.md", "docs/benchmarks.md")
 
 

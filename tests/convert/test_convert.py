@@ -1,5 +1,5 @@
-"""The conversion of notebook 08: the single-process script and its DDP version agree, the diff
-the notebook shows is the files' diff, and exercise 08.1's checker names each missing piece.
+"""The conversion of notebook 05: the single-process script and its DDP version agree, the diff
+the notebook shows is the files' diff, and exercise 05.1's checker names each missing piece.
 
 The DDP script's 2-rank run is the notebook's own cell (one job, one launch: the test reads the
 stored output and asserts the cell's source); the single-process script runs here.
@@ -22,12 +22,12 @@ from torch.utils.data import DataLoader, DistributedSampler
 from ddp_lesson.convert import DDP as DDP_FILE
 from ddp_lesson.convert import SINGLE, ConversionDiff, conversion_hunks
 from ddp_lesson.exercises import reference
-from ddp_lesson.exercises.catalog import ex_08_1_convert_loop as ex
+from ddp_lesson.exercises.catalog import ex_05_1_convert_loop as ex
 from ddp_lesson.exercises.core import run_candidates
 
 ROOT = Path(__file__).resolve().parents[2]
-NOTEBOOK = "08_your_script_data_parallel.ipynb"
-DDP_CELL = ("%torchrun --nproc-per-node 2 -m ddp_lesson.convert.ddp --out runs/nb08/ddp")
+NOTEBOOK = "05_your_script_data_parallel.ipynb"
+DDP_CELL = ("%torchrun --nproc-per-node 2 -m ddp_lesson.convert.ddp --out runs/nb05/ddp")
 
 # A raising or hanging candidate costs one collective timeout; keep it short here.
 os.environ.setdefault("DDP_LESSON_CHECK_TIMEOUT_S", "4")
@@ -160,7 +160,7 @@ def test_every_runnable_module_starts_with_its_command():
         '"""torchrun --standalone --nproc-per-node 2 -m ddp_lesson.convert.ddp ')
 
 
-# ----------------------------------------------------------------------------- exercise 08.1
+# ----------------------------------------------------------------------------- exercise 05.1
 
 def test_the_given_loop_is_the_checkers_reference():
     model, data = ex._model(), ex.Recorded()
@@ -321,14 +321,14 @@ WRONG = [no_sampler, no_set_epoch, unshuffled, no_ddp, loss_not_reduced, every_r
 def verdicts():
     """One launch: the reference, the other correct answer, then every wrong answer (the one
     that hangs last but one: its rank 0 times out and the next candidate gets a fresh group)."""
-    found = run_candidates("08.1", [reference("08.1"), by_hand, *WRONG])
+    found = run_candidates("05.1", [reference("05.1"), by_hand, *WRONG])
     return dict(zip(["reference", "by_hand"] + [f.__name__ for f in WRONG], found))
 
 
-def test_08_1_accepts_two_correct_answers_written_differently(verdicts):
+def test_05_1_accepts_two_correct_answers_written_differently(verdicts):
     assert verdicts["reference"].passed, verdicts["reference"]
     assert verdicts["by_hand"].passed, verdicts["by_hand"]
-    assert str(verdicts["reference"]).startswith("PASSED 08.1")
+    assert str(verdicts["reference"]).startswith("PASSED 05.1")
 
 
 @pytest.mark.parametrize("name, words", [
@@ -341,13 +341,13 @@ def test_08_1_accepts_two_correct_answers_written_differently(verdicts):
     ("wrapper_keys", "keys start with 'module.'"),
     ("barrier_on_rank0_only", "rank 0 at"),
 ])
-def test_08_1_names_the_missing_piece(verdicts, name, words):
+def test_05_1_names_the_missing_piece(verdicts, name, words):
     verdict = verdicts[name]
     assert not verdict.passed
     assert words in verdict.problems[0], verdict.problems
 
 
-def test_08_1_a_collective_only_rank_0_reaches_is_named_not_hung(verdicts):
+def test_05_1_a_collective_only_rank_0_reaches_is_named_not_hung(verdicts):
     text = verdicts["barrier_on_rank0_only"].problems[0]
     assert re.search(r"rank 0 at .*line \d+", text), text
     assert "rank 1 finished" in text

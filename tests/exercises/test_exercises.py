@@ -185,10 +185,10 @@ def test_03_3_tree_ring_crossover():
     assert not wrong and "R=5" in wrong.problems[0] and "They cross at" in wrong.problems[0]
 
 
-def test_05_4_effective_lr():
-    divided = notebook_attempt("05.4")
-    no_accum = lambda lr, bb, b, R, k, rule: reference("05.4")(lr, bb, b, R, 1, rule)  # noqa: E731
-    good, v_div, v_acc = run_candidates("05.4", [reference("05.4"), divided, no_accum])
+def test_06_4_effective_lr():
+    divided = notebook_attempt("06.4")
+    no_accum = lambda lr, bb, b, R, k, rule: reference("06.4")(lr, bb, b, R, 1, rule)  # noqa: E731
+    good, v_div, v_acc = run_candidates("06.4", [reference("06.4"), divided, no_accum])
     assert good
     # 0.1 tuned at 256, 4 x 128 = 512 samples: linear gives 0.2; divided by 4, 0.05
     assert (
@@ -197,21 +197,21 @@ def test_05_4_effective_lr():
     )
     assert "accumulation steps are part of the global batch" in v_acc.problems[0]
     def sqrt_as_linear(lr, bb, b, R, k, rule):
-        return reference("05.4")(lr, bb, b, R, k, "linear" if rule == "sqrt" else rule)
+        return reference("06.4")(lr, bb, b, R, k, "linear" if rule == "sqrt" else rule)
 
-    (v_sqrt,) = run_candidates("05.4", [sqrt_as_linear])
+    (v_sqrt,) = run_candidates("06.4", [sqrt_as_linear])
     # 0.4 tuned at 64, 4 x 4 x 2 = 32: sqrt gives 0.4 * sqrt(1/2) = 0.2828, linear 0.2, which
     # is also what sqrt gives without the accumulation steps; the diagnosis names the rule
     assert v_sqrt.problems[0] == (
         "lr 0.4 tuned at batch 64, 4 processes x 4 samples x 2 accumulation step(s), rule 'sqrt': "
         "got 0.2, expected 0.2828 (global batch 32): that is the 'linear' rule's value for this "
         "global batch, not the 'sqrt' rule's. sqrt: base_lr x sqrt(global batch / base_batch).")
-    # notebook 05's exercise: 0.1 tuned at 16, 4 processes x 8 samples, linear -> 0.2
-    assert reference("05.4")(0.1, 16, 8, 4, 1, "linear") == pytest.approx(0.2)
+    # notebook 06's exercise: 0.1 tuned at 16, 4 processes x 8 samples, linear -> 0.2
+    assert reference("06.4")(0.1, 16, 8, 4, 1, "linear") == pytest.approx(0.2)
 
 
-def test_06_5_global_rank():
-    good, rr, collide = run_candidates("06.5", [reference("06.5"), notebook_attempt("06.5"),
+def test_07_5_global_rank():
+    good, rr, collide = run_candidates("07.5", [reference("07.5"), notebook_attempt("07.5"),
                                                 lambda n, l, p: n + l])
     assert good
     assert rr.problems[0].startswith(
@@ -221,11 +221,11 @@ def test_06_5_global_rank():
     assert "node 0, local rank 1 and node 1, local rank 0 would share RANK 1" in collide.problems[0]
 
 
-def test_07_1_zero3_ranks():
-    assert reference("07.1")(70e9, 80e9) == 14  # 16 * 70e9 / 80e9 = 14 exactly
-    floor = notebook_attempt("07.1")
+def test_08_1_zero3_ranks():
+    assert reference("08.1")(70e9, 80e9) == 14  # 16 * 70e9 / 80e9 = 14 exactly
+    floor = notebook_attempt("08.1")
     stage0 = lambda psi, gpu: 1000  # noqa: E731 (a candidate as a learner may write it)
-    good, v_floor, v_many = run_candidates("07.1", [reference("07.1"), floor, stage0])
+    good, v_floor, v_many = run_candidates("08.1", [reference("08.1"), floor, stage0])
     assert good
     assert "7.5B parameters on 80 GB ranks: on 1 rank ZeRO-3 keeps 120 GB" in v_floor.problems[0]
     assert "fewest" in v_many.problems[0]
@@ -924,7 +924,7 @@ def truncating(shard, total):  # assumes equal shards: cuts every piece to the s
 
 
 def reversed_order(shard, total):
-    out = reference("07.4")(shard, total)
+    out = reference("08.4")(shard, total)
     sizes = [t.numel() for t in torch.tensor_split(torch.empty(total), dist.get_world_size())]
     return torch.cat(list(reversed(torch.split(out, sizes))))
 
@@ -949,8 +949,8 @@ def three_pieces(shard, total):  # a constant 3 for the world size
     return torch.cat([p[:n] for p, n in zip(pieces, sizes)])
 
 
-@judges("07.4", reference("07.4"), truncating, reversed_order, broadcasts, three_pieces)
-def test_07_4_gather_flat(judged):
+@judges("08.4", reference("08.4"), truncating, reversed_order, broadcasts, three_pieces)
+def test_08_4_gather_flat(judged):
     good, v_trunc, v_rev, v_bcast, v_three = judged
     assert good
     assert v_bcast.problems[0].startswith(
@@ -969,10 +969,10 @@ def test_07_4_gather_flat(judged):
 def lonely(shard, total):
     if dist.get_rank() == 0:
         dist.all_reduce(torch.zeros(1))
-    return reference("07.4")(shard, total)
+    return reference("08.4")(shard, total)
 
 
-@judges("07.4", lonely)
+@judges("08.4", lonely)
 def test_a_collective_only_one_rank_calls_ends_in_a_verdict_not_a_hang(judged):
     (v,) = judged
     assert not v
@@ -1034,7 +1034,7 @@ def test_what_a_function_returns_is_checked_before_it_is_judged(judged):
     (v,) = judged
     assert re.match(r"rank \d: your function returned None \(missing return\?\); the exercise "
                     r"expects a tensor of 3 numbers\.", v.problems[0]), v.problems
-    half, none = run_candidates("07.1", [lambda psi, gpu: 16 * psi / gpu, lambda psi, gpu: None])
+    half, none = run_candidates("08.1", [lambda psi, gpu: 16 * psi / gpu, lambda psi, gpu: None])
     # 16 * 7.5e9 / 80e9 = 1.5 ranks: not a whole number
     assert half.problems[0] == ("7.5B parameters on 80 GB ranks: got 1.5 ranks; a number of ranks "
                                 "is a whole number (round up: 2).")
@@ -1061,20 +1061,20 @@ def test_unsendable_globals_and_loose_ids_get_clear_answers():
 
 def test_local_checkers_vary_what_a_constant_or_a_table_could_stand_in_for():
     from ddp_lesson.exercises.catalog.ex_03_3_tree_vs_ring import _CASES as _CASES_03_3
-    from ddp_lesson.exercises.catalog.ex_05_4_effective_lr import _CASES as _CASES_05_4
-    from ddp_lesson.exercises.catalog.ex_07_1_zero3_ranks import _CASES as _CASES_07_1
+    from ddp_lesson.exercises.catalog.ex_06_4_effective_lr import _CASES as _CASES_05_4
+    from ddp_lesson.exercises.catalog.ex_08_1_zero3_ranks import _CASES as _CASES_07_1
 
-    table = {(psi, gpu): reference("07.1")(psi, gpu) for psi, gpu in _CASES_07_1[:6]}
+    table = {(psi, gpu): reference("08.1")(psi, gpu) for psi, gpu in _CASES_07_1[:6]}
     crossover = {R: reference("03.3")(a, b, R) for a, b, R in _CASES_03_3[:7]}
-    lr_table = {c: reference("05.4")(*c) for c in _CASES_05_4[:7]}
+    lr_table = {c: reference("06.4")(*c) for c in _CASES_05_4[:7]}
     v_cross, v_lr = run_candidates("03.3", [lambda a, b, R: crossover.get(R, 0.0)]) + \
-        run_candidates("05.4", [lambda *c: lr_table.get(c, 0.1)])
+        run_candidates("06.4", [lambda *c: lr_table.get(c, 0.1)])
     assert not v_cross and v_cross.problems[0].startswith("R="), v_cross.problems
     assert not v_lr and v_lr.problems[0].startswith("lr "), v_lr.problems
     bitmask, node_times_two, from_table = run_candidates("00.3", [
         lambda rank, nproc: rank & (nproc - 1),  # right when nproc is a power of two
-    ]) + run_candidates("06.5", [lambda node, local, nproc: node * 2 + local]) + run_candidates(
-        "07.1", [lambda psi, gpu: table.get((psi, gpu), 1)])
+    ]) + run_candidates("07.5", [lambda node, local, nproc: node * 2 + local]) + run_candidates(
+        "08.1", [lambda psi, gpu: table.get((psi, gpu), 1)])
     # 3 processes per node (the first layout that is not a power of two): 1 & 2 = 0
     assert bitmask.problems[0].startswith("rank 1 with 3 processes per node on 2 nodes: got 0, "
                                           "expected 1"), bitmask.problems
@@ -1108,9 +1108,9 @@ def test_local_checks_have_a_time_limit_and_show_the_learners_line(monkeypatch):
         import statistics
         return statistics.mean([])
 
-    v_loop, = run_candidates("07.1", [endless])
+    v_loop, = run_candidates("08.1", [endless])
     v_text, v_none = run_candidates("00.3", [as_text, no_return])
-    v_lib, = run_candidates("05.4", [library_raises])
+    v_lib, = run_candidates("06.4", [library_raises])
     assert v_loop.problems[0].startswith("case (70B, 80 GB) did not return within 0.5 s"), (
         v_loop.problems
     )
@@ -1174,7 +1174,7 @@ def test_a_launch_blames_only_the_candidate_it_stopped_in(monkeypatch):
         return SimpleNamespace(errors={0: f"{mark(0)}\n{mark(1)}\n", 1: rank1, 2: ""})
 
     monkeypatch.setattr(launch, "run_torchrun", stand_in)
-    candidates = [(get("07.4"), reference("07.4")) for _ in range(3)]
+    candidates = [(get("08.4"), reference("08.4")) for _ in range(3)]
     done, problems = core._launch(candidates)
     # candidate 2 never started: it is left to a fresh launch. One launch of 3 processes that
     # allows 90 s, and 2 world sizes x (2 x 4 s timeout + 5 s) for each further candidate

@@ -6,7 +6,7 @@ process group's timeout raises "Timed out waiting <ms>ms for recv operation" (or
 ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` torch names a mismatched collective; DDP's constructor
 names a parameter whose shape differs between ranks.
 
-One job, one launch (docs/architecture.md): notebook 06's clinic cell starts exactly these
+One job, one launch (docs/architecture.md): notebook 07's clinic cell starts exactly these
 launches (every broken case with a 3 s timeout, shape_mismatch again with DETAIL, the repairs'
 job) and prints, per case, its verdict, every line each rank printed and the telling line of its
 error. The tests below read that stored output, after asserting the cell's source starts those
@@ -22,7 +22,7 @@ from notebook_cells import cell_with, stream_text
 from ddp_lesson.labs.clinic import CASES, split_cases, telling_line
 from ddp_lesson.launch import run_torchrun
 
-NB = "06_failures_and_multinode.ipynb"
+NB = "07_failures_and_multinode.ipynb"
 CLINIC_CELL = "clinic = run_all(runs)"
 FIXED_CELL = "fixed = {rank: split_cases"
 TIMEOUT_LINE = "RuntimeError: Timed out waiting 3000ms"
@@ -50,7 +50,7 @@ def _blocks(text: str) -> dict[str, dict]:
 
 @pytest.fixture(scope="module")
 def clinic():
-    """Notebook 06's stored clinic verdicts, after checking the cell starts the launches the
+    """Notebook 07's stored clinic verdicts, after checking the cell starts the launches the
     tests expect: each case with ``--timeout 3``, DETAIL on shape_mismatch, the repairs' job."""
     source = cell_with(NB, CLINIC_CELL).source
     for line in ('runs = {name: (name, ["--timeout", "3"]) for name in CASES}',
@@ -118,7 +118,7 @@ def test_model_differing_between_ranks_is_refused_by_ddp(clinic):
 
 @pytest.fixture(scope="module")
 def fixed(clinic):
-    """Each case's ``--fixed`` output, per rank, as notebook 06 prints it from the repairs'
+    """Each case's ``--fixed`` output, per rank, as notebook 07 prints it from the repairs'
     job (one launch, every repaired program in order)."""
     first, _, rest = stream_text(NB, FIXED_CELL).partition("\n")
     assert first == "the repairs' job: finished"

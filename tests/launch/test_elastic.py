@@ -9,7 +9,7 @@ the checkpoint write (after the temporary file, before the rename), two simulate
 process each against one node of two processes, and a node lost for good under
 ``--nnodes 1:2``.
 
-Where notebook 06 runs the very same job (the third mid-epoch kill, the kill inside the write,
+Where notebook 07 runs the very same job (the third mid-epoch kill, the kill inside the write,
 the two-node cell, the lost node), the test reads the notebook's stored output instead of
 launching it again: the suite's nbval replay runs that cell and fails unless it prints exactly
 what is stored, so the same values are checked on a fresh run either way.
@@ -95,7 +95,7 @@ def _assert_mid_epoch_recovery(lines0, lines1):
 
 
 def _notebook_job(name: str, flags: str) -> None:
-    """Notebook 06 starts the job ``name`` with this test file's BASE and ``flags``, one
+    """Notebook 07 starts the job ``name`` with this test file's BASE and ``flags``, one
     restart allowed (so its stored output answers for the same run as the tests here)."""
     setup = " ".join(cell_with(NB, "run_torchrun_many({").source.split())  # one line
     assert "BASE = " + json.dumps(BASE) in setup
@@ -104,7 +104,7 @@ def _notebook_job(name: str, flags: str) -> None:
 
 
 def test_notebook_kill_mid_epoch_recovers_bit_identical():
-    """The same run a third time: notebook 06's ``killed`` cell as stored (nbval replays it)."""
+    """The same run a third time: notebook 07's ``killed`` cell as stored (nbval replays it)."""
     _notebook_job("killed", '"--simulate-failure-at-step", "5", "--failure-rank", "1", '
                             'max_restarts=1)')
     ranks, other = stored_run(NB, "show(killed)")
@@ -113,7 +113,7 @@ def test_notebook_kill_mid_epoch_recovers_bit_identical():
 
 
 def test_kill_during_checkpoint_write_keeps_previous_checkpoint():
-    """Notebook 06's ``torn`` cell as stored (nbval replays it): rank 0, the writer, killed
+    """Notebook 07's ``torn`` cell as stored (nbval replays it): rank 0, the writer, killed
     once the temporary file of step 6 is complete, before the rename."""
     _notebook_job("torn", '"--simulate-failure-at-step", "5", "--simulate-failure-during-save", '
                           'max_restarts=1)')
@@ -148,12 +148,12 @@ def test_failure_during_save_needs_a_step(capsys):
     assert "needs --simulate-failure-at-step K >= 1" in capsys.readouterr().err
 
 
-NB = "06_failures_and_multinode.ipynb"
+NB = "07_failures_and_multinode.ipynb"
 TORCH = os.path.dirname(torch.__file__)
 
 
 def test_notebook_two_node_cell_names_the_missing_rank():
-    """Notebook 06's ``%%torchrun --nnodes 2 --nproc-per-node 1`` cell as stored (nbval replays
+    """Notebook 07's ``%%torchrun --nnodes 2 --nproc-per-node 1`` cell as stored (nbval replays
     it): node i holds rank i; monitored_barrier on gloo names rank 1, which never came."""
     cell = cell_with(NB, "monitored_barrier").source
     assert cell.startswith("%%torchrun --nnodes 2 --nproc-per-node 1\n")
@@ -168,7 +168,7 @@ def test_notebook_two_node_cell_names_the_missing_rank():
 
 
 def test_lost_node_shrinks_the_world_and_the_trainer_refuses_the_checkpoint():
-    """Elastic ``--nnodes 1:2``, notebook 06's ``lost_node`` cell as stored (nbval replays it):
+    """Elastic ``--nnodes 1:2``, notebook 07's ``lost_node`` cell as stored (nbval replays it):
     node 1's agent dies after step 6; node 0 restarts alone (WORLD_SIZE 1) and the trainer
     refuses the checkpoint written by 2 processes."""
     cell = cell_with(NB, "--simulate-node-loss").source
@@ -177,7 +177,7 @@ def test_lost_node_shrinks_the_world_and_the_trainer_refuses_the_checkpoint():
     assert ranks[1] == ["simulated failure: rank 1 kills its torchrun agent and itself "
                         "(SIGKILL) after the step at global step 6: node lost"]
     assert ranks[0][0].startswith("world_size 2 ") and "[restart 1]" in ranks[0]
-    path = "runs/nb06/lost_node/checkpoint.pt"
+    path = "runs/nb07/lost_node/checkpoint.pt"
     assert ranks[0][-1] == (f"error: checkpoint {path} was written by 2 processes, this run has "
                             "1 (the data order and global batch depend on it); resume with the "
                             "same settings, or pass --no-resume to start over")
@@ -197,7 +197,7 @@ def _torch_src(rel):
 
 
 def test_restart_trap_is_in_torchs_source():
-    """Notebook 06's explanation of the restart trap, line by line in torch's source: the
+    """Notebook 07's explanation of the restart trap, line by line in torch's source: the
     agent's store is kept across rounds, the workers connect to it without a per-attempt
     prefix, and the process group's keys carry no restart count."""
     dyn = _torch_src("distributed/elastic/rendezvous/dynamic_rendezvous.py")

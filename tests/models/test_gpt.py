@@ -47,7 +47,7 @@ def test_tinygpt_shapes_and_parameter_count():
     assert logits.shape == (4, 32, 103)
     # an untrained model predicts close to uniform: loss near ln(V)
     assert abs(loss.item() - torch.log(torch.tensor(103.0)).item()) < 0.2
-    assert f"{torch.log(torch.tensor(103.0)).item():.2f}" == "4.63"  # printed by notebook 07
+    assert f"{torch.log(torch.tensor(103.0)).item():.2f}" == "4.63"  # printed by notebook 08
     assert m(x)[1] is None
 
 

@@ -265,7 +265,7 @@ def test_converter_on_a_single_layer_and_the_deeplab_model():
     layer = convert_sync_batchnorm(nn.BatchNorm2d(6))
     assert isinstance(layer, SyncBatchNorm) and layer.num_features == 6
     model = build_model("deeplab", width=16)
-    # backbone 8 + ASPP 1x1, three atrous 3x3 and the projection = 13 (notebook 05 prints it)
+    # backbone 8 + ASPP 1x1, three atrous 3x3 and the projection = 13 (notebook 06 prints it)
     assert count_batchnorm(model) == {"BatchNorm2d": 13}
     convert_sync_batchnorm(model)
     assert count_batchnorm(model) == {"SyncBatchNorm": 13}

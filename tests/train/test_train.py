@@ -228,7 +228,7 @@ def test_single_process_run(tmp_path):
     assert "schedule constant  no DDP wrapper (1 process)\n" in proc.stdout
     assert len(s["step_losses"]) == s["steps_per_epoch"] == 8
     assert (tmp_path / "out" / "checkpoint.pt").is_file()
-    # a finished run's checkpoint counts epochs *completed* (notebook 05 prints it so)
+    # a finished run's checkpoint counts epochs *completed* (notebook 06 prints it so)
     import torch
 
     ckpt = torch.load(tmp_path / "out" / "checkpoint.pt", weights_only=True)

@@ -225,7 +225,7 @@ for tag, extra in (("plain", []), ("syncbn_accum", ["--sync-bn", "--grad-accum-s
     res[f"{tag}_steps"] = ref["steps_per_epoch"]
 res["plain_loss_fell"] = all(a["train_loss"] > b["train_loss"]
                             for a, b in zip(ref["history"], ref["history"][1:]))
-# notebook 05, section 3: global batch 8 as 2 processes x 4, with and without SyncBatchNorm
+# notebook 06, section 3: global batch 8 as 2 processes x 4, with and without SyncBatchNorm
 nb = ["--epochs", "1", "--num-train", "64", "--num-val", "8", "--size", "32", "64", "--width", "8",
       "-b", "4"]
 res["nb05_two"] = train.main(nb + ["--sync-bn", "--out", "nb05_two"])["step_losses"]
@@ -297,7 +297,7 @@ def test_two_ranks_interrupted_and_resumed_are_bit_identical(tmp_path):
     assert res["naive_weights"] == res["plain_weights"]
     assert res["bare_load"]
     assert res["plain_loss_fell"]
-    # notebook 05, section 3: the same global batch of 8 on one process (in this process)
+    # notebook 06, section 3: the same global batch of 8 on one process (in this process)
     one = train.main(["--epochs", "1", "--num-train", "64", "--num-val", "8", "--size", "32",
                       "64", "--width", "8", "-b", "8", "--sync-bn", "--out",
                       str(tmp_path / "nb05_one")])["step_losses"]

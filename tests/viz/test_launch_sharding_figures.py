@@ -1,4 +1,4 @@
-"""Notebook 00's torchrun topology and notebook 07's data-movement figures: content and style."""
+"""Notebook 00's torchrun topology and notebook 08's data-movement figures: content and style."""
 from __future__ import annotations
 
 import matplotlib

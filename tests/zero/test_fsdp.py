@@ -17,7 +17,7 @@ def test_fsdp_matches_ddp(fsdp_lab):
     assert lab_value(lines, "FSDP losses match DDP within 1e-05") == "True"
     assert lab_value(lines, "weights after 5 steps match DDP within 1e-5") == "True"
     assert lab_value(lines, "DDP  losses") == lab_value(lines, "FSDP losses")
-    if world_size == 2:  # the losses notebook 07 prints, from a single-process run
+    if world_size == 2:  # the losses notebook 08 prints, from a single-process run
         ref = single_process_losses(5, 2)
         assert lab_value(lines, "FSDP losses") == " ".join(f"{v:.3f}" for v in ref)
 

@@ -43,7 +43,7 @@ def test_table_and_inverse():
 
 
 def test_notebook_numbers():
-    # notebook 07 prints the largest model whose states fit in 80 GB for 64 ranks
+    # notebook 08 prints the largest model whose states fit in 80 GB for 64 ranks
     assert round(max_params_per_memory(80e9, 64, 0) / 1e9, 1) == 5.0
     assert round(max_params_per_memory(80e9, 64, 1) / 1e9, 1) == 19.1
     assert round(max_params_per_memory(80e9, 64, 2) / 1e9, 1) == 36.1
@@ -73,7 +73,7 @@ def test_memory_figure_bars():
 
 
 def test_notebook_table_parts():
-    # notebook 07's table (GB, 2 decimals): 2 and 2 bytes of 16-bit params/grads, K = 12
+    # notebook 08's table (GB, 2 decimals): 2 and 2 bytes of 16-bit params/grads, K = 12
     expected = {0: (15.0, 15.0, 90.0, 120.0), 1: (15.0, 15.0, 1.41, 31.4),
                 2: (15.0, 0.23, 1.41, 16.6), 3: (0.23, 0.23, 1.41, 1.88)}
     for stage, (p, g, o, total) in expected.items():

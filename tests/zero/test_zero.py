@@ -131,7 +131,7 @@ def test_losses_match_a_single_process_run(zero_lab):
     world_size, lines = zero_lab
     ref = single_process_losses(10, world_size)
     assert lab_value(lines, "loss step 1 -> 10 (DDP+AdamW)") == f"{ref[0]:.3f} -> {ref[-1]:.3f}"
-    # the numbers notebook 07 prints (world size 2)
+    # the numbers notebook 08 prints (world size 2)
     if world_size == 2:
         assert f"{ref[0]:.3f} -> {ref[-1]:.3f}" == "4.656 -> 3.663"
 

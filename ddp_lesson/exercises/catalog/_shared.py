@@ -1,6 +1,6 @@
 """What several exercises' checkers share: standing in for ``torch.distributed`` functions
 while a candidate runs (03.6 refuses torch's collectives and records point-to-point messages;
-07.4 records every communication call)."""
+08.4 records every communication call)."""
 from __future__ import annotations
 
 from contextlib import contextmanager

@@ -13,7 +13,7 @@ and takes ``--fixed`` to run the repaired program:
 * :mod:`.missing_rank`: a world size that does not match the launch, so one rank never joins.
 
 :mod:`.fixed` runs every repaired program in one job. :func:`run_all` starts several clinic
-launches at once (their timeouts overlap instead of adding up). Notebook 06 runs them and
+launches at once (their timeouts overlap instead of adding up). Notebook 07 runs them and
 reads the errors; tests/launch/test_clinic.py asserts each error.
 """
 from __future__ import annotations
@@ -53,7 +53,7 @@ def diagnose(result) -> str:
 
 
 #: Per broken case: the stable part of the error line that names what went wrong (a regular
-#: expression), what notebook 06 prints and tests/launch/test_clinic.py asserts. Which rank raises
+#: expression), what notebook 07 prints and tests/launch/test_clinic.py asserts. Which rank raises
 #: first, and whether gloo was waiting to send or to receive, can vary with the machine's load,
 #: so neither is part of it.
 TELLING = {

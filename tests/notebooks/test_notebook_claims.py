@@ -1,4 +1,4 @@
-"""Notebooks 00 and 07: numbers in prose bound to stored outputs, sentences about torch bound to
+"""Notebooks 00 and 08: numbers in prose bound to stored outputs, sentences about torch bound to
 torch's source (torch 2.13)."""
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def test_07_fp32_adamw_memory_line():
     mem = memory_per_rank(n, 1, 0, param_bytes=4, grad_bytes=4, optimizer_bytes=8)
     assert (mem.params_bytes, mem.grads_bytes, mem.optimizer_bytes) == (461_312, 461_312, 922_624)
     assert mem.optimizer_bytes + 4 * tensors == 922_740
-    _, out = _nb("07_beyond_ddp_zero_fsdp.ipynb")
+    _, out = _nb("08_beyond_ddp_zero_fsdp.ipynb")
     assert ("TinyGPT, fp32 AdamW (K = 8), DDP: params 461,312 + grads 461,312 + optimizer "
             "922,624 bytes") in out
     assert "optimizer state with 29 step counters: 922,740 bytes" in out
@@ -66,7 +66,7 @@ def test_07_fsdp_sentences_match_torch_source():
 
 
 def test_07_prose_numbers_are_the_stored_run():
-    prose, out = _nb("07_beyond_ddp_zero_fsdp.ipynb")
+    prose, out = _nb("08_beyond_ddp_zero_fsdp.ipynb")
     ratio = re.search(r"FSDP / DDP bytes sent per rank: ([\d.]+)", out).group(1)
     peak = re.search(r"while a block runs: [\d,]+ = ([\d.]+) of full", out).group(1)
     assert ratio == "1.43" and peak == "0.567"

@@ -1,4 +1,4 @@
-"""Exercise 07.4: all-gather uneven flat shards with one collective, at 3 and 2 processes.
+"""Exercise 08.4: all-gather uneven flat shards with one collective, at 3 and 2 processes.
 
 Every call of a ``torch.distributed`` communication function is recorded while the candidate
 runs, so the judge checks that one all-gather did it.
@@ -112,7 +112,7 @@ def _judge_method(results) -> list[str]:
 
 register(
     Exercise(
-        "07.4",
+        "08.4",
         "all_gather uneven flat shards",
         task="Write gather_flat(shard, total_numel) -> Tensor: the ranks hold the pieces of a flat "
         "tensor of total_numel elements split by torch.tensor_split (the first ranks one "

@@ -1,4 +1,4 @@
-"""Notebook 05's sentences about torch and about the stored benchmarks, bound to their sources.
+"""Notebook 06's sentences about torch and about the stored benchmarks, bound to their sources.
 
 Each test reads the fact from where it lives (torch's installed source and constants, the
 stored ``benchmarks/scaling.csv`` through ``ddp_lesson.bench.claims``) and finds the sentence

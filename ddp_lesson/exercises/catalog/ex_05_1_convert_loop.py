@@ -1,4 +1,4 @@
-"""Exercise 08.1: convert a single-process training loop to DistributedDataParallel.
+"""Exercise 05.1: convert a single-process training loop to DistributedDataParallel.
 
 The learner's function runs on 2 ranks (gloo, CPU) with the toy MLP and a dataset that notes
 every index each rank reads; ``torch.save`` is replaced, while it runs, by a recorder that
@@ -238,9 +238,9 @@ def _judge(results) -> list[str]:
 
 
 register(Exercise(
-    "08.1", "convert a training loop to DDP",
+    "05.1", "convert a training loop to DDP",
     task="Write train_ddp(model, dataset, epochs, batch_size, lr, checkpoint_path) -> list, the "
-         "DDP version of train_single (printed in notebook 08): called on every rank of a "
+         "DDP version of train_single (printed in notebook 05): called on every rank of a "
          "process group already started (gloo, CPU), batch_size per rank; train with "
          "DistributedDataParallel and a DistributedSampler, return each epoch's mean loss over "
          "all ranks (the same list on every rank) and save model.state_dict() to "

@@ -1,4 +1,4 @@
-"""Exercise 07.1: the fewest ranks on which ZeRO-3 fits a model's states (checked in this process).
+"""Exercise 08.1: the fewest ranks on which ZeRO-3 fits a model's states (checked in this process).
 
 The judge's explanation uses :func:`ddp_lesson.memory.memory_per_rank`.
 """
@@ -50,7 +50,7 @@ def _run(fn) -> list[str]:
 
 
 register(Exercise(
-    "07.1", "fewest ranks for ZeRO-3",
+    "08.1", "fewest ranks for ZeRO-3",
     task="Write min_ranks_zero3(num_params, gpu_bytes) -> int: the fewest ranks on which the "
          "model states of mixed-precision Adam (16 bytes per parameter, ZeRO paper) fit under "
          "ZeRO-3 in gpu_bytes per rank (activations ignored).",

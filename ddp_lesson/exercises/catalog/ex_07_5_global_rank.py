@@ -1,4 +1,4 @@
-"""Exercise 06.5: the global RANK torchrun gives from node rank and local rank.
+"""Exercise 07.5: the global RANK torchrun gives from node rank and local rank.
 
 Checked in this process, on every process of fixed and seeded layouts.
 """
@@ -46,7 +46,7 @@ def _run(fn) -> list[str]:
 
 
 register(Exercise(
-    "06.5", "global rank from node rank and local rank",
+    "07.5", "global rank from node rank and local rank",
     task="Write global_rank(node_rank, local_rank, nproc_per_node) -> int: the RANK torchrun "
          "gives the process with LOCAL_RANK local_rank on node node_rank (GROUP_RANK).",
     signature="fn(node_rank: int, local_rank: int, nproc_per_node: int) -> int",

@@ -1,4 +1,4 @@
-"""Exercise 05.4: the learning rate for a global batch (linear, sqrt or no scaling).
+"""Exercise 06.4: the learning rate for a global batch (linear, sqrt or no scaling).
 
 Checked in this process, on fixed and seeded settings.
 
@@ -65,7 +65,7 @@ _RULES = {"linear": "linear: base_lr x global batch / base_batch",
 
 register(
     Exercise(
-        "05.4",
+        "06.4",
         "the learning rate for a global batch",
         task="Write effective_lr(base_lr, base_batch, per_rank_batch, world_size, "
         "grad_accum_steps, rule) -> float: the learning rate the trainer uses "
