@@ -1,5 +1,5 @@
 """Rewrite the notebooks' metadata to exactly what JupyterLab 4 writes, so that opening a stored
-notebook does not mark it unsaved (issue 19, item 2).
+notebook does not mark it unsaved.
 
     python tools/normalize_notebooks.py            # rewrite notebooks/*.ipynb in place
     python tools/normalize_notebooks.py --check    # list what differs, exit 1 if anything does

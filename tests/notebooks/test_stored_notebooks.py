@@ -1,4 +1,4 @@
-"""The stored notebooks read well unexecuted, in JupyterLab and on GitHub (issue 19).
+"""The stored notebooks read well unexecuted, in JupyterLab and on GitHub.
 
 Checks on the files as committed, no kernel needed:
 

@@ -62,7 +62,7 @@ def good_checkpoint(tmp_path_factory):
     (["--grad-accum-steps", "0"], "grad_accum_steps must be >= 1, got 0"),
     (["--checkpoint-every-steps", "-1"], "checkpoint_every_steps must be >= 0, got -1"),
     (["--lr-scaling", "cubic"], "argument --lr-scaling: invalid choice: 'cubic'"),
-    # issue 13's flags
+    # mixed precision, clipping and bucket flags
     (["--amp", "fp8"], "argument --amp: invalid choice: 'fp8' (choose from 'off', 'bf16', 'fp16')"),
     (["--clip-grad-norm", "0"], "clip_grad_norm must be a finite number > 0 (leave the flag "
                                 "out for no clipping), got 0.0"),

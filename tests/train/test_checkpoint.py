@@ -293,7 +293,7 @@ def test_b14_save_then_load_on_every_rank(tmp_path):
                                    "timeout_s=..., now 0.3 s)")
 
 
-# ---- default map_location: this rank's device (issue 15, item 3) ---------------------------
+# ---- default map_location: this rank's device (B25) ------------------------------------------
 
 def test_load_never_passes_map_location_none_to_torch_load(tmp_path, monkeypatch):
     path = str(tmp_path / "c.pt")
@@ -325,7 +325,7 @@ def test_default_map_location_is_cuda_local_rank_when_that_gpu_exists(monkeypatc
     assert ck.default_map_location({"LOCAL_RANK": "0"}) == "cpu"
 
 
-# ---- temporary files left by killed writers (issue 15, item 4) -----------------------------
+# ---- temporary files left by killed writers (B26) -------------------------------------------
 
 def _dead_pid() -> int:
     """The pid of a process that has ended (and been reaped)."""
@@ -389,7 +389,7 @@ def test_the_trainer_sweeps_at_start_before_any_write(tmp_path):
 
 @pytest.mark.timeout(200)
 def test_cli_kill_during_save_recovers_and_leaves_no_temporary(tmp_path):
-    """The command of issue 15: SIGKILL inside the checkpoint write, restart, tmp file gone."""
+    """B26's command: SIGKILL inside the checkpoint write, restart, tmp file gone."""
     import subprocess
     import sys
 

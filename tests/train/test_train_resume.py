@@ -74,7 +74,7 @@ def test_stop_after_any_step_then_resume_is_bit_identical(tmp_path, reference, s
     assert "resuming from " in out
 
 
-# --amp fp16 with a GradScaler and clipping (issue 13): the scaler's scale and growth tracker
+# --amp fp16 with a GradScaler and clipping: the scaler's scale and growth tracker
 # are part of the state; 0.7 is below some steps' norms (about 0.68-0.81 here), so clipping acts.
 AMP_CLIP = ["--amp", "fp16", "--clip-grad-norm", "0.7"]
 
