@@ -600,7 +600,7 @@ class _DropIn:
                 "torch's DistributedDataParallel")
         bit = _USED if self.find_unused_parameters else _GOT
         if not self.find_unused_parameters:
-            lines = []
+            lines, frozen = [], False
             for r in active:
                 missing = []
                 for i in range(P):
@@ -608,18 +608,26 @@ class _DropIn:
                     if not code & _GOT:
                         note = ("; it got its gradient only inside no_sync(), so "
                                 "find_unused_parameters=True is needed" if code & _USED else "")
+                        if not self._params[i].requires_grad:
+                            note += "; frozen after wrapping"
+                            frozen = True
                         missing.append(f"{self.param_names[i]} (index {i}{note})")
                 if missing:
                     lines.append(f"rank {r}: {', '.join(missing)}")
             if lines:
+                # A parameter frozen after wrapping is already requires_grad=False: the fix is
+                # to wrap again (the wrapper takes its parameter list at construction), not to
+                # freeze it.
+                advice = ("Wrap the model again after changing requires_grad (the wrapper "
+                          "takes its parameters when it is built)" if frozen else
+                          "Make every parameter take part in the loss on every rank, freeze "
+                          "it (requires_grad=False), or pass find_unused_parameters=True")
                 raise RuntimeError(
                     f"{name}: these parameters received no gradient in this "
                     f"backward pass, so their all-reduce could never complete — "
                     f"{'; '.join(lines)}. torch's DDP would hang here or fail in the next "
                     "iteration with 'Expected to have finished reduction in the prior "
-                    "iteration'. Make every parameter take part in the loss on every rank, "
-                    "freeze it (requires_grad=False), or pass "
-                    "find_unused_parameters=True.")
+                    f"iteration'. {advice}.")
         used = [any(int(table[r, i]) & bit for r in active) for i in range(P)]
         if self.find_unused_parameters and not self._warned_no_unused and self.rank in active:
             self._warned_no_unused = True

@@ -76,6 +76,13 @@ def test_case4_gradients_the_wrapper_does_not_average_are_an_error_on_every_rank
             assert e0 == e1
             assert e0[:2] == ["error", "RuntimeError"]
             assert names in e0[2] and "Wrap the model again" in e0[2], e0
+        # frozen after wrapping: named as such, and told to wrap again, not to freeze it
+        e0, e1 = _both(lab, "unfrozen_after_wrapping", f"{v} frozen")
+        assert e0 == e1 and e0[:2] == ["error", "RuntimeError"], e0
+        assert ("rank 0: net.0.weight (index 0; frozen after wrapping); rank 1: net.0.weight "
+                "(index 0; frozen after wrapping)") in e0[2], e0
+        assert "Wrap the model again after changing requires_grad" in e0[2], e0
+        assert "freeze it" not in e0[2], e0
 
 
 def test_case5_no_sync_with_find_unused_gives_torchs_values_and_no_bad_advice(lab):

@@ -102,7 +102,8 @@ class TwoLayer(nn.Module):
 
 
 def unfrozen_after_wrapping(rank):
-    """Case 4: net[0].weight frozen, wrapped, unfrozen; x = 1 on rank 0, 3 on rank 1."""
+    """Case 4: net[0].weight frozen, wrapped, unfrozen (and, for the wrappers: a parameter
+    added after wrapping; one frozen after wrapping); x = 1 on rank 0, 3 on rank 1."""
     out = {}
     x = torch.full((1, 1), 1.0 if rank == 0 else 3.0)
     for v, cls in WRAPPERS.items():
@@ -120,6 +121,11 @@ def unfrozen_after_wrapping(rank):
             ddp = cls(m)
             m.extra = nn.Parameter(torch.ones(1))
             out[v + " added"] = _try(lambda ddp=ddp: ddp(x).backward() or [])
+            # the opposite: frozen after wrapping (ShiqiYu/OpenGait#230)
+            m = TwoLayer()
+            ddp = cls(m)
+            m.net[0].weight.requires_grad_(False)
+            out[v + " frozen"] = _try(lambda ddp=ddp: ddp(x).backward() or [])
     return out
 
 
