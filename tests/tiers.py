@@ -157,6 +157,7 @@ SLOW: dict[str, str | frozenset[str]] = {
         "test_init_distributed_and_cleanup_on_three_ranks",
     }),
     "launch/test_launch.py": frozenset({
+        "test_a_ranks_sigterm_handler_gets_torchruns_grace",
         "test_check_false_returns_the_failure_instead",
         "test_error_message_carries_the_cause_and_args_may_be_a_string",
         "test_failing_rank_raises_with_its_traceback",

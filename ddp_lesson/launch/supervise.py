@@ -38,7 +38,13 @@ from .output import (
 DEFAULT_TIMEOUT_S = 300.0
 
 _POLL_S = 0.25
-_TERM_GRACE_S = 5.0
+#: How long the agents get after SIGTERM before SIGKILL (seconds). torchrun's agent answers
+#: SIGTERM by sending SIGTERM to its workers and waiting up to 30 s before SIGKILL
+#: (``LocalElasticAgent._shutdown(timeout=30)`` in torch/distributed/elastic/agent/server/
+#: local_elastic_agent.py): a rank's SIGTERM handler (a preemption checkpoint, say) gets that
+#: long under plain torchrun, so it gets it here too, plus a few seconds for the agent to exit.
+#: Ranks without a handler die at once, so an interrupt or a timeout is not slower for them.
+_TERM_GRACE_S = 35.0
 
 
 def _terminate(procs: list[subprocess.Popen], outdir: Path) -> None:
