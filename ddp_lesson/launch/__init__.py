@@ -35,7 +35,8 @@ rank-ordered output, tracebacks, live status); :mod:`.magic` is the notebook fac
   every failing rank named in rank order;
 * a wall-clock timeout (:class:`TorchrunTimeout`) and, on timeout or interrupt
   (:class:`TorchrunInterrupted`, one line in a notebook), every process ended: torchrun gets
-  SIGTERM (it forwards it), then SIGKILL, then every process group of the run is killed
+  SIGTERM (it forwards it to its workers and waits up to 30 s, as plain torchrun), then SIGKILL,
+  then every process group of the run is killed
   (torchrun puts each worker in its own session, so killing the launcher's process group alone
   would orphan them and whatever they started);
 * if this process dies outright (a kernel restart, SIGKILL), a watchdog process ends the run
