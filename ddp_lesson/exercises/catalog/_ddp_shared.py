@@ -127,17 +127,20 @@ def matches(got: list[dict], want: list[dict], step: int) -> bool:
     return first_difference(got[:step + 1], want[:step + 1]) is None
 
 
-def trajectory_problem(got: list[dict], r: int, net: type, plan: tuple, R: int,
-                       context=lambda step: "") -> str | None:
-    """The sentence for rank ``r``'s first difference from one process, with what it looks
-    like (unbroadcast start, gradients R times too large or too small), or None."""
+def trajectory_problem(runs: list, net: type, plan: tuple, context=lambda step: "") -> str | None:
+    """The sentence for the earliest step at which some rank (``runs[r]``: its values after
+    construction and each step) differs from one process, the lowest such rank, with what it
+    looks like (an unbroadcast start, gradients R times too large or too small), or None."""
     from ..values import fmt_num
 
+    R = len(runs)
     want = one_process(net, plan, R)
-    diff = first_difference(got, want)
-    if diff is None:
+    diffs = [(d, r) for r, got in enumerate(runs)
+             for d in [first_difference(got, want)] if d is not None]
+    if not diffs:
         return None
-    step, name, i, gv, wv = diff
+    (step, name, i, gv, wv), r = min(diffs, key=lambda dr: (dr[0][0], dr[1]))
+    got = runs[r]
     if step == 0:
         why = ("the frozen parameter was not broadcast: broadcast every parameter and buffer "
                "at construction, trainable or not" if name.startswith("frozen") else

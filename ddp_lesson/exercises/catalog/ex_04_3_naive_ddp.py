@@ -22,12 +22,8 @@ def _rank(cls, rank, world_size):
 
 
 def _judge(results) -> list[str]:
-    R = len(results)
-    for r in range(R):
-        problem = trajectory_problem(results[r], r, TiedNet, _PLAN, R)
-        if problem:
-            return [problem]
-    return []
+    problem = trajectory_problem([results[r] for r in range(len(results))], TiedNet, _PLAN)
+    return [problem] if problem else []
 
 
 register(Exercise(

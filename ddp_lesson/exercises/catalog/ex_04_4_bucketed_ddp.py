@@ -145,11 +145,10 @@ def _overlap_problem(cap, r, bw) -> str | None:
 def _judge(results) -> list[str]:
     R = len(results)
     for c, cap in enumerate(_CAPS):
-        for r in range(R):
-            problem = trajectory_problem(results[r][c]["values"], r, ChainNet, _PLAN, R,
-                                         _context)
-            if problem:
-                return [f"bucket_cap_mb = {cap}/2**20 ({cap} bytes): {problem}"]
+        problem = trajectory_problem([results[r][c]["values"] for r in range(R)], ChainNet,
+                                     _PLAN, _context)
+        if problem:
+            return [f"bucket_cap_mb = {cap}/2**20 ({cap} bytes): {problem}"]
     for check in (_messages_problem, _overlap_problem):
         for c, cap in enumerate(_CAPS):
             for r in range(R):

@@ -63,14 +63,21 @@ def _hangs():
         2: _dump(3, _run(5, 10), {"0": 9})}, (1, 10, "all_reduce"),
         "each buffer keeps its last 6 entries, so rank 1 still holds #4 and the others do "
         "not; compare from the latest first id of any rank on")
-    sub01 = [_entry(s, size=(3,), group="1") for s in (1, 2)]
-    sub23 = [_entry(s, size=(3,), group="2") for s in (1, 2, 3)]
-    main = _run(1, 3, size=(8,))
+    def grouped(sub: str, subs: int, gather: bool):
+        """The default group's #1-#3 (and #4 all_gather), each followed by one of subgroup
+        ``sub``'s first ``subs`` collectives (ids of its own, from 1)."""
+        out = []
+        for s in range(1, 4):
+            out.append(_entry(s, size=(8,)))
+            if s <= subs:
+                out.append(_entry(s, size=(3,), group=sub))
+        return out + ([_entry(4, op="all_gather", size=(2,))] if gather else [])
+
     h["subgroups with sequence ids of their own"] = ({
-        0: _dump(4, sub01 + main + [_entry(4, op="all_gather", size=(2,))], {"0": 3, "1": 2}),
-        1: _dump(4, sub01 + main + [_entry(4, op="all_gather", size=(2,))], {"0": 3, "1": 2}),
-        2: _dump(4, sub23 + main + [_entry(4, op="all_gather", size=(2,))], {"0": 3, "2": 3}),
-        3: _dump(4, sub23 + main, {"0": 3, "2": 3})}, (3, 4, "all_gather"),
+        0: _dump(4, grouped("1", 2, True), {"0": 3, "1": 2}),
+        1: _dump(4, grouped("1", 2, True), {"0": 3, "1": 2}),
+        2: _dump(4, grouped("2", 3, True), {"0": 3, "2": 3}),
+        3: _dump(4, grouped("2", 3, False), {"0": 3, "2": 3})}, (3, 4, "all_gather"),
         "subgroups number their collectives from 1 too (process_group[0] is '1', '2'): "
         "compare the default group's ('0') entries only")
     p2p0 = [_entry(0, op="send", p2p=1), _entry(0, op="send", p2p=2)]
