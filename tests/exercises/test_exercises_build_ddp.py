@@ -333,6 +333,20 @@ def verdicts():
     return dict(zip(keys, run_pairs(pairs)))
 
 
+def _children() -> list[int]:
+    """Pids of this process's children that are still alive (Linux /proc), [] elsewhere."""
+    me, out = str(os.getpid()), []
+    for pid in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if fields[1] == me and fields[0] != "Z":
+            out.append(int(pid))
+    return out
+
+
 def _first(verdict) -> str:
     assert not verdict.passed, str(verdict)
     return verdict.problems[0]
@@ -361,6 +375,7 @@ def test_04_3_naive_ddp_refuses_the_plausible_wrong_answers(verdicts):
     # a collective only rank 0 reaches: a verdict naming the rank, not a frozen check
     hang = v("rank_zero")
     assert "rank 0 at line" in hang and "rank 1 finished" in hang
+    assert _children() == []  # every launch, the hung one too, left no process behind
 
 
 def test_04_4_bucketed_ddp_checks_weights_buckets_overlap_and_no_sync(verdicts):

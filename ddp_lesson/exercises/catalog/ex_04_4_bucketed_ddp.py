@@ -97,6 +97,10 @@ def _messages_problem(cap, r, bw) -> str | None:
                     "accumulates, the next synchronised backward averages the sum).")
         return None
     want = _expected_sizes(cap)
+    if not sizes:
+        return (f"{where}: the weights are right, but the checker saw no dist.all_reduce call "
+                "in this backward. Call it as dist.all_reduce (import torch.distributed as "
+                "dist), asynchronously, once per bucket, so that it can be recorded.")
     if sizes == _forward_sizes(cap) and sizes != want:
         return (f"{where}: all-reduced messages of {fmt_list(sizes)} elements: buckets filled "
                 f"in forward order; filled in reverse order (backward makes the last layer's "
