@@ -193,6 +193,27 @@ def _group_ranks(dumps: dict[int, dict]) -> list[int]:
     return sorted(dumps)
 
 
+def first_divergence(dumps: dict[int, dict], group: str = "0"):
+    """The first collective the ranks' records disagree on, or None when they all match.
+
+    Sequence ids are compared from the latest first id of any rank on (a ring buffer drops a
+    rank's oldest entries), point-to-point entries left out.
+
+    Returns:
+        ``(seq, have, missing)``: the sequence id, ``{rank: Collective}`` for the ranks that
+        issued it, and the sorted ranks (among ``dumps``) that never did; when ``missing`` is
+        empty the ranks issued it with different ops, shapes or dtypes.
+    """
+    issued = {r: {c.seq: c for c in _issued(dumps[r], group)} for r in dumps}
+    start = max((min(s) for s in issued.values() if s), default=1)  # older ids may be dropped
+    for seq in sorted({s for seqs in issued.values() for s in seqs if s >= start}):
+        have = {r: seqs[seq] for r, seqs in issued.items() if seq in seqs}
+        missing = sorted(r for r in issued if r not in have)
+        if missing or len({c.signature() for c in have.values()}) > 1:
+            return seq, have, missing
+    return None
+
+
 def verdict(dumps: dict[int, dict], group: str = "0") -> str:
     """One line: which rank and which collective diverged, from every rank's record.
 
@@ -207,19 +228,16 @@ def verdict(dumps: dict[int, dict], group: str = "0") -> str:
     silent = [r for r in _group_ranks(dumps) if r not in dumps]
     if silent:
         return f"rank {', '.join(map(str, silent))} wrote no trace: it died or never got there"
-    issued = {r: {c.seq: c for c in _issued(dumps[r], group)} for r in dumps}
-    start = max((min(s) for s in issued.values() if s), default=1)  # older ids may be dropped
-    for seq in sorted({s for seqs in issued.values() for s in seqs if s >= start}):
-        have = {r: seqs[seq] for r, seqs in issued.items() if seq in seqs}
+    found = first_divergence(dumps, group)
+    if found is not None:
+        seq, have, missing = found
         some = next(iter(have.values()))
-        if len(have) < len(issued):
-            missing = ", ".join(str(r) for r in sorted(issued) if r not in have)
-            return (f"rank {missing} never called #{seq} {some.op} ({some.caller}), "
-                    f"rank {', '.join(map(str, sorted(have)))} did")
-        if len({c.signature() for c in have.values()}) > 1:
-            parts = "; ".join(f"rank {r} {c.op} {[list(x) for x in c.sizes]} ({c.caller})"
-                              for r, c in sorted(have.items()))
-            return f"#{seq} differs: {parts}"
+        if missing:
+            return (f"rank {', '.join(map(str, missing))} never called #{seq} {some.op} "
+                    f"({some.caller}), rank {', '.join(map(str, sorted(have)))} did")
+        parts = "; ".join(f"rank {r} {c.op} {[list(x) for x in c.sizes]} ({c.caller})"
+                          for r, c in sorted(have.items()))
+        return f"#{seq} differs: {parts}"
     waiting = [r.first_unfinished for r in rows if r.first_unfinished]
     if waiting:
         c = min(waiting, key=lambda c: c.seq)

@@ -3,7 +3,8 @@
 Spoilers, kept out of the notebooks on purpose: try the exercise first, then compare.
 Each is small and written the way the lesson explains it. Where the lesson's idea has a
 teaching core, the reference *is* that core (02.1: :mod:`ddp_lesson.core.sampler`, 03.6:
-:mod:`ddp_lesson.core.ring`), not a second copy; the package's full versions
+:mod:`ddp_lesson.core.ring`, 04.3, 04.4 and 08.5: the DDP and ZeRO-1 cores), not a second
+copy; the package's full versions
 (``ddp_lesson.sampler``, ``ddp_lesson.collectives``, ...) add argument checks, pipelining and
 options. ``ddp_lesson.exercises.reference(ID)`` returns the one for an id.
 """
@@ -14,9 +15,12 @@ import math
 import torch
 import torch.distributed as dist
 
+from ..core.bucketed_ddp import BucketedDDP as BucketedDDP  # 04.4's reference
+from ..core.naive_ddp import NaiveDDP as NaiveDDP  # 04.3's reference
 from ..core.naive_ddp import all_reduce_mean_
 from ..core.ring import ring_all_reduce as ring_all_reduce  # 03.6's reference
 from ..core.sampler import DistributedSampler as DistributedSampler  # 02.1's reference
+from ..core.zero1 import Zero1Optimizer as Zero1Optimizer  # 08.5's reference
 
 
 # 00.3 -------------------------------------------------------------------------------
@@ -111,6 +115,34 @@ def fp16_compress_hook(state, bucket):
     return fut.then(decompress)
 
 
+# 04.3 -------------------------------------------------------------------------------
+# The teaching core itself (ddp_lesson/core/naive_ddp.py, imported above): broadcast at
+# construction, one divide-then-SUM all-reduce per gradient in a callback queued for the end
+# of backward.
+
+# 04.4 -------------------------------------------------------------------------------
+# The teaching core itself (ddp_lesson/core/bucketed_ddp.py, imported above): reverse-order
+# buckets closed at the cap, launched asynchronously from the gradient hooks in bucket order,
+# waited for in the end-of-backward callback; no_sync() launches nothing.
+
+
+# 06.5 -------------------------------------------------------------------------------
+def global_count_loss(sums: list, counts: list) -> torch.Tensor:
+    """The step's loss: every micro-batch's token sum times R over the global valid count.
+
+    The global count comes from one all_reduce of this rank's count; the rule is the token-loss
+    lab's ``normalised("global token count", ...)`` (:mod:`ddp_lesson.labs.token_loss`), whose
+    factor R undoes DDP's division by the world size. A collective."""
+    from ..labs.token_loss import normalised
+
+    n_rank = sum(counts)
+    total = torch.tensor([float(n_rank)], dtype=torch.float64)
+    dist.all_reduce(total)  # before any backward: every rank's valid tokens
+    R, k = dist.get_world_size(), len(sums)
+    return sum(normalised("global token count", s, n, n_rank, int(total.item()), k, 0, 0, R)
+               for s, n in zip(sums, counts))
+
+
 # 06.4 -------------------------------------------------------------------------------
 def effective_lr(base_lr: float, base_batch: int, per_rank_batch: int, world_size: int,
                  grad_accum_steps: int = 1, rule: str = "linear") -> float:
@@ -123,6 +155,26 @@ def effective_lr(base_lr: float, base_batch: int, per_rank_batch: int, world_siz
 def global_rank(node_rank: int, local_rank: int, nproc_per_node: int) -> int:
     """torchrun's global RANK of process ``local_rank`` on node ``node_rank``."""
     return node_rank * nproc_per_node + local_rank
+
+
+# 07.6 -------------------------------------------------------------------------------
+def stuck_rank(dumps: dict) -> tuple[int, int, str] | None:
+    """(rank, sequence id, op) of the collective that diverged in the default group, from every
+    rank's flight record (:func:`ddp_lesson.flight.first_divergence`): a rank that never
+    issued it, else the rank whose op, shape or dtype is the minority's. None: all match."""
+    from collections import Counter
+
+    from ..flight import first_divergence
+
+    found = first_divergence(dumps)
+    if found is None:
+        return None
+    seq, have, missing = found
+    if missing:
+        return missing[0], seq, next(iter(have.values())).op
+    votes = Counter(c.signature() for c in have.values())
+    rank = min(have, key=lambda r: (votes[have[r].signature()], r))
+    return rank, seq, have[rank].op
 
 
 # 08.1 -------------------------------------------------------------------------------
@@ -142,6 +194,11 @@ def gather_flat(shard: torch.Tensor, total_numel: int) -> torch.Tensor:
     pieces = [torch.empty_like(padded) for _ in range(world)]
     dist.all_gather(pieces, padded)
     return torch.cat([p[:n] for p, n in zip(pieces, sizes)])
+
+
+# 08.5 -------------------------------------------------------------------------------
+# The teaching core itself (ddp_lesson/core/zero1.py, imported above): Zero1Optimizer(params,
+# optimizer_class, **defaults) averages the gradients, steps its shard, broadcasts from owners.
 
 
 # 05.1 -------------------------------------------------------------------------------

@@ -1,0 +1,537 @@
+"""The checkers of the exercises that build DDP (04.3, 04.4), the global-count loss (06.5), the
+stuck rank (07.6) and ZeRO-1 (08.5) accept correct answers written differently and refuse the
+plausible wrong ones, each with a verdict naming the step (or case), the rank and the value.
+
+The distributed candidates below are judged together, two processes each, in as few torchrun
+launches as ``run_pairs`` needs (the ``verdicts`` fixture, once per module); every test reads
+its verdicts from there. ``docs/exercises.md`` lists every case and its verdict.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from collections import Counter
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ddp_lesson.core.bucketed_ddp import MB, BucketedDDP, assign_buckets
+from ddp_lesson.core.naive_ddp import NaiveDDP, all_reduce_mean_
+from ddp_lesson.core.zero1 import Zero1Optimizer
+from ddp_lesson.exercises import check, describe, reference
+from ddp_lesson.exercises.core import run_candidates, run_pairs
+
+# A hanging candidate costs one collective timeout; keep it short here.
+os.environ.setdefault("DDP_LESSON_CHECK_TIMEOUT_S", "4")
+
+
+# ----------------------------------------------------------------------------- 04.3 answers
+
+class HookNaive(nn.Module):
+    """Right, written differently: a blocking all-reduce in each parameter's own hook."""
+
+    def __init__(self, module):
+        super().__init__()
+        self.module = module
+        with torch.no_grad():
+            for t in [*module.parameters(), *module.buffers()]:
+                dist.broadcast(t, 0)
+        for p in module.parameters():
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(self._average)
+
+    @staticmethod
+    def _average(p):
+        dist.all_reduce(p.grad)
+        p.grad /= dist.get_world_size()
+
+    def forward(self, x):
+        return self.module(x)
+
+
+class NoBroadcast(NaiveDDP):
+    def _broadcast_state(self):
+        pass
+
+
+class TrainableBroadcast(NaiveDDP):
+    def _broadcast_state(self):
+        with torch.no_grad():
+            for p in self.module.parameters():
+                if p.requires_grad:
+                    dist.broadcast(p, 0)
+
+
+class NoDivide(NaiveDDP):
+    def _after_backward(self):
+        self._callback_queued = False
+        for p in self._params:
+            dist.all_reduce(p.grad)
+
+
+class DividedTwice(NaiveDDP):
+    def _after_backward(self):
+        super()._after_backward()
+        for p in self._params:
+            p.grad /= self.world_size
+
+
+class EveryParameter(NaiveDDP):
+    """Averages every parameter's .grad, the frozen one's (None) too."""
+
+    def _after_backward(self):
+        self._callback_queued = False
+        for p in self.module.parameters():
+            all_reduce_mean_(p.grad)
+
+
+class RankZeroAverages(NaiveDDP):
+    """Only rank 0 all-reduces: it waits for a peer that never comes."""
+
+    def _after_backward(self):
+        if dist.get_rank() == 0:
+            super()._after_backward()
+        self._callback_queued = False
+
+
+# ----------------------------------------------------------------------------- 04.4 answers
+
+class FutureBuckets(nn.Module):
+    """Right, written differently: own bucket table, futures, SUM first and divide after."""
+
+    def __init__(self, module, bucket_cap_mb=25):
+        super().__init__()
+        self.module, self.syncing = module, True
+        with torch.no_grad():
+            for t in [*module.parameters(), *module.buffers()]:
+                dist.broadcast(t, 0)
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        self.buckets = assign_buckets([p.numel() * 4 for p in self.params],
+                                      int(bucket_cap_mb * MB))
+        self.where = {i: b for b, ids in enumerate(self.buckets) for i in ids}
+        self.left, self.futures, self.started = {}, {}, False
+        for i, p in enumerate(self.params):
+            p.register_post_accumulate_grad_hook(lambda p, i=i: self.ready(i))
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        self.syncing = False
+        try:
+            yield
+        finally:
+            self.syncing = True
+
+    def forward(self, x):
+        self.this_backward = self.syncing
+        return self.module(x)
+
+    def ready(self, i):
+        if not self.this_backward:
+            return
+        if not self.started:
+            self.started, self.next = True, 0
+            self.left = {b: len(ids) for b, ids in enumerate(self.buckets)}
+            torch.autograd.Variable._execution_engine.queue_callback(self.finish)
+        self.left[self.where[i]] -= 1
+        while self.next < len(self.buckets) and self.left[self.next] == 0:
+            flat = torch.cat([self.params[j].grad.reshape(-1) for j in self.buckets[self.next]])
+            self.futures[self.next] = dist.all_reduce(flat, async_op=True).get_future()
+            self.next += 1
+
+    def finish(self):
+        for b, ids in enumerate(self.buckets):
+            flat = self.futures.pop(b).wait()[0] / dist.get_world_size()
+            for j, piece in zip(ids, flat.split([self.params[j].numel() for j in ids])):
+                self.params[j].grad.copy_(piece.view_as(self.params[j]))
+        self.started = False
+
+
+class AfterBackward(BucketedDDP):
+    """Buckets, but every all-reduce issued at the end of backward."""
+
+    def _grad_ready(self, index):
+        self._pending[self._bucket_of[index]] -= 1
+
+
+class WaitInHook(BucketedDDP):
+    def _launch(self, b):
+        super()._launch(b)
+        self._work[b].wait()
+
+
+class _Done:
+    def wait(self):
+        return True
+
+
+class BlockingInHook(BucketedDDP):
+    def _launch(self, b):
+        params = [self._params[i] for i in self.bucket_indices[b]]
+        self._flat[b] = torch.cat([p.grad.reshape(-1) for p in params])
+        all_reduce_mean_(self._flat[b], self.process_group)
+        self._work[b] = _Done()
+
+
+class ForwardOrder(BucketedDDP):
+    def __init__(self, module, bucket_cap_mb=25):
+        super().__init__(module, bucket_cap_mb)
+        n = len(self._params)
+        forward = assign_buckets([p.numel() * 4 for p in reversed(self._params)],
+                                 int(bucket_cap_mb * MB))
+        self.bucket_indices = [[n - 1 - i for i in b] for b in forward]
+        self._bucket_of = {i: b for b, ids in enumerate(self.bucket_indices) for i in ids}
+        self._reset_buckets()
+
+
+class CapIgnored(BucketedDDP):
+    def __init__(self, module, bucket_cap_mb=25):
+        super().__init__(module, bucket_cap_mb=1024)
+
+
+class SyncsInNoSync(BucketedDDP):
+    def no_sync(self):
+        return contextlib.nullcontext()
+
+
+class ZeroesInForward(BucketedDDP):
+    """A synchronised forward starts from fresh gradients: the accumulated ones are lost."""
+
+    def forward(self, *inputs):
+        if self.require_backward_grad_sync:
+            for p in self._params:
+                p.grad = None
+        return super().forward(*inputs)
+
+
+# ----------------------------------------------------------------------------- 06.5 answers
+
+def global_count_stacked(sums, counts):
+    n = torch.tensor(sum(counts), dtype=torch.int64)
+    dist.all_reduce(n)
+    return torch.stack(sums).sum() * dist.get_world_size() / n
+
+
+def micro_mean(sums, counts):
+    return sum(s / n for s, n in zip(sums, counts)) / len(sums)
+
+
+def micro_mean_summed(sums, counts):
+    return sum(s / n for s, n in zip(sums, counts))
+
+
+def rank_count(sums, counts):
+    return sum(sums) / sum(counts)
+
+
+def global_count_only(sums, counts):
+    n = torch.tensor([float(sum(counts))])
+    dist.all_reduce(n)
+    return sum(sums) / n
+
+
+def count_averaged(sums, counts):
+    n = torch.tensor([float(sum(counts))])
+    dist.all_reduce(n)
+    n /= dist.get_world_size()
+    return sum(sums) * dist.get_world_size() / n
+
+
+# ----------------------------------------------------------------------------- 08.5 answers
+
+class RoundRobin(torch.optim.Optimizer):
+    """Right, written differently: owner i % R, one flat all-reduce of every gradient."""
+
+    divide, broadcast_from_owner, broadcast, pass_defaults = True, True, True, True
+
+    def __init__(self, params, optimizer_class, **defaults):
+        super().__init__(params, defaults)
+        self.all = [p for g in self.param_groups for p in g["params"]]
+        R, me = dist.get_world_size(), dist.get_rank()
+        self.owner = [i % R for i in range(len(self.all))]
+        mine = [p for p, o in zip(self.all, self.owner) if o == me]
+        self.local = optimizer_class(mine, **(defaults if self.pass_defaults else {}))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        flat = torch.cat([p.grad.reshape(-1) for p in self.all])
+        dist.all_reduce(flat)
+        if self.divide:
+            flat /= dist.get_world_size()
+        for p, g in zip(self.all, flat.split([p.numel() for p in self.all])):
+            p.grad.copy_(g.view_as(p))
+        self.local.step()
+        if self.broadcast:
+            for p, o in zip(self.all, self.owner):
+                dist.broadcast(p, o if self.broadcast_from_owner else 0)
+
+
+class Summed(RoundRobin):
+    divide = False
+
+
+class NoBroadcastZero(RoundRobin):
+    broadcast = False
+
+
+class FromRankZero(RoundRobin):
+    broadcast_from_owner = False
+
+
+class DefaultsDropped(RoundRobin):
+    pass_defaults = False
+
+
+class FullState(torch.optim.Optimizer):
+    """Averages the gradients and steps one optimizer over every parameter: not sharded."""
+
+    def __init__(self, params, optimizer_class, **defaults):
+        super().__init__(params, defaults)
+        self.all = [p for g in self.param_groups for p in g["params"]]
+        self.local = optimizer_class(self.all, **defaults)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for p in self.all:
+            all_reduce_mean_(p.grad)
+        self.local.step()
+
+
+class NotAveraged(Zero1Optimizer):
+    average_gradients = False
+
+
+# ----------------------------------------------------------------------------- judging
+
+ANSWERS = {
+    "04.3": {"reference": reference("04.3"), "hook": HookNaive, "no_broadcast": NoBroadcast,
+             "trainable_broadcast": TrainableBroadcast, "no_divide": NoDivide,
+             "divided_twice": DividedTwice, "every_parameter": EveryParameter,
+             "rank_zero": RankZeroAverages},
+    "04.4": {"reference": reference("04.4"), "futures": FutureBuckets,
+             "after_backward": AfterBackward, "wait_in_hook": WaitInHook,
+             "blocking": BlockingInHook, "forward_order": ForwardOrder,
+             "cap_ignored": CapIgnored, "syncs_in_no_sync": SyncsInNoSync,
+             "zeroes_in_forward": ZeroesInForward},
+    "06.5": {"reference": reference("06.5"), "stacked": global_count_stacked,
+             "micro_mean": micro_mean, "micro_mean_summed": micro_mean_summed,
+             "rank_count": rank_count, "global_count_only": global_count_only,
+             "count_averaged": count_averaged},
+    "08.5": {"reference": reference("08.5"), "round_robin": RoundRobin, "summed": Summed,
+             "no_broadcast": NoBroadcastZero, "from_rank_zero": FromRankZero,
+             "defaults_dropped": DefaultsDropped, "full_state": FullState,
+             "not_averaged": NotAveraged},
+}
+
+
+@pytest.fixture(scope="module")
+def verdicts():
+    """(exercise, name) -> verdict for every answer above, judged in shared launches."""
+    pairs = [(e, fn) for e, table in ANSWERS.items() for fn in table.values()]
+    keys = [(e, name) for e, table in ANSWERS.items() for name in table]
+    return dict(zip(keys, run_pairs(pairs)))
+
+
+def _children() -> list[int]:
+    """Pids of this process's children that are still alive (Linux /proc), [] elsewhere."""
+    me, out = str(os.getpid()), []
+    for pid in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if fields[1] == me and fields[0] != "Z":
+            out.append(int(pid))
+    return out
+
+
+def _first(verdict) -> str:
+    assert not verdict.passed, str(verdict)
+    return verdict.problems[0]
+
+
+@pytest.mark.parametrize("exercise", sorted(ANSWERS))
+def test_correct_answers_written_differently_pass(verdicts, exercise):
+    right = [n for n in ANSWERS[exercise] if n in
+             ("reference", "hook", "futures", "stacked", "round_robin")]
+    assert len(right) == 2
+    for name in right:
+        assert verdicts[exercise, name].passed, (name, str(verdicts[exercise, name]))
+
+
+def test_04_3_naive_ddp_refuses_the_plausible_wrong_answers(verdicts):
+    v = lambda name: _first(verdicts["04.3", name])  # noqa: E731
+    assert v("no_broadcast").startswith("after construction, rank 1: a.weight[0] = ")
+    assert "broadcast rank 0's parameters" in v("no_broadcast")
+    assert v("trainable_broadcast").startswith("after construction, rank 1: frozen.weight[0]")
+    assert "frozen parameter was not broadcast" in v("trainable_broadcast")
+    assert v("no_divide").startswith("step 1, rank 0: a.weight[0] = ")
+    assert "the gradients are 2x the average" in v("no_divide")
+    assert v("divided_twice").startswith("step 1, rank 0: ")
+    assert "1/2 of the average" in v("divided_twice")
+    assert v("every_parameter").startswith("rank 0 raised ")
+    # a collective only rank 0 reaches: a verdict naming the rank, not a frozen check
+    hang = v("rank_zero")
+    assert "rank 0 at line" in hang and "rank 1 finished" in hang
+    assert _children() == []  # every launch, the hung one too, left no process behind
+
+
+def test_04_4_bucketed_ddp_checks_weights_buckets_overlap_and_no_sync(verdicts):
+    v = lambda name: _first(verdicts["04.4", name])  # noqa: E731
+    assert v("after_backward").startswith("bucket_cap_mb = 0/2**20 (0 bytes), step 1, rank 0: "
+                                          "the first bucket's all-reduce was issued after the "
+                                          "last gradient was ready")
+    assert "was blocking (async_op=False)" in v("blocking")
+    assert "waited for before backward had produced every gradient" in v("wait_in_hook")
+    assert v("forward_order").startswith("bucket_cap_mb = 0/2**20 (0 bytes), step 1, rank 0: "
+                                         "all-reduced messages of [15, 5, 20, 4, 8, 2] "
+                                         "elements: buckets filled in forward order")
+    assert "[2, 8, 4, 20, 5, 15]" in v("forward_order")
+    cap = v("cap_ignored")
+    assert cap.startswith("bucket_cap_mb = 0/2**20 (0 bytes), step 1, rank 0: all-reduced "
+                          "messages of [54] elements") and "1 bucket(s) instead of 6" in cap
+    assert v("syncs_in_no_sync").startswith("bucket_cap_mb = 0/2**20 (0 bytes), step 3, rank 0: "
+                                            "the backward of a forward inside no_sync() "
+                                            "all-reduced 6 message(s)")
+    lost = v("zeroes_in_forward")
+    assert lost.startswith("bucket_cap_mb = 0/2**20 (0 bytes): step 3 (two micro-batches, the "
+                           "first inside no_sync()), rank 0: ")
+
+
+def test_06_5_global_count_loss_names_the_normalisation(verdicts):
+    v = lambda name: _first(verdicts["06.5", name])  # noqa: E731
+    first = ("2 micro-batch(es) per rank, valid tokens by rank [[1, 4], [2, 5]]: rank 0's "
+             "averaged gradient[")
+    assert v("micro_mean").startswith(first)
+    assert "each micro-batch's mean, averaged over the K micro-batches" in v("micro_mean")
+    assert "summed over the K" in v("micro_mean_summed")
+    assert v("rank_count").startswith(first) and "a loss divided per rank" in v("rank_count")
+    assert v("global_count_only").startswith(first)
+    assert "not multiplied by the world size R" in v("global_count_only")
+    assert "the count was averaged over the ranks" in v("count_averaged")
+
+
+def test_08_5_zero1_checks_the_update_and_the_sharded_state(verdicts):
+    v = lambda name: _first(verdicts["08.5", name])  # noqa: E731
+    assert v("full_state") == ("rank 0 holds optimizer state for all 6 parameters: ZeRO-1 keeps "
+                               "on each rank the state of its own shard only; build the local "
+                               "optimizer over the parameters this rank owns.")
+    assert v("summed").startswith("step 1, rank 0: parameter 0 (shape [6, 4])[0] = ")
+    assert "summed over the ranks, not averaged" in v("summed")
+    assert "that is its value before the step" in v("no_broadcast")
+    assert "that is its value before the step" in v("from_rank_zero")
+    assert v("defaults_dropped").startswith("step 1, rank 0: parameter 0")
+    assert "**defaults" in v("defaults_dropped")
+    assert v("not_averaged").startswith("step 1, rank ")
+
+
+# ----------------------------------------------------------------------------- 07.6 (local)
+
+def _entries(dump, group="0"):
+    return [e for e in dump["entries"]
+            if e["process_group"][0] == group and not e["is_p2p"]]
+
+
+def stuck_by_vote(dumps):
+    """Right, written differently: per sequence id, a vote over (op, sizes, dtypes)."""
+    seqs = {r: {e["collective_seq_id"]: e for e in _entries(d)} for r, d in dumps.items()}
+    start = max(min(s) for s in seqs.values())
+    for seq in sorted({k for s in seqs.values() for k in s if k >= start}):
+        for r in sorted(dumps):
+            if seq not in seqs[r]:
+                other = next(s[seq] for s in seqs.values() if seq in s)
+                return r, seq, other["profiling_name"]
+        sig = {r: (s[seq]["profiling_name"], str(s[seq]["input_sizes"]),
+                   str(s[seq]["input_dtypes"])) for r, s in seqs.items()}
+        votes = Counter(sig.values())
+        if len(votes) > 1:
+            r = min(sig, key=lambda r: (votes[sig[r]], r))
+            return r, seq, seqs[r][seq]["profiling_name"]
+    return None
+
+
+def lowest_completed(dumps):
+    r = min(dumps, key=lambda r: (dumps[r]["pg_status"]["0"]["last_completed_collective"], r))
+    seq = dumps[r]["pg_status"]["0"]["last_completed_collective"] + 1
+    return r, seq, "all_reduce"
+
+
+def fewest_entries(dumps):
+    r = min(dumps, key=lambda r: (len(_entries(dumps[r])), r))
+    return r, _entries(dumps[r])[-1]["collective_seq_id"] + 1, "all_reduce"
+
+
+def _naive(dumps, group_of=lambda e: e["process_group"][0] == "0", p2p=False, sizes=True,
+           window=True):
+    seqs = {r: {e["collective_seq_id"]: e for e in d["entries"]
+                if group_of(e) and (p2p or not e["is_p2p"])} for r, d in dumps.items()}
+    start = max(min(s) for s in seqs.values()) if window else min(min(s) for s in seqs.values())
+    for seq in sorted({k for s in seqs.values() for k in s if k >= start}):
+        have = {r: s[seq] for r, s in seqs.items() if seq in s}
+        if len(have) < len(seqs):
+            r = min(set(seqs) - set(have))
+            return r, seq, next(iter(have.values()))["profiling_name"]
+        sig = {r: (e["profiling_name"], str(e["input_sizes"]) if sizes else "")
+               for r, e in have.items()}
+        votes = Counter(sig.values())
+        if len(votes) > 1:
+            r = min(sig, key=lambda r: (votes[sig[r]], r))
+            return r, seq, have[r]["profiling_name"]
+    return 0, 0, "none"
+
+
+def ops_only(dumps):
+    return _naive(dumps, sizes=False)
+
+
+def every_group(dumps):
+    return _naive(dumps, group_of=lambda e: True)
+
+
+def with_p2p(dumps):
+    return _naive(dumps, p2p=True)
+
+
+def from_oldest(dumps):
+    return _naive(dumps, window=False)
+
+
+def first_waiting(dumps):
+    for r in sorted(dumps):
+        done = dumps[r]["pg_status"]["0"]["last_completed_collective"]
+        later = [e for e in _entries(dumps[r]) if e["collective_seq_id"] > done]
+        if later:
+            return r, later[0]["collective_seq_id"], later[0]["profiling_name"]
+    return 0, 0, "none"
+
+
+def test_07_6_stuck_rank_on_seven_recorded_hangs():
+    good, vote, *wrong = run_candidates("07.6", [
+        reference("07.6"), stuck_by_vote, lowest_completed, fewest_entries, ops_only,
+        every_group, with_p2p, from_oldest, first_waiting])
+    assert good and vote, (str(good), str(vote))
+    low, few, ops, groups, p2p, oldest, waiting = (_first(v) for v in wrong)
+    assert low.startswith("hang 'rank 2 never calls #4' (3 ranks): you named rank 0, #4 "
+                          "all_reduce; the records say rank 2, #4 all_reduce: ")
+    assert few.startswith("hang 'rank 1 broadcasts where the others all-reduce' (4 ranks): you "
+                          "named rank 0, #4 all_reduce; the records say rank 1, #3 broadcast")
+    assert ops.startswith("hang 'rank 0 all-reduces a larger tensor'") and "[1000]" in ops
+    assert groups.startswith("hang 'subgroups with sequence ids of their own'")
+    assert p2p.startswith("hang 'point-to-point entries between the collectives'")
+    assert oldest.startswith("hang 'ring buffers dropped different old entries'")
+    assert waiting.startswith("hang 'rank 2 never calls #4' (3 ranks): you named rank 0, #4")
+    (none,) = run_candidates("07.6", [lambda dumps: None])
+    assert "returned None (missing return?)" in _first(none)
+
+
+def test_new_exercises_describe_their_call():
+    for i, call in [("04.3", "cls(module: nn.Module)"), ("04.4", "bucket_cap_mb: float"),
+                    ("06.5", "fn(sums: list[Tensor ()], counts: list[int])"),
+                    ("07.6", "fn(dumps: dict[int, dict]) -> tuple[int, int, str]"),
+                    ("08.5", "cls(params: list[Tensor], optimizer_class, **defaults)")]:
+        text = describe(i)
+        assert call in text and f'check("{i}", your_' in text
+    with pytest.raises(TypeError, match="needs your function"):
+        check("07.6", None)
