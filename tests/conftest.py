@@ -7,9 +7,10 @@ would shadow a ``from conftest import ...``).
 
 Lab fixtures (``zero_lab``, ``fsdp_lab``): world sizes 2 and 3 (3 catches uneven splits); each
 yields ``(world_size, rank 0's printed lines)``. World size 3 is one torchrun launch per test
-module; world size 2 is the run notebook 08's ``%%torchrun`` cell makes (``main([])`` on 2
-processes), read from its stored output: the suite's nbval replay runs that cell and fails unless
-it prints exactly what is stored, so the same lines are checked on a fresh run either way.
+module; world size 2 is the run notebook 08's (or its deep dive's) ``%%torchrun`` cell makes
+(``main([])`` on 2 processes), read from its stored output: the suite's nbval replay runs that
+cell and fails unless it prints exactly what is stored, so the same lines are checked on a fresh
+run either way.
 """
 
 from __future__ import annotations
@@ -57,14 +58,16 @@ def json_lab():
 
 
 def notebook07_or_launch(module: str, world_size: int) -> list[str]:
-    """Rank 0's lines of ``module``'s ``main()`` on ``world_size`` processes: notebook 08's
-    stored run for 2 (its cell is exactly ``from MODULE import main`` / ``main([])`` under
-    ``%%torchrun --nproc-per-node 2``), a torchrun launch otherwise."""
+    """Rank 0's lines of ``module``'s ``main()`` on ``world_size`` processes: the stored run
+    for 2 (ZeRO: notebook 08; FSDP: its deep dive ``deep/08_fsdp2_and_model_parallelism``; the
+    cell is exactly ``from MODULE import main`` / ``main([])`` under ``%%torchrun
+    --nproc-per-node 2``), a torchrun launch otherwise."""
     if world_size != 2:
         return lab_rank0_lines(module, world_size)
     from notebook_cells import lab_cell, stored_run
 
-    nb = "08_beyond_ddp_zero_fsdp.ipynb"
+    nb = ("deep/08_fsdp2_and_model_parallelism.ipynb" if module.endswith("fsdp_tinygpt")
+          else "08_beyond_ddp_zero_fsdp.ipynb")
     lab_cell(nb, module)
     ranks, _ = stored_run(nb, f"from {module} import main")
     return ranks[0]

@@ -3,8 +3,9 @@
 A benchmark row keeps the minimum, median and maximum over its repeats. Two measurements are
 told apart only when their min..max intervals do not overlap; otherwise the difference is
 **within noise**, whatever the medians say. :func:`compare` is that rule, and :data:`CLAIMS`
-lists every comparison that the README, notebook 03 and ``docs/benchmarks.md`` state (and the
-ones notebooks 04 and 06 should state), with the verdict the prose uses. ``tests/
+lists every comparison that the README, notebook 03's deep dive
+(``notebooks/deep/03_collective_costs.ipynb``) and ``docs/benchmarks.md`` state (and the ones
+notebooks 04 and 06 should state), with the verdict the prose uses. ``tests/
 test_bench_claims.py`` classifies each claim against ``benchmarks/*.csv`` and finds its sentence
 in the file that makes it, so re-measuring a benchmark makes any claim that no longer holds fail.
 
@@ -122,7 +123,7 @@ def _sc(mode, R):
     return Quantity("scaling", (("mode", mode), ("nprocs", R)), "samples_per_s", f"R={R}")
 
 
-NB03 = "notebooks/03_collectives.ipynb"
+NB03 = "notebooks/deep/03_collective_costs.ipynb"
 NB04 = "notebooks/04_ddp_from_scratch.ipynb"
 NB05 = "notebooks/06_training_the_seed_model.ipynb"
 DOC = "docs/benchmarks.md"

@@ -28,6 +28,7 @@ pytestmark = pytest.mark.timeout(120)
 
 ROOT = Path(__file__).resolve().parents[2]
 ALPHA, BETA = 5e-6, 1e-10          # 5 µs, 10 GB/s
+DEEP03 = "deep/03_collective_costs.ipynb"   # notebook 03's deep dive on costs
 N = 1e8                            # 100 MB
 
 
@@ -109,7 +110,7 @@ def test_fit_recovers_alpha_and_beta():
 
 
 def test_notebook_03_cost_table_matches_hand_formulas():
-    text = stream_text("03_collectives.ipynb", "for nbytes, label in")
+    text = stream_text(DEEP03, "for nbytes, label in")
     lines = [ln for ln in text.splitlines() if ln.strip().startswith("R=")]
     expected = []
     for n in (100e6, 4):
@@ -134,7 +135,7 @@ def test_notebook_03_cost_table_matches_hand_formulas():
 
 
 def test_notebook_03_busbw_table_is_the_link_speed():
-    text = stream_text("03_collectives.ipynb", "for R in (2, 4, 8, 16):\n    a = algbw")
+    text = stream_text(DEEP03, "for R in (2, 4, 8, 16):\n    a = algbw")
     got = [ln for ln in text.splitlines() if ln.startswith("R=")]
     expected = [f"R={R:2d}: algbw {R / (2 * (R - 1)) * 10:5.2f} GB/s, busbw {10:5.2f} GB/s"
                 for R in (2, 4, 8, 16)]
@@ -142,20 +143,21 @@ def test_notebook_03_busbw_table_is_the_link_speed():
 
 
 def test_notebook_03_prints_each_claim_with_its_interval_and_verdict():
-    """Section 5 prints, from ``ddp_lesson.bench.claims``, every comparison its prose makes;
-    tests/bench/test_bench_claims.py checks the verdicts and finds the sentences."""
+    """The deep dive's measured section prints, from ``ddp_lesson.bench.claims``, every
+    comparison its prose makes; tests/bench/test_bench_claims.py checks the verdicts and finds
+    the sentences."""
     from ddp_lesson.bench.claims import CLAIMS, NB03, load
 
     tables = load(ROOT)
     expected = [c.line(tables) for c in CLAIMS if c.prose == NB03]
-    got = stream_text("03_collectives.ipynb", "claim.line(tables)").splitlines()
+    got = stream_text(DEEP03, "claim.line(tables)").splitlines()
     assert got == expected and len(got) == 14
     assert all(len(line) <= 100 for line in got)
     assert sum(line.endswith(": within noise") for line in got) == 13
 
 
 def test_notebook_03_sweep_cell_is_off_by_default():
-    text = stream_text("03_collectives.ipynb", "RUN_SWEEP = False")
+    text = stream_text(DEEP03, "RUN_SWEEP = False")
     assert text.strip() == "sweep skipped: set RUN_SWEEP = True to re-measure"
 
 

@@ -66,7 +66,7 @@ def test_07_fsdp_sentences_match_torch_source():
 
 
 def test_07_prose_numbers_are_the_stored_run():
-    prose, out = _nb("08_beyond_ddp_zero_fsdp.ipynb")
+    prose, out = _nb("deep/08_fsdp2_and_model_parallelism.ipynb")
     ratio = re.search(r"FSDP / DDP bytes sent per rank: ([\d.]+)", out).group(1)
     peak = re.search(r"while a block runs: [\d,]+ = ([\d.]+) of full", out).group(1)
     assert ratio == "1.43" and peak == "0.567"
