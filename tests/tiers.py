@@ -197,6 +197,10 @@ SLOW: dict[str, str | frozenset[str]] = {
         "test_dataloader_workers_see_the_same_samples",
     }),
     "notebooks/test_browser.py": ALL,
+    "notebooks/test_notebook_claims_02.py": frozenset({
+        "test_02_eval_under_no_grad_one_buffer_broadcast_and_no_per_batch_collective",
+        "test_02_numpy_in_a_worker_is_not_seeded_base_seed_plus_worker_id",
+    }),
     "sampler/test_sampler_multiproc.py": frozenset({
         "test_a2_same_seed_and_epoch_partition_on_every_rank",
         "test_core_and_hardened_equal_torch_on_two_and_three_ranks",

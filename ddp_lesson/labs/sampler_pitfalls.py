@@ -1,4 +1,5 @@
-"""Deliberately broken sampler pieces, kept for notebook 02's critical reading of the seed script.
+"""Deliberately broken sampler pieces, kept for the critical reading of the
+seed script (notebook 02's deep dive on edge cases).
 
 Nothing here is meant for use: each object reproduces one defect so that a cell (and a test)
 can show exactly what breaks and where.

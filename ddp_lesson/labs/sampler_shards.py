@@ -73,7 +73,7 @@ def _report(title: str, shards: list[list[int]], n: int) -> None:
     print(title)
     for r, shard in enumerate(shards):
         print(f"  rank {r}: {shard}")
-    line = f"  disjoint: {f['disjoint']} | covers the dataset: {f['covers']}"
+    line = f"  disjoint: {f['disjoint']} | covers all: {f['covers']}"
     if f["repeated"]:
         line += f" | repeated: {f['repeated']}"
     if f["missing"]:

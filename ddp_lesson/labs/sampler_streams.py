@@ -17,7 +17,8 @@ Two parts, each on every rank with a ``DataLoader`` of 2 worker processes:
   generator), and with the DataLoader's generator seeded ``seed + rank`` (all differ), while
   the sampler's seed stays the same on every rank (the shards stay a partition).
 
-Notebook 02 runs each part with ``%%torchrun --nproc-per-node 2``.
+Notebook 02's deep dive (``notebooks/deep/02_weighted_streams_and_seeds.ipynb``) runs both parts
+in one ``%%torchrun --nproc-per-node 2`` cell.
 """
 from __future__ import annotations
 

@@ -10,8 +10,8 @@ each rank's view of the whole draw are gathered with ``all_gather_object``. Rank
 facts: every rank drew the same list, interleaving the shards gives back the padded draw,
 ``set_epoch`` changes the draw on every rank together, and the weights show in the counts.
 Then the silent trap: torch's ``DistributedSampler(WeightedRandomSampler(...))`` deals out
-*positions* ``0..99``, and the weights are never used. Notebook 02 runs this with
-``%%torchrun --nproc-per-node 3``.
+*positions* ``0..99``, and the weights are never used. Notebook 02's deep dive on weighted
+sampling runs this with ``%%torchrun --nproc-per-node 3``.
 """
 from __future__ import annotations
 

@@ -217,19 +217,19 @@ def test_shards_lab_report_as_the_notebook_shows_it(shards_run):
     ]
     (s1, f1), (s2, f2), (s3, f3), (s4, f4) = blocks.values()
     assert s1 == torch_shards(12, 3, True)
-    assert f1 == "disjoint: True | covers the dataset: True"
+    assert f1 == "disjoint: True | covers all: True"
     assert s2 == torch_shards(10, 3, True)
     order10 = torch_order(10, True, 0, 0)
-    assert f2 == f"disjoint: False | covers the dataset: True | repeated: {sorted(order10[:2])}"
+    assert f2 == f"disjoint: False | covers all: True | repeated: {sorted(order10[:2])}"
     assert s3 == torch_shards(10, 3, True, drop_last=True)
-    assert f3 == f"disjoint: True | covers the dataset: False | never seen: {order10[9:]}"
+    assert f3 == f"disjoint: True | covers all: False | never seen: {order10[9:]}"
     # A2: rank r used seed r
     assert s4 == [torch_shards(12, 3, True, seed=r)[r] for r in range(3)]
     counts = Counter(i for s in s4 for i in s)
     repeated = sorted(i for i, k in counts.items() for _ in range(k - 1))
     missing = [i for i in range(12) if i not in counts]
     assert repeated and missing  # the overlap the case warns about
-    assert f4 == (f"disjoint: False | covers the dataset: False | repeated: {repeated} "
+    assert f4 == (f"disjoint: False | covers all: False | repeated: {repeated} "
                   f"| never seen: {missing}")
     for rank in (1, 2):
         assert shards_run.rank_lines(rank) == []

@@ -1,4 +1,5 @@
-"""Every line notebook 02's persistent-ranks section (5b) prints, recomputed with torch's own
+"""Every line the persistent-ranks section of notebook 02's deep dive on edge cases
+(``notebooks/deep/02_sampler_edge_cases.ipynb``, section 4) prints, recomputed with torch's own
 ``torch.utils.data.DistributedSampler`` on one process (3 ranks, N = 10, seed 0)."""
 from __future__ import annotations
 
@@ -11,10 +12,11 @@ from ddp_lesson.env import choose_backend
 
 ROOT = Path(__file__).resolve().parents[2]
 N, R = 10, 3
+NOTEBOOK = "deep/02_sampler_edge_cases.ipynb"
 
 
 def _outputs(marker: str) -> list[str]:
-    nb = nbformat.read(ROOT / "notebooks" / "02_sampler_sharding.ipynb", as_version=4)
+    nb = nbformat.read(ROOT / "notebooks" / NOTEBOOK, as_version=4)
     hits = [c for c in nb.cells if c.cell_type == "code" and marker in c.source]
     assert len(hits) == 1, f"{len(hits)} code cells contain {marker!r}"
     return "".join(o.get("text", "") for o in hits[0].outputs
@@ -34,7 +36,7 @@ def _report(epochs: list[int]) -> str:
     return f"[rank 0] epochs {epochs}: {len(seen)} slots; seen twice: {twice}; never seen: {never}"
 
 
-def test_notebook_02_ranks_cells_print_what_torchs_sampler_gives():
+def test_notebook_02_deep_ranks_cells_print_what_torchs_sampler_gives():
     assert _outputs("%dist_start --nproc-per-node 3") == [
         "[dist_start] 3 ranks (1 node x 3), gloo: " + choose_backend(3, "auto", 0)[1]]
     assert _outputs("sampler = DistributedSampler(range(10)") == [

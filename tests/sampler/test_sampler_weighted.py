@@ -1,11 +1,13 @@
 """DistributedWeightedSampler and IterableShard (issue 15, items 1 and 2; docs/pitfalls.md A11,
-A12, A13), and the labs that notebook 02 launches for them (weighted sampling, streams, seeds).
+A12, A13), and the labs that notebook 02's deep dive on them launches
+(``notebooks/deep/02_weighted_streams_and_seeds.ipynb``: weighted sampling, streams, seeds).
 
 Expectations come from torch's own pieces: ``WeightedRandomSampler`` with a generator seeded
 ``seed + epoch`` (the draw), torch's ``DistributedSampler`` (its dealing, and the trap of
 wrapping a weighted sampler), real ``DataLoader`` workers, and the worker seeding rule of
-``torch/utils/data/_utils/worker.py`` (``base_seed + worker_id``, ``base_seed`` drawn from
-the loader's generator or the global one). The labs' runs are notebook 02's cells as stored
+``torch/utils/data/_utils/worker.py`` (``random`` and ``torch`` get ``base_seed + worker_id``,
+``base_seed`` drawn from the loader's generator or the global one). The labs' runs are the deep
+dive's cells as stored
 (3 and 2 processes; nbval's replay reruns them): one job, one launch (docs/architecture.md).
 """
 from __future__ import annotations
@@ -31,7 +33,7 @@ from ddp_lesson.sampler import (
 
 W = [2.0] * 50 + [1.0] * 50
 
-NB = "02_sampler_sharding.ipynb"
+NB = "deep/02_weighted_streams_and_seeds.ipynb"
 
 
 def torch_draw(weights, n, replacement=True, seed=0, epoch=0):
@@ -139,7 +141,7 @@ def test_trap_distributed_sampler_around_a_weighted_sampler_yields_positions():
     every = [i for s in shuffled for i in s]
     assert len(every) == 104 and set(every) == set(range(100))  # 4 padded repeats
     # items 0-49 come up about half the time (50 + the repeats among them), not two thirds:
-    # notebook 02 prints "draws from items 0-49: 52 of 104"
+    # the deep dive prints "draws from items 0-49: 52 of 104"
     perm = torch.randperm(100, generator=torch.Generator().manual_seed(0)).tolist()
     assert sum(i < 50 for i in every) == 50 + sum(i < 50 for i in perm[:4]) == 52
 
@@ -176,8 +178,8 @@ def test_iterable_shard_without_workers_strides_by_rank_and_checks_the_rank():
 
 # ------------------------------------------------------------------------ the labs, on real ranks
 
-# One job, one launch (docs/architecture.md): notebook 02 runs both labs with these arguments
-# (the labs' defaults); the tests read its stored output, which nbval's replay reruns and
+# One job, one launch (docs/architecture.md): notebook 02's deep dive runs both labs with these
+# arguments (the labs' defaults); the tests read its stored output, which nbval's replay reruns and
 # compares, instead of launching the same jobs again.
 @pytest.fixture(scope="module")
 def weighted_run():
@@ -216,7 +218,7 @@ def streams_run():
     return StoredRun(NB, "from ddp_lesson.labs.sampler_streams import main",
                      "%%torchrun --nproc-per-node 2\n"
                      "from ddp_lesson.labs.sampler_streams import main\n\n"
-                     'main()   # part="stream", then part="seeds" (section 11)')
+                     'main()   # part="stream", then part="seeds" (section 3)')
 
 
 def _loader_order(n, R, rank, workers, batch_size):
