@@ -125,7 +125,8 @@ def _sc(mode, R):
 
 NB03 = "notebooks/deep/03_collective_costs.ipynb"
 NB04 = "notebooks/04_ddp_from_scratch.ipynb"
-NB05 = "notebooks/06_training_the_seed_model.ipynb"
+#: notebook 06's deep dive, which states the scaling study's claims
+NB05 = "notebooks/deep/06_scaling_and_mixed_precision.ipynb"
 DOC = "docs/benchmarks.md"
 
 _NOISE_03 = ("the pipelined ring, the simple ring and gloo's `all_reduce` are within noise of "

@@ -1,4 +1,4 @@
-"""Mixed precision and gradient clipping on many ranks (notebook 06, section 8).
+"""Mixed precision and gradient clipping on many ranks (notebook 06's deep dive, section 2).
 
     torchrun --standalone --nproc-per-node 2 -m ddp_lesson.labs.amp_clip [--out FILE]
 

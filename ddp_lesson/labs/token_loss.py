@@ -31,8 +31,9 @@ loss scale overflows float16 when summed over ranks before the division by the g
 and stays finite divided first.
 
 Prints, on rank 0, each normalisation's relative gradient error against one process and
-whether it matches (``allclose``, rtol 1e-4), then the two fp16 orders; ``--json`` adds one
-JSON line per rank with every number, for the tests.
+whether it matches (``allclose``, rtol 1e-4), then the two fp16 orders, and whether every rank
+found the same (one ``all_gather_object``); ``--json`` adds one JSON line per rank with every
+number.
 """
 from __future__ import annotations
 
@@ -166,16 +167,22 @@ def main(argv=None) -> None:
     opts = p.parse_args(argv)
     env = init_distributed(timeout=60)
     res = run()
-    counts = [None] * env.world_size
-    dist.all_gather_object(counts, res["tokens_per_micro_batch"])
-    print0(f"valid tokens per micro-batch, by rank: {counts}")
+    every = [None] * env.world_size
+    dist.all_gather_object(every, res)
+    print0(f"valid tokens per micro-batch, by rank: {[r['tokens_per_micro_batch'] for r in every]}")
     print0(f"valid tokens in the global batch: {res['tokens_global']}")
     for method, m in res["methods"].items():
         print0(f"{method:>18}: relative error {m['rel_err']:.2f}, matches: {m['matches']}")
+    worst = max(r["methods"]["global token count"]["rel_err"] for r in every)
+    print0(f"global token count, relative error below 1e-6 on every rank: {worst < 1e-6}")
     f = res["fp16"]
     print0(f"fp16, scale 2^16, sum then divide: finite {f['sum_then_divide_finite']}")
     print0(f"fp16, scale 2^16, divide then sum: finite {f['divide_then_sum_finite']}")
     print0(f"divide then sum within fp16 precision (< 1e-3): {f['divide_then_sum_rel_err'] < 1e-3}")
+    # DDP leaves every rank the same gradient: the same errors, verdicts and fp16 results
+    same = all((r["tokens_global"], r["methods"], r["fp16"])
+               == (res["tokens_global"], res["methods"], res["fp16"]) for r in every)
+    print0(f"the same count, errors and fp16 results on every rank: {same}")
     if opts.json:
         print(json.dumps(res))
     cleanup()

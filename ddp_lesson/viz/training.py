@@ -1,4 +1,4 @@
-"""The trainer's results (notebook 06): loss curves, predicted masks, the scaling study."""
+"""The trainer's results (notebook 06 and its deep dive): loss curves, masks, the scaling study."""
 from __future__ import annotations
 
 from .style import LABEL_PT, SMALL_PT, TITLE_PT, finish, subplots

@@ -90,7 +90,7 @@ def test_stored_benchmark_is_consistent():
 
 
 def test_stored_benchmark_spread_printed_in_notebook_05():
-    """Notebook 06 prints each configuration's spread over repeats; recomputed here from the
+    """Notebook 06's deep dive prints each configuration's spread over repeats; recomputed from the
     CSV's min, max and median with the csv module alone."""
     import csv
 
@@ -103,7 +103,8 @@ def test_stored_benchmark_spread_printed_in_notebook_05():
         "w1": "63%", "w2": "68%", "w4": "32%", "s1": "25%", "s2": "68%", "s4": "41%"}
     import nbformat
 
-    nb = nbformat.read(REPO / "notebooks" / "06_training_the_seed_model.ipynb", as_version=4)
+    nb = nbformat.read(REPO / "notebooks" / "deep" / "06_scaling_and_mixed_precision.ipynb",
+                       as_version=4)
     cell = next(c for c in nb.cells if c.cell_type == "code" and "spread_pct" in c.source)
     printed = "".join(o.get("text", "") for o in cell.outputs)
     assert ", ".join(f"{k} {v:.0f}%" for k, v in spread.items()) in printed

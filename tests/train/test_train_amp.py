@@ -1,4 +1,5 @@
-"""Notebook 06, section 8: mixed precision and clipping on 2 ranks (ddp_lesson.labs.amp_clip).
+"""Notebook 06's deep dive, section 2: mixed precision and clipping on 2 ranks
+(ddp_lesson.labs.amp_clip).
 
 One launch of the lab on 2 gloo processes; every number it prints is checked here against the
 JSON it wrote and against values computed independently in this process: the same training

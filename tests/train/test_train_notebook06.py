@@ -1,4 +1,6 @@
-"""Notebook 06's sentences about torch and about the stored benchmarks, bound to their sources.
+"""Notebook 06's sentences about torch and about the stored benchmarks, bound to their sources;
+the scaling study and mixed precision are read from its deep dive
+(``notebooks/deep/06_scaling_and_mixed_precision.ipynb``).
 
 Each test reads the fact from where it lives (torch's installed source and constants, the
 stored ``benchmarks/scaling.csv`` through ``ddp_lesson.bench.claims``) and finds the sentence
@@ -20,19 +22,20 @@ from ddp_lesson import syncbn
 from ddp_lesson.bench.claims import CLAIMS, NB05, load
 
 ROOT = Path(__file__).resolve().parents[2]
-NB = ROOT / NB05
+NB = ROOT / "notebooks" / "06_training_the_seed_model.ipynb"
+DEEP = ROOT / NB05  # the deep dive: scaling study, mixed precision and clipping
 
 
-def _cells():
-    return nbformat.read(NB, as_version=4).cells
+def _cells(nb: Path = NB):
+    return nbformat.read(nb, as_version=4).cells
 
 
-def _markdown() -> str:
-    return re.sub(r"\s+", " ", "\n".join(c.source for c in _cells() if c.cell_type == "markdown"))
+def _markdown(nb: Path = NB) -> str:
+    return re.sub(r"\s+", " ", "\n".join(c.source for c in _cells(nb) if c.cell_type == "markdown"))
 
 
-def _output_of(marker: str) -> str:
-    cell = next(c for c in _cells() if c.cell_type == "code" and marker in c.source)
+def _output_of(marker: str, nb: Path = NB) -> str:
+    cell = next(c for c in _cells(nb) if c.cell_type == "code" and marker in c.source)
     return "".join(o.get("text", "") for o in cell.outputs)
 
 
@@ -65,22 +68,43 @@ def test_syncbn_gathers_in_torch_and_reduces_in_the_package():
 
 
 def test_no_unbound_claims_left():
-    text = _markdown()
+    text = _markdown() + " " + _markdown(DEEP)
     assert "mIoU about" not in text          # the trained model's mIoU is only in the ignored log
     assert "dedicated hardware" not in text and "off the compute cores" not in text
-    assert "compete with the compute for memory bandwidth" in text
+    assert "compete with the compute for memory bandwidth" in _markdown(DEEP)
     assert "three numbers per channel" not in text  # collective counts of SyncBN: not stated
+
+
+def test_ddp_divides_each_gradient_before_the_sum():
+    """Section 3: DDP divides each rank's gradient by world_size, then sums (issue-30 claim 14).
+
+    Torch's default all-reduce hook divides the bucket and then all-reduces it (SUM), "first to
+    avoid overflow"; the reducer's ``div_factor_`` is the process-group size. A run of this
+    order is ``tests/ddp/test_torch_reducer.py``'s fp16 case (40000 pre-divided, not inf).
+    """
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    hook = inspect.getsource(default_hooks._allreduce_fut)
+    assert "Apply the division first to avoid overflow" in hook
+    assert hook.index("tensor.div_(group_to_use.size())") < hook.index("dist.all_reduce(tensor")
+    header = (Path(torch.__file__).parent / "include/torch/csrc/distributed/c10d/"
+              "reducer.hpp").read_text()
+    assert "Equal to the process group size" in header and "int div_factor_;" in header
+    text = _markdown()
+    assert "divides the summed gradients" not in text
+    assert ("because DDP divides each rank's gradient by `world_size` before it sums them "
+            "(notebooks 01 and 04)") in text
 
 
 def test_scaling_claims_stated_and_printed_from_the_csv():
     tables = load(ROOT)
     mine = [c for c in CLAIMS if c.prose == NB05]
     assert len(mine) == 3
-    text = _markdown()
+    text = _markdown(DEEP)
     for claim in mine:
         assert re.sub(r"\s+", " ", claim.sentence) in text, claim.sentence
         assert claim.verdict(tables) == claim.says, claim.id
-    printed = _output_of("claim.line(tables)")
+    printed = _output_of("claim.line(tables)", DEEP)
     for claim in mine:
         assert claim.line(tables) + "\n" in printed
     rows = tables["scaling"]
@@ -108,10 +132,11 @@ def test_section_3_runs_at_once_and_shows_live_progress():
     assert widgets[0]["data"] == {"text/plain": "torchrun: 8 processes"}
 
 
-def test_section_8_is_one_launch_of_the_lab():
-    cells = [c for c in _cells() if c.cell_type == "code" and "amp_clip" in c.source]
+def test_mixed_precision_is_one_launch_of_the_lab():
+    cells = [c for c in _cells(DEEP) if c.cell_type == "code" and "amp_clip" in c.source]
     assert len(cells) == 1 and cells[0].source.startswith("%%torchrun --nproc-per-node 2")
-    out = _output_of("amp_clip")
+    assert not any("amp_clip" in c.source for c in _cells())  # one launch, in the deep dive
+    out = _output_of("amp_clip", DEEP)
     assert (
         "[rank 0]   step 5: own gradient finite True, after all_reduce False; skipped steps [5]"
         in out
