@@ -34,10 +34,10 @@ def defined_codes(text: str | None = None) -> set[str]:
 def bare_codes(markdown: str, codes: set[str]) -> list[str]:
     """Defined codes in ``markdown`` that are not inside a link, code span or block."""
     out, pos = [], 0
-    for m in KEEP.finditer(markdown + "\0"):
+    for m in KEEP.finditer(markdown):
         out += [c for c in CODE.findall(markdown[pos:m.start()]) if c in codes]
         pos = m.end()
-    return out
+    return out + [c for c in CODE.findall(markdown[pos:]) if c in codes]
 
 
 def link_codes(markdown: str, codes: set[str], rel: str) -> str:

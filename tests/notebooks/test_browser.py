@@ -248,9 +248,11 @@ def populate_root(root: Path) -> None:
     root.mkdir(parents=True, exist_ok=True)
     shutil.copy2(ROOT / "README.md", root / "README.md")
     shutil.copytree(ROOT / "docs", root / "docs")
-    (root / "notebooks").mkdir()
+    (root / "notebooks" / "deep").mkdir(parents=True)
     for path in sorted((ROOT / "notebooks").glob("*.ipynb")):
         shutil.copy2(path, root / "notebooks" / path.name)
+    for path in sorted((ROOT / "notebooks" / "deep").glob("*.ipynb")):  # the deep dives
+        shutil.copy2(path, root / "notebooks" / "deep" / path.name)
 
 
 @pytest.fixture(scope="module")
@@ -394,7 +396,9 @@ def opened(lab, browser):
     tab is marked unsaved, what its outputs show, its images' sizes, and whether saving it
     (Ctrl+S) writes back the stored file byte for byte. Kernels are shut down after."""
     folder = lab.root / "notebooks"
-    names = sorted(p.name for p in folder.glob("*.ipynb"))
+    core = sorted(p.name for p in folder.glob("*.ipynb"))
+    deep = sorted(f"deep/{p.name}" for p in (folder / "deep").glob("*.ipynb"))
+    names = core + deep
     stored = {name: (folder / name).read_bytes() for name in names}
     before = {session["id"] for session in lab.api("/api/sessions") or []}
     page = _new_page(browser, lab)
@@ -402,9 +406,15 @@ def opened(lab, browser):
     try:
         page.goto(f"{lab.url}/lab/tree/notebooks?reset&token={lab.token}",
                   timeout=PAGE_LOAD_S * 1000)
-        for name in names:
+        for name in core:
             page.locator(".jp-DirListing-item").filter(has_text=name).dblclick()
             _tab(page, name).wait_for()
+        if deep:  # into notebooks/deep/, as a reader follows a deep-dive link's folder
+            page.locator(".jp-DirListing-itemText").get_by_text("deep", exact=True).dblclick()
+            for name in deep:
+                base = name.split("/", 1)[1]
+                page.locator(".jp-DirListing-item").filter(has_text=base).dblclick()
+                _tab(page, base).wait_for()
 
         def all_started():
             sessions = lab.api("/api/sessions") or []
@@ -413,7 +423,7 @@ def opened(lab, browser):
 
         _wait_for("every notebook's kernel to start", all_started, OPEN_S, on_poll=lab.watch.scan)
         for name in names:
-            _tab(page, name).click()
+            _tab(page, name.split("/")[-1]).click()
 
             def shown(name=name):
                 seen = page.evaluate(_SHOWN_JS, _PANEL)
@@ -424,10 +434,11 @@ def opened(lab, browser):
 
             _wait_for(f"{name} shown with its kernel idle", shown, OPEN_S)
             seen = page.evaluate(_SHOWN_JS, _PANEL)
-            shot = ARTIFACTS / f"browser_open_{name.split('_')[0]}.png"
+            shot = ARTIFACTS / f"browser_open_{name.replace('/', '_').removesuffix('.ipynb')}.png"
             ARTIFACTS.mkdir(parents=True, exist_ok=True)
             page.screenshot(path=str(shot))
-            dirty = "jp-mod-dirty" in (_tab(page, name).get_attribute("class") or "")
+            dirty = "jp-mod-dirty" in (_tab(page, name.split("/")[-1]).get_attribute("class")
+                                       or "")
             mtime = (folder / name).stat().st_mtime_ns
             page.keyboard.press("Control+s")
             _wait_for(f"{name} saved", lambda name=name, mtime=mtime: (
@@ -566,6 +577,7 @@ def _subshell_probe_from_outside(lab) -> None:
     sent to the notebook's kernel through its connection file, as JupyterLab sends it when it
     connects: its "idle" is what the page showed while a fresh kernel's first cell ran."""
     from jupyter_client import BlockingKernelClient
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "launch"))
     from test_launcher_contract import _subshell_probe
 
     (session,) = [s for s in lab.api("/api/sessions") if s["path"].endswith(LONG_NOTEBOOK)]
@@ -887,7 +899,9 @@ def test_stored_notebooks_open_unmarked_and_save_as_stored(opened):
     # tools/normalize_notebooks.py stores what it writes
     marked = [name for name, r in opened.items() if r["dirty"]]
     rewritten = [name for name, r in opened.items() if not r["saved_as_stored"]]
-    assert len(opened) == len(list((ROOT / "notebooks").glob("*.ipynb")))
+    assert len(opened) == len(list((ROOT / "notebooks").glob("*.ipynb"))) + len(
+        list((ROOT / "notebooks" / "deep").glob("*.ipynb")))  # the core path and the deep dives
+    assert any(name.startswith("deep/") for name in opened)
     assert not marked and not rewritten, (
         f"marked unsaved on opening: {marked}; saved differently from the stored file: "
         f"{rewritten} (run `python tools/normalize_notebooks.py`)")

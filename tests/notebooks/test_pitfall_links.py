@@ -33,6 +33,7 @@ def test_the_linker_links_bare_codes_only():
                       " A100 GPUs; X9")
     assert bare_codes(linked, CODES) == []
     assert bare_codes(md, CODES) == ["B15", "A2", "A3"]
+    assert bare_codes("no code span or link here: A2 and B5", CODES) == ["A2", "B5"]
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[str(p.relative_to(ROOT)) for p in NOTEBOOKS])
