@@ -68,9 +68,10 @@ def test_env_lines_pure():
 
 
 def test_notebook00_lab_on_three_ranks():
-    """Notebook 00's three-rank cell as stored (one job, one launch: nbval's replay reruns it
-    and fails unless it prints exactly this)."""
-    run = StoredRun("00_setup.ipynb", "from ddp_lesson.labs.torchrun_env import main",
+    """Notebook 00's deep dive's three-rank cell as stored (one job, one launch: nbval's replay
+    reruns it and fails unless it prints exactly this)."""
+    run = StoredRun("deep/00_torchrun_internals.ipynb",
+                    "from ddp_lesson.labs.torchrun_env import main",
                     "%%torchrun --nproc-per-node 3\n"
                     "from ddp_lesson.labs.torchrun_env import main\n\n"
                     "main()   # prints this rank's variables, read_env()'s DistEnv, then runs "
