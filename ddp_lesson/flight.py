@@ -55,7 +55,8 @@ class Collective:
     def text(self) -> str:
         """``#3 all_reduce [3] Float (job.py:9)``."""
         sizes = ", ".join(str(list(s)) for s in self.sizes) or "[]"
-        return f"#{self.seq} {self.op} {sizes} {'/'.join(self.dtypes)} ({self.caller})"
+        parts = [f"#{self.seq}", self.op, sizes, "/".join(self.dtypes), f"({self.caller})"]
+        return " ".join(p for p in parts if p)  # a barrier has no dtype
 
     def signature(self) -> tuple:
         """What must be equal on every rank for the collective to match."""
@@ -125,6 +126,71 @@ def dump_when_stuck(directory: str | os.PathLike, rank: int, after_s: float,
     thread = threading.Thread(target=watch, name="flight-dump", daemon=True)
     thread.start()
     return ok, thread
+
+
+class HangWatch:
+    """A thread that writes this rank's flight record once the rank is stuck, or at
+    :meth:`finish` if it never was: the record of a hung job taken *while* it hangs.
+
+    Every ``poll_s`` seconds the thread reads the rank's record without stacks (local, cheap)
+    and writes it (:func:`write_trace`) once the same collective of the default group has been
+    issued and not completed for ``stuck_s`` seconds: before the group's timeout fails it and
+    torch retires it as completed (:func:`verdict`). A rank that never gets stuck (it went on
+    past the collective the others wait in, or it failed at once) writes its record when
+    :meth:`finish` is called, so every rank leaves one. The moment of the write depends on the
+    rank's state, not on how fast the machine is: the same hang gives the same record.
+
+    Args:
+        directory: where ``<prefix><rank>`` is written.
+        rank: the global rank, for the file name.
+        stuck_s: seconds one collective must stay unfinished; keep it under the group's
+            timeout.
+        stacks: record the callers' stacks (file:line). The first dump with stacks of a
+            process imports ``torch._dynamo``, a few CPU-seconds: it is done here, at the start,
+            so the dump of the hang itself is immediate.
+    """
+
+    def __init__(self, directory: str | os.PathLike, rank: int, stuck_s: float,
+                 prefix: str = "trace_", stacks: bool = False, poll_s: float = 0.1):
+        import threading
+
+        from torch._C._distributed_c10d import _dump_fr_trace
+
+        if stacks:
+            _dump_fr_trace(includeStackTraces=True)  # the slow first one, off the clock
+        self.args = (directory, rank, prefix, stacks)
+        self.stuck_s, self.poll_s = stuck_s, poll_s
+        self.written: Path | None = None
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="flight-watch", daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        import time
+
+        from torch._C._distributed_c10d import _dump_fr_trace
+
+        pending, since = None, 0.0
+        while not self._done.wait(self.poll_s):
+            status = pickle.loads(_dump_fr_trace(includeStackTraces=False)).get(
+                "pg_status", {}).get("0", {})
+            issued = int(status.get("last_enqueued_collective", -1))
+            if issued <= int(status.get("last_completed_collective", -1)):
+                pending = None
+            elif issued != pending:
+                pending, since = issued, time.monotonic()
+            elif time.monotonic() - since >= self.stuck_s:
+                self.written = write_trace(*self.args)
+                return
+
+    def finish(self) -> Path:
+        """Stop watching; write the record now unless the hang was written. Returns the
+        file. Call it before the process group is destroyed, also when the rank raised."""
+        self._done.set()
+        self._thread.join()
+        if self.written is None:
+            self.written = write_trace(*self.args)
+        return self.written
 
 
 def _caller(frames) -> str:
@@ -204,6 +270,8 @@ def verdict(dumps: dict[int, dict], group: str = "0") -> str:
     torch 2.13). So "every rank waits" means something only in a dump taken during a hang.
     """
     rows = ledgers(dumps, group)
+    if not any(group in d.get("pg_status", {}) for d in dumps.values()):
+        return f"no rank recorded process group {group}: the group never formed"
     silent = [r for r in _group_ranks(dumps) if r not in dumps]
     if silent:
         return f"rank {', '.join(map(str, silent))} wrote no trace: it died or never got there"
