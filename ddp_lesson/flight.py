@@ -129,16 +129,19 @@ def dump_when_stuck(directory: str | os.PathLike, rank: int, after_s: float,
 
 
 class HangWatch:
-    """A thread that writes this rank's flight record once the rank is stuck, or at
-    :meth:`finish` if it never was: the record of a hung job taken *while* it hangs.
+    """A thread that writes this rank's flight record while the rank hangs, so the record shows
+    the stuck collective still unfinished: the record of a hung job taken *during* the hang.
 
-    Every ``poll_s`` seconds the thread reads the rank's record without stacks (local, cheap)
-    and writes it (:func:`write_trace`) once the same collective of the default group has been
-    issued and not completed for ``stuck_s`` seconds: before the group's timeout fails it and
-    torch retires it as completed (:func:`verdict`). A rank that never gets stuck (it went on
-    past the collective the others wait in, or it failed at once) writes its record when
-    :meth:`finish` is called, so every rank leaves one. The moment of the write depends on the
-    rank's state, not on how fast the machine is: the same hang gives the same record.
+    Every ``poll_s`` seconds the thread reads the rank's record without stacks (local, cheap).
+    Once the same collective of the default group has been issued and not completed for
+    ``stuck_s`` seconds, it writes the record (:func:`write_trace`), before the group's timeout
+    fails that collective and torch retires it as completed (:func:`verdict`). A collective
+    that was only slow (a peer late on a busy machine) and then completes makes that record
+    stale once the rank issues a later one: the thread writes again if the rank gets stuck later,
+    and :meth:`finish` writes the
+    final state of a rank that ended without error (it went on past the collective the others
+    wait in) or whose record is stale or missing (it failed at once). So every rank leaves one
+    record, and what it shows depends on where the rank stopped, not on the machine's speed.
 
     Args:
         directory: where ``<prefix><rank>`` is written.
@@ -147,7 +150,7 @@ class HangWatch:
             timeout.
         stacks: record the callers' stacks (file:line). The first dump with stacks of a
             process imports ``torch._dynamo``, a few CPU-seconds: it is done here, at the start,
-            so the dump of the hang itself is immediate.
+            so the dump of the hang itself is quick.
     """
 
     def __init__(self, directory: str | os.PathLike, rank: int, stuck_s: float,
@@ -161,6 +164,7 @@ class HangWatch:
         self.args = (directory, rank, prefix, stacks)
         self.stuck_s, self.poll_s = stuck_s, poll_s
         self.written: Path | None = None
+        self._stuck_in = None  # the sequence id the written record shows stuck; None: stale
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="flight-watch", daemon=True)
         self._thread.start()
@@ -175,20 +179,27 @@ class HangWatch:
             status = pickle.loads(_dump_fr_trace(includeStackTraces=False)).get(
                 "pg_status", {}).get("0", {})
             issued = int(status.get("last_enqueued_collective", -1))
-            if issued <= int(status.get("last_completed_collective", -1)):
+            completed = int(status.get("last_completed_collective", -1))
+            if self._stuck_in is not None and issued > self._stuck_in:
+                # it went on to a later collective: it was only slow, the record is stale (a
+                # collective that failed is retired as completed too, so completion says nothing)
+                self._stuck_in = None
+            if issued <= completed:
                 pending = None
             elif issued != pending:
                 pending, since = issued, time.monotonic()
-            elif time.monotonic() - since >= self.stuck_s:
+            elif time.monotonic() - since >= self.stuck_s and self._stuck_in != issued:
                 self.written = write_trace(*self.args)
-                return
+                self._stuck_in = issued
 
-    def finish(self) -> Path:
-        """Stop watching; write the record now unless the hang was written. Returns the
-        file. Call it before the process group is destroyed, also when the rank raised."""
+    def finish(self, failed: bool = False) -> Path:
+        """Stop watching and return the record's file. Call it before the process group is
+        destroyed. ``failed``: the rank raised; a record written while it was stuck is kept
+        (a write now would show the failed collective as completed). Otherwise, or when no
+        current record was written, the record is written now."""
         self._done.set()
         self._thread.join()
-        if self.written is None:
+        if not failed or self._stuck_in is None:
             self.written = write_trace(*self.args)
         return self.written
 

@@ -85,7 +85,10 @@ def main(doc: str, run, argv=None) -> None:
     recorder = flight_recorder(args, env.rank)
     try:
         run(env, args.fixed)
-    finally:  # the record is written while the group lives, also when the case raised
+    except BaseException:  # the record is written while the group lives
         if recorder is not None:
-            recorder.finish()
+            recorder.finish(failed=True)
+        raise
+    if recorder is not None:
+        recorder.finish()
     cleanup()

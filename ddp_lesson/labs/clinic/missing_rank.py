@@ -47,9 +47,12 @@ def main(argv=None) -> None:
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=args.timeout))
-    finally:
+    except BaseException:
         if recorder is not None:
-            recorder.finish()
+            recorder.finish(failed=True)
+        raise
+    if recorder is not None:
+        recorder.finish()
     dist.barrier()
     print(f"rank {rank}: all {world_size} ranks joined")
     cleanup()
