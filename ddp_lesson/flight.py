@@ -169,21 +169,26 @@ class HangWatch:
         self._thread = threading.Thread(target=self._watch, name="flight-watch", daemon=True)
         self._thread.start()
 
+    def _status(self) -> tuple[int, int]:
+        """``(last issued, last completed)`` sequence ids of the default group, now; a record
+        written while stuck becomes stale once the rank has issued a later collective (it was
+        only slow; a failed collective is retired as completed too, so completion says
+        nothing)."""
+        from torch._C._distributed_c10d import _dump_fr_trace
+
+        status = pickle.loads(_dump_fr_trace(includeStackTraces=False)).get(
+            "pg_status", {}).get("0", {})
+        issued = int(status.get("last_enqueued_collective", -1))
+        if self._stuck_in is not None and issued > self._stuck_in:
+            self._stuck_in = None
+        return issued, int(status.get("last_completed_collective", -1))
+
     def _watch(self) -> None:
         import time
 
-        from torch._C._distributed_c10d import _dump_fr_trace
-
         pending, since = None, 0.0
         while not self._done.wait(self.poll_s):
-            status = pickle.loads(_dump_fr_trace(includeStackTraces=False)).get(
-                "pg_status", {}).get("0", {})
-            issued = int(status.get("last_enqueued_collective", -1))
-            completed = int(status.get("last_completed_collective", -1))
-            if self._stuck_in is not None and issued > self._stuck_in:
-                # it went on to a later collective: it was only slow, the record is stale (a
-                # collective that failed is retired as completed too, so completion says nothing)
-                self._stuck_in = None
+            issued, completed = self._status()
             if issued <= completed:
                 pending = None
             elif issued != pending:
@@ -199,6 +204,7 @@ class HangWatch:
         current record was written, the record is written now."""
         self._done.set()
         self._thread.join()
+        self._status()  # the rank's final count: did it go on after the record was written?
         if not failed or self._stuck_in is None:
             self.written = write_trace(*self.args)
         return self.written

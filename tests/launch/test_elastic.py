@@ -100,7 +100,7 @@ def _notebook_job(name: str, flags: str) -> None:
     setup = " ".join(cell_with(NB, "run_torchrun_many({").source.split())  # one line
     assert "BASE = " + json.dumps(BASE) in setup
     assert f'"{name}": job("{name}", {flags}' in setup
-    assert 'module=True, timeout=120, backend="gloo"' in setup
+    assert 'module=True, timeout=300, backend="gloo"' in setup
 
 
 def test_notebook_kill_mid_epoch_recovers_bit_identical():
