@@ -55,7 +55,8 @@ class Collective:
     def text(self) -> str:
         """``#3 all_reduce [3] Float (job.py:9)``."""
         sizes = ", ".join(str(list(s)) for s in self.sizes) or "[]"
-        return f"#{self.seq} {self.op} {sizes} {'/'.join(self.dtypes)} ({self.caller})"
+        parts = [f"#{self.seq}", self.op, sizes, "/".join(self.dtypes), f"({self.caller})"]
+        return " ".join(p for p in parts if p)  # a barrier has no dtype
 
     def signature(self) -> tuple:
         """What must be equal on every rank for the collective to match."""
@@ -125,6 +126,88 @@ def dump_when_stuck(directory: str | os.PathLike, rank: int, after_s: float,
     thread = threading.Thread(target=watch, name="flight-dump", daemon=True)
     thread.start()
     return ok, thread
+
+
+class HangWatch:
+    """A thread that writes this rank's flight record while the rank hangs, so the record shows
+    the stuck collective still unfinished: the record of a hung job taken *during* the hang.
+
+    Every ``poll_s`` seconds the thread reads the rank's record without stacks (local, cheap).
+    Once the same collective of the default group has been issued and not completed for
+    ``stuck_s`` seconds, it writes the record (:func:`write_trace`), before the group's timeout
+    fails that collective and torch retires it as completed (:func:`verdict`). A collective
+    that was only slow (a peer late on a busy machine) and then completes makes that record
+    stale once the rank issues a later one: the thread writes again if the rank gets stuck later,
+    and :meth:`finish` writes the
+    final state of a rank that ended without error (it went on past the collective the others
+    wait in) or whose record is stale or missing (it failed at once). So every rank leaves one
+    record, and what it shows depends on where the rank stopped, not on the machine's speed.
+
+    Args:
+        directory: where ``<prefix><rank>`` is written.
+        rank: the global rank, for the file name.
+        stuck_s: seconds one collective must stay unfinished; keep it under the group's
+            timeout.
+        stacks: record the callers' stacks (file:line). The first dump with stacks of a
+            process imports ``torch._dynamo``, a few CPU-seconds: it is done here, at the start,
+            so the dump of the hang itself is quick.
+    """
+
+    def __init__(self, directory: str | os.PathLike, rank: int, stuck_s: float,
+                 prefix: str = "trace_", stacks: bool = False, poll_s: float = 0.1):
+        import threading
+
+        from torch._C._distributed_c10d import _dump_fr_trace
+
+        if stacks:
+            _dump_fr_trace(includeStackTraces=True)  # the slow first one, off the clock
+        self.args = (directory, rank, prefix, stacks)
+        self.stuck_s, self.poll_s = stuck_s, poll_s
+        self.written: Path | None = None
+        self._stuck_in = None  # the sequence id the written record shows stuck; None: stale
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="flight-watch", daemon=True)
+        self._thread.start()
+
+    def _status(self) -> tuple[int, int]:
+        """``(last issued, last completed)`` sequence ids of the default group, now; a record
+        written while stuck becomes stale once the rank has issued a later collective (it was
+        only slow; a failed collective is retired as completed too, so completion says
+        nothing)."""
+        from torch._C._distributed_c10d import _dump_fr_trace
+
+        status = pickle.loads(_dump_fr_trace(includeStackTraces=False)).get(
+            "pg_status", {}).get("0", {})
+        issued = int(status.get("last_enqueued_collective", -1))
+        if self._stuck_in is not None and issued > self._stuck_in:
+            self._stuck_in = None
+        return issued, int(status.get("last_completed_collective", -1))
+
+    def _watch(self) -> None:
+        import time
+
+        pending, since = None, 0.0
+        while not self._done.wait(self.poll_s):
+            issued, completed = self._status()
+            if issued <= completed:
+                pending = None
+            elif issued != pending:
+                pending, since = issued, time.monotonic()
+            elif time.monotonic() - since >= self.stuck_s and self._stuck_in != issued:
+                self.written = write_trace(*self.args)
+                self._stuck_in = issued
+
+    def finish(self, failed: bool = False) -> Path:
+        """Stop watching and return the record's file. Call it before the process group is
+        destroyed. ``failed``: the rank raised; a record written while it was stuck is kept
+        (a write now would show the failed collective as completed). Otherwise, or when no
+        current record was written, the record is written now."""
+        self._done.set()
+        self._thread.join()
+        self._status()  # the rank's final count: did it go on after the record was written?
+        if not failed or self._stuck_in is None:
+            self.written = write_trace(*self.args)
+        return self.written
 
 
 def _caller(frames) -> str:
@@ -225,6 +308,8 @@ def verdict(dumps: dict[int, dict], group: str = "0") -> str:
     torch 2.13). So "every rank waits" means something only in a dump taken during a hang.
     """
     rows = ledgers(dumps, group)
+    if not any(group in d.get("pg_status", {}) for d in dumps.values()):
+        return f"no rank recorded process group {group}: the group never formed"
     silent = [r for r in _group_ranks(dumps) if r not in dumps]
     if silent:
         return f"rank {', '.join(map(str, silent))} wrote no trace: it died or never got there"

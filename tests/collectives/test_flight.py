@@ -125,6 +125,15 @@ def _dump(entries, completed):
             "pg_status": {"0": {"last_completed_collective": completed}}, "entries": entries}
 
 
+def test_a_group_that_never_formed():
+    """A rank stuck in ``init_process_group`` (the clinic's missing_rank) has no group yet:
+    its record is empty, and the verdict says so instead of "nothing unfinished"."""
+    empty = {"version": "2.10", "pg_config": {}, "pg_status": {}, "entries": []}
+    assert flight.verdict({0: empty, 1: empty}) == (
+        "no rank recorded process group 0: the group never formed")
+    assert flight.Collective(1, "barrier", (), (), "env.py:9").text() == "#1 barrier [] (env.py:9)"
+
+
 def test_verdicts_on_hand_made_records(tmp_path):
     base = [_entry(1), _entry(2)]
     same = {r: _dump(base + [_entry(3, done=False)], 2) for r in range(3)}

@@ -7,14 +7,17 @@ process group's timeout raises "Timed out waiting <ms>ms for recv operation" (or
 names a parameter whose shape differs between ranks.
 
 One job, one launch (docs/architecture.md): notebook 07's clinic cell starts exactly these
-launches (every broken case with a 3 s timeout, shape_mismatch again with DETAIL, the repairs'
-job) and prints, per case, its verdict, every line each rank printed and the telling line of its
-error. The tests below read that stored output, after asserting the cell's source starts those
-very launches; nbval's replay of the notebook reruns the cell and fails unless it prints exactly
-what is stored. Only the SIGUSR1 stack dump launches here.
+launches (every broken case with a 3 s timeout and its flight record, shape_mismatch again with
+DETAIL, the repairs' job) and prints, per case, its verdict, every line each rank printed, the
+telling line of its error, then each rank's flight-recorder ledger (gloo, written while the case
+hangs) and the reader's verdict line. The tests below read that stored output, after
+asserting the cell's source starts those very launches; nbval's replay of the notebook reruns
+the cell and fails unless it prints exactly what is stored. Only the SIGUSR1 stack dump
+launches here.
 """
 import os
 import re
+from pathlib import Path
 
 import pytest
 from notebook_cells import cell_with, stream_text
@@ -23,9 +26,24 @@ from ddp_lesson.labs.clinic import CASES, split_cases, telling_line
 from ddp_lesson.launch import run_torchrun
 
 NB = "07_failures_and_multinode.ipynb"
-CLINIC_CELL = "clinic = run_all(runs)"
+CLINIC_CELL = "clinic = run_all(runs, timeout=300)"
 FIXED_CELL = "fixed = {rank: split_cases"
 TIMEOUT_LINE = "RuntimeError: Timed out waiting 3000ms"
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _line_of(path: str, code: str) -> str:
+    """``file.py:N``, the line of ``path`` (relative to the repository) that holds ``code``."""
+    lines = [i for i, line in enumerate((ROOT / path).read_text().splitlines(), 1)
+             if code in line]
+    assert len(lines) == 1, (path, code, lines)
+    return f"{Path(path).name}:{lines[0]}"
+
+
+#: Where the clinic's ledger for partial_collective (the case recorded with stacks) points.
+BARRIER_AT = _line_of("ddp_lesson/env.py", "        dist.barrier()")  # the start-up barrier
+BUG_AT = _line_of("ddp_lesson/labs/clinic/partial_collective.py",
+                  "dist.all_reduce(loss)  # BUG")
 
 
 def _blocks(text: str) -> dict[str, dict]:
@@ -53,11 +71,14 @@ def clinic():
     """Notebook 07's stored clinic verdicts, after checking the cell starts the launches the
     tests expect: each case with ``--timeout 3``, DETAIL on shape_mismatch, the repairs' job."""
     source = cell_with(NB, CLINIC_CELL).source
-    for line in ('runs = {name: (name, ["--timeout", "3"]) for name in CASES}',
+    for line in ('runs = {name: (name, ["--timeout", "3", *flight_args(name)]) for name in CASES}',
+                 'stacks = ["--flight-stacks"] if name == "partial_collective" else []',
+                 'return ["--flight-dir", f"runs/nb07/flight/{name}", *stacks]',
                  'runs["shape_mismatch, DETAIL"] = ("shape_mismatch", ["--timeout", "3"],',
                  '{"TORCH_DISTRIBUTED_DEBUG": "DETAIL"})',
                  'runs["fixed"] = ("fixed", ["--timeout", "10"])',
-                 "clinic = run_all(runs)"):
+                 "clinic = run_all(runs, timeout=300)",
+                 'flight.report(f"runs/nb07/flight/{name}")'):
         assert line in source, line
     blocks = _blocks(stream_text(NB, CLINIC_CELL))
     assert list(blocks) == list(CASES)
@@ -74,7 +95,14 @@ def test_collective_called_by_one_rank_times_out(clinic):
     b = _broken(clinic, "partial_collective", "timeout")
     assert b["ranks"] == {0: ["rank 0 enters all_reduce; the other ranks do not"],
                           1: ["rank 1 skips the all_reduce and goes on"]}
-    assert b["rest"] == [TIMEOUT_LINE]
+    # the flight recorder, with stacks: rank 0 waits in the all_reduce at the bug's own line
+    assert b["rest"] == [
+        TIMEOUT_LINE,
+        f"rank 0 last completed: #1 barrier [] ({BARRIER_AT})",
+        f"rank 0 first unfinished: #2 all_reduce [1] Float ({BUG_AT})",
+        f"rank 1 last completed: #1 barrier [] ({BARRIER_AT})",
+        "rank 1 first unfinished: none",
+        f"verdict: rank 1 never called #2 all_reduce ({BUG_AT}), rank 0 did"]
 
 
 def test_all_reduce_with_different_shapes_times_out(clinic):
@@ -82,7 +110,15 @@ def test_all_reduce_with_different_shapes_times_out(clinic):
     assert b["ranks"][1] == ["rank 1: all_reduce of shape (3,)"]
     # rank 0's all_reduce returned, summed over the two elements it has: [0, 1] + [0, 1]
     assert b["ranks"][0] == ["rank 0: all_reduce of shape (2,)", "rank 0: got [0.0, 2.0]"]
-    assert b["rest"] == [TIMEOUT_LINE]  # rank 1 waits for the element rank 0 lacks
+    # rank 1 waits for the element rank 0 lacks; the record shows rank 0 *completed* the
+    # all_reduce (a collective is not a barrier) and waits in the next one
+    assert b["rest"] == [
+        TIMEOUT_LINE,
+        "rank 0 last completed: #2 all_reduce [2] Float (?)",
+        "rank 0 first unfinished: #3 barrier [] (?)",
+        "rank 1 last completed: #1 barrier [] (?)",
+        "rank 1 first unfinished: #2 all_reduce [3] Float (?)",
+        "verdict: #2 differs: rank 0 all_reduce [[2]] (?); rank 1 all_reduce [[3]] (?)"]
 
 
 def test_debug_detail_names_the_mismatched_collective():
@@ -97,7 +133,15 @@ def test_uneven_batches_time_out_in_the_extra_backward(clinic):
     b = _broken(clinic, "uneven_batches", "timeout")
     assert b["ranks"] == {0: ["rank 0: 3 batches", "rank 0: done with my batches"],
                           1: ["rank 1: 4 batches"]}
-    assert b["rest"] == [TIMEOUT_LINE]  # rank 1's 4th backward, or rank 0 waiting for it
+    # rank 1's 4th backward, or rank 0 waiting for it; in the record, #2 to #9 are DDP's
+    # constructor checks and the 3 shared steps, then rank 0's barrier against rank 1's 4th
+    assert b["rest"] == [
+        TIMEOUT_LINE,
+        "rank 0 last completed: #9 all_reduce [5] Float (?)",
+        "rank 0 first unfinished: #10 barrier [] (?)",
+        "rank 1 last completed: #9 all_reduce [5] Float (?)",
+        "rank 1 first unfinished: #10 all_reduce [5] Float (?)",
+        "verdict: #10 differs: rank 0 barrier [] (?); rank 1 all_reduce [[5]] (?)"]
 
 
 def test_rank_that_never_joins_fails_at_start_within_the_timeout(clinic):
@@ -105,7 +149,11 @@ def test_rank_that_never_joins_fails_at_start_within_the_timeout(clinic):
     for rank in (0, 1):
         assert b["ranks"][rank] == [f"rank {rank}: torchrun started 2 processes; "
                                     "joining a group of 3"]
-    assert b["rest"] == ["DistStoreError: wait timeout after 3000ms"]
+    assert b["rest"] == ["DistStoreError: wait timeout after 3000ms",
+                         # no group formed: the flight recorder has nothing, and says so
+                         "rank 0 last completed: none", "rank 0 first unfinished: none",
+                         "rank 1 last completed: none", "rank 1 first unfinished: none",
+                         "verdict: no rank recorded process group 0: the group never formed"]
 
 
 def test_model_differing_between_ranks_is_refused_by_ddp(clinic):
@@ -113,7 +161,14 @@ def test_model_differing_between_ranks_is_refused_by_ddp(clinic):
     assert b["ranks"] == {0: ["rank 0: hidden width 8"], 1: ["rank 1: hidden width 9"]}
     # "[1]:": rank 1's error, naming the parameter and both sizes
     assert b["rest"] == ["RuntimeError: [1]: params[0] in this process with sizes [9, 4] "
-                         "appears not to match sizes of the same param in process 0."]
+                         "appears not to match sizes of the same param in process 0.",
+                         # rank 1 raised after the shape check (#3); rank 0 waits in the
+                         # broadcast of its weights: 4*8 + 8 + 8 + 1 = 49 numbers
+                         "rank 0 last completed: #3 broadcast [12] Long (?)",
+                         "rank 0 first unfinished: #4 broadcast [49] Float (?)",
+                         "rank 1 last completed: #3 broadcast [12] Long (?)",
+                         "rank 1 first unfinished: none",
+                         "verdict: rank 1 never called #4 broadcast (?), rank 0 did"]
 
 
 @pytest.fixture(scope="module")

@@ -9,10 +9,10 @@ the checkpoint write (after the temporary file, before the rename), two simulate
 process each against one node of two processes, and a node lost for good under
 ``--nnodes 1:2``.
 
-Where notebook 07 runs the very same job (the third mid-epoch kill, the kill inside the write,
-the two-node cell, the lost node), the test reads the notebook's stored output instead of
-launching it again: the suite's nbval replay runs that cell and fails unless it prints exactly
-what is stored, so the same values are checked on a fresh run either way.
+Where notebook 07 or its deep dive runs the very same job (the third mid-epoch kill, the kill
+inside the write, the two-node cell, the lost node), the test reads the notebook's stored output
+instead of launching it again: the suite's nbval replay runs that cell and fails unless it
+prints exactly what is stored, so the same values are checked on a fresh run either way.
 
 Config: 32 samples, 2 ranks, batch 4 -> 4 steps per epoch, 8 in all; checkpoints every 2
 steps and at each epoch end, i.e. after global steps 2, 4, 6 and 8.
@@ -100,7 +100,7 @@ def _notebook_job(name: str, flags: str) -> None:
     setup = " ".join(cell_with(NB, "run_torchrun_many({").source.split())  # one line
     assert "BASE = " + json.dumps(BASE) in setup
     assert f'"{name}": job("{name}", {flags}' in setup
-    assert 'module=True, timeout=120, backend="gloo"' in setup
+    assert 'module=True, timeout=300, backend="gloo"' in setup
 
 
 def test_notebook_kill_mid_epoch_recovers_bit_identical():
@@ -167,13 +167,18 @@ def test_notebook_two_node_cell_names_the_missing_rank():
     assert other == ["[torchrun] 2 processes and no GPU: using gloo on CPU"]
 
 
+DEEP = "deep/07_restart_trap_and_stores.ipynb"
+
+
 def test_lost_node_shrinks_the_world_and_the_trainer_refuses_the_checkpoint():
-    """Elastic ``--nnodes 1:2``, notebook 07's ``lost_node`` cell as stored (nbval replays it):
-    node 1's agent dies after step 6; node 0 restarts alone (WORLD_SIZE 1) and the trainer
-    refuses the checkpoint written by 2 processes."""
-    cell = cell_with(NB, "--simulate-node-loss").source
+    """Elastic ``--nnodes 1:2``, the ``lost_node`` cell of notebook 07's deep dive as stored
+    (nbval replays it): node 1's agent dies after step 6; node 0 restarts alone (WORLD_SIZE 1)
+    and the trainer refuses the checkpoint written by 2 processes."""
+    setup = " ".join(cell_with(DEEP, "def train(").source.split())  # the same job as here
+    assert "BASE = " + json.dumps(BASE) in setup
+    cell = cell_with(DEEP, "--simulate-node-loss").source
     assert 'ELASTIC = ["--nnodes", "1:2", ' in cell and "max_restarts=1" in cell
-    ranks, other = stored_run(NB, "--simulate-node-loss")
+    ranks, other = stored_run(DEEP, "--simulate-node-loss")
     assert ranks[1] == ["simulated failure: rank 1 kills its torchrun agent and itself "
                         "(SIGKILL) after the step at global step 6: node lost"]
     assert ranks[0][0].startswith("world_size 2 ") and "[restart 1]" in ranks[0]

@@ -16,7 +16,34 @@ def parse(doc: str, argv=None) -> argparse.Namespace:
     parser.add_argument("--timeout", type=float, default=5.0,
                         help="seconds a collective waits for its peers before raising "
                              "(gloo honours the process group's timeout)")
+    parser.add_argument("--flight-dir", default=None,
+                        help="write each rank's flight record to DIR/trace_<rank> while the "
+                             "case hangs (read it with python -m ddp_lesson.flight DIR)")
+    parser.add_argument("--flight-stacks", action="store_true",
+                        help="with the callers' stacks (file:line; the first such dump of a "
+                             "process costs a few CPU-seconds)")
     return parser.parse_args(argv)
+
+
+#: How long a collective must stay unfinished before a rank writes its flight record, as a
+#: fraction of ``--timeout``: long enough that a collective merely finishing is not taken for
+#: a hang, short enough that the group's timeout has not yet failed it (a failed collective
+#: is recorded as completed, :func:`ddp_lesson.flight.verdict`).
+STUCK_AT = 0.5
+
+
+def flight_recorder(args, rank: int):
+    """With ``--flight-dir``: a :class:`ddp_lesson.flight.HangWatch` that writes this rank's
+    flight record to ``DIR/trace_<rank>`` once the rank is stuck in a collective for
+    ``STUCK_AT * --timeout`` seconds, or when its ``finish()`` is called (every rank leaves a
+    record, the one that went on too); None without ``--flight-dir``. Local, no
+    communication."""
+    if not args.flight_dir:
+        return None
+    from ...flight import HangWatch
+
+    return HangWatch(args.flight_dir, rank, stuck_s=STUCK_AT * args.timeout,
+                     stacks=args.flight_stacks)
 
 
 def start(timeout: float):
@@ -49,9 +76,19 @@ def start(timeout: float):
 
 def main(doc: str, run, argv=None) -> None:
     """A case program's entry point: parse ``argv`` (:func:`parse`), join the group
-    (:func:`start`), ``run(env, fixed)``, leave the group. Synchronises ranks."""
+    (:func:`start`), start the flight-record dump (:func:`flight_recorder`), ``run(env,
+    fixed)``, wait for the dump, leave the group. Synchronises ranks."""
     from ...env import cleanup
 
     args = parse(doc, argv)
-    run(start(args.timeout), args.fixed)
+    env = start(args.timeout)
+    recorder = flight_recorder(args, env.rank)
+    try:
+        run(env, args.fixed)
+    except BaseException:  # the record is written while the group lives
+        if recorder is not None:
+            recorder.finish(failed=True)
+        raise
+    if recorder is not None:
+        recorder.finish()
     cleanup()

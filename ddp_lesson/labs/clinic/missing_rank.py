@@ -36,15 +36,23 @@ def main(argv=None) -> None:
     import torch.distributed as dist
 
     from ...env import cleanup
-    from ._common import parse
+    from ._common import flight_recorder, parse
 
     args = parse(__doc__, argv)
     launched = int(os.environ["WORLD_SIZE"])
     rank = int(os.environ["RANK"])
     world_size = launched if args.fixed else launched + 1  # BUG unless --fixed
     print(f"rank {rank}: torchrun started {launched} processes; joining a group of {world_size}")
-    dist.init_process_group("gloo", rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=args.timeout))
+    recorder = flight_recorder(args, rank)  # the record of a rank stuck in the join
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=args.timeout))
+    except BaseException:
+        if recorder is not None:
+            recorder.finish(failed=True)
+        raise
+    if recorder is not None:
+        recorder.finish()
     dist.barrier()
     print(f"rank {rank}: all {world_size} ranks joined")
     cleanup()
