@@ -255,9 +255,8 @@ def init_distributed(timeout: float = 60.0, backend: str | None = None,
 
     Reads :func:`read_env`, sets the CUDA device for NCCL, and calls
     ``torch.distributed.init_process_group`` with an explicit ``timeout`` so a missing peer
-    or a mismatched collective fails with an error instead of hanging for torch's default
-    (30 minutes, ``torch.distributed.constants``; 10 for NCCL, ``ProcessGroupNCCL.hpp``, torch
-    2.13). Outside torchrun with world size 1 no group is created.
+    or a mismatched collective fails with an error instead of hanging for torch's default (30
+    min; 10 for NCCL; torch 2.13). Outside torchrun with world size 1 no group is created.
 
     When every rank is on this machine (``LOCAL_WORLD_SIZE == WORLD_SIZE``, or the launcher
     says so), rank 0's TCPStore listens on 127.0.0.1 only instead of every interface (torch's
