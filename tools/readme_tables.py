@@ -40,7 +40,7 @@ SHOWS = {
     "08_beyond_ddp_zero_fsdp": "memory per rank under DDP and ZeRO; ZeRO-1 from scratch (printed "
                                "whole); FSDP2 on a tiny GPT",
 }
-TIMES = re.compile(r"Reading time: about (\d+) minutes?.*?Run time: about (\d+) s", re.S)
+TIMES = re.compile(r"Reading time:\s+about\s+(\d+)\s+minutes?.*?Run time:\s+about\s+(\d+)\s*s\b", re.S)
 
 
 def _first_heading(nb) -> str:
