@@ -123,7 +123,7 @@ def _sc(mode, R):
 
 
 NB03 = "notebooks/03_collectives.ipynb"
-NB04 = "notebooks/04_ddp_from_scratch.ipynb"
+NB04 = "notebooks/deep/04_bucket_size_and_benchmarks.ipynb"  # branches from notebook 04
 NB05 = "notebooks/06_training_the_seed_model.ipynb"
 DOC = "docs/benchmarks.md"
 

@@ -157,10 +157,11 @@ def division_overflow(value: float = BIG_FP16) -> dict:
 
 
 class _CheckpointedTwice(nn.Module):
-    """Layer ``l`` applied twice under reentrant activation checkpointing; ``unused`` never used.
+    """Layer ``l`` applied twice, each use in a reentrant checkpoint; ``unused`` never used.
 
-    Reentrant checkpointing runs a second backward inside the first, so ``l``'s gradient hook
-    fires twice per iteration; ``unused`` never gets a gradient. Without ``static_graph``
+    Each reentrant checkpoint runs a backward of its own inside the outer one, and ``l``'s
+    gradient hook fires once per checkpointed use: twice per iteration here (one checkpointed
+    use would fire it once); ``unused`` never gets a gradient. Without ``static_graph``
     torch's DDP stops at the second hook ("Expected to mark a variable ready only once").
     """
 
