@@ -1,5 +1,5 @@
 """torch's own DDP seen from inside: real buckets, pre-division, comm hooks, static_graph and
-gradient_as_bucket_view (notebook 04, section 9).
+gradient_as_bucket_view (notebooks/deep/04_inside_torchs_ddp.ipynb, a deep dive of notebook 04).
 
     torchrun --standalone --nproc-per-node 2 -m ddp_lesson.labs.torch_reducer \\
         [--part reducer|hooks|all] [--out FILE]
