@@ -142,7 +142,7 @@ _UNSUPPORTED = {
     "static_graph": False, "delay_all_reduce_named_params": None,
     "param_to_hook_all_reduce": None, "mixed_precision": None, "device_mesh": None,
     "skip_all_reduce_unused_params": False, "bucket_cap_mb_list": None,
-    "batched_grad_copy": False, "forward_sync_buffers": None,
+    "batched_grad_copy": False,
 }
 
 # Codes in the per-step table every rank all-reduces after a synchronised backward.
@@ -248,6 +248,29 @@ def _refuse_torch_only_options(name: str, torch_kwargs: dict) -> None:
                 "DistributedDataParallel")
 
 
+def _buffer_sync_rule(broadcast_buffers: bool | None,
+                      forward_sync_buffers: bool | None) -> tuple[bool, bool]:
+    """torch 2.13's buffer flags as ``(sync before forwards, sync at construction)``.
+
+    Follows ``DistributedDataParallel.__init__`` (torch/nn/parallel/distributed.py):
+    ``broadcast_buffers`` is deprecated (default None; passing it warns ``FutureWarning``)
+    and, when False, turns off both syncs; its replacement ``forward_sync_buffers`` sets the
+    sync before forwards only (construction always syncs). Neither given: both True. Local;
+    no communication.
+    """
+    if broadcast_buffers is not None:
+        warnings.warn(
+            "`broadcast_buffers` is deprecated (torch 2.13); its value is ignored when "
+            "`forward_sync_buffers` is given" if forward_sync_buffers is not None else
+            "`broadcast_buffers` is deprecated (torch 2.13): use `forward_sync_buffers`, "
+            "which, unlike `broadcast_buffers=False`, still syncs buffers at construction",
+            FutureWarning, stacklevel=4)
+    if forward_sync_buffers is not None:
+        return forward_sync_buffers, True
+    effective = broadcast_buffers if broadcast_buffers is not None else True
+    return effective, effective
+
+
 def _check_same_model_everywhere(name: str, module, broadcast_buffers: bool, world_size: int,
                                  process_group) -> None:
     """Exchange every rank's parameter signature (all_gather_object: synchronises the ranks)
@@ -277,7 +300,8 @@ class _DropIn:
     """
 
     def __init__(self, module: nn.Module, device_ids=None, output_device=None, *,
-                 broadcast_buffers: bool = True, init_sync: bool = True, process_group=None,
+                 broadcast_buffers: bool | None = None, init_sync: bool = True,
+                 process_group=None, forward_sync_buffers: bool | None = None,
                  find_unused_parameters: bool = False, comm_hook: Callable | None = None,
                  recorder: Recorder | None = None, torch_kwargs: dict | None = None,
                  core_kwargs: dict | None = None):
@@ -293,7 +317,8 @@ class _DropIn:
         self.device_ids, self.output_device = self._check_devices(module, device_ids,
                                                                   output_device)
         # read by _broadcast_state, which the core's constructor calls
-        self.broadcast_buffers = broadcast_buffers
+        self.broadcast_buffers, self._init_sync_buffers = _buffer_sync_rule(
+            broadcast_buffers, forward_sync_buffers)
         self._init_sync = init_sync
         self._src = 0 if process_group is None else dist.get_global_rank(process_group, 0)
         super().__init__(module, process_group=process_group, **(core_kwargs or {}))
@@ -314,19 +339,20 @@ class _DropIn:
         broadcast, so a model that differs between ranks is the same ValueError everywhere
         (torch raises on the differing rank only; the others see "connection closed"). B8:
         whatever each rank initialised, everyone starts from rank 0's weights (and, unless
-        ``broadcast_buffers=False``, rank 0's buffers: torch's rule, also at init).
+        ``broadcast_buffers=False``, rank 0's buffers: torch's rule, also at init;
+        ``forward_sync_buffers`` never turns the construction broadcast off).
         ``init_sync=False`` skips both.
         """
         name = type(self).__name__
         if self._init_sync:
-            _check_same_model_everywhere(name, self.module, self.broadcast_buffers,
+            _check_same_model_everywhere(name, self.module, self._init_sync_buffers,
                                          self.world_size, self.process_group)
         if not self._params:
             raise ValueError(f"{name}: the module has no parameter with "
                              "requires_grad=True, so there is nothing to synchronise")
         if self._init_sync:
             tensors = [p.detach() for p in self.module.parameters()]
-            if self.broadcast_buffers:
+            if self._init_sync_buffers:
                 tensors += list(self.module.buffers())
             _broadcast_coalesced(tensors, self._src, self.process_group)
 
@@ -713,8 +739,12 @@ class NaiveDDP(_DropIn, _naive_core.NaiveDDP, Joinable):
             ``[that GPU]``: inputs are then moved to it in ``forward``.
         output_device: None, or the module's GPU.
         dim: only 0 (torch uses it to scatter inputs over several GPUs per process).
-        broadcast_buffers: broadcast rank 0's buffers at construction and before forwards
-            that follow a synchronised one (torch's default); False: never.
+        broadcast_buffers: deprecated in torch 2.13 (None, the default; any value warns
+            ``FutureWarning`` as torch does). False: rank 0's buffers are broadcast never, not
+            even at construction.
+        forward_sync_buffers: broadcast rank 0's buffers before forwards that follow a
+            synchronised one (None: True, unless ``broadcast_buffers=False``); whatever its
+            value, construction broadcasts them (torch's rule).
         init_sync: False skips the construction checks and broadcast (torch's flag).
         process_group: group to average over (None: the default group).
         bucket_cap_mb: only None (NaiveDDP has no buckets; use :class:`BucketedDDP`).
@@ -745,7 +775,7 @@ class NaiveDDP(_DropIn, _naive_core.NaiveDDP, Joinable):
     for): ``gradient_as_bucket_view=True``, ``static_graph=True``, ``mixed_precision``,
     ``device_mesh``, ``delay_all_reduce_named_params``, ``param_to_hook_all_reduce``,
     ``skip_all_reduce_unused_params``, ``bucket_cap_mb_list``, ``batched_grad_copy``,
-    ``forward_sync_buffers``, ``dim != 0``, ``check_reduction=True`` and
+    ``dim != 0``, ``check_reduction=True`` and
     ``register_comm_hook`` (use ``comm_hook=``); multi-device modules (``device_ids`` must
     be None or the one GPU the module is on); sparse gradients; buffer communication hooks.
     ``find_unused_parameters=True`` with a reentrant checkpoint raises when it would send
@@ -753,7 +783,8 @@ class NaiveDDP(_DropIn, _naive_core.NaiveDDP, Joinable):
     """
 
     def __init__(self, module: nn.Module, device_ids=None, output_device=None, dim=0,
-                 broadcast_buffers: bool = True, init_sync: bool = True, process_group=None,
+                 broadcast_buffers: bool | None = None, init_sync: bool = True,
+                 process_group=None,
                  bucket_cap_mb=None, find_unused_parameters: bool = False,
                  check_reduction: bool = False, gradient_as_bucket_view: bool = False,
                  static_graph: bool = False, *, comm_hook: Callable | None = None,
@@ -766,6 +797,7 @@ class NaiveDDP(_DropIn, _naive_core.NaiveDDP, Joinable):
                             gradient_as_bucket_view=gradient_as_bucket_view,
                             static_graph=static_graph)
         super().__init__(module, device_ids, output_device, broadcast_buffers=broadcast_buffers,
+                         forward_sync_buffers=torch_kwargs.pop("forward_sync_buffers", None),
                          init_sync=init_sync, process_group=process_group,
                          find_unused_parameters=find_unused_parameters, comm_hook=comm_hook,
                          recorder=recorder, torch_kwargs=torch_kwargs)
@@ -845,8 +877,12 @@ class BucketedDDP(_DropIn, _bucketed_core.BucketedDDP, Joinable):
     Args:
         module: the model (already on this rank's device).
         device_ids, output_device, dim, init_sync: as :class:`NaiveDDP` (torch's rules).
-        broadcast_buffers: broadcast rank 0's buffers at construction and before forwards
-            that follow a synchronised one (torch's default); False: never.
+        broadcast_buffers: deprecated in torch 2.13 (None, the default; any value warns
+            ``FutureWarning`` as torch does). False: rank 0's buffers are broadcast never, not
+            even at construction.
+        forward_sync_buffers: broadcast rank 0's buffers before forwards that follow a
+            synchronised one (None: True, unless ``broadcast_buffers=False``); whatever its
+            value, construction broadcasts them (torch's rule).
         process_group: group to average over (None: the default group).
         bucket_cap_mb: bucket size in MiB (1 MiB = 1024**2 bytes), as in torch (None: 25).
         find_unused_parameters: see above (default False, as in torch).
@@ -875,7 +911,8 @@ class BucketedDDP(_DropIn, _bucketed_core.BucketedDDP, Joinable):
     """
 
     def __init__(self, module: nn.Module, device_ids=None, output_device=None, dim=0,
-                 broadcast_buffers: bool = True, init_sync: bool = True, process_group=None,
+                 broadcast_buffers: bool | None = None, init_sync: bool = True,
+                 process_group=None,
                  bucket_cap_mb: float | None = 25, find_unused_parameters: bool = False,
                  check_reduction: bool = False, gradient_as_bucket_view: bool = False,
                  static_graph: bool = False, *, overlap: bool = True,
@@ -889,6 +926,7 @@ class BucketedDDP(_DropIn, _bucketed_core.BucketedDDP, Joinable):
                             gradient_as_bucket_view=gradient_as_bucket_view,
                             static_graph=static_graph)
         super().__init__(module, device_ids, output_device, broadcast_buffers=broadcast_buffers,
+                         forward_sync_buffers=torch_kwargs.pop("forward_sync_buffers", None),
                          init_sync=init_sync, process_group=process_group,
                          find_unused_parameters=find_unused_parameters, comm_hook=comm_hook,
                          recorder=recorder, torch_kwargs=torch_kwargs,

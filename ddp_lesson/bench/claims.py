@@ -124,7 +124,7 @@ def _sc(mode, R):
 
 
 NB03 = "notebooks/deep/03_collective_costs.ipynb"
-NB04 = "notebooks/04_ddp_from_scratch.ipynb"
+NB04 = "notebooks/deep/04_bucket_size_and_benchmarks.ipynb"  # branches from notebook 04
 #: notebook 06's deep dive, which states the scaling study's claims
 NB05 = "notebooks/deep/06_scaling_and_mixed_precision.ipynb"
 DOC = "docs/benchmarks.md"

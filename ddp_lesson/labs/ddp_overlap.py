@@ -138,8 +138,10 @@ def main(argv=None) -> dict:
         Path(opts.out).parent.mkdir(parents=True, exist_ok=True)
         Path(opts.out).write_text(json.dumps(result))
     print0(f"link: alpha = {opts.latency_ms:g} ms, bandwidth = {opts.bandwidth_mbps:g} MB/s")
-    print0("buckets per cap (MB): " + ", ".join(f"{float(c):g} -> {n}"
-                                               for c, n in result["buckets"].items()))
+    pairs = [f"{float(c):g} -> {n}" for c, n in result["buckets"].items()]
+    print0("buckets per cap (MB):")
+    for i in range(0, len(pairs), 4):      # four caps a line: no line wraps in a notebook
+        print0("  " + ", ".join(pairs[i:i + 4]))
     print0(f"recorded {len(result['timeline'])} timelines and a sweep of "
            f"{len(result['buckets'])} caps on {result['world_size']} ranks")
     # torch's DDP holds the process group (its reducer keeps a reference): free unreachable

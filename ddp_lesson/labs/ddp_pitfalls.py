@@ -22,7 +22,8 @@ from ddp_lesson.ddp import BucketedDDP, NaiveDDP
 from ddp_lesson.labs.ddp_toys import IN_FEATURES, TwoLayer
 
 __all__ = ["Scalar", "MICRO_GRADS", "no_sync_accumulation", "unused_parameters",
-           "loss_reduction", "broadcast_at_construction", "main"]
+           "loss_reduction", "broadcast_at_construction", "ReentrantHead",
+           "reentrant_checkpoint_on_input", "main"]
 
 #: B4's local micro-batch gradients: rank -> [micro-batch 0, micro-batch 1].
 MICRO_GRADS = {0: [1.0, 3.0], 1: [1.0, 6.0]}
@@ -170,6 +171,56 @@ def broadcast_at_construction(wrapper=BucketedDDP, steps: int = 3) -> tuple[floa
     sums = [torch.zeros((), dtype=torch.float64) for _ in range(dist.get_world_size())]
     dist.all_gather(sums, checksum)
     return largest, all(bool(torch.equal(s, sums[0])) for s in sums)
+
+
+class ReentrantHead(nn.Module):
+    """B20's torch case: ``checkpoint(self.head, self.body(x), use_reentrant=True)``.
+
+    ``body`` and ``head`` are ``Linear(IN_FEATURES, 1)`` scalars' worth of weights, seeded the
+    same on every rank (``torch.manual_seed(0)``). Only ``head`` runs inside the reentrant
+    checkpoint, whose inner backward accumulates ``head``'s gradient.
+    """
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Linear(IN_FEATURES, IN_FEATURES)
+        self.head = nn.Linear(IN_FEATURES, 1)
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(self.head, self.body(x), use_reentrant=True)
+
+
+def reentrant_checkpoint_on_input(wrapper=BucketedDDP) -> dict[str, bool]:
+    """B20: a reentrant checkpoint applied to an input that requires grad, one backward.
+
+    Each rank feeds its own batch (seeded by rank, ``requires_grad_(True)``) through
+    :class:`ReentrantHead` wrapped in ``wrapper`` (no ``static_graph``), runs one backward
+    of ``out.sum()``, and compares every parameter's ``.grad`` with this rank's own gradient
+    (the bare module, no wrapper) and with the mean of all ranks' own gradients.
+
+    Returns:
+        ``{"averaged": every .grad equals the mean (|Δ| < 1e-6), "rank_local": every .grad
+        equals this rank's own gradient}``. torch 2.13's DDP: rank-local, silently; the
+        package's wrappers: averaged. Synchronises (all-reduces and gathers).
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    g = torch.Generator().manual_seed(100 + rank)
+    x = torch.randn(4, IN_FEATURES, generator=g)
+    bare = ReentrantHead()
+    bare(x.clone().requires_grad_(True)).sum().backward()  # autograd.grad refuses reentrant
+    own = [p.grad for p in bare.parameters()]
+    mean = [o.clone() / world for o in own]
+    for m in mean:
+        dist.all_reduce(m)
+    module = ReentrantHead()
+    ddp = _wrap(wrapper, module)
+    ddp(x.clone().requires_grad_(True)).sum().backward()
+    grads = [p.grad for p in module.parameters()]
+    return {"averaged": all((gr - m).abs().max().item() < 1e-6 for gr, m in zip(grads, mean)),
+            "rank_local": all(torch.equal(gr, o) for gr, o in zip(grads, own))}
 
 
 def main(argv=None) -> None:

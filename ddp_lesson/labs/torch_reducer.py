@@ -1,5 +1,5 @@
 """torch's own DDP seen from inside: real buckets, pre-division, comm hooks, static_graph and
-gradient_as_bucket_view (notebook 04, section 9).
+gradient_as_bucket_view (notebooks/deep/04_inside_torchs_ddp.ipynb, a deep dive of notebook 04).
 
     torchrun --standalone --nproc-per-node 2 -m ddp_lesson.labs.torch_reducer \\
         [--part reducer|hooks|all] [--out FILE]
@@ -157,10 +157,11 @@ def division_overflow(value: float = BIG_FP16) -> dict:
 
 
 class _CheckpointedTwice(nn.Module):
-    """Layer ``l`` applied twice under reentrant activation checkpointing; ``unused`` never used.
+    """Layer ``l`` applied twice, each use in a reentrant checkpoint; ``unused`` never used.
 
-    Reentrant checkpointing runs a second backward inside the first, so ``l``'s gradient hook
-    fires twice per iteration; ``unused`` never gets a gradient. Without ``static_graph``
+    Each reentrant checkpoint runs a backward of its own inside the outer one, and ``l``'s
+    gradient hook fires once per checkpointed use: twice per iteration here (one checkpointed
+    use would fire it once); ``unused`` never gets a gradient. Without ``static_graph``
     torch's DDP stops at the second hook ("Expected to mark a variable ready only once").
     """
 

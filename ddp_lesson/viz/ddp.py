@@ -186,14 +186,15 @@ REDUCER_MAP = [
     (
         "1 · a gradient is\naccumulated",
         "p.register_post_accumulate_grad_hook(hook)\n→ _grad_ready(i):\n  bucket.pending -= 1",
-        "post-hook on p's AccumulateGrad node\n→ Reducer::autograd_hook(i)\n"
-        "→ mark_variable_ready(i)",
+        "AccumulateGrad post-hook →\nReducer::autograd_hook(i) →\n"
+        "mark_variable_ready_dense(i): copy\n.grad × 1/div_factor_ into its bucket\n"
+        "view (a plain copy if a hook is set)",
     ),
     (
         "2 · a bucket is\nready",
         "pending == 0 → _launch(bucket):\ncopy each .grad × 1/R into bucket.flat\n"
         "(in bucket order on every rank)",
-        "copy .grad into its bucket view,\n× 1/div_factor_ when no hook is set;\n"
+        "pending == 0 (its views were\nfilled at step 1) →\n"
         "mark_bucket_ready (in bucket order)",
     ),
     (

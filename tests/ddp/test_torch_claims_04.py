@@ -1,0 +1,172 @@
+"""What notebook 04 and its deep dives say about torch 2.13's DDP, checked against torch itself.
+
+Each test reads torch's installed source (``torch/nn/parallel/distributed.py``, the Reducer's
+header ``torch/include/torch/csrc/distributed/c10d/reducer.hpp``) or runs torch, and checks the
+notebook sentence that states the fact, so neither can change without the other.
+"""
+from __future__ import annotations
+
+import inspect
+import re
+import warnings
+from pathlib import Path
+
+import nbformat
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.nn.parallel import distributed as torch_ddp
+from torch.utils.checkpoint import checkpoint
+
+pytestmark = pytest.mark.timeout(120)
+
+ROOT = Path(__file__).resolve().parents[2]
+TORCH = Path(torch.__file__).parent
+REDUCER_HPP = TORCH / "include/torch/csrc/distributed/c10d/reducer.hpp"
+INSIDE = "notebooks/deep/04_inside_torchs_ddp.ipynb"
+DROPIN = "notebooks/deep/04_ddp_dropin_edge_cases.ipynb"
+
+
+def _markdown(path: str) -> str:
+    nb = nbformat.read(ROOT / path, as_version=4)
+    return re.sub(r"\s+", " ", "\n".join(c.source for c in nb.cells if c.cell_type == "markdown"))
+
+
+@pytest.fixture(scope="module")
+def group(tmp_path_factory):
+    """A 1-process gloo group (file store): enough to build torch's DDP and the wrappers."""
+    if dist.is_initialized():
+        yield
+        return
+    store = tmp_path_factory.mktemp("pg") / "store"
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    yield
+    import gc
+
+    gc.collect()
+    dist.destroy_process_group()
+
+
+def _deeplab_ddp(**kwargs):
+    from ddp_lesson.labs.torch_reducer import _parse_sizes
+    from ddp_lesson.models import build_model
+
+    torch.manual_seed(0)
+    model = build_model("deeplab", width=16)
+    ddp = DistributedDataParallel(model, **kwargs)
+    data = []
+    for _ in range(3):
+        ddp(torch.randn(1, 3, 64, 128)).sum().backward()
+        d = ddp._get_ddp_logging_data()   # sizes as "n1, n2, ..." strings; absent: None
+        data.append({k: _parse_sizes(d.get(k)) for k in ("bucket_sizes", "rebuilt_bucket_sizes")})
+    return sum(p.numel() * p.element_size() for p in model.parameters()), data
+
+
+def test_claim3_buckets_rebuilt_only_without_find_unused_parameters(group):
+    hpp = REDUCER_HPP.read_text()
+    # the Reducer rebuilds once, and never with find_unused_parameters (unless static_graph)
+    assert "return (static_graph_ || !find_unused_parameters_) && !has_rebuilt_bucket_;" in hpp
+    src = inspect.getsource(torch_ddp._BucketCapacityConfig.compute_bucket_size_limits)
+    assert "if static_graph or not find_unused_parameters:" in src
+    assert "bucket_size_limits = [sys.maxsize]" in src
+    assert dist._DEFAULT_FIRST_BUCKET_BYTES == 1024 * 1024
+    total, its = _deeplab_ddp()
+    assert total == 1_149_964                                 # the 1.15 MB DeepLab
+    assert its[0]["bucket_sizes"] == [total]                  # one bucket, first iteration
+    rebuilt = its[-1]["rebuilt_bucket_sizes"]
+    assert len(rebuilt) == 2 and sum(rebuilt) == total        # first bucket capped at 1 MiB
+    assert rebuilt[0] >= 1024 * 1024 > rebuilt[1]             # the cap, passed by one tensor
+    _, its = _deeplab_ddp(find_unused_parameters=True)
+    assert len(its[0]["bucket_sizes"]) == 2                   # built with the caps at once
+    assert all(it["rebuilt_bucket_sizes"] is None for it in its)  # and never rebuilt
+    text = _markdown(INSIDE)
+    assert "which makes 2 buckets for the 1.15 MB DeepLab" in text
+    assert "(the seed's setting) the buckets are built once" in text
+    assert ("With `find_unused_parameters=True` the initial buckets use the caps and are never "
+            "rebuilt") in text
+
+
+def test_claim4_bf16_hook_refused_by_the_build_not_the_backend():
+    src = inspect.getsource(DistributedDataParallel._check_comm_hook)
+    bf16 = src[src.index('"bf16_compress_hook"'):]
+    assert "torch.version.cuda is not None" in bf16 and "is_nccl_available()" in bf16
+    assert "get_backend" not in bf16 and "backend" not in bf16.replace("is_available", "")
+    assert torch.version.cuda is None                         # this venv: a CPU-only build
+    text = _markdown(INSIDE)
+    assert "`_check_comm_hook` tests the *build*" in text
+    assert "The backend is not what it checks." in text
+    assert "refuses gloo" not in text
+
+
+def test_claim5_broadcast_buffers_deprecated_forward_sync_buffers_still_syncs_at_init(group):
+    src = inspect.getsource(DistributedDataParallel.__init__)
+    assert "broadcast_buffers=None," in inspect.getsource(DistributedDataParallel)
+    assert "FutureWarning" in src and "`broadcast_buffers` is deprecated" in src
+    forward = src[src.index("if forward_sync_buffers is not None:\n            self."):]
+    assert forward.split("else:")[0].strip().endswith("init_sync_buffers = True")
+    with pytest.warns(FutureWarning, match="broadcast_buffers"):
+        DistributedDataParallel(nn.BatchNorm1d(2), broadcast_buffers=False)
+    from ddp_lesson.ddp import BucketedDDP, NaiveDDP
+
+    for cls in (NaiveDDP, BucketedDDP):
+        with pytest.warns(FutureWarning, match="broadcast_buffers"):
+            ddp = cls(nn.BatchNorm1d(2), broadcast_buffers=False)
+        assert (ddp.broadcast_buffers, ddp._init_sync_buffers) == (False, False)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")                    # the replacement does not warn
+            ddp = cls(nn.BatchNorm1d(2), forward_sync_buffers=False)
+            assert (ddp.broadcast_buffers, ddp._init_sync_buffers) == (False, True)
+            ddp = cls(nn.BatchNorm1d(2))
+            assert (ddp.broadcast_buffers, ddp._init_sync_buffers) == (True, True)
+    text = _markdown(DROPIN)
+    assert "In torch 2.13 `broadcast_buffers` is deprecated" in text
+    assert "construction still broadcasts rank 0's buffers" in text
+
+
+def test_claim12_hook_fires_once_per_checkpointed_use():
+    from ddp_lesson.labs.torch_reducer import _CheckpointedTwice
+
+    def fired(model, x):
+        count = []
+        model.l.weight.register_post_accumulate_grad_hook(lambda p: count.append(1))
+        model(x).sum().backward()
+        return len(count)
+
+    x = torch.randn(2, 8, requires_grad=True)
+    assert fired(_CheckpointedTwice(), x) == 2                # two checkpointed uses of l
+
+    class Once(_CheckpointedTwice):
+        def forward(self, x):
+            return checkpoint(self.l, x, use_reentrant=True)
+
+    assert fired(Once(), x) == 1                              # one use: once, reentrant or not
+    text = _markdown(INSIDE)
+    assert "`l`'s gradient hook fires once per checkpointed use, twice in one iteration" in text
+
+
+def test_claim13_reducer_copies_each_gradient_when_its_hook_fires():
+    from ddp_lesson.viz.ddp import REDUCER_MAP
+
+    hpp = REDUCER_HPP.read_text()
+    assert "void mark_variable_ready_dense(size_t variable_index);" in hpp
+    torch_side = [" ".join(row[2].split()) for row in REDUCER_MAP]
+    assert "mark_variable_ready_dense" in torch_side[0] and "copy" in torch_side[0]
+    assert "bucket view" in torch_side[0]
+    assert "copy" not in torch_side[1]                        # the bucket is ready: no copy
+
+
+def test_claim16_reentrant_checkpoint_on_input_averaged_by_all_three():
+    """The deep dive's run (replayed by nbval): torch 2.13's DDP averages this pattern, as the
+    wrappers do, on both ranks; the row B20 of docs/pitfalls.md says the same."""
+    from notebook_cells import stream_text
+
+    stored = stream_text("deep/04_ddp_dropin_edge_cases.ipynb", "reentrant_checkpoint_on_input")
+    lines = [line for line in stored.splitlines() if line.startswith("[rank")]
+    want = [f"[rank {r}] {name}: averaged True, rank-local False"
+            for r in (0, 1) for name in ("DistributedDataParallel", "NaiveDDP", "BucketedDDP")]
+    assert lines == want
+    pitfalls = (ROOT / "docs" / "pitfalls.md").read_text()
+    row = next(line for line in pitfalls.splitlines() if 'id="B20"' in line)
+    assert "gradients equal to torch's DDP" in row
