@@ -38,9 +38,10 @@ SHOWS = {
     "07_failures_and_multinode": "kill a worker, torchrun restarts it, bit-identical recovery; two "
                                  "agents as two nodes; the hang clinic",
     "08_beyond_ddp_zero_fsdp": "memory per rank under DDP and ZeRO; ZeRO-1 from scratch (printed "
-                               "whole); FSDP2 on a tiny GPT",
+                               "whole) on a tiny GPT; FSDP2 is ZeRO-3",
 }
-TIMES = re.compile(r"Reading time:\s+about\s+(\d+)\s+minutes?.*?Run time:\s+about\s+(\d+)\s*s\b", re.S)
+TIMES = re.compile(r"Reading time:\s+about\s+(\d+)\s+minutes?.*?Run time:\s+about\s+(\d+)\s*s\b",
+                   re.S)
 
 
 def _first_heading(nb) -> str:
