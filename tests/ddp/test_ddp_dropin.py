@@ -1,4 +1,4 @@
-"""NaiveDDP and BucketedDDP as drop-ins for torch's DDP: the cases of issue 14, world size 2.
+"""NaiveDDP and BucketedDDP as drop-ins for torch's DDP: docs/pitfalls.md B15-B23, B31; 2 ranks.
 
 One torchrun launch (gloo, 20 s process-group timeout) runs every scenario of the test program
 ``tests/programs/ddp_dropin.py`` and prints one JSON line per scenario and rank; torch's

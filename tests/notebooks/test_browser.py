@@ -1,4 +1,4 @@
-"""JupyterLab in a real browser: the notebooks as a reader opens and runs them (issues 9, 19).
+"""JupyterLab in a real browser: the notebooks as a reader opens and runs them.
 
 A module fixture starts JupyterLab from this test environment on 127.0.0.1 (a token, no
 browser opened by Jupyter, nothing fetched from the network: no news, no update check, a
@@ -624,7 +624,7 @@ def _run_all_until_started(page, attempts: int = 3, wait_s: float = 20) -> None:
 
 
 def _long_cell(browser, lab) -> dict:
-    """The long-cell scenario, in a fresh kernel (issue 19, items 3, 5, 6):
+    """The long-cell scenario, in a fresh kernel:
 
     1. "Run All" on LONG_CELLS: while the %%torchrun cell runs, its status line is read
        (plain text, changing); JupyterLab's subshell probe is sent to the kernel and the
@@ -895,7 +895,7 @@ def _wait_until_drawn(page, lab, explorer) -> None:
 
 
 def test_stored_notebooks_open_unmarked_and_save_as_stored(opened):
-    # the unsaved dot appears when JupyterLab rewrites what it loaded (issue 19, item 2):
+    # the unsaved dot appears when JupyterLab rewrites what it loaded:
     # tools/normalize_notebooks.py stores what it writes
     marked = [name for name, r in opened.items() if r["dirty"]]
     rewritten = [name for name, r in opened.items() if not r["saved_as_stored"]]
@@ -1059,7 +1059,7 @@ def test_figures_drawn_at_least_700_px_wide_after_running(notebook):
 # ------------------------------------------------------------------------ the long cell
 
 def test_long_cell_shows_its_live_status_as_changing_text(long_cell):
-    # the status line, plain text (no widget), changing while the cell runs (issue 19, item 3)
+    # the status line, plain text (no widget), changing while the cell runs
     assert len(long_cell["live"]) >= 2, f"status lines seen while it ran: {long_cell['live']}"
     for line in long_cell["live"]:
         assert re.fullmatch(r"torchrun: 2 processes, at \d+ s( \| rank 0: step \d+)?", line), line
@@ -1067,7 +1067,7 @@ def test_long_cell_shows_its_live_status_as_changing_text(long_cell):
 
 
 def test_fresh_kernel_reads_busy_throughout_its_first_torchrun_cell(long_cell):
-    # issue 19, item 6: JupyterLab's subshell probe, answered on the control channel while a
+    # JupyterLab's subshell probe, answered on the control channel while a
     # fresh kernel's first cell runs, left the status bar at "Idle"
     samples = long_cell["samples"]
     assert len(samples) >= 5, samples

@@ -1,4 +1,4 @@
-"""DistributedWeightedSampler and IterableShard (issue 15, items 1 and 2; docs/pitfalls.md A11,
+"""DistributedWeightedSampler and IterableShard (docs/pitfalls.md A11,
 A12, A13), and the labs that notebook 02's deep dive on them launches
 (``notebooks/deep/02_weighted_streams_and_seeds.ipynb``: weighted sampling, streams, seeds).
 

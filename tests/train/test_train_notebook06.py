@@ -76,7 +76,7 @@ def test_no_unbound_claims_left():
 
 
 def test_ddp_divides_each_gradient_before_the_sum():
-    """Section 3: DDP divides each rank's gradient by world_size, then sums (issue-30 claim 14).
+    """Section 3: DDP divides each rank's gradient by world_size, then sums (torch's source).
 
     Torch's default all-reduce hook divides the bucket and then all-reduces it (SUM), "first to
     avoid overflow"; the reducer's ``div_factor_`` is the process-group size. A run of this
