@@ -8,14 +8,12 @@ from __future__ import annotations
 
 import inspect
 import re
-import warnings
 from pathlib import Path
 
 import nbformat
 import pytest
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.nn.parallel import distributed as torch_ddp
 from torch.utils.checkpoint import checkpoint
@@ -34,25 +32,20 @@ def _markdown(path: str) -> str:
     return re.sub(r"\s+", " ", "\n".join(c.source for c in nb.cells if c.cell_type == "markdown"))
 
 
-@pytest.fixture(scope="module")
-def group(tmp_path_factory):
-    """A 1-process gloo group (file store): enough to build torch's DDP and the wrappers."""
-    if dist.is_initialized():
-        yield
-        return
-    store = tmp_path_factory.mktemp("pg") / "store"
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    yield
-    import gc
+#: Runs in a child process: a gloo process group inside the pytest worker would outlive the
+#: test, and tearing one down there can block in ProcessGroupGloo's destructor (its threads
+#: joined while a peer structure is gone), where no pytest timeout can interrupt it.
+CHILD = r"""
+import json, sys, warnings
+import torch, torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+from ddp_lesson.labs.torch_reducer import _parse_sizes
+from ddp_lesson.models import build_model
+from ddp_lesson.ddp import BucketedDDP, NaiveDDP
 
-    gc.collect()
-    dist.destroy_process_group()
-
-
-def _deeplab_ddp(**kwargs):
-    from ddp_lesson.labs.torch_reducer import _parse_sizes
-    from ddp_lesson.models import build_model
-
+def deeplab(**kwargs):
     torch.manual_seed(0)
     model = build_model("deeplab", width=16)
     ddp = DistributedDataParallel(model, **kwargs)
@@ -63,8 +56,44 @@ def _deeplab_ddp(**kwargs):
         data.append({k: _parse_sizes(d.get(k)) for k in ("bucket_sizes", "rebuilt_bucket_sizes")})
     return sum(p.numel() * p.element_size() for p in model.parameters()), data
 
+def warned(make):
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        obj = make()
+    return obj, [str(x.message) for x in w if issubclass(x.category, FutureWarning)]
 
-def test_claim3_buckets_rebuilt_only_without_find_unused_parameters(group):
+out = {"default": deeplab(), "find_unused": deeplab(find_unused_parameters=True)}
+_, out["torch_warns"] = warned(lambda: DistributedDataParallel(nn.BatchNorm1d(2),
+                                                               broadcast_buffers=False))
+for cls in (NaiveDDP, BucketedDDP):
+    rows = {}
+    for name, kw in (("broadcast_buffers=False", {"broadcast_buffers": False}),
+                     ("forward_sync_buffers=False", {"forward_sync_buffers": False}),
+                     ("default", {})):
+        ddp, w = warned(lambda kw=kw: cls(nn.BatchNorm1d(2), **kw))
+        rows[name] = [ddp.broadcast_buffers, ddp._init_sync_buffers, w]
+    out[cls.__name__] = rows
+print(json.dumps(out), flush=True)
+import os
+os._exit(0)   # no teardown of the group: the process ends
+"""
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """What torch's DDP and the wrappers did, in a 1-process gloo group of a child process."""
+    import json
+    import subprocess
+    import sys
+
+    store = tmp_path_factory.mktemp("pg") / "store"
+    r = subprocess.run([sys.executable, "-c", CHILD, str(store)], capture_output=True, text=True,
+                       timeout=180, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_claim3_buckets_rebuilt_only_without_find_unused_parameters(runs):
     hpp = REDUCER_HPP.read_text()
     # the Reducer rebuilds once, and never with find_unused_parameters (unless static_graph)
     assert "return (static_graph_ || !find_unused_parameters_) && !has_rebuilt_bucket_;" in hpp
@@ -72,13 +101,13 @@ def test_claim3_buckets_rebuilt_only_without_find_unused_parameters(group):
     assert "if static_graph or not find_unused_parameters:" in src
     assert "bucket_size_limits = [sys.maxsize]" in src
     assert dist._DEFAULT_FIRST_BUCKET_BYTES == 1024 * 1024
-    total, its = _deeplab_ddp()
+    total, its = runs["default"]
     assert total == 1_149_964                                 # the 1.15 MB DeepLab
     assert its[0]["bucket_sizes"] == [total]                  # one bucket, first iteration
     rebuilt = its[-1]["rebuilt_bucket_sizes"]
     assert len(rebuilt) == 2 and sum(rebuilt) == total        # first bucket capped at 1 MiB
     assert rebuilt[0] >= 1024 * 1024 > rebuilt[1]             # the cap, passed by one tensor
-    _, its = _deeplab_ddp(find_unused_parameters=True)
+    _, its = runs["find_unused"]
     assert len(its[0]["bucket_sizes"]) == 2                   # built with the caps at once
     assert all(it["rebuilt_bucket_sizes"] is None for it in its)  # and never rebuilt
     text = _markdown(INSIDE)
@@ -100,26 +129,20 @@ def test_claim4_bf16_hook_refused_by_the_build_not_the_backend():
     assert "refuses gloo" not in text
 
 
-def test_claim5_broadcast_buffers_deprecated_forward_sync_buffers_still_syncs_at_init(group):
+def test_claim5_broadcast_buffers_deprecated_forward_sync_buffers_still_syncs_at_init(runs):
     src = inspect.getsource(DistributedDataParallel.__init__)
     assert "broadcast_buffers=None," in inspect.getsource(DistributedDataParallel)
     assert "FutureWarning" in src and "`broadcast_buffers` is deprecated" in src
     forward = src[src.index("if forward_sync_buffers is not None:\n            self."):]
     assert forward.split("else:")[0].strip().endswith("init_sync_buffers = True")
-    with pytest.warns(FutureWarning, match="broadcast_buffers"):
-        DistributedDataParallel(nn.BatchNorm1d(2), broadcast_buffers=False)
-    from ddp_lesson.ddp import BucketedDDP, NaiveDDP
-
-    for cls in (NaiveDDP, BucketedDDP):
-        with pytest.warns(FutureWarning, match="broadcast_buffers"):
-            ddp = cls(nn.BatchNorm1d(2), broadcast_buffers=False)
-        assert (ddp.broadcast_buffers, ddp._init_sync_buffers) == (False, False)
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")                    # the replacement does not warn
-            ddp = cls(nn.BatchNorm1d(2), forward_sync_buffers=False)
-            assert (ddp.broadcast_buffers, ddp._init_sync_buffers) == (False, True)
-            ddp = cls(nn.BatchNorm1d(2))
-            assert (ddp.broadcast_buffers, ddp._init_sync_buffers) == (True, True)
+    assert any("broadcast_buffers" in w for w in runs["torch_warns"])
+    for cls in ("NaiveDDP", "BucketedDDP"):
+        rows = runs[cls]
+        flag, init_sync, warned = rows["broadcast_buffers=False"]
+        assert (flag, init_sync) == (False, False), cls
+        assert any("broadcast_buffers" in w for w in warned), cls
+        assert rows["forward_sync_buffers=False"] == [False, True, []], cls  # no warning
+        assert rows["default"] == [True, True, []], cls
     text = _markdown(DROPIN)
     assert "In torch 2.13 `broadcast_buffers` is deprecated" in text
     assert "construction still broadcasts rank 0's buffers" in text
