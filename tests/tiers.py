@@ -31,6 +31,7 @@ import subprocess
 from pathlib import Path
 
 TESTS = Path(__file__).resolve().parent
+_POPEN = subprocess.Popen  # the real class, whatever a test later puts in its place
 
 #: Every test of the file is slow.
 ALL = "*"
@@ -341,7 +342,11 @@ def no_process_starts(test: str, fail):
     failure still fails on it).
     """
     guard = _Guard(test, fail)
-    original_child = subprocess.Popen._execute_child
+    # The class itself, as imported: a test may replace ``subprocess.Popen`` (monkeypatch) while
+    # the guard is active, and restoring ``_execute_child`` on the replacement instead of the
+    # class would leave the guard installed for every later test.
+    popen = _POPEN
+    original_child = popen._execute_child
     original_start = multiprocessing.process.BaseProcess.start
     originals = {name: getattr(os, name) for name in
                  ("fork", "forkpty", "posix_spawn", "posix_spawnp", "system") if hasattr(os, name)}
@@ -359,14 +364,14 @@ def no_process_starts(test: str, fail):
             guard.refuse(f"os.{name}({repr(args[0])[:120] if args else ''})")
         return refused
 
-    subprocess.Popen._execute_child = execute_child
+    popen._execute_child = execute_child
     multiprocessing.process.BaseProcess.start = start
     for name in originals:
         setattr(os, name, refusing(name))
     try:
         yield guard
     finally:
-        subprocess.Popen._execute_child = original_child
+        popen._execute_child = original_child
         multiprocessing.process.BaseProcess.start = original_start
         for name, fn in originals.items():
             setattr(os, name, fn)

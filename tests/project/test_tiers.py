@@ -62,3 +62,17 @@ def test_slow_and_notebook_markers_are_registered_in_pyproject():
     assert markers, "no markers list in pyproject.toml"
     for name in ("gpu", "slow", "notebook"):
         assert re.search(rf'^\s+"{name}: ', markers.group(1), re.MULTILINE), name
+
+
+def test_the_guard_comes_off_the_real_class_when_a_test_replaced_popen(monkeypatch):
+    """A test that monkeypatches ``subprocess.Popen`` while guarded (test_bad_input does): the
+    guard must leave the real class as it found it, or every later test in the worker is blamed
+    on that one."""
+    import subprocess
+
+    real, before = subprocess.Popen, subprocess.Popen._execute_child
+    with tiers.no_process_starts("t", lambda msg: None):
+        monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: None)
+    monkeypatch.undo()
+    assert subprocess.Popen is real
+    assert subprocess.Popen._execute_child is before
