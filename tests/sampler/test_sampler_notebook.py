@@ -55,3 +55,15 @@ def test_notebook_02_deep_ranks_cells_print_what_torchs_sampler_gives():
     assert not _report([1, 1, 2]).endswith("never seen: []")
     assert _outputs("%dist_stop") == [
         "[dist_stop] 3 ranks stopped: process group destroyed, engines and controller ended"]
+
+
+def test_the_one_shot_run_on_three_processes_is_torchs_sharding():
+    """The deep dive's %%torchrun cell: 3 real ranks, each sampler from the process group."""
+    lines = _outputs("shard = DistributedSampler(range(10), shuffle=False, drop_last=drop_last)")
+    want = []
+    for rank in range(R):
+        for drop_last in (False, True):
+            s = TorchSampler(range(N), num_replicas=R, rank=rank, shuffle=False,
+                             drop_last=drop_last)
+            want.append(f"[rank {rank}] N=10, drop_last={drop_last}: {list(s)}")
+    assert [line for line in lines if line.startswith("[rank")] == want
