@@ -254,6 +254,7 @@ SLOW: dict[str, str | frozenset[str]] = {
         "test_two_ranks_interrupted_and_resumed_are_bit_identical",
     }),
     "zero/test_fsdp.py": ALL,
+    "zero/test_zero_dcp.py": ALL,
     "zero/test_zero.py": frozenset({
         "test_core_and_hardened_equal_adamw_and_torch_zero",
         "test_equal_to_ddp_adamw_and_torch_zero",
