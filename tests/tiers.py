@@ -147,11 +147,13 @@ SLOW: dict[str, str | frozenset[str]] = {
         "test_kernel_restart_and_sigkill_leave_no_process_or_file",
         "test_notebook_01_ranks_cells_replay_their_stored_output_three_times",
         "test_notebook_04_ranks_cells_replay_their_stored_output",
+        "test_a_process_left_running_neither_holds_its_cell_nor_shows_in_the_next",
         "test_rank_ordered_deterministic_output",
         "test_rank_selection",
         "test_start_line_names_ranks_backend_and_why",
         "test_state_kept_across_cells",
         "test_stop_is_clean_and_leaves_no_process_or_file",
+        "test_writes_that_bypass_python_come_in_program_order_20_times",
     }),
     "launch/test_doctor.py": frozenset({
         "test_a_missing_gloo_interface_is_what_makes_gloo_fail",
