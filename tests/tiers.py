@@ -251,6 +251,7 @@ SLOW: dict[str, str | frozenset[str]] = {
         "test_b5_mean_matches_one_process_and_sum_is_off_by_r",
     }),
     "train/test_train_amp.py": ALL,
+    "train/test_train_resize.py": ALL,
     "train/test_train_resume.py": frozenset({
         "test_three_ranks_resume_is_bit_identical_with_torch_ddp",
         "test_two_ranks_interrupted_and_resumed_are_bit_identical",
