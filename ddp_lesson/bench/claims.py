@@ -246,8 +246,7 @@ def _readme_claims() -> list[Claim]:
 
 NB01 = "notebooks/deep/01_loss_scaling_and_lr_rules.ipynb"
 CHEATSHEET = "docs/cheatsheet.md"
-#: notebook 06, where the recipe's short box goes (its owner writes it; checked here against
-#: the CSV, against that notebook's text by nobody yet)
+#: notebook 06, whose short recipe box states three of the claims
 NB06 = "notebooks/06_training_the_seed_model.ipynb"
 
 
@@ -327,7 +326,7 @@ _LR_CHEAT = {
     "sgd linear~sqrt": "linear is within noise of square-root",
     "32 vs 8": "4 times the batch ends higher than the base batch under every rule",
 }
-#: Proposed for notebook 06's recipe box (checked against the CSV here).
+#: Notebook 06's recipe box (after section 3).
 _LR_NB06 = {
     "adam sqrt": "with Adam, square-root ends lower than linear",
     "sgd linear~sqrt": "with SGD, linear is within noise of square-root",

@@ -130,12 +130,14 @@ def unfrozen_after_wrapping(rank):
 
 
 class AB(nn.Module):
+    """``which`` = "a", "b" or "ab": a(x), b(x) or a(x) + b(x), summed."""
+
     def __init__(self):
         super().__init__()
         self.a, self.b = _scalar(), _scalar()
 
     def forward(self, x, which):
-        return getattr(self, which)(x).sum()
+        return sum(getattr(self, w)(x) for w in which).sum()
 
 
 def unused_with_no_sync(rank):
@@ -334,17 +336,6 @@ def _backwards(cls, rank, no_sync_first=False, **kwargs):
     return grads
 
 
-class ABBoth(nn.Module):
-    """``which`` = "a", "b" or "ab": a(x), b(x) or a(x) + b(x), summed."""
-
-    def __init__(self):
-        super().__init__()
-        self.a, self.b = _scalar(), _scalar()
-
-    def forward(self, x, which):
-        return sum(getattr(self, w)(x) for w in which).sum()
-
-
 def several_backwards(rank):
     """B32: several forwards, then several backwards (pytorch/pytorch#47260)."""
     out = {}
@@ -365,7 +356,7 @@ def several_backwards(rank):
     for v in OURS:
         for flag in (True, False):
             # forward "ab" on x = 1 or 5, forward "a" on x = 2 or 6; then both backwards
-            m = ABBoth()
+            m = AB()
             ddp = WRAPPERS[v](m, find_unused_parameters=flag)
 
             def run(ddp=ddp, m=m):
