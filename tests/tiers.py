@@ -47,6 +47,7 @@ SLOW: dict[str, str | frozenset[str]] = {
         "test_against_all_reduce_world_sizes_one_to_four",
         "test_core_and_hardened_ring_equal_torch_all_reduce",
         "test_odd_world_dtypes_and_reduce_scatter",
+        "test_world_of_one_and_argument_errors",
     }),
     "collectives/test_flight.py": frozenset({
         "test_ranks_that_called_different_collectives",
@@ -206,6 +207,9 @@ SLOW: dict[str, str | frozenset[str]] = {
     "models/test_data.py": frozenset({
         "test_dataloader_workers_see_the_same_samples",
     }),
+    "models/test_models.py": frozenset({
+        "test_ddp_without_find_unused_parameters",
+    }),
     "notebooks/test_browser.py": ALL,
     "notebooks/test_notebook_claims_02.py": frozenset({
         "test_02_eval_under_no_grad_one_buffer_broadcast_and_no_per_batch_collective",
@@ -227,6 +231,7 @@ SLOW: dict[str, str | frozenset[str]] = {
     }),
     "train/test_checkpoint.py": frozenset({
         "test_a_good_save_sweeps_a_killed_writers_file_but_not_a_live_ones",
+        "test_b12_ddp_keys_carry_the_prefix_and_the_helper_strips_it",
         "test_b14_save_then_load_on_every_rank",
         "test_cli_kill_during_save_recovers_and_leaves_no_temporary",
         "test_sweep_removes_only_dead_writers_files_of_this_checkpoint",
@@ -266,6 +271,7 @@ SLOW: dict[str, str | frozenset[str]] = {
         "test_equal_to_ddp_adamw_and_torch_zero",
         "test_losses_match_a_single_process_run",
         "test_optimizer_state_is_one_over_world_size",
+        "test_single_rank_equals_adamw_and_errors",
     }),
 }
 
