@@ -129,11 +129,18 @@ def test_failing_rank_raises_with_its_traceback():
 @pytest.fixture(scope="module")
 def jobs_at_once():
     """Three 2-rank jobs started at once (run_torchrun_many): "slow" sleeps 3 s, "fast" none,
-    "fails" exits 3 on both ranks with check=False. Each rank prints its job's MASTER_PORT."""
+    "fails" exits 3 on both ranks with check=False. Each rank prints its job's MASTER_PORT.
+
+    The barrier after init: torch 2.13's init_process_group ends without one
+    (TORCH_DIST_INIT_BARRIER defaults to 0), so without a collective rank 1 could finish its
+    side of gloo's connectFullMesh, exit, and close the socket while a starved rank 0 was still
+    reading it: "Connection closed by peer [127.0.0.1]:6852" in one loaded fresh-clone run
+    (gloo prints sin_port unconverted: 6852 is port 50202)."""
     code = textwrap.dedent("""
         import os, sys, time
         import torch.distributed as dist
         dist.init_process_group("gloo")
+        dist.barrier()  # every rank's connections are up before any rank can leave
         time.sleep(float(sys.argv[1]))
         print(os.environ["MASTER_PORT"])
         dist.destroy_process_group()
