@@ -68,6 +68,11 @@ SLOW: dict[str, str | frozenset[str]] = {
         "test_05_1_names_the_missing_piece",
         "test_05_1_a_collective_only_rank_0_reaches_is_named_not_hung",
     }),
+    "seedfix/test_seedfix.py": frozenset({
+        "test_the_seed_fails_on_its_own_with_the_traceback",
+        "test_the_repaired_program_runs_on_its_own_without_a_warning",
+        "test_on_gpus_the_repaired_program_takes_a_gpu_per_rank",
+    }),
     "ddp/test_ddp_core.py": frozenset({
         "test_bucketed_core_launches_from_the_hooks_while_backward_runs",
     }),
