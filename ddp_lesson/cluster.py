@@ -29,6 +29,12 @@ Notebook face (``%load_ext ddp_lesson``)::
 Python face: ``with Cluster(nproc_per_node=2) as c: c.run("print(rank)")``
 -> ``{0: "0\\n", 1: "1\\n"}``.
 
+Output: during every cell, file descriptors 1 and 2 are captured together with ``sys.stdout``
+and ``sys.stderr`` (:func:`ddp_lesson.launch.fdcapture.capture_cells`, installed on each engine
+at start), so what bypasses Python (``os.write(1, ...)``, ``os.system``, a subprocess) comes in
+program order with the prints, one stream for stdout and one for stderr, each drained to its
+last byte before the cell returns (docs/pitfalls.md C11).
+
 Failures and hangs:
 
 * a rank that raises makes the cell raise :class:`RanksError`, naming the failed ranks in rank
@@ -186,6 +192,8 @@ import os, json
 import torch
 import torch.distributed as dist
 from ddp_lesson.env import init_distributed as _init_distributed
+from ddp_lesson.launch.fdcapture import capture_cells as _capture_cells
+_capture_cells(get_ipython())  # from the next cell on: fds 1 and 2 in order with prints (C11)
 env = _init_distributed(timeout={pg_timeout!r}, backend={backend!r}, announce=False)
 rank, local_rank, world_size = env.rank, env.local_rank, env.world_size
 print(json.dumps({{"rank": rank, "pid": os.getpid(), "backend": env.backend, "reason": env.reason,
@@ -706,7 +714,9 @@ def _parse(p: argparse.ArgumentParser, line: str):
 def ranks_magic(line: str, cell: str) -> None:
     """``%%ranks [--rank R | --ranks 0,2] [--timeout S] [--show-stderr]``: the cell on the ranks.
 
-    Output of each rank in rank order, each line tagged ``[rank N]``. A failing rank raises
+    Output of each rank in rank order, each line tagged ``[rank N]``: its stdout, prints and
+    writes to fd 1 (``os.system``, subprocesses) in program order; with ``--show-stderr`` its
+    stderr after it (fd 2, in order too). A failing rank raises
     :class:`RanksError` (ranks stay usable); a cell outliving ``--timeout`` (default 120 s)
     raises :class:`RanksTimeout` naming the waiting ranks, after restarting the cluster.
     """

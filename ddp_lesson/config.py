@@ -31,8 +31,8 @@ from .checkpoint import (
 from .data import NUM_CLASSES, make_datasets
 from .env import BACKENDS, choose_backend
 from .gradients import LR_RULES, scale_lr
+from .layout import DataLayout, regroup_problem
 from .models import MODELS, build_model
-from .sampler import num_samples_per_rank
 from .step import AMP_MODES, amp_unavailable
 
 #: Rules for ``--lr-scaling``: how the learning rate follows the global batch
@@ -333,7 +333,8 @@ def parse_config(argv: list[str] | None = None) -> TrainConfig:
 
 # --------------------------------------------------------------------------- derived values
 
-def derived_values(cfg: TrainConfig, world_size: int, num_train: int | None = None) -> dict:
+def derived_values(cfg: TrainConfig, world_size: int, num_train: int | None = None,
+                   layout: DataLayout | None = None) -> dict:
     """The numbers that follow from the config and the world size (no process group needed).
 
     With ``drop_last=False`` the training sampler pads the dataset to a multiple of
@@ -344,38 +345,65 @@ def derived_values(cfg: TrainConfig, world_size: int, num_train: int | None = No
     each rank's last short batch. A step is ``grad_accum_steps`` micro-batches; the last
     step of an epoch may hold fewer.
 
+    A run resumed at another world size keeps the micro-batches of the run that started it
+    (``layout``, :mod:`ddp_lesson.layout`): the same steps and global batch, with
+    ``grad_accum_steps`` K' = K x R / R' micro-batches per rank and step.
+
     Args:
         cfg: the config.
-        world_size: number of ranks R.
+        world_size: number of ranks R (R' when resuming at another world size).
         num_train: dataset length N (default ``cfg.num_train``; the real folder may hold
             fewer files).
+        layout: the micro-batches' layout (default: the one of a run starting at
+            ``world_size`` with ``cfg.grad_accum_steps``).
 
     Returns:
         dict with world_size, batch_size (per rank and micro-batch), global_batch
-        (``B x R x K``), samples_per_rank, samples_per_epoch (all ranks, padding included),
-        steps_per_epoch (optimizer steps), grad_accum_steps, micro_batches_per_epoch
-        (per rank) and effective_lr.
+        (``B x R x K``), samples_per_rank (the most any rank reads), samples_per_epoch (all
+        ranks, padding included), steps_per_epoch (optimizer steps), grad_accum_steps (per
+        rank, this world size's), micro_batches_per_epoch (per rank) and effective_lr.
+
+    Raises:
+        ValueError: ``world_size < 1``, or ``layout`` cannot be dealt to ``world_size`` ranks.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     n = cfg.num_train if num_train is None else num_train
-    samples_per_rank = num_samples_per_rank(n, world_size, cfg.drop_last)
-    if cfg.drop_last:
-        micro = samples_per_rank // cfg.batch_size
-    else:
-        micro = math.ceil(samples_per_rank / cfg.batch_size)
-    global_batch = cfg.batch_size * world_size * cfg.grad_accum_steps
+    if layout is None:
+        layout = layout_for(cfg, n, world_size, cfg.grad_accum_steps)
+    k = layout.accumulation_at(world_size)  # K' (= K when world_size is the layout's)
+    micro = layout.micro_batches_per_rank * layout.world_size // world_size
+    samples_per_epoch = layout.samples_per_rank * layout.world_size
+    if world_size == layout.world_size:
+        samples_per_rank = layout.samples_per_rank
+    else:  # rank 0 reads the most: the fewest of the epoch's short last micro-batches
+        samples_per_rank = sum(len(g) for s in range(layout.steps_per_epoch)
+                               for g in layout.step_groups(_sizes_only(layout), s)[::world_size])
     return {
         "world_size": world_size,
         "batch_size": cfg.batch_size,
-        "global_batch": global_batch,
+        "global_batch": layout.global_batch,
         "samples_per_rank": samples_per_rank,
-        "samples_per_epoch": samples_per_rank * world_size,
-        "steps_per_epoch": math.ceil(micro / cfg.grad_accum_steps),
-        "grad_accum_steps": cfg.grad_accum_steps,
+        "samples_per_epoch": samples_per_epoch,
+        "steps_per_epoch": layout.steps_per_epoch,
+        "grad_accum_steps": k,
         "micro_batches_per_epoch": micro,
-        "effective_lr": scale_lr(cfg.lr, cfg.base_batch, global_batch, cfg.lr_scaling),
+        "effective_lr": scale_lr(cfg.lr, cfg.base_batch, layout.global_batch, cfg.lr_scaling),
     }
+
+
+def _sizes_only(layout: DataLayout) -> list[list[int]]:
+    """Shards of placeholder indices: the micro-batches' sizes without drawing a permutation."""
+    return [[0] * layout.samples_per_rank for _ in range(layout.world_size)]
+
+
+def layout_for(cfg: TrainConfig, num_train: int, world_size: int,
+               grad_accum_steps: int) -> DataLayout:
+    """The :class:`~ddp_lesson.layout.DataLayout` of a run of ``cfg`` started at ``world_size``
+    ranks with ``grad_accum_steps`` (N = ``num_train``, the sampler's seed and drop_last)."""
+    return DataLayout(num_samples=num_train, world_size=world_size,
+                      grad_accum_steps=grad_accum_steps, batch_size=cfg.batch_size,
+                      drop_last=cfg.drop_last, seed=cfg.seed, shuffle=True)
 
 
 def check_steps(cfg: TrainConfig, derived: dict, n: int) -> None:
@@ -418,28 +446,72 @@ def bare_model_state(cfg: TrainConfig):
     return build_model(cfg.model, num_classes=NUM_CLASSES, width=cfg.width).state_dict()
 
 
-def inspect_checkpoint(path: str, cfg: TrainConfig, world_size: int, model_state) -> str | None:
-    """Why the checkpoint at ``path`` cannot be resumed by this run, or None when it can.
+def checkpoint_layout(ckpt: dict) -> tuple[int, int]:
+    """``(R, K)`` of the run whose micro-batches a checkpoint continues: its ``cursor`` entry
+    (a run resumed at another world size keeps its first start's), else (a checkpoint written
+    before there was one) the world size that wrote it and its ``grad_accum_steps``."""
+    cursor = ckpt.get("cursor")
+    if cursor:
+        return int(cursor["world_size"]), int(cursor["grad_accum_steps"])
+    return int(ckpt["world_size"]), int(ckpt["config"]["grad_accum_steps"])
+
+
+def world_size_problem(path: str, cfg: TrainConfig, layout: tuple[int, int],
+                       world_size: int) -> str | None:
+    """Why a checkpoint of the run ``layout = (R, K)`` cannot continue at ``world_size``
+    processes, or None (the same R, or R' dividing K x R without ``--sync-bn``)."""
+    r, k = layout
+    if world_size == r:
+        return None
+    where = f"checkpoint {path} cannot resume at {world_size} processes"
+    hint = "or pass --no-resume to start over"
+    if cfg.sync_bn:
+        return (f"{where}: with --sync-bn BatchNorm's statistics span the micro-batches of "
+                f"the R={r} ranks at the same moment, which {world_size} processes would group "
+                f"differently; resume with {r} processes, {hint}")
+    problem = regroup_problem(r, k, world_size)
+    return f"{where}: {problem}, {hint}" if problem else None
+
+
+def inspect_resume(path: str, cfg: TrainConfig, world_size: int,
+                   model_state) -> tuple[str | None, tuple[int, int] | None]:
+    """``(problem, (R, K))``: why the checkpoint at ``path`` cannot be resumed by this run
+    (None when it can), and the layout of the run it continues (None when unreadable).
 
     Checks, in order: readable and a ddp_lesson checkpoint; the model's tensor names and
-    shapes (first mismatch named); the world size; the config fields of
-    :data:`RESUME_MUST_MATCH` (first mismatch named). Local: reads the file, no collective.
+    shapes (first mismatch named); the config fields of :data:`RESUME_MUST_MATCH` (first
+    mismatch named); the world size (:func:`world_size_problem`: another one is fine when it
+    divides K x R). Local: reads the file, no collective.
     """
     try:
         ckpt = load_checkpoint(path, map_location="cpu")
     except (CheckpointError, OSError) as exc:
-        return f"{exc}; move it away or pass --no-resume to start over"
+        return f"{exc}; move it away or pass --no-resume to start over", None
     hint = "resume with the same settings, or pass --no-resume to start over"
+    layout = checkpoint_layout(ckpt)
     mismatch = first_state_mismatch(model_state, strip_module_prefix(ckpt["model"]))
     if mismatch:
-        return f"checkpoint {path} does not fit this model: {mismatch}; {hint}"
-    if ckpt["world_size"] != world_size:
-        return (f"checkpoint {path} was written by {ckpt['world_size']} processes, this run "
-                f"has {world_size} (the data order and global batch depend on it); {hint}")
+        return f"checkpoint {path} does not fit this model: {mismatch}; {hint}", layout
     mismatch = first_config_mismatch(ckpt["config"], asdict(cfg), RESUME_MUST_MATCH)
     if mismatch:
-        return f"checkpoint {path} does not match this run: {mismatch}; {hint}"
-    return None
+        return f"checkpoint {path} does not match this run: {mismatch}; {hint}", layout
+    return world_size_problem(path, cfg, layout, world_size), layout
+
+
+def inspect_checkpoint(path: str, cfg: TrainConfig, world_size: int, model_state) -> str | None:
+    """Why the checkpoint at ``path`` cannot be resumed by this run, or None when it can
+    (:func:`inspect_resume` without the layout). Local: reads the file, no collective."""
+    return inspect_resume(path, cfg, world_size, model_state)[0]
+
+
+def layout_problem(path: str, layout: DataLayout, world_size: int) -> str | None:
+    """Why ``world_size`` processes cannot take the steps of the checkpoint's ``layout`` (its
+    steps' micro-batches, the epoch's short last step included), or None."""
+    problem = layout.problem_at(world_size)
+    if problem is None:
+        return None
+    return (f"checkpoint {path} cannot resume at {world_size} processes: {problem}, or pass "
+            "--no-resume to start over")
 
 
 def preflight(argv: list[str] | None, world_size: int) -> TrainConfig:
@@ -475,7 +547,10 @@ def preflight(argv: list[str] | None, world_size: int) -> TrainConfig:
     if problem is None and not cfg.no_resume:
         path = os.path.join(cfg.out, CHECKPOINT_FILE)
         if os.path.exists(path):
-            problem = inspect_checkpoint(path, cfg, world_size, bare_model_state(cfg))
+            problem, layout = inspect_resume(path, cfg, world_size, bare_model_state(cfg))
+            if problem is None:
+                problem = layout_problem(path, layout_for(cfg, len(train_ds), *layout),
+                                         world_size)
     if problem:
         raise TrainInputError(problem)
     return cfg

@@ -21,7 +21,10 @@ drop-in replacement for ``torch.nn.parallel.DistributedDataParallel`` in an ordi
   same clear error where torch hangs or lets the ranks silently diverge: a parameter that got
   no gradient, a rank that skipped a backward, a parameter unfrozen or added after wrapping;
 * ``find_unused_parameters`` (a walk of the autograd graph after forward, as torch);
-* buffers broadcast from rank 0 before every forward that follows a synchronised one;
+* buffers broadcast from rank 0 before every forward that follows a synchronised one, hidden
+  from autograd's version counters (as torch), so two forwards before a backward work;
+* every backward after a synchronised forward averaged, not only the first (several
+  backwards of retained graphs), with the checks of each;
 * ``Join`` for uneven inputs (both classes are ``Joinable``);
 * reentrant activation checkpoints: one final callback per autograd task, because a
   reentrant checkpoint runs an inner backward whose end is not the end of the pass;
@@ -150,7 +153,8 @@ _GOT = 1    # the parameter's gradient arrived in this synchronised backward
 _USED = 2   # it got a gradient since the last synchronisation (no_sync passes included)
 _LATE = 4   # it got a gradient after the graph walk had counted it unused (zeros already sent)
 # extra columns after the P parameter columns
-_COL_JOINED, _COL_FORWARDS, _COL_UNSYNCED = 0, 1, 2
+_COL_JOINED, _COL_FORWARDS, _COL_UNSYNCED, _COL_BACKWARDS = 0, 1, 2, 3
+_EXTRA_COLUMNS = 4
 
 
 def _signature(module: nn.Module, with_buffers: bool) -> list[tuple]:
@@ -206,11 +210,14 @@ def _move_to(obj, device: torch.device):
 class _WrapperJoinHook(JoinHook):
     """What a rank out of inputs does inside ``Join``: shadow the others' collectives.
 
-    ``main_hook`` runs once per iteration of the ranks still training and issues the same
-    collectives, in the same order, as their forward and backward: the buffer broadcast, the
-    "will this backward synchronise" flag, then zeros in place of each gradient message and a
-    row marked "joined" in the check table. ``post_hook`` broadcasts the final parameters
-    (and buffers) from the highest rank among the last to join, as torch does.
+    The ranks still training run a handshake (:meth:`_DropIn._join_handshake`) at every
+    forward and at the start of every synchronised backward; ``main_hook`` runs once per
+    handshake and issues the same collectives, in the same order: the flags (shadow a
+    backward, broadcast buffers now, buffers due before the next forward), the buffer
+    broadcast if asked for, then, for a backward, zeros in place of each gradient message and a
+    row marked "joined" in the check table. So one forward with several backwards, or several
+    forwards with one backward, are shadowed too. ``post_hook`` broadcasts the final
+    parameters (and buffers) from the highest rank among the last to join, as torch does.
     """
 
     def __init__(self, ddp: _DropIn, divide_by_initial_world_size: bool):
@@ -219,12 +226,16 @@ class _WrapperJoinHook(JoinHook):
 
     def main_hook(self) -> None:
         ddp = self.ddp
-        ddp._sync_buffers_if_due(joined=True)
-        flag = torch.zeros(1, device=ddp._device)
-        dist.all_reduce(flag, group=ddp.process_group)
-        should_sync = bool(flag.item() != 0)
-        ddp._buffers_need_sync = should_sync
-        if should_sync:
+        flags = torch.zeros(4, device=ddp._device)
+        dist.all_reduce(flags, group=ddp.process_group)
+        if flags[3].item() != 0:
+            raise _repeated_backward_under_join(type(ddp).__name__, ddp.world_size,
+                                                int(flags[3].item()))
+        shadow, buffers_now, buffers_due = (bool(v != 0) for v in flags[:3].tolist())
+        ddp._buffers_need_sync = buffers_due
+        if buffers_now:
+            ddp._broadcast_buffers(joined=True)
+        if shadow:
             ddp._shadow_backward()
 
     def post_hook(self, is_last_joiner: bool) -> None:
@@ -234,6 +245,17 @@ class _WrapperJoinHook(JoinHook):
         if ddp.broadcast_buffers:
             tensors += list(ddp.module.buffers())
         _broadcast_coalesced(tensors, src, ddp.process_group)
+
+
+def _repeated_backward_under_join(name: str, world_size: int, active: int) -> RuntimeError:
+    """The error every rank raises for a second backward after one forward inside ``Join``
+    once a rank has joined, with ``divide_by_initial_world_size=True`` (``active`` ranks left)."""
+    return RuntimeError(
+        f"{name}: a second backward after one forward inside Join, with {world_size - active} "
+        f"of {world_size} ranks joined and divide_by_initial_world_size=True: it would average "
+        "the whole .grad with zeros from the joined ranks, dividing the share the first "
+        "backward averaged once more. Sum the losses and run one backward per forward inside "
+        "Join, or pass divide_by_initial_world_size=False.")
 
 
 def _refuse_torch_only_options(name: str, torch_kwargs: dict) -> None:
@@ -363,8 +385,10 @@ class _DropIn:
         self._got = [False] * P         # got it in this synchronised backward
         self._ready = [False] * P       # counted ready (got it, or unused per the graph walk)
         self._late = [False] * P        # got it after being counted unused
-        self._armed = False             # the last forward asked for a sync
-        self._backward_begun = False
+        self._armed = False             # the last forward with grad enabled asked for a sync
+        self._backward_begun = False    # a synchronised backward is under way
+        self._window = False            # synchronised forwards, and no backward since
+        self._backwards = 0             # synchronised backwards since the last one of those
         self._queued_tasks: set[int] = set()
         self._buffers_need_sync = True
         self._warned_no_unused = False
@@ -405,17 +429,24 @@ class _DropIn:
     # ------------------------------------------------------------------ user-facing
 
     def forward(self, *inputs, **kwargs):
-        """Run the wrapped module; decide here whether the next backward synchronises.
+        """Run the wrapped module; decide here whether the backwards after it synchronise.
 
-        As in torch's DDP the decision is taken in ``forward``: the backward of a forward run
-        inside :meth:`no_sync` (or with grad disabled) only accumulates locally.
+        As in torch's DDP the decision is taken in ``forward``: after a forward run inside
+        :meth:`no_sync`, backwards only accumulate locally. Unlike torch, *every* backward
+        after a synchronised forward averages, not only the first: three forwards, then three
+        backwards (``retain_graph=True``) average three times, each backward's share (torch
+        averages the first and lets the ranks diverge, B32). A forward under ``no_grad``
+        builds no graph and decides nothing (the backward of the forward before it still
+        averages, as in torch).
 
         Buffers: with ``broadcast_buffers=True`` (torch's default) the module's buffers, read
         afresh from ``module.buffers()`` each time (a forward may replace a buffer tensor by
         a new one), are broadcast from rank 0 before a forward that follows a synchronised
         one (inside ``Join``: from the highest rank still training, as torch). So a
-        collective may run here. ``broadcast_buffers=False``: never, not even at
-        construction (torch's rule): each rank keeps its own buffers.
+        collective may run here. The writes are hidden from autograd's version counters, as
+        torch does, so a second forward before the backward works (B33).
+        ``broadcast_buffers=False``: never, not even at construction (torch's rule): each
+        rank keeps its own buffers.
 
         With ``device_ids`` (one GPU), tensors in the inputs are moved to that device first.
         """
@@ -424,32 +455,24 @@ class _DropIn:
         sync = torch.is_grad_enabled() and self.require_backward_grad_sync
         self._divisor = self.world_size
         if self._join_config.enable:
-            # tell Join this rank is still training; the sum counts the ranks that are
-            work = Join.notify_join_context(self)
-            if work is not None:
-                work.wait()
-                active = int(work.get_future().value()[0].item())
-                if not self._divide_by_initial_world_size:
-                    self._divisor = active
-        self._sync_buffers_if_due(joined=False)
-        if self._join_config.enable:  # tell the joined ranks whether this backward syncs
-            dist.all_reduce(torch.full((1,), float(sync), device=self._device),
-                            group=self.process_group)
+            self._join_handshake(backward=False, buffers_due_after=sync)
+        elif self._buffers_due():
+            self._broadcast_buffers(joined=False)
         self._buffers_need_sync = sync
         output = self.module(*inputs, **kwargs)
-        self._armed = sync
+        if torch.is_grad_enabled():  # under no_grad nothing can be backwarded
+            self._armed = sync
         if sync:
             self._sync_forwards += 1
-            self._got = [False] * len(self._params)
-            self._ready = [False] * len(self._params)
-            self._late = [False] * len(self._params)
-            self._backward_begun = False
-            self._queued_tasks = set()
+            if self._backward_begun:  # a backward that failed half-way left its state
+                self._end_backward()
+            self._backwards = 0
             self._unsynced = [n for n, p in self.module.named_parameters()
                               if p.requires_grad and id(p) not in self._param_ids]
             if self.recorder is not None:
                 self.recorder._begin(self.rank)
-            self._prepare_backward(output)
+            self._prepare_backward(output, new_window=not self._window)
+            self._window = True
             # The outer backward's own task gets a final callback even when every parameter
             # sits inside a reentrant checkpoint (whose inner backward is a task of its own).
             for t in _find_tensors(output):
@@ -511,6 +534,10 @@ class _DropIn:
     def _begin_backward(self) -> None:
         if not self._backward_begun:
             self._backward_begun = True
+            if self._join_config.enable:  # the joined ranks shadow this very backward
+                self._join_handshake(backward=True, buffers_due_after=self._buffers_need_sync)
+            if self.recorder is not None and self.recorder._current is None:
+                self.recorder._begin(self.rank)  # a second backward after one forward
             self._backward_started()
         # One final callback per autograd task: a reentrant checkpoint runs an inner
         # backward (a task of its own) whose end is not the end of the outer one.
@@ -520,20 +547,32 @@ class _DropIn:
             torch.autograd.Variable._execution_engine.queue_callback(self._final_callback)
 
     def _final_callback(self) -> None:
-        if not self._armed:
+        if not self._backward_begun:
             return  # already done in an inner task's callback
         nested = torch._C._current_autograd_node() is not None
         if nested and not all(self._ready):
             return  # an inner (reentrant) backward ended; the outer one goes on
-        self._armed = False
         if self.recorder is not None:
             self.recorder._backward_end()
         try:
             self._after_backward()
         finally:
             self._used = [False] * len(self._params)
+            self._end_backward()
             if self.recorder is not None:
                 self.recorder._finish()
+
+    def _end_backward(self) -> None:
+        """Ready for the next synchronised backward, with or without a forward in between
+        (local; the wrapper stays armed: every backward after a synchronised forward averages).
+        """
+        P = len(self._params)
+        self._got, self._ready, self._late = [False] * P, [False] * P, [False] * P
+        self._backward_begun = False
+        self._queued_tasks = set()
+        self._window = False  # the next synchronised forward starts a new graph walk
+        self._backwards += 1
+        self._backward_done()
 
     # ------------------------------------------------------------------ collectives
 
@@ -545,30 +584,86 @@ class _DropIn:
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.process_group)
         return int(t.item())
 
-    def _sync_buffers_if_due(self, joined: bool) -> None:
-        """Broadcast the buffers before a forward that follows a synchronised one."""
+    def _buffers_due(self) -> bool:
+        """Broadcast the buffers before this forward: it follows a synchronised one (local)."""
+        return bool(self.broadcast_buffers and self._buffers_need_sync
+                    and next(iter(self.module.buffers()), None) is not None)
+
+    def _broadcast_buffers(self, joined: bool) -> None:
+        """Overwrite every rank's buffers with rank 0's (under ``Join``: the highest rank still
+        training), hiding the writes from autograd's version counters (a collective).
+
+        An earlier forward whose backward has not run yet may have saved a buffer for it
+        (``x * buf`` saves ``buf``); a plain in-place copy bumps the buffer's version and that
+        backward fails ("modified by an inplace operation ... is at version N; expected
+        version N-1", pytorch/pytorch#22095, #175024). torch's ``_sync_buffers``
+        (torch/nn/parallel/distributed.py) wraps its broadcast in
+        ``torch.autograd._unsafe_preserve_version_counter(buffers)``; so do we. As in torch,
+        a buffer whose value the broadcast changes (another rank's BatchNorm statistics) is
+        then read by that backward with its new value: harmless for BatchNorm in training,
+        whose backward does not use its running statistics.
+        """
         buffers = list(self.module.buffers())  # afresh: forward may have replaced them
-        if not (self.broadcast_buffers and self._buffers_need_sync and buffers):
-            return
         src = self._common_rank(not joined) if self._join_config.enable else self._src
-        _broadcast_coalesced(buffers, src, self.process_group)
+        with torch.autograd._unsafe_preserve_version_counter(tuple(buffers)):
+            _broadcast_coalesced(buffers, src, self.process_group)
+
+    def _join_handshake(self, backward: bool, buffers_due_after: bool) -> None:
+        """Under ``Join``, before a forward and at the start of a synchronised backward: tell
+        the joined ranks what comes, so that their ``main_hook`` mirrors it (collectives).
+
+        The notification counts the ranks still training (the divisor with
+        ``divide_by_initial_world_size=False``); then four flags, summed over the ranks:
+        "shadow a backward now", "broadcast the buffers now" (before a forward that follows
+        a synchronised one), "buffers due before the next forward" and "refuse" (below).
+
+        Raises (on every rank, the joined ones in ``main_hook``): RuntimeError for a second
+        backward after one forward once a rank has joined, with
+        ``divide_by_initial_world_size=True``: it averages the whole ``.grad`` and the joined
+        ranks send zeros, so the share averaged by the first backward would be divided again
+        (rank 0 with 3 then 4, rank 1 joined: 2.75 instead of 3.5).
+        """
+        self._divisor = self.world_size
+        active = self.world_size
+        work = Join.notify_join_context(self)
+        if work is not None:
+            work.wait()
+            active = int(work.get_future().value()[0].item())
+            if not self._divide_by_initial_world_size:
+                self._divisor = active
+        refuse = (backward and self._backwards > 0 and active < self.world_size
+                  and self._divide_by_initial_world_size)
+        flags = torch.tensor([float(backward), float(not backward and self._buffers_due()),
+                              float(buffers_due_after), float(refuse)], device=self._device)
+        dist.all_reduce(flags, group=self.process_group)
+        if flags[3].item() != 0:
+            raise _repeated_backward_under_join(type(self).__name__, self.world_size,
+                                                int(flags[3].item()))
+        if flags[1].item() != 0:
+            self._broadcast_buffers(joined=False)
 
     # ------------------------------------------------------------------ for subclasses
 
-    def _prepare_backward(self, output) -> None:
-        """Called after a synchronised forward."""
+    def _prepare_backward(self, output, new_window: bool) -> None:
+        """Called after a synchronised forward; ``new_window``: no synchronised forward since
+        the last synchronised backward (False: a second forward before the backward)."""
 
     def _backward_started(self) -> None:
         """Called at the first gradient of a synchronised backward."""
 
+    def _backward_done(self) -> None:
+        """Called at the end of every synchronised backward (after ``_after_backward``)."""
+
     def _table(self, joined: bool = False) -> torch.Tensor:
-        """Row ``rank`` of an ``(R, P + 3)`` int32 table; all-reduced, every rank sees every row.
+        """Row ``rank`` of an ``(R, P + 4)`` int32 table; all-reduced, every rank sees every row.
 
         Parameter columns hold :data:`_GOT` | :data:`_USED` | :data:`_LATE` bits; then
-        "joined", "synchronised forwards so far" and "unsynchronised trainable parameters".
+        "joined", "synchronised forwards so far", "unsynchronised trainable parameters" and
+        "synchronised backwards since the last synchronised forward, before this one".
         """
         P = len(self._params)
-        table = torch.zeros(self.world_size, P + 3, dtype=torch.int32, device=self._device)
+        table = torch.zeros(self.world_size, P + _EXTRA_COLUMNS, dtype=torch.int32,
+                            device=self._device)
         if joined:
             table[self.rank, P + _COL_JOINED] = 1
             self._unsynced = []
@@ -578,7 +673,7 @@ class _DropIn:
         unsynced = [n for n in self._unsynced
                     if dict(self.module.named_parameters())[n].grad is not None]
         self._unsynced = unsynced
-        row += [0, self._sync_forwards, len(unsynced)]
+        row += [0, self._sync_forwards, len(unsynced), self._backwards]
         table[self.rank] = torch.tensor(row, dtype=torch.int32, device=self._device)
         return table
 
@@ -607,53 +702,31 @@ class _DropIn:
                 f"diverge — {where}. Wrap the model again after changing requires_grad or "
                 "adding parameters (torch's DDP does not notice this).")
         counts = {r: int(table[r, P + _COL_FORWARDS]) for r in active}
+        backwards = {r: int(table[r, P + _COL_BACKWARDS]) + 1 for r in active}
         if len(set(counts.values())) > 1:
             said = ", ".join(f"rank {r}: {c}" for r, c in counts.items())
+            after = ", ".join(f"rank {r}: {c}" for r, c in backwards.items())
             raise RuntimeError(
                 f"{name}: the ranks have run different numbers of synchronised forwards "
                 f"({said}), so this backward would average gradients of different steps. A "
-                "rank ran a forward with gradients enabled and skipped its backward: run "
-                "evaluation under torch.no_grad() or on ddp.module, and every training "
-                "forward with a backward on every rank.")
+                "rank ran a forward with gradients enabled and skipped its backward, or ran "
+                "more backwards after one forward than the others (this one is backward "
+                f"{after} after the last synchronised forward): run evaluation under "
+                "torch.no_grad() or on ddp.module, and every training forward and backward "
+                "on every rank.")
         late = [i for i in range(P) if any(int(table[r, i]) & _LATE for r in active)]
         if late:
             raise RuntimeError(
                 f"{name}: {', '.join(self.param_names[i] for i in late)} got a gradient "
                 "although the graph walk after forward found it unused (a reentrant "
-                "checkpoint hides parameters from the walk), and zeros were already sent for "
-                f"it. {name} does not support find_unused_parameters=True with "
-                "torch.utils.checkpoint(use_reentrant=True); use use_reentrant=False, or "
-                "torch's DistributedDataParallel")
+                "checkpoint hides parameters from the walk; or this backward runs through "
+                "the graph of a forward from before the last synchronised backward), and "
+                f"zeros were already sent for it. {name} does not support "
+                "find_unused_parameters=True with torch.utils.checkpoint(use_reentrant=True); "
+                "use use_reentrant=False, or torch's DistributedDataParallel")
         bit = _USED if self.find_unused_parameters else _GOT
         if not self.find_unused_parameters:
-            lines, frozen = [], False
-            for r in active:
-                missing = []
-                for i in range(P):
-                    code = int(table[r, i])
-                    if not code & _GOT:
-                        note = ("; it got its gradient only inside no_sync(), so "
-                                "find_unused_parameters=True is needed" if code & _USED else "")
-                        if not self._params[i].requires_grad:
-                            note += "; frozen after wrapping"
-                            frozen = True
-                        missing.append(f"{self.param_names[i]} (index {i}{note})")
-                if missing:
-                    lines.append(f"rank {r}: {', '.join(missing)}")
-            if lines:
-                # A parameter frozen after wrapping is already requires_grad=False: the fix is
-                # to wrap again (the wrapper takes its parameter list at construction), not to
-                # freeze it.
-                advice = ("Wrap the model again after changing requires_grad (the wrapper "
-                          "takes its parameters when it is built)" if frozen else
-                          "Make every parameter take part in the loss on every rank, freeze "
-                          "it (requires_grad=False), or pass find_unused_parameters=True")
-                raise RuntimeError(
-                    f"{name}: these parameters received no gradient in this "
-                    f"backward pass, so their all-reduce could never complete — "
-                    f"{'; '.join(lines)}. torch's DDP would hang here or fail in the next "
-                    "iteration with 'Expected to have finished reduction in the prior "
-                    f"iteration'. {advice}.")
+            self._raise_if_a_gradient_is_missing(table, active, max(backwards.values()))
         used = [any(int(table[r, i]) & bit for r in active) for i in range(P)]
         if self.find_unused_parameters and not self._warned_no_unused and self.rank in active:
             self._warned_no_unused = True
@@ -666,6 +739,48 @@ class _DropIn:
                     "a parameter out (none skipped by a branch or used only inside "
                     "no_sync()), leave it False.", UserWarning, stacklevel=2)
         return used
+
+
+    def _raise_if_a_gradient_is_missing(self, table: torch.Tensor, active: list[int],
+                                        nth: int) -> None:
+        """Without ``find_unused_parameters``: the same RuntimeError on every rank when a
+        trainable parameter got no gradient in this backward (``nth`` after the last
+        synchronised forward) on some rank, naming each such parameter and rank (local: every
+        rank reads the same all-reduced ``table``)."""
+        name = type(self).__name__
+        P = len(self._params)
+        lines, frozen = [], False
+        for r in active:
+            missing = []
+            for i in range(P):
+                code = int(table[r, i])
+                if not code & _GOT:
+                    note = ("; it got its gradient only inside no_sync(), so "
+                            "find_unused_parameters=True is needed" if code & _USED else "")
+                    if not self._params[i].requires_grad:
+                        note += "; frozen after wrapping"
+                        frozen = True
+                    missing.append(f"{self.param_names[i]} (index {i}{note})")
+            if missing:
+                lines.append(f"rank {r}: {', '.join(missing)}")
+        if lines:
+            # A parameter frozen after wrapping is already requires_grad=False: the fix is
+            # to wrap again (the wrapper takes its parameter list at construction), not to
+            # freeze it.
+            advice = ("Wrap the model again after changing requires_grad (the wrapper "
+                      "takes its parameters when it is built)" if frozen else
+                      "Make every parameter take part in the loss on every rank, freeze "
+                      "it (requires_grad=False), or pass find_unused_parameters=True")
+            which = "" if nth == 1 else (
+                f" (backward {nth} after the last synchronised forward: every backward "
+                "after a synchronised forward is averaged, so each must reach every "
+                "parameter)")
+            raise RuntimeError(
+                f"{name}: these parameters received no gradient in this "
+                f"backward pass{which}, so their all-reduce could never complete — "
+                f"{'; '.join(lines)}. torch's DDP would hang here or fail in the next "
+                "iteration with 'Expected to have finished reduction in the prior "
+                f"iteration'. {advice}.")
 
     def _agree_on_used(self, joined: bool = False) -> list[bool]:
         """All-reduce the check table (blocking), then check it."""
@@ -720,7 +835,7 @@ class NaiveDDP(_DropIn, _naive_core.NaiveDDP, Joinable):
     first difference and both shapes; then parameters (and buffers with
     ``broadcast_buffers``) are broadcast from rank 0.
 
-    Each synchronised backward also all-reduces a small ``(R, P + 3)`` int32 table (who
+    Each synchronised backward also all-reduces a small ``(R, P + 4)`` int32 table (who
     produced which gradient, how many synchronised forwards each rank ran, whether a
     parameter the wrapper does not know got a gradient) and raises the same RuntimeError on
     every rank when: a parameter got no gradient on some rank (without
@@ -730,8 +845,15 @@ class NaiveDDP(_DropIn, _naive_core.NaiveDDP, Joinable):
 
     Uneven inputs: a ``torch.distributed.algorithms.Join`` joinable like torch's DDP (``with
     Join([ddp]):`` or ``with ddp.join():``); a rank out of inputs shadows the others'
-    all-reduces with zeros. Reentrant activation checkpointing works (the averaging waits for
-    the outer backward, not the checkpoint's inner one).
+    all-reduces with zeros (the ranks still training tell it at every forward and at the
+    start of every synchronised backward). Reentrant activation checkpointing works (the
+    averaging waits for the outer backward, not the checkpoint's inner one).
+
+    Several forwards, then several backwards (``retain_graph=True``): every backward after a
+    synchronised forward averages its share of ``.grad`` (torch's DDP averages the first
+    only and the ranks silently diverge, B32). A forward under ``no_grad`` decides nothing.
+    Two forwards before one backward, with a buffer the first one saved for backward: the
+    buffer broadcast before the second forward is hidden from autograd, as torch does (B33).
 
     Args:
         module: the model (already on this rank's device).
@@ -947,14 +1069,19 @@ class BucketedDDP(_DropIn, _bucketed_core.BucketedDDP, Joinable):
 
     # ------------------------------------------------------------------ backward machinery
 
-    def _prepare_backward(self, output) -> None:
-        self._reset_buckets()
+    def _prepare_backward(self, output, new_window: bool) -> None:
+        if self.find_unused_parameters:
+            # Unused: reached by no synchronised forward since the last synchronised backward
+            # (several forwards before the backwards: any of their graphs may come first).
+            _, reached = walk_autograd_graph(output)
+            before = set(range(len(self._params))) if new_window else set(self._unused_in_forward)
+            self._unused_in_forward = [i for i, p in enumerate(self._params)
+                                       if id(p) not in reached and i in before]
+
+    def _backward_done(self) -> None:
+        self._reset_buckets()  # the core's: every bucket waits for all its gradients again
         for bucket in self._buckets:
             bucket.handle = None
-        if self.find_unused_parameters:
-            _, reached = walk_autograd_graph(output)
-            self._unused_in_forward = [i for i, p in enumerate(self._params)
-                                       if id(p) not in reached]
 
     def _backward_started(self) -> None:
         # Parameters the forward did not reach will get no gradient: count them as ready

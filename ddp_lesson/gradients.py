@@ -31,7 +31,7 @@ from .core.naive_ddp import all_reduce_mean_
 __all__ = [
     "make_toy_model", "make_toy_batch", "split_batch", "batch_gradient", "shard_gradients",
     "average", "weighted_average", "all_reduce_average", "scalar_squared_error_grad",
-    "scale_lr", "sgd_step", "max_abs_diff", "LR_RULES",
+    "scale_lr", "accumulation_steps", "warmup_cosine", "sgd_step", "max_abs_diff", "LR_RULES",
 ]
 
 #: Rules for following the global batch with the learning rate (``scale_lr``, the trainer's
@@ -230,6 +230,60 @@ def scale_lr(base_lr: float, base_batch: int, global_batch: int, rule: str = "li
     if rule == "none":
         return base_lr
     raise ValueError(f"lr scaling rule {rule!r} is not one of {', '.join(LR_RULES)}")
+
+
+def accumulation_steps(global_batch: int, micro_batch: int, world_size: int) -> int:
+    """Micro-batches per optimizer step K so that ``global_batch = micro_batch × K × world_size``.
+
+    The recipe's second step: take the biggest ``micro_batch`` that fits on one device, then
+    accumulate K micro-batches per step to reach the global batch the learning rate was tuned
+    for (or scaled to, :func:`scale_lr`). Averaged gradients make the K × R micro-batches one
+    step on the global batch (docs/pitfalls.md B4, B7).
+
+    >>> accumulation_steps(256, 16, 4)
+    4
+
+    Raises:
+        ValueError: a count below 1, or a global batch that ``micro_batch × world_size`` does
+            not divide (the error names the nearest global batches that work).
+    """
+    for name, v in (("global_batch", global_batch), ("micro_batch", micro_batch),
+                    ("world_size", world_size)):
+        if v < 1:
+            raise ValueError(f"{name} must be >= 1, got {v}")
+    per_step = micro_batch * world_size
+    k, rest = divmod(global_batch, per_step)
+    if rest or k == 0:
+        lower, upper = max(k, 1) * per_step, (k + 1) * per_step
+        near = f"{lower} or {upper}" if k else f"{per_step}"
+        raise ValueError(
+            f"global batch {global_batch} is not a multiple of micro_batch {micro_batch} x "
+            f"world_size {world_size} = {per_step}; use a global batch of {near}, or another "
+            f"micro-batch")
+    return k
+
+
+def warmup_cosine(step: int, total_steps: int, warmup_steps: int, floor: float = 0.1) -> float:
+    """The learning rate's factor at optimizer step ``step`` (0-based): a linear warm-up from
+    ``1 / warmup_steps`` to 1 over ``warmup_steps`` steps, then a cosine decay from 1 to
+    ``floor`` at the last step. ``warmup_steps=0``: the decay from step 0.
+
+    For ``torch.optim.lr_scheduler.LambdaLR(opt, lambda s: warmup_cosine(s, total, warm))``,
+    with the optimizer's lr set to the scaled peak (:func:`scale_lr`). Count the warm-up in
+    samples, not steps: at 4 times the global batch the same samples are a quarter of the steps.
+
+    Raises:
+        ValueError: ``total_steps < 1``, ``warmup_steps`` outside ``[0, total_steps)``, or
+            ``floor`` outside ``[0, 1]``.
+    """
+    if total_steps < 1 or not 0 <= warmup_steps < total_steps or not 0.0 <= floor <= 1.0:
+        raise ValueError(f"need total_steps >= 1, 0 <= warmup_steps < total_steps and floor in "
+                         f"[0, 1], got {total_steps}, {warmup_steps}, {floor}")
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    decay = total_steps - warmup_steps - 1
+    progress = (step - warmup_steps) / decay if decay else 0.0
+    return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
 
 
 def sgd_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, lr: float) -> nn.Module:

@@ -30,7 +30,9 @@ on its own shard of every epoch, and DDP averages the gradients with an ``all_re
   atomically every ``--checkpoint-every-steps`` steps and at each epoch end; a new run with
   the same ``--out`` resumes where the last one stopped, mid-epoch too, and ends with the same
   weights bit for bit as a run that was never interrupted (the seed had ``--start-epoch``
-  and no checkpoint at all);
+  and no checkpoint at all); at another world size R' too: the run keeps its micro-batches
+  (:mod:`ddp_lesson.layout`), each rank taking K' = K x R / R' of them per step, and an R' that
+  cannot share a step is refused (docs/pitfalls.md C8);
 * ``--sync-bn`` (BatchNorm statistics over the global batch, :mod:`ddp_lesson.syncbn` on
   CPU, torch's ``nn.SyncBatchNorm`` on GPUs), ``--grad-accum-steps`` (``no_sync`` on all but
   the last micro-batch), ``--lr-scaling`` (the learning rate follows the global batch),
@@ -55,7 +57,6 @@ This module holds the :class:`Trainer` (data, model, wrapper, checkpoints, the l
 from __future__ import annotations
 
 import gc
-import itertools
 import json
 import math
 import os
@@ -94,23 +95,25 @@ from .config import (
     check_out_writable,
     check_steps,
     derived_values,
-    inspect_checkpoint,
+    inspect_resume,
+    layout_for,
+    layout_problem,
     load_datasets,
     parse_config,
 )
 from .data import IGNORE_INDEX, NUM_CLASSES
 from .env import group_active, print0
 from .evaluation import evaluate_exact
+from .layout import LayoutBatchSampler
 from .metrics import miou_from_confusion
 from .models import build_model
-from .sampler import DistributedSampler
 from .step import Precision, model_logits, sum_over_ranks, train_step
 from .syncbn import convert_sync_batchnorm
 
 # Only what this module defines; import the flags, the checks and one step from config.py and
 # step.py. Trainer.step calls train_step through this module's globals, so a test can replace
 # ``ddp_lesson.train.train_step`` to simulate a crash.
-__all__ = ["StepRecord", "SkipSampler", "Trainer", "wrap_model", "main"]
+__all__ = ["StepRecord", "Trainer", "wrap_model", "main"]
 
 
 class StepRecord(NamedTuple):
@@ -154,29 +157,6 @@ def _sync_buffers(module) -> None:
             dist.broadcast(buf, src=0)
 
 
-class SkipSampler:
-    """This epoch's indices of ``sampler`` without the first ``skip`` ones (already consumed).
-
-    A thin wrapper used for resuming mid-epoch: with ``skip = steps_done x K x B`` the
-    DataLoader's remaining batches are exactly the batches the interrupted run had not yet
-    taken, because batches are consecutive runs of ``B`` indices. The wrapped sampler (and its
-    shuffle) is untouched; :meth:`set_epoch` passes through. No synchronisation.
-    """
-
-    def __init__(self, sampler, skip: int = 0):
-        self.sampler = sampler
-        self.skip = skip
-
-    def set_epoch(self, epoch: int) -> None:
-        self.sampler.set_epoch(epoch)
-
-    def __iter__(self):
-        return itertools.islice(iter(self.sampler), self.skip, None)
-
-    def __len__(self) -> int:
-        return max(0, len(self.sampler) - self.skip)
-
-
 def _json_safe(obj):
     """``obj`` with every NaN/inf float replaced by None (JSON has no such numbers)."""
     if isinstance(obj, float):
@@ -197,6 +177,11 @@ def _write_json_atomic(path: str, obj: dict) -> None:
 
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     atomic_write(path, write, binary=False)
+
+
+def _failure_marker(cfg: TrainConfig) -> str:
+    """``{out}/simulated_failure_step{K}.done``, the fault injector's "done" file."""
+    return os.path.join(cfg.out, f"simulated_failure_step{cfg.simulate_failure_at_step}.done")
 
 
 def _finite_or_none(x):
@@ -236,6 +221,9 @@ class Trainer:
     Attributes:
         cfg, env, device, derived: the config, this rank's DistEnv, torch device, and
             :func:`derived_values`.
+        layout, batch_sampler: the micro-batches (:class:`~ddp_lesson.layout.DataLayout` of
+            the run that started training: ``layout=(R, K)`` when it is not this one, R ranks
+            and K accumulation steps) and this rank's share of them.
         module: the bare model (what checkpoints hold); model: the wrapped one.
         optimizer, scheduler: SGD and a LambdaLR (constant or poly).
         precision: the :class:`~ddp_lesson.step.Precision` (``--amp``, the fp16 GradScaler,
@@ -246,26 +234,33 @@ class Trainer:
             (``loss_sum / pixel_count`` is the step's global mean loss).
 
     Raises:
-        TrainInputError: bad data folder, zero steps per epoch, an unavailable wrapper.
+        TrainInputError: bad data folder, zero steps per epoch, an unavailable wrapper, a
+            ``layout`` this world size cannot share.
     """
 
-    def __init__(self, cfg: TrainConfig, env, device=None):
+    def __init__(self, cfg: TrainConfig, env, device=None, layout: tuple[int, int] | None = None):
         self.cfg, self.env = cfg, env
         self.device = torch.device(env.device if device is None else device)
         self.num_classes = NUM_CLASSES
         train_ds, val_ds = load_datasets(cfg)
-        self.derived = derived_values(cfg, env.world_size, len(train_ds))
+        # The micro-batches of the run that started training (R, K): this run's own, or, when
+        # it resumes a checkpoint written at another world size, that run's (ddp_lesson.layout).
+        r, k = layout if layout is not None else (env.world_size, cfg.grad_accum_steps)
+        self.layout = layout_for(cfg, len(train_ds), r, k)
+        problem = layout_problem(self.checkpoint_path, self.layout, env.world_size)
+        if problem:  # every rank alike, before any collective
+            raise TrainInputError(problem)
+        self.derived = derived_values(cfg, env.world_size, len(train_ds), self.layout)
         check_steps(cfg, self.derived, len(train_ds))
-        # Explicit num_replicas/rank: works with and without a process group.
-        self.sampler = DistributedSampler(train_ds, num_replicas=env.world_size, rank=env.rank,
-                                          shuffle=True, seed=cfg.seed, drop_last=cfg.drop_last)
-        self.skip_sampler = SkipSampler(self.sampler)
-        # shuffle=False: the sampler shuffles (DataLoader refuses shuffle=True with a
-        # sampler). Own generator: iter(loader) draws a seed from it, not from the global
-        # RNG, so an epoch restarted mid-way leaves the global RNG as an unbroken one would.
+        # This rank's micro-batches of each epoch (a new shuffle each epoch, seeded seed +
+        # epoch, the same on every rank), from the step set in batches(): at R = the layout's
+        # world size exactly what a DistributedSampler and a DataLoader of batch B yield.
+        self.batch_sampler = LayoutBatchSampler(self.layout, env.world_size, env.rank)
+        # Own generator: iter(loader) draws a seed from it, not from the global RNG, so an
+        # epoch restarted mid-way leaves the global RNG as an unbroken one would.
         self.train_loader = DataLoader(
-            train_ds, sampler=self.skip_sampler, shuffle=False, drop_last=cfg.drop_last,
-            generator=torch.Generator().manual_seed(cfg.seed), batch_size=cfg.batch_size,
+            train_ds, batch_sampler=self.batch_sampler,
+            generator=torch.Generator().manual_seed(cfg.seed),
             num_workers=cfg.workers, pin_memory=self.device.type == "cuda",
             persistent_workers=cfg.workers > 0)
         self.val_set = val_ds  # evaluated by evaluation.evaluate_exact, unpadded shards
@@ -320,19 +315,18 @@ class Trainer:
 
     # ---- data
     def batches(self, epoch: int, start_step: int = 0):
-        """Yield this epoch's steps from ``start_step`` on, each a list of up to K micro-batches.
+        """Yield this epoch's steps from ``start_step`` on, each a list of up to K' micro-batches.
 
-        Calls ``set_epoch(epoch)`` first (a new shuffle each epoch, the same on every rank)
-        and skips the ``start_step x K x B`` samples this rank already consumed. Yields
-        ``(step_in_epoch, micro_batches, data_seconds)``, tensors on the rank's device.
+        Sets the batch sampler's epoch (a new shuffle each epoch, the same on every rank) and
+        its first step: the steps before it, ``layout.cursor(start_step)`` samples of the
+        epoch's permutation, were taken. Yields ``(step_in_epoch, micro_batches,
+        data_seconds)``, tensors on the rank's device.
         """
-        k, b = self.cfg.grad_accum_steps, self.cfg.batch_size
-        self.skip_sampler.set_epoch(epoch)
-        self.skip_sampler.skip = start_step * k * b
+        self.batch_sampler.set_epoch(epoch)
+        self.batch_sampler.start_step = start_step
         it = iter(self.train_loader)
-        micro_total = self.derived["micro_batches_per_epoch"]
         for step in range(start_step, self.derived["steps_per_epoch"]):
-            n = min(k, micro_total - step * k)
+            n = self.batch_sampler.micro_batches_in_step(step)
             start = time.perf_counter()
             group = []
             for _ in range(n):
@@ -377,9 +371,13 @@ class Trainer:
         state_dict, no ``module.`` prefix), ``optimizer`` (SGD state: momentum buffers),
         ``scheduler`` (LambdaLR state), ``epoch`` (the epoch in progress, 0-based; equal to
         ``epochs`` when training is done), ``step_in_epoch`` (optimizer steps of that epoch
-        already taken), ``global_step``, ``sampler`` (seed, epoch, shuffle, drop_last,
-        num_replicas and the samples each rank consumed this epoch), ``rng`` (every rank's
-        generators, in rank order), ``config`` (the TrainConfig as a dict), ``world_size``,
+        already taken), ``global_step``, ``sampler`` (seed, epoch, shuffle, drop_last and
+        num_replicas: the world size whose sampler deals the micro-batches), ``cursor`` (the
+        epoch, the samples of its padded permutation already read, and the micro-batches'
+        layout: world_size R, grad_accum_steps K and batch_size B of the run that started
+        training, :mod:`ddp_lesson.layout`), ``rng`` (every rank's generators, in rank
+        order), ``config`` (the TrainConfig as a dict), ``world_size`` (the processes that
+        wrote it),
         ``history`` (per-epoch results), ``step_log`` (per-step global loss sums and pixel
         counts, gradient norms, skipped flags), ``scaler`` (the fp16 GradScaler's
         ``state_dict``: scale and growth tracker; None without ``--amp fp16``) and ``torch``
@@ -390,7 +388,7 @@ class Trainer:
                 per rank.
         """
 
-        k, b = self.cfg.grad_accum_steps, self.cfg.batch_size
+        lay = self.layout
         return {
             "format": CHECKPOINT_FORMAT,
             "version": CHECKPOINT_VERSION,
@@ -401,8 +399,12 @@ class Trainer:
             "step_in_epoch": self.step_in_epoch,
             "global_step": self.global_step,
             "sampler": {"seed": self.cfg.seed, "epoch": self.epoch, "shuffle": True,
-                        "drop_last": self.cfg.drop_last, "num_replicas": self.env.world_size,
-                        "consumed_per_rank": self.step_in_epoch * k * b},
+                        "drop_last": self.cfg.drop_last, "num_replicas": lay.world_size},
+            # where the epoch stands, for any world size: the samples of its padded
+            # permutation already read, and the micro-batches' layout (R, K, B)
+            "cursor": {"epoch": self.epoch, "samples": lay.cursor(self.step_in_epoch),
+                       "world_size": lay.world_size, "grad_accum_steps": lay.grad_accum_steps,
+                       "batch_size": lay.batch_size},
             "rng": rng_states,
             "config": asdict(self.cfg),
             "world_size": self.env.world_size,
@@ -436,8 +438,7 @@ class Trainer:
     @property
     def failure_marker(self) -> str:
         """``{out}/simulated_failure_step{K}.done``: written just before the simulated kill."""
-        return os.path.join(self.cfg.out,
-                            f"simulated_failure_step{self.cfg.simulate_failure_at_step}.done")
+        return _failure_marker(self.cfg)
 
     def _simulated_failure(self, where: str) -> None:
         """Kill this process with SIGKILL, once per ``--out`` (the marker makes a restart run on).
@@ -486,13 +487,19 @@ class Trainer:
             return False
         path = self.checkpoint_path
 
+        mine = (self.layout.world_size, self.layout.grad_accum_steps)
+
         def decide():
             if not os.path.exists(path):
                 return False, None
             if not validate:
                 return True, None
-            return True, inspect_checkpoint(path, self.cfg, self.env.world_size,
-                                            self.module.state_dict())
+            problem, layout = inspect_resume(path, self.cfg, self.env.world_size,
+                                             self.module.state_dict())
+            if problem is None and layout != mine:
+                problem = (f"checkpoint {path} continues a run of R, K = {layout}; this "
+                           f"Trainer was built for {mine}: build it with layout={layout}")
+            return True, problem
 
         exists, problem = decide_on_rank0(decide)
         if problem:
@@ -500,6 +507,13 @@ class Trainer:
         if not exists:
             return False
         ckpt = load_checkpoint(path, map_location=self.device)
+        cursor = ckpt.get("cursor")
+        if cursor and cursor["samples"] != self.layout.cursor(ckpt["step_in_epoch"]):
+            raise TrainInputError(  # the same file and arithmetic on every rank
+                f"checkpoint {path}: its cursor says {cursor['samples']} samples of epoch "
+                f"{ckpt['epoch'] + 1} were read, but {ckpt['step_in_epoch']} steps of "
+                f"{self.layout.global_batch} read {self.layout.cursor(ckpt['step_in_epoch'])};"
+                " move it away or pass --no-resume to start over")
         self.module.load_state_dict(strip_module_prefix(ckpt["model"]))
         self.optimizer.load_state_dict(ckpt["optimizer"])
         self.scheduler.load_state_dict(ckpt["scheduler"])
@@ -581,18 +595,17 @@ class Trainer:
         while self.epoch < cfg.epochs and not stopped:
             epoch, start_step = self.epoch, self.step_in_epoch
             remaining = max(0, steps - start_step)
-            samples_left = (d["samples_per_rank"] if not cfg.drop_last
-                            else d["micro_batches_per_epoch"] * cfg.batch_size)
-            samples_left -= min(samples_left, start_step * cfg.grad_accum_steps * cfg.batch_size)
-            bar = tqdm(total=samples_left * env.world_size, unit=" samples", unit_scale=True,
+            lay = self.layout  # all ranks' samples: the epoch's cursor at its end, and now
+            samples_left = lay.cursor(steps) - lay.cursor(start_step)
+            bar = tqdm(total=samples_left, unit=" samples", unit_scale=True,
                        desc=f"epoch {epoch + 1}/{cfg.epochs}", disable=not env.is_main,
                        leave=False, dynamic_ncols=True, mininterval=1.0)
             start = time.perf_counter()
-            for _step, group, _data_s in (self.batches(epoch, start_step) if remaining else ()):
+            for step, group, _data_s in (self.batches(epoch, start_step) if remaining else ()):
                 loss_sum, count = self.step(group)
-                n = sum(images.shape[0] for images, _ in group)
-                train_samples += n * env.world_size
-                bar.update(n * env.world_size)
+                n = lay.cursor(step + 1) - lay.cursor(step)  # the global batch, all ranks
+                train_samples += n
+                bar.update(n)
                 bar.set_postfix(loss=f"{loss_sum / max(count, 1):.3f}", refresh=False)
                 last_of_epoch = self.step_in_epoch == steps
                 if cfg.max_steps and self.global_step >= cfg.max_steps:
@@ -654,7 +667,10 @@ class Trainer:
             "epochs": cfg.epochs,
             "batch_size": cfg.batch_size,
             "global_batch": d["global_batch"],
-            "grad_accum_steps": cfg.grad_accum_steps,
+            "grad_accum_steps": d["grad_accum_steps"],  # this run's K' (per rank and step)
+            # the micro-batches' layout: R, K of the run that started training
+            "layout": {"world_size": self.layout.world_size,
+                       "grad_accum_steps": self.layout.grad_accum_steps},
             "steps_per_epoch": d["steps_per_epoch"],
             "samples_per_epoch": d["samples_per_epoch"],
             "effective_lr": d["effective_lr"],
@@ -730,7 +746,7 @@ def wrap_model(module, kind: str, env, device, bucket_cap_mb: float = 25.0,
 
 def _start_lines(trainer: Trainer) -> list[str]:
     cfg, env, d = trainer.cfg, trainer.env, trainer.derived
-    k = cfg.grad_accum_steps
+    k = d["grad_accum_steps"]
     made_of = f"{cfg.batch_size} x {env.world_size}" + (f" x {k} accumulation steps"
                                                          if k > 1 else "")
     extras = [f"ddp {cfg.ddp}" if env.distributed else "no DDP wrapper (1 process)"]
@@ -759,24 +775,41 @@ def _start_lines(trainer: Trainer) -> list[str]:
     ]
 
 
+def _resize_lines(trainer: Trainer) -> list[str]:
+    """What a run resumed at another world size keeps (nothing to say at the same one)."""
+    lay, d = trainer.layout, trainer.derived
+    if lay.world_size == trainer.env.world_size:
+        return []
+    return [f"world size {lay.world_size} -> {trainer.env.world_size}: the same micro-batches "
+            f"of {lay.batch_size}, {d['grad_accum_steps']} per rank and step "
+            f"(was {lay.grad_accum_steps})",
+            f"global batch {d['global_batch']} kept; cursor at sample "
+            f"{lay.cursor(trainer.step_in_epoch)} of {d['samples_per_epoch']} this epoch"]
+
+
 def _run(cfg: TrainConfig, env, wall_start: float) -> dict:
     path = os.path.join(cfg.out, CHECKPOINT_FILE)
 
     def check_out_and_checkpoint():
         # Before anything is built or printed: a bad --out or checkpoint fails fast.
-        problem = check_out_writable(cfg.out)
+        problem, layout = check_out_writable(cfg.out), None
         sweep_temporaries(path, only_dead=False)  # rank 0, before any write: killed writers' files
         if problem is None and not cfg.no_resume and os.path.exists(path):
-            problem = inspect_checkpoint(path, cfg, env.world_size, bare_model_state(cfg))
-        return problem
+            problem, layout = inspect_resume(path, cfg, env.world_size, bare_model_state(cfg))
+        # a simulated failure that already happened (its marker is written) needs no rank:
+        # the restart of a job that lost that rank's node runs on without it
+        if (problem is None and cfg.simulate_failure_at_step
+                and cfg.failure_rank >= env.world_size
+                and not os.path.exists(_failure_marker(cfg))):
+            problem = (f"--failure-rank {cfg.failure_rank} is outside [0, "
+                       f"{env.world_size - 1}] (world size {env.world_size})")
+        return problem, layout
 
-    problem = decide_on_rank0(check_out_and_checkpoint)  # rank 0 decides, all ranks act
+    # rank 0 decides, all ranks act; layout: (R, K) of the run a checkpoint continues
+    problem, layout = decide_on_rank0(check_out_and_checkpoint)
     if problem:
         raise TrainInputError(problem)
-    if cfg.simulate_failure_at_step and cfg.failure_rank >= env.world_size:
-        raise TrainInputError(f"--failure-rank {cfg.failure_rank} is outside [0, "
-                              f"{env.world_size - 1}] (world size {env.world_size})")
-    trainer = Trainer(cfg, env)
+    trainer = Trainer(cfg, env, layout=layout)
     if cfg.local_rank is not None:
         # Same rule as env.resolve_local_rank: the LOCAL_RANK variable wins over the flag.
         resolved = dist_env.resolve_local_rank([f"--local-rank={cfg.local_rank}"])
@@ -794,6 +827,8 @@ def _run(cfg: TrainConfig, env, wall_start: float) -> dict:
             print0(f"resuming from {trainer.checkpoint_path}: epoch {trainer.epoch + 1}/"
                    f"{cfg.epochs}, step {trainer.step_in_epoch}/{steps} (global step "
                    f"{trainer.global_step})", env=env)
+        for line in _resize_lines(trainer):
+            print0(line, env=env)
     facts = trainer.fit()
     if trainer.per_class_iou is None and trainer.history and not facts["stopped"]:
         trainer.validate()  # a finished run resumed: evaluate once more for the summary

@@ -16,6 +16,7 @@ run either way.
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 from pathlib import Path
 
@@ -83,6 +84,85 @@ def zero_lab(request):
 def fsdp_lab(request):
     """``(world_size, lines)`` of ``ddp_lesson.labs.fsdp_tinygpt`` (FSDP2 against DDP)."""
     return request.param, notebook07_or_launch("ddp_lesson.labs.fsdp_tinygpt", request.param)
+
+
+# ----------------------------------------------------------------------------- world of one
+# A gloo process group never lives in a pytest process: torch 2.13's gloo teardown can deadlock
+# there. destroy_process_group() joins the group's worker thread while holding the GIL, and that
+# thread, dropping a finished work whose saved thread-local state holds a Python object, waits
+# for the GIL (py-spy and gdb on a hung worker: ``pthread_join`` in the main thread,
+# ``gil_scoped_acquire`` under ``~ThreadLocalState`` / ``~AsyncWork`` in ``pt_gloo_runloop``).
+# A long-lived pytest process gathers such state: after tests/ddp/test_compile_ddp.py's
+# in-process tests, tests/models/test_models.py hung in 1 of 3 runs, and pytest-timeout's signal
+# cannot reach a main thread blocked in C. So a test that needs a group asks for
+# ``world_of_one``: the test then runs alone in a fresh ``python -m pytest`` (a 120 s limit), and
+# the pytest process itself refuses ``init_process_group`` with the reason.
+
+OWN_PROCESS_ENV = "DDP_LESSON_TEST_OWN_PROCESS"
+OWN_PROCESS_TIMEOUT_S = 120
+_IN_OWN_PROCESS = os.environ.get(OWN_PROCESS_ENV) == "1"
+
+
+def _refuse_process_group(*args, **kwargs):
+    raise RuntimeError("init_process_group in the pytest process: ask for the world_of_one "
+                       "fixture instead (tests/conftest.py says why: a gloo teardown there "
+                       "can deadlock)")
+
+
+if not _IN_OWN_PROCESS:
+    import torch.distributed as _dist
+
+    if _dist.is_available():
+        _dist.init_process_group = _refuse_process_group
+
+
+@pytest.fixture
+def world_of_one(request, tmp_path):
+    """A gloo process group of one rank (``FileStore`` in ``tmp_path``), in a process of its own.
+
+    In the pytest process it sets nothing up: the test is marked to run alone in a fresh
+    ``python -m pytest NODEID`` (see the comment above), where this fixture makes the group and
+    destroys it after the test."""
+    if not _IN_OWN_PROCESS:
+        request.node.stash[_OWN_PROCESS] = True
+        yield None
+        return
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1),
+                            rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+_OWN_PROCESS = pytest.StashKey[bool]()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pyfunc_call(pyfuncitem):
+    """Run a ``world_of_one`` test alone in a fresh pytest process; fail with its output."""
+    if _IN_OWN_PROCESS or not pyfuncitem.stash.get(_OWN_PROCESS, False):
+        return None
+    import subprocess
+
+    # without the suite's addopts (xdist, nbval): one test, and ~2 CPU-s less to start
+    cmd = [sys.executable, "-m", "pytest", pyfuncitem.nodeid, "-q", "--no-header", "-o",
+           "addopts=", "-p", "no:xdist", "-p", "no:nbval", "-p", "no:cacheprovider"]
+    env = {**os.environ, OWN_PROCESS_ENV: "1"}
+    env.pop("PYTEST_XDIST_WORKER", None)
+    try:
+        run = subprocess.run(cmd, cwd=pyfuncitem.config.rootpath, env=env, text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             timeout=OWN_PROCESS_TIMEOUT_S)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"{pyfuncitem.nodeid} in its own process outlived "
+                    f"{OWN_PROCESS_TIMEOUT_S} s:\n{(e.stdout or '')[-3000:]}", pytrace=False)
+    if run.returncode != 0 or " passed" not in run.stdout:
+        pytest.fail(f"{pyfuncitem.nodeid} in its own process (exit {run.returncode}):\n"
+                    f"{run.stdout[-6000:]}", pytrace=False)
+    return True
 
 
 # ----------------------------------------------------------------------------- the quick tier

@@ -47,6 +47,7 @@ SLOW: dict[str, str | frozenset[str]] = {
         "test_against_all_reduce_world_sizes_one_to_four",
         "test_core_and_hardened_ring_equal_torch_all_reduce",
         "test_odd_world_dtypes_and_reduce_scatter",
+        "test_world_of_one_and_argument_errors",
     }),
     "collectives/test_flight.py": frozenset({
         "test_ranks_that_called_different_collectives",
@@ -68,10 +69,8 @@ SLOW: dict[str, str | frozenset[str]] = {
         "test_05_1_names_the_missing_piece",
         "test_05_1_a_collective_only_rank_0_reaches_is_named_not_hung",
     }),
-    "seedfix/test_seedfix.py": frozenset({
-        "test_the_seed_fails_on_its_own_with_the_traceback",
-        "test_the_repaired_program_runs_on_its_own_without_a_warning",
-        "test_on_gpus_the_repaired_program_takes_a_gpu_per_rank",
+    "ddp/test_compile_ddp.py": frozenset({
+        "test_three_ranks_parts_predicted_gradients_within_tolerance",
     }),
     "ddp/test_ddp_core.py": frozenset({
         "test_bucketed_core_launches_from_the_hooks_while_backward_runs",
@@ -152,11 +151,13 @@ SLOW: dict[str, str | frozenset[str]] = {
         "test_kernel_restart_and_sigkill_leave_no_process_or_file",
         "test_notebook_01_ranks_cells_replay_their_stored_output_three_times",
         "test_notebook_04_ranks_cells_replay_their_stored_output",
+        "test_a_process_left_running_neither_holds_its_cell_nor_shows_in_the_next",
         "test_rank_ordered_deterministic_output",
         "test_rank_selection",
         "test_start_line_names_ranks_backend_and_why",
         "test_state_kept_across_cells",
         "test_stop_is_clean_and_leaves_no_process_or_file",
+        "test_writes_that_bypass_python_come_in_program_order_20_times",
     }),
     "launch/test_doctor.py": frozenset({
         "test_a_missing_gloo_interface_is_what_makes_gloo_fail",
@@ -206,6 +207,9 @@ SLOW: dict[str, str | frozenset[str]] = {
     "models/test_data.py": frozenset({
         "test_dataloader_workers_see_the_same_samples",
     }),
+    "models/test_models.py": frozenset({
+        "test_ddp_without_find_unused_parameters",
+    }),
     "notebooks/test_browser.py": ALL,
     "notebooks/test_notebook_claims_02.py": frozenset({
         "test_02_eval_under_no_grad_one_buffer_broadcast_and_no_per_batch_collective",
@@ -221,12 +225,18 @@ SLOW: dict[str, str | frozenset[str]] = {
     "sampler/test_sampler_weighted.py": frozenset({
         "test_issue_case_103_items_two_ranks_two_real_workers_each_item_once",
     }),
+    "seedfix/test_seedfix.py": frozenset({
+        "test_the_seed_fails_on_its_own_with_the_traceback",
+        "test_the_repaired_program_runs_on_its_own_without_a_warning",
+        "test_on_gpus_the_repaired_program_takes_a_gpu_per_rank",
+    }),
     "train/test_bad_input.py": frozenset({
         "test_every_rank_exits_and_only_rank_0_reports",
         "test_static_graph_with_no_sync_fails_in_torch_as_the_refusal_says",
     }),
     "train/test_checkpoint.py": frozenset({
         "test_a_good_save_sweeps_a_killed_writers_file_but_not_a_live_ones",
+        "test_b12_ddp_keys_carry_the_prefix_and_the_helper_strips_it",
         "test_b14_save_then_load_on_every_rank",
         "test_cli_kill_during_save_recovers_and_leaves_no_temporary",
         "test_sweep_removes_only_dead_writers_files_of_this_checkpoint",
@@ -254,16 +264,19 @@ SLOW: dict[str, str | frozenset[str]] = {
         "test_b5_mean_matches_one_process_and_sum_is_off_by_r",
     }),
     "train/test_train_amp.py": ALL,
+    "train/test_train_resize.py": ALL,
     "train/test_train_resume.py": frozenset({
         "test_three_ranks_resume_is_bit_identical_with_torch_ddp",
         "test_two_ranks_interrupted_and_resumed_are_bit_identical",
     }),
     "zero/test_fsdp.py": ALL,
+    "zero/test_zero_dcp.py": ALL,
     "zero/test_zero.py": frozenset({
         "test_core_and_hardened_equal_adamw_and_torch_zero",
         "test_equal_to_ddp_adamw_and_torch_zero",
         "test_losses_match_a_single_process_run",
         "test_optimizer_state_is_one_over_world_size",
+        "test_single_rank_equals_adamw_and_errors",
     }),
 }
 

@@ -8,6 +8,9 @@
   classified against the CSVs' min..max intervals ("faster" or "within noise");
 * :mod:`ddp_lesson.bench.cluster`   — persistent ranks against one-shot torchrun cells, run on
   its own: ``python -m ddp_lesson.bench.cluster`` (it was ``python -m ddp_lesson.cluster --bench``).
+* :mod:`ddp_lesson.bench.lr_recipe` — the batch-size and learning-rate recipe on TinyGPT: final
+  loss at 1x and 4x a base global batch under each learning-rate rule, over seeds, on one
+  process; run on its own: ``python -m ddp_lesson.bench.lr_recipe``.
 
 Layering: ``common`` imports nothing from the package; the three benchmarks import ``common``
 (and, inside functions, the lesson modules they time); nothing here imports ``ddp_lesson.cli``.

@@ -10,7 +10,13 @@ test_bench_claims.py`` classifies each claim against ``benchmarks/*.csv`` and fi
 in the file that makes it, so re-measuring a benchmark makes any claim that no longer holds fail.
 
 Words: for rates (bandwidth, steps/s, samples/s, a ratio of rates) ``faster``/``slower``; for
-times (exposed communication) ``less``/``more``; ``within noise`` when the intervals overlap.
+times (exposed communication) ``less``/``more``; for losses ``lower``/``higher``; ``within
+noise`` when the intervals overlap.
+
+The learning-rate recipe's experiment (``benchmarks/lr_recipe.csv``, :mod:`ddp_lesson.bench.
+lr_recipe`) follows the same rule with seeds in place of repeats: a row's interval is the min..max
+of the final evaluation loss over its seeds (its middle value is the mean), and its claims are
+stated in notebook 01's deep dive, ``docs/benchmarks.md`` and ``docs/cheatsheet.md``.
 """
 from __future__ import annotations
 
@@ -18,11 +24,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .common import read_rows
+from .lr_recipe import BASE_BATCH, BOOL_COLUMNS, FACTOR, TEXT_COLUMNS
 
-#: Columns where less is better (times); every other measured column is a rate.
+#: Columns where less is better (times); every other measured column is a rate, except ...
 TIME_COLUMNS = ("seconds", "exposed_ms", "step_s", "comm_exposed_s")
-_TEXT = {"allreduce": ("method",), "ddp": ("variant",), "scaling": ("mode",)}
-_BOOLS = {"ddp": ("link",)}
+#: ... losses, where lower is better and the words are lower/higher.
+LOSS_COLUMNS = ("eval_loss",)
+_TEXT = {"allreduce": ("method",), "ddp": ("variant",), "scaling": ("mode",),
+         "lr_recipe": TEXT_COLUMNS}
+_BOOLS = {"ddp": ("link",), "lr_recipe": BOOL_COLUMNS}
 MIB = 2**20
 
 
@@ -64,8 +74,11 @@ def compare(a: tuple, b: tuple) -> str:
 
 
 def word(column: str, verdict: str) -> str:
-    """The prose's word for ``verdict`` on ``column``: faster/slower, less/more, within noise."""
+    """The prose's word for ``verdict`` on ``column``: faster/slower, less/more, lower/higher,
+    within noise."""
     if verdict == "within noise":
+        return verdict
+    if column in LOSS_COLUMNS:
         return verdict
     if column in TIME_COLUMNS:
         return {"higher": "more", "lower": "less"}[verdict]
@@ -93,21 +106,27 @@ class Claim:
         """What the CSVs say: :func:`compare` of the two intervals."""
         return compare(*self.measured(tables))
 
-    def line(self, tables: dict) -> str:
-        """``id: a median (min-max) vs b median (min-max): word`` for printing (< 100 chars)."""
+    def line(self, tables: dict, fmt: str = ".3g", middle: bool = True) -> str:
+        """``id: a median (min-max) vs b median (min-max): word`` for printing (< 100 chars);
+        ``fmt`` formats the numbers (``.3f`` for losses that differ in the third decimal),
+        ``middle=False`` leaves the median out (``a (min-max) vs b (min-max)``)."""
         a, b = self.measured(tables)
-        other = (f"{self.b.label} {b[1]:.3g} ({b[0]:.3g}-{b[2]:.3g})"
-                 if isinstance(self.b, Quantity) else f"{self.b:g}")
-        return (f"{self.id}: {self.a.label} {a[1]:.3g} ({a[0]:.3g}-{a[2]:.3g}) vs {other}: "
+
+        def show(q, v):
+            mid = f"{v[1]:{fmt}} " if middle else ""
+            return f"{q.label} {mid}({v[0]:{fmt}}-{v[2]:{fmt}})"
+
+        other = show(self.b, b) if isinstance(self.b, Quantity) else f"{self.b:g}"
+        return (f"{self.id}: {show(self.a, a)} vs {other}: "
                 f"{word(self.a.column, self.verdict(tables))}")
 
 
 def load(root=".") -> dict:
     """Every stored benchmark CSV under ``root/benchmarks`` as rows:
-    ``{"allreduce": [...], ...}``."""
+    ``{"allreduce": [...], ..., "lr_recipe": [...]}``."""
     folder = Path(root) / "benchmarks"
     return {name: read_rows(folder / f"{name}.csv", text=_TEXT[name], bools=_BOOLS.get(name, ()))
-            for name in ("allreduce", "ddp", "scaling")}
+            for name in ("allreduce", "ddp", "scaling", "lr_recipe")}
 
 
 def _ar(R, method, size_mib, column="algbw_GBps"):
@@ -223,7 +242,107 @@ def _readme_claims() -> list[Claim]:
     return out
 
 
+# --------------------------------------------------------------- the learning-rate recipe
+
+NB01 = "notebooks/deep/01_loss_scaling_and_lr_rules.ipynb"
+CHEATSHEET = "docs/cheatsheet.md"
+#: notebook 06, whose short recipe box states three of the claims
+NB06 = "notebooks/06_training_the_seed_model.ipynb"
+
+
+def _lr(opt, batch, rule="none", mult=1, warmup=True):
+    what = rule if batch != BASE_BATCH else f"lr x{mult:g}"
+    label = f"{opt} {batch} {what}" + ("" if warmup else " no warm-up")
+    return Quantity("lr_recipe", (("optimizer", opt), ("global_batch", batch), ("rule", rule),
+                                  ("lr_mult", mult), ("warmup", warmup)), "eval_loss", label)
+
+
+_BIG, _BASE = FACTOR * BASE_BATCH, BASE_BATCH
+_WARM_4X = (("none", True), ("sqrt", True), ("linear", True), ("linear", False))
+#: The recipe's comparisons, by the key a prose's sentences are listed under:
+#: ``key -> [(id, a, b, verdict), ...]``.
+_LR_SPECS = {
+    "adam sqrt": [("at 32", _lr("adam", _BIG, "sqrt"), _lr("adam", _BIG, "linear"),
+                   "lower")],
+    "adam none": [("at 32", _lr("adam", _BIG), _lr("adam", _BIG, "linear"), "lower")],
+    "adam sqrt~none": [("at 32", _lr("adam", _BIG, "sqrt"), _lr("adam", _BIG),
+                        "within noise")],
+    "sgd sqrt": [("at 32", _lr("sgd", _BIG, "sqrt"), _lr("sgd", _BIG), "lower")],
+    "sgd linear~sqrt": [("at 32", _lr("sgd", _BIG, "linear"), _lr("sgd", _BIG, "sqrt"),
+                         "within noise")],
+    "sgd linear~none": [("at 32", _lr("sgd", _BIG, "linear"), _lr("sgd", _BIG),
+                         "within noise")],
+    "warm-up": [("warm-up", _lr(o, _BIG, "linear", warmup=False), _lr(o, _BIG, "linear"),
+                 "within noise") for o in ("adam", "sgd")],
+    "32 vs 8": [("32 vs 8", _lr(o, _BIG, rule, warmup=w), _lr(o, _BASE), "higher")
+                for o in ("adam", "sgd") for rule, w in _WARM_4X],
+    "sweep x2": [("at 8", _lr(o, _BASE, mult=2), _lr(o, _BASE), "within noise")
+                 for o in ("adam", "sgd")],
+    "sweep sgd x0.5": [("at 8", _lr("sgd", _BASE, mult=0.5), _lr("sgd", _BASE), "within noise")],
+    "sweep adam x0.5": [("at 8", _lr("adam", _BASE, mult=0.5), _lr("adam", _BASE, mult=2),
+                         "higher")],
+}
+#: square root against every other rule at 32, both optimizers (one sentence says it all;
+#: a within-noise pair is written the way round the other sentences write it)
+_LR_SPECS["sqrt best"] = [
+    *_LR_SPECS["adam sqrt~none"], *_LR_SPECS["adam sqrt"],
+    ("at 32", _lr("adam", _BIG, "sqrt"), _lr("adam", _BIG, "linear", warmup=False), "lower"),
+    *_LR_SPECS["sgd sqrt"], *_LR_SPECS["sgd linear~sqrt"],
+    ("at 32", _lr("sgd", _BIG, "linear", warmup=False), _lr("sgd", _BIG, "sqrt"),
+     "within noise"),
+]
+_ADAM_01 = ("with Adam, square-root scaling ends lower than linear scaling, and so does no "
+            "scaling")
+_SGD_01 = ("linear scaling is within noise of square-root scaling, and within noise of no "
+           "scaling too")
+_LR_NB01 = {
+    "adam sqrt": _ADAM_01, "adam none": _ADAM_01,
+    "adam sqrt~none": "square-root scaling and no scaling are within noise of each other",
+    "sgd sqrt": "with SGD, square-root scaling ends lower than no scaling",
+    "sgd linear~sqrt": _SGD_01, "sgd linear~none": _SGD_01,
+    "warm-up": ("linear scaling without warm-up is within noise of linear scaling with it, "
+                "with both optimizers"),
+    "32 vs 8": ("every batch-32 row ends higher than batch 8 at the base learning rate, with "
+                "both optimizers"),
+    "sweep x2": "at batch 8, twice the base learning rate is within noise of the base",
+    "sweep sgd x0.5": "with SGD half of it is within noise too",
+    "sweep adam x0.5": "with Adam half of it ends higher than twice it",
+    "sqrt best": ("square-root scaling ended lower than or within noise of every other rule, "
+                  "with either optimizer"),
+}
+_ADAM_DOC = "with Adam, square-root scaling and no scaling both end lower than linear scaling"
+_SGD_DOC = "while linear scaling is within noise of both"
+_LR_DOC = {
+    "adam sqrt": _ADAM_DOC, "adam none": _ADAM_DOC,
+    "adam sqrt~none": "and are within noise of each other",
+    "sgd sqrt": "with SGD, square-root scaling ends lower than no scaling",
+    "sgd linear~sqrt": _SGD_DOC, "sgd linear~none": _SGD_DOC,
+    "warm-up": "Linear scaling without warm-up is within noise of linear scaling with it",
+    "32 vs 8": "every batch-32 row ends higher than batch 8 at the base learning rate",
+}
+_LR_CHEAT = {
+    "adam sqrt": "Adam: square-root scaling ends lower than linear",
+    "sgd sqrt": "SGD: square-root scaling ends lower than no scaling",
+    "sgd linear~sqrt": "linear is within noise of square-root",
+    "32 vs 8": "4 times the batch ends higher than the base batch under every rule",
+}
+#: Notebook 06's recipe box (after section 3).
+_LR_NB06 = {
+    "adam sqrt": "with Adam, square-root ends lower than linear",
+    "sgd linear~sqrt": "with SGD, linear is within noise of square-root",
+    "32 vs 8": "4 times the batch ends higher than the base batch",
+}
+
+
+def _lr_claims(prose: str, say: dict) -> list[Claim]:
+    """The recipe's claims that ``prose`` states, each with its sentence ``say[key]``."""
+    return [Claim(cid, a, b, verdict, sentence, prose) for key, sentence in say.items()
+            for cid, a, b, verdict in _LR_SPECS[key]]
+
+
 #: Every claim about the stored benchmarks, in the order the lessons make them.
 CLAIMS: list[Claim] = (_ar_claims() + _readme_claims() + _ddp_claims(DOC, _DDP_DOC)
                        + _scaling_claims(DOC, _SCALING_DOC) + _ddp_claims(NB04, _DDP_NB04)
-                       + _scaling_claims(NB05, _SCALING_NB05))
+                       + _scaling_claims(NB05, _SCALING_NB05) + _lr_claims(NB01, _LR_NB01)
+                       + _lr_claims(DOC, _LR_DOC) + _lr_claims(CHEATSHEET, _LR_CHEAT)
+                       + _lr_claims(NB06, _LR_NB06))

@@ -20,7 +20,9 @@ world size, then SUM-all-reduced (:func:`ddp_lesson.core.naive_ddp.all_reduce_me
 flat copy, so ``.grad`` is untouched until the average arrives.
 
 ``no_sync()``: the backward of a forward run inside it launches nothing; ``.grad`` just
-accumulates, and the next synchronised backward averages the accumulated gradients.
+accumulates, and the next synchronised backward averages the accumulated gradients. Every
+backward after a synchronised forward averages (several backwards of retained graphs too):
+the buckets are reset at the end of each.
 
 The drop-in replacement for torch's DDP that the trainer uses is ``ddp_lesson.ddp.BucketedDDP``:
 this class plus torch's signature, the checks that name ranks and parameters, unused
@@ -136,9 +138,11 @@ class BucketedDDP(nn.Module):
             p.register_post_accumulate_grad_hook(lambda _p, i=i: self._on_grad_ready(i))
 
     def forward(self, *inputs, **kwargs):
-        # forward decides, as in torch: the backward of a forward inside no_sync() only
-        # accumulates into .grad, and the next synchronised backward averages the sum.
-        self._sync_this_backward = torch.is_grad_enabled() and self.require_backward_grad_sync
+        # forward decides, as in torch: the backwards after a forward inside no_sync() only
+        # accumulate into .grad, and the next synchronised backward averages the sum. A forward
+        # under no_grad decides nothing (it builds no graph).
+        if torch.is_grad_enabled():
+            self._sync_this_backward = self.require_backward_grad_sync
         return self.module(*inputs, **kwargs)
 
     def _on_grad_ready(self, index: int) -> None:

@@ -79,6 +79,10 @@ class NaiveDDP(nn.Module):
     got none on this rank contributes zeros (so every rank issues the same all-reduces). Buffers
     (BatchNorm's running statistics) are broadcast once, at construction.
 
+    Every backward after a synchronised forward averages, not only the first: with several
+    forwards, then several backwards (``retain_graph=True``), each averages the whole ``.grad``,
+    which before it was already equal on every rank, so each backward's share is averaged.
+
     Synchronisation: construction (the broadcasts) and every synchronised backward are
     collectives: every rank must do them, together.
     """
@@ -100,9 +104,12 @@ class NaiveDDP(nn.Module):
             p.register_post_accumulate_grad_hook(lambda _p, i=i: self._on_grad_ready(i))
 
     def forward(self, *inputs, **kwargs):
-        # As in torch, forward decides whether the coming backward averages: a forward run
-        # inside no_sync() gets a backward that only accumulates into .grad.
-        self._sync_this_backward = torch.is_grad_enabled() and self.require_backward_grad_sync
+        # As in torch, forward decides whether the coming backwards average: after a forward
+        # run inside no_sync() they only accumulate into .grad. A forward under no_grad builds
+        # no graph, so it decides nothing (else the backward of the forward before it would
+        # silently stay local).
+        if torch.is_grad_enabled():
+            self._sync_this_backward = self.require_backward_grad_sync
         return self.module(*inputs, **kwargs)
 
     def _on_grad_ready(self, index: int) -> None:

@@ -1,9 +1,10 @@
-"""The trainer's results (notebook 06 and its deep dive): loss curves, masks, the scaling study."""
+"""The trainer's results (notebook 06 and its deep dive): loss curves, masks, the scaling study;
+the learning-rate recipe's experiment (notebook 01's deep dive)."""
 from __future__ import annotations
 
 from .style import LABEL_PT, SMALL_PT, TITLE_PT, finish, subplots
 
-__all__ = ["loss_curves_figure", "masks_figure", "scaling_figure"]
+__all__ = ["loss_curves_figure", "masks_figure", "scaling_figure", "lr_recipe_figure"]
 
 
 def loss_curves_figure(curves, title: str = "training loss per optimizer step",
@@ -140,4 +141,53 @@ def scaling_figure(rows, figsize=(8, 3)):
     bx.set_ylabel("ms per step")
     bx.set_title("where a step's time goes (rank 0)", fontsize=LABEL_PT)
     bx.legend(fontsize=SMALL_PT, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    return finish(fig)
+
+
+def lr_recipe_tick(row, base_batch: int) -> str:
+    """A row's tick label: ``8\nlr x0.5`` at the base batch, ``32\nsqrt`` at a larger one,
+    with ``no warm-up`` under it where there was none."""
+    what = f"lr x{row['lr_mult']:g}" if row["global_batch"] == base_batch else row["rule"]
+    return f"{row['global_batch']}\n{what}" + ("" if row["warmup"] else "\nno warm-up")
+
+
+def lr_recipe_figure(rows, figsize=(9, 3.4)):
+    """The learning-rate recipe's experiment: final evaluation loss per configuration, one
+    panel per optimizer.
+
+    Args:
+        rows: rows of ``benchmarks/lr_recipe.csv`` (:func:`ddp_lesson.bench.lr_recipe.read_csv`).
+
+    Returns:
+        The figure: each configuration's mean over seeds (a point), its min-max (a bar) and
+        every seed (small dots); the grey band is the smallest batch at the base learning rate
+        (min-max), the reference the larger batch tries to reach with the same samples.
+    """
+    opts = list(dict.fromkeys(r["optimizer"] for r in rows))
+    fig, axes = subplots(1, len(opts), figsize=figsize, squeeze=False, sharey=True)
+    names = {"adam": "Adam", "sgd": "SGD, momentum 0.9"}
+    for ax, opt in zip(axes[0], opts):
+        rs = [r for r in rows if r["optimizer"] == opt]
+        small = min(r["global_batch"] for r in rs)
+        base = [r for r in rs if r["global_batch"] == small and r["lr_mult"] == 1]
+        for r in base:
+            ax.axhspan(r["eval_loss_min"], r["eval_loss_max"], color="#cccccc", alpha=0.6,
+                       lw=0, label=f"batch {r['global_batch']}, base lr")
+        for i, r in enumerate(rs):
+            color = "#4c72b0" if r["global_batch"] == small else "#dd8452"
+            if r.get("eval_loss") is None:
+                ax.annotate("diverged", (i, ax.get_ylim()[1]), ha="center", va="top")
+                continue
+            ax.errorbar([i], [r["eval_loss"]], yerr=[[r["eval_loss"] - r["eval_loss_min"]],
+                                                     [r["eval_loss_max"] - r["eval_loss"]]],
+                        marker="o", color=color, capsize=3)
+            seeds = [float(x) for x in r["eval_loss_per_seed"].split()]
+            ax.plot([i + 0.18] * len(seeds), seeds, ".", color=color, ms=3, alpha=0.7)
+        ax.set_xticks(range(len(rs)))
+        ax.set_xticklabels([lr_recipe_tick(r, small) for r in rs], fontsize=SMALL_PT)
+        ax.set_title(names.get(opt, opt), fontsize=LABEL_PT)
+        ax.set_xlabel("global batch (sequences), learning rate")
+        ax.grid(alpha=0.3, axis="y")
+        ax.legend(fontsize=SMALL_PT, loc="upper left")
+    axes[0][0].set_ylabel("final eval loss (nats/token)")
     return finish(fig)

@@ -13,13 +13,26 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from ddp_lesson.bench.claims import CLAIMS, NB04, NB05, Claim, Quantity, compare, load, word
+from ddp_lesson.bench.claims import (
+    CLAIMS,
+    NB04,
+    NB05,
+    NB06,
+    Claim,
+    Quantity,
+    compare,
+    load,
+    word,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 TABLES = load(ROOT)
-#: Files whose text this project's benchmark owner keeps in step with the claims; claims for
-#: notebooks 04 and 06 are checked against the CSVs here, their sentences by those notebooks.
-CHECKED_PROSE = ("notebooks/deep/03_collective_costs.ipynb", "README.md", "docs/benchmarks.md")
+#: Files whose text this project's benchmark owner keeps in step with the claims (notebook 06:
+#: its learning-rate box); claims for notebooks 04 and 05 are checked against the CSVs here,
+#: their sentences by those notebooks' own tests.
+CHECKED_PROSE = ("notebooks/deep/03_collective_costs.ipynb", "README.md", "docs/benchmarks.md",
+                 "notebooks/deep/01_loss_scaling_and_lr_rules.ipynb", "docs/cheatsheet.md",
+                 "notebooks/06_training_the_seed_model.ipynb")
 
 
 def _prose(path: str) -> str:
@@ -69,12 +82,41 @@ def test_each_claim_is_stated_where_it_says(path):
 
 
 def test_claims_for_notebooks_04_and_05_exist():
-    assert {c.prose for c in CLAIMS} >= {NB04, NB05}
+    assert {c.prose for c in CLAIMS} >= {NB04, NB05, NB06}
+
+
+def test_loss_words_and_the_recipes_seed_intervals():
+    assert word("eval_loss", "lower") == "lower" and word("eval_loss", "higher") == "higher"
+    rows = {"lr_recipe": [
+        {"optimizer": "adam", "global_batch": 32, "rule": r, "lr_mult": 1, "warmup": True,
+         "eval_loss": m, "eval_loss_min": m - 0.05, "eval_loss_max": m + 0.05}
+        for r, m in (("sqrt", 2.2), ("linear", 2.4), ("none", 2.25))]}
+
+    def q(rule):
+        return Quantity("lr_recipe", (("optimizer", "adam"), ("global_batch", 32),
+                                      ("rule", rule), ("lr_mult", 1), ("warmup", True)),
+                        "eval_loss", rule)
+
+    assert Claim("t", q("sqrt"), q("linear"), "lower", "", "").verdict(rows) == "lower"
+    assert Claim("t", q("sqrt"), q("none"), "", "", "").verdict(rows) == "within noise"
+    line = Claim("at 32", q("sqrt"), q("linear"), "lower", "", "").line(rows, ".3f",
+                                                                      middle=False)
+    assert line == "at 32: sqrt (2.150-2.250) vs linear (2.350-2.450): lower"
+
+
+def test_every_lr_recipe_claim_compares_rows_that_exist_and_did_not_diverge():
+    mine = [c for c in CLAIMS if c.a.csv == "lr_recipe"]
+    assert len(mine) >= 40
+    for c in mine:
+        for q in (c.a, c.b):
+            (row,) = [r for r in TABLES["lr_recipe"] if all(r[k] == v for k, v in q.row)]
+            assert row["diverged"] == 0 and row["seeds"] >= 3, q.label
 
 
 def test_numbers_in_docs_benchmarks_match_the_csvs():
     text = _prose("docs/benchmarks.md")
-    loads = {name: [r["load_avg_1min"] for r in rows] for name, rows in TABLES.items()}
+    loads = {name: [r["load_avg_1min"] for r in TABLES[name]]
+             for name in ("allreduce", "ddp", "scaling")}   # lr_recipe is a loss, not a timing
     assert (round(min(loads["allreduce"])), round(max(loads["allreduce"]))) == (5, 8)
     assert round(max(loads["ddp"])) == round(min(loads["ddp"])) == 9
     assert round(sum(loads["scaling"]) / len(loads["scaling"])) == 11

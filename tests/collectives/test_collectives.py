@@ -110,16 +110,7 @@ def test_calls_without_a_process_group_fail_clearly():
         ring_all_reduce(torch.ones(3))
 
 
-@pytest.fixture
-def single_process_group():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
-def test_world_of_one_and_argument_errors(single_process_group):
+def test_world_of_one_and_argument_errors(world_of_one):
     for fn in (ring_all_reduce, pipelined_ring_all_reduce, naive_all_reduce):
         for dtype in (torch.int64, torch.float32):
             x = torch.arange(7, dtype=dtype).reshape(7, 1)

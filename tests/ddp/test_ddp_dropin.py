@@ -1,4 +1,5 @@
-"""NaiveDDP and BucketedDDP as drop-ins for torch's DDP: docs/pitfalls.md B15-B23, B31; 2 ranks.
+"""NaiveDDP and BucketedDDP as drop-ins for torch's DDP: docs/pitfalls.md B15-B23, B31-B33;
+2 ranks.
 
 One torchrun launch (gloo, 20 s process-group timeout) runs every scenario of the test program
 ``tests/programs/ddp_dropin.py`` and prints one JSON line per scenario and rank; torch's
@@ -158,3 +159,65 @@ def test_case8_zero1_is_an_optimizer_with_the_models_groups_like_torchs(lab):
         assert got[v + " state"] == {"0": 2.71, "1": 2.71, "2": 2.71, "3": 2.71}  # 1+0.9+0.81
         assert got[v + " saved groups"] == [[[0, 1], 0.0125, 0.9], [[2, 3], 0.025, 0.9]]
     assert got["ours reloaded groups"] == [[0.0125, 0.9], [0.025, 0.9]]
+
+
+def test_b32_torch_averages_only_the_first_of_several_backwards(lab):
+    # torch 2.13: the first backward after the forwards is averaged, the others stay local
+    assert _both(lab, "several_backwards", "torch") == [[3.0, 5.0, 8.0], [3.0, 9.0, 16.0]]
+    assert _both(lab, "several_backwards", "torch find_unused") == [
+        [3.0, 5.0, 8.0], [3.0, 9.0, 16.0]]
+    assert _both(lab, "several_backwards", "torch no_sync first") == [
+        [5.0, 7.0, 10.0], [5.0, 11.0, 18.0]]
+
+
+def test_b32_ours_average_every_backward(lab):
+    # each backward's share averaged: 3, then 3 + (2 + 6) / 2, then 7 + (3 + 7) / 2
+    for v in (*OURS, "core naive", "core bucketed"):
+        assert _both(lab, "several_backwards", v) == [[3.0, 7.0, 12.0]] * 2, v
+    for v in OURS:
+        assert _both(lab, "several_backwards", v + " find_unused") == [[3.0, 7.0, 12.0]] * 2
+        # the no_sync micro-batch (4 and 0) is averaged by the first synchronised backward
+        assert _both(lab, "several_backwards", v + " no_sync first") == [[5.0, 9.0, 14.0]] * 2
+
+
+def test_b32_a_no_grad_forward_between_forward_and_backward_changes_nothing(lab):
+    # x = 1 and 5: the mean 3.0 on both ranks, as torch (before: 1.0 and 5.0, not averaged)
+    for v in ("torch", *OURS, "core naive", "core bucketed"):
+        assert _both(lab, "several_backwards", v + " no_grad forward between") == [[3.0]] * 2, v
+
+
+def test_b32_each_backward_has_its_own_unused_parameter_check(lab):
+    for v in OURS:
+        # forward a+b (x = 1, 5), forward a (x = 2, 6); backward of each: b only in the first
+        assert _both(lab, "several_backwards", f"{v} ab then a, find_unused=True") == [
+            [[3.0, 3.0], [7.0, 3.0]]] * 2, v
+        e0, e1 = _both(lab, "several_backwards", f"{v} ab then a, find_unused=False")
+        assert e0 == e1 and e0[:2] == ["error", "RuntimeError"], e0
+        assert "backward 2 after the last synchronised forward" in e0[2], e0
+        assert "rank 0: b.weight (index 1); rank 1: b.weight (index 1)" in e0[2], e0
+
+
+def test_b32_several_backwards_inside_join(lab):
+    # rank 0 steps (1, 2) and (3, 4), rank 1 one step (5, 6); two forwards, two backwards each
+    for v in OURS:
+        r0, r1 = _both(lab, "several_backwards_join", f"{v} divide_by_initial_world_size=False")
+        assert (r0, r1) == ([[7.0, 7.0]], [[7.0]]), v
+        r0, r1 = _both(lab, "several_backwards_join", f"{v} divide_by_initial_world_size=True")
+        assert r0[0] == [7.0] and r1[0] == [7.0], v     # all ranks in: each backward averaged
+        assert r0[1] == r1[1] and r0[1][:2] == ["error", "RuntimeError"], (r0, r1)
+        assert "second backward after one forward inside Join, with 1 of 2 ranks" in r0[1][2]
+
+
+def test_b33_two_forwards_one_backward_with_a_buffer_like_torch(lab):
+    # lin(x) * scale, w = 1, scale 2, x = 1 and 2, two forwards: (2 * 2 + 4 * 2) / 2 = 6.0; the
+    # buffer's version is still the construction broadcast's (torch's and ours; the cores only
+    # broadcast at construction, without bumping it)
+    for v in ("torch", *OURS):
+        assert _both(lab, "two_forwards_buffer", v + " scaled") == [[6.0, 1]] * 2, v
+    for v in ("core naive", "core bucketed"):
+        assert _both(lab, "two_forwards_buffer", v + " scaled") == [[6.0, 0]] * 2, v
+    torch0, torch1 = _both(lab, "two_forwards_buffer", "torch batchnorm")
+    assert torch0[:10] == torch1[:10]           # gradients averaged
+    assert torch0[10:] != torch1[10:]           # running statistics: each rank's second batch
+    for v in OURS:
+        assert _both(lab, "two_forwards_buffer", v + " batchnorm") == [torch0, torch1], v

@@ -15,6 +15,7 @@ import torch
 from notebook_cells import stream_text
 
 from ddp_lesson.gradients import (
+    accumulation_steps,
     average,
     batch_gradient,
     make_toy_batch,
@@ -25,6 +26,7 @@ from ddp_lesson.gradients import (
     sgd_step,
     shard_gradients,
     split_batch,
+    warmup_cosine,
     weighted_average,
 )
 from ddp_lesson.launch import run_torchrun
@@ -108,6 +110,37 @@ def test_scale_lr_rules():
         scale_lr(0.1, 256, 512, "cubic")
     with pytest.raises(ValueError, match="must be > 0"):
         scale_lr(0.1, 0, 512)
+
+
+def test_accumulation_reaches_the_global_batch():
+    """global = micro x accumulation x world_size (the recipe's step 2)."""
+    assert accumulation_steps(256, 16, 4) == 4
+    assert accumulation_steps(32, 8, 4) == 1
+    assert accumulation_steps(96, 3, 2) == 16
+    with pytest.raises(ValueError, match=r"global batch 100 is not a multiple of micro_batch 16 "
+                                         r"x world_size 4 = 64; use a global batch of 64 or 128"):
+        accumulation_steps(100, 16, 4)
+    with pytest.raises(ValueError, match="global batch 8 .* = 32; use a global batch of 32,"):
+        accumulation_steps(8, 16, 2)
+    with pytest.raises(ValueError, match="world_size must be >= 1, got 0"):
+        accumulation_steps(8, 4, 0)
+
+
+def test_warmup_then_cosine_to_the_floor():
+    total, warm = 10, 4
+    f = [warmup_cosine(s, total, warm, floor=0.1) for s in range(total)]
+    assert f[:4] == pytest.approx([0.25, 0.5, 0.75, 1.0])        # linear warm-up, peak at 4
+    assert f[4] == pytest.approx(1.0) and f[-1] == pytest.approx(0.1)
+    # step 6 is 2 of the decay's 5 intervals in (steps 4..9)
+    assert f[6] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 2 / 5)))
+    assert all(a >= b for a, b in zip(f[4:], f[5:]))             # decays monotonically
+    assert warmup_cosine(0, 5, 0) == 1.0                          # no warm-up: peak at step 0
+    assert warmup_cosine(0, 1, 0) == 1.0                          # one step: the peak
+    for bad in ((0, 0), (5, 5), (5, -1)):
+        with pytest.raises(ValueError, match="0 <= warmup_steps < total_steps"):
+            warmup_cosine(0, *bad)
+    with pytest.raises(ValueError, match="floor in"):
+        warmup_cosine(0, 5, 1, floor=1.5)
 
 
 def test_sgd_step_is_plain_sgd():

@@ -193,3 +193,21 @@ def test_claim16_reentrant_checkpoint_on_input_averaged_by_all_three():
     pitfalls = (ROOT / "docs" / "pitfalls.md").read_text()
     row = next(line for line in pitfalls.splitlines() if 'id="B20"' in line)
     assert "gradients equal to torch's DDP" in row
+
+
+def test_claim17_buffer_broadcast_hidden_from_autograd_as_torch():
+    """torch's buffer sync before a forward keeps the buffers' version counters, so a second
+    forward does not break the first one's backward (B33); the wrappers do the same."""
+    from ddp_lesson.ddp import _DropIn
+
+    src = inspect.getsource(DistributedDataParallel._sync_buffers)
+    assert "torch.autograd._unsafe_preserve_version_counter(" in src
+    assert "self._sync_module_buffers(authoritative_rank)" in src.split(
+        "_unsafe_preserve_version_counter(")[1]
+    assert "torch.autograd._unsafe_preserve_version_counter(" in inspect.getsource(
+        _DropIn._broadcast_buffers)
+    text = _markdown(DROPIN)
+    assert "Every backward after a synchronised forward averages, where torch's DDP averages the "\
+        "first only" in text
+    assert "the buffer broadcast before a second forward is hidden from autograd as in torch" \
+        in text

@@ -140,7 +140,8 @@ def test_comm_hooks_bytes_error_and_loss(lab):
     for name in ("PowerSGD rank 1", "PowerSGD rank 4"):
         assert abs(rows[name]["loss_last"] - exact) < 1e-2
     table = [f"{r['hook']:<19} {r['bytes_last']:>10,} {r['bytes_last'] / fp32:>7.3f} "
-             f"{r['rel_error_last']:>10.1e} {r['loss_first']:>8.4f} {r['loss_last']:>9.4f}"
+             f"{tr.error_order(r['rel_error_last']):>10} {r['loss_first']:>8.4f} "
+             f"{r['loss_last']:>9.4f}"
              for r in rows.values()]
     start = lines.index("hook                bytes/step vs fp32 grad error loss @ 1 loss @ 20")
     assert lines[start + 1:start + 5] == table
@@ -193,3 +194,8 @@ def test_reducer_map_figure_is_readable_and_names_both_sides():
                        for b in boxes), gid
     finally:
         plt.close(fig)
+
+
+def test_the_hook_table_prints_each_error_by_its_order_of_magnitude():
+    assert [tr.error_order(x) for x in (0.0, 3.5e-4, 3.6e-4, 1.1, 0.92, 1e-3)] == \
+        ["0", "~1e-04", "~1e-04", "~1e+00", "~1e-01", "~1e-03"]

@@ -64,7 +64,10 @@ def cluster_dirs(tmp: str | None = None) -> set[str]:
 
 @pytest.fixture(scope="module")
 def shared():
-    c = Cluster(nproc_per_node=2, backend="gloo", timeout=120)
+    # the engines' environment as a notebook's kernel gives it: ipykernel stops watching fds 1
+    # and 2 where PYTEST_CURRENT_TEST is set (C11)
+    env = {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}
+    c = Cluster(nproc_per_node=2, backend="gloo", timeout=120, env=env)
     c.start()
     yield c
     c.stop()
@@ -153,6 +156,54 @@ def test_rank_ordered_deterministic_output(cluster, capsys):
     for _ in range(2):
         cl.ranks_magic("", cell)
         assert capsys.readouterr().out == expected
+
+
+# prints, os.write, os.system and a subprocess on fd 1, and the same on fd 2 (C11)
+MIXED_CELL = """\
+import os, subprocess, sys
+print('print 1', rank)
+os.write(1, f'os.write {rank}\\n'.encode())
+os.system(f'echo os.system {rank}')
+subprocess.run(['echo', 'subprocess.run', str(rank)])
+print('print 2', rank, end=' ')
+os.write(1, b'continued\\n')
+os.write(2, f'os.write err {rank}\\n'.encode())
+print('print err', rank, file=sys.stderr)
+os.system(f'echo os.system err {rank} >&2')
+subprocess.run(['sh', '-c', f'echo subprocess.run err {rank} >&2'])
+print('last', rank)
+"""
+MIXED_OUT = ["print 1 {r}", "os.write {r}", "os.system {r}", "subprocess.run {r}",
+             "print 2 {r} continued", "last {r}"]
+MIXED_ERR = ["os.write err {r}", "print err {r}", "os.system err {r}", "subprocess.run err {r}"]
+
+
+def test_writes_that_bypass_python_come_in_program_order_20_times(cluster, capsys):
+    """Each rank's stdout (and, under --show-stderr, its stderr) in the cell's own order, every
+    line there, in 20 cells in a row: ipykernel's own fd watching loses or reorders lines
+    (C11)."""
+    expected_out, expected_err = ("".join(f"[rank {r}] {line.format(r=r)}\n"
+                                          for r in range(2) for line in lines)
+                                  for lines in (MIXED_OUT, MIXED_ERR))
+    wrong = []
+    for i in range(20):
+        cl.ranks_magic("--show-stderr", MIXED_CELL)
+        got = capsys.readouterr()
+        if (got.out, got.err) != (expected_out, expected_err):
+            wrong.append((i, got.out, got.err))
+    assert wrong == []
+
+
+def test_a_process_left_running_neither_holds_its_cell_nor_shows_in_the_next(cluster):
+    # the child holds the cell's stdout pipe, waiting for a line: the cell returns all the same
+    assert cluster.run("import subprocess\n"
+                       "p = subprocess.Popen(['sh', '-c', 'read x; echo late $x'], "
+                       "stdin=subprocess.PIPE)\nprint('started', rank)") == {
+        0: "started 0\n", 1: "started 1\n"}
+    # it writes during this cell, into the pipe of the cell that started it: not shown here,
+    # and not killed by a closed pipe (exit status 0)
+    assert cluster.run("p.communicate(b'now\\n')\nprint('waited', p.returncode)") == {
+        0: "waited 0\n", 1: "waited 0\n"}
 
 
 def test_rank_selection(cluster, capsys):

@@ -7,7 +7,7 @@ mid-epoch between two checkpoints (three runs: restarts must be reliable, see th
 TORCH_DISABLE_SHARE_RDZV_TCP_STORE note in ``ddp_lesson.launch.launch_env``), a kill inside
 the checkpoint write (after the temporary file, before the rename), two simulated nodes of one
 process each against one node of two processes, and a node lost for good under
-``--nnodes 1:2``.
+``--nnodes 1:2`` (the survivor finishes the run alone, with the same weights).
 
 Where notebook 07 or its deep dive runs the very same job (the third mid-epoch kill, the kill
 inside the write, the two-node cell, the lost node), the test reads the notebook's stored output
@@ -170,24 +170,30 @@ def test_notebook_two_node_cell_names_the_missing_rank():
 DEEP = "deep/07_restart_trap_and_stores.ipynb"
 
 
-def test_lost_node_shrinks_the_world_and_the_trainer_refuses_the_checkpoint():
+def test_lost_node_shrinks_the_world_and_the_survivor_finishes_the_run():
     """Elastic ``--nnodes 1:2``, the ``lost_node`` cell of notebook 07's deep dive as stored
-    (nbval replays it): node 1's agent dies after step 6; node 0 restarts alone (WORLD_SIZE 1)
-    and the trainer refuses the checkpoint written by 2 processes."""
+    (nbval replays it): node 1's agent dies after step 6; node 0 restarts alone (WORLD_SIZE 1),
+    resumes the checkpoint written by 2 processes with their micro-batches, 2 per step, and
+    ends with the weights of an uninterrupted 2-process run (docs/pitfalls.md C8)."""
     setup = " ".join(cell_with(DEEP, "def train(").source.split())  # the same job as here
     assert "BASE = " + json.dumps(BASE) in setup
     cell = cell_with(DEEP, "--simulate-node-loss").source
     assert 'ELASTIC = ["--nnodes", "1:2", ' in cell and "max_restarts=1" in cell
+    assert 'train("uninterrupted", live=False)' in cell  # the reference: 2 processes, no stop
     ranks, other = stored_run(DEEP, "--simulate-node-loss")
     assert ranks[1] == ["simulated failure: rank 1 kills its torchrun agent and itself "
                         "(SIGKILL) after the step at global step 6: node lost"]
-    assert ranks[0][0].startswith("world_size 2 ") and "[restart 1]" in ranks[0]
     path = "runs/nb07/lost_node/checkpoint.pt"
-    assert ranks[0][-1] == (f"error: checkpoint {path} was written by 2 processes, this run has "
-                            "1 (the data order and global batch depend on it); resume with the "
-                            "same settings, or pass --no-resume to start over")
-    assert other == ["the job's exit code: 1",  # the refusal fails the job
-                     "the refused checkpoint, untouched: global step 6 of 2 processes"]
+    assert ranks[0] == [
+        "world_size 2  backend gloo  device cpu", "[restart 1]",
+        "world_size 1  backend gloo  device cpu",
+        f"resuming from {path}: epoch 2/2, step 2/4 (global step 6)",
+        "world size 2 -> 1: the same micro-batches of 4, 2 per rank and step (was 1)",
+        "global batch 8 kept; cursor at sample 16 of 32 this epoch"]
+    assert other == ["the job's exit code: -9 (node 1's agent, SIGKILLed)",
+                     "finished by 1 process at global step 8 | the layout kept: 2 x 1",
+                     "weights bit-identical to the uninterrupted run: True",
+                     "BatchNorm running means the same: False"]
 
 
 def test_node_loss_needs_a_step(capsys):

@@ -623,10 +623,35 @@ def _run_all_until_started(page, attempts: int = 3, wait_s: float = 20) -> None:
                 f"{started()[1]}")
 
 
+def _run_cell_until_started(page, index: int, look, attempts: int = 3,
+                            wait_s: float = 20) -> None:
+    """Cell ``index`` of ``page`` run with Ctrl+Enter, pressed again (up to ``attempts`` times)
+    while it has not started after ``wait_s`` (prompt ``[ ]:``, no output) and the kernel is
+    idle, so it is never queued twice. ``look()`` is one snapshot of the cell and the kernel."""
+    for _ in range(attempts):
+        page.bring_to_front()
+        page.locator(f"{_PANEL} .jp-CodeCell").nth(index).locator(".jp-InputArea-editor").click()
+        page.keyboard.press("Control+Enter")
+        deadline = time.monotonic() + wait_s
+        while True:
+            seen = look(index)
+            if seen["prompt"] != "[ ]:" or seen["outputs"]:
+                return
+            if time.monotonic() > deadline and seen["indicator"] == "idle":
+                break  # nothing queued, the kernel idle: a press now cannot queue twice
+            if time.monotonic() > deadline + PAGE_LOAD_S:
+                break
+            time.sleep(0.25)
+    pytest.fail(f"Ctrl+Enter on cell {index} started nothing in {attempts} tries: {look(index)}")
+
+
 def _long_cell(browser, lab) -> dict:
     """The long-cell scenario, in a fresh kernel:
 
-    1. "Run All" on LONG_CELLS: while the %%torchrun cell runs, its status line is read
+    1. LONG_CELLS run one by one (Ctrl+Enter, the first checked free of errors before the
+       next: "Run All" is what notebook 02's page does meanwhile; here, in a suite run under
+       load, "Run All" once left the %%torchrun cell ``[ ]:`` with the kernel idle and no
+       record of why): while the %%torchrun cell runs, its status line is read
        (plain text, changing); JupyterLab's subshell probe is sent to the kernel and the
        kernel status sampled for LIVE_SAMPLES_S;
     2. the toolbar's interrupt: what the cell shows after, its workers ended;
@@ -644,8 +669,8 @@ def _long_cell(browser, lab) -> dict:
     found = {"live": [], "samples": []}
     index = len(LONG_CELLS) - 1
 
-    def look():
-        return page.evaluate(_LOOK_JS, [_PANEL, index])
+    def look(i=index):
+        return page.evaluate(_LOOK_JS, [_PANEL, i])
 
     def running():  # the status line shows the run going ("..., at N s | rank 0: step N")
         seen = look()
@@ -660,7 +685,15 @@ def _long_cell(browser, lab) -> dict:
     t0 = time.monotonic()
     phases = {}
     try:
-        _run_all_until_started(page)
+        for i in range(index):  # the cells before the long one: each done, free of errors
+            _run_cell_until_started(page, i, look)
+            _wait_for(f"cell {i} to finish", lambda i=i: (
+                look(i)["prompt"] not in ("[*]:", "[ ]:") and look(i)["indicator"] == "idle",
+                look(i)), PAGE_LOAD_S)
+            errors = [o["text"] for o in look(i)["outputs"] if "error" in o["mime"]
+                      or "Traceback" in o["text"]]
+            assert not errors, f"cell {i} ({LONG_CELLS[i]!r}) failed: {errors}"
+        _run_cell_until_started(page, index, look)
         _wait_for("the long cell's status line to go live", running, PAGE_LOAD_S)
         _subshell_probe_from_outside(lab)
         end = time.monotonic() + LIVE_SAMPLES_S
@@ -685,8 +718,7 @@ def _long_cell(browser, lab) -> dict:
 
         phases["interrupted"] = time.monotonic() - t0
         # again, then the kernel restarted while it runs
-        page.locator(f"{_PANEL} .jp-CodeCell").nth(index).locator(".jp-InputArea-editor").click()
-        page.keyboard.press("Control+Enter")
+        _run_cell_until_started(page, index, look)
         _wait_for("the long cell to run again", running, PAGE_LOAD_S)
         workers = _workers(lab)
         page.locator(f'{_PANEL} .jp-Toolbar [data-command="notebook:restart-kernel"]').click()

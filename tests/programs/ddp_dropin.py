@@ -130,12 +130,14 @@ def unfrozen_after_wrapping(rank):
 
 
 class AB(nn.Module):
+    """``which`` = "a", "b" or "ab": a(x), b(x) or a(x) + b(x), summed."""
+
     def __init__(self):
         super().__init__()
         self.a, self.b = _scalar(), _scalar()
 
     def forward(self, x, which):
-        return getattr(self, which)(x).sum()
+        return sum(getattr(self, w)(x) for w in which).sum()
 
 
 def unused_with_no_sync(rank):
@@ -311,9 +313,140 @@ def zero_optimizer(rank):
     return out
 
 
+def _cores():
+    from ddp_lesson.core.bucketed_ddp import BucketedDDP as CoreBucketed
+    from ddp_lesson.core.naive_ddp import NaiveDDP as CoreNaive
+    return {"core naive": CoreNaive, "core bucketed": CoreBucketed}
+
+
+def _backwards(cls, rank, no_sync_first=False, **kwargs):
+    """w = 1; three forwards on x = 1, 2, 3 (rank 0) or 5, 6, 7 (rank 1), each output summed,
+    then three backwards (retain_graph=True on the first two): .grad after each.
+    ``no_sync_first``: one micro-batch inside no_sync() first (x = 4 on rank 0, 0 on rank 1)."""
+    m = _scalar()
+    ddp = cls(m, **kwargs)
+    if no_sync_first:
+        with ddp.no_sync():
+            ddp(torch.full((1, 1), 4.0 - 4 * rank)).sum().backward()
+    outs = [ddp(torch.full((1, 1), x + 4.0 * rank)).sum() for x in (1.0, 2.0, 3.0)]
+    grads = []
+    for i, out in enumerate(outs):
+        out.backward(retain_graph=i < 2)
+        grads.append(m.weight.grad.item())
+    return grads
+
+
+def several_backwards(rank):
+    """B32: several forwards, then several backwards (pytorch/pytorch#47260)."""
+    out = {}
+    for v, cls in {**WRAPPERS, **_cores()}.items():
+        out[v] = _backwards(cls, rank)
+        # a forward under no_grad between a forward and its backward (x = 1 or 5, then 2 or 6)
+        m = _scalar()
+        ddp = cls(m)
+        loss = ddp(torch.full((1, 1), 1.0 + 4 * rank)).sum()
+        with torch.no_grad():
+            ddp(torch.full((1, 1), 2.0 + 4 * rank))
+        loss.backward()
+        out[v + " no_grad forward between"] = [m.weight.grad.item()]
+    for v in ("torch", *OURS):
+        out[v + " find_unused"] = _try(
+            lambda v=v: _backwards(WRAPPERS[v], rank, find_unused_parameters=True))
+        out[v + " no_sync first"] = _backwards(WRAPPERS[v], rank, no_sync_first=True)
+    for v in OURS:
+        for flag in (True, False):
+            # forward "ab" on x = 1 or 5, forward "a" on x = 2 or 6; then both backwards
+            m = AB()
+            ddp = WRAPPERS[v](m, find_unused_parameters=flag)
+
+            def run(ddp=ddp, m=m):
+                o1 = ddp(torch.full((1, 1), 1.0 + 4 * rank), "ab")
+                o2 = ddp(torch.full((1, 1), 2.0 + 4 * rank), "a")
+                grads = []
+                for o in (o1, o2):
+                    o.backward()
+                    grads.append([None if p.grad is None else p.grad.item()
+                                  for p in (m.a.weight, m.b.weight)])
+                return grads
+            out[f"{v} ab then a, find_unused={flag}"] = _try(run)
+    return out
+
+
+class Scaled(nn.Module):
+    """``lin(x) * scale``, a registered buffer the multiplication saves for backward."""
+
+    def __init__(self, scale=2.0):
+        super().__init__()
+        self.lin = _scalar()
+        self.register_buffer("scale", torch.tensor(scale))
+
+    def forward(self, x):
+        return self.lin(x) * self.scale
+
+
+def two_forwards_buffer(rank):
+    """B33: two forwards, one backward, a buffer used in forward (pytorch/pytorch#22095,
+    #175024). Scaled: x = 1 (rank 0), 2 (rank 1). BatchNorm (training): two different batches
+    per rank, loss weighted by position; every gradient and the running statistics."""
+    out = {}
+    for v, cls in {**WRAPPERS, **_cores()}.items():
+        m = Scaled()
+        ddp = cls(m)
+
+        def run(ddp=ddp, m=m):
+            x = torch.full((1, 1), 1.0 + rank)
+            (ddp(x).sum() + ddp(x).sum()).backward()
+            return [m.lin.weight.grad.item(), m.scale._version]
+        out[v + " scaled"] = _try(run)
+    for v, cls in WRAPPERS.items():
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))
+        ddp = cls(m)
+        g = torch.Generator().manual_seed(rank)
+        x1, x2 = torch.randn(4, 2, generator=g), torch.randn(4, 2, generator=g)
+        k = torch.arange(8.0).view(4, 2)
+
+        def run(ddp=ddp, m=m, x1=x1, x2=x2, k=k):
+            ((ddp(x1) * k).sum() + (ddp(x2) * k).sum()).backward()
+            return [round(t, 5) for t in torch.cat(
+                [p.grad.reshape(-1) for p in m.parameters()]
+                + [m[1].running_mean, m[1].running_var]).tolist()]
+        out[v + " batchnorm"] = _try(run)
+    return out
+
+
+def several_backwards_join(rank):
+    """B32 with uneven inputs under Join: each step two forwards, then two backwards; w = 1,
+    a buffer (scale 1) broadcast; rank 0 steps (1, 2), (3, 4), rank 1 one step (5, 6).
+    Each entry: [the gradient after each step] and, if one was raised, the error."""
+    out = {}
+    steps = [(1.0, 2.0), (3.0, 4.0)] if rank == 0 else [(5.0, 6.0)]
+    for v in OURS:
+        for divide in (True, False):
+            m = Scaled(1.0)
+            ddp = WRAPPERS[v](m)
+            grads: list = []
+            try:
+                with Join([ddp], divide_by_initial_world_size=divide):
+                    for x1, x2 in steps:
+                        m.lin.weight.grad = None
+                        o1 = ddp(torch.full((1, 1), x1)).sum()
+                        o2 = ddp(torch.full((1, 1), x2)).sum()
+                        o1.backward(retain_graph=True)
+                        o2.backward()
+                        grads.append(m.lin.weight.grad.item())
+            except RuntimeError as e:
+                grads = [grads, ["error", type(e).__name__, str(e)]]
+            else:
+                grads = [grads]
+            out[f"{v} divide_by_initial_world_size={divide}"] = grads
+    return out
+
+
 SCENARIOS = {f.__name__: f for f in (zero_optimizer,
     different_models, uneven_inputs, buffers_reassigned, unfrozen_after_wrapping,
-    unused_with_no_sync, reentrant_checkpoint, device_ids, skipped_backward, fp16_sum)}
+    unused_with_no_sync, reentrant_checkpoint, device_ids, skipped_backward, fp16_sum,
+    several_backwards, two_forwards_buffer, several_backwards_join)}
 
 
 def main(argv=None) -> None:

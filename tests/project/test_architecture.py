@@ -24,8 +24,9 @@ MAX_FUNCTION_LOC = 80
 LAYERS = {
     "teaching core": ["core"],
     "runtime": ["env", "procs", "launch", "_worker", "cluster", "doctor"],
-    "lesson core": ["sampler", "collectives", "ddp", "zero", "syncbn", "gradients", "flight",
-                    "evaluation", "metrics", "memory", "checkpoint", "commsim", "cost_model"],
+    "lesson core": ["sampler", "layout", "collectives", "ddp", "zero", "syncbn", "gradients",
+                    "flight", "evaluation", "metrics", "memory", "checkpoint", "commsim",
+                    "cost_model"],
     "trainer": ["config", "step", "train", "data", "models", "gpt"],
     "display": ["viz", "widgets"],
     "programs": ["labs", "bench", "convert", "seedfix", "cli", ""],  # "" = __init__

@@ -76,3 +76,14 @@ def test_the_guard_comes_off_the_real_class_when_a_test_replaced_popen(monkeypat
     monkeypatch.undo()
     assert subprocess.Popen is real
     assert subprocess.Popen._execute_child is before
+
+
+def test_the_pytest_process_refuses_a_process_group():
+    """tests/conftest.py: a gloo group's teardown can deadlock in a long-lived pytest process
+    (a worker hung in it for 40 minutes), so a group lives only in a world_of_one test's own
+    process."""
+    import torch.distributed as dist
+
+    with pytest.raises(RuntimeError, match="world_of_one"):
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    assert not dist.is_initialized()

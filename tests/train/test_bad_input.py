@@ -345,13 +345,53 @@ def test_checkpoint_of_another_model_or_config(flags, message, tmp_path, good_ch
 
 
 def test_world_size_of_the_checkpoint(tmp_path, good_checkpoint):
+    """Another world size resumes when it can share each step's K x R micro-batches; the
+    refusal names R, K and R' (the run itself: tests/train/test_train_resize.py)."""
     out = tmp_path / "o"
     out.mkdir()
     (out / "checkpoint.pt").write_bytes(good_checkpoint.read_bytes())
-    with pytest.raises(config.TrainInputError,
-                       match=r"was written by 1 processes, this run has 2 \(the data order and "
-                             r"global batch depend on it\)"):
+    with pytest.raises(config.TrainInputError) as exc:
         config.preflight(TINY + ["--out", str(out)], world_size=2)
+    assert str(exc.value) == (
+        f"checkpoint {out}/checkpoint.pt cannot resume at 2 processes: a step holds K x R = "
+        "1 x 1 = 1 micro-batch (R=1 process, K=1 accumulation step), which R'=2 processes "
+        "cannot share: K' = K x R / R' = 1/2 is not a whole number; use 1 process, or pass "
+        "--no-resume to start over")
+
+
+def _stopped(out, flags):
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    train.main(flags + ["--out", str(out), "--max-steps", "1"])
+    torch.set_num_threads(before)
+    return out / "checkpoint.pt"
+
+
+def test_another_world_size_that_divides_k_x_r(tmp_path):
+    # 16 samples, B=4, K=2 on 1 process: 4 micro-batches, 2 steps; stopped after the first
+    flags = TINY + ["--num-train", "16", "--grad-accum-steps", "2"]
+    path = _stopped(tmp_path, flags)
+    assert config.preflight(flags + ["--out", str(tmp_path)], world_size=2).grad_accum_steps == 2
+    with pytest.raises(config.TrainInputError, match=r"cannot resume at 3 processes: a step "
+                       r"holds K x R = 2 x 1 = 2 micro-batches .* use 1 or 2 processes, or"):
+        config.preflight(flags + ["--out", str(tmp_path)], world_size=3)
+    # 12 samples: 3 micro-batches, the last step holds 1, which 2 processes cannot share
+    short = TINY + ["--num-train", "12", "--grad-accum-steps", "2"]
+    _stopped(tmp_path / "short", short)
+    with pytest.raises(config.TrainInputError) as exc:
+        config.preflight(short + ["--out", str(tmp_path / "short")], world_size=2)
+    assert str(exc.value) == (
+        f"checkpoint {tmp_path}/short/checkpoint.pt cannot resume at 2 processes: the epoch's "
+        "last step holds 1 micro-batch (3 per rank and epoch at R=1, K=2), which R'=2 "
+        "processes cannot share; use 1 process, or pass --no-resume to start over")
+    # --sync-bn: BatchNorm's statistics span the ranks' micro-batches of the same moment
+    sync = flags + ["--sync-bn"]
+    _stopped(tmp_path / "sync", sync)
+    with pytest.raises(config.TrainInputError, match=r"cannot resume at 2 processes: with "
+                       r"--sync-bn BatchNorm's statistics span the micro-batches of the R=1 "
+                       r"ranks at the same moment"):
+        config.preflight(sync + ["--out", str(tmp_path / "sync")], world_size=2)
+    assert path.exists()
 
 
 # ---- several ranks -------------------------------------------------------------------------

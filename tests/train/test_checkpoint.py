@@ -7,7 +7,6 @@ import random
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from ddp_lesson import checkpoint as ck
@@ -26,16 +25,8 @@ from ddp_lesson.launch import run_torchrun
 
 # ---- B12: the module. prefix ---------------------------------------------------------------
 
-@pytest.fixture
-def one_rank_group(tmp_path):
-    """A real gloo process group of one rank in this process (torch's DDP needs one)."""
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0,
-                            world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
-def test_b12_ddp_keys_carry_the_prefix_and_the_helper_strips_it(one_rank_group):
+def test_b12_ddp_keys_carry_the_prefix_and_the_helper_strips_it(world_of_one):
+    # world_of_one: a real gloo process group of one rank (torch's DDP needs one)
     torch.manual_seed(0)
     bare = nn.Linear(2, 1)
     ddp = nn.parallel.DistributedDataParallel(bare)

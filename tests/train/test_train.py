@@ -164,24 +164,6 @@ def test_derived_values_printed_in_notebook_05():
     assert derived_values(parse_config(["--num-train", "64"]), 1)["steps_per_epoch"] == 8
 
 
-def test_skip_sampler_yields_the_tail_of_the_same_order():
-    sampler = DistributedSampler(range(16), num_replicas=2, rank=0, shuffle=True, seed=0)
-    sampler.set_epoch(1)
-    full = list(sampler)
-    # independent: torch's own sampler gives the same order, and skipping is slicing it
-    import torch.utils.data as tud
-
-    ref = tud.DistributedSampler(range(16), num_replicas=2, rank=0, shuffle=True, seed=0)
-    ref.set_epoch(1)
-    assert full == list(ref)
-    for skip in (0, 3, 4, 8, 9):
-        wrapped = train.SkipSampler(sampler, skip=skip)
-        assert list(wrapped) == full[skip:] and len(wrapped) == max(0, 8 - skip)
-    wrapped = train.SkipSampler(sampler, skip=2)
-    wrapped.set_epoch(2)
-    assert sampler.epoch == 2
-
-
 def test_docstring_starts_with_the_torchrun_command():
     first = train.__doc__.strip().splitlines()[0]
     assert first.startswith("torchrun --standalone --nproc-per-node 2 -m ddp_lesson.train")

@@ -60,7 +60,9 @@ def test_stop_after_any_step_then_resume_is_bit_identical(tmp_path, reference, s
     assert (mid["epoch"], mid["step_in_epoch"]) == divmod(stop_after, 4) or \
         (stop_after == 4 and (mid["epoch"], mid["step_in_epoch"]) == (0, 4))
     assert mid["sampler"]["seed"] == 0
-    assert mid["sampler"]["consumed_per_rank"] == mid["step_in_epoch"] * 4
+    # the cursor: samples of the epoch's permutation read (one process, 4 per step), the layout
+    assert mid["cursor"] == {"epoch": mid["epoch"], "samples": mid["step_in_epoch"] * 4,
+                             "world_size": 1, "grad_accum_steps": 1, "batch_size": 4}
     summary = train.main(BASE + ["--out", str(tmp_path)])
     ckpt = _load(tmp_path / "checkpoint.pt")
     assert _same_tensors(ckpt["model"], ref_ckpt["model"])

@@ -22,7 +22,7 @@ from ddp_lesson.viz.collectives import (
 from ddp_lesson.viz.ddp import bucket_sweep_figure
 from ddp_lesson.viz.sampler import sampler_heatmap
 from ddp_lesson.viz.style import DPI, subplots
-from ddp_lesson.viz.training import scaling_figure
+from ddp_lesson.viz.training import lr_recipe_figure, scaling_figure
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -39,6 +39,7 @@ def _allreduce_rows():
 
 
 def _figures():
+    from ddp_lesson.bench.lr_recipe import read_csv
     from ddp_lesson.bench.scaling import aggregate
     from ddp_lesson.cost_model import predict_bucket_sweep
 
@@ -56,6 +57,8 @@ def _figures():
         "scaling_figure": lambda: scaling_figure(aggregate(runs)),
         "bucket_sweep_figure": lambda: bucket_sweep_figure(sweep, [(0, 0.001), (1, 0.002)]),
         "sampler_heatmap": lambda: sampler_heatmap(10, 3),
+        "lr_recipe_figure": lambda: lr_recipe_figure(read_csv(ROOT / "benchmarks" /
+                                                              "lr_recipe.csv")),
     }
 
 

@@ -152,16 +152,7 @@ def test_optimizer_state_is_one_over_world_size(zero_lab):
         assert abs(b * world_size / full - 1) < 0.10
 
 
-@pytest.fixture
-def single_rank_group():
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
-def test_single_rank_equals_adamw_and_errors(single_rank_group):
+def test_single_rank_equals_adamw_and_errors(world_of_one):
     from ddp_lesson.zero import ShardedOptimizer
 
     torch.manual_seed(0)
