@@ -225,6 +225,11 @@ SLOW: dict[str, str | frozenset[str]] = {
     "sampler/test_sampler_weighted.py": frozenset({
         "test_issue_case_103_items_two_ranks_two_real_workers_each_item_once",
     }),
+    "seedfix/test_seedfix.py": frozenset({
+        "test_the_seed_fails_on_its_own_with_the_traceback",
+        "test_the_repaired_program_runs_on_its_own_without_a_warning",
+        "test_on_gpus_the_repaired_program_takes_a_gpu_per_rank",
+    }),
     "train/test_bad_input.py": frozenset({
         "test_every_rank_exits_and_only_rank_0_reports",
         "test_static_graph_with_no_sync_fails_in_torch_as_the_refusal_says",

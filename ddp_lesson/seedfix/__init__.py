@@ -1,0 +1,202 @@
+"""The seed program re-created with its defects, then repaired one defect at a time.
+
+``seed_v0.py`` is the series' seed (docs/seed.md) written again, small enough to run in seconds
+on a CPU, every defect kept; ``seed_v1.py`` ... ``seed_v10.py`` each repair one more, in the
+order a run meets them (:data:`STEPS`). Every version is a real file, and a step's diff is
+computed from its two files (:func:`step_diff`), so the deep dive that shows the diffs
+(``notebooks/deep/06_the_seed_repaired.ipynb``) cannot drift from the code. :mod:`.run` runs a
+version under torchrun and says in one line how it ended. The versions are plain torch: they
+import only the package's synthetic data and model (``data``, ``models``).
+
+Example::
+
+    print(step_diff(8))            # seed_v7.py -> seed_v8.py: the set_epoch call
+    print(STEPS[7].title)          # the same step's defect
+"""
+from __future__ import annotations
+
+import ast
+import difflib
+import importlib
+import re
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+#: The number of repairs; ``seed_v{FINAL}`` is the repaired program.
+FINAL = 10
+VERSIONS = tuple(f"seed_v{k}" for k in range(FINAL + 1))
+
+
+@dataclass(frozen=True)
+class Step:
+    """One repair, ``seed_v{number - 1}`` -> ``seed_v{number}``.
+
+    Attributes:
+        number: 1 .. :data:`FINAL`.
+        title: the defect, in a few words (Markdown).
+        touches: a regular expression that every line the step removes or adds matches.
+        present: a regular expression (multi-line mode) found in a version's code, docstring
+            left out, while the defect is there; None where ``repaired`` says it.
+        repaired: one found once the defect is repaired; None where ``present`` says it.
+        pitfall: the defect's row in docs/pitfalls.md, or "".
+    """
+
+    number: int
+    title: str
+    touches: str
+    present: str | None = None
+    repaired: str | None = None
+    pitfall: str = ""
+
+    def __post_init__(self):
+        if self.present is None and self.repaired is None:
+            raise ValueError(f"step {self.number}: give present, repaired or both")
+
+    def defect_in(self, version: str) -> bool:
+        """Whether ``version`` still has this step's defect, by :attr:`present` and
+        :attr:`repaired`.
+
+        Raises:
+            AssertionError: the two expressions disagree about ``version``.
+        """
+        code = "".join(code_lines(version)[1])
+        found = [re.search(self.present, code, re.M) is not None] if self.present else []
+        if self.repaired:
+            found.append(re.search(self.repaired, code, re.M) is None)
+        assert len(set(found)) == 1, (self.number, version, found)
+        return found[0]
+
+
+STEPS = (
+    Step(1, "`Sampler` is never imported", r"Sampler",
+         repaired=r"^from torch\.utils\.data import Sampler$"),
+    Step(2, "`warnings.filterwarnings(\"ignore\")` hides Python's warnings", r"warnings",
+         present=r'^warnings\.filterwarnings\("ignore"\)$'),
+    Step(3, "NCCL and CUDA only, no timeout",
+         r"device|cuda|GPU|gpus|gloo|nccl|timedelta|import os|else:|ids|pin_memory",
+         present=r'backend="nccl"|\.cuda\(', repaired=r"timeout=timedelta"),
+    Step(4, "`--lr`, `--momentum` and `--weight-decay` read but never declared",
+         r'"--(lr|momentum|weight-decay)"', repaired=r'add_argument\("--lr"'),
+    Step(5, "`__len__` indented into `__iter__`", r"__len__|return self\.num_samples",
+         present=r"^        def __len__", repaired=r"^    def __len__"),
+    Step(6, "`CrossEntropyLoss()` without `ignore_index=255`", r"CrossEntropyLoss",
+         repaired=r"CrossEntropyLoss\(ignore_index=255\)"),
+    Step(7, "the legacy `--local_rank` flag", r"local_rank",
+         present=r'"--local_rank"', repaired=r'os\.environ\["LOCAL_RANK"\]', pitfall="C1"),
+    Step(8, "no `set_epoch`", r"set_epoch", repaired=r"train_sampler\.set_epoch\(epoch\)",
+         pitfall="A1"),
+    Step(9, "`find_unused_parameters=True` with every parameter used",
+         r"find_unused_parameters|DistributedDataParallel\(model",
+         present=r"find_unused_parameters=True", pitfall="B2"),
+    Step(10, "padding done once", r"pad",
+         present=r"indices \+= indices\[:\(self\.total_size - len\(indices\)\)\]",
+         repaired=r"math\.ceil\(padding / len\(indices\)\)", pitfall="A7"),
+)
+
+
+def path(version: str) -> Path:
+    """The file of ``version`` (``"seed_v0"`` ... ``"seed_v10"``).
+
+    Raises:
+        ValueError: ``version`` is not one of :data:`VERSIONS`.
+    """
+    if version not in VERSIONS:
+        raise ValueError(f"unknown version {version!r}: one of {VERSIONS[0]} ... {VERSIONS[-1]}")
+    return HERE / f"{version}.py"
+
+
+def source(version: str) -> str:
+    """The whole text of ``version``'s file."""
+    return path(version).read_text()
+
+
+def code_lines(version: str) -> tuple[int, list[str]]:
+    """``(offset, lines)``: the file's lines after its module docstring, ``lines[0]`` being line
+    ``offset + 1`` of the file. The docstring is left out of the diffs: it describes each
+    version and differs throughout. Read with ``ast`` where the file parses; ``seed_v0``'s
+    docstring is the file's first string either way."""
+    lines = source(version).splitlines(keepends=True)
+    tree = ast.parse("".join(lines))
+    first = tree.body[0]
+    assert isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant), version
+    return first.end_lineno, lines[first.end_lineno:]
+
+
+_HUNK = re.compile(r"^@@ -(\d+)(,\d+)? \+(\d+)(,\d+)? @@")
+
+
+def step_diff(number: int, context: int = 1) -> str:
+    """The unified diff of step ``number``: ``seed_v{number - 1}.py`` -> ``seed_v{number}.py``,
+    the module docstrings left out, with the files' real line numbers and ``context`` lines
+    around each change.
+
+    Raises:
+        ValueError: ``number`` is not in ``1 .. FINAL``.
+    """
+    if not 1 <= number <= FINAL:
+        raise ValueError(f"step {number} does not exist: the steps are 1 ... {FINAL}")
+    (a_off, a), (b_off, b) = code_lines(VERSIONS[number - 1]), code_lines(VERSIONS[number])
+    out = []
+    for line in difflib.unified_diff(a, b, f"{VERSIONS[number - 1]}.py", f"{VERSIONS[number]}.py",
+                                     n=context):
+        m = _HUNK.match(line)
+        if m:
+            line = (f"@@ -{int(m.group(1)) + a_off}{m.group(2) or ''} "
+                    f"+{int(m.group(3)) + b_off}{m.group(4) or ''} @@\n")
+        out.append(line if line.endswith("\n") else line + "\n")
+    return "".join(out)
+
+
+def changed_lines(number: int) -> list[str]:
+    """The lines step ``number`` removes (``-...``) and adds (``+...``), in diff order."""
+    return [line.rstrip("\n") for line in step_diff(number, context=0).splitlines(True)
+            if line[:1] in "+-" and not line.startswith(("---", "+++"))]
+
+
+_NESTED_LEN = "        def __len__(self):\n            return self.num_samples\n"
+
+
+def as_printed() -> str:
+    """``seed_v0``'s text as the seed was printed: ``return self.num_samples`` at the
+    indentation of the nested ``def __len__`` above it, not inside it."""
+    text = source("seed_v0")
+    assert text.count(_NESTED_LEN) == 1
+    return text.replace(_NESTED_LEN, _NESTED_LEN.replace("            return", "        return"))
+
+
+def as_printed_error() -> str:
+    """What compiling :func:`as_printed` raises, in one line.
+
+    Raises:
+        AssertionError: it compiled (``seed_v0`` no longer has the nested ``__len__``).
+    """
+    try:
+        compile(as_printed(), "seed_v0.py", "exec")
+    except IndentationError as exc:
+        return f"{type(exc).__name__}: {exc.msg} (line {exc.lineno})"
+    raise AssertionError("the seed as printed compiles")
+
+
+def last_own_frame(exc: BaseException, file: Path) -> traceback.FrameSummary | None:
+    """The innermost frame of ``exc``'s traceback that runs code of ``file``, or None."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)
+              if Path(f.filename).resolve() == file.resolve()]
+    return frames[-1] if frames else None
+
+
+def print_shard(version: str, num_samples: int) -> None:
+    """Print this rank's share of ``range(num_samples)`` as ``version``'s sampler deals it,
+    world size and rank taken from the process group, as the seed's
+    ``DistributedSampler(train_dataset)`` takes them; or the assertion that stops it. No
+    collective: each rank computes its own share. Needs a process group (and ``version``
+    from ``seed_v1`` on: ``seed_v0`` does not import).
+    """
+    module = importlib.import_module(f"{__name__}.{version}")
+    sampler = module.DistributedSampler(range(num_samples))
+    try:
+        print(f"{version}: samples {list(sampler)}")
+    except AssertionError as exc:
+        frame = last_own_frame(exc, path(version))
+        print(f"{version}: AssertionError at {path(version).name}:{frame.lineno}: {frame.line}")
