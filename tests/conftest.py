@@ -101,6 +101,7 @@ def fsdp_lab(request):
 OWN_PROCESS_ENV = "DDP_LESSON_TEST_OWN_PROCESS"
 OWN_PROCESS_TIMEOUT_S = 120
 _IN_OWN_PROCESS = os.environ.get(OWN_PROCESS_ENV) == "1"
+_OWN_PROCESS = pytest.StashKey[bool]()  # set on a test that must run in a process of its own
 
 
 def _refuse_process_group(*args, **kwargs):
@@ -135,9 +136,6 @@ def world_of_one(request, tmp_path):
         yield dist.group.WORLD
     finally:
         dist.destroy_process_group()
-
-
-_OWN_PROCESS = pytest.StashKey[bool]()
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -16,43 +16,61 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 SINGLE, DDP = HERE / "single.py", HERE / "ddp.py"
 
-_HUNK = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@")
+_HUNK = re.compile(r"^@@ -(\d+)(,\d+)? \+(\d+)(,\d+)? @@")
 
 
-def _docstring_end(lines: list[str]) -> int:
-    """The last line (1-based) of a module's docstring, 0 for none."""
+def code_lines(path: Path) -> tuple[int, list[str]]:
+    """``(offset, lines)``: the lines of the Python file ``path`` after its module docstring,
+    ``lines[0]`` being line ``offset + 1`` of the file (``offset`` 0 where there is none).
+    The docstring is found with ``ast``, so the file must parse.
+
+    Raises:
+        OSError: the file cannot be read.
+        SyntaxError: it does not parse.
+    """
+    lines = path.read_text().splitlines(keepends=True)
     tree = ast.parse("".join(lines))
     first = tree.body[0] if tree.body else None
-    if isinstance(first, ast.Expr) and isinstance(getattr(first, "value", None), ast.Constant):
-        return first.end_lineno or 0
-    return 0
+    end = 0
+    if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+        end = first.end_lineno or 0
+    return end, lines[end:]
+
+
+def script_diff(a: Path, b: Path, context: int = 1) -> str:
+    """The unified diff of two Python scripts, ``a`` -> ``b`` (headers ``--- a.name`` and
+    ``+++ b.name``), their module docstrings left out (each describes its own file, and they
+    differ throughout), with the files' real line numbers and ``context`` lines around each
+    change. Notebook 05's conversion and the seed's repairs (``ddp_lesson.seedfix``) are both
+    shown this way.
+
+    Raises:
+        OSError, SyntaxError: as :func:`code_lines`.
+    """
+    (a_off, a_lines), (b_off, b_lines) = code_lines(a), code_lines(b)
+    out = []
+    for line in difflib.unified_diff(a_lines, b_lines, a.name, b.name, n=context):
+        m = _HUNK.match(line)
+        if m:
+            line = (f"@@ -{int(m.group(1)) + a_off}{m.group(2) or ''} "
+                    f"+{int(m.group(3)) + b_off}{m.group(4) or ''} @@\n")
+        out.append(line if line.endswith("\n") else line + "\n")
+    return "".join(out)
 
 
 def conversion_hunks(single: Path = SINGLE, ddp: Path = DDP) -> list[str]:
-    """The hunks of ``difflib.unified_diff(single, ddp, n=0)``, each a string of its header and
-    its ``-``/``+`` lines, with line numbers of the real files; the module docstrings (which
-    describe each script, and differ throughout) are left out.
+    """The hunks of :func:`script_diff` ``(single, ddp, context=0)``, each a string of its
+    header and its ``-``/``+`` lines.
 
     Raises:
         OSError: a file cannot be read.
     """
-    a = single.read_text().splitlines(keepends=True)
-    b = ddp.read_text().splitlines(keepends=True)
-    skip = _docstring_end(a)
-    hunks: list[list[str]] = []
-    for line in difflib.unified_diff(a, b, "single.py", "ddp.py", n=0):
-        if line.startswith(("---", "+++")):
-            continue
+    hunks: list[str] = []
+    for line in script_diff(single, ddp, context=0).splitlines(keepends=True)[2:]:
         if line.startswith("@@"):
-            hunks.append([])
-        hunks[-1].append(line if line.endswith("\n") else line + "\n")
-    kept = []
-    for hunk in hunks:
-        start, count = _HUNK.match(hunk[0]).group(1, 2)
-        last = int(start) + (1 if count is None else int(count)) - 1
-        if last > skip or (count == "0" and int(start) >= skip):
-            kept.append("".join(hunk))
-    return kept
+            hunks.append("")
+        hunks[-1] += line
+    return hunks
 
 
 class ConversionDiff:

@@ -15,13 +15,13 @@ Example::
 """
 from __future__ import annotations
 
-import ast
-import difflib
 import importlib
 import re
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
+
+from .. import convert
 
 HERE = Path(__file__).resolve().parent
 #: The number of repairs; ``seed_v{FINAL}`` is the repaired program.
@@ -113,40 +113,23 @@ def source(version: str) -> str:
 
 
 def code_lines(version: str) -> tuple[int, list[str]]:
-    """``(offset, lines)``: the file's lines after its module docstring, ``lines[0]`` being line
-    ``offset + 1`` of the file. The docstring is left out of the diffs: it describes each
-    version and differs throughout. Read with ``ast`` where the file parses; ``seed_v0``'s
-    docstring is the file's first string either way."""
-    lines = source(version).splitlines(keepends=True)
-    tree = ast.parse("".join(lines))
-    first = tree.body[0]
-    assert isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant), version
-    return first.end_lineno, lines[first.end_lineno:]
-
-
-_HUNK = re.compile(r"^@@ -(\d+)(,\d+)? \+(\d+)(,\d+)? @@")
+    """``(offset, lines)``: ``version``'s lines after its module docstring, ``lines[0]`` being
+    line ``offset + 1`` of the file (:func:`ddp_lesson.convert.code_lines`). The docstring is
+    left out of the diffs: it describes each version and differs throughout."""
+    return convert.code_lines(path(version))
 
 
 def step_diff(number: int, context: int = 1) -> str:
     """The unified diff of step ``number``: ``seed_v{number - 1}.py`` -> ``seed_v{number}.py``,
     the module docstrings left out, with the files' real line numbers and ``context`` lines
-    around each change.
+    around each change (:func:`ddp_lesson.convert.script_diff`, as notebook 05's conversion).
 
     Raises:
         ValueError: ``number`` is not in ``1 .. FINAL``.
     """
     if not 1 <= number <= FINAL:
         raise ValueError(f"step {number} does not exist: the steps are 1 ... {FINAL}")
-    (a_off, a), (b_off, b) = code_lines(VERSIONS[number - 1]), code_lines(VERSIONS[number])
-    out = []
-    for line in difflib.unified_diff(a, b, f"{VERSIONS[number - 1]}.py", f"{VERSIONS[number]}.py",
-                                     n=context):
-        m = _HUNK.match(line)
-        if m:
-            line = (f"@@ -{int(m.group(1)) + a_off}{m.group(2) or ''} "
-                    f"+{int(m.group(3)) + b_off}{m.group(4) or ''} @@\n")
-        out.append(line if line.endswith("\n") else line + "\n")
-    return "".join(out)
+    return convert.script_diff(path(VERSIONS[number - 1]), path(VERSIONS[number]), context)
 
 
 def changed_lines(number: int) -> list[str]:

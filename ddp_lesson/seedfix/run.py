@@ -51,7 +51,11 @@ class _Captured:
 def captured_stderr():
     """Keep what is written to stderr, by Python (``sys.stderr``) and at file descriptor 2
     (C and C++ code), while the block runs; ``.text`` holds it afterwards, and it is written
-    back to stderr. The two are kept apart (descriptor 2's text first)."""
+    back to stderr. The two are kept apart (descriptor 2's text first).
+
+    Not :mod:`ddp_lesson.launch.fdcapture`, which streams a ``%%ranks`` cell's descriptors to
+    the notebook live and keeps nothing: here the text is read after the program ended (its
+    warnings and last line), and a temporary file holds any amount without a reader thread."""
     box = _Captured()
     sys.stderr.flush()
     saved = os.dup(2)
