@@ -37,7 +37,9 @@ def dumps(tmp_path_factory):
                     timeout=120, check=False) for c, d in dirs.items()}
     results = run_torchrun_many(jobs, live=False)
     for c, r in results.items():
-        assert r.rank_lines(0)[-1:] == ["done"], (c, r.stderr[-2000:])
+        assert r.rank_lines(0)[-1:] == ["done"], (
+            c, r.returncode, {rank: err[-1500:] for rank, err in r.errors.items()},
+            r.launcher_stderr[-1500:])
     return dirs
 
 

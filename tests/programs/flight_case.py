@@ -21,15 +21,21 @@ import time
 import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import _dump_fr_trace, _dump_fr_trace_json
+from torch.distributed.distributed_c10d import _set_pg_timeout
 
 from ddp_lesson.flight import dump_when_stuck, write_trace
 
 case, out = sys.argv[1], sys.argv[2]
-dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=5))
+# Joined with a patient timeout: a group's timeout also bounds the wait for the peers at
+# init, and on a loaded machine one rank can reach init more than 5 s after the other (its
+# Python and torch still starting). Once both all_reduces below have returned every rank is
+# up, and the faulty step gets 5 s (_set_pg_timeout, as ddp_lesson.labs.clinic does).
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
 rank = dist.get_rank()
 x = torch.ones(4)
 dist.all_reduce(x)
 dist.all_reduce(x)
+_set_pg_timeout(datetime.timedelta(seconds=5), dist.group.WORLD)
 
 
 def torch_dump(name: str, dump) -> threading.Thread:
