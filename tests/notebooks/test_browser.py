@@ -8,7 +8,7 @@ repository's files are never touched). Pages open in headless Chromium -- Debian
 ``chromium`` package, driven by Playwright from PyPI with that executable; no browser is ever
 downloaded. Then:
 
-* **every stored notebook, opened before running** (double-clicked in the file browser, its
+* **every stored notebook, opened before running**, one at a time (double-clicked in the file browser, its
   kernel started): the tab is not marked unsaved and saving writes the stored file back byte
   for byte (tools/normalize_notebooks.py stores what JupyterLab writes); no Python repr such as
   ``Label(value=...)`` is shown where a reader expects text; stored figures are drawn at
@@ -394,7 +394,12 @@ def opened(lab, browser):
     """Every stored notebook opened in JupyterLab as a reader opens it, before running anything:
     double-clicked in the file browser, its kernel started and idle. Per notebook: whether its
     tab is marked unsaved, what its outputs show, its images' sizes, and whether saving it
-    (Ctrl+S) writes back the stored file byte for byte. Kernels are shut down after."""
+    (Ctrl+S) writes back the stored file byte for byte.
+
+    One notebook at a time: each is checked, then its tab closed and its kernel shut down
+    before the next opens. With all 22 open at once (22 kernels, every output rendered in one
+    page) a loaded machine starved the page: the next file-browser item was not found within
+    30 s (2 of 2 runs beside a second suite)."""
     folder = lab.root / "notebooks"
     core = sorted(p.name for p in folder.glob("*.ipynb"))
     deep = sorted(f"deep/{p.name}" for p in (folder / "deep").glob("*.ipynb"))
@@ -402,53 +407,57 @@ def opened(lab, browser):
     stored = {name: (folder / name).read_bytes() for name in names}
     before = {session["id"] for session in lab.api("/api/sessions") or []}
     page = _new_page(browser, lab)
+    page.set_default_timeout(OPEN_S * 1000)  # a loaded machine renders a big notebook slowly
     results = {}
     try:
         page.goto(f"{lab.url}/lab/tree/notebooks?reset&token={lab.token}",
                   timeout=PAGE_LOAD_S * 1000)
-        for name in core:
-            page.locator(".jp-DirListing-item").filter(has_text=name).dblclick()
-            _tab(page, name).wait_for()
-        if deep:  # into notebooks/deep/, as a reader follows a deep-dive link's folder
-            page.locator(".jp-DirListing-itemText").get_by_text("deep", exact=True).dblclick()
-            for name in deep:
-                base = name.split("/", 1)[1]
-                page.locator(".jp-DirListing-item").filter(has_text=base).dblclick()
-                _tab(page, base).wait_for()
-
-        def all_started():
-            sessions = lab.api("/api/sessions") or []
-            idle = [s["kernel"]["execution_state"] == "idle" for s in sessions]
-            return len(sessions) == len(names) and all(idle), f"{sum(idle)}/{len(names)} idle"
-
-        _wait_for("every notebook's kernel to start", all_started, OPEN_S, on_poll=lab.watch.scan)
         for name in names:
-            _tab(page, name.split("/")[-1]).click()
+            if deep and name == deep[0]:
+                # into notebooks/deep/, as a reader follows a deep-dive link's folder
+                page.locator(".jp-DirListing-itemText").get_by_text("deep", exact=True).dblclick()
+            base = name.split("/")[-1]
+            page.locator(".jp-DirListing-item").filter(has_text=base).dblclick()
+            _tab(page, base).wait_for()
 
             def shown(name=name):
+                sessions = [s for s in lab.api("/api/sessions") or [] if s["id"] not in before]
                 seen = page.evaluate(_SHOWN_JS, _PANEL)
-                ok = (seen is not None and seen["status"] == "idle"
+                ok = (len(sessions) == 1 and sessions[0]["kernel"]["execution_state"] == "idle"
+                      and seen is not None and seen["status"] == "idle"
                       and seen["kernel"] not in ("", "No Kernel")
                       and all(i["loaded"] for i in seen["images"]))
-                return ok, seen and {k: seen[k] for k in ("kernel", "status")}
+                return ok, {"sessions": [s["kernel"]["execution_state"] for s in sessions],
+                            **({k: seen[k] for k in ("kernel", "status")} if seen else {})}
 
-            _wait_for(f"{name} shown with its kernel idle", shown, OPEN_S)
+            _wait_for(f"{name} shown with its kernel idle", shown, OPEN_S,
+                      on_poll=lab.watch.scan)
             seen = page.evaluate(_SHOWN_JS, _PANEL)
             shot = ARTIFACTS / f"browser_open_{name.replace('/', '_').removesuffix('.ipynb')}.png"
             ARTIFACTS.mkdir(parents=True, exist_ok=True)
             page.screenshot(path=str(shot))
-            dirty = "jp-mod-dirty" in (_tab(page, name.split("/")[-1]).get_attribute("class")
-                                       or "")
+            dirty = "jp-mod-dirty" in (_tab(page, base).get_attribute("class") or "")
             mtime = (folder / name).stat().st_mtime_ns
             page.keyboard.press("Control+s")
             _wait_for(f"{name} saved", lambda name=name, mtime=mtime: (
                 (folder / name).stat().st_mtime_ns != mtime, "not written yet"), WIDGET_S)
             saved = _settled_bytes(folder / name)
             if saved != stored[name]:  # kept for a diff with the stored file
-                (ARTIFACTS / f"saved_{name}").write_bytes(saved)
+                (ARTIFACTS / f"saved_{name.replace('/', '_')}").write_bytes(saved)
             results[name] = {"dirty": dirty, "outputs": seen["outputs"],
                              "images": seen["images"], "shot": shot,
                              "saved_as_stored": saved == stored[name]}
+            _tab(page, base).locator(".lm-TabBar-tabCloseIcon").click()
+            _wait_for(f"{name}'s tab to close", lambda base=base: (
+                _tab(page, base).count() == 0, "still open"), WIDGET_S)
+            lab.watch.scan()
+            _shut_down_kernels(lab, keep=before)
+    except Exception:
+        with contextlib.suppress(Exception):  # what the page showed, for whoever reads CI
+            ARTIFACTS.mkdir(parents=True, exist_ok=True)
+            page.screenshot(path=str(ARTIFACTS / "browser_open_failed.png"))
+            print(f"screenshot of the failure: {ARTIFACTS / 'browser_open_failed.png'}")
+        raise
     finally:
         lab.watch.scan()
         _shut_down_kernels(lab, keep=before)
