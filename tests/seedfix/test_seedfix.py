@@ -304,7 +304,8 @@ def test_the_padding_cell_on_three_ranks():
     source_ = ('%%torchrun --nproc-per-node 3 --backend gloo --quiet\nimport torch.distributed as '
                'dist\nfrom ddp_lesson.seedfix import print_shard\n\ndist.init_process_group('
                '"gloo")\nprint_shard("seed_v9", num_samples=1)\nprint_shard("seed_v10", '
-               'num_samples=1)\ndist.destroy_process_group()')
+               'num_samples=1)\ndist.barrier()  # no rank leaves while another is still '
+               'joining (init has no barrier)\ndist.destroy_process_group()')
     run = StoredRun(NOTEBOOK, "print_shard(", source_)
     line = line_of("seed_v9", "assert len(indices) == self.total_size")
     for rank in range(3):
