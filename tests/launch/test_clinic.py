@@ -259,8 +259,28 @@ def test_telling_line_keeps_only_the_stable_text():
         telling_line("nope", res)
 
 
+def _parent(pid: int) -> int:
+    """The parent pid of ``pid`` (0 when it is gone), from /proc/PID/stat."""
+    try:
+        stat = open(f"/proc/{pid}/stat").read()
+    except OSError:
+        return 0
+    return int(stat[stat.rindex(")") + 2:].split()[1])
+
+
+def _descends_from_this_process(pid: int) -> bool:
+    me = os.getpid()
+    while pid > 1:
+        pid = _parent(pid)
+        if pid == me:
+            return True
+    return False
+
+
 def _worker_pids(module: str) -> dict[int, int]:
-    """rank -> pid of the live workers running ``module`` (read from /proc: Linux only)."""
+    """rank -> pid of the live workers running ``module`` that this test's own launch started
+    (read from /proc: Linux only). Only this process's descendants: a second suite on the
+    same machine runs the same program at the same time (it was once sent the signal)."""
     from pathlib import Path
 
     found = {}
@@ -272,7 +292,8 @@ def _worker_pids(module: str) -> dict[int, int]:
             environ = (entry / "environ").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"ddp_lesson._worker" in cmd and module.encode() in cmd:
+        if (b"ddp_lesson._worker" in cmd and module.encode() in cmd
+                and _descends_from_this_process(int(entry.name))):
             for var in environ:
                 if var.startswith(b"RANK="):
                     found[int(var[5:])] = int(entry.name)
