@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 from notebook_cells import cell_with, stream_text
+from procfs import descends_from
 
 from ddp_lesson.labs.clinic import CASES, split_cases, telling_line
 from ddp_lesson.launch import run_torchrun
@@ -259,24 +260,6 @@ def test_telling_line_keeps_only_the_stable_text():
         telling_line("nope", res)
 
 
-def _parent(pid: int) -> int:
-    """The parent pid of ``pid`` (0 when it is gone), from /proc/PID/stat."""
-    try:
-        stat = open(f"/proc/{pid}/stat").read()
-    except OSError:
-        return 0
-    return int(stat[stat.rindex(")") + 2:].split()[1])
-
-
-def _descends_from_this_process(pid: int) -> bool:
-    me = os.getpid()
-    while pid > 1:
-        pid = _parent(pid)
-        if pid == me:
-            return True
-    return False
-
-
 def _worker_pids(module: str) -> dict[int, int]:
     """rank -> pid of the live workers running ``module`` that this test's own launch started
     (read from /proc: Linux only). Only this process's descendants: a second suite on the
@@ -293,7 +276,7 @@ def _worker_pids(module: str) -> dict[int, int]:
         except OSError:
             continue
         if (b"ddp_lesson._worker" in cmd and module.encode() in cmd
-                and _descends_from_this_process(int(entry.name))):
+                and descends_from(int(entry.name))):
             for var in environ:
                 if var.startswith(b"RANK="):
                     found[int(var[5:])] = int(entry.name)

@@ -8,11 +8,12 @@ repository's files are never touched). Pages open in headless Chromium -- Debian
 ``chromium`` package, driven by Playwright from PyPI with that executable; no browser is ever
 downloaded. Then:
 
-* **every stored notebook, opened before running**, one at a time (double-clicked in the file browser, its
-  kernel started): the tab is not marked unsaved and saving writes the stored file back byte
-  for byte (tools/normalize_notebooks.py stores what JupyterLab writes); no Python repr such as
-  ``Label(value=...)`` is shown where a reader expects text; stored figures are drawn at
-  least 700 px wide;
+* **every stored notebook, opened before running**, one at a time (double-clicked in the file
+  browser, its kernel started, then its tab closed and its kernel shut down): the tab is not
+  marked unsaved and saving writes the stored file back byte for byte
+  (tools/normalize_notebooks.py stores what JupyterLab writes); no Python repr such as
+  ``Label(value=...)`` is shown where a reader expects text; stored figures are drawn at least
+  700 px wide;
 * **notebook 02, run** (stored outputs cleared, "Run All Cells"): every cell ran once, in
   order, without an error; each ``%%torchrun`` cell's output shows all ``[rank 0]`` lines
   before ``[rank 1]`` lines and its status line ends as the constant text a stored notebook
@@ -56,6 +57,7 @@ import warnings
 from pathlib import Path
 
 import pytest
+from procfs import proc_table
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -84,26 +86,6 @@ OPEN_S = 90              # every stored notebook open, its kernel idle
 
 # ------------------------------------------------------------------------ processes
 
-def _proc_table() -> dict[int, tuple[int, str, str]]:
-    """pid -> (ppid, start time, state) for every process, read from /proc (Linux)."""
-    table = {}
-    try:
-        entries = os.listdir("/proc")
-    except OSError:
-        return table
-    for entry in entries:
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2:].split()  # state, ppid, ..., starttime (22nd)
-        table[int(entry)] = (int(fields[1]), fields[19], fields[0])
-    return table
-
-
 class _Descendants:
     """Every process seen below a root process (kernels, torchrun, its workers), so they
     can all be ended at teardown, even those whose parent has already exited (torchrun puts
@@ -114,7 +96,7 @@ class _Descendants:
         self.seen: dict[int, str] = {}
 
     def scan(self) -> None:
-        table = _proc_table()
+        table = proc_table()
         children: dict[int, list[int]] = {}
         for pid, (ppid, _, _) in table.items():
             children.setdefault(ppid, []).append(pid)
@@ -125,7 +107,7 @@ class _Descendants:
             todo += children.get(pid, [])
 
     def alive(self) -> list[int]:
-        table = _proc_table()
+        table = proc_table()
         return [pid for pid, start in self.seen.items()
                 if pid in table and table[pid][1] == start and table[pid][2] != "Z"]
 
