@@ -143,6 +143,17 @@ class HangWatch:
     wait in) or whose record is stale or missing (it failed at once). So every rank leaves one
     record, and what it shows depends on where the rank stopped, not on the machine's speed.
 
+    One race is the job's, not the thread's: a rank that fails outside a collective and exits
+    at once closes its connections, and a peer that then enters a collective with it fails at
+    once too (gloo's "Connection closed by peer"), before it was stuck long enough to be
+    recorded: its record shows that collective completed (a failed collective is retired as
+    completed), or torchrun stops the peer first and it leaves no record at all. Which of the
+    three a peer gets depends on how far behind it runs. :meth:`finish` therefore marks the
+    record final (``<prefix><rank>.final``, holding the launch's id), and a failed rank calls
+    :meth:`wait_for_peers` before it exits: its connections stay open until every rank's
+    record is final, so a peer stuck in a collective with it is recorded stuck, whatever the
+    load (the clinic's ``model_mismatch`` on a loaded machine had both outcomes).
+
     Args:
         directory: where ``<prefix><rank>`` is written.
         rank: the global rank, for the file name.
@@ -201,13 +212,59 @@ class HangWatch:
         """Stop watching and return the record's file. Call it before the process group is
         destroyed. ``failed``: the rank raised; a record written while it was stuck is kept
         (a write now would show the failed collective as completed). Otherwise, or when no
-        current record was written, the record is written now."""
+        current record was written, the record is written now. Then the record is marked
+        final (``<prefix><rank>.final``, read by :meth:`wait_for_peers`)."""
         self._done.set()
         self._thread.join()
         self._status()  # the rank's final count: did it go on after the record was written?
         if not failed or self._stuck_in is None:
             self.written = write_trace(*self.args)
+        final = self._final_path(self.args[1])
+        tmp = final.with_name(final.name + ".tmp")
+        tmp.write_text(_launch_id())
+        os.replace(tmp, final)  # a peer never reads half a mark
         return self.written
+
+    def _final_path(self, rank: int) -> Path:
+        directory, _, prefix, _ = self.args
+        return Path(directory) / f"{prefix}{rank}.final"
+
+    def wait_for_peers(self, world_size: int, timeout_s: float, poll_s: float = 0.05) -> list[int]:
+        """After :meth:`finish`: wait until every rank ``0 .. world_size - 1`` of this launch
+        has marked its record final, polling the marks every ``poll_s`` seconds; a mark left by
+        an earlier launch in the same folder (another launch id) does not count.
+
+        Call it in a rank that failed, before it exits (see the class docstring). It synchronises
+        ranks through the folder, not the process group: no collective, so it cannot hang on
+        the failure; ``timeout_s`` bounds it (a peer stuck outside any collective).
+
+        Returns:
+            the ranks whose record was still not final after ``timeout_s`` seconds (sorted;
+            empty when every rank's is).
+        """
+        import time
+
+        me, deadline = _launch_id(), time.monotonic() + timeout_s
+        while True:
+            missing = []
+            for rank in range(world_size):
+                try:
+                    if self._final_path(rank).read_text() == me:
+                        continue
+                except OSError:
+                    pass
+                missing.append(rank)
+            if not missing or time.monotonic() >= deadline:
+                return missing
+            time.sleep(poll_s)
+
+
+def _launch_id() -> str:
+    """This launch's id, the same on all its ranks: torchrun's run id (a fresh uuid per
+    ``--standalone`` launch) and restart count, else the rendezvous address."""
+    env = os.environ
+    return ":".join((env.get("TORCHELASTIC_RUN_ID", ""), env.get("TORCHELASTIC_RESTART_COUNT", ""),
+                     env.get("MASTER_ADDR", ""), env.get("MASTER_PORT", "")))
 
 
 def _caller(frames) -> str:

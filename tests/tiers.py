@@ -57,6 +57,7 @@ SLOW: dict[str, str | frozenset[str]] = {
         "test_a_job_that_went_well",
         "test_the_command_line_prints_the_ledger_and_exits_2_without_dumps",
         "test_torchs_own_analyzer_stops_on_gloo_dumps",
+        "test_a_peer_behind_a_failed_rank_is_recorded_stuck",
     }),
     "collectives/test_cost_model.py": frozenset({
         "test_bench_cli_runs_a_tiny_sweep",

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from ddp_lesson import flight
-from ddp_lesson.launch import run_torchrun_many
+from ddp_lesson.launch import run_torchrun, run_torchrun_many
 
 ROOT = Path(__file__).resolve().parents[2]
 PROGRAM = str(ROOT / "tests" / "programs" / "flight_case.py")
@@ -154,3 +154,33 @@ def test_verdicts_on_hand_made_records(tmp_path):
     with pytest.raises(ValueError, match="several prefixes"):
         flight.load_dumps(tmp_path)
     assert sorted(flight.load_dumps(tmp_path, prefix="trace_")) == [0, 1, 2]
+
+
+LATE_PEER = str(ROOT / "tests" / "programs" / "clinic_late_peer.py")
+
+
+@pytest.mark.parametrize("delay", [0.0, 2.5])
+def test_a_peer_behind_a_failed_rank_is_recorded_stuck(delay, tmp_path):
+    """The kind of CI's red nb07 replay (clinic ``model_mismatch`` on a loaded machine): rank 1
+    fails outside any collective, rank 0 reaches its broadcast with it ``delay`` s later (2.5:
+    past the 2 s timeout). The failed rank waits until every record is final (HangWatch), so
+    rank 0 is recorded stuck instead of leaving its broadcast completed (it failed at once:
+    the peer was gone) or no record (torchrun stopped it first), as before the wait. A mark
+    left by an earlier launch in the folder does not count."""
+    (tmp_path / "trace_0.final").write_text("an earlier launch")
+    r = run_torchrun(LATE_PEER, args=[str(delay), "--timeout", "2", "--flight-dir",
+                                      str(tmp_path)],
+                     nproc_per_node=2, backend="gloo", timeout=90, check=False)
+    assert r.returncode != 0
+    assert "RuntimeError: rank 1 fails outside any collective" in r.errors[1]
+    assert r.rank_lines(0) == ["rank 0 enters broadcast"]
+    assert "Timed out waiting 2000ms for send" in r.errors[0]  # not "Connection closed"
+    assert flight.report(tmp_path) == [
+        "rank 0 last completed: #1 barrier [] (?)",
+        "rank 0 first unfinished: #2 broadcast [49] Float (?)",
+        "rank 1 last completed: #1 barrier [] (?)",
+        "rank 1 first unfinished: none",
+        "verdict: rank 1 never called #2 broadcast (?), rank 0 did"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "trace_0", "trace_0.final", "trace_1", "trace_1.final"]
+    assert (tmp_path / "trace_0.final").read_text() == (tmp_path / "trace_1.final").read_text()

@@ -7,9 +7,9 @@ elements), ``skip`` (rank 1 never calls the third collective), ``silent`` (rank 
 a record), ``ok`` (nothing wrong). Each rank first runs two matching all_reduces. The record is
 written while the job hangs (a thread started before the faulty step), by
 ``ddp_lesson.flight.dump_when_stuck`` for ``skip`` and ``silent`` (rank 1 of ``silent`` dies
-once rank 0's record is out, as a rank killed by the OOM killer would), and by torch's own calls for
-``differ`` (the raw pickle, under NCCL's default file prefix) and ``shape`` (torch's JSON form):
-the reader takes dumps it did not write.
+once rank 0's record is out and rank 0 is done, as a rank killed by the OOM killer would), and
+by torch's own calls for ``differ`` (the raw pickle, under NCCL's default file prefix) and
+``shape`` (torch's JSON form): the reader takes dumps it did not write.
 """
 import datetime
 import os
@@ -26,6 +26,7 @@ from torch.distributed.distributed_c10d import _set_pg_timeout
 from ddp_lesson.flight import dump_when_stuck, write_trace
 
 case, out = sys.argv[1], sys.argv[2]
+RANK0_DONE = out.rstrip("/") + ".rank0_done"  # beside the dumps' folder, not in it
 # Joined with a patient timeout: a group's timeout also bounds the wait for the peers at
 # init, and on a loaded machine one rank can reach init more than 5 s after the other (its
 # Python and torch still starting). Once both all_reduces below have returned every rank is
@@ -66,8 +67,11 @@ try:
         if rank == 0:
             dist.all_reduce(x)
         elif case == "silent":  # dies, without a record, once rank 0 has written its own
+            # and is past its last line: exiting 1 sooner, torchrun could stop rank 0 before
+            # its "done" (1 of 2 loaded suite runs). Rank 0's all_reduce ends at the 5 s
+            # timeout, the peer still alive.
             deadline = time.monotonic() + 60
-            while not os.path.exists(os.path.join(out, "trace_0")) and time.monotonic() < deadline:
+            while not os.path.exists(RANK0_DONE) and time.monotonic() < deadline:
                 time.sleep(0.05)
             os._exit(1)
         else:
@@ -85,4 +89,6 @@ except RuntimeError:
 if case in ("differ", "shape", "skip") or (case == "silent" and rank == 0):
     dumper.join(60)
 print("done", flush=True)
+if case == "silent" and rank == 0:
+    open(RANK0_DONE, "w").close()
 os._exit(0)

@@ -77,7 +77,12 @@ def start(timeout: float):
 def main(doc: str, run, argv=None) -> None:
     """A case program's entry point: parse ``argv`` (:func:`parse`), join the group
     (:func:`start`), start the flight-record dump (:func:`flight_recorder`), ``run(env,
-    fixed)``, wait for the dump, leave the group. Synchronises ranks."""
+    fixed)``, wait for the dump, leave the group. Synchronises ranks. When ``run`` raises
+    and a record is kept: print the error, write the record, wait (at most
+    :data:`JOIN_TIMEOUT_S`) until every rank's record is final, exit 1."""
+    import sys
+    import traceback
+
     from ...env import cleanup
 
     args = parse(doc, argv)
@@ -85,7 +90,20 @@ def main(doc: str, run, argv=None) -> None:
     recorder = flight_recorder(args, env.rank)
     try:
         run(env, args.fixed)
-    except BaseException:  # the record is written while the group lives
+    except Exception:
+        if recorder is None:
+            raise
+        # With a record to leave: the error first (once every rank is done torchrun may stop
+        # this process), then the record, written while the group lives, then keep this
+        # rank's connections open until every rank's record is final. Leaving at once would
+        # fail a peer's collective with it before the peer was recorded stuck in it
+        # (HangWatch's docstring): the peers' records would depend on the machine's load.
+        traceback.print_exc()
+        sys.stderr.flush()
+        recorder.finish(failed=True)
+        recorder.wait_for_peers(env.world_size, JOIN_TIMEOUT_S)
+        sys.exit(1)
+    except BaseException:  # an interrupt: leave the record and go
         if recorder is not None:
             recorder.finish(failed=True)
         raise
