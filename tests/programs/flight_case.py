@@ -88,6 +88,14 @@ except RuntimeError:
     pass  # the timeout or the peer's exit: expected
 if case in ("differ", "shape", "skip") or (case == "silent" and rank == 0):
     dumper.join(60)
+if case != "silent":
+    # leave only once every rank's record is out: a rank gone sooner fails the peer's pending
+    # collective, retired as completed, before a late peer's dump (1 of 2 loaded runs, shape)
+    name = "nccl_trace_rank_" if case == "differ" else "trace_"
+    deadline = time.monotonic() + 60
+    while (not all(os.path.exists(os.path.join(out, f"{name}{r}")) for r in (0, 1))
+           and time.monotonic() < deadline):
+        time.sleep(0.05)
 print("done", flush=True)
 if case == "silent" and rank == 0:
     open(RANK0_DONE, "w").close()
