@@ -149,10 +149,11 @@ class HangWatch:
     recorded: its record shows that collective completed (a failed collective is retired as
     completed), or torchrun stops the peer first and it leaves no record at all. Which of the
     three a peer gets depends on how far behind it runs. :meth:`finish` therefore marks the
-    record final (``<prefix><rank>.final``, holding the launch's id), and a failed rank calls
-    :meth:`wait_for_peers` before it exits: its connections stay open until every rank's
-    record is final, so a peer stuck in a collective with it is recorded stuck, whatever the
-    load (the clinic's ``model_mismatch`` on a loaded machine had both outcomes).
+    record final (``<prefix><rank>.final``, holding the launch's id), and a failed rank that
+    calls ``finish(failed=True, world_size=...)`` waits there (:meth:`wait_for_peers`) before
+    it exits: its connections stay open until every rank's record is final, so a peer stuck
+    in a collective with it is recorded stuck, whatever the load (the clinic's
+    ``model_mismatch`` on a loaded machine had both outcomes).
 
     Args:
         directory: where ``<prefix><rank>`` is written.
@@ -208,12 +209,19 @@ class HangWatch:
                 self.written = write_trace(*self.args)
                 self._stuck_in = issued
 
-    def finish(self, failed: bool = False) -> Path:
+    def finish(self, failed: bool = False, world_size: int | None = None,
+               timeout_s: float = 60.0) -> Path:
         """Stop watching and return the record's file. Call it before the process group is
         destroyed. ``failed``: the rank raised; a record written while it was stuck is kept
         (a write now would show the failed collective as completed). Otherwise, or when no
         current record was written, the record is written now. Then the record is marked
-        final (``<prefix><rank>.final``, read by :meth:`wait_for_peers`)."""
+        final (``<prefix><rank>.final``, read by :meth:`wait_for_peers`).
+
+        A failed rank that gives ``world_size`` then waits (:meth:`wait_for_peers`, at most
+        ``timeout_s`` seconds) until every rank's record is final, so that leaving does not
+        fail a peer's collective before the peer was recorded stuck in it (the class
+        docstring). Without ``world_size`` nothing waits: a rank that failed before any peer
+        could enter a collective with it (its join failed) has nobody to wait for."""
         self._done.set()
         self._thread.join()
         self._status()  # the rank's final count: did it go on after the record was written?
@@ -223,6 +231,8 @@ class HangWatch:
         tmp = final.with_name(final.name + ".tmp")
         tmp.write_text(_launch_id())
         os.replace(tmp, final)  # a peer never reads half a mark
+        if failed and world_size is not None:
+            self.wait_for_peers(world_size, timeout_s)
         return self.written
 
     def _final_path(self, rank: int) -> Path:
@@ -234,7 +244,7 @@ class HangWatch:
         has marked its record final, polling the marks every ``poll_s`` seconds; a mark left by
         an earlier launch in the same folder (another launch id) does not count.
 
-        Call it in a rank that failed, before it exits (see the class docstring). It synchronises
+        ``finish(failed=True, world_size=...)`` calls it (see the class docstring). It synchronises
         ranks through the folder, not the process group: no collective, so it cannot hang on
         the failure; ``timeout_s`` bounds it (a peer stuck outside any collective).
 

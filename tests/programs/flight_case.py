@@ -39,6 +39,13 @@ dist.all_reduce(x)
 _set_pg_timeout(datetime.timedelta(seconds=5), dist.group.WORLD)
 
 
+def wait_for(paths: list[str], timeout_s: float = 60.0) -> None:
+    """Poll until every file in ``paths`` exists, at most ``timeout_s`` seconds."""
+    deadline = time.monotonic() + timeout_s
+    while not all(os.path.exists(p) for p in paths) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def torch_dump(name: str, dump) -> threading.Thread:
     def write():
         time.sleep(1.0)
@@ -70,9 +77,7 @@ try:
             # and is past its last line: exiting 1 sooner, torchrun could stop rank 0 before
             # its "done" (1 of 2 loaded suite runs). Rank 0's all_reduce ends at the 5 s
             # timeout, the peer still alive.
-            deadline = time.monotonic() + 60
-            while not os.path.exists(RANK0_DONE) and time.monotonic() < deadline:
-                time.sleep(0.05)
+            wait_for([RANK0_DONE])
             os._exit(1)
         else:
             dumper.join(60)  # stuck elsewhere (say, in data loading) until the record is out
@@ -92,10 +97,7 @@ if case != "silent":
     # leave only once every rank's record is out: a rank gone sooner fails the peer's pending
     # collective, retired as completed, before a late peer's dump (1 of 2 loaded runs, shape)
     name = "nccl_trace_rank_" if case == "differ" else "trace_"
-    deadline = time.monotonic() + 60
-    while (not all(os.path.exists(os.path.join(out, f"{name}{r}")) for r in (0, 1))
-           and time.monotonic() < deadline):
-        time.sleep(0.05)
+    wait_for([os.path.join(out, f"{name}{r}") for r in (0, 1)])
 print("done", flush=True)
 if case == "silent" and rank == 0:
     open(RANK0_DONE, "w").close()

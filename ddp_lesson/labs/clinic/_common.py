@@ -100,8 +100,7 @@ def main(doc: str, run, argv=None) -> None:
         # (HangWatch's docstring): the peers' records would depend on the machine's load.
         traceback.print_exc()
         sys.stderr.flush()
-        recorder.finish(failed=True)
-        recorder.wait_for_peers(env.world_size, JOIN_TIMEOUT_S)
+        recorder.finish(failed=True, world_size=env.world_size, timeout_s=JOIN_TIMEOUT_S)
         sys.exit(1)
     except BaseException:  # an interrupt: leave the record and go
         if recorder is not None:
