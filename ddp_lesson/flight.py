@@ -188,12 +188,12 @@ class HangWatch:
         nothing)."""
         from torch._C._distributed_c10d import _dump_fr_trace
 
-        status = pickle.loads(_dump_fr_trace(includeStackTraces=False)).get(
-            "pg_status", {}).get("0", {})
+        dump = pickle.loads(_dump_fr_trace(includeStackTraces=False))
+        status = dump.get("pg_status", {}).get("0", {})
         issued = int(status.get("last_enqueued_collective", -1))
         if self._stuck_in is not None and issued > self._stuck_in:
             self._stuck_in = None
-        return issued, int(status.get("last_completed_collective", -1))
+        return issued, completed_through(dump, "0")
 
     def _watch(self) -> None:
         import time
@@ -226,6 +226,7 @@ class HangWatch:
         self._thread.join()
         self._status()  # the rank's final count: did it go on after the record was written?
         if not failed or self._stuck_in is None:
+            self.settle()
             self.written = write_trace(*self.args)
         final = self._final_path(self.args[1])
         tmp = final.with_name(final.name + ".tmp")
@@ -234,6 +235,28 @@ class HangWatch:
         if failed and world_size is not None:
             self.wait_for_peers(world_size, timeout_s)
         return self.written
+
+    def settle(self, timeout_s: float = 3.0, poll_s: float = 0.02) -> bool:
+        """Wait until every collective this rank issued is marked completed in its record, at
+        most ``timeout_s`` seconds; returns whether they all were.
+
+        torch marks a collective completed a moment after the call returned, from the work's
+        own thread, so a record written at once can show a collective that returned as
+        unfinished (a failed rank's record showed its barrier unfinished, 1 of 2 loaded suite
+        runs). :meth:`finish` calls it before writing: the main thread is then inside no
+        collective, so only an asynchronous one that is really pending (``async_op=True``, a
+        DDP bucket) keeps it waiting the whole ``timeout_s``.
+        """
+        import time
+
+        deadline = time.monotonic() + timeout_s
+        while True:
+            issued, completed = self._status()
+            if issued <= completed:
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(poll_s)
 
     def _final_path(self, rank: int) -> Path:
         directory, _, prefix, _ = self.args
@@ -321,12 +344,28 @@ def _issued(dump: dict, group: str) -> list[Collective]:
             if str(e.get("process_group", ("0",))[0]) == group and not e.get("is_p2p")]
 
 
+def completed_through(dump: dict, group: str = "0") -> int:
+    """The sequence id through which ``group``'s collectives completed in one rank's record.
+
+    The larger of the group's ``last_completed_collective`` and the last id whose entry is
+    ``retired`` (torch retires an entry when its work completes, or fails). The status alone
+    can lag: a gloo record (torch 2.13) held ``last_completed_collective`` 2 with all three
+    entries retired, written after the rank had seen 3 (1 of 4 runs of tests/collectives/
+    test_flight.py); read alone, it showed a job that went well as hung in #3. -1: none.
+    """
+    status = dump.get("pg_status", {}).get(group, {})
+    retired = [int(e["collective_seq_id"]) for e in dump.get("entries", ())
+               if e.get("retired") is True and not e.get("is_p2p")
+               and str(e.get("process_group", ("0",))[0]) == group]
+    return max([int(status.get("last_completed_collective", -1)), *retired])
+
+
 def ledgers(dumps: dict[int, dict], group: str = "0") -> list[RankLedger]:
-    """Every rank's :class:`RankLedger` in process group ``group`` (``"0"``: the default)."""
+    """Every rank's :class:`RankLedger` in process group ``group`` (``"0"``: the default);
+    completed means through :func:`completed_through`."""
     out = []
     for rank in sorted(dumps):
-        status = dumps[rank].get("pg_status", {}).get(group, {})
-        done = int(status.get("last_completed_collective", -1))
+        done = completed_through(dumps[rank], group)
         seen = _issued(dumps[rank], group)
         last = next((c for c in reversed(seen) if c.seq <= done), None)
         first = next((c for c in seen if c.seq > done), None)

@@ -136,6 +136,31 @@ def test_a_group_that_never_formed():
     assert flight.Collective(1, "barrier", (), (), "env.py:9").text() == "#1 barrier [] (env.py:9)"
 
 
+def test_a_status_that_lags_the_retired_entries_reads_as_completed():
+    """The record of rank 1 of a job that went well, as torch wrote it (1 of 4 runs): status 2,
+    all three entries retired. It reads completed through #3, not waiting in #3."""
+    lagging = _dump([_entry(1), _entry(2), _entry(3)], 2)
+    assert flight.completed_through(lagging) == 3
+    # a stuck collective is not retired: the status decides below it
+    assert flight.completed_through(_dump([_entry(1), _entry(2, done=False)], 1)) == 1
+    ok = {0: _dump([_entry(1), _entry(2), _entry(3)], 3), 1: lagging, 2: lagging}
+    assert flight.verdict(ok) == "nothing unfinished: every rank completed collective #3"
+
+
+def test_settle_waits_for_a_completion_marked_late_and_gives_up_on_a_pending_one():
+    """A collective that returned is marked completed a moment later (the work's thread):
+    ``settle`` waits for the mark; one really pending ends the wait at ``timeout_s``."""
+    watch = object.__new__(flight.HangWatch)  # no thread, no group: only the status is faked
+    late = iter([(1, 0), (1, 0), (1, 1)])
+    watch._status = lambda: next(late)
+    assert watch.settle(timeout_s=5.0, poll_s=0.0) is True
+    with pytest.raises(StopIteration):  # it stopped at the third look, the completed one
+        watch._status()
+    calls = []
+    watch._status = lambda: calls.append(1) or (2, 1)
+    assert watch.settle(timeout_s=0.05, poll_s=0.01) is False and len(calls) >= 2
+
+
 def test_verdicts_on_hand_made_records(tmp_path):
     base = [_entry(1), _entry(2)]
     same = {r: _dump(base + [_entry(3, done=False)], 2) for r in range(3)}
