@@ -367,7 +367,8 @@ def test_kernel_restart_and_sigkill_leave_no_process_or_file(tmp_path):
     tmp.mkdir()
     env = dict(os.environ, TMPDIR=str(tmp), PYTHONPATH=str(ROOT))
 
-    km = KernelManager(kernel_name="python3")
+    # over Unix sockets, at an absolute path: no TCP port to lose (notebooks/conftest.py)
+    km = KernelManager(kernel_name="python3", transport="ipc", ip=str(tmp_path / "kernel"))
     km.start_kernel(env=env, cwd=str(tmp_path))
     try:
         kc = km.client()

@@ -317,14 +317,19 @@ def _subshell_probe(client) -> None:
     time.sleep(0.5)
 
 
-def test_in_a_kernel_busy_throughout_text_status_and_one_line_interrupt():
+def test_in_a_kernel_busy_throughout_text_status_and_one_line_interrupt(tmp_path):
     """The status line, the busy kernel and the interrupt in a real IPython kernel; and
     ``--show-stderr`` names the cell."""
     import time
 
-    from jupyter_client.manager import start_new_kernel
+    from jupyter_client import KernelManager
 
-    km, kc = start_new_kernel(kernel_name="python3")
+    # over Unix sockets: no TCP port another process could take before the kernel binds it
+    km = KernelManager(kernel_name="python3", transport="ipc", ip=str(tmp_path / "kernel"))
+    km.start_kernel()
+    kc = km.client()
+    kc.start_channels()
+    kc.wait_for_ready(timeout=60)
     try:
         _run_in_kernel(kc, "%load_ext ddp_lesson")
         # the cell also warns, shown by --show-stderr (named as the cell, after the output)
