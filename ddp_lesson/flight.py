@@ -339,9 +339,14 @@ def load_dumps(directory: str | os.PathLike, prefix: str | None = None) -> dict[
     return dumps
 
 
-def _issued(dump: dict, group: str) -> list[Collective]:
-    return [_collective(e) for e in dump.get("entries", ())
+def _group_entries(dump: dict, group: str) -> list[dict]:
+    """The raw entries of ``group``'s collectives in one rank's record (point-to-point left out)."""
+    return [e for e in dump.get("entries", ())
             if str(e.get("process_group", ("0",))[0]) == group and not e.get("is_p2p")]
+
+
+def _issued(dump: dict, group: str) -> list[Collective]:
+    return [_collective(e) for e in _group_entries(dump, group)]
 
 
 def completed_through(dump: dict, group: str = "0") -> int:
@@ -354,9 +359,8 @@ def completed_through(dump: dict, group: str = "0") -> int:
     test_flight.py); read alone, it showed a job that went well as hung in #3. -1: none.
     """
     status = dump.get("pg_status", {}).get(group, {})
-    retired = [int(e["collective_seq_id"]) for e in dump.get("entries", ())
-               if e.get("retired") is True and not e.get("is_p2p")
-               and str(e.get("process_group", ("0",))[0]) == group]
+    retired = [int(e["collective_seq_id"]) for e in _group_entries(dump, group)
+               if e.get("retired") is True]
     return max([int(status.get("last_completed_collective", -1)), *retired])
 
 

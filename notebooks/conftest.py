@@ -16,6 +16,10 @@ import tempfile
 import jupyter_client
 import nbval.kernel
 
+# one folder for this process's kernels' sockets, removed when it exits
+_IPC_ROOT = tempfile.mkdtemp(prefix="nbval-kernels-")
+atexit.register(shutil.rmtree, _IPC_ROOT, True)
+
 
 class _IpcKernelManager(jupyter_client.KernelManager):
     """nbval's kernels talk over Unix sockets (``transport="ipc"``), not TCP ports.
@@ -24,8 +28,8 @@ class _IpcKernelManager(jupyter_client.KernelManager):
     connection file; the kernel binds them once it has started, and on a loaded machine another
     process can take one in between: the kernel dies at start (``Address already in use``; nbval
     reports "Kernel died before replying to kernel_info": every cell of notebooks/deep/03 errored
-    in 1 of 2 runs of a loaded pair). An IPC socket is a file named after the kernel's own
-    connection file: nothing another process can take.
+    in 1 of 2 runs of a loaded pair). An IPC socket is a file in a folder made for this kernel
+    alone: nothing another process can take.
     """
 
     def __init__(self, **kwargs):
@@ -34,11 +38,6 @@ class _IpcKernelManager(jupyter_client.KernelManager):
         # process's working directory, and the kernel runs in the notebook's folder)
         kwargs.setdefault("ip", tempfile.mkdtemp(prefix="kernel-", dir=_IPC_ROOT) + "/k")
         super().__init__(**kwargs)
-
-
-# one folder for this process's kernels' sockets, removed when it exits
-_IPC_ROOT = tempfile.mkdtemp(prefix="nbval-kernels-")
-atexit.register(shutil.rmtree, _IPC_ROOT, True)
 
 
 nbval.kernel.KernelManager = _IpcKernelManager  # what nbval.kernel.start_new_kernel constructs
