@@ -463,10 +463,18 @@ def _open_cleared(browser, lab, name: str):
         timeout=PAGE_LOAD_S * 1000)
 
     def loaded():
+        # The toolbar's indicator reads "idle" before the page has a kernel at all, and a cell
+        # run then opens JupyterLab's "Select Kernel" dialog over the page (under load, the
+        # long cell's page: every click after it intercepted, 1 of 2 runs of a loaded pair).
+        # So: the server's session for the notebook idle, and the page showing its kernel.
         cells = page.locator(".jp-NotebookPanel .jp-Notebook .jp-CodeCell").count()
         status = page.get_attribute(".jp-Notebook-ExecutionIndicator", "data-status")
-        ok = cells == n_code and status == "idle"
-        return ok, f"{cells}/{n_code} code cells, kernel indicator {status!r}"
+        seen = page.evaluate(_SHOWN_JS, _PANEL) or {}
+        kernel = seen.get("kernel", "")
+        ok = (cells == n_code and status == "idle" and kernel not in ("", "No Kernel")
+              and _kernel_idle(lab, name))
+        return ok, (f"{cells}/{n_code} code cells, kernel indicator {status!r}, "
+                    f"page kernel {kernel!r}, server session idle {_kernel_idle(lab, name)}")
 
     _wait_for(f"{name} to render and its kernel to be idle", loaded, PAGE_LOAD_S)
     page.keyboard.press("Control+b")  # fold the file browser away: room for the notebook
