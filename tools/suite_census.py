@@ -11,7 +11,7 @@ pytest fails or is interrupted. Each process writes one JSON record when it exit
 its pid and parent's pid, its ``argv``, the test that was running when it started
 (``PYTEST_CURRENT_TEST``, inherited from the pytest worker; empty where a test gave its child an
 environment of its own), its own user + system CPU seconds (``os.times()``, not its children's)
-and whether it imported ``torch`` and ``torch._dynamo``. A process killed by a signal writes
+and whether it imported ``torch._dynamo``. A process killed by a signal writes
 only the record of its start, and is counted apart ("killed") without CPU.
 
 The report sorts the processes into kinds -- ``agent`` (torchrun's agent,
@@ -51,7 +51,7 @@ def _write(kind):
         t = os.times()
         rec = {{"pid": os.getpid(), "ppid": os.getppid(), "argv": list(sys.argv)[:8],
                "test": _TEST, "cpu_s": t.user + t.system, "wall_s": time.time() - _T0,
-               "torch": "torch" in sys.modules, "dynamo": "torch._dynamo" in sys.modules}}
+               "dynamo": "torch._dynamo" in sys.modules}}
         name = f"{{os.getpid()}}.{{int(_T0 * 1e6)}}.{{kind}}.json"
         with open(os.path.join(_DIR, name), "w") as f:
             json.dump(rec, f)
@@ -62,9 +62,6 @@ def _write(kind):
 _write("start")
 atexit.register(_write, "exit")
 '''
-
-KINDS = ("agent", "worker", "kernel", "pytest", "watchdog", "jupyter", "other")
-
 
 def load(folder: Path) -> list[dict]:
     """The records of one run: one dict per process, from its exit record, or from its start
@@ -81,7 +78,10 @@ def load(folder: Path) -> list[dict]:
 
 
 def kind_of(rec: dict, agents: set[int]) -> str:
-    """One of :data:`KINDS` for a record; ``agents`` holds the pids of the agent processes."""
+    """The kind of a record -- ``agent``, ``worker``, ``kernel``, ``watchdog``, ``pytest``,
+    ``jupyter`` or ``other`` -- where ``agents`` holds the pids of the agent processes. A process
+    whose parent's pid had been an earlier agent's (a reused pid) is misread as a ``worker``,
+    which is harmless for a census."""
     argv = " ".join(rec["argv"])
     if "ddp_lesson/launch/agent.py" in argv or "torch.distributed.run" in argv:
         return "agent"
@@ -98,27 +98,35 @@ def kind_of(rec: dict, agents: set[int]) -> str:
     return "other"
 
 
+def _classified(records: list[dict]):
+    """``(record, kind, file)`` for each record, in order: its kind (:func:`kind_of`) and the
+    test file it started in (``"(none)"`` for a process whose environment named no test)."""
+    agents = {r["pid"] for r in records if kind_of(r, set()) == "agent"}
+    for rec in records:
+        yield rec, kind_of(rec, agents), rec["test"].split("::")[0] if rec["test"] else "(none)"
+
+
+def _row() -> dict:
+    return {"n": 0, "killed": 0, "cpu_s": 0.0, "dynamo": 0, "kinds": collections.Counter()}
+
+
+def _add(entry: dict, rec: dict, kind: str) -> None:
+    entry["n"] += 1
+    entry["killed"] += rec["killed"]
+    entry["cpu_s"] += rec["cpu_s"]
+    entry["dynamo"] += bool(rec.get("dynamo"))
+    entry["kinds"][kind] += 1
+
+
 def summarise(records: list[dict]) -> tuple[dict, dict]:
     """``(by_kind, by_file)``: for each kind, and for each test file (``"(none)"`` for a process
     whose environment named no test), ``{"n": processes, "killed": n, "cpu_s": seconds,
     "dynamo": processes that imported torch._dynamo, "kinds": {kind: n}}``."""
-    agents = {r["pid"] for r in records if kind_of(r, set()) == "agent"}
-
-    def row():
-        return {"n": 0, "killed": 0, "cpu_s": 0.0, "dynamo": 0, "kinds": collections.Counter()}
-
-    by_kind: dict = collections.defaultdict(row)
-    by_file: dict = collections.defaultdict(row)
-    for rec in records:
-        kind = kind_of(rec, agents)
-        where = rec["test"].split("::")[0] if rec["test"] else "(none)"
+    by_kind: dict = collections.defaultdict(_row)
+    by_file: dict = collections.defaultdict(_row)
+    for rec, kind, where in _classified(records):
         for table, key in ((by_kind, kind), (by_file, where)):
-            entry = table[key]
-            entry["n"] += 1
-            entry["killed"] += rec["killed"]
-            entry["cpu_s"] += rec["cpu_s"]
-            entry["dynamo"] += bool(rec.get("dynamo"))
-            entry["kinds"][kind] += 1
+            _add(table[key], rec, kind)
     return dict(by_kind), dict(by_file)
 
 
@@ -143,20 +151,14 @@ def report(records: list[dict], top: int = 40, out=sys.stdout) -> None:
 
 def write_csv(records: list[dict], path: Path) -> None:
     """One row per test file and kind: ``file, kind, processes, killed, cpu_s, dynamo``."""
-    agents = {r["pid"] for r in records if kind_of(r, set()) == "agent"}
-    rows: dict = collections.defaultdict(lambda: [0, 0, 0.0, 0])
-    for rec in records:
-        where = rec["test"].split("::")[0] if rec["test"] else "(none)"
-        entry = rows[(where, kind_of(rec, agents))]
-        entry[0] += 1
-        entry[1] += rec["killed"]
-        entry[2] += rec["cpu_s"]
-        entry[3] += bool(rec.get("dynamo"))
+    rows: dict = collections.defaultdict(_row)
+    for rec, kind, where in _classified(records):
+        _add(rows[(where, kind)], rec, kind)
     with open(path, "w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(["file", "kind", "processes", "killed", "cpu_s", "dynamo"])
-        for (where, kind), (n, killed, cpu, dyn) in sorted(rows.items()):
-            writer.writerow([where, kind, n, killed, f"{cpu:.2f}", dyn])
+        for (where, kind), e in sorted(rows.items()):
+            writer.writerow([where, kind, e["n"], e["killed"], f"{e['cpu_s']:.2f}", e["dynamo"]])
 
 
 def run(pytest_args: list[str]) -> tuple[int, Path]:
