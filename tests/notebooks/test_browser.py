@@ -1,6 +1,7 @@
 """JupyterLab in a real browser: the notebooks as a reader opens and runs them.
 
-A module fixture starts JupyterLab from this test environment on 127.0.0.1 (a token, no
+A module fixture starts JupyterLab from this test environment on 127.0.0.1 (a port it binds
+itself, kernels over Unix sockets: no port picked for another process to bind later; a token, no
 browser opened by Jupyter, nothing fetched from the network: no news, no update check, a
 read-only extension manager) serving a temporary folder laid out as the README serves the
 repository (``jupyter lab`` in its root): *copies* of README.md, docs/ and notebooks/ (the
@@ -48,9 +49,9 @@ import re
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 import warnings
@@ -130,12 +131,6 @@ class _Descendants:
         return stragglers
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 # ------------------------------------------------------------------------ fixtures
 
 @pytest.fixture(scope="module")
@@ -188,12 +183,22 @@ def lab_server(base: Path, fail=pytest.fail):
         path.write_text(json.dumps(values))
     env = dict(os.environ)
     for var, sub in (("JUPYTER_CONFIG_DIR", "config"), ("JUPYTER_DATA_DIR", "data"),
-                     ("JUPYTER_RUNTIME_DIR", "runtime"), ("IPYTHONDIR", "ipython")):
+                     ("IPYTHONDIR", "ipython")):
         (base / sub).mkdir()
         env[var] = str(base / sub)  # no user config, kernels or startup files leak in
-    port, token = _free_port(), secrets.token_hex(16)
+    # No port is chosen here and bound later by another process, where a second suite on the
+    # machine could take it in between (the MASTER_PORT race of #30, C9): the server binds port
+    # 0 itself and says which port it got in its runtime folder's jpserver-PID.json; its kernels
+    # talk over Unix sockets (transport=ipc), not five TCP ports that jupyter_client picks,
+    # closes and leaves for the kernel to bind (what killed an nbval kernel under load). Each
+    # kernel's sockets are named after its connection file, "<runtime>/kernel-<id>-ipc-<n>", so
+    # the runtime folder is a short one in /tmp: a socket's path must fit in 107 bytes.
+    runtime = Path(tempfile.mkdtemp(prefix="lab-rt-"))
+    env["JUPYTER_RUNTIME_DIR"] = str(runtime)
+    token = secrets.token_hex(16)
     cmd = [sys.executable, "-m", "jupyterlab", "--no-browser", "--ip=127.0.0.1",
-           f"--port={port}", "--ServerApp.port_retries=0", f"--IdentityProvider.token={token}",
+           "--port=0", "--ServerApp.port_retries=0", "--KernelManager.transport=ipc",
+           f"--IdentityProvider.token={token}",
            "--ServerApp.open_browser=False", f"--ServerApp.root_dir={root}",
            "--LabApp.news_url=None", "--LabApp.extension_manager=readonly",
            "--LabApp.check_for_updates_class="
@@ -205,26 +210,30 @@ def lab_server(base: Path, fail=pytest.fail):
     log = open(log_path, "wb")
     proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT,
                             stdin=subprocess.DEVNULL, start_new_session=True)
-    lab = _Lab(f"http://127.0.0.1:{port}", token, root, proc, log_path, _Descendants(proc.pid),
-               base / "runtime")
+    lab = _Lab(None, token, root, proc, log_path, _Descendants(proc.pid), runtime)
+    info = runtime / f"jpserver-{proc.pid}.json"
     try:
         deadline = time.monotonic() + SERVER_START_S
         while True:
             if proc.poll() is not None:
                 fail(f"JupyterLab exited with code {proc.returncode} before answering; "
-                            f"log:\n{lab.log_tail()}")
+                     f"log:\n{lab.log_tail()}")
             try:
+                if lab.url is None:  # written once the server listens
+                    lab.url = f"http://127.0.0.1:{json.loads(info.read_text())['port']}"
                 lab.api("/api/status", timeout=2)
                 break
-            except OSError:
+            except (OSError, ValueError, KeyError):  # no file yet, half written, no answer
                 if time.monotonic() > deadline:
-                    fail(f"JupyterLab did not answer on port {port} within "
-                                f"{SERVER_START_S} s; log:\n{lab.log_tail()}")
+                    fail(f"JupyterLab did not answer within {SERVER_START_S} s (server "
+                         f"info {'read: ' + lab.url if lab.url else 'not written'}); "
+                         f"log:\n{lab.log_tail()}")
                 time.sleep(0.3)
         yield lab
     finally:
         _shutdown(lab)
         log.close()
+        shutil.rmtree(runtime, ignore_errors=True)
 
 
 def populate_root(root: Path) -> None:
@@ -256,7 +265,8 @@ def _shutdown(lab: _Lab) -> None:
     lab.watch.scan()
     if lab.proc.poll() is None:
         try:
-            lab.api("/api/shutdown", method="POST", timeout=10)
+            if lab.url is not None:  # None: it never said which port it listens on
+                lab.api("/api/shutdown", method="POST", timeout=10)
         except OSError:
             pass
         try:
@@ -471,10 +481,11 @@ def _open_cleared(browser, lab, name: str):
         status = page.get_attribute(".jp-Notebook-ExecutionIndicator", "data-status")
         seen = page.evaluate(_SHOWN_JS, _PANEL) or {}
         kernel = seen.get("kernel", "")
+        idle = _kernel_idle(lab, name)
         ok = (cells == n_code and status == "idle" and kernel not in ("", "No Kernel")
-              and _kernel_idle(lab, name))
+              and idle)
         return ok, (f"{cells}/{n_code} code cells, kernel indicator {status!r}, "
-                    f"page kernel {kernel!r}, server session idle {_kernel_idle(lab, name)}")
+                    f"page kernel {kernel!r}, server session idle {idle}")
 
     _wait_for(f"{name} to render and its kernel to be idle", loaded, PAGE_LOAD_S)
     page.keyboard.press("Control+b")  # fold the file browser away: room for the notebook
@@ -927,6 +938,21 @@ def _wait_until_drawn(page, lab, explorer) -> None:
 # ------------------------------------------------------------------------ tests
 
 # -------------------------------------------------- every stored notebook, opened
+
+
+def test_the_server_and_its_kernels_bind_no_port_chosen_for_them(lab):
+    """The server took port 0 and told its port; a kernel it starts listens on Unix sockets."""
+    info = json.loads((lab.runtime / f"jpserver-{lab.proc.pid}.json").read_text())
+    assert lab.url == f"http://127.0.0.1:{info['port']}" and info["port"] > 0
+    kernel = lab.api("/api/kernels", method="POST", timeout=30)
+    try:
+        conn = json.loads((lab.runtime / f"kernel-{kernel['id']}.json").read_text())
+        assert conn["transport"] == "ipc"
+        assert conn["ip"] == str(lab.runtime / f"kernel-{kernel['id']}-ipc")
+        longest = f"{conn['ip']}-{max(conn[k] for k in conn if k.endswith('_port'))}"
+        assert len(longest.encode()) <= 107, longest  # sun_path: 108 bytes with the NUL
+    finally:
+        lab.api(f"/api/kernels/{kernel['id']}", method="DELETE", timeout=30)
 
 
 def test_stored_notebooks_open_unmarked_and_save_as_stored(opened):
