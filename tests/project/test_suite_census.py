@@ -95,5 +95,13 @@ def test_an_optimizers_first_step_imports_dynamo_as_contributing_says():
             wrappers.append(step.__code__.co_name)
             step = getattr(step, "__wrapped__", None)
         assert wrappers == ["wrapper", "_use_grad", "step"], (opt, wrappers)
+    # the constructor too: add_param_group is wrapped by torch._disable_dynamo, whose wrapper
+    # imports torch._dynamo on its first call, with no switch to turn that off
+    import torch._compile
+
+    assert torch.optim.Optimizer.add_param_group.__code__.co_name == "inner"
+    assert "import torch._dynamo" in inspect.getsource(torch._compile._disable_dynamo)
     text = (ROOT / "CONTRIBUTING.md").read_text()
     assert "`_use_grad_for_differentiable` in\n  `torch/optim/optimizer.py`" in text
+    assert "`add_param_group` (`@torch._disable_dynamo`, `torch/_compile.py`)" in " ".join(
+        text.split())
