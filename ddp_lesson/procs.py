@@ -60,6 +60,9 @@ def reap(proc: subprocess.Popen, seconds: float) -> bool:
     ``Popen.poll`` can leave Popen's internal wait lock held, and a later ``Popen.wait()``
     then blocks forever. Sets ``proc.returncode`` as Popen would.
     """
+    wait_exit = getattr(proc, "wait_exit", None)
+    if wait_exit is not None:  # not our child: a forked agent (ddp_lesson.launch.forkserver)
+        return wait_exit(seconds)
     deadline = time.monotonic() + seconds
     while True:
         if proc.returncode is not None:

@@ -175,6 +175,7 @@ SLOW: dict[str, str | frozenset[str]] = {
     "launch/test_env.py": frozenset({
         "test_init_distributed_and_cleanup_on_three_ranks",
     }),
+    "launch/test_forkserver.py": ALL,
     "launch/test_launch.py": frozenset({
         "test_a_ranks_sigterm_handler_gets_torchruns_grace",
         "test_check_false_returns_the_failure_instead",

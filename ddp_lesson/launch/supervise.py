@@ -21,6 +21,7 @@ from pathlib import Path
 
 from ..procs import die_with_parent, folder_pids, kill_pids, reap, release_watchdog, start_watchdog
 from .command import _build_launch, _Launch, _validate
+from .forkserver import spawn_agent
 from .output import (
     CELL_LABEL,
     TorchrunError,
@@ -68,15 +69,23 @@ def _terminate(procs: list[subprocess.Popen], outdir: Path) -> None:
 
 
 
-def _start(launch: _Launch, errfiles) -> list[subprocess.Popen]:
-    """Start one torchrun agent per command, each in a session of its own, dying with us."""
+def _start(launch: _Launch, errfiles) -> list:
+    """Start one torchrun agent per command, each in a process group of its own, dying with us.
+
+    Forked from this process's fork server (:mod:`.forkserver`: torch is imported once per
+    launching process, not once per agent), else started fresh: ``subprocess.Popen`` in a
+    session of its own. Either way ``pid`` is also the agent's process group.
+    """
     procs = []
     linux = sys.platform.startswith("linux")
     for cmd, err in zip(launch.commands, errfiles):
-        procs.append(subprocess.Popen(
-            cmd, env=launch.env, cwd=launch.cwd, stdin=subprocess.DEVNULL, stdout=err,
-            stderr=subprocess.STDOUT, start_new_session=True,
-            preexec_fn=partial(die_with_parent, os.getpid()) if linux else None))
+        proc = spawn_agent(cmd, launch.env, launch.cwd, err.fileno())
+        if proc is None:
+            proc = subprocess.Popen(
+                cmd, env=launch.env, cwd=launch.cwd, stdin=subprocess.DEVNULL, stdout=err,
+                stderr=subprocess.STDOUT, start_new_session=True,
+                preexec_fn=partial(die_with_parent, os.getpid()) if linux else None)
+        procs.append(proc)
         with open(launch.outdir / "agents.pid", "a") as f:  # for the watchdog
             f.write(f"{procs[-1].pid}\n")
     return procs

@@ -22,6 +22,7 @@ from ddp_lesson.core.naive_ddp import NaiveDDP, all_reduce_mean_
 from ddp_lesson.core.zero1 import Zero1Optimizer
 from ddp_lesson.exercises import check, describe, reference
 from ddp_lesson.exercises.core import run_candidates, run_pairs
+from ddp_lesson.launch import forkserver
 
 # A hanging candidate costs one collective timeout; keep it short here.
 os.environ.setdefault("DDP_LESSON_CHECK_TIMEOUT_S", "4")
@@ -333,9 +334,10 @@ def verdicts():
     return dict(zip(keys, run_pairs(pairs)))
 
 
-def _children() -> list[int]:
-    """Pids of this process's children that are still alive (Linux /proc), [] elsewhere."""
-    me, out = str(os.getpid()), []
+def _children(parent: int | None = None) -> list[int]:
+    """Pids of the children of ``parent`` (default: this process) that are still alive (Linux
+    /proc), [] elsewhere."""
+    me, out = str(os.getpid() if parent is None else parent), []
     for pid in os.listdir("/proc") if os.path.isdir("/proc") else []:
         try:
             with open(f"/proc/{pid}/stat") as f:
@@ -375,7 +377,11 @@ def test_04_3_naive_ddp_refuses_the_plausible_wrong_answers(verdicts):
     # a collective only rank 0 reaches: a verdict naming the rank, not a frozen check
     hang = v("rank_zero")
     assert "rank 0 at line" in hang and "rank 1 finished" in hang
-    assert _children() == []  # every launch, the hung one too, left no process behind
+    # every launch, the hung one too, left no process behind: none of ours but the fork server
+    # of the agents (ddp_lesson.launch.forkserver), and it has none left either
+    server = forkserver._server.proc.pid if forkserver._server is not None else None
+    assert [p for p in _children() if p != server] == []
+    assert server is None or _children(server) == []
 
 
 def test_04_4_bucketed_ddp_checks_weights_buckets_overlap_and_no_sync(verdicts):

@@ -95,7 +95,9 @@ def test_next_launch_works_at_once_after_an_interrupt(tmp_path):
         "    sys.exit(130)\n")
     proc = subprocess.Popen([sys.executable, str(driver)])
     _wait_for(lambda: all((tmp_path / f"started{r}").exists() for r in (0, 1)), 60, "both workers")
-    assert len(_processes_mentioning(str(worker))) >= 3  # torchrun and its 2 workers
+    # its 2 workers (the agent, forked from the launcher's fork server, runs under that
+    # server's command line: ddp_lesson.launch.forkserver)
+    assert len(_processes_mentioning(str(worker))) >= 2
     proc.send_signal(signal.SIGINT)
     assert proc.wait(timeout=60) == 130
     assert _processes_mentioning(str(worker)) == []

@@ -1,0 +1,431 @@
+"""A fork server for torchrun's agents: torch imported once per launching process, not per run.
+
+Every run starts one torchrun agent per node (``python -m ddp_lesson.launch.agent``). A fresh
+agent spends most of its CPU importing torch (about 1.5 CPU-s of the 1.7 an agent uses in the
+test suite), before it starts a single worker. A process that launches runs (a notebook kernel,
+a test worker) therefore starts one small server the first time it launches: a Python that
+imports torch and torchrun once, then forks one agent per request. A forked agent is the same
+program (``ddp_lesson.launch.agent.main``, torch's ``torch.distributed.run.main``) with the run's
+own environment, working directory and output file, in a process group of its own, killed by
+Linux when the server dies (``PR_SET_PDEATHSIG``); the server ends when its launching process
+does (the socket between them closes).
+
+What a fresh process reads from its environment before ``main`` runs, the fork sets again:
+``os.environ`` is replaced before ``main``, and the level of each logger torch's elastic code
+made with ``get_logger`` (``LOGLEVEL``, read at import:
+``torch/distributed/elastic/utils/logging.py``) is set again from the run's ``LOGLEVEL``. What
+torch reads only at ``import torch`` (the variables in :data:`IMPORT_TIME`) cannot be set again:
+a run whose environment differs from the server's in one of them gets a fresh agent instead.
+
+``DDP_LESSON_FORKSERVER=0`` in the run's environment turns it off (a fresh agent per run, as
+torchrun starts them), and so does any failure of the server: :func:`spawn_agent` returns None
+and the caller starts the agent itself. Linux only (``fork``, ``SOCK_SEQPACKET``, ``prctl``).
+
+Protocol (a ``SOCK_SEQPACKET`` socket pair: one pickled message per packet):
+client ``("spawn", id, argv, env, cwd)`` with the output file's descriptor attached;
+server ``("spawned", id, pid)`` or ``("failed", id, reason)``, and ``("exit", pid, code, cpu_s)``
+when an agent ends (``code`` as ``Popen.returncode``: negative for a signal; ``cpu_s`` its user
+and system CPU seconds with those of the ranks it reaped, from ``wait4``).
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+
+#: The switch: ``"0"`` in a run's environment starts its agents fresh (``subprocess.Popen``).
+SWITCH_ENV = "DDP_LESSON_FORKSERVER"
+
+#: Variables torch reads once, at ``import torch`` (C++ logging, the debug level of
+#: ``torch.distributed``, ``TORCH_LOGS``). A run whose value differs from the server's gets
+#: a fresh agent.
+IMPORT_TIME = ("TORCH_CPP_LOG_LEVEL", "TORCH_SHOW_CPP_STACKTRACES", "TORCH_DISTRIBUTED_DEBUG",
+               "TORCH_LOGS", "PYTHONWARNINGS")
+
+_AGENT_ARGV0 = [sys.executable, "-m", "ddp_lesson.launch.agent"]
+_MAX_PACKET = 1 << 20
+_SPAWN_TIMEOUT_S = 120.0  # the first request waits for the server's import of torch
+
+
+# --------------------------------------------------------------------------------- client
+
+def _server_command() -> list[str]:
+    """The server's command; it is given its end of the socket and the client's pid."""
+    return [sys.executable, "-m", "ddp_lesson.launch.forkserver"]
+
+
+def _kill_group(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+class ForkedAgent:
+    """A forked agent, as the launcher uses a ``subprocess.Popen``: ``pid`` (also its process
+    group's id), ``returncode`` (None while it runs), :meth:`poll` and :meth:`wait_exit`."""
+
+    def __init__(self, server: _Server, pid: int):
+        self._server = server
+        self.pid = pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        """The exit code once the agent has ended (negative: killed by that signal), else None."""
+        if self.returncode is None:
+            self.returncode = self._server.exit_code(self.pid, 0.0)
+        return self.returncode
+
+    def wait_exit(self, seconds: float) -> bool:
+        """Wait up to ``seconds`` for the agent to end; True once it has (``returncode`` set)."""
+        if self.returncode is None:
+            self.returncode = self._server.exit_code(self.pid, seconds)
+        return self.returncode is not None
+
+
+class _Server:
+    """The client's end: one server process, one reader thread, requests from any thread."""
+
+    def __init__(self, env: dict):
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            self.proc = subprocess.Popen(
+                [*_server_command(), str(theirs.fileno()), str(os.getpid())],
+                env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL, pass_fds=(theirs.fileno(),), start_new_session=True)
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        self.import_env = {k: env.get(k) for k in IMPORT_TIME}
+        self.sock = ours
+        self.send_lock = threading.Lock()
+        self.cond = threading.Condition()
+        self.replies: dict[int, tuple] = {}
+        self.exits: dict[int, int] = {}
+        self.abandoned: set[int] = set()  # requests nobody waits for any more
+        self.served = 0
+        self.agents_cpu_s = 0.0  # CPU-s of the agents that ended, with their ranks
+        self.alive = True
+        self.next_id = 0
+        threading.Thread(target=self._read, name="ddp-lesson-forkserver", daemon=True).start()
+
+    def _read(self) -> None:
+        try:
+            while True:
+                data = self.sock.recv(_MAX_PACKET)
+                if not data:
+                    break
+                msg = pickle.loads(data)
+                with self.cond:
+                    if msg[0] == "exit":
+                        self.exits[msg[1]] = msg[2]
+                        self.agents_cpu_s += msg[3]
+                    elif msg[1] in self.abandoned:
+                        self.abandoned.discard(msg[1])
+                        if msg[0] == "spawned":
+                            _kill_group(msg[2])
+                    else:
+                        self.replies[msg[1]] = msg
+                    self.cond.notify_all()
+        except (OSError, pickle.UnpicklingError, EOFError):
+            pass
+        finally:
+            with self.cond:  # the socket stays open: another thread may be sending on it
+                self.alive = False
+                self.cond.notify_all()
+            try:  # reap the server
+                self.proc.wait(5)
+            except (subprocess.TimeoutExpired, OSError):
+                pass
+
+    def spawn(self, argv: list[str], env: dict, cwd, out_fd: int) -> ForkedAgent | None:
+        """Ask for one agent; None when the server cannot give it (the caller starts one)."""
+        with self.cond:
+            if not self.alive:
+                return None
+            self.next_id += 1
+            req = self.next_id
+        msg = pickle.dumps(("spawn", req, argv, env, None if cwd is None else os.fspath(cwd)))
+        try:
+            with self.send_lock:
+                socket.send_fds(self.sock, [msg], [out_fd])
+        except OSError:
+            return None
+        try:
+            with self.cond:
+                self.cond.wait_for(lambda: req in self.replies or not self.alive,
+                                   _SPAWN_TIMEOUT_S)
+        except BaseException:  # an interrupt: the agent, forked for nobody, is killed
+            reply = self._abandon(req)
+            if reply is not None and reply[0] == "spawned":
+                _kill_group(reply[2])
+            raise
+        reply = self._abandon(req)
+        if reply is not None and reply[0] == "spawned":
+            self.served += 1
+            return ForkedAgent(self, reply[2])
+        if reply is None and self.alive:
+            # no answer in time (a machine this loaded?): end the server and whatever it may
+            # still fork (PR_SET_PDEATHSIG), so that no agent runs twice
+            self.stop()
+        return None
+
+    def _abandon(self, req: int) -> tuple | None:
+        """The reply to ``req`` if it came; else the reader will kill what it brings."""
+        with self.cond:
+            reply = self.replies.pop(req, None)
+            if reply is None:
+                self.abandoned.add(req)
+            return reply
+
+    def exit_code(self, pid: int, seconds: float) -> int | None:
+        """``pid``'s exit code, waiting up to ``seconds``; None if it still runs. If the server
+        died, its agents died with it (SIGKILL): -9 once the pid is gone."""
+        from ..procs import alive
+
+        with self.cond:
+            self.cond.wait_for(lambda: pid in self.exits or not self.alive, seconds)
+            if pid in self.exits:
+                return self.exits[pid]
+            if self.alive:  # the server reaps it and says so
+                return None
+        if not alive(pid):
+            return -signal.SIGKILL
+        return None
+
+    def stop(self) -> None:
+        """End the server (its agents die with it)."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+
+_server: _Server | None = None
+_server_lock = threading.Lock()
+
+
+def _forget_server() -> None:  # a forked child of a launching process starts its own
+    global _server, _server_lock
+    _server, _server_lock = None, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_server)
+
+
+def spawn_agent(cmd: list[str], env: dict, cwd, out_fd: int) -> ForkedAgent | None:
+    """Start the torchrun agent ``cmd`` forked from this process's server, or say it cannot.
+
+    ``cmd`` must be ``[sys.executable, "-m", "ddp_lesson.launch.agent", *argv]``; its output
+    (stdout and stderr) goes to ``out_fd``, its input is ``/dev/null``. Starts the server on the
+    first call (it imports torch: about 1.5 CPU-s, once per launching process).
+
+    Returns:
+        A :class:`ForkedAgent`, or None: not Linux, another command, ``DDP_LESSON_FORKSERVER=0``
+        in ``env``, a variable of :data:`IMPORT_TIME` that differs from the server's, or a
+        server that failed (one that died before forking any agent is not started again in
+        this process). The caller then starts the agent itself.
+    """
+    global _server
+    if (not sys.platform.startswith("linux") or cmd[:3] != _AGENT_ARGV0
+            or env.get(SWITCH_ENV, os.environ.get(SWITCH_ENV)) == "0"):
+        return None
+    with _server_lock:
+        if _server is not None and not _server.alive and not _server.served:
+            return None  # it died before forking anything: it would again
+        if _server is None or not _server.alive:
+            try:
+                _server = _Server(env)  # the run's: its import path finds this package
+            except OSError:
+                return None
+        server = _server
+    if server.import_env != {k: env.get(k) for k in IMPORT_TIME}:
+        return None
+    return server.spawn(cmd[3:], env, cwd, out_fd)
+
+
+def agents_cpu_s() -> float:
+    """CPU seconds (user + system) of the agents this process's server forked and that have
+    ended, their ranks included: what ``getrusage(RUSAGE_CHILDREN)`` does not count, as they
+    are not this process's children. 0.0 without a server."""
+    return _server.agents_cpu_s if _server is not None else 0.0
+
+
+# --------------------------------------------------------------------------------- server
+
+_made_loggers: list[str] = []  # the loggers torch's elastic get_logger made (LOGLEVEL)
+
+
+def _preload() -> None:
+    """Import what every agent imports, recording the loggers ``get_logger`` sets a level on."""
+    import torch.distributed.elastic.utils.logging as elastic_logging
+
+    setup = elastic_logging._setup_logger
+
+    def recorded(name=None):
+        logger = setup(name)
+        _made_loggers.append(logger.name)
+        return logger
+
+    elastic_logging._setup_logger = recorded
+    import torch.distributed.elastic.agent.server.local_elastic_agent  # noqa: F401
+    import torch.distributed.elastic.rendezvous.c10d_rendezvous_backend  # noqa: F401
+    import torch.distributed.elastic.rendezvous.dynamic_rendezvous  # noqa: F401
+    import torch.distributed.run  # noqa: F401
+
+    import ddp_lesson.launch.agent  # noqa: F401
+    elastic_logging._setup_logger = setup
+
+
+def _agent(sock: socket.socket, wake: tuple[int, int], argv: list[str], env: dict, cwd,
+           out_fd: int, server_pid: int) -> None:
+    """In the forked child: become the agent a fresh ``python -m ddp_lesson.launch.agent``
+    would be, run it, exit with its code. Never returns."""
+    code = 1
+    try:
+        os.setpgid(0, 0)
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        sock.close()
+        for fd in wake:
+            os.close(fd)
+        from ..procs import die_with_parent
+
+        die_with_parent(server_pid)
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.dup2(out_fd, 1)
+        os.dup2(out_fd, 2)
+        for fd in (null, out_fd):
+            os.close(fd)
+        if cwd is not None:
+            os.chdir(cwd)
+        os.environ.clear()
+        os.environ.update(env)
+        import logging
+        import random
+
+        random.seed()
+        from torch.distributed.elastic.utils.logging import get_log_level
+
+        level = os.environ.get("LOGLEVEL", get_log_level())
+        for name in _made_loggers:
+            logging.getLogger(name).setLevel(level)
+        from ddp_lesson.launch import agent
+
+        sys.argv = [agent.__file__, *argv]
+        code = 0
+        try:
+            agent.main(argv)
+        except SystemExit as exc:  # as the interpreter ends a program that raised it
+            if exc.code is None:
+                code = 0
+            elif isinstance(exc.code, int):
+                code = exc.code
+            else:
+                print(exc.code, file=sys.stderr)
+                code = 1
+        except KeyboardInterrupt:
+            sys.excepthook(*sys.exc_info())
+            code = -signal.SIGINT
+        except BaseException:
+            sys.excepthook(*sys.exc_info())
+            code = 1
+        import atexit
+
+        atexit._run_exitfuncs()
+        logging.shutdown()
+    except BaseException:  # the fork's own set-up failed: say so where the agent's output goes
+        try:
+            import traceback
+
+            traceback.print_exc()
+        except BaseException:
+            pass
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except BaseException:
+                pass
+        if code < 0:  # died of a signal, as an interpreter does on an unhandled KeyboardInterrupt
+            signal.signal(-code, signal.SIG_DFL)
+            os.kill(os.getpid(), -code)
+        os._exit(code & 0xFF)
+
+
+def _send(sock: socket.socket, msg: tuple) -> None:
+    sock.send(pickle.dumps(msg))
+
+
+def serve(fd: int, client_pid: int) -> None:
+    """The server's loop: fork an agent per request, report each agent's end, leave when the
+    client closes its end (or has died)."""
+    sock = socket.socket(fileno=fd)
+    _preload()
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_r, False)
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    children: set[int] = set()
+    try:
+        while True:
+            ready = select.select([sock, wake_r], [], [], 5.0)[0]
+            if wake_r in ready:
+                try:
+                    while os.read(wake_r, 512):
+                        pass
+                except BlockingIOError:
+                    pass
+            for pid in list(children):
+                try:
+                    done, status, usage = os.wait4(pid, os.WNOHANG)
+                    cpu = usage.ru_utime + usage.ru_stime  # its ranks' too: it reaped them
+                except ChildProcessError:
+                    done, status, cpu = pid, 255 << 8, 0.0
+                if done:
+                    children.discard(pid)
+                    _send(sock, ("exit", pid, os.waitstatus_to_exitcode(status), cpu))
+            if os.getppid() != client_pid:  # the client died
+                return
+            if sock not in ready:
+                continue
+            data, fds, _, _ = socket.recv_fds(sock, _MAX_PACKET, 4)
+            if not data:
+                return
+            _, req, argv, env, cwd = pickle.loads(data)
+            if len(fds) != 1:
+                for extra in fds:
+                    os.close(extra)
+                _send(sock, ("failed", req, f"expected 1 file descriptor, got {len(fds)}"))
+                continue
+            server_pid = os.getpid()
+            pid = os.fork()
+            if pid == 0:
+                _agent(sock, (wake_r, wake_w), argv, env, cwd, fds[0], server_pid)
+            try:  # as the child does: its group exists before anyone signals it
+                os.setpgid(pid, pid)
+            except OSError:
+                pass
+            os.close(fds[0])
+            children.add(pid)
+            _send(sock, ("spawned", req, pid))
+    except (BrokenPipeError, ConnectionResetError):
+        return
+
+
+if __name__ == "__main__":
+    serve(int(sys.argv[1]), int(sys.argv[2]))
