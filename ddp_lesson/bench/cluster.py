@@ -2,7 +2,8 @@
 
     python -m ddp_lesson.bench.cluster [--repeats 30] [--starts 3] [--out benchmarks/cluster.csv]
 
-Times :class:`ddp_lesson.cluster.Cluster` (2 gloo ranks) and a one-shot ``run_torchrun``;
+Times :class:`ddp_lesson.cluster.Cluster` (2 gloo ranks) and a one-shot ``run_torchrun``, its
+agent forked from the fork server and started fresh (``DDP_LESSON_FORKSERVER=0``);
 writes min/median/max per row through the one CSV writer (:func:`ddp_lesson.bench.common.
 write_rows`). Not a test: timings on a shared machine vary; the load average is recorded.
 """
@@ -18,13 +19,16 @@ import time
 
 from ..cluster import Cluster
 from ..launch import run_torchrun
+from ..launch.forkserver import agents_cpu_s
 from .common import write_rows
 
 
 def _cpu_s() -> float:
-    """CPU seconds of this process and all its (waited-for) children, user + system."""
+    """CPU seconds of this process and all its (waited-for) children, user + system, and of
+    the torchrun agents forked for it (:mod:`ddp_lesson.launch.forkserver`), with their ranks."""
     return sum(r.ru_utime + r.ru_stime for r in (resource.getrusage(resource.RUSAGE_SELF),
-                                                  resource.getrusage(resource.RUSAGE_CHILDREN)))
+                                                  resource.getrusage(resource.RUSAGE_CHILDREN))
+               ) + agents_cpu_s()
 
 
 def _row(what, samples, cpu_samples=()) -> dict:
@@ -67,16 +71,22 @@ def bench(repeats: int = 30, starts: int = 3, out="benchmarks/cluster.csv") -> l
     their own.
     """
     start_s, start_cpu, trip_s, phases = _cluster_samples(repeats, starts)
-    oneshot_s, oneshot_cpu = [], []
-    for _ in range(starts):
-        c0, t0 = _cpu_s(), time.perf_counter()
-        run_torchrun(code="print(1)\n", nproc_per_node=2, backend="gloo", live=False, timeout=120)
-        oneshot_s.append(time.perf_counter() - t0)
-        oneshot_cpu.append(_cpu_s() - c0)
     rows = [_row("cluster_start_2_ranks", start_s, start_cpu)]
     rows += [_row(f"start_phase_{k}", v) for k, v in phases.items()]
-    rows += [_row("ranks_cell_round_trip", trip_s),
-             _row("torchrun_cell_one_shot", oneshot_s, oneshot_cpu)]
+    rows += [_row("ranks_cell_round_trip", trip_s)]
+    # the first launch started the fork server (the cluster's own agent is not forked): this
+    # one makes sure, and is not timed
+    run_torchrun(code="print(1)\n", nproc_per_node=2, backend="gloo", live=False, timeout=120)
+    for what, switch in (("torchrun_cell_one_shot", "1"),
+                         ("torchrun_cell_one_shot_fresh_agent", "0")):
+        oneshot_s, oneshot_cpu = [], []
+        for _ in range(starts):
+            c0, t0 = _cpu_s(), time.perf_counter()
+            run_torchrun(code="print(1)\n", nproc_per_node=2, backend="gloo", live=False,
+                         timeout=120, env=dict(os.environ, DDP_LESSON_FORKSERVER=switch))
+            oneshot_s.append(time.perf_counter() - t0)
+            oneshot_cpu.append(_cpu_s() - c0)
+        rows.append(_row(what, oneshot_s, oneshot_cpu))
     write_rows(rows, out, list(rows[0]), float_digits=4)
     return rows
 

@@ -474,8 +474,9 @@ def test_readme_cluster_figures_match_the_benchmark_csv():
 
     rows = {r["what"]: r for r in csv.DictReader(open(ROOT / "benchmarks" / "cluster.csv"))}
     readme = (ROOT / "README.md").read_text()
-    start, trip, once = (rows[k] for k in ("cluster_start_2_ranks", "ranks_cell_round_trip",
-                                           "torchrun_cell_one_shot"))
+    start, trip, once, fresh = (rows[k] for k in (
+        "cluster_start_2_ranks", "ranks_cell_round_trip", "torchrun_cell_one_shot",
+        "torchrun_cell_one_shot_fresh_agent"))
 
     def s(v):
         return f"{float(v):.1f}"
@@ -489,4 +490,7 @@ def test_readme_cluster_figures_match_the_benchmark_csv():
     assert (f"| one-shot `%%torchrun` cell (`print(1)`) | {s(once['median_s'])} s | "
             f"{s(once['min_s'])} – {s(once['max_s'])} s ({once['repeats']} runs) | "
             f"{s(once['cpu_s'])} |") in readme
+    assert (f"| the same, its agent started fresh (`DDP_LESSON_FORKSERVER=0`) | "
+            f"{s(fresh['median_s'])} s | {s(fresh['min_s'])} – {s(fresh['max_s'])} s "
+            f"({fresh['repeats']} runs) | {s(fresh['cpu_s'])} |") in readme
     assert f"load\naverage {float(start['load_avg_1min']):.1f}" in readme
