@@ -44,13 +44,17 @@ import atexit, json, os, sys, time
 _DIR = {folder!r}
 _T0 = time.time()
 _TEST = os.environ.get("PYTEST_CURRENT_TEST", "")
+_PID = os.getpid()
 
 
 def _write(kind):
     try:
         t = os.times()
         rec = {{"pid": os.getpid(), "ppid": os.getppid(), "argv": list(sys.argv)[:8],
-               "test": _TEST, "cpu_s": t.user + t.system, "wall_s": time.time() - _T0,
+               # a process forked without exec (an agent of the fork server) has the run's
+               # environment by the time it exits
+               "test": _TEST if os.getpid() == _PID else os.environ.get("PYTEST_CURRENT_TEST", ""),
+               "cpu_s": t.user + t.system, "wall_s": time.time() - _T0,
                "dynamo": "torch._dynamo" in sys.modules}}
         name = f"{{os.getpid()}}.{{int(_T0 * 1e6)}}.{{kind}}.json"
         with open(os.path.join(_DIR, name), "w") as f:
@@ -78,10 +82,10 @@ def load(folder: Path) -> list[dict]:
 
 
 def kind_of(rec: dict, agents: set[int]) -> str:
-    """The kind of a record -- ``agent``, ``worker``, ``kernel``, ``watchdog``, ``pytest``,
-    ``jupyter`` or ``other`` -- where ``agents`` holds the pids of the agent processes. A process
-    whose parent's pid had been an earlier agent's (a reused pid) is misread as a ``worker``,
-    which is harmless for a census."""
+    """The kind of a record -- ``agent``, ``worker``, ``kernel``, ``forkserver``, ``watchdog``,
+    ``pytest``, ``jupyter`` or ``other`` -- where ``agents`` holds the pids of the agent
+    processes. A process whose parent's pid had been an earlier agent's (a reused pid) is
+    misread as a ``worker``, which is harmless for a census."""
     argv = " ".join(rec["argv"])
     if "ddp_lesson/launch/agent.py" in argv or "torch.distributed.run" in argv:
         return "agent"
@@ -89,6 +93,8 @@ def kind_of(rec: dict, agents: set[int]) -> str:
         return "worker"
     if "ipykernel" in argv:
         return "kernel"
+    if "ddp_lesson/launch/forkserver.py" in argv:
+        return "forkserver"
     if "ddp_lesson/procs.py" in argv:
         return "watchdog"
     if (rec["argv"][:1] == ["-c"] and not rec["test"]) or "pytest" in argv:

@@ -105,3 +105,19 @@ def test_an_optimizers_first_step_imports_dynamo_as_contributing_says():
     assert "`_use_grad_for_differentiable` in\n  `torch/optim/optimizer.py`" in text
     assert "`add_param_group` (`@torch._disable_dynamo`, `torch/_compile.py`)" in " ".join(
         text.split())
+
+
+def test_a_fork_server_and_its_forked_agents_have_kinds_of_their_own(tmp_path):
+    test = "demo/launch_y.py::test_b (call)"
+    _put(tmp_path, 20, 1, ["-c"], "", 10.0)
+    _put(tmp_path, 21, 20, ["/r/ddp_lesson/launch/forkserver.py", "9", "20"], test, 1.3)
+    # a forked agent writes no start record (it is not a new Python), only its exit
+    rec = {"pid": 22, "ppid": 21, "argv": AGENT, "test": test, "cpu_s": 0.2, "wall_s": 1.0,
+           "dynamo": False}
+    (tmp_path / "22.100.exit.json").write_text(json.dumps(rec))
+    _put(tmp_path, 23, 22, ["/tmp/run/torchrun_cell.py"], test, 2.0)
+    by_kind, by_file = suite_census.summarise(suite_census.load(tmp_path))
+    assert {k: (e["n"], round(e["cpu_s"], 2)) for k, e in by_kind.items()} == {
+        "pytest": (1, 10.0), "forkserver": (1, 1.3), "agent": (1, 0.2), "worker": (1, 2.0)}
+    assert dict(by_file["demo/launch_y.py"]["kinds"]) == {"forkserver": 1, "agent": 1,
+                                                          "worker": 1}
