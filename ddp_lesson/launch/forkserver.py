@@ -6,16 +6,23 @@ test suite), before it starts a single worker. A process that launches runs (a n
 a test worker) therefore starts one small server the first time it launches: a Python that
 imports torch and torchrun once, then forks one agent per request. A forked agent is the same
 program (``ddp_lesson.launch.agent.main``, torch's ``torch.distributed.run.main``) with the run's
-own environment, working directory and output file, in a process group of its own, killed by
-Linux when the server dies (``PR_SET_PDEATHSIG``); the server ends when its launching process
-does (the socket between them closes).
+own environment, working directory (the launcher's current one when the run names none), umask,
+CPU affinity and output file, in a process group of its own, killed by Linux when the server
+dies (``PR_SET_PDEATHSIG``). The server ends when its launching process does: the socket
+between them closes, or (if a child the launcher forked still holds the socket) the server sees
+within 5 s that its parent is gone.
 
 What a fresh process reads from its environment before ``main`` runs, the fork sets again:
-``os.environ`` is replaced before ``main``, and the level of each logger torch's elastic code
-made with ``get_logger`` (``LOGLEVEL``, read at import:
+``os.environ`` is replaced, ``sys.path`` is rebuilt from the run's ``PYTHONPATH`` and working
+directory, ``PYTHONUNBUFFERED`` makes stdout line-buffered, and the level of each logger torch's
+elastic code made with ``get_logger`` (``LOGLEVEL``, read at import:
 ``torch/distributed/elastic/utils/logging.py``) is set again from the run's ``LOGLEVEL``. What
-torch reads only at ``import torch`` (the variables in :data:`IMPORT_TIME`) cannot be set again:
-a run whose environment differs from the server's in one of them gets a fresh agent instead.
+is read only at ``import torch`` or at the interpreter's start (the variables in
+:data:`IMPORT_TIME`, those we know of) cannot be set again: a run whose environment differs from
+the server's in one of them gets a fresh agent instead. The agent exits as an interpreter does:
+non-daemon threads joined, ``atexit`` run, Python's and C's output flushed. What the server
+printed while importing torch (a warning, say) went nowhere: a fresh agent writes it to the
+run's torchrun log.
 
 ``DDP_LESSON_FORKSERVER=0`` in the run's environment turns it off (a fresh agent per run, as
 torchrun starts them), and so does any failure of the server: :func:`spawn_agent` returns None
@@ -37,15 +44,19 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 
 #: The switch: ``"0"`` in a run's environment starts its agents fresh (``subprocess.Popen``).
 SWITCH_ENV = "DDP_LESSON_FORKSERVER"
 
-#: Variables torch reads once, at ``import torch`` (C++ logging, the debug level of
-#: ``torch.distributed``, ``TORCH_LOGS``). A run whose value differs from the server's gets
-#: a fresh agent.
+#: Variables read once, at ``import torch`` (C++ logging, the debug level of
+#: ``torch.distributed``, ``torch._logging``'s settings, device back-end autoload:
+#: ``torch/__init__.py``) or at the interpreter's start. A run whose value differs from the
+#: server's gets a fresh agent.
 IMPORT_TIME = ("TORCH_CPP_LOG_LEVEL", "TORCH_SHOW_CPP_STACKTRACES", "TORCH_DISTRIBUTED_DEBUG",
-               "TORCH_LOGS", "PYTHONWARNINGS")
+               "TORCH_LOGS", "TORCH_LOGS_OUT", "TORCH_LOGS_FORMAT", "TORCH_TRACE",
+               "TORCH_DEVICE_BACKEND_AUTOLOAD", "PYTHONWARNINGS", "PYTHONDEVMODE",
+               "PYTHONFAULTHANDLER", "PYTHONIOENCODING", "PYTHONUTF8", "PYTHONHASHSEED")
 
 _AGENT_ARGV0 = [sys.executable, "-m", "ddp_lesson.launch.agent"]
 _MAX_PACKET = 1 << 20
@@ -94,9 +105,9 @@ class _Server:
     def __init__(self, env: dict):
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
-            self.proc = subprocess.Popen(
+            self.proc = subprocess.Popen(  # in "/": it holds no folder of the launcher's
                 [*_server_command(), str(theirs.fileno()), str(os.getpid())],
-                env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                env=env, cwd="/", stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL, pass_fds=(theirs.fileno(),), start_new_session=True)
         except BaseException:
             ours.close()
@@ -111,6 +122,7 @@ class _Server:
         self.exits: dict[int, int] = {}
         self.abandoned: set[int] = set()  # requests nobody waits for any more
         self.served = 0
+        self.retired = False  # it answered too slowly: no new requests
         self.agents_cpu_s = 0.0  # CPU-s of the agents that ended, with their ranks
         self.alive = True
         self.next_id = 0
@@ -127,13 +139,17 @@ class _Server:
                     if msg[0] == "exit":
                         self.exits[msg[1]] = msg[2]
                         self.agents_cpu_s += msg[3]
-                    elif msg[1] in self.abandoned:
+                        self.cond.notify_all()
+                        continue
+                    if msg[0] == "spawned":  # a reused pid: forget the earlier agent's end
+                        self.exits.pop(msg[2], None)
+                    if msg[1] in self.abandoned:
                         self.abandoned.discard(msg[1])
                         if msg[0] == "spawned":
                             _kill_group(msg[2])
                     else:
                         self.replies[msg[1]] = msg
-                    self.cond.notify_all()
+                        self.cond.notify_all()
         except (OSError, pickle.UnpicklingError, EOFError):
             pass
         finally:
@@ -145,23 +161,33 @@ class _Server:
             except (subprocess.TimeoutExpired, OSError):
                 pass
 
-    def spawn(self, argv: list[str], env: dict, cwd, out_fd: int) -> ForkedAgent | None:
-        """Ask for one agent; None when the server cannot give it (the caller starts one)."""
+    def spawn(self, argv: list[str], env: dict, cwd: str, out_fd: int, ready=None
+              ) -> ForkedAgent | None:
+        """Ask for one agent; None when the server cannot give it (the caller starts one).
+
+        ``ready()`` (optional) is asked while waiting: False gives up (the run was cancelled
+        or timed out; the caller sees why). An interrupt gives up too, and is re-raised. An
+        agent forked for a request given up is killed when the reply comes.
+        """
         with self.cond:
-            if not self.alive:
+            if not self.alive or self.retired:
                 return None
             self.next_id += 1
             req = self.next_id
-        msg = pickle.dumps(("spawn", req, argv, env, None if cwd is None else os.fspath(cwd)))
+        msg = pickle.dumps(("spawn", req, argv, env, cwd, _umask(), _affinity()))
+        deadline = time.monotonic() + _SPAWN_TIMEOUT_S
         try:
             with self.send_lock:
                 socket.send_fds(self.sock, [msg], [out_fd])
-        except OSError:
-            return None
-        try:
             with self.cond:
-                self.cond.wait_for(lambda: req in self.replies or not self.alive,
-                                   _SPAWN_TIMEOUT_S)
+                while not (req in self.replies or not self.alive):
+                    left = deadline - time.monotonic()
+                    if left <= 0 or (ready is not None and not ready()):
+                        break
+                    self.cond.wait(min(left, 0.25))
+        except OSError:  # the server is gone
+            self._abandon(req)
+            return None
         except BaseException:  # an interrupt: the agent, forked for nobody, is killed
             reply = self._abandon(req)
             if reply is not None and reply[0] == "spawned":
@@ -171,10 +197,10 @@ class _Server:
         if reply is not None and reply[0] == "spawned":
             self.served += 1
             return ForkedAgent(self, reply[2])
-        if reply is None and self.alive:
-            # no answer in time (a machine this loaded?): end the server and whatever it may
-            # still fork (PR_SET_PDEATHSIG), so that no agent runs twice
-            self.stop()
+        if reply is None and self.alive and time.monotonic() >= deadline:
+            # no answer in time (a machine this loaded?): no more requests to this server; its
+            # agents still running are left to finish (a new server takes the next runs)
+            self.retired = True
         return None
 
     def _abandon(self, req: int) -> tuple | None:
@@ -200,17 +226,6 @@ class _Server:
             return -signal.SIGKILL
         return None
 
-    def stop(self) -> None:
-        """End the server (its agents die with it)."""
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-
 
 _server: _Server | None = None
 _server_lock = threading.Lock()
@@ -225,35 +240,58 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_server)
 
 
-def spawn_agent(cmd: list[str], env: dict, cwd, out_fd: int) -> ForkedAgent | None:
+def _umask() -> int | None:
+    """This process's umask, read without changing it (``/proc/self/status``, Linux >= 4.7)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def _affinity() -> set[int] | None:
+    return os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+
+
+def spawn_agent(cmd: list[str], env: dict, cwd, out_fd: int, ready=None
+                ) -> ForkedAgent | None:
     """Start the torchrun agent ``cmd`` forked from this process's server, or say it cannot.
 
     ``cmd`` must be ``[sys.executable, "-m", "ddp_lesson.launch.agent", *argv]``; its output
-    (stdout and stderr) goes to ``out_fd``, its input is ``/dev/null``. Starts the server on the
-    first call (it imports torch: about 1.5 CPU-s, once per launching process).
+    (stdout and stderr) goes to ``out_fd``, its input is ``/dev/null``; ``cwd`` None is this
+    process's current directory. Starts the server on the first call (it imports torch: about
+    1.5 CPU-s, once per launching process), which that call waits for. ``ready`` (optional, a
+    function) is asked while waiting: False gives up (a cancelled or timed-out run).
 
     Returns:
         A :class:`ForkedAgent`, or None: not Linux, another command, ``DDP_LESSON_FORKSERVER=0``
-        in ``env``, a variable of :data:`IMPORT_TIME` that differs from the server's, or a
+        in ``env``, a variable of :data:`IMPORT_TIME` that differs from the server's, a ``cwd``
+        that is not a folder (the caller's own start reports it), ``ready`` said False, or a
         server that failed (one that died before forking any agent is not started again in
-        this process). The caller then starts the agent itself.
+        this process). The caller then starts the agent itself (or ends the run).
     """
     global _server
     if (not sys.platform.startswith("linux") or cmd[:3] != _AGENT_ARGV0
             or env.get(SWITCH_ENV, os.environ.get(SWITCH_ENV)) == "0"):
         return None
+    cwd = os.getcwd() if cwd is None else os.fspath(cwd)
+    if not os.path.isdir(cwd):
+        return None
     with _server_lock:
         if _server is not None and not _server.alive and not _server.served:
             return None  # it died before forking anything: it would again
-        if _server is None or not _server.alive:
-            try:
-                _server = _Server(env)  # the run's: its import path finds this package
+        if _server is None or not _server.alive or _server.retired:
+            try:  # this process's environment, and the run's import path (this package)
+                _server = _Server(dict(os.environ, PYTHONPATH=env.get("PYTHONPATH", "")))
             except OSError:
                 return None
         server = _server
     if server.import_env != {k: env.get(k) for k in IMPORT_TIME}:
         return None
-    return server.spawn(cmd[3:], env, cwd, out_fd)
+    return server.spawn(cmd[3:], env, cwd, out_fd, ready)
 
 
 def agents_cpu_s() -> float:
@@ -266,6 +304,7 @@ def agents_cpu_s() -> float:
 # --------------------------------------------------------------------------------- server
 
 _made_loggers: list[str] = []  # the loggers torch's elastic get_logger made (LOGLEVEL)
+_BASE_PATH: list[str] = []  # the server's sys.path without its folder and its PYTHONPATH
 
 
 def _preload() -> None:
@@ -289,11 +328,59 @@ def _preload() -> None:
     elastic_logging._setup_logger = setup
 
 
-def _agent(sock: socket.socket, wake: tuple[int, int], argv: list[str], env: dict, cwd,
-           out_fd: int, server_pid: int) -> None:
+def _become(env: dict, cwd: str, umask: int | None, affinity) -> None:
+    """In the forked child: the process state a fresh Python of the run would start with."""
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(env)
+    if umask is not None:
+        os.umask(umask)
+    if affinity and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, affinity)
+    path = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    sys.path[:] = [cwd, *path, *_BASE_PATH]
+    if env.get("PYTHONUNBUFFERED"):
+        sys.stdout.reconfigure(line_buffering=True)
+    import logging
+    import random
+
+    random.seed()
+    from torch.distributed.elastic.utils.logging import get_log_level
+
+    level = os.environ.get("LOGLEVEL", get_log_level())
+    for name in _made_loggers:
+        logging.getLogger(name).setLevel(level)
+
+
+def _run_agent(argv: list[str]) -> tuple[int, bool]:
+    """Run the agent as ``python -m`` would: ``(exit status, killed by SIGINT)``."""
+    from ddp_lesson.launch import agent
+
+    sys.argv = [agent.__file__, *argv]
+    try:
+        agent.main(argv)
+    except SystemExit as exc:  # as the interpreter ends a program that raised it
+        if exc.code is None:
+            return 0, False
+        if isinstance(exc.code, int):
+            return exc.code & 0xFF, False
+        print(exc.code, file=sys.stderr)
+        return 1, False
+    except KeyboardInterrupt:  # the interpreter prints it, then dies of SIGINT
+        sys.excepthook(*sys.exc_info())
+        return 1, True
+    except BaseException:
+        sys.excepthook(*sys.exc_info())
+        return 1, False
+    return 0, False
+
+
+def _agent(sock: socket.socket, wake: tuple[int, int], request: tuple, out_fd: int,
+           server_pid: int) -> None:
     """In the forked child: become the agent a fresh ``python -m ddp_lesson.launch.agent``
-    would be, run it, exit with its code. Never returns."""
-    code = 1
+    would be, run it, exit with its code. Never returns (the caller exits if it does)."""
+    _, _, argv, env, cwd, umask, affinity = request
+    code, sigint = 1, False
     try:
         os.setpgid(0, 0)
         signal.set_wakeup_fd(-1)
@@ -310,42 +397,14 @@ def _agent(sock: socket.socket, wake: tuple[int, int], argv: list[str], env: dic
         os.dup2(out_fd, 2)
         for fd in (null, out_fd):
             os.close(fd)
-        if cwd is not None:
-            os.chdir(cwd)
-        os.environ.clear()
-        os.environ.update(env)
-        import logging
-        import random
-
-        random.seed()
-        from torch.distributed.elastic.utils.logging import get_log_level
-
-        level = os.environ.get("LOGLEVEL", get_log_level())
-        for name in _made_loggers:
-            logging.getLogger(name).setLevel(level)
-        from ddp_lesson.launch import agent
-
-        sys.argv = [agent.__file__, *argv]
-        code = 0
-        try:
-            agent.main(argv)
-        except SystemExit as exc:  # as the interpreter ends a program that raised it
-            if exc.code is None:
-                code = 0
-            elif isinstance(exc.code, int):
-                code = exc.code
-            else:
-                print(exc.code, file=sys.stderr)
-                code = 1
-        except KeyboardInterrupt:
-            sys.excepthook(*sys.exc_info())
-            code = -signal.SIGINT
-        except BaseException:
-            sys.excepthook(*sys.exc_info())
-            code = 1
+        _become(env, cwd, umask, affinity)
+        code, sigint = _run_agent(argv)
+        threading._shutdown()  # what the interpreter does at exit: join non-daemon threads
         import atexit
 
         atexit._run_exitfuncs()
+        import logging
+
         logging.shutdown()
     except BaseException:  # the fork's own set-up failed: say so where the agent's output goes
         try:
@@ -355,25 +414,55 @@ def _agent(sock: socket.socket, wake: tuple[int, int], argv: list[str], env: dic
         except BaseException:
             pass
     finally:
+        _exit(code, sigint)
+
+
+def _exit(code: int, sigint: bool) -> None:
+    """Flush Python's and C's output, then end this process: by SIGINT, or with ``code``."""
+    try:
         for stream in (sys.stdout, sys.stderr):
             try:
                 stream.flush()
             except BaseException:
                 pass
-        if code < 0:  # died of a signal, as an interpreter does on an unhandled KeyboardInterrupt
-            signal.signal(-code, signal.SIG_DFL)
-            os.kill(os.getpid(), -code)
-        os._exit(code & 0xFF)
+        from ..procs import _LIBC
+
+        if _LIBC is not None:
+            _LIBC.fflush(None)
+        if sigint:
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGINT)
+    finally:
+        os._exit(code)
 
 
 def _send(sock: socket.socket, msg: tuple) -> None:
     sock.send(pickle.dumps(msg))
 
 
+def _fork(sock: socket.socket, wake: tuple[int, int], request: tuple, out_fd: int) -> int:
+    """Fork one agent for ``request``; its pid (also its process group's id)."""
+    server_pid = os.getpid()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            _agent(sock, wake, request, out_fd, server_pid)
+        finally:
+            os._exit(1)
+    try:  # as the child does: its group exists before anyone signals it
+        os.setpgid(pid, pid)
+    except OSError:
+        pass
+    return pid
+
+
 def serve(fd: int, client_pid: int) -> None:
     """The server's loop: fork an agent per request, report each agent's end, leave when the
     client closes its end (or has died)."""
     sock = socket.socket(fileno=fd)
+    python_path = {os.path.abspath(p)
+                   for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p}
+    _BASE_PATH[:] = [p for p in sys.path[1:] if os.path.abspath(p) not in python_path]
     _preload()
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_r, False)
@@ -406,21 +495,21 @@ def serve(fd: int, client_pid: int) -> None:
             data, fds, _, _ = socket.recv_fds(sock, _MAX_PACKET, 4)
             if not data:
                 return
-            _, req, argv, env, cwd = pickle.loads(data)
-            if len(fds) != 1:
-                for extra in fds:
-                    os.close(extra)
-                _send(sock, ("failed", req, f"expected 1 file descriptor, got {len(fds)}"))
+            req = None
+            try:
+                request = pickle.loads(data)
+                req = request[1]
+                if len(fds) != 1:
+                    raise ValueError(f"expected 1 file descriptor, got {len(fds)}")
+                pid = _fork(sock, (wake_r, wake_w), request, fds[0])
+            except (BrokenPipeError, ConnectionResetError):
+                raise
+            except Exception as exc:  # noqa: BLE001 -- this request fails, not the others
+                _send(sock, ("failed", req, repr(exc)))
                 continue
-            server_pid = os.getpid()
-            pid = os.fork()
-            if pid == 0:
-                _agent(sock, (wake_r, wake_w), argv, env, cwd, fds[0], server_pid)
-            try:  # as the child does: its group exists before anyone signals it
-                os.setpgid(pid, pid)
-            except OSError:
-                pass
-            os.close(fds[0])
+            finally:
+                for fd in fds:
+                    os.close(fd)
             children.add(pid)
             _send(sock, ("spawned", req, pid))
     except (BrokenPipeError, ConnectionResetError):

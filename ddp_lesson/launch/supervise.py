@@ -54,14 +54,14 @@ def _terminate(procs: list[subprocess.Popen], outdir: Path) -> None:
         if p.returncode is None:
             try:
                 os.killpg(p.pid, signal.SIGTERM)
-            except ProcessLookupError:
+            except (ProcessLookupError, PermissionError):
                 pass
     deadline = time.monotonic() + _TERM_GRACE_S
     for p in procs:
         if not reap(p, max(0.1, deadline - time.monotonic())):
             try:
                 os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
+            except (ProcessLookupError, PermissionError):
                 pass
             reap(p, 10.0)
     # workers live in sessions of their own, and so may processes they started
@@ -69,17 +69,22 @@ def _terminate(procs: list[subprocess.Popen], outdir: Path) -> None:
 
 
 
-def _start(launch: _Launch, errfiles) -> list:
+def _start(launch: _Launch, errfiles, ready=None, procs: list | None = None) -> list:
     """Start one torchrun agent per command, each in a process group of its own, dying with us.
 
     Forked from this process's fork server (:mod:`.forkserver`: torch is imported once per
     launching process, not once per agent), else started fresh: ``subprocess.Popen`` in a
-    session of its own. Either way ``pid`` is also the agent's process group.
+    session of its own. Either way ``pid`` is also the agent's process group. ``ready()``
+    False (the run was cancelled or timed out while the server started) stops starting: fewer
+    agents than commands come back. Each agent is appended to ``procs`` (if given) as it
+    starts, so that an interrupt during a later start leaves the caller every started one.
     """
-    procs = []
+    procs = [] if procs is None else procs
     linux = sys.platform.startswith("linux")
     for cmd, err in zip(launch.commands, errfiles):
-        proc = spawn_agent(cmd, launch.env, launch.cwd, err.fileno())
+        proc = spawn_agent(cmd, launch.env, launch.cwd, err.fileno(), ready)
+        if proc is None and ready is not None and not ready():
+            break
         if proc is None:
             proc = subprocess.Popen(
                 cmd, env=launch.env, cwd=launch.cwd, stdin=subprocess.DEVNULL, stdout=err,
@@ -102,8 +107,18 @@ def _supervise(launch: _Launch, timeout: float | None, status: _LiveStatus, errf
     """
     start = time.monotonic()
     procs = []
+
+    def ready() -> bool:
+        return not (cancel is not None and cancel.is_set()) and (
+            timeout is None or time.monotonic() - start <= timeout)
+
     try:
-        procs = _start(launch, errfiles)
+        _start(launch, errfiles, ready, procs)
+        if len(procs) < len(launch.commands):  # gave up while the fork server started
+            if cancel is not None and cancel.is_set():
+                raise KeyboardInterrupt
+            _terminate(procs, launch.outdir)
+            return procs, True, time.monotonic() - start
         while any(p.poll() is None for p in procs):
             if cancel is not None and cancel.is_set():
                 raise KeyboardInterrupt

@@ -25,14 +25,18 @@ _AGENT_PROBE = textwrap.dedent("""\
     agent = os.getppid()
     cmd = open(f"/proc/{agent}/cmdline", "rb").read().replace(b"\\0", b" ").decode()
     ppid = int(open(f"/proc/{agent}/stat").read().rsplit(")", 1)[1].split()[1])
+    umask = next(line.split()[1] for line in open("/proc/self/status")
+                 if line.startswith("Umask:"))
     print(json.dumps({"cmd": cmd, "ppid": ppid, "pgid": os.getpgid(agent), "agent": agent,
-                      "cwd": os.getcwd(), "x": os.environ.get("DDP_LESSON_TEST_X")}))
+                      "cwd": os.getcwd(), "x": os.environ.get("DDP_LESSON_TEST_X"),
+                      "umask": umask}))
 """)
 
 
-def _probe(tmp_path, **env_extra) -> tuple[dict, dict]:
+def _probe(tmp_path, cwd="tmp_path", **env_extra) -> tuple[dict, dict]:
     result = run_torchrun(code=_AGENT_PROBE, nproc_per_node=1, timeout=90, live=False,
-                          cwd=tmp_path, env=dict(os.environ, **env_extra))
+                          cwd=tmp_path if cwd == "tmp_path" else cwd,
+                          env=dict(os.environ, **env_extra))
     return json.loads(result.outputs[0]), result
 
 
@@ -148,3 +152,63 @@ def test_a_server_that_cannot_start_leaves_fresh_agents_and_is_not_retried(tmp_p
     seen, _ = _probe(tmp_path)
     assert "-m ddp_lesson.launch.agent" in seen["cmd"]
     assert forkserver._server is dead  # not started again
+
+
+def test_a_run_without_cwd_runs_where_the_launcher_is_now_with_its_umask(tmp_path, monkeypatch):
+    _probe(tmp_path)  # the server exists, started where this process was then
+    here = tmp_path / "later"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    old = os.umask(0o027)
+    try:
+        seen, _ = _probe(tmp_path, cwd=None)
+    finally:
+        os.umask(old)
+    assert seen["ppid"] == forkserver._server.proc.pid
+    assert seen["cwd"] == str(here)
+    assert seen["umask"] == "0027"
+
+
+def test_a_bad_request_fails_alone_and_the_server_serves_on(tmp_path):
+    import pickle
+    import socket
+
+    _probe(tmp_path)
+    server = forkserver._server
+    # a request without the output's file descriptor: that request fails, nothing else
+    socket.send_fds(server.sock, [pickle.dumps(("spawn", 10**6, [], {}, "/", None, None))], [])
+    with server.cond:
+        assert server.cond.wait_for(lambda: 10**6 in server.replies, 30)
+        reply = server.replies.pop(10**6)
+    assert reply[0] == "failed" and "expected 1 file descriptor, got 0" in reply[2]
+    seen, _ = _probe(tmp_path)
+    assert server.alive and forkserver._server is server and seen["ppid"] == server.proc.pid
+
+
+# A stand-in server: it answers the first request with the end of an earlier agent that had the
+# same pid, then with that pid for the new agent, and stays (as a real server would, the agent
+# still running).
+_REUSED_PID_SERVER = """\
+import pickle, socket, sys, time
+sock = socket.socket(fileno=int(sys.argv[1]))
+data, fds, _, _ = socket.recv_fds(sock, 1 << 20, 4)
+req = pickle.loads(data)[1]
+sock.send(pickle.dumps(("exit", 4194000, 7, 0.0)))
+sock.send(pickle.dumps(("spawned", req, 4194000)))
+time.sleep(60)
+"""
+
+
+def test_a_reused_pid_is_not_taken_for_the_earlier_agents_end(monkeypatch):
+    monkeypatch.setattr(forkserver, "_server", None)
+    monkeypatch.setattr(forkserver, "_server_command",
+                        lambda: [sys.executable, "-c", _REUSED_PID_SERVER])
+    cmd = [sys.executable, "-m", "ddp_lesson.launch.agent", "x.py"]
+    with open(os.devnull, "w") as out:
+        agent = forkserver.spawn_agent(cmd, dict(os.environ), None, out.fileno())
+    try:
+        assert agent is not None and agent.pid == 4194000
+        assert agent.poll() is None  # still running: exit code 7 was the earlier agent's
+    finally:
+        forkserver._server.proc.kill()
+        forkserver._server.proc.wait(10)
