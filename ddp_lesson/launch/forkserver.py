@@ -21,7 +21,7 @@ is read only at ``import torch`` or at the interpreter's start (the variables in
 :data:`IMPORT_TIME`, those we know of) cannot be set again: a run whose environment differs from
 the server's in one of them gets a fresh agent instead. The agent exits as an interpreter does:
 non-daemon threads joined, ``atexit`` run, Python's and C's output flushed. What the server
-printed while importing torch (a warning, say) went nowhere: a fresh agent writes it to the
+printed while importing torch (a warning, say) goes nowhere: a fresh agent writes it to the
 run's torchrun log.
 
 ``DDP_LESSON_FORKSERVER=0`` in the run's environment turns it off (a fresh agent per run, as
@@ -36,6 +36,7 @@ and system CPU seconds with those of the ranks it reaped, from ``wait4``).
 """
 from __future__ import annotations
 
+import io
 import os
 import pickle
 import select
@@ -123,7 +124,6 @@ class _Server:
         self.abandoned: set[int] = set()  # requests nobody waits for any more
         self.served = 0
         self.retired = False  # it answered too slowly: no new requests
-        self.agents_cpu_s = 0.0  # CPU-s of the agents that ended, with their ranks
         self.alive = True
         self.next_id = 0
         threading.Thread(target=self._read, name="ddp-lesson-forkserver", daemon=True).start()
@@ -138,11 +138,13 @@ class _Server:
                 with self.cond:
                     if msg[0] == "exit":
                         self.exits[msg[1]] = msg[2]
-                        self.agents_cpu_s += msg[3]
+                        _totals["agents_cpu_s"] += msg[3]
                         self.cond.notify_all()
                         continue
                     if msg[0] == "spawned":  # a reused pid: forget the earlier agent's end
                         self.exits.pop(msg[2], None)
+                    if msg[1] is None:  # a request it could not read: no one to tell
+                        continue
                     if msg[1] in self.abandoned:
                         self.abandoned.discard(msg[1])
                         if msg[0] == "spawned":
@@ -170,7 +172,7 @@ class _Server:
         agent forked for a request given up is killed when the reply comes.
         """
         with self.cond:
-            if not self.alive or self.retired:
+            if not self.alive or self.retired or (ready is not None and not ready()):
                 return None
             self.next_id += 1
             req = self.next_id
@@ -198,9 +200,13 @@ class _Server:
             self.served += 1
             return ForkedAgent(self, reply[2])
         if reply is None and self.alive and time.monotonic() >= deadline:
-            # no answer in time (a machine this loaded?): no more requests to this server; its
-            # agents still running are left to finish (a new server takes the next runs)
+            # no answer in time (a machine this loaded?): no more requests to this server; it
+            # ends once its agents still running have (a new server takes the next runs)
             self.retired = True
+            try:
+                self.sock.shutdown(socket.SHUT_WR)
+            except OSError:
+                pass
         return None
 
     def _abandon(self, req: int) -> tuple | None:
@@ -229,6 +235,7 @@ class _Server:
 
 _server: _Server | None = None
 _server_lock = threading.Lock()
+_totals = {"agents_cpu_s": 0.0}  # of every server of this process
 
 
 def _forget_server() -> None:  # a forked child of a launching process starts its own
@@ -277,9 +284,14 @@ def spawn_agent(cmd: list[str], env: dict, cwd, out_fd: int, ready=None
     if (not sys.platform.startswith("linux") or cmd[:3] != _AGENT_ARGV0
             or env.get(SWITCH_ENV, os.environ.get(SWITCH_ENV)) == "0"):
         return None
-    cwd = os.getcwd() if cwd is None else os.fspath(cwd)
-    if not os.path.isdir(cwd):
+    try:  # the server's folder is "/": a relative cwd means the launcher's folder
+        cwd = os.path.abspath(os.getcwd() if cwd is None else os.fspath(cwd))
+    except OSError:  # the launcher's folder was removed: Popen reports what it will
         return None
+    if not (os.path.isdir(cwd) and os.access(cwd, os.X_OK)):
+        return None
+    if any(env.get(k) != os.environ.get(k) for k in IMPORT_TIME):
+        return None  # the server has this process's environment
     with _server_lock:
         if _server is not None and not _server.alive and not _server.served:
             return None  # it died before forking anything: it would again
@@ -297,14 +309,20 @@ def spawn_agent(cmd: list[str], env: dict, cwd, out_fd: int, ready=None
 def agents_cpu_s() -> float:
     """CPU seconds (user + system) of the agents this process's server forked and that have
     ended, their ranks included: what ``getrusage(RUSAGE_CHILDREN)`` does not count, as they
-    are not this process's children. 0.0 without a server."""
-    return _server.agents_cpu_s if _server is not None else 0.0
+    are not this process's children (every server of this process, one after another)."""
+    return _totals["agents_cpu_s"]
 
 
 # --------------------------------------------------------------------------------- server
 
 _made_loggers: list[str] = []  # the loggers torch's elastic get_logger made (LOGLEVEL)
 _BASE_PATH: list[str] = []  # the server's sys.path without its folder and its PYTHONPATH
+
+
+def _path_key(path: str) -> str:
+    """A folder of ``sys.path`` compared by what it names (the server's folder is "/": Python
+    makes a relative entry ``//rel``)."""
+    return "/" + os.path.realpath(path).lstrip("/")
 
 
 def _preload() -> None:
@@ -337,10 +355,15 @@ def _become(env: dict, cwd: str, umask: int | None, affinity) -> None:
         os.umask(umask)
     if affinity and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, affinity)
-    path = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    sys.path[:] = [cwd, *path, *_BASE_PATH]
-    if env.get("PYTHONUNBUFFERED"):
-        sys.stdout.reconfigure(line_buffering=True)
+    path = [os.path.join(cwd, p) for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    sys.path[:] = [*([] if env.get("PYTHONSAFEPATH") else [cwd]), *path, *_BASE_PATH]
+    if env.get("PYTHONUNBUFFERED"):  # as -u: stdout unbuffered
+        try:
+            sys.stdout = io.TextIOWrapper(open(1, "wb", buffering=0, closefd=False),
+                                          encoding=sys.stdout.encoding,
+                                          errors=sys.stdout.errors, write_through=True)
+        except (AttributeError, OSError, ValueError):
+            pass
     import logging
     import random
 
@@ -457,22 +480,32 @@ def _fork(sock: socket.socket, wake: tuple[int, int], request: tuple, out_fd: in
 
 
 def serve(fd: int, client_pid: int) -> None:
-    """The server's loop: fork an agent per request, report each agent's end, leave when the
-    client closes its end (or has died)."""
+    """The server's loop: fork an agent per request, report each agent's end; leave when the
+    client has died (its agents die with the server), or once it has closed its end and every
+    agent has ended."""
     sock = socket.socket(fileno=fd)
-    python_path = {os.path.abspath(p)
+    python_path = {_path_key(os.path.join("/", p))
                    for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p}
-    _BASE_PATH[:] = [p for p in sys.path[1:] if os.path.abspath(p) not in python_path]
+    first = 0 if getattr(sys.flags, "safe_path", False) else 1  # sys.path[0]: the folder
+    _BASE_PATH[:] = [p for p in sys.path[first:] if _path_key(p) not in python_path]
     _preload()
+    # what importing printed stays here: a forked agent must not flush it into its run's log
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    from ..procs import _LIBC
+
+    if _LIBC is not None:
+        _LIBC.fflush(None)
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_r, False)
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)
     children: set[int] = set()
+    closed = False  # the client shut its end (it retired this server): finish, then leave
     try:
-        while True:
-            ready = select.select([sock, wake_r], [], [], 5.0)[0]
+        while not (closed and not children):
+            ready = select.select([wake_r] if closed else [sock, wake_r], [], [], 5.0)[0]
             if wake_r in ready:
                 try:
                     while os.read(wake_r, 512):
@@ -494,7 +527,8 @@ def serve(fd: int, client_pid: int) -> None:
                 continue
             data, fds, _, _ = socket.recv_fds(sock, _MAX_PACKET, 4)
             if not data:
-                return
+                closed = True
+                continue
             req = None
             try:
                 request = pickle.loads(data)

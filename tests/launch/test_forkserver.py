@@ -10,10 +10,11 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 
-from ddp_lesson.launch import forkserver, run_torchrun
+from ddp_lesson.launch import TorchrunInterrupted, TorchrunTimeout, forkserver, run_torchrun
 from ddp_lesson.procs import alive
 
 pytestmark = [pytest.mark.timeout(120),
@@ -74,11 +75,9 @@ def test_loglevel_is_the_runs_as_in_a_fresh_agent(tmp_path):
 
 
 def test_a_variable_torch_reads_at_import_gets_a_fresh_agent(tmp_path):
-    env = dict(os.environ)
-    env.pop("TORCH_CPP_LOG_LEVEL", None)
     _probe(tmp_path)
-    assert forkserver._server.import_env["TORCH_CPP_LOG_LEVEL"] is None
-    seen, _ = _probe(tmp_path, TORCH_CPP_LOG_LEVEL="INFO")
+    other = "ERROR" if os.environ.get("TORCH_CPP_LOG_LEVEL") != "ERROR" else "INFO"
+    seen, _ = _probe(tmp_path, TORCH_CPP_LOG_LEVEL=other)
     assert "-m ddp_lesson.launch.agent" in seen["cmd"] and seen["ppid"] == os.getpid()
 
 
@@ -167,6 +166,8 @@ def test_a_run_without_cwd_runs_where_the_launcher_is_now_with_its_umask(tmp_pat
     assert seen["ppid"] == forkserver._server.proc.pid
     assert seen["cwd"] == str(here)
     assert seen["umask"] == "0027"
+    seen, _ = _probe(tmp_path, cwd=".")  # relative: to the launcher's folder, as Popen's
+    assert seen["ppid"] == forkserver._server.proc.pid and seen["cwd"] == str(here)
 
 
 def test_a_bad_request_fails_alone_and_the_server_serves_on(tmp_path):
@@ -212,3 +213,89 @@ def test_a_reused_pid_is_not_taken_for_the_earlier_agents_end(monkeypatch):
     finally:
         forkserver._server.proc.kill()
         forkserver._server.proc.wait(10)
+
+
+# A stand-in server that takes its time: it answers the first request after DELAY seconds with
+# a process group of its own making (a sleeping shell), as a slow server would fork an agent.
+_SLOW_SERVER = """\
+import os, pickle, socket, subprocess, sys, time
+sock = socket.socket(fileno=int(sys.argv[1]))
+data, fds, _, _ = socket.recv_fds(sock, 1 << 20, 4)
+req = pickle.loads(data)[1]
+time.sleep({delay})
+late = subprocess.Popen(["sleep", "600"], start_new_session=True)
+open({record!r}, "w").write(str(late.pid))
+sock.send(pickle.dumps(("spawned", req, late.pid)))
+while True:
+    time.sleep(0.2)
+    late.poll()  # reaps it once killed
+"""
+
+
+def _slow_server(monkeypatch, tmp_path, delay: float) -> Path:
+    record = tmp_path / "late.pid"
+    monkeypatch.setattr(forkserver, "_server", None)
+    monkeypatch.setattr(forkserver, "_server_command", lambda: [
+        sys.executable, "-c", _SLOW_SERVER.format(delay=delay, record=str(record))])
+    return record
+
+
+def _stop_stand_in():
+    forkserver._server.proc.kill()
+    forkserver._server.proc.wait(10)
+
+
+def test_a_run_that_times_out_while_the_server_starts_ends_and_its_late_agent_is_killed(
+        tmp_path, monkeypatch):
+    record = _slow_server(monkeypatch, tmp_path, delay=8)
+    try:
+        with pytest.raises(TorchrunTimeout):
+            run_torchrun(code="print(1)", nproc_per_node=1, timeout=1, live=False)
+        assert not record.exists()  # it did not wait for the server's answer
+        assert not forkserver._server.retired  # a slow start is not the server's fault
+        deadline = time.monotonic() + 30
+        while not (record.exists() and record.read_text()):
+            assert time.monotonic() < deadline, "the stand-in never answered"
+            time.sleep(0.1)
+        late = int(record.read_text())
+        while alive(late) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not alive(late)  # the agent forked for nobody was killed when it came
+    finally:
+        _stop_stand_in()
+
+
+def test_a_cancelled_run_gives_up_its_request(tmp_path, monkeypatch):
+    import threading
+
+    _slow_server(monkeypatch, tmp_path, delay=30)
+    cancel = threading.Event()
+    threading.Timer(1.0, cancel.set).start()
+    start = time.monotonic()
+    try:
+        with pytest.raises(TorchrunInterrupted):
+            run_torchrun(code="print(1)", nproc_per_node=1, timeout=60, live=False,
+                         _cancel=cancel)
+        assert time.monotonic() - start < 20
+    finally:
+        _stop_stand_in()
+
+
+def test_a_server_too_slow_to_answer_is_retired_and_the_run_gets_a_fresh_agent(
+        tmp_path, monkeypatch):
+    record = _slow_server(monkeypatch, tmp_path, delay=5)
+    monkeypatch.setattr(forkserver, "_SPAWN_TIMEOUT_S", 1.0)
+    try:
+        result = run_torchrun(code="print('fresh')", nproc_per_node=1, timeout=90, live=False)
+        assert result.stdout == "[rank 0] fresh\n"
+        assert forkserver._server.retired  # no more requests for it
+        deadline = time.monotonic() + 30
+        while not (record.exists() and record.read_text()):
+            assert time.monotonic() < deadline, "the stand-in never answered"
+            time.sleep(0.1)
+        late = int(record.read_text())
+        while alive(late) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not alive(late)
+    finally:
+        _stop_stand_in()
