@@ -240,6 +240,18 @@ def _slow_server(monkeypatch, tmp_path, delay: float) -> Path:
     return record
 
 
+def _late_agent_killed(record: Path) -> bool:
+    """Wait (bounded) for the stand-in's late answer, then for its process to be killed."""
+    deadline = time.monotonic() + 30
+    while not (record.exists() and record.read_text()):
+        assert time.monotonic() < deadline, "the stand-in never answered"
+        time.sleep(0.1)
+    late = int(record.read_text())
+    while alive(late) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return not alive(late)
+
+
 def _stop_stand_in():
     forkserver._server.proc.kill()
     forkserver._server.proc.wait(10)
@@ -253,14 +265,7 @@ def test_a_run_that_times_out_while_the_server_starts_ends_and_its_late_agent_is
             run_torchrun(code="print(1)", nproc_per_node=1, timeout=1, live=False)
         assert not record.exists()  # it did not wait for the server's answer
         assert not forkserver._server.retired  # a slow start is not the server's fault
-        deadline = time.monotonic() + 30
-        while not (record.exists() and record.read_text()):
-            assert time.monotonic() < deadline, "the stand-in never answered"
-            time.sleep(0.1)
-        late = int(record.read_text())
-        while alive(late) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not alive(late)  # the agent forked for nobody was killed when it came
+        assert _late_agent_killed(record)  # the agent forked for nobody, when it came
     finally:
         _stop_stand_in()
 
@@ -289,13 +294,6 @@ def test_a_server_too_slow_to_answer_is_retired_and_the_run_gets_a_fresh_agent(
         result = run_torchrun(code="print('fresh')", nproc_per_node=1, timeout=90, live=False)
         assert result.stdout == "[rank 0] fresh\n"
         assert forkserver._server.retired  # no more requests for it
-        deadline = time.monotonic() + 30
-        while not (record.exists() and record.read_text()):
-            assert time.monotonic() < deadline, "the stand-in never answered"
-            time.sleep(0.1)
-        late = int(record.read_text())
-        while alive(late) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not alive(late)
+        assert _late_agent_killed(record)
     finally:
         _stop_stand_in()
