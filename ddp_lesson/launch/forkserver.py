@@ -14,7 +14,7 @@ within 5 s that its parent is gone.
 
 What a fresh process reads from its environment before ``main`` runs, the fork sets again:
 ``os.environ`` is replaced, ``sys.path`` is rebuilt from the run's ``PYTHONPATH`` and working
-directory, ``PYTHONUNBUFFERED`` makes stdout line-buffered, and the level of each logger torch's
+directory, ``PYTHONUNBUFFERED`` makes stdout unbuffered, and the level of each logger torch's
 elastic code made with ``get_logger`` (``LOGLEVEL``, read at import:
 ``torch/distributed/elastic/utils/logging.py``) is set again from the run's ``LOGLEVEL``. What
 is read only at ``import torch`` or at the interpreter's start (the variables in
@@ -29,7 +29,8 @@ torchrun starts them), and so does any failure of the server: :func:`spawn_agent
 and the caller starts the agent itself. Linux only (``fork``, ``SOCK_SEQPACKET``, ``prctl``).
 
 Protocol (a ``SOCK_SEQPACKET`` socket pair: one pickled message per packet):
-client ``("spawn", id, argv, env, cwd)`` with the output file's descriptor attached;
+client ``("spawn", id, argv, env, cwd, umask, cpu_affinity)`` with the output file's
+descriptor attached;
 server ``("spawned", id, pid)`` or ``("failed", id, reason)``, and ``("exit", pid, code, cpu_s)``
 when an agent ends (``code`` as ``Popen.returncode``: negative for a signal; ``cpu_s`` its user
 and system CPU seconds with those of the ranks it reaped, from ``wait4``).
@@ -46,6 +47,8 @@ import subprocess
 import sys
 import threading
 import time
+
+from ..procs import _LIBC, alive, die_with_parent, kill_pids
 
 #: The switch: ``"0"`` in a run's environment starts its agents fresh (``subprocess.Popen``).
 SWITCH_ENV = "DDP_LESSON_FORKSERVER"
@@ -71,13 +74,6 @@ def _server_command() -> list[str]:
     return [sys.executable, "-m", "ddp_lesson.launch.forkserver"]
 
 
-def _kill_group(pid: int) -> None:
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
 class ForkedAgent:
     """A forked agent, as the launcher uses a ``subprocess.Popen``: ``pid`` (also its process
     group's id), ``returncode`` (None while it runs), :meth:`poll` and :meth:`wait_exit`."""
@@ -89,8 +85,7 @@ class ForkedAgent:
 
     def poll(self) -> int | None:
         """The exit code once the agent has ended (negative: killed by that signal), else None."""
-        if self.returncode is None:
-            self.returncode = self._server.exit_code(self.pid, 0.0)
+        self.wait_exit(0.0)
         return self.returncode
 
     def wait_exit(self, seconds: float) -> bool:
@@ -148,7 +143,7 @@ class _Server:
                     if msg[1] in self.abandoned:
                         self.abandoned.discard(msg[1])
                         if msg[0] == "spawned":
-                            _kill_group(msg[2])
+                            kill_pids([msg[2]])
                     else:
                         self.replies[msg[1]] = msg
                         self.cond.notify_all()
@@ -193,7 +188,7 @@ class _Server:
         except BaseException:  # an interrupt: the agent, forked for nobody, is killed
             reply = self._abandon(req)
             if reply is not None and reply[0] == "spawned":
-                _kill_group(reply[2])
+                kill_pids([reply[2]])
             raise
         reply = self._abandon(req)
         if reply is not None and reply[0] == "spawned":
@@ -220,8 +215,6 @@ class _Server:
     def exit_code(self, pid: int, seconds: float) -> int | None:
         """``pid``'s exit code, waiting up to ``seconds``; None if it still runs. If the server
         died, its agents died with it (SIGKILL): -9 once the pid is gone."""
-        from ..procs import alive
-
         with self.cond:
             self.cond.wait_for(lambda: pid in self.exits or not self.alive, seconds)
             if pid in self.exits:
@@ -411,8 +404,6 @@ def _agent(sock: socket.socket, wake: tuple[int, int], request: tuple, out_fd: i
         sock.close()
         for fd in wake:
             os.close(fd)
-        from ..procs import die_with_parent
-
         die_with_parent(server_pid)
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0)
@@ -440,18 +431,21 @@ def _agent(sock: socket.socket, wake: tuple[int, int], request: tuple, out_fd: i
         _exit(code, sigint)
 
 
+def _flush() -> None:
+    """Flush Python's and C's buffered output."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (AttributeError, OSError, ValueError):
+            pass
+    if _LIBC is not None:
+        _LIBC.fflush(None)
+
+
 def _exit(code: int, sigint: bool) -> None:
     """Flush Python's and C's output, then end this process: by SIGINT, or with ``code``."""
     try:
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except BaseException:
-                pass
-        from ..procs import _LIBC
-
-        if _LIBC is not None:
-            _LIBC.fflush(None)
+        _flush()
         if sigint:
             signal.signal(signal.SIGINT, signal.SIG_DFL)
             os.kill(os.getpid(), signal.SIGINT)
@@ -489,13 +483,7 @@ def serve(fd: int, client_pid: int) -> None:
     first = 0 if getattr(sys.flags, "safe_path", False) else 1  # sys.path[0]: the folder
     _BASE_PATH[:] = [p for p in sys.path[first:] if _path_key(p) not in python_path]
     _preload()
-    # what importing printed stays here: a forked agent must not flush it into its run's log
-    for stream in (sys.stdout, sys.stderr):
-        stream.flush()
-    from ..procs import _LIBC
-
-    if _LIBC is not None:
-        _LIBC.fflush(None)
+    _flush()  # what importing printed stays here, not in the first agent's run log
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_r, False)
     os.set_blocking(wake_w, False)
