@@ -11,6 +11,10 @@ size is timed for:
 * ``ring``       — :func:`ddp_lesson.collectives.ring_all_reduce` (whole chunks per step);
 * ``pipelined``  — :func:`ddp_lesson.collectives.pipelined_ring_all_reduce`;
 * ``naive``      — :func:`ddp_lesson.collectives.naive_all_reduce` (only with ``--methods``);
+* ``nccl``       — ``dist.all_reduce`` on CUDA tensors (``cuda:LOCAL_RANK``), in a job run with
+  ``--backend nccl`` and only there (``--methods nccl``): the other methods build CPU tensors,
+  which NCCL refuses. Its clock reads follow ``torch.cuda.synchronize()``, since NCCL's
+  collectives return before the GPU has run them (``python -m ddp_lesson.gpucheck`` uses it);
 * ``sendrecv``   — ranks 0 and 1 exchange a message of that size in both directions at once
   (``isend`` + ``irecv``); the other ranks wait. Its bandwidth (bytes per direction per
   second) is the link's limit that bus bandwidth is compared with;
@@ -55,7 +59,7 @@ DEFAULT_SIZES_KIB = (64, 256, 1024, 4096, 16384, 65536)
 #: Extra small sizes for the send/recv latency fit (α).
 LATENCY_SIZES_KIB = (1, 8)
 DEFAULT_METHODS = ("gloo", "ring", "pipelined", "sendrecv", "shift")
-METHODS = ("gloo", "ring", "pipelined", "naive", "sendrecv", "shift")
+METHODS = ("gloo", "ring", "pipelined", "naive", "sendrecv", "shift", "nccl")
 #: Methods that time a plain message exchange (bandwidth per direction), not an all-reduce.
 LINK_METHODS = ("sendrecv", "shift")
 DEFAULT_REPEATS = 7
@@ -77,16 +81,27 @@ def _iters_for(nbytes: int, budget_bytes: int, lo: int = 1, hi: int = 50) -> int
     return max(lo, min(hi, math.ceil(budget_bytes / max(1, nbytes))))
 
 
-def _timed(fn, iters: int) -> float:
-    """Seconds per call of one loop of ``iters`` calls, as seen by the slowest rank."""
+def _timed(fn, iters: int, device=None) -> float:
+    """Seconds per call of one loop of ``iters`` calls, as seen by the slowest rank.
+
+    On a CUDA ``device`` the clock is read after ``torch.cuda.synchronize()`` (NCCL's calls
+    return once queued on the GPU's stream), and the time travels as a tensor on that device
+    (NCCL reduces CUDA tensors only).
+    """
     import torch
     import torch.distributed as dist
 
+    cuda = device is not None and torch.device(device).type == "cuda"
     dist.barrier()
+    if cuda:
+        torch.cuda.synchronize(device)
     t0 = time.perf_counter()
     for _ in range(iters):
         fn()
-    elapsed = torch.tensor([(time.perf_counter() - t0) / iters], dtype=torch.float64)
+    if cuda:
+        torch.cuda.synchronize(device)
+    elapsed = torch.tensor([(time.perf_counter() - t0) / iters], dtype=torch.float64,
+                           device=device)
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
     return float(elapsed)
 
@@ -139,15 +154,28 @@ def _methods(text: str) -> list[str]:
     return methods
 
 
-def _calls(methods, nbytes, rank, R, piece):
+def check_methods(methods: list[str], backend: str) -> list[str]:
+    """``methods`` if the job's ``backend`` can run them all; ValueError naming the misfit:
+    ``nccl`` needs an NCCL job, and an NCCL job runs ``nccl`` only (CPU tensors elsewhere)."""
+    if backend == "nccl" and set(methods) - {"nccl"}:
+        other = ", ".join(m for m in methods if m != "nccl")
+        raise ValueError(f"a job on nccl runs the method nccl only, not {other} (CPU tensors)")
+    if backend != "nccl" and "nccl" in methods:
+        raise ValueError(f"the method nccl needs --backend nccl; this job runs {backend}")
+    return methods
+
+
+def _calls(methods, nbytes, rank, R, piece, device="cpu"):
     """The zero-argument callables to time for one size, each warmed up once."""
     import torch
     import torch.distributed as dist
 
     from ..collectives import naive_all_reduce, pipelined_ring_all_reduce, ring_all_reduce
 
-    t = torch.zeros(nbytes // 4)  # zeros stay zeros under SUM: no overflow, no denormals
-    reducers = {"gloo": dist.all_reduce, "ring": ring_all_reduce, "naive": naive_all_reduce,
+    # zeros stay zeros under SUM: no overflow, no denormals
+    t = torch.zeros(nbytes // 4, device=device if "nccl" in methods else "cpu")
+    reducers = {"gloo": dist.all_reduce, "nccl": dist.all_reduce, "ring": ring_all_reduce,
+                "naive": naive_all_reduce,
                 "pipelined": lambda x: pipelined_ring_all_reduce(x, **piece)}
     calls = {}
     for m in methods:
@@ -182,7 +210,7 @@ def worker(argv: list[str]) -> None:
     env = init_distributed(timeout=300, announce=False)
     rank, R = env.rank, env.world_size
     sizes = [int(s) * 1024 for s in opts.sizes_kib.split(",") if s.strip()]
-    methods = _methods(opts.methods)
+    methods = check_methods(_methods(opts.methods), env.backend)
     if R < 2:
         methods = [m for m in methods if m not in LINK_METHODS]
     piece = {} if opts.piece_kib is None else {"piece_numel": opts.piece_kib * 256}
@@ -191,12 +219,12 @@ def worker(argv: list[str]) -> None:
     budget = int(opts.budget_mib * 2**20)
     for nbytes in sorted(set(sizes) | link_sizes):
         here = [m for m in methods if nbytes in sizes or m in LINK_METHODS]
-        calls = _calls(here, nbytes, rank, R, piece)
+        calls = _calls(here, nbytes, rank, R, piece, env.device)
         iters = _iters_for(nbytes, budget)
         seconds = {m: [] for m in here}
         for _ in range(opts.repeats):  # interleaved: a burst of load hits every method alike
             for m in here:
-                seconds[m].append(_timed(calls[m], iters))
+                seconds[m].append(_timed(calls[m], iters, env.device))
         for m in here:
             if rank == 0:
                 print(_ROW_TAG + json.dumps(summarise(R, m, nbytes, seconds[m], iters)),
@@ -267,6 +295,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(opts) -> int:
     """``ddp-lesson bench allreduce``: the sweep, the CSV, the figure and a summary."""
+    from ..env import choose_backend
     from ..launch import run_torchrun
 
     worker_args = ["worker", "--sizes-kib", opts.sizes_kib, "--methods", opts.methods,
@@ -276,6 +305,11 @@ def run(opts) -> int:
     cpus = os.cpu_count() or 1
     rows = []
     for n in parse_counts(opts.nprocs):
+        try:  # before any process starts: the backend this job will get, and its methods
+            check_methods(_methods(opts.methods), choose_backend(n, opts.backend)[0])
+        except ValueError as exc:
+            print(f"ddp-lesson bench allreduce: error: {exc}", file=sys.stderr)
+            return 2
         note = " (oversubscribed: more processes than cores)" if n > cpus else ""
         print(f"torchrun --standalone --nproc-per-node {n} -m {MODULE} "
               + " ".join(worker_args) + note, flush=True)

@@ -13,7 +13,11 @@ batch with every variant, from the same seed:
   ``bucket_cap_mb=25`` like torch);
 * under a :class:`~ddp_lesson.commsim.SimulatedLink` (default α = 0.5 ms, 100 MB/s): ``torch``
   (the link as a DDP communication hook), ``naive``, ``bucketed`` with overlap and
-  ``bucketed`` without overlap (both with ``--link-bucket-cap-mb``, several buckets).
+  ``bucketed`` without overlap (both with ``--link-bucket-cap-mb``, several buckets);
+  ``--no-link`` leaves these out (``python -m ddp_lesson.gpucheck`` times the three without).
+
+On CUDA (``--backend nccl``) each timed block ends with ``torch.cuda.synchronize()`` and the
+slowest rank's time is reduced as a tensor on the rank's GPU (NCCL reduces CUDA tensors only).
 
 Timing: ``--repeats`` rounds; in each round every variant runs ``--steps`` steps, in an order
 rotated from round to round, variants that are compared running next to each other (so a burst
@@ -81,6 +85,8 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--latency-ms", type=float, default=0.5, help="link latency α (default 0.5)")
     p.add_argument("--bandwidth-mbps", type=float, default=100.0,
                    help="link bandwidth in MB/s, 1 MB = 1e6 bytes (default 100)")
+    p.add_argument("--no-link", action="store_true",
+                   help="only the variants without the simulated link")
 
 
 _MODEL_FLAGS = ("width", "batch", "size", "steps", "warmup", "bucket_cap_mb",
@@ -101,7 +107,13 @@ def worker_argv(opts) -> list[str]:
         value = getattr(opts, name)
         flag = "--" + name.replace("_", "-")
         out += [flag, *map(str, value)] if isinstance(value, (list, tuple)) else [flag, str(value)]
-    return out
+    return out + (["--no-link"] if getattr(opts, "no_link", False) else [])
+
+
+def variants(no_link: bool = False) -> tuple:
+    """The (variant, under the link?) pairs to run: :data:`VARIANTS`, or those without the
+    link."""
+    return tuple(v for v in VARIANTS if not (no_link and v[1]))
 
 
 # ----------------------------------------------------------------------------- worker side
@@ -146,12 +158,15 @@ def _time_rounds(runs: dict, step, rounds: int, steps: int, device) -> dict:
     for rnd in range(rounds):
         for key in keys[rnd % len(keys):] + keys[:rnd % len(keys)]:
             dist.barrier()
+            if device.type == "cuda":  # the GPU done with what came before: not timed
+                torch.cuda.synchronize()
             t0 = time.perf_counter()
             for _ in range(steps):
                 step(runs[key])
             if device.type == "cuda":
                 torch.cuda.synchronize()
-            elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+            elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64,
+                                   device=device)
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
             rates[key].append(steps / float(elapsed))
     return rates
@@ -226,7 +241,8 @@ def worker(argv: list[str]) -> None:
         F.cross_entropy(run["ddp"](images), labels).backward()
         run["opt"].step()
 
-    runs = {(v, link): _make_variant(v, link, opts, env, device) for v, link in VARIANTS}
+    runs = {(v, link): _make_variant(v, link, opts, env, device)
+            for v, link in variants(opts.no_link)}
     for run in runs.values():
         for _ in range(opts.warmup):
             step(run)
