@@ -142,6 +142,13 @@ SLOW: dict[str, str | frozenset[str]] = {
         "test_trainer_one_epoch_on_cuda_with_amp_bf16",
         "test_trainer_one_epoch_on_cuda_with_amp_fp16_saves_the_scaler",
     }),
+    "gpu/test_gpucheck.py": frozenset({
+        "test_on_cpu_the_command_skips_every_gpu_step_and_writes_the_json",
+        "test_a_notebook_is_executed_into_the_scratch_folder_and_its_errors_named",
+        "test_the_gpu_test_step_runs_pytests_gpu_group_and_counts_it",
+        "test_the_ddp_step_times_bucketed_against_torch_without_the_link_on_gloo",
+        "test_a_command_past_its_timeout_is_ended_with_its_children",
+    }),
     "launch/test_clinic.py": frozenset({
         "test_stack_dump_on_sigusr1_shows_where_a_rank_waits",
     }),
