@@ -6,7 +6,8 @@
 
 It prints what it found (GPUs with name, memory, compute capability; torch, CUDA, NCCL, cuDNN,
 the driver from ``nvidia-smi``; native bfloat16; peer-to-peer access between GPU pairs), then
-runs these steps, each in a subprocess with its own timeout (:data:`TIMEOUT_S`, 480 s in all):
+runs these steps, each in a subprocess with its own limit (:data:`TIMEOUT_S`, 475 s in all; what a
+step leaves of its limit goes to the steps after it, :func:`run_steps`):
 
 ==================  ==============================================================================
 ``gpu-tests``       ``pytest -m gpu -n 0 tests/gpu tests/convert`` in the checkout (skipped, with
@@ -47,7 +48,7 @@ import subprocess
 import sys
 import time
 import xml.etree.ElementTree as ET
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from .env import choose_backend
@@ -92,6 +93,7 @@ class Facts:
     bf16_source: str = ""
     p2p: dict[str, bool] = field(default_factory=dict)
     checkout: bool = True
+    pytest: bool = True
     nbconvert: bool = True
 
 
@@ -167,6 +169,8 @@ def gather_facts() -> Facts:
     facts = Facts(torch=torch.__version__, cuda=torch.version.cuda,
                   checkout=(ROOT / "tests/gpu/test_gpu.py").is_file()
                   and (ROOT / "notebooks").is_dir(),
+                  pytest=all(importlib.util.find_spec(m) is not None
+                             for m in ("pytest", "xdist", "nbval")),
                   nbconvert=importlib.util.find_spec("nbconvert") is not None)
     if torch.cuda.is_available():
         for key, value in _cuda_facts(torch).items():
@@ -207,6 +211,9 @@ def _plan_one(name: str, facts: Facts) -> Planned:
     if name in ("gpu-tests", "notebooks") and not facts.checkout:
         return Planned(name, False, "the package is installed without the checkout's tests "
                        "and notebooks: run it from a clone of the repository")
+    if name == "gpu-tests" and not facts.pytest:
+        return Planned(name, False, "pytest, pytest-xdist or nbval is not installed "
+                       "(pip install -e '.[dev]')")
     if name == "notebooks" and not facts.nbconvert:
         return Planned(name, False, "nbconvert is not installed (pip install -e '.[dev]')")
     if name == "train-bf16" and not facts.bf16_native:
@@ -413,6 +420,9 @@ def notebook_errors(nb: dict, name: str) -> list[dict]:
 def _execute_notebook(path: Path, scratch: Path, deadline: float) -> list[dict]:
     """Execute one notebook into ``scratch`` (its cells' errors kept, not fatal)."""
     target, log = scratch / f"{path.stem}.ipynb", scratch / f"{path.stem}.log"
+    if deadline - time.monotonic() < 5:
+        return [{"notebook": path.name, "cell": None, "error": "not started: the step's limit "
+                 "was reached"}]
     cmd = [sys.executable, "-m", "nbconvert", "--to", "notebook", "--execute", str(path),
            "--output-dir", str(scratch), "--output", path.stem,
            "--ExecutePreprocessor.allow_errors=True", "--ExecutePreprocessor.timeout=300",
@@ -511,21 +521,29 @@ RUNNERS = {"environment": step_environment, "gpu-tests": step_gpu_tests,
 
 
 def run_steps(planned: list[Planned], facts: Facts, ctx: Context, runners=None,
-              say=print) -> list[StepResult]:
+              say=print, clock=time.monotonic) -> list[StepResult]:
     """Run each planned step in order, one line each; a step that raises is a failed step,
-    and the next one runs all the same."""
+    and the next one runs all the same.
+
+    Step k must end by the sum of the limits (:data:`TIMEOUT_S`) of steps 1..k, counted from
+    the start: what a skipped or quick step leaves of its limit goes to the steps after it,
+    and the whole never runs past the sum. ``clock`` gives seconds (monotonic).
+    """
     runners = RUNNERS if runners is None else runners
     results = []
+    deadline = clock()
     for p in planned:
+        deadline += TIMEOUT_S[p.name]
         if not p.run:
             result = StepResult(p.name, "skipped", p.reason)
         else:
-            t0 = time.monotonic()
+            p = replace(p, timeout_s=round(max(1.0, deadline - clock()), 1))
+            t0 = clock()
             try:
                 result = runners[p.name](p, facts, ctx)
             except Exception as exc:  # a step's own bug must not stop the others
                 result = StepResult(p.name, "failed", f"{type(exc).__name__}: {exc}"[:200])
-            result.seconds = round(time.monotonic() - t0, 1)
+            result.seconds = round(clock() - t0, 1)
         results.append(result)
         say(f"{result.name:<16} {result.status:<7} {result.reason}"[:300])
     return results
@@ -597,8 +615,8 @@ def parser() -> argparse.ArgumentParser:
                    help=f"leave out {' and '.join(QUICK_SKIPS)} (the two longest steps)")
     p.add_argument("--skip", action="append", default=[], metavar="STEP",
                    help=f"leave a step out (repeatable): {', '.join(STEPS[1:])}")
-    p.add_argument("--parallel", type=int, default=3,
-                   help="notebooks executed at once (default 3)")
+    p.add_argument("--parallel", type=int, default=max(1, min(9, (os.cpu_count() or 2) // 2)),
+                   help="notebooks executed at once (default: half the CPU cores, at most 9)")
     return p
 
 

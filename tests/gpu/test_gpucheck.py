@@ -100,7 +100,7 @@ def test_a_t4_skips_bf16_naming_its_compute_capability():
     assert plan["train-fp16"].run
 
 
-def test_no_checkout_and_no_nbconvert_are_reasons_to_skip():
+def test_no_checkout_no_pytest_and_no_nbconvert_are_reasons_to_skip():
     plan = by_name(gc.plan(facts(H100, H100, checkout=False)))
     for name in ("gpu-tests", "notebooks"):
         assert not plan[name].run and "without the checkout's tests" in plan[name].reason
@@ -108,6 +108,10 @@ def test_no_checkout_and_no_nbconvert_are_reasons_to_skip():
     plan = by_name(gc.plan(facts(H100, H100, nbconvert=False)))
     assert not plan["notebooks"].run and "nbconvert" in plan["notebooks"].reason
     assert plan["gpu-tests"].run
+    plan = by_name(gc.plan(facts(H100, H100, pytest=False)))
+    assert plan["gpu-tests"].reason == ("pytest, pytest-xdist or nbval is not installed "
+                                        "(pip install -e '.[dev]')")
+    assert plan["notebooks"].run
 
 
 def test_skip_and_quick_leave_steps_out_and_a_wrong_name_is_refused():
@@ -243,6 +247,28 @@ def test_a_failing_or_raising_step_does_not_stop_the_others_and_the_exit_status_
     assert data["failed"] == ["train-fp16"] and steps["ddp-steps"]["status"] == "passed"
     out = capsys.readouterr().out
     assert "peer access 0->1: True" in out and data["row"] in out.splitlines()
+
+
+def test_a_step_gets_its_limit_plus_what_the_steps_before_it_left():
+    now = [0.0]
+    limits = {}
+
+    def step(p, f, ctx):
+        limits[p.name] = p.timeout_s
+        now[0] += {"environment": 5, "train-fp16": 100}.get(p.name, 10)  # seconds it "took"
+        return StepResult(p.name, "passed", "")
+
+    planned = gc.plan(facts(H100, H100), skip=["gpu-tests"])
+    gc.run_steps(planned, facts(), Context(Path(".")), {n: step for n in STEPS},
+                 say=lambda s: None, clock=lambda: now[0])
+    T = TIMEOUT_S
+    assert limits["environment"] == T["environment"]
+    # gpu-tests skipped: train-bf16 may use its limit and gpu-tests', less what environment took
+    assert limits["train-bf16"] == T["environment"] + T["gpu-tests"] + T["train-bf16"] - 5
+    # train-fp16 took 100 s, past its own 40: the notebooks get what is left of the sum
+    used = 5 + 10 + 100
+    assert limits["notebooks"] == sum(T[n] for n in STEPS[:5]) - used
+    assert limits["ddp-steps"] == sum(T.values()) - used - 20
 
 
 def test_bad_arguments_exit_2_naming_the_value(monkeypatch, capsys):
