@@ -6,7 +6,7 @@
 
 It prints what it found (GPUs with name, memory, compute capability; torch, CUDA, NCCL, cuDNN,
 the driver from ``nvidia-smi``; native bfloat16; peer-to-peer access between GPU pairs), then
-runs these steps, each in a subprocess with its own limit (:data:`TIMEOUT_S`, 475 s in all; what a
+runs these steps, each in a subprocess with its own limit (:data:`TIMEOUT_S`, 460 s in all; what a
 step leaves of its limit goes to the steps after it, :func:`run_steps`):
 
 ==================  ==============================================================================
@@ -55,7 +55,9 @@ from .env import choose_backend
 
 #: Each step's limit in seconds, in the order the steps run; the sum is the whole run's bound.
 TIMEOUT_S = {"environment": 20, "gpu-tests": 120, "train-bf16": 40, "train-fp16": 40,
-             "notebooks": 180, "allreduce-busbw": 30, "ddp-steps": 45}
+             "notebooks": 165, "allreduce-busbw": 30, "ddp-steps": 45}
+#: What ending a command at its limit may add: SIGTERM, then SIGKILL (see :func:`run_command`).
+KILL_GRACE_S = {"SIGTERM": 10, "SIGKILL": 5}
 STEPS = tuple(TIMEOUT_S)
 #: The steps ``--quick`` leaves out (the two longest).
 QUICK_SKIPS = ("gpu-tests", "notebooks")
@@ -278,7 +280,8 @@ def run_command(cmd: list[str], timeout_s: float, log: Path, cwd: Path | None = 
         try:
             return proc.wait(timeout=max(1.0, timeout_s))
         except subprocess.TimeoutExpired:
-            for sig, grace in ((signal.SIGTERM, 10), (signal.SIGKILL, 5)):
+            for sig, grace in ((signal.SIGTERM, KILL_GRACE_S["SIGTERM"]),
+                               (signal.SIGKILL, KILL_GRACE_S["SIGKILL"])):
                 try:
                     os.killpg(proc.pid, sig)
                 except ProcessLookupError:
@@ -521,17 +524,17 @@ RUNNERS = {"environment": step_environment, "gpu-tests": step_gpu_tests,
 
 
 def run_steps(planned: list[Planned], facts: Facts, ctx: Context, runners=None,
-              say=print, clock=time.monotonic) -> list[StepResult]:
+              say=print, clock=time.monotonic, start: float | None = None) -> list[StepResult]:
     """Run each planned step in order, one line each; a step that raises is a failed step,
     and the next one runs all the same.
 
     Step k must end by the sum of the limits (:data:`TIMEOUT_S`) of steps 1..k, counted from
-    the start: what a skipped or quick step leaves of its limit goes to the steps after it,
-    and the whole never runs past the sum. ``clock`` gives seconds (monotonic).
+    ``start`` (default: now): what a skipped or quick step leaves of its limit goes to the
+    steps after it, and the whole never runs past the sum. ``clock`` gives seconds (monotonic).
     """
     runners = RUNNERS if runners is None else runners
     results = []
-    deadline = clock()
+    deadline = clock() if start is None else start
     for p in planned:
         deadline += TIMEOUT_S[p.name]
         if not p.run:
@@ -628,6 +631,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     t0 = time.monotonic()
     facts = gather_facts()
+    gather_s = time.monotonic() - t0
     try:
         planned = plan(facts, opts.skip, opts.quick)
     except ValueError as exc:
@@ -637,8 +641,8 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(opts.out)
     out.mkdir(parents=True, exist_ok=True)
     ctx = Context(out.resolve(), ROOT, opts.parallel)
-    results = run_steps(planned, facts, ctx, say=lambda s: print(s, flush=True))
-    results[0].seconds = round(results[0].seconds + time.monotonic() - t0, 1)
+    results = run_steps(planned, facts, ctx, say=lambda s: print(s, flush=True), start=t0)
+    results[0].seconds = round(results[0].seconds + gather_s, 1)  # the facts are step 1's
     for line in multi_gpu_not_run(facts):
         print(f"not run: {line}")
     date = datetime.datetime.now(datetime.timezone.utc).date().isoformat()
