@@ -13,8 +13,9 @@ size is timed for:
 * ``naive``      — :func:`ddp_lesson.collectives.naive_all_reduce` (only with ``--methods``);
 * ``nccl``       — ``dist.all_reduce`` on CUDA tensors (``cuda:LOCAL_RANK``), in a job run with
   ``--backend nccl`` and only there (``--methods nccl``): the other methods build CPU tensors,
-  which NCCL refuses. Its clock reads follow ``torch.cuda.synchronize()``, since NCCL's
-  collectives return before the GPU has run them (``python -m ddp_lesson.gpucheck`` uses it);
+  which NCCL refuses. Its clock reads follow ``torch.cuda.synchronize()``: a CUDA collective
+  may return before the GPU has run it (torch's docs/source/distributed.rst, "Synchronous and
+  asynchronous collective operations"). ``python -m ddp_lesson.gpucheck`` uses it;
 * ``sendrecv``   — ranks 0 and 1 exchange a message of that size in both directions at once
   (``isend`` + ``irecv``); the other ranks wait. Its bandwidth (bytes per direction per
   second) is the link's limit that bus bandwidth is compared with;
@@ -84,9 +85,10 @@ def _iters_for(nbytes: int, budget_bytes: int, lo: int = 1, hi: int = 50) -> int
 def _timed(fn, iters: int, device=None) -> float:
     """Seconds per call of one loop of ``iters`` calls, as seen by the slowest rank.
 
-    On a CUDA ``device`` the clock is read after ``torch.cuda.synchronize()`` (NCCL's calls
-    return once queued on the GPU's stream), and the time travels as a tensor on that device
-    (NCCL reduces CUDA tensors only).
+    On a CUDA ``device`` the clock is read after ``torch.cuda.synchronize()`` (a CUDA
+    collective may return before it completes: torch's docs/source/distributed.rst,
+    "Synchronous and asynchronous collective operations"), and the time travels as a tensor on
+    that device (NCCL refuses CPU tensors: "Tensors must be CUDA and dense", ProcessGroupNCCL).
     """
     import torch
     import torch.distributed as dist

@@ -17,7 +17,8 @@ batch with every variant, from the same seed:
   ``--no-link`` leaves these out (``python -m ddp_lesson.gpucheck`` times the three without).
 
 On CUDA (``--backend nccl``) each timed block ends with ``torch.cuda.synchronize()`` and the
-slowest rank's time is reduced as a tensor on the rank's GPU (NCCL reduces CUDA tensors only).
+slowest rank's time is reduced as a tensor on the rank's GPU: NCCL refuses a CPU tensor ("Tensors
+must be CUDA and dense", ProcessGroupNCCL in torch's C++ library, libtorch_cuda).
 
 Timing: ``--repeats`` rounds; in each round every variant runs ``--steps`` steps, in an order
 rotated from round to round, variants that are compared running next to each other (so a burst
