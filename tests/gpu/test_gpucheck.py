@@ -359,3 +359,17 @@ def test_a_command_past_its_timeout_is_ended_with_its_children(tmp_path):
             break
         time.sleep(0.1)
     assert not alive(child)
+
+
+def test_the_readmes_tested_on_table_has_the_rows_shape_and_names_the_command():
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("## Tested on"):text.index("## Layout")]
+    assert "python -m ddp_lesson.gpucheck" in section
+    table = [ln for ln in section.splitlines() if ln.startswith("|")]
+    assert table[:2] == ["| GPU | torch | date | result |", "|---|---|---|---|"]
+    assert table[2:], "the table has no row"
+    for row in table[2:]:
+        assert ROW.match(row), row
+    # the row the command writes for this machine fits the same table
+    assert ROW.match(gc.markdown_row(facts(), [StepResult("environment", "passed", "")],
+                                     "2026-12-06"))
