@@ -10,6 +10,7 @@ runs these steps, each in a subprocess with its own limit (:data:`TIMEOUT_S`, 46
 step leaves of its limit goes to the steps after it, :func:`run_steps`):
 
 ==================  ==============================================================================
+``environment``     the facts above, as figures
 ``gpu-tests``       ``pytest -m gpu -n 0 tests/gpu tests/convert`` in the checkout (skipped, with
                     the reason, where the package is installed without its tests)
 ``train-bf16``      ``ddp-lesson train --amp bf16`` for one epoch on a small synthetic set, on
@@ -138,12 +139,12 @@ def _cuda_facts(torch) -> dict:
         nccl = f"unknown ({type(exc).__name__})"
     # torch/cuda/__init__.py, is_bf16_supported: compute capability >= 8 is native; without
     # including_emulation=False it also answers True where a bf16 tensor can merely be created
+    # (it asks the current device, cuda:0: the capability rule covers the others)
+    bf16 = all(g.capability[0] >= 8 for g in gpus)
+    source = "compute capability >= 8 on every GPU (torch's rule in is_bf16_supported)"
     if "including_emulation" in inspect.signature(torch.cuda.is_bf16_supported).parameters:
-        bf16 = bool(torch.cuda.is_bf16_supported(including_emulation=False))
-        source = "torch.cuda.is_bf16_supported(including_emulation=False)"
-    else:
-        bf16 = all(g.capability[0] >= 8 for g in gpus)
-        source = "compute capability >= 8 (torch's rule in is_bf16_supported)"
+        bf16 = bf16 and bool(torch.cuda.is_bf16_supported(including_emulation=False))
+        source = "torch.cuda.is_bf16_supported(including_emulation=False), every GPU sm >= 8"
     p2p = {f"{i}->{j}": bool(torch.cuda.can_device_access_peer(i, j))
            for i in range(count) for j in range(count) if i != j}
     return {"gpus": gpus, "nccl": nccl, "cudnn": torch.backends.cudnn.version(),

@@ -373,3 +373,13 @@ def test_the_readmes_tested_on_table_has_the_rows_shape_and_names_the_command():
     # the row the command writes for this machine fits the same table
     assert ROW.match(gc.markdown_row(facts(), [StepResult("environment", "passed", "")],
                                      "2026-12-06"))
+
+
+def test_docs_gpus_states_the_step_limits_the_module_has():
+    text = (ROOT / "docs/gpus.md").read_text()
+    section = text[text.index("## The acceptance run"):]
+    limits = ", ".join(str(TIMEOUT_S[name]) for name in STEPS)
+    prose = " ".join(section.split())
+    assert f"add up to {sum(TIMEOUT_S.values())} s ({limits} in the order above)" in prose
+    for name in STEPS:
+        assert f"| `{name}` |" in section, name
