@@ -148,6 +148,8 @@ SLOW: dict[str, str | frozenset[str]] = {
         "test_the_gpu_test_step_runs_pytests_gpu_group_and_counts_it",
         "test_the_ddp_step_times_bucketed_against_torch_without_the_link_on_gloo",
         "test_a_command_past_its_timeout_is_ended_with_its_children",
+        "test_the_training_steps_command_runs_the_trainer_and_its_judge_reads_the_summary",
+        "test_the_bandwidth_steps_command_reaches_the_bench_which_wants_nccl",
     }),
     "launch/test_clinic.py": frozenset({
         "test_stack_dump_on_sigusr1_shows_where_a_rank_waits",

@@ -383,3 +383,24 @@ def test_docs_gpus_states_the_step_limits_the_module_has():
     assert f"add up to {sum(TIMEOUT_S.values())} s ({limits} in the order above)" in prose
     for name in STEPS:
         assert f"| `{name}` |" in section, name
+
+
+def test_the_training_steps_command_runs_the_trainer_and_its_judge_reads_the_summary(tmp_path):
+    # on gloo (any machine): the trainer accepts every flag and writes summary.json, and the
+    # judge fails the run for what it is, a CPU run
+    p = Planned("train-fp16", True, "", 1, "gloo", 240)
+    result = gc.step_train_fp16(p, facts(), Context(tmp_path))
+    assert result.reason == "summary.json has device 'cpu', expected 'cuda'"
+    assert result.status == "failed"
+    figs = result.figures
+    assert (figs["world_size"], figs["backend"], figs["global_step"]) == (1, "gloo", 8)
+    assert figs["diverged"] is False and figs["amp_scale"] == 65536.0
+    assert (tmp_path / "train-fp16" / "summary.json").is_file()
+
+
+def test_the_bandwidth_steps_command_reaches_the_bench_which_wants_nccl(tmp_path):
+    p = Planned("allreduce-busbw", True, "", 2, "gloo", 120)
+    result = gc.step_allreduce_busbw(p, facts(), Context(tmp_path))
+    assert result.status == "failed"
+    assert result.reason == ("exit status 2: ddp-lesson bench allreduce: error: the method nccl "
+                             "needs --backend nccl; this job runs gloo")
