@@ -524,6 +524,20 @@ RUNNERS = {"environment": step_environment, "gpu-tests": step_gpu_tests,
 # ----------------------------------------------------------------------------- run and report
 
 
+def detail_lines(result: StepResult) -> list[str]:
+    """The figures worth a line each under a step's line: each notebook cell that raised, the
+    bandwidth per size, the steps/s per DDP variant."""
+    f = result.figures
+    lines = [f"  {e['notebook']} cell {e['cell']}: {e['error']}" for e in f.get("errors", [])]
+    lines += [f"  {r['size_bytes'] / 2**20:g} MiB, {r['nprocs']} ranks: algbw "
+              f"{r['algbw_GBps']:g} GB/s, busbw {r['busbw_GBps']:g} GB/s"
+              for r in f.get("sizes", [])]
+    lines += [f"  {r['variant']}: {r['steps_per_s']:.3g} steps/s (min {r['steps_per_s_min']:.3g}"
+              f", max {r['steps_per_s_max']:.3g}), /torch {r['ratio_to_torch']:.3g}"
+              for r in f.get("variants", [])]
+    return [line[:100] for line in lines]
+
+
 def run_steps(planned: list[Planned], facts: Facts, ctx: Context, runners=None,
               say=print, clock=time.monotonic, start: float | None = None) -> list[StepResult]:
     """Run each planned step in order, one line each; a step that raises is a failed step,
@@ -550,6 +564,8 @@ def run_steps(planned: list[Planned], facts: Facts, ctx: Context, runners=None,
             result.seconds = round(clock() - t0, 1)
         results.append(result)
         say(f"{result.name:<16} {result.status:<7} {result.reason}"[:300])
+        for line in detail_lines(result):
+            say(line)
     return results
 
 

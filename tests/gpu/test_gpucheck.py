@@ -208,6 +208,21 @@ def test_the_summarys_judge_wants_cuda_the_planned_backend_and_a_finite_loss():
 # ----------------------------------------------------------------------------- the row, the run
 
 
+def test_detail_lines_name_each_error_each_size_and_each_variant():
+    figures = {
+        "errors": [{"notebook": "04.ipynb", "cell": 5, "error": "RuntimeError: Tensors must be "
+                    "CUDA and dense"}],
+        "sizes": gc.bandwidth_figures([{"nprocs": 2, "size_bytes": 2**24, "seconds": 0.001}]),
+        "variants": [{"variant": "bucketed", "steps_per_s": 12.345, "steps_per_s_min": 11.0,
+                      "steps_per_s_max": 13.0, "ratio_to_torch": 0.98}]}
+    assert gc.detail_lines(StepResult("x", "failed", "", figures)) == [
+        "  04.ipynb cell 5: RuntimeError: Tensors must be CUDA and dense",
+        "  16 MiB, 2 ranks: algbw 16.777 GB/s, busbw 16.777 GB/s",
+        "  bucketed: 12.3 steps/s (min 11, max 13), /torch 0.98"]
+    assert gc.detail_lines(StepResult("environment", "passed", "", {"gpu_count": 0})) == []
+
+
+
 def test_the_row_has_the_readmes_four_cells():
     results = [StepResult("environment", "passed", ""), StepResult("train-bf16", "skipped",
                "no native bf16 on Tesla T4"), StepResult("notebooks", "failed", "1 error")]
