@@ -235,10 +235,12 @@ def _plan_one(name: str, facts: Facts) -> Planned:
 
 def plan(facts: Facts, skip=(), quick: bool = False) -> list[Planned]:
     """Every step of :data:`STEPS`, planned for ``facts``; ``skip`` and ``quick`` leave steps
-    out with that reason. Raises ValueError for a name in ``skip`` that is not a step."""
-    unknown = sorted(set(skip) - set(STEPS))
+    out with that reason. Raises ValueError for a name in ``skip`` that is not a step after
+    ``environment``."""
+    unknown = sorted(set(skip) - set(STEPS[1:]))  # the facts are always gathered
     if unknown:
-        raise ValueError(f"unknown step {', '.join(unknown)}: the steps are {', '.join(STEPS)}")
+        raise ValueError(f"cannot skip {', '.join(unknown)}: the steps that can be skipped are "
+                         f"{', '.join(STEPS[1:])}")
     out = []
     for name in STEPS:
         if name in skip:

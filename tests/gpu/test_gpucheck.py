@@ -120,8 +120,11 @@ def test_skip_and_quick_leave_steps_out_and_a_wrong_name_is_refused():
     assert plan["notebooks"].reason == "--skip notebooks"
     assert plan["gpu-tests"].reason == "--quick" and not plan["gpu-tests"].run
     assert plan["ddp-steps"].run
-    with pytest.raises(ValueError, match=r"unknown step notebook: the steps are environment, "):
+    with pytest.raises(ValueError, match=r"cannot skip notebook: the steps that can be skipped "
+                       r"are gpu-tests, train-bf16, "):
         gc.plan(facts(), skip=["notebook"])
+    with pytest.raises(ValueError, match=r"cannot skip environment: "):
+        gc.plan(facts(), skip=["environment"])
 
 
 # ----------------------------------------------------------------------------- the figures
@@ -290,7 +293,8 @@ def test_a_step_gets_its_limit_plus_what_the_steps_before_it_left():
 def test_bad_arguments_exit_2_naming_the_value(monkeypatch, capsys):
     monkeypatch.setattr(gc, "gather_facts", lambda: facts())
     assert gc.main(["--skip", "nope"]) == 2
-    assert "unknown step nope: the steps are environment, gpu-tests" in capsys.readouterr().err
+    assert "cannot skip nope: the steps that can be skipped are gpu-tests, train-bf16" in \
+        capsys.readouterr().err
     assert gc.main(["--parallel", "0"]) == 2
     assert "--parallel must be >= 1, got 0" in capsys.readouterr().err
 
