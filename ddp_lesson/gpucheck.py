@@ -84,7 +84,8 @@ class Gpu:
 
 @dataclass
 class Facts:
-    """What this machine has. ``p2p`` maps ``"i->j"`` to ``can_device_access_peer(i, j)``."""
+    """What this machine has. ``p2p`` maps ``"i->j"`` to ``can_device_access_peer(i, j)``;
+    ``error`` says why CUDA, though available, could not be read (then ``gpus`` is empty)."""
 
     torch: str
     cuda: str | None = None
@@ -95,6 +96,7 @@ class Facts:
     bf16_native: bool = False
     bf16_source: str = ""
     p2p: dict[str, bool] = field(default_factory=dict)
+    error: str | None = None
     checkout: bool = True
     pytest: bool = True
     nbconvert: bool = True
@@ -176,8 +178,11 @@ def gather_facts() -> Facts:
                              for m in ("pytest", "xdist", "nbval")),
                   nbconvert=importlib.util.find_spec("nbconvert") is not None)
     if torch.cuda.is_available():
-        for key, value in _cuda_facts(torch).items():
-            setattr(facts, key, value)
+        try:  # a driver too old for this build fails here, not in a step
+            for key, value in _cuda_facts(torch).items():
+                setattr(facts, key, value)
+        except Exception as exc:
+            facts.gpus, facts.error = [], f"{type(exc).__name__}: {exc}"[:200]
         facts.driver = _driver()
     return facts
 
@@ -185,6 +190,8 @@ def gather_facts() -> Facts:
 def fact_lines(facts: Facts) -> list[str]:
     """The facts as short lines, one fact each."""
     lines = [f"torch {facts.torch}, CUDA {facts.cuda or 'none (CPU build)'}"]
+    if facts.error:
+        return [*lines, f"GPUs: could not be read: {facts.error}"]
     if not facts.gpus:
         return [*lines, f"GPUs: none: {NO_CUDA}"]
     lines.append(f"GPUs: {len(facts.gpus)}")
@@ -210,7 +217,8 @@ def _plan_one(name: str, facts: Facts) -> Planned:
     if name == "environment":
         return Planned(name, True, "facts gathered in this process", timeout_s=t)
     if not gpus:
-        return Planned(name, False, NO_CUDA)
+        return Planned(name, False, f"the GPUs could not be read: {facts.error}"
+                       if facts.error else NO_CUDA)
     if name in ("gpu-tests", "notebooks") and not facts.checkout:
         return Planned(name, False, "the package is installed without the checkout's tests "
                        "and notebooks: run it from a clone of the repository")
@@ -256,7 +264,7 @@ def multi_gpu_not_run(facts: Facts) -> list[str]:
     """The checks this machine cannot make: all of them without a GPU, those that need 2 GPUs
     or more with one."""
     if not facts.gpus:
-        return [f"every GPU check: {NO_CUDA}"]
+        return [f"every GPU check: {facts.error or NO_CUDA}"]
     if len(facts.gpus) >= 2:
         return []
     return ["NCCL all-reduce between 2 GPUs and its bus bandwidth (needs 2 GPUs)",
@@ -325,6 +333,8 @@ def step_environment(p: Planned, facts: Facts, ctx: Context) -> StepResult:
     """The facts, as figures."""
     figures = asdict(facts)
     figures["gpu_count"] = len(facts.gpus)
+    if facts.error:
+        return StepResult(p.name, "failed", f"CUDA is available but {facts.error}", figures)
     return StepResult(p.name, "passed", p.reason, figures)
 
 
@@ -594,6 +604,8 @@ def result_cell(facts: Facts, results: list[StepResult]) -> str:
     """The "result" cell: counts by status, the failed steps named, the skipped ones' reasons."""
     by = {s: [r for r in results if r.status == s] for s in STATUSES}
     head = ", ".join(f"{len(by[s])} {s}" for s in STATUSES)
+    if facts.error:
+        return f"gpucheck: {head}: the GPUs could not be read ({facts.error})"
     if not facts.gpus:
         return f"gpucheck: {head}: no CUDA device, every GPU step skipped"
     parts = [f"gpucheck: {head}"]

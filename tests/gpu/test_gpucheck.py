@@ -94,6 +94,17 @@ def test_two_and_four_gpus_run_everything_on_nccl():
         assert gc.multi_gpu_not_run(facts(*[H100] * n)) == []
 
 
+def test_cuda_that_cannot_be_read_fails_the_environment_and_skips_the_rest_with_why(tmp_path):
+    broken = facts(error="RuntimeError: The NVIDIA driver on your system is too old")
+    planned = gc.plan(broken)
+    assert {p.reason for p in planned[1:]} == {
+        "the GPUs could not be read: RuntimeError: The NVIDIA driver on your system is too old"}
+    results = gc.run_steps(planned, broken, Context(tmp_path), say=lambda s: None)
+    assert [r.status for r in results] == ["failed"] + ["skipped"] * (len(STEPS) - 1)
+    assert results[0].reason.startswith("CUDA is available but RuntimeError: The NVIDIA driver")
+    assert "the GPUs could not be read (RuntimeError" in gc.markdown_row(broken, results, "d")
+
+
 def test_a_t4_skips_bf16_naming_its_compute_capability():
     plan = by_name(gc.plan(facts(T4, T4)))
     assert not plan["train-bf16"].run
