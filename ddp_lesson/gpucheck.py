@@ -231,9 +231,10 @@ def _plan_one(name: str, facts: Facts) -> Planned:
         return Planned(name, False, f"no native bf16 on {facts.gpus[0].name} (compute "
                        f"capability {'.'.join(map(str, facts.gpus[0].capability))}; "
                        f"{facts.bf16_source} is False)")
-    if name in ("gpu-tests", "notebooks"):
-        backend, why = choose_backend(2, "auto", gpus)
-        return Planned(name, True, f"their 2-process runs: {why}", 2, backend, t)
+    if name == "notebooks":  # their cells start 2 or 3 processes, each by the rule
+        (backend, why2), (_, why3) = (choose_backend(n, "auto", gpus) for n in (2, 3))
+        return Planned(name, True, f"cells of {why2}; of {why3}", 2, backend, t)
+    # the gpu tests and the training runs: min(2, GPUs) processes, NCCL, as tests/gpu does
     nproc = {"allreduce-busbw": gpus, "ddp-steps": 2}.get(name, min(2, gpus))
     backend, why = choose_backend(nproc, "auto", gpus)
     if backend == "nccl" and nproc == 1:

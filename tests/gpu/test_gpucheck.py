@@ -73,13 +73,14 @@ def test_without_cuda_every_gpu_step_is_skipped_with_the_reason():
 
 def test_one_gpu_nccl_at_world_size_one_and_the_two_process_steps_on_gloo():
     plan = by_name(gc.plan(facts(H100)))
-    for name in ("train-bf16", "train-fp16", "allreduce-busbw"):
+    for name in ("gpu-tests", "train-bf16", "train-fp16", "allreduce-busbw"):
         assert (plan[name].run, plan[name].nproc, plan[name].backend) == (True, 1, "nccl"), name
-        assert "world size 1" in plan[name].reason
-    for name in ("ddp-steps", "gpu-tests", "notebooks"):
-        assert (plan[name].run, plan[name].backend) == (True, "gloo"), name
-        assert "2 processes but 1 GPU: using gloo on CPU" in plan[name].reason
-    assert plan["ddp-steps"].nproc == 2
+        assert plan[name].reason == ("1 process and 1 GPU: using nccl, one GPU per process "
+                                     "(world size 1: no traffic between GPUs)"), name
+    assert (plan["ddp-steps"].nproc, plan["ddp-steps"].backend) == (2, "gloo")
+    assert plan["ddp-steps"].reason == "2 processes but 1 GPU: using gloo on CPU"
+    assert plan["notebooks"].reason == ("cells of 2 processes but 1 GPU: using gloo on CPU; "
+                                        "of 3 processes but 1 GPU: using gloo on CPU")
     not_run = gc.multi_gpu_not_run(facts(H100))
     assert len(not_run) == 5 and all("GPU" in line for line in not_run)
 
@@ -91,6 +92,10 @@ def test_two_and_four_gpus_run_everything_on_nccl():
         assert {p.backend for name, p in plan.items() if name != "environment"} == {"nccl"}
         assert plan["allreduce-busbw"].nproc == n
         assert plan["train-fp16"].nproc == plan["ddp-steps"].nproc == 2
+        assert plan["notebooks"].reason.startswith(
+            "cells of 2 processes and 2 GPUs: using nccl" if n == 2 else
+            "cells of 2 processes and 4 GPUs: using nccl, one GPU per process; "
+            "of 3 processes and 4 GPUs: using nccl")
         assert gc.multi_gpu_not_run(facts(*[H100] * n)) == []
 
 
