@@ -263,16 +263,19 @@ def plan(facts: Facts, skip=(), quick: bool = False) -> list[Planned]:
 
 def multi_gpu_not_run(facts: Facts) -> list[str]:
     """The checks this machine cannot make: all of them without a GPU, those that need 2 GPUs
-    or more with one."""
+    or more with one, the notebooks' 3-process cells on NCCL with two."""
     if not facts.gpus:
         return [f"every GPU check: {facts.error or NO_CUDA}"]
-    if len(facts.gpus) >= 2:
+    if len(facts.gpus) >= 3:
         return []
+    three = "the notebooks' 3-process cells on NCCL (needs 3 GPUs; with fewer, gloo on CPU)"
+    if len(facts.gpus) == 2:
+        return [three]
     return ["NCCL all-reduce between 2 GPUs and its bus bandwidth (needs 2 GPUs)",
             "BucketedDDP vs torch's DDP on NCCL (needs 2 GPUs; with one, gloo on CPU)",
             "peer-to-peer access between GPUs (needs 2 GPUs)",
             "the notebooks' 2-process cells on NCCL (with one GPU: gloo on CPU, the rule)",
-            "the gpu tests' 2-rank NCCL cases (they run at world size min(2, GPUs))"]
+            "the gpu tests' 2-rank NCCL cases (they run at world size min(2, GPUs))", three]
 
 
 # ----------------------------------------------------------------------------- running commands
