@@ -203,8 +203,9 @@ def reentrant_checkpoint_on_input(wrapper=BucketedDDP) -> dict[str, bool]:
 
     Returns:
         ``{"averaged": every .grad equals the mean (|Δ| < 1e-6), "rank_local": every .grad
-        equals this rank's own gradient}``. torch 2.13's DDP: rank-local, silently; the
-        package's wrappers: averaged. Synchronises (all-reduces and gathers).
+        equals this rank's own gradient}``. torch 2.13's DDP, NaiveDDP and BucketedDDP all
+        average (``averaged`` True, ``rank_local`` False; docs/pitfalls.md B20, the run in
+        deep dive 04 · drop-in edge cases). Synchronises (all-reduces and gathers).
     """
     rank, world = dist.get_rank(), dist.get_world_size()
     g = torch.Generator().manual_seed(100 + rank)
