@@ -9,17 +9,29 @@ Trainer flags are those of ``python -m ddp_lesson.train --help``.
 from __future__ import annotations
 
 import argparse
+import re
 import subprocess
 import sys
 
 from .env import BACKENDS, choose_backend
 
+_RST = re.compile(r":[a-z]+:`~?([^`]+)`|``([^`]+)``|`([^`]+)`")
 
-def _train_parser() -> argparse.ArgumentParser:
+
+def plain(text: str) -> str:
+    """``text`` without reStructuredText markup, for a help screen: ``x``, `x` and
+    :func:`x` become x."""
+    return _RST.sub(lambda m: next(g for g in m.groups() if g is not None), text)
+
+
+def _train_parser(trainer_flags: bool = False) -> argparse.ArgumentParser:
+    """``ddp-lesson train``'s launcher flags; with ``trainer_flags``, the trainer's too (for
+    ``--help`` and for checking them as the user typed them; :func:`train` passes them on)."""
     p = argparse.ArgumentParser(
         prog="ddp-lesson train",
         description="Data-parallel training of the seed's DeepLab-style model under torchrun. "
-        "Flags not listed here go to the trainer (see python -m ddp_lesson.train --help).",
+        "The launcher's flags (the first group) start torchrun; the trainer's flags are "
+        "passed on to every rank's python -m ddp_lesson.train.",
     )
     p.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=2,
                    help="processes on this machine (default 2)")
@@ -39,7 +51,28 @@ def _train_parser() -> argparse.ArgumentParser:
         default="auto",
         help="collective backend (default: nccl when each process can have a GPU, else gloo)",
     )
+    if trainer_flags:
+        _add_trainer_flags(p)
     return p
+
+
+def _add_trainer_flags(p: argparse.ArgumentParser) -> None:
+    """The trainer's flags (:func:`ddp_lesson.config.build_parser`) as a group of ``p``, with
+    their defaults; a flag the launcher already has (``--backend``) is the launcher's."""
+    from .config import build_parser
+
+    group = p.add_argument_group("trainer flags (passed to python -m ddp_lesson.train)")
+    taken = set(p._option_string_actions)
+    for action in build_parser()._actions:
+        if action.dest == "help" or taken & set(action.option_strings):
+            continue
+        if action.default not in (None, False, argparse.SUPPRESS):
+            action.help = f"{action.help} (default: {_shown(action.default)})"
+        group._add_action(action)
+
+
+def _shown(value) -> str:
+    return " ".join(map(str, value)) if isinstance(value, (tuple, list)) else str(value)
 
 
 def torchrun_argv(opts: argparse.Namespace) -> list[str]:
@@ -88,7 +121,8 @@ def train(argv: list[str]) -> int:
     try:
         # "auto" defers to DDP_LESSON_BACKEND, as every rank will: check that too
         choose_backend(opts.nproc_per_node, backend)
-        preflight(program[2:], world_size=opts.nproc_per_node * opts.nnodes)
+        preflight(program[2:], world_size=opts.nproc_per_node * opts.nnodes,
+                  prog="ddp-lesson train")
     except (TrainInputError, ValueError) as exc:
         print(f"ddp-lesson train: error: {exc}", file=sys.stderr)
         return 2
@@ -135,20 +169,23 @@ def _parser() -> argparse.ArgumentParser:
     from .bench import BENCHMARKS
     from .doctor import parser as doctor_parser
 
-    parser = argparse.ArgumentParser(prog="ddp-lesson", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="ddp-lesson", description="Data-parallel training with PyTorch, the lessons' "
+        "command: train (the main job under torchrun), doctor (check this machine), bench "
+        "(benchmarks). 'ddp-lesson COMMAND --help' lists a command's flags.")
     commands = parser.add_subparsers(dest="command", metavar="{train,doctor,bench}")
-    commands.add_parser("train", parents=[_train_parser()], add_help=False,
-                        help="the main job under torchrun (trainer flags pass through)")
+    commands.add_parser("train", parents=[_train_parser(trainer_flags=True)], add_help=False,
+                        help="the main job under torchrun (launcher and trainer flags)")
     commands.add_parser("doctor", parents=[doctor_parser()], add_help=False,
                         help="check this machine before a job (GPUs, port, interface, /dev/shm)")
     bench = commands.add_parser("bench", help="benchmarks: allreduce, ddp, scaling")
     which = bench.add_subparsers(dest="benchmark", metavar="{" + ",".join(BENCHMARKS) + "}")
     for name, module_name in BENCHMARKS.items():
         module = importlib.import_module(module_name)
-        sub = which.add_parser(name, help=module.__doc__.split("\n")[0],
-                               description=module.__doc__.split("\n\n")[0])
+        sub = which.add_parser(name, help=plain(module.__doc__.split("\n")[0]),
+                               description=plain(module.__doc__.split("\n\n")[0]))
         module.add_arguments(sub)
-        sub.set_defaults(run=module.run)
+        sub.set_defaults(run=module.run, check=getattr(module, "check", None), parser=sub)
     return parser
 
 
@@ -170,6 +207,11 @@ def main(argv: list[str] | None = None) -> int:
     if extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if opts.command == "bench" and getattr(opts, "run", None) is not None:
+        if opts.check is not None:
+            try:   # bad values refused here, before any process starts, naming the flag
+                opts.check(opts)
+            except ValueError as exc:
+                opts.parser.error(str(exc))
         return opts.run(opts)
     parser.parse_args([*argv, "--help"])  # 'bench' alone: its help, listing the benchmarks
     return 0
