@@ -163,7 +163,8 @@ def _run_forwarding_signals(cmd: list[str], env: dict) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    """The whole command line: ``train`` and ``bench {allreduce,ddp,scaling}``, one parser."""
+    """The whole command line: ``train``, ``doctor``, ``compare`` and
+    ``bench {allreduce,ddp,scaling}``, one parser."""
     import importlib
 
     from .bench import BENCHMARKS
@@ -171,13 +172,21 @@ def _parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(
         prog="ddp-lesson", description="Data-parallel training with PyTorch, the lessons' "
-        "command: train (the main job under torchrun), doctor (check this machine), bench "
-        "(benchmarks). 'ddp-lesson COMMAND --help' lists a command's flags.")
-    commands = parser.add_subparsers(dest="command", metavar="{train,doctor,bench}")
+        "command: train (the main job under torchrun), doctor (check this machine), compare "
+        "(a script and its DDP version), bench (benchmarks). 'ddp-lesson COMMAND --help' "
+        "lists a command's flags.")
+    commands = parser.add_subparsers(dest="command", metavar="{train,doctor,compare,bench}")
     commands.add_parser("train", parents=[_train_parser(trainer_flags=True)], add_help=False,
                         help="the main job under torchrun (launcher and trainer flags)")
     commands.add_parser("doctor", parents=[doctor_parser()], add_help=False,
                         help="check this machine before a job (GPUs, port, interface, /dev/shm)")
+    from .convert import compare
+
+    compare.add_arguments(commands.add_parser(
+        "compare", help="your script and its DDP version: the same final weights?",
+        description=compare.DESCRIPTION, epilog=compare.EPILOG,
+        usage=compare.USAGE.format(prog="ddp-lesson compare"),
+        formatter_class=argparse.RawDescriptionHelpFormatter))
     bench = commands.add_parser("bench", help="benchmarks: allreduce, ddp, scaling")
     which = bench.add_subparsers(dest="benchmark", metavar="{" + ",".join(BENCHMARKS) + "}")
     for name, module_name in BENCHMARKS.items():
@@ -190,13 +199,17 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``ddp-lesson train [...]``, ``ddp-lesson doctor [...]`` or
-    ``ddp-lesson bench {allreduce,ddp,scaling} [...]``."""
+    """``ddp-lesson train [...]``, ``ddp-lesson doctor [...]``, ``ddp-lesson compare [...]``
+    or ``ddp-lesson bench {allreduce,ddp,scaling} [...]``."""
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = _parser()
     if not argv:
         parser.print_help()
         return 0
+    if argv[0] == "compare":            # its own parser: the scripts' arguments follow --
+        from .convert.compare import main as compare_main
+
+        return compare_main(argv[1:])
     opts, extra = parser.parse_known_args(argv)
     if opts.command == "train":
         return train(argv[1:])          # the trainer's own flags pass through
