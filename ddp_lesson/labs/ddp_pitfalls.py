@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ddp_lesson.cli import plain
 from ddp_lesson.commsim import Recorder
 from ddp_lesson.ddp import BucketedDDP, NaiveDDP
 from ddp_lesson.labs.ddp_toys import IN_FEATURES, TwoLayer
@@ -228,7 +229,7 @@ def main(argv=None) -> None:
     """Run every scenario with both wrappers; rank 0 prints one line per result."""
     from ddp_lesson.env import cleanup, init_distributed, print0
 
-    argparse.ArgumentParser(description=__doc__).parse_args(argv)
+    argparse.ArgumentParser(description=plain(__doc__.split("\n\n")[0])).parse_args(argv)
     init_distributed(timeout=60)
     for wrapper in (NaiveDDP, BucketedDDP):
         name = wrapper.__name__

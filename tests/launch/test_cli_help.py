@@ -102,3 +102,19 @@ def test_doctor_error_names_the_command(capsys):
     assert doctor.main(["--nproc-per-node", "0"]) == 2
     assert capsys.readouterr().err == "ddp-lesson doctor: error: --nproc-per-node must be >= 1, " \
                                       "got 0\n"
+
+
+@pytest.mark.parametrize("module", [
+    "ddp_lesson.flight", "ddp_lesson.labs.collectives_check", "ddp_lesson.labs.ddp_pitfalls",
+    "ddp_lesson.labs.zero_dcp", "ddp_lesson.labs.compile_ddp", "ddp_lesson.labs.ddp_overlap",
+    "ddp_lesson.labs.torch_reducer", "ddp_lesson.labs.amp_clip", "ddp_lesson.labs.token_loss",
+])
+def test_the_programs_help_is_plain_text(module, capsys):
+    import importlib
+
+    with pytest.raises(SystemExit) as exc:
+        importlib.import_module(module).main(["--help"])
+    assert exc.value.code == 0
+    text = capsys.readouterr().out
+    assert text.startswith("usage: ")
+    assert not re.search(r"`|:(?:func|class|mod|data|meth):", text), text
