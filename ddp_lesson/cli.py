@@ -4,7 +4,13 @@
 training of the seed's segmentation model, through torchrun. It prints the equivalent
 ``torchrun`` command first, so you can run the same thing without this package, then runs the
 real launcher with this terminal as its output (rank 0's progress bar is live).
-Trainer flags are those of ``python -m ddp_lesson.train --help``.
+Trainer flags are those of ``python -m ddp_lesson.train --help``; ``ddp-lesson train --help``
+lists them beside the launcher's.
+
+``ddp-lesson doctor`` checks the machine, ``ddp-lesson compare SINGLE.py DDP.py`` runs a
+one-process script and its DDP version and compares their final weights
+(:mod:`ddp_lesson.convert.compare`), ``ddp-lesson bench NAME`` runs a benchmark. Errors name
+the command and the flag as the user typed them; help screens are plain text (:func:`plain`).
 """
 from __future__ import annotations
 
