@@ -4,22 +4,40 @@
 training of the seed's segmentation model, through torchrun. It prints the equivalent
 ``torchrun`` command first, so you can run the same thing without this package, then runs the
 real launcher with this terminal as its output (rank 0's progress bar is live).
-Trainer flags are those of ``python -m ddp_lesson.train --help``.
+Trainer flags are those of ``python -m ddp_lesson.train --help``; ``ddp-lesson train --help``
+lists them beside the launcher's.
+
+``ddp-lesson doctor`` checks the machine, ``ddp-lesson compare SINGLE.py DDP.py`` runs a
+one-process script and its DDP version and compares their final weights
+(:mod:`ddp_lesson.convert.compare`), ``ddp-lesson bench NAME`` runs a benchmark. Errors name
+the command and the flag as the user typed them; help screens are plain text (:func:`plain`).
 """
 from __future__ import annotations
 
 import argparse
+import re
 import subprocess
 import sys
 
 from .env import BACKENDS, choose_backend
 
+_RST = re.compile(r":[a-z]+:`~?([^`]+)`|``([^`]+)``|`([^`]+)`")
 
-def _train_parser() -> argparse.ArgumentParser:
+
+def plain(text: str) -> str:
+    """``text`` without reStructuredText markup, for a help screen: ``x``, `x` and
+    :func:`x` become x."""
+    return _RST.sub(lambda m: next(g for g in m.groups() if g is not None), text)
+
+
+def _train_parser(trainer_flags: bool = False) -> argparse.ArgumentParser:
+    """``ddp-lesson train``'s launcher flags; with ``trainer_flags``, the trainer's too (for
+    ``--help`` and for checking them as the user typed them; :func:`train` passes them on)."""
     p = argparse.ArgumentParser(
         prog="ddp-lesson train",
         description="Data-parallel training of the seed's DeepLab-style model under torchrun. "
-        "Flags not listed here go to the trainer (see python -m ddp_lesson.train --help).",
+        "The launcher's flags (the first group) start torchrun; the trainer's flags are "
+        "passed on to every rank's python -m ddp_lesson.train.",
     )
     p.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=2,
                    help="processes on this machine (default 2)")
@@ -39,7 +57,28 @@ def _train_parser() -> argparse.ArgumentParser:
         default="auto",
         help="collective backend (default: nccl when each process can have a GPU, else gloo)",
     )
+    if trainer_flags:
+        _add_trainer_flags(p)
     return p
+
+
+def _add_trainer_flags(p: argparse.ArgumentParser) -> None:
+    """The trainer's flags (:func:`ddp_lesson.config.build_parser`) as a group of ``p``, with
+    their defaults; a flag the launcher already has (``--backend``) is the launcher's."""
+    from .config import build_parser
+
+    group = p.add_argument_group("trainer flags (passed to python -m ddp_lesson.train)")
+    taken = set(p._option_string_actions)
+    for action in build_parser()._actions:
+        if action.dest == "help" or taken & set(action.option_strings):
+            continue
+        if action.default not in (None, False, argparse.SUPPRESS):
+            action.help = f"{action.help} (default: {_shown(action.default)})"
+        group._add_action(action)
+
+
+def _shown(value) -> str:
+    return " ".join(map(str, value)) if isinstance(value, (tuple, list)) else str(value)
 
 
 def torchrun_argv(opts: argparse.Namespace) -> list[str]:
@@ -88,7 +127,8 @@ def train(argv: list[str]) -> int:
     try:
         # "auto" defers to DDP_LESSON_BACKEND, as every rank will: check that too
         choose_backend(opts.nproc_per_node, backend)
-        preflight(program[2:], world_size=opts.nproc_per_node * opts.nnodes)
+        preflight(program[2:], world_size=opts.nproc_per_node * opts.nnodes,
+                  prog="ddp-lesson train")
     except (TrainInputError, ValueError) as exc:
         print(f"ddp-lesson train: error: {exc}", file=sys.stderr)
         return 2
@@ -129,37 +169,53 @@ def _run_forwarding_signals(cmd: list[str], env: dict) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    """The whole command line: ``train`` and ``bench {allreduce,ddp,scaling}``, one parser."""
+    """The whole command line: ``train``, ``doctor``, ``compare`` and
+    ``bench {allreduce,ddp,scaling}``, one parser."""
     import importlib
 
     from .bench import BENCHMARKS
     from .doctor import parser as doctor_parser
 
-    parser = argparse.ArgumentParser(prog="ddp-lesson", description=__doc__.split("\n\n")[0])
-    commands = parser.add_subparsers(dest="command", metavar="{train,doctor,bench}")
-    commands.add_parser("train", parents=[_train_parser()], add_help=False,
-                        help="the main job under torchrun (trainer flags pass through)")
+    parser = argparse.ArgumentParser(
+        prog="ddp-lesson", description="Data-parallel training with PyTorch, the lessons' "
+        "command: train (the main job under torchrun), doctor (check this machine), compare "
+        "(a script and its DDP version), bench (benchmarks). 'ddp-lesson COMMAND --help' "
+        "lists a command's flags.")
+    commands = parser.add_subparsers(dest="command", metavar="{train,doctor,compare,bench}")
+    commands.add_parser("train", parents=[_train_parser(trainer_flags=True)], add_help=False,
+                        help="the main job under torchrun (launcher and trainer flags)")
     commands.add_parser("doctor", parents=[doctor_parser()], add_help=False,
                         help="check this machine before a job (GPUs, port, interface, /dev/shm)")
+    from .convert import compare
+
+    compare.add_arguments(commands.add_parser(
+        "compare", help="your script and its DDP version: the same final weights?",
+        description=compare.DESCRIPTION, epilog=compare.EPILOG,
+        usage=compare.USAGE.format(prog="ddp-lesson compare"),
+        formatter_class=argparse.RawDescriptionHelpFormatter))
     bench = commands.add_parser("bench", help="benchmarks: allreduce, ddp, scaling")
     which = bench.add_subparsers(dest="benchmark", metavar="{" + ",".join(BENCHMARKS) + "}")
     for name, module_name in BENCHMARKS.items():
         module = importlib.import_module(module_name)
-        sub = which.add_parser(name, help=module.__doc__.split("\n")[0],
-                               description=module.__doc__.split("\n\n")[0])
+        sub = which.add_parser(name, help=plain(module.__doc__.split("\n")[0]),
+                               description=plain(module.__doc__.split("\n\n")[0]))
         module.add_arguments(sub)
-        sub.set_defaults(run=module.run)
+        sub.set_defaults(run=module.run, check=getattr(module, "check", None), parser=sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``ddp-lesson train [...]``, ``ddp-lesson doctor [...]`` or
-    ``ddp-lesson bench {allreduce,ddp,scaling} [...]``."""
+    """``ddp-lesson train [...]``, ``ddp-lesson doctor [...]``, ``ddp-lesson compare [...]``
+    or ``ddp-lesson bench {allreduce,ddp,scaling} [...]``."""
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = _parser()
     if not argv:
         parser.print_help()
         return 0
+    if argv[0] == "compare":            # its own parser: the scripts' arguments follow --
+        from .convert.compare import main as compare_main
+
+        return compare_main(argv[1:])
     opts, extra = parser.parse_known_args(argv)
     if opts.command == "train":
         return train(argv[1:])          # the trainer's own flags pass through
@@ -170,6 +226,11 @@ def main(argv: list[str] | None = None) -> int:
     if extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if opts.command == "bench" and getattr(opts, "run", None) is not None:
+        if opts.check is not None:
+            try:   # bad values refused here, before any process starts, naming the flag
+                opts.check(opts)
+            except ValueError as exc:
+                opts.parser.error(str(exc))
         return opts.run(opts)
     parser.parse_args([*argv, "--help"])  # 'bench' alone: its help, listing the benchmarks
     return 0

@@ -125,7 +125,7 @@ class SimulatedLink:
         """A DDP communication hook for ``torch.nn.parallel.DistributedDataParallel``.
 
         ``ddp.register_comm_hook(link, SimulatedLink.torch_hook)``: averages the bucket like
-        torch's default hook (divide by R, all-reduce SUM, on the default process group) and
+        torch's ``allreduce_hook`` (divide by R, all-reduce SUM, on the default process group) and
         completes the future no earlier than the link's modelled finish time. The wait runs
         in the callback of the all-reduce's future, on gloo's thread, not in backward.
         """

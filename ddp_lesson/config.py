@@ -17,6 +17,7 @@ import argparse
 import dataclasses
 import math
 import os
+import re
 import sys
 import tempfile
 from dataclasses import asdict, dataclass, field
@@ -298,10 +299,14 @@ class _OneLineParser(argparse.ArgumentParser):
         sys.exit(2)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The command line, built from :class:`TrainConfig`'s fields (one flag per field)."""
+def build_parser(prog: str = "python -m ddp_lesson.train") -> argparse.ArgumentParser:
+    """The command line, built from :class:`TrainConfig`'s fields (one flag per field).
+
+    ``prog`` is the command the user typed, which error lines name (``ddp-lesson train``
+    when the CLI checks a trainer command line before launching it).
+    """
     parser = _OneLineParser(
-        prog="python -m ddp_lesson.train",
+        prog=prog,
         description="Data-parallel DeepLab training (synthetic Cityscapes-like scenes by "
                     "default). Start it with torchrun, one process per rank.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -316,19 +321,47 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def parse_config(argv: list[str] | None = None) -> TrainConfig:
+def parse_config(argv: list[str] | None = None,
+                 prog: str = "python -m ddp_lesson.train") -> TrainConfig:
     """Parse ``argv`` (default ``sys.argv[1:]``) into a checked :class:`TrainConfig`.
 
     Raises:
         SystemExit: unknown flag or invalid value: one line ``prog: error: <message with
-            the numbers>`` on stderr, exit status 2.
+            the numbers>`` on stderr, exit status 2. The message names the flags as the
+            user typed them (``-b/--batch-size must be >= 1, got 0``; :func:`flag_words`).
     """
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser(prog)
     args = parser.parse_args(argv)
     try:
         return TrainConfig(**vars(args))
     except ValueError as exc:
-        parser.error(str(exc))
+        parser.error(flag_words(str(exc), argv, parser))
+
+
+def flag_words(message: str, argv: list[str], parser: argparse.ArgumentParser) -> str:
+    """``message`` (a :class:`TrainConfig` check) with its field names written as flags.
+
+    A field the user typed is named as typed (``--batch-size``; a short spelling with its
+    long one, ``-b/--batch-size``), any other by its long flag. Names with an underscore are
+    replaced wherever they stand; one-word names (``epochs``, ``lr``) only at the start.
+    """
+    shown = {}
+    for action in parser._actions:
+        longs = [o for o in action.option_strings if o.startswith("--")]
+        if not longs or action.dest == "help":
+            continue
+        typed = [t.split("=", 1)[0] for t in argv if t.startswith("-")]
+        said = next((t for t in typed if t in action.option_strings
+                     or (t.startswith("--") and len(t) > 2 and longs[-1].startswith(t))), None)
+        if said is None or said.startswith("--"):
+            shown[action.dest] = said if said in action.option_strings else longs[-1]
+        else:
+            shown[action.dest] = f"{said}/{longs[-1]}"
+    for dest in sorted(shown, key=len, reverse=True):
+        pattern = rf"\b{dest}\b" if "_" in dest else rf"^{dest}\b"
+        message = re.sub(pattern, lambda _m, d=dest: shown[d], message)
+    return message
 
 
 # --------------------------------------------------------------------------- derived values
@@ -514,7 +547,8 @@ def layout_problem(path: str, layout: DataLayout, world_size: int) -> str | None
             "--no-resume to start over")
 
 
-def preflight(argv: list[str] | None, world_size: int) -> TrainConfig:
+def preflight(argv: list[str] | None, world_size: int,
+              prog: str = "python -m ddp_lesson.train") -> TrainConfig:
     """Check a trainer command line before starting any process (for launchers such as the CLI).
 
     Runs, in the calling process and without a process group, the checks every rank would
@@ -525,6 +559,7 @@ def preflight(argv: list[str] | None, world_size: int) -> TrainConfig:
     Args:
         argv: the trainer's flags.
         world_size: the number of processes the job will have.
+        prog: the command the user typed, named in a bad flag's error line.
 
     Returns:
         The parsed :class:`TrainConfig`.
@@ -533,7 +568,7 @@ def preflight(argv: list[str] | None, world_size: int) -> TrainConfig:
         SystemExit: a bad flag (one line printed by the parser, status 2).
         TrainInputError: any other bad input (message names the values).
     """
-    cfg = parse_config(argv)
+    cfg = parse_config(argv, prog)
     if world_size < 1:
         raise TrainInputError(f"the job needs at least 1 process, got {world_size}")
     try:

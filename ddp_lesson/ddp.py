@@ -824,8 +824,10 @@ class NaiveDDP(_DropIn, _naive_core.NaiveDDP, Joinable):
     :class:`BucketedDDP` fixes both.
 
     Averaging: each gradient is divided by ``R`` *before* the SUM all-reduce, as torch's DDP
-    does (``_allreduce_fut`` in ``torch/distributed/algorithms/ddp_comm_hooks/default_hooks.py``:
-    "Apply the division first to avoid overflow, especially for FP16"): a sum over ``R`` ranks
+    does (with no comm hook, its C++ Reducer multiplies by ``1 / div_factor_`` while filling
+    the bucket, ``reducer.hpp``; ``_allreduce_fut`` in ``torch/distributed/algorithms/
+    ddp_comm_hooks/default_hooks.py``, the Python equivalent: "Apply the division first to
+    avoid overflow, especially for FP16"): a sum over ``R`` ranks
     of fp16 values near 65504 would overflow to inf, the mean of the pre-divided values
     cannot.
 
@@ -983,8 +985,10 @@ class BucketedDDP(_DropIn, _bucketed_core.BucketedDDP, Joinable):
     the parameter, at the end of that backward (torch hangs or fails an iteration later).
 
     Averaging: each bucket is multiplied by ``1/R`` *before* the SUM all-reduce, as torch's
-    DDP does (``_allreduce_fut`` in ``torch/distributed/algorithms/ddp_comm_hooks/
-    default_hooks.py``: "Apply the division first to avoid overflow, especially for FP16"): a
+    DDP does (with no comm hook, its C++ Reducer multiplies by ``1 / div_factor_`` while filling
+    the bucket, ``reducer.hpp``; ``_allreduce_fut`` in ``torch/distributed/algorithms/
+    ddp_comm_hooks/default_hooks.py``, the Python equivalent: "Apply the division first to
+    avoid overflow, especially for FP16"): a
     sum over ``R`` ranks of fp16 values near 65504 would overflow to inf.
 
     Construction checks, the per-step table and its errors (a rank skipped a backward, a

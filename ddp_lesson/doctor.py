@@ -270,7 +270,9 @@ def parser(prog: str = "ddp-lesson doctor") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description="Check this machine before a job.")
     p.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=2,
                    help="processes the job will start here (default 2)")
-    p.add_argument("--backend", choices=BACKENDS, default="auto")
+    p.add_argument("--backend", choices=BACKENDS, default="auto",
+                   help="the backend the job will use (default auto: nccl with a GPU per "
+                        "process, else gloo)")
     p.add_argument("--port", "--master-port", type=int, default=None,
                    help="the rendezvous port the job will use (default: MASTER_PORT if set)")
     p.add_argument("--host", default="127.0.0.1", help="address to test the port on")
@@ -279,9 +281,11 @@ def parser(prog: str = "ddp-lesson doctor") -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None, proc: str | os.PathLike = "/proc") -> int:
     """Print one line per check; return 1 when any problem was found, else 0 (2: bad flags)."""
-    opts = parser().parse_args(argv)
+    p = parser()
+    opts = p.parse_args(argv)
     if opts.nproc_per_node < 1:
-        print(f"--nproc-per-node must be >= 1, got {opts.nproc_per_node}", file=sys.stderr)
+        print(f"{p.prog}: error: --nproc-per-node must be >= 1, got {opts.nproc_per_node}",
+              file=sys.stderr)
         return 2
     findings = run_checks(opts.nproc_per_node, opts.backend, opts.port, opts.host, proc=proc)
     for f in findings:

@@ -62,6 +62,10 @@ SLOW: dict[str, str | frozenset[str]] = {
     "collectives/test_cost_model.py": frozenset({
         "test_bench_cli_runs_a_tiny_sweep",
     }),
+    "convert/test_compare.py": frozenset({
+        "test_the_package_pair_trains_the_same_weights",
+        "test_broken_conversions_are_flagged",
+    }),
     "convert/test_convert.py": frozenset({
         "test_the_ddp_run_ends_where_the_single_process_run_ends",
         "test_the_single_script_is_deterministic_and_saves_a_loadable_checkpoint",

@@ -46,6 +46,8 @@ import time
 
 from .common import (
     add_common_flags,
+    at_least,
+    check_common,
     load_avg,
     main_or_worker,
     parse_counts,
@@ -295,6 +297,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     _add_sweep_flags(p)
 
 
+def check(opts) -> None:
+    """Refuse bad flags before any process starts (ValueError naming the flag and value)."""
+    check_common(opts)
+    unknown = [m for m in opts.methods.split(",") if m.strip() and m not in METHODS]
+    if unknown:
+        raise ValueError(f"--methods: unknown method {unknown[0]!r}; choose from "
+                         f"{', '.join(METHODS)}")
+    sizes = [s for s in opts.sizes_kib.split(",") if s.strip()]
+    if not sizes or not all(s.strip().isdigit() and int(s) >= 1 for s in sizes):
+        raise ValueError(f"--sizes-kib needs whole sizes >= 1 KiB, got {opts.sizes_kib!r}")
+    at_least(opts, budget_mib=1e-3, piece_kib=1)
+
+
 def run(opts) -> int:
     """``ddp-lesson bench allreduce``: the sweep, the CSV, the figure and a summary."""
     from ..env import choose_backend
@@ -338,7 +353,7 @@ def run(opts) -> int:
 def main(argv: list[str] | None = None) -> int:
     """``python -m ddp_lesson.bench.allreduce worker [...]`` under torchrun, or the benchmark."""
     return main_or_worker(argv, worker, "ddp-lesson bench allreduce",
-                          __doc__.split("\n\n")[1], add_arguments, run)
+                          __doc__.split("\n\n")[1], add_arguments, run, check)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,10 @@ def parse_counts(values) -> list[int]:
     """``["2,4"]`` or ``["2", "4"]`` -> ``[2, 4]``. Raises ValueError on a count below 1."""
     out = []
     for v in values if isinstance(values, (list, tuple)) else [values]:
-        out += [int(s) for s in str(v).split(",") if s.strip()]
+        try:
+            out += [int(s) for s in str(v).split(",") if s.strip()]
+        except ValueError:
+            raise ValueError(f"--nprocs needs whole counts >= 1, got {values!r}") from None
     bad = [n for n in out if n < 1]
     if bad or not out:
         raise ValueError(f"--nprocs needs counts >= 1, got {values!r}")
@@ -49,6 +52,28 @@ def add_common_flags(p: argparse.ArgumentParser, *, nprocs: str, repeats: int, o
                    help=f"gloo, nccl or auto (default {backend or 'auto'})")
     p.add_argument("--timeout", type=float, default=timeout_s,
                    help=f"seconds per torchrun job (default {timeout_s:g})")
+
+
+def check_common(opts) -> None:
+    """Refuse bad values of :func:`add_common_flags`' flags before any process starts.
+
+    Raises:
+        ValueError: a message naming the flag and the value (``--repeats must be >= 1, got 0``).
+    """
+    parse_counts(opts.nprocs)
+    at_least(opts, repeats=1)
+    if not opts.timeout > 0:
+        raise ValueError(f"--timeout must be > 0 seconds, got {opts.timeout:g}")
+    if opts.backend not in (None, "auto", "gloo", "nccl"):
+        raise ValueError(f"--backend must be gloo, nccl or auto, got {opts.backend!r}")
+
+
+def at_least(opts, **lowest) -> None:
+    """Raise ValueError ``--flag must be >= low, got value`` for the first flag below its low."""
+    for name, low in lowest.items():
+        value = getattr(opts, name)
+        if value is not None and not value >= low:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= {low:g}, got {value:g}")
 
 
 def figure_target(opts) -> str | None:
@@ -83,17 +108,26 @@ def write_figure(make, rows, opts) -> str | None:
     return path
 
 
-def main_or_worker(argv, worker, prog: str, description: str, add_arguments, run) -> int:
+def main_or_worker(argv, worker, prog: str, description: str, add_arguments, run,
+                   check=None) -> int:
     """The ``main`` of a benchmark module: ``worker ARGS`` runs one rank's part (under
     torchrun, launched by the benchmark itself); anything else parses the benchmark's flags
-    (``add_arguments``) and calls ``run(opts)``. ``argv`` None means ``sys.argv[1:]``."""
+    (``add_arguments``), refuses bad values with ``check(opts)`` (its ValueError becomes
+    ``prog: error: ...``, status 2) and calls ``run(opts)``. ``argv`` None means
+    ``sys.argv[1:]``."""
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["worker"]:
         worker(argv[1:])
         return 0
     p = argparse.ArgumentParser(prog=prog, description=description)
     add_arguments(p)
-    return run(p.parse_args(argv))
+    opts = p.parse_args(argv)
+    try:
+        if check is not None:
+            check(opts)
+    except ValueError as exc:
+        p.error(str(exc))
+    return run(opts)
 
 
 def spread(values) -> tuple[float, float, float]:

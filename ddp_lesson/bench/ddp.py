@@ -46,6 +46,8 @@ import time
 
 from .common import (
     add_common_flags,
+    at_least,
+    check_common,
     load_avg,
     main_or_worker,
     parse_counts,
@@ -331,6 +333,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     _add_model_flags(p)
 
 
+def check(opts) -> None:
+    """Refuse bad flags before any process starts (ValueError naming the flag and value)."""
+    check_common(opts)
+    at_least(opts, width=1, batch=1, steps=1, warmup=0, bucket_cap_mb=1e-6,
+             link_bucket_cap_mb=1e-6, latency_ms=0, bandwidth_mbps=1e-6)
+    if min(opts.size) < 16:
+        raise ValueError(f"--size needs H and W >= 16, got {opts.size[0]} {opts.size[1]}")
+
+
 def run(opts) -> int:
     """``ddp-lesson bench ddp``: one torchrun job per process count, the CSV, the figure."""
     from ..launch import TorchrunError, run_torchrun
@@ -364,7 +375,8 @@ def run(opts) -> int:
 def main(argv: list[str] | None = None) -> int:
     """``python -m ddp_lesson.bench.ddp worker [...]`` under torchrun, or the benchmark."""
     return main_or_worker(argv, worker, "ddp-lesson bench ddp",
-                          "steps/s of torch DDP, NaiveDDP and BucketedDDP", add_arguments, run)
+                          "steps/s of torch DDP, NaiveDDP and BucketedDDP", add_arguments, run,
+                          check)
 
 
 if __name__ == "__main__":

@@ -45,6 +45,8 @@ import time
 
 from .common import (
     add_common_flags,
+    at_least,
+    check_common,
     load_avg,
     parse_counts,
     read_rows,
@@ -72,17 +74,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """``ddp-lesson bench scaling``'s flags: the shared ones and the study's."""
     add_common_flags(p, nprocs="1,2,4", repeats=3, out=DEFAULT_OUT, backend=None,
                      timeout_s=600.0)
-    p.add_argument("--modes", nargs="+", default=["weak", "strong"], choices=["weak", "strong"])
+    p.add_argument("--modes", nargs="+", default=["weak", "strong"], choices=["weak", "strong"],
+                   help="weak: fixed batch per rank; strong: fixed global batch (default both)")
     p.add_argument("--batch-size", type=int, default=8,
                    help="weak scaling: samples per rank per step")
     p.add_argument("--global-batch", type=int, default=16,
                    help="strong scaling: samples per step over all ranks (divisible by each R)")
     p.add_argument("--steps", type=int, default=10, help="timed optimizer steps per run")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first")
-    p.add_argument("--model", default="deeplab")
-    p.add_argument("--width", type=int, default=16)
-    p.add_argument("--size", type=int, nargs=2, default=[64, 128], metavar=("H", "W"))
-    p.add_argument("--ddp", default="torch", choices=["torch", "naive", "bucketed"])
+    p.add_argument("--model", default="deeplab", help="the trainer's --model (default deeplab)")
+    p.add_argument("--width", type=int, default=16, help="model width (default 16)")
+    p.add_argument("--size", type=int, nargs=2, default=[64, 128], metavar=("H", "W"),
+                   help="image size in pixels (default 64 128)")
+    p.add_argument("--ddp", default="torch", choices=["torch", "naive", "bucketed"],
+                   help="the DDP wrapper (default torch)")
     p.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS per process")
 
 
@@ -295,6 +300,20 @@ def summary_line(row: dict) -> str:
             + " + ".join(f"{p} {row[p + '_s'] * 1e3:.0f}" for p in PHASES))
 
 
+def check(args) -> None:
+    """Refuse bad flags before any process starts (ValueError naming the flag and value)."""
+    check_common(args)
+    counts = parse_counts(args.nprocs)
+    if 1 not in counts:
+        raise ValueError("--nprocs must include 1 (the baseline of the efficiency)")
+    at_least(args, batch_size=1, global_batch=1, steps=1, warmup=0, width=1, threads=1)
+    if "strong" in args.modes:
+        for r in counts:
+            if args.global_batch % r:
+                raise ValueError(f"--global-batch {args.global_batch} is not divisible by "
+                                 f"{r} processes")
+
+
 def run(args) -> int:
     """``ddp-lesson bench scaling``: the study, its CSV and its figure."""
     if 1 not in parse_counts(args.nprocs):
@@ -319,7 +338,13 @@ def main(argv: list[str] | None = None) -> int:
         if int(os.environ.get("RANK", "0")) == 0:
             print(_RESULT_TAG + json.dumps(result), flush=True)
         return 0
-    return run(_parser().parse_args(argv))
+    p = _parser()
+    args = p.parse_args(argv)
+    try:
+        check(args)
+    except ValueError as exc:
+        p.error(str(exc))
+    return run(args)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,6 @@
-"""Mixed precision and gradient clipping on many ranks (notebook 06's deep dive, section 2).
+"""Mixed precision and gradient clipping on many ranks.
+
+Shown in ``notebooks/deep/06_scaling_and_mixed_precision.ipynb``, section 2.
 
     torchrun --standalone --nproc-per-node 2 -m ddp_lesson.labs.amp_clip [--out FILE]
 

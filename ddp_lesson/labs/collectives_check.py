@@ -16,6 +16,7 @@ import argparse
 import torch
 import torch.distributed as dist
 
+from ddp_lesson.cli import plain
 from ddp_lesson.collectives import naive_all_reduce, pipelined_ring_all_reduce, ring_all_reduce
 from ddp_lesson.env import cleanup, init_distributed
 
@@ -72,7 +73,7 @@ def run_cases(variant, world_size: int, rank: int, sizes, group=None,
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=plain(__doc__.split("\n\n")[0]))
     p.add_argument("--piece-numel", type=int, default=3,
                    help="pipelined ring piece size (small, so every chunk has several pieces)")
     p.add_argument("--group-sizes", default="",

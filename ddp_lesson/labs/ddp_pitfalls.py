@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ddp_lesson.cli import plain
 from ddp_lesson.commsim import Recorder
 from ddp_lesson.ddp import BucketedDDP, NaiveDDP
 from ddp_lesson.labs.ddp_toys import IN_FEATURES, TwoLayer
@@ -203,8 +204,9 @@ def reentrant_checkpoint_on_input(wrapper=BucketedDDP) -> dict[str, bool]:
 
     Returns:
         ``{"averaged": every .grad equals the mean (|Δ| < 1e-6), "rank_local": every .grad
-        equals this rank's own gradient}``. torch 2.13's DDP: rank-local, silently; the
-        package's wrappers: averaged. Synchronises (all-reduces and gathers).
+        equals this rank's own gradient}``. torch 2.13's DDP, NaiveDDP and BucketedDDP all
+        average (``averaged`` True, ``rank_local`` False; docs/pitfalls.md B20, the run in
+        deep dive 04 · drop-in edge cases). Synchronises (all-reduces and gathers).
     """
     rank, world = dist.get_rank(), dist.get_world_size()
     g = torch.Generator().manual_seed(100 + rank)
@@ -227,7 +229,7 @@ def main(argv=None) -> None:
     """Run every scenario with both wrappers; rank 0 prints one line per result."""
     from ddp_lesson.env import cleanup, init_distributed, print0
 
-    argparse.ArgumentParser(description=__doc__).parse_args(argv)
+    argparse.ArgumentParser(description=plain(__doc__.split("\n\n")[0])).parse_args(argv)
     init_distributed(timeout=60)
     for wrapper in (NaiveDDP, BucketedDDP):
         name = wrapper.__name__

@@ -47,9 +47,10 @@ __all__ = [
     "static_graph_run",
 ]
 
-#: The stack of section 9: 8 Linear(256, 256) layers, 16 parameter tensors, 2,105,344 bytes.
+#: The stack of deep dive 04 · inside torch's DDP: 8 Linear(256, 256) layers, 16 parameter
+#: tensors, 2,105,344 bytes.
 STACK_LAYERS, STACK_WIDTH = 8, 256
-#: The bucket cap of section 9 (MB as torch counts them: 1024 * 1024 bytes).
+#: The bucket cap of that deep dive's run (MB as torch counts them: 1024 * 1024 bytes).
 CAP_MB = 0.5
 #: A float16 gradient value whose SUM over 2 ranks (80,000) passes float16's largest
 #: finite number, 65,504.

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from ddp_lesson.cli import plain
 from ddp_lesson.env import cleanup, init_distributed
 from ddp_lesson.gpt import TinyGPT, get_batch, load_corpus
 from ddp_lesson.zero import ShardedOptimizer, dcp_load, dcp_save
@@ -44,7 +45,7 @@ def save(path, model, opt, step: int, env) -> None:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=plain(__doc__.splitlines()[0]))
     parser.add_argument("--steps", type=int, required=True, help="steps to train in this run")
     parser.add_argument("--save", help="directory: write a DCP checkpoint at the end")
     parser.add_argument("--save-at", type=int, help="save after this many of the steps")

@@ -228,7 +228,8 @@ def test_clean_machine_passes_and_a_problem_exits_1(tmp_path, capsys, monkeypatc
 
 def test_bad_flag_exits_2(capsys):
     assert doctor.main(["--nproc-per-node", "0"]) == 2
-    assert capsys.readouterr().err.strip() == "--nproc-per-node must be >= 1, got 0"
+    assert capsys.readouterr().err.strip() == (
+        "ddp-lesson doctor: error: --nproc-per-node must be >= 1, got 0")
 
 
 def test_ddp_doctor_magic_is_registered_and_runs(capsys, monkeypatch):

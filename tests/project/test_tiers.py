@@ -87,3 +87,22 @@ def test_the_pytest_process_refuses_a_process_group():
     with pytest.raises(RuntimeError, match="world_of_one"):
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     assert not dist.is_initialized()
+
+
+def test_the_run_summary_lists_failures_errors_and_skips():
+    # addopts' -r replaces pytest's default -rfE (_pytest/terminal.py: --report-chars is a
+    # "store" option with default "fE"): -rs alone ended a failing run with skips, no FAILED
+    from pathlib import Path
+
+    import tomllib
+    from _pytest.config import get_config
+    from _pytest.terminal import getreportopt
+
+    root = Path(__file__).resolve().parents[2]
+    ini = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]
+    config = get_config()
+    args = config._parser.parse_known_args(ini["addopts"].split())
+    config.option.reportchars = args.reportchars
+    config.option.disable_warnings = False
+    chars = getreportopt(config)
+    assert {"f", "E", "s"} <= set(chars), f"addopts -r gives summary chars {chars!r}"

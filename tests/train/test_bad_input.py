@@ -56,33 +56,33 @@ def good_checkpoint(tmp_path_factory):
 # ---- flags -------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("argv, message", [
-    (["-b", "0"], "batch_size must be >= 1, got 0"),
-    (["--epochs", "0"], "epochs must be >= 1, got 0"),
+    (["-b", "0"], "-b/--batch-size must be >= 1, got 0"),
+    (["--epochs", "0"], "--epochs must be >= 1, got 0"),
     (["--backend", "mpi"], "argument --backend: invalid choice: 'mpi'"),
-    (["--grad-accum-steps", "0"], "grad_accum_steps must be >= 1, got 0"),
-    (["--checkpoint-every-steps", "-1"], "checkpoint_every_steps must be >= 0, got -1"),
+    (["--grad-accum-steps", "0"], "--grad-accum-steps must be >= 1, got 0"),
+    (["--checkpoint-every-steps", "-1"], "--checkpoint-every-steps must be >= 0, got -1"),
     (["--lr-scaling", "cubic"], "argument --lr-scaling: invalid choice: 'cubic'"),
     # mixed precision, clipping and bucket flags
     (["--amp", "fp8"], "argument --amp: invalid choice: 'fp8' (choose from 'off', 'bf16', 'fp16')"),
-    (["--clip-grad-norm", "0"], "clip_grad_norm must be a finite number > 0 (leave the flag "
+    (["--clip-grad-norm", "0"], "--clip-grad-norm must be a finite number > 0 (leave the flag "
                                 "out for no clipping), got 0.0"),
-    (["--clip-grad-norm", "-1.5"], "clip_grad_norm must be a finite number > 0 (leave the "
+    (["--clip-grad-norm", "-1.5"], "--clip-grad-norm must be a finite number > 0 (leave the "
                                    "flag out for no clipping), got -1.5"),
-    (["--clip-grad-norm", "nan"], "clip_grad_norm must be a finite number > 0"),
-    (["--bucket-cap-mb", "0"], "bucket_cap_mb must be a finite number > 0, got 0.0"),
-    (["--bucket-cap-mb", "-4"], "bucket_cap_mb must be a finite number > 0, got -4.0"),
+    (["--clip-grad-norm", "nan"], "--clip-grad-norm must be a finite number > 0"),
+    (["--bucket-cap-mb", "0"], "--bucket-cap-mb must be a finite number > 0, got 0.0"),
+    (["--bucket-cap-mb", "-4"], "--bucket-cap-mb must be a finite number > 0, got -4.0"),
     (["--ddp", "naive", "--bucket-cap-mb", "5"],
-     "bucket_cap_mb 5 needs --ddp torch or bucketed: NaiveDDP has no buckets"),
+     "--bucket-cap-mb 5 needs --ddp torch or bucketed: NaiveDDP has no buckets"),
     (["--ddp", "naive", "--static-graph"],
-     "static_graph needs --ddp torch: ddp_lesson's naive wrapper does not implement it"),
+     "--static-graph needs --ddp torch: ddp_lesson's naive wrapper does not implement it"),
     (["--ddp", "bucketed", "--static-graph"],
-     "static_graph needs --ddp torch: ddp_lesson's bucketed wrapper does not implement it"),
+     "--static-graph needs --ddp torch: ddp_lesson's bucketed wrapper does not implement it"),
     (["--static-graph", "--grad-accum-steps", "2"],
-     "static_graph with grad_accum_steps 2: torch's DDP fails in its first no_sync() backward "
+     "--static-graph with --grad-accum-steps 2: torch's DDP fails in its first no_sync() backward "
      "(expect_autograd_hooks_ INTERNAL ASSERT, seen in torch 2.13); drop --static-graph or use "
      "--grad-accum-steps 1"),
     (["--ddp", "bucketed", "--gradient-as-bucket-view"],
-     "gradient_as_bucket_view needs --ddp torch: ddp_lesson's bucketed wrapper does not"),
+     "--gradient-as-bucket-view needs --ddp torch: ddp_lesson's bucketed wrapper does not"),
 ])
 def test_bad_flags(argv, message, capsys):
     line = _fails(argv, capsys)
@@ -146,9 +146,10 @@ def test_bf16_where_the_device_cannot_do_it(monkeypatch, capsys, tmp_path):
 
 def test_flag_errors_come_before_any_process(capsys, monkeypatch):
     monkeypatch.setattr(cli.subprocess, "Popen", lambda *a, **k: pytest.fail("processes started"))
-    for args, message in ((["--clip-grad-norm", "0"], "clip_grad_norm must be a finite number > 0"),
-                          (["--ddp", "naive", "--static-graph"], "static_graph needs --ddp torch"),
-                          (["--bucket-cap-mb", "0"], "bucket_cap_mb must be a finite number > 0")):
+    for args, message in (
+            (["--clip-grad-norm", "0"], "--clip-grad-norm must be a finite number > 0"),
+            (["--ddp", "naive", "--static-graph"], "--static-graph needs --ddp torch"),
+            (["--bucket-cap-mb", "0"], "--bucket-cap-mb must be a finite number > 0")):
         with pytest.raises(SystemExit) as exc:
             cli.main(["train", "--nproc-per-node", "2", *args])
         assert exc.value.code == 2

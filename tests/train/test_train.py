@@ -66,19 +66,19 @@ def test_every_field_is_a_flag_with_a_note():
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--epochs", "0"], "epochs must be >= 1, got 0"),
-    (["-b", "0"], "batch_size must be >= 1, got 0"),
-    (["-j", "-1"], "workers must be >= 0, got -1"),
-    (["--lr", "0"], "lr must be a finite number > 0, got 0.0"),
-    (["--lr", "-0.1"], "lr must be a finite number > 0, got -0.1"),
-    (["--lr", "inf"], "lr must be a finite number > 0, got inf"),
-    (["--momentum", "1"], "momentum must be in [0, 1), got 1.0"),
-    (["--weight-decay", "-1"], "weight_decay must be >= 0, got -1.0"),
-    (["--num-train", "0"], "num_train must be >= 1, got 0"),
-    (["--num-val", "0"], "num_val must be >= 1, got 0"),
-    (["--size", "4", "64"], "size must be two numbers H W, each >= 16, got (4, 64)"),
-    (["--width", "0"], "width must be >= 1, got 0"),
-    (["--timeout-s", "0"], "timeout_s must be > 0, got 0.0"),
+    (["--epochs", "0"], "--epochs must be >= 1, got 0"),
+    (["-b", "0"], "-b/--batch-size must be >= 1, got 0"),
+    (["-j", "-1"], "-j/--workers must be >= 0, got -1"),
+    (["--lr", "0"], "--lr must be a finite number > 0, got 0.0"),
+    (["--lr", "-0.1"], "--lr must be a finite number > 0, got -0.1"),
+    (["--lr", "inf"], "--lr must be a finite number > 0, got inf"),
+    (["--momentum", "1"], "--momentum must be in [0, 1), got 1.0"),
+    (["--weight-decay", "-1"], "--weight-decay must be >= 0, got -1.0"),
+    (["--num-train", "0"], "--num-train must be >= 1, got 0"),
+    (["--num-val", "0"], "--num-val must be >= 1, got 0"),
+    (["--size", "4", "64"], "--size must be two numbers H W, each >= 16, got (4, 64)"),
+    (["--width", "0"], "--width must be >= 1, got 0"),
+    (["--timeout-s", "0"], "--timeout-s must be > 0, got 0.0"),
     (["--backend", "mpi"], "invalid choice: 'mpi'"),
 ])
 def test_validation_errors_show_numbers(argv, message, capsys):
