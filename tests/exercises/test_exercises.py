@@ -136,7 +136,7 @@ def test_every_exercise_in_the_notebooks_has_a_checker_and_vice_versa():
 def test_describe_names_the_task_and_how_to_check():
     text = describe("02.1")
     assert "02.1" in text and "num_replicas" in text and 'check("02.1", your_class)' in text
-    assert "3 processes" in text
+    assert "3 and 2 processes" in text
     with pytest.raises(KeyError, match="02.1"):
         describe("99.9")
     with pytest.raises(TypeError, match="needs your function"):
@@ -493,7 +493,7 @@ class ThreeReplicas(SeedIgnored):
 def test_02_1_reference_passes_through_the_public_check():
     v = check("02.1", reference("02.1"))
     assert v.passed, str(v)
-    assert "3 processes (torchrun, gloo)" in str(v)
+    assert "3 and 2 processes (torchrun, gloo)" in str(v)
 
 
 @judges("02.1", SeedSampler, SeedSamplerWithLen, EpochIgnored, RankSeeded, Contiguous,
@@ -504,10 +504,10 @@ def test_02_1_sampler_rejects_the_typical_mistakes(judged):
     (seed, seed_len, epoch, ranked, contiguous, nopad, ends, len0, noseed, group_rank, passes,
      three, items) = [v.problems[0] if v.problems else "" for v in verdicts]
     assert not any(verdicts)
-    assert items == ("N=9, R=3, shuffle=False: rank 0's sampler yielded ('sample', 0) (tuple), "
-                     "not an index: a sampler yields indices i into the dataset (whole numbers 0 "
-                     "to N-1); the DataLoader reads dataset[i] itself. (The checker's dataset "
-                     "item i is ('sample', i).)"), items
+    assert items.startswith("N=9, R=3, shuffle=False: rank 0's sampler yielded ('sample', 0) "
+                            "(tuple), not an index: a sampler yields indices i into the dataset "
+                            "(whole numbers 0 to N-1); the DataLoader reads dataset[i] itself. "
+                            "(The checker's dataset item i is ('sample', i).)"), items
     # the first shuffled setting: N=10, seed 0; a fresh sampler's first pass is epoch 0's order
     assert passes.startswith("N=10, R=3, shuffle=True, seed=0: on rank 0, a fresh sampler given "
                              "set_epoch(5) yields "), passes
@@ -957,15 +957,18 @@ def test_04_2_fp16_comm_hook_under_torch_ddp(judged):
     assert good, good.problems
     assert v_nb.problems == v_none.problems
     assert v_none.problems[0].startswith(
-        "at world size 2 the gradients are 2x the average (gradients 2x too large): with a hook "
+        "at world size 3 the gradients are 3x the average (gradients 3x too large): with a hook "
         "registered, torch's DDP does not divide by the world size -- the hook must."
     ), v_none.problems
-    # R is not a constant: a hook that divides by 2 passes at world size 2 and fails alone
+    # R is not a constant: a hook that divides by 2 is right at 2 ranks only
+    assert v_two.problems[0].startswith(
+        "at world size 3 the gradients are 3/2 of the average: your hook divided the sum over "
+        "the 3 ranks by 2."), v_two.problems
+    # nor is it the default group's size: alone, a hook dividing by 3 gives 1/3
+    assert v_world.problems[0].startswith(
+        "in a process group of 1 rank (state = that group; rank 0 "
+        "alone), your gradients are 1/3 of the right ones"), v_world.problems
     for v in (v_two, v_world):
-        assert v.problems[0].startswith(
-            "in a process group of 1 rank (state = that group; rank 0 "
-            "alone), your gradients are 1/2 of the right ones"
-        ), v.problems
         assert "state.size()" in v.problems[0]
     assert "all-reduced over the default group" in v_group.problems[0], v_group.problems
     assert v_full.problems[0].startswith("the gradients are right but not compressed: your hook "
@@ -975,7 +978,7 @@ def test_04_2_fp16_comm_hook_under_torch_ddp(judged):
     assert v_list.problems[0].startswith(
         "your hook's future completed with a list of 1 (Tensor)"
     ), v_list.problems
-    assert ("checked: 2 and 3 processes (torchrun, gloo), torch's DistributedDataParallel"
+    assert ("checked: 3 and 2 processes (torchrun, gloo), torch's DistributedDataParallel"
             in str(good))
 
 

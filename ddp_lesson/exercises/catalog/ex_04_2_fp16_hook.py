@@ -1,6 +1,6 @@
 """Exercise 04.2: a float16-compressing comm hook for torch's DistributedDataParallel.
 
-The hook runs inside torch's own DDP (several buckets) at 2 and 3 ranks, over the whole group
+The hook runs inside torch's own DDP (several buckets) at 3 and 2 ranks, over the whole group
 and over a group of one rank each; the judge compares the gradients with one process's on the
 global batch within float16 rounding and reads what the hook all-reduced and returned.
 """
@@ -130,6 +130,12 @@ def _judge(results) -> list[str]:
     if close(got, [v / R for v in want], **tol):
         return [f"at world size {R} the gradients are 1/{R} of the average: they were divided "
                 "twice. torch's DDP leaves the division to the hook; divide once."]
+    k = next((k for k in range(2, 9) if k != R and close(got, [R * v / k for v in want], **tol)),
+             None)
+    if k is not None:
+        return [f"at world size {R} the gradients are {R}/{k} of the average: your hook divided "
+                f"the sum over the {R} ranks by {k}. Divide by the size of the group the hook "
+                "serves, state.size() (dist.group.WORLD when state is None), not a constant."]
     if not close(got, want, **tol):
         return [f"at world size {R} the gradients {fmt_list(got)} are not the global-batch "
                 f"gradient {fmt_list(want)} within float16 rounding (rtol 2e-3)."]
@@ -174,8 +180,8 @@ register(Exercise(
          "shaped like bucket.buffer(). Name the second parameter `bucket`: torch checks it.",
     signature="fn(state: ProcessGroup | None, bucket: dist.GradBucket) -> "
               "torch.futures.Future[Tensor]",
-    reference=S.fp16_compress_hook, kind="distributed", world_sizes=(2, 3),
+    reference=S.fp16_compress_hook, kind="distributed", world_sizes=(3, 2),
     run_rank=_rank, judge=_judge,
-    checked="2 and 3 processes (torchrun, gloo), torch's DistributedDataParallel on the toy "
+    checked="3 and 2 processes (torchrun, gloo), torch's DistributedDataParallel on the toy "
             "MLP with several buckets, over the whole group and over a group of 1 rank each, "
             "against one process on the global batch within float16 rounding"))
