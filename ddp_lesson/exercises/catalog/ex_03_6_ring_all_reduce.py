@@ -80,7 +80,11 @@ def _call_recording_p2p(fn, tensor):
                                  "rank, so the ring's order is left to chance. Name the "
                                  f"previous rank, src=(rank - 1) % R ({(me - 1) % world} here)")
             if peer == me:
-                # gloo has no connection from a rank to itself ("Pair is not connected")
+                # isend's docstring allows dst == rank (distributed_c10d.isend: "Unlike send,
+                # which is blocking, isend allows src == dst rank"), but on gloo the send
+                # raises "[enforce fail at gloo/transport/tcp/pair.cc:801] ... Pair is not
+                # connected" (torch 2.13, 3 processes: a run of isend(t, rank).wait()); either
+                # way it is not a ring's message
                 raise ValueError(f"dist.{name} on rank {me} with {which}={me}, its own rank: a "
                                  f"rank cannot {kind} to itself. A ring's neighbours are "
                                  f"(rank + 1) % R and (rank - 1) % R ({(me + 1) % world} and "
