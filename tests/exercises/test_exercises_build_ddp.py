@@ -393,6 +393,17 @@ class TwoOwners(RoundRobin):
             dist.broadcast(p, o)
 
 
+class TwoOwnersUnguarded(RoundRobin):
+    """owner = i % 2 as a learner first writes it: rank 2 builds an optimizer over nothing."""
+
+    def __init__(self, params, optimizer_class, **defaults):
+        torch.optim.Optimizer.__init__(self, params, defaults)
+        self.all = [p for g in self.param_groups for p in g["params"]]
+        self.owner = [i % 2 for i in range(len(self.all))]
+        mine = [p for p, o in zip(self.all, self.owner) if o == dist.get_rank()]
+        self.local = optimizer_class(mine, **defaults)
+
+
 class HalvedZero(RoundRobin):
     """Divides the summed gradients by a constant 2."""
 
@@ -426,7 +437,8 @@ ANSWERS = {
     "08.5": {"reference": reference("08.5"), "round_robin": RoundRobin, "summed": Summed,
              "no_broadcast": NoBroadcastZero, "from_rank_zero": FromRankZero,
              "defaults_dropped": DefaultsDropped, "full_state": FullState,
-             "not_averaged": NotAveraged, "two_owners": TwoOwners, "halved": HalvedZero},
+             "not_averaged": NotAveraged, "two_owners": TwoOwners, "halved": HalvedZero,
+             "two_owners_unguarded": TwoOwnersUnguarded},
 }
 
 
@@ -560,6 +572,11 @@ def test_08_5_zero1_checks_the_update_and_the_sharded_state(verdicts):
                                "them over all dist.get_world_size() ranks (owner = i % R, not "
                                "a constant), so each rank keeps about 1/R of the state.")
     assert v("halved").startswith("step 1, rank 0: parameter 0 "), v("halved")
+    raw = v("two_owners_unguarded")
+    assert re.match(r"rank 2 raised ValueError: optimizer got an empty parameter list: rank 2 of "
+                    r"3 owns no parameter. Partition the 6 parameters over all "
+                    r"dist.get_world_size\(\) ranks \(owner = i % R, not a constant\) at line "
+                    r"\d+ \(self.local = optimizer_class\(mine, \*\*defaults\)\)", raw), raw
 
 
 # ----------------------------------------------------------------------------- 07.6 (local)

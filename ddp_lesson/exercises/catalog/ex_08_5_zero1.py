@@ -43,7 +43,17 @@ def _recording_adamw(instances):
 
 def _rank(cls, rank, world_size):
     params, instances = _params(), []
-    opt = cls(params, _recording_adamw(instances), **_HYPER)
+    try:
+        opt = cls(params, _recording_adamw(instances), **_HYPER)
+    except ValueError as exc:
+        if "empty parameter list" not in str(exc):
+            raise
+        # torch.optim.Optimizer.__init__ refuses an empty list: this rank owns nothing. The
+        # learner's line stays in the traceback (with_traceback), so the verdict shows it.
+        raise ValueError(f"{exc}: rank {rank} of {world_size} owns no parameter. Partition the "
+                         f"{len(_SHAPES)} parameters over all dist.get_world_size() ranks "
+                         "(owner = i % R, not a constant)").with_traceback(
+                             exc.__traceback__) from None
     steps = []
     for step in range(_STEPS):
         for i, p in enumerate(params):
