@@ -127,6 +127,7 @@ SLOW: dict[str, str | frozenset[str]] = {
         "test_02_4_exact_accuracy",
         "test_03_6_a_ring_may_not_call_torchs_all_reduce",
         "test_03_6_chunking_that_breaks_below_world_size_is_reported",
+        "test_03_6_names_a_recv_from_anyone_and_a_send_to_itself",
         "test_03_6_ring_all_reduce",
         "test_04_2_fp16_comm_hook_under_torch_ddp",
         "test_08_4_gather_flat",

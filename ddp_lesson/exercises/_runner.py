@@ -30,6 +30,7 @@ import os
 import pickle
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -98,7 +99,20 @@ def _join(outdir: Path, timeout_s: float):
         if all((outdir / f"arrived.{r}").exists() for r in range(world_size)):
             break
         time.sleep(0.05)
-    return init_distributed(timeout=timeout_s, backend="gloo", announce=False)
+    env = init_distributed(timeout=timeout_s, backend="gloo", announce=False)
+    _formed()
+    return env
+
+
+def _formed() -> None:
+    """A barrier right after a group is made: a rank returns from gloo's connectFullMesh once
+    its own connections are up, while a peer may still be connecting to a third rank; a rank
+    that left the group at once (a first world size smaller than the launch's) closed its end
+    under that peer ("Gloo connectFullMesh failed ... Connection closed by peer", seen on a
+    loaded machine). After the barrier every rank has returned from making the group."""
+    import torch.distributed as dist
+
+    dist.barrier()
 
 
 def _save(out: Path, results: list) -> None:
@@ -135,7 +149,32 @@ def _regroup(outdir: Path, tag: str, rank: int, world_size: int, timeout_s: floa
     store.set_timeout(datetime.timedelta(seconds=timeout_s))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout_s))
+    _formed()
     return True
+
+
+#: The variables torchrun sets to the number of worker processes (torch/distributed/elastic/
+#: agent/server/local_elastic_agent.py, ``_start_workers``; one machine here, so the local
+#: and the role's counts are the world size; GROUP_WORLD_SIZE counts agents, 1, and stays).
+_SIZE_VARIABLES = ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "ROLE_WORLD_SIZE")
+
+
+@contextmanager
+def _environment_of(size: int):
+    """Within the block, the environment says what a torchrun of ``size`` processes on one
+    machine would say (torchrun set it for the launch's largest size): a candidate reading
+    ``os.environ["WORLD_SIZE"]`` instead of ``dist.get_world_size()`` is right at every size.
+    The launch's values come back afterwards."""
+    saved = {k: os.environ.get(k) for k in _SIZE_VARIABLES}
+    try:
+        for k in _SIZE_VARIABLES:
+            if saved[k] is not None:
+                os.environ[k] = str(size)
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is not None:
+                os.environ[k] = v
 
 
 def main(argv=None) -> int:
@@ -172,7 +211,8 @@ def main(argv=None) -> int:
             state = "ok"
             if env.rank < size:
                 try:
-                    record[size] = ex.run_rank(fn, env.rank, size)
+                    with _environment_of(size):
+                        record[size] = ex.run_rank(fn, env.rank, size)
                 except (Exception, SystemExit) as exc:
                     state = "failed"
                     record[size] = (exc.result if isinstance(exc, StopCandidate)

@@ -285,6 +285,67 @@ def barrier_on_rank0_only(model, dataset, epochs, batch_size, lr, checkpoint_pat
     return losses
 
 
+def scaled_lr(model, dataset, epochs, batch_size, lr, checkpoint_path):
+    """The linear scaling rule applied: lr x R."""
+    ddp, sampler = DDP(model), DistributedSampler(dataset)
+    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler)
+    opt = torch.optim.SGD(ddp.parameters(), lr=lr * dist.get_world_size())
+    losses = _reduced(_loop(ddp, loader, sampler, opt, epochs))
+    if dist.get_rank() == 0:
+        torch.save(model.state_dict(), checkpoint_path)
+    dist.barrier()
+    return losses
+
+
+def split_batch(model, dataset, epochs, batch_size, lr, checkpoint_path):
+    """batch_size taken as the global batch and cut by the world size."""
+    ddp, sampler = DDP(model), DistributedSampler(dataset)
+    loader = DataLoader(dataset, batch_size=batch_size // dist.get_world_size(), sampler=sampler)
+    opt = torch.optim.SGD(ddp.parameters(), lr=lr)
+    losses = _reduced(_loop(ddp, loader, sampler, opt, epochs))
+    if dist.get_rank() == 0:
+        torch.save(model.state_dict(), checkpoint_path)
+    dist.barrier()
+    return losses
+
+
+def all_reduced_loss(model, dataset, epochs, batch_size, lr, checkpoint_path):
+    """The loss all-reduced and divided by R before backward ("the global loss")."""
+    ddp, sampler = DDP(model), DistributedSampler(dataset)
+    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler)
+    opt = torch.optim.SGD(ddp.parameters(), lr=lr)
+    losses = []
+    for epoch in range(epochs):
+        sampler.set_epoch(epoch)
+        total, steps = 0.0, 0
+        for x, y in loader:
+            loss = torch.nn.functional.mse_loss(ddp(x), y)
+            dist.all_reduce(loss)
+            loss = loss / dist.get_world_size()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            total, steps = total + loss.item(), steps + 1
+        losses.append(total / steps)
+    if dist.get_rank() == 0:
+        torch.save(model.state_dict(), checkpoint_path)
+    dist.barrier()
+    return losses
+
+
+def halved_log(model, dataset, epochs, batch_size, lr, checkpoint_path):
+    """The logged losses averaged over a constant 2 ranks."""
+    ddp, sampler = DDP(model), DistributedSampler(dataset)
+    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler)
+    opt = torch.optim.SGD(ddp.parameters(), lr=lr)
+    t = torch.tensor(_loop(ddp, loader, sampler, opt, epochs), dtype=torch.float64)
+    dist.all_reduce(t)
+    if dist.get_rank() == 0:
+        torch.save(model.state_dict(), checkpoint_path)
+    dist.barrier()
+    return (t / 2).tolist()
+
+
 def by_hand(model, dataset, epochs, batch_size, lr, checkpoint_path):
     """Correct, written differently: no DDP wrapper (gradients averaged by hand after
     backward), the sampler told its rank, the losses gathered as objects."""
@@ -314,7 +375,8 @@ def by_hand(model, dataset, epochs, batch_size, lr, checkpoint_path):
 
 
 WRONG = [no_sampler, no_set_epoch, unshuffled, no_ddp, loss_not_reduced, every_rank_saves,
-         wrapper_keys, barrier_on_rank0_only]
+         wrapper_keys, scaled_lr, split_batch, all_reduced_loss, halved_log,
+         barrier_on_rank0_only]
 
 
 @pytest.fixture(scope="module")
@@ -332,14 +394,21 @@ def test_05_1_accepts_two_correct_answers_written_differently(verdicts):
 
 
 @pytest.mark.parametrize("name, words", [
-    ("no_sampler", "each read all 32 samples in epoch 0"),
+    ("no_sampler", "each read all 24 samples in epoch 0"),
     ("no_set_epoch", "call sampler.set_epoch(epoch)"),
     ("unshuffled", "in index order, unshuffled"),
     ("no_ddp", "ranks 0 and 1 end with different weights"),
     ("loss_not_reduced", "that is rank 0's own shard only"),
-    ("every_rank_saves", "ranks 0, 1 each wrote the checkpoint"),
+    ("every_rank_saves", "ranks 0, 1, 2 each wrote the checkpoint"),
     ("wrapper_keys", "keys start with 'module.'"),
     ("barrier_on_rank0_only", "rank 0 at"),
+    ("scaled_lr", "they are those of learning rate 0.6 = lr x 3. Keep the learning rate given"),
+    ("split_batch", "rank 0's model saw batches of 1 samples; batch_size = 4 is the per-rank "
+                    "batch already"),
+    ("all_reduced_loss", "they are those of learning rate 0.06667 = lr / 3, gradients 3 times "
+                         "too small"),
+    ("halved_log", "that is the sum over the 3 ranks divided by 2. Divide by "
+                   "dist.get_world_size()"),
 ])
 def test_05_1_names_the_missing_piece(verdicts, name, words):
     verdict = verdicts[name]
@@ -350,5 +419,5 @@ def test_05_1_names_the_missing_piece(verdicts, name, words):
 def test_05_1_a_collective_only_rank_0_reaches_is_named_not_hung(verdicts):
     text = verdicts["barrier_on_rank0_only"].problems[0]
     assert re.search(r"rank 0 at .*line \d+", text), text
-    assert "rank 1 finished" in text
+    assert "ranks 1, 2 finished" in text
     assert json.dumps(text)  # a verdict, not a hang

@@ -136,7 +136,7 @@ def test_every_exercise_in_the_notebooks_has_a_checker_and_vice_versa():
 def test_describe_names_the_task_and_how_to_check():
     text = describe("02.1")
     assert "02.1" in text and "num_replicas" in text and 'check("02.1", your_class)' in text
-    assert "3 processes" in text
+    assert "3 and 2 processes" in text
     with pytest.raises(KeyError, match="02.1"):
         describe("99.9")
     with pytest.raises(TypeError, match="needs your function"):
@@ -257,16 +257,24 @@ def over_eight(grad, count):  # right while the shards total 8 samples
     return g / 8
 
 
+def as_row(grad, count):  # the right values, shaped (1, 3)
+    return reference("01.4")(grad, count).reshape(1, 3)
+
+
+def as_double(grad, count):  # the right values in float64 (the reference's own precision)
+    return reference("01.4")(grad, count).double()
+
+
 @judges("01.4", reference("01.4"), plain_mean, Attempt("01.4"), plain_sum, undivided,
-        over_eight)
+        over_eight, as_row, as_double)
 def test_01_4_weighted_average(judged):
-    good, mean, nb_mean, total, undiv, eight = judged
+    good, mean, nb_mean, total, undiv, eight, row, double = judged
     assert good
     # shards 3, 6, 2 total 11
     assert eight.problems[0].startswith("with shards of 3, 6, 2 samples, rank 0 returned "), (
         eight.problems
     )
-    assert "yours divides by 8, the total of the other cases; here it is 11" in eight.problems[0]
+    assert "yours divides by 8, the total of another case; here it is 11" in eight.problems[0]
     # rank r's gradient is [r+1, -(r+1)/2, r^2 + 1/4]: plain mean [2, -1, 23/12], weighted
     # by 4, 2, 2: [14, -7, 12] / 8
     assert mean.problems[0].startswith("with shards of 4, 2, 2 samples, rank 0 returned "
@@ -276,6 +284,11 @@ def test_01_4_weighted_average(judged):
     assert "plain mean of the 3 gradients" in mean.problems[0]
     assert "the plain sum" in total.problems[0]
     assert "divide it by the total count 8" in undiv.problems[0]
+    # the values are right; the shape and the dtype are checked too
+    assert row.problems[0] == ("with shards of 4, 2, 2 samples, rank 0 returned the right values "
+                               "as float32 of shape [1, 3]; the gradient is a float32 tensor "
+                               "of shape [3]: return it shaped and typed like grad.")
+    assert "as float64 of shape [3]" in double.problems[0]
 
 
 def summed(model):
@@ -296,10 +309,18 @@ def divided_by_two(model):  # right with 2 ranks only: a constant for the world 
         p.grad /= 2
 
 
-@judges("01.5", reference("01.5"), summed, weights_only, divided_by_two)
+def by_environment(model):  # right: torchrun's WORLD_SIZE, read where the group is made
+    for p in model.parameters():
+        dist.all_reduce(p.grad)
+        p.grad /= int(os.environ["WORLD_SIZE"])
+
+
+@judges("01.5", reference("01.5"), summed, weights_only, divided_by_two, by_environment)
 def test_01_5_average_gradients(judged):
-    good, v_sum, v_weights, v_two = judged
+    good, v_sum, v_weights, v_two, v_env = judged
     assert good
+    # at each world size the checker's environment says that size, as torchrun's would
+    assert v_env.passed, str(v_env)
     assert "2x too big" in v_sum.problems[0] and "divide by world_size (2)" in v_sum.problems[0]
     assert "Not averaged here: 0.bias, 2.bias" in v_weights.problems[0]
     # passes with 2 ranks; with 3 the sum over 3 ranks divided by 2 is 1.5x the mean
@@ -445,6 +466,23 @@ class CountsItsPasses(Sampler):
         return len(reference("02.1")(*self.args))
 
 
+class YieldsItems(Sampler):
+    """Yields dataset[i] where i belongs (right while the dataset is range(N))."""
+
+    def __init__(self, dataset, num_replicas, rank, shuffle=True, seed=0, drop_last=False):
+        self.dataset = dataset
+        self.inner = reference("02.1")(dataset, num_replicas, rank, shuffle, seed, drop_last)
+
+    def set_epoch(self, epoch):
+        self.inner.set_epoch(epoch)
+
+    def __iter__(self):
+        return (self.dataset[i] for i in self.inner)
+
+    def __len__(self):
+        return len(self.inner)
+
+
 class ThreeReplicas(SeedIgnored):
     """Right with 3 processes only: a constant 3 where num_replicas belongs."""
 
@@ -455,17 +493,21 @@ class ThreeReplicas(SeedIgnored):
 def test_02_1_reference_passes_through_the_public_check():
     v = check("02.1", reference("02.1"))
     assert v.passed, str(v)
-    assert "3 processes (torchrun, gloo)" in str(v)
+    assert "3 and 2 processes (torchrun, gloo)" in str(v)
 
 
 @judges("02.1", SeedSampler, SeedSamplerWithLen, EpochIgnored, RankSeeded, Contiguous,
         Attempt("02.1"), PadsWithTheEnd, LenAlwaysZero, SeedIgnored, RankFromTheGroup,
-        CountsItsPasses, ThreeReplicas)
+        CountsItsPasses, ThreeReplicas, YieldsItems)
 def test_02_1_sampler_rejects_the_typical_mistakes(judged):
     verdicts = judged
     (seed, seed_len, epoch, ranked, contiguous, nopad, ends, len0, noseed, group_rank, passes,
-     three) = [v.problems[0] if v.problems else "" for v in verdicts]
+     three, items) = [v.problems[0] if v.problems else "" for v in verdicts]
     assert not any(verdicts)
+    assert items.startswith("N=9, R=3, shuffle=False: rank 0's sampler yielded ('sample', 0) "
+                            "(tuple), not an index: a sampler yields indices i into the dataset "
+                            "(whole numbers 0 to N-1); the DataLoader reads dataset[i] itself. "
+                            "(The checker's dataset item i is ('sample', i).)"), items
     # the first shuffled setting: N=10, seed 0; a fresh sampler's first pass is epoch 0's order
     assert passes.startswith("N=10, R=3, shuffle=True, seed=0: on rank 0, a fresh sampler given "
                              "set_epoch(5) yields "), passes
@@ -815,6 +857,29 @@ def test_03_6_ring_all_reduce(judged):
     assert "work in place" in v_copy.problems[0]
 
 
+def recv_from_anyone(tensor):  # irecv without src: it takes a message from any rank
+    buf = torch.empty_like(tensor)
+    dist.irecv(buf).wait()
+    return reference("03.6")(tensor)
+
+
+def to_itself(tensor):  # (rank + 1) % R written as rank + 0
+    dist.isend(tensor, dist.get_rank()).wait()
+    return reference("03.6")(tensor)
+
+
+@judges("03.6", recv_from_anyone, to_itself)
+def test_03_6_names_a_recv_from_anyone_and_a_send_to_itself(judged):
+    anyone, itself = (v.problems[0] for v in judged)
+    assert re.match(r"rank 0 raised ValueError: dist.irecv without src on rank 0: it receives "
+                    r"from any rank, so the ring's order is left to chance. Name the previous "
+                    r"rank, src=\(rank - 1\) % R \(3 here\) at line \d+", anyone), anyone
+    assert "None" not in anyone and "all-to-all" not in anyone
+    assert re.match(r"rank 0 raised ValueError: dist.isend on rank 0 with dst=0, its own rank: "
+                    r"a rank cannot send to itself", itself), itself
+    assert "Pair is not connected" not in itself
+
+
 def chunked_ring(tensor):  # tensor.chunk(R) returns fewer than R chunks when numel < R
     rank, R = dist.get_rank(), dist.get_world_size()
     chunks = list(tensor.view(-1).chunk(R))
@@ -892,15 +957,18 @@ def test_04_2_fp16_comm_hook_under_torch_ddp(judged):
     assert good, good.problems
     assert v_nb.problems == v_none.problems
     assert v_none.problems[0].startswith(
-        "at world size 2 the gradients are 2x the average (gradients 2x too large): with a hook "
+        "at world size 3 the gradients are 3x the average (gradients 3x too large): with a hook "
         "registered, torch's DDP does not divide by the world size -- the hook must."
     ), v_none.problems
-    # R is not a constant: a hook that divides by 2 passes at world size 2 and fails alone
+    # R is not a constant: a hook that divides by 2 is right at 2 ranks only
+    assert v_two.problems[0].startswith(
+        "at world size 3 the gradients are 3/2 of the average: your hook divided the sum over "
+        "the 3 ranks by 2."), v_two.problems
+    # nor is it the default group's size: alone, a hook dividing by 3 gives 1/3
+    assert v_world.problems[0].startswith(
+        "in a process group of 1 rank (state = that group; rank 0 "
+        "alone), your gradients are 1/3 of the right ones"), v_world.problems
     for v in (v_two, v_world):
-        assert v.problems[0].startswith(
-            "in a process group of 1 rank (state = that group; rank 0 "
-            "alone), your gradients are 1/2 of the right ones"
-        ), v.problems
         assert "state.size()" in v.problems[0]
     assert "all-reduced over the default group" in v_group.problems[0], v_group.problems
     assert v_full.problems[0].startswith("the gradients are right but not compressed: your hook "
@@ -910,7 +978,8 @@ def test_04_2_fp16_comm_hook_under_torch_ddp(judged):
     assert v_list.problems[0].startswith(
         "your hook's future completed with a list of 1 (Tensor)"
     ), v_list.problems
-    assert "checked: 2 processes (torchrun, gloo), torch's DistributedDataParallel" in str(good)
+    assert ("checked: 3 and 2 processes (torchrun, gloo), torch's DistributedDataParallel"
+            in str(good))
 
 
 # ----------------------------------------------------------------------------- 07
@@ -949,16 +1018,31 @@ def three_pieces(shard, total):  # a constant 3 for the world size
     return torch.cat([p[:n] for p, n in zip(pieces, sizes)])
 
 
-@judges("08.4", reference("08.4"), truncating, reversed_order, broadcasts, three_pieces)
+def float_pad(shard, total):  # a float32 pad buffer whatever the shard's dtype
+    sizes = [t.numel() for t in torch.tensor_split(torch.empty(total), dist.get_world_size())]
+    padded = torch.zeros(max(sizes))
+    padded[:shard.numel()] = shard
+    pieces = [torch.empty_like(padded) for _ in sizes]
+    dist.all_gather(pieces, padded)
+    return torch.cat([p[:n] for p, n in zip(pieces, sizes)])
+
+
+@judges("08.4", reference("08.4"), truncating, reversed_order, broadcasts, three_pieces,
+        float_pad)
 def test_08_4_gather_flat(judged):
-    good, v_trunc, v_rev, v_bcast, v_three = judged
+    good, v_trunc, v_rev, v_bcast, v_three, v_float = judged
     assert good
+    assert v_float.problems[0] == (
+        "10 int64 elements in shards of 4, 3, 3: rank 0 returned the right values as float32 of "
+        "shape [10]; the shards are int64, so the whole is a int64 tensor of shape [10]: make "
+        "the pad buffer like the shard (torch.zeros(n, dtype=shard.dtype), or "
+        "shard.new_zeros(n))."), v_float.problems
     assert v_bcast.problems[0].startswith(
         "10 elements over 3 ranks: the values are right, but rank 0 made these calls: broadcast x3."
     ), v_bcast.problems
     assert "3 broadcasts are 3 rounds" in v_bcast.problems[0]
     assert v_three.problems[0].startswith("with 2 processes: "), v_three.problems
-    assert v_trunc.problems[0].startswith("10 elements in shards of 4, 3, 3: rank 0 got")
+    assert v_trunc.problems[0].startswith("10 int64 elements in shards of 4, 3, 3: rank 0 got")
     assert (
         "(9 elements instead of 10)" in v_trunc.problems[0]
         and "pad every shard" in v_trunc.problems[0]

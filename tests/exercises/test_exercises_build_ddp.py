@@ -9,7 +9,10 @@ its verdicts from there. ``docs/exercises.md`` lists every case and its verdict.
 from __future__ import annotations
 
 import contextlib
+import copy
+import json
 import os
+import re
 from collections import Counter
 
 import pytest
@@ -21,6 +24,7 @@ from ddp_lesson.core.bucketed_ddp import MB, BucketedDDP, assign_buckets
 from ddp_lesson.core.naive_ddp import NaiveDDP, all_reduce_mean_
 from ddp_lesson.core.zero1 import Zero1Optimizer
 from ddp_lesson.exercises import check, describe, reference
+from ddp_lesson.exercises.catalog import ex_07_6_stuck_rank as stuck_rank_module
 from ddp_lesson.exercises.core import run_candidates, run_pairs
 from ddp_lesson.launch import forkserver
 
@@ -95,6 +99,52 @@ class RankZeroAverages(NaiveDDP):
         if dist.get_rank() == 0:
             super()._after_backward()
         self._callback_queued = False
+
+
+class ParametersOnly(NaiveDDP):
+    """Broadcasts every parameter, no buffer."""
+
+    def _broadcast_state(self):
+        with torch.no_grad():
+            for p in self.module.parameters():
+                dist.broadcast(p, 0)
+
+
+class FromLastRank(NaiveDDP):
+    """Broadcasts from rank R - 1: the ranks agree, on the wrong weights."""
+
+    def _broadcast_state(self):
+        with torch.no_grad():
+            for t in [*self.module.parameters(), *self.module.buffers()]:
+                dist.broadcast(t, dist.get_world_size() - 1)
+
+
+class HooksEveryForward(HookNaive):
+    """Registers its hooks again in every forward: averaging an average changes no value, but
+    each step all-reduces once more per gradient."""
+
+    def __init__(self, module):
+        nn.Module.__init__(self)
+        self.module = module
+        with torch.no_grad():
+            for t in [*module.parameters(), *module.buffers()]:
+                dist.broadcast(t, 0)
+
+    def forward(self, x):
+        for p in self.module.parameters():
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(self._average)
+        return self.module(x)
+
+
+class HalfNaive(NaiveDDP):
+    """Divides by a constant 2 (right at 2 ranks only)."""
+
+    def _after_backward(self):
+        self._callback_queued = False
+        for p in self._params:
+            p.grad /= 2
+            dist.all_reduce(p.grad)
 
 
 # ----------------------------------------------------------------------------- 04.4 answers
@@ -196,6 +246,15 @@ class SyncsInNoSync(BucketedDDP):
         return contextlib.nullcontext()
 
 
+class HalfBuckets(BucketedDDP):
+    """Divides by a constant 2 (right at 2 ranks only)."""
+
+    def _launch(self, b):
+        params = [self._params[i] for i in self.bucket_indices[b]]
+        self._flat[b] = torch.cat([p.grad.reshape(-1) for p in params]) / 2
+        self._work[b] = dist.all_reduce(self._flat[b], async_op=True)
+
+
 class ZeroesInForward(BucketedDDP):
     """A synchronised forward starts from fresh gradients: the accumulated ones are lost."""
 
@@ -237,6 +296,12 @@ def count_averaged(sums, counts):
     dist.all_reduce(n)
     n /= dist.get_world_size()
     return sum(sums) * dist.get_world_size() / n
+
+
+def global_count_times_two(sums, counts):  # a constant 2 for the world size
+    n = torch.tensor(sum(counts), dtype=torch.int64)
+    dist.all_reduce(n)
+    return torch.stack(sums).sum() * 2 / n
 
 
 # ----------------------------------------------------------------------------- 08.5 answers
@@ -303,26 +368,77 @@ class NotAveraged(Zero1Optimizer):
     average_gradients = False
 
 
+class TwoOwners(RoundRobin):
+    """owner = i % 2: right values at every world size, the state on two ranks only."""
+
+    def __init__(self, params, optimizer_class, **defaults):
+        torch.optim.Optimizer.__init__(self, params, defaults)
+        self.all = [p for g in self.param_groups for p in g["params"]]
+        self.owner = [i % 2 for i in range(len(self.all))]
+        mine = [p for p, o in zip(self.all, self.owner) if o == dist.get_rank()]
+        # a rank that owns nothing (rank 2 of 3) builds no optimizer: torch's refuses an empty
+        # parameter list
+        self.local = optimizer_class(mine, **defaults) if mine else None
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        flat = torch.cat([p.grad.reshape(-1) for p in self.all])
+        dist.all_reduce(flat)
+        flat /= dist.get_world_size()
+        for p, g in zip(self.all, flat.split([p.numel() for p in self.all])):
+            p.grad.copy_(g.view_as(p))
+        if self.local is not None:
+            self.local.step()
+        for p, o in zip(self.all, self.owner):
+            dist.broadcast(p, o)
+
+
+class TwoOwnersUnguarded(RoundRobin):
+    """owner = i % 2 as a learner first writes it: rank 2 builds an optimizer over nothing."""
+
+    def __init__(self, params, optimizer_class, **defaults):
+        torch.optim.Optimizer.__init__(self, params, defaults)
+        self.all = [p for g in self.param_groups for p in g["params"]]
+        self.owner = [i % 2 for i in range(len(self.all))]
+        mine = [p for p, o in zip(self.all, self.owner) if o == dist.get_rank()]
+        self.local = optimizer_class(mine, **defaults)
+
+
+class HalvedZero(RoundRobin):
+    """Divides the summed gradients by a constant 2."""
+
+    divide = False
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for p in self.all:
+            p.grad /= 2
+        super().step(closure)
+
+
 # ----------------------------------------------------------------------------- judging
 
 ANSWERS = {
     "04.3": {"reference": reference("04.3"), "hook": HookNaive, "no_broadcast": NoBroadcast,
              "trainable_broadcast": TrainableBroadcast, "no_divide": NoDivide,
              "divided_twice": DividedTwice, "every_parameter": EveryParameter,
+             "parameters_only": ParametersOnly, "from_last_rank": FromLastRank,
+             "hooks_every_forward": HooksEveryForward, "half": HalfNaive,
              "rank_zero": RankZeroAverages},
     "04.4": {"reference": reference("04.4"), "futures": FutureBuckets,
              "after_backward": AfterBackward, "wait_in_hook": WaitInHook,
              "blocking": BlockingInHook, "forward_order": ForwardOrder,
              "cap_ignored": CapIgnored, "syncs_in_no_sync": SyncsInNoSync,
-             "zeroes_in_forward": ZeroesInForward},
+             "zeroes_in_forward": ZeroesInForward, "half": HalfBuckets},
     "06.5": {"reference": reference("06.5"), "stacked": global_count_stacked,
              "micro_mean": micro_mean, "micro_mean_summed": micro_mean_summed,
              "rank_count": rank_count, "global_count_only": global_count_only,
-             "count_averaged": count_averaged},
+             "count_averaged": count_averaged, "times_two": global_count_times_two},
     "08.5": {"reference": reference("08.5"), "round_robin": RoundRobin, "summed": Summed,
              "no_broadcast": NoBroadcastZero, "from_rank_zero": FromRankZero,
              "defaults_dropped": DefaultsDropped, "full_state": FullState,
-             "not_averaged": NotAveraged},
+             "not_averaged": NotAveraged, "two_owners": TwoOwners, "halved": HalvedZero,
+             "two_owners_unguarded": TwoOwnersUnguarded},
 }
 
 
@@ -374,6 +490,20 @@ def test_04_3_naive_ddp_refuses_the_plausible_wrong_answers(verdicts):
     assert v("divided_twice").startswith("step 1, rank 0: ")
     assert "1/2 of the average" in v("divided_twice")
     assert v("every_parameter").startswith("rank 0 raised ")
+    assert v("parameters_only").startswith("after construction, rank 1: shift[0] = ")
+    assert "the buffer shift was not broadcast" in v("parameters_only")
+    # the ranks agree with each other: rank 0's weights were replaced by rank 1's
+    last = v("from_last_rank")
+    assert last.startswith("after construction, rank 0: a.weight[0] = "), last
+    assert "the ranks agree, but every rank holds rank 1's initial weights" in last
+    assert "Broadcast from rank 0 (src=0)" in last and "of its own" not in last
+    again = v("hooks_every_forward")
+    assert again.startswith("step 2, rank 0: the weights are right, but this backward made 10 "
+                            "dist.all_reduce calls for 5 gradients (all-reduces per backward: "
+                            "[5, 10, 15, 20])"), again
+    assert "hooks were registered again in every forward" in again
+    # a constant 2 for the world size: right at 2 processes, 3/2 of the average at 3
+    assert v("half").startswith("with 3 processes: step 1, rank 0: a.weight[0] = "), v("half")
     # a collective only rank 0 reaches: a verdict naming the rank, not a frozen check
     hang = v("rank_zero")
     assert "rank 0 at line" in hang and "rank 1 finished" in hang
@@ -401,6 +531,9 @@ def test_04_4_bucketed_ddp_checks_weights_buckets_overlap_and_no_sync(verdicts):
     assert v("syncs_in_no_sync").startswith("bucket_cap_mb = 0/2**20 (0 bytes), step 3, rank 0: "
                                             "the backward of a forward inside no_sync() "
                                             "all-reduced 6 message(s)")
+    half = v("half")
+    assert half.startswith("with 3 processes: bucket_cap_mb = 0/2**20 (0 bytes): step 1, "
+                           "rank 0: "), half
     lost = v("zeroes_in_forward")
     assert lost.startswith("bucket_cap_mb = 0/2**20 (0 bytes): step 3 (two micro-batches, the "
                            "first inside no_sync()), rank 0: ")
@@ -417,6 +550,9 @@ def test_06_5_global_count_loss_names_the_normalisation(verdicts):
     assert v("global_count_only").startswith(first)
     assert "not multiplied by the world size R" in v("global_count_only")
     assert "the count was averaged over the ranks" in v("count_averaged")
+    assert v("times_two").startswith("with 3 processes: 2 micro-batch(es) per rank, valid "
+                                     "tokens by rank [[1, 4], [2, 5], [3, 6]]: rank 0's "
+                                     "averaged gradient["), v("times_two")
 
 
 def test_08_5_zero1_checks_the_update_and_the_sharded_state(verdicts):
@@ -431,6 +567,16 @@ def test_08_5_zero1_checks_the_update_and_the_sharded_state(verdicts):
     assert v("defaults_dropped").startswith("step 1, rank 0: parameter 0")
     assert "**defaults" in v("defaults_dropped")
     assert v("not_averaged").startswith("step 1, rank ")
+    assert v("two_owners") == ("rank 2 holds no optimizer state: the 6 "
+                               "parameters are shared among rank(s) 0, 1 of the 3. Partition "
+                               "them over all dist.get_world_size() ranks (owner = i % R, not "
+                               "a constant), so each rank keeps about 1/R of the state.")
+    assert v("halved").startswith("step 1, rank 0: parameter 0 "), v("halved")
+    raw = v("two_owners_unguarded")
+    assert re.match(r"rank 2 raised ValueError: optimizer got an empty parameter list: rank 2 of "
+                    r"3 owns no parameter. Partition the 6 parameters over all "
+                    r"dist.get_world_size\(\) ranks \(owner = i % R, not a constant\) at line "
+                    r"\d+ \(self.local = optimizer_class\(mine, \*\*defaults\)\)", raw), raw
 
 
 # ----------------------------------------------------------------------------- 07.6 (local)
@@ -511,6 +657,64 @@ def first_waiting(dumps):
         if later:
             return r, later[0]["collective_seq_id"], later[0]["profiling_name"]
     return 0, 0, "none"
+
+
+def _key(dumps):
+    return json.dumps(dumps, sort_keys=True, default=str)
+
+
+#: A lookup table of the seven hand-built hangs' answers (what a learner could hard-code).
+SEVEN = {_key(d): want for d, want, _ in stuck_rank_module._hangs().values()}
+
+
+def table_of_seven(dumps):
+    return SEVEN.get(_key(dumps), (0, 1, "all_reduce"))
+
+
+def ignores_dtypes(dumps):  # compares ops and shapes per sequence id, not dtypes
+    return _naive(dumps)
+
+
+def test_07_6_draws_its_hangs_anew_and_names_the_seed(monkeypatch):
+    # the seven hand-built hangs pass a table; the drawn ones do not, and the verdict names
+    # the seed that draws them again
+    (table,) = run_candidates("07.6", [table_of_seven])
+    text = _first(table)
+    assert re.match(r"hang '1 of seed \d+: rank \d issues #\d+|hang '1 of seed \d+: rank \d "
+                    r"never issues", text), text
+    seed = int(re.search(r"DDP_LESSON_CHECK_SEED=(\d+)", text).group(1))
+    monkeypatch.setenv("DDP_LESSON_CHECK_SEED", str(seed))
+    (again,) = run_candidates("07.6", [table_of_seven])
+    assert _first(again) == text  # the seed reproduces the verdict
+    # a finder that ignores dtypes passes the seven and every drawn hang but the dtype ones
+    for seed in (1, 2, 3):
+        monkeypatch.setenv("DDP_LESSON_CHECK_SEED", str(seed))
+        good, dtypes = run_candidates("07.6", [reference("07.6"), ignores_dtypes])
+        assert good, str(good)
+        assert f"of seed {seed}: rank " in _first(dtypes)
+        assert "issues #" in _first(dtypes) and "with another dtype" in _first(dtypes)
+        assert "same op and shape everywhere: the dtypes (" in _first(dtypes)
+
+
+def test_07_6_drawn_hangs_cover_every_kind_and_a_lagging_status():
+    hangs = list(stuck_rank_module.drawn_hangs(7).values())
+    assert len(hangs) == stuck_rank_module.DRAWN == 16
+    names = list(stuck_rank_module.drawn_hangs(7))
+    for kind in ("never issues", "as another op", "with another shape", "with another dtype"):
+        assert sum(kind in name for name in names) == 4, (kind, names)
+    for trap in ("lags", "ring buffers", "subgroups", "is_p2p", "retired"):
+        assert sum(trap in why for _, _, why in hangs) >= 3, trap
+    lagging = 0
+    for dumps, (rank, seq, op), why in hangs:
+        assert reference("07.6")(copy.deepcopy(dumps)) == (rank, seq, op), why
+        done = {r: d["pg_status"]["0"]["last_completed_collective"] for r, d in dumps.items()}
+        if "lags" in why:  # the status alone names an innocent rank
+            lagging += 1
+            assert min(done, key=lambda r: (done[r], r)) != rank, (done, rank, why)
+    assert lagging >= 3
+    # another seed draws other hangs
+    assert [w for _, w, _ in hangs] != [w for _, w, _ in
+                                        stuck_rank_module.drawn_hangs(8).values()]
 
 
 def test_07_6_stuck_rank_on_seven_recorded_hangs():

@@ -18,7 +18,8 @@ SEED, B, LR = 100, 3, 0.1
 
 class TiedNet(nn.Module):
     """4 -> 4 -> 4 -> 4 -> 2 with tanh; ``b.weight`` is ``a.weight`` (a tied weight, listed
-    once by ``parameters()``) and ``frozen`` has ``requires_grad=False``."""
+    once by ``parameters()``), ``frozen`` has ``requires_grad=False`` and the buffer ``shift``
+    (4 numbers, drawn with the weights) is added after the first layer."""
 
     in_features = 4
 
@@ -28,9 +29,10 @@ class TiedNet(nn.Module):
         self.head = nn.Linear(4, 2)
         self.b.weight = self.a.weight
         self.frozen.requires_grad_(False)
+        self.register_buffer("shift", 0.1 * torch.randn(4))
 
     def forward(self, x):
-        h = torch.tanh(self.a(x))
+        h = torch.tanh(self.a(x) + self.shift)
         h = torch.tanh(self.frozen(h))
         return self.head(torch.tanh(self.b(h)))
 
@@ -62,8 +64,11 @@ def global_batch(net: type, step: int, micro: int, world_size: int):
 
 
 def values(model: nn.Module) -> dict[str, list[float]]:
-    """Every parameter (a tied one once, frozen ones too) by name, flattened."""
-    return {n: p.detach().reshape(-1).tolist() for n, p in model.named_parameters()}
+    """Every parameter (a tied one once, frozen ones too), then every buffer, by name,
+    flattened."""
+    out = {n: p.detach().reshape(-1).tolist() for n, p in model.named_parameters()}
+    out.update((n, b.detach().reshape(-1).tolist()) for n, b in model.named_buffers())
+    return out
 
 
 def sgd_step(model: nn.Module, lr: float = LR) -> None:
@@ -127,6 +132,38 @@ def matches(got: list[dict], want: list[dict], step: int) -> bool:
     return first_difference(got[:step + 1], want[:step + 1]) is None
 
 
+def _start_problem(runs: list, net: type, r: int, name: str, i: int, gv: float,
+                   wv: float) -> str:
+    """The sentence for values that differ after construction (rank ``r``'s ``name[i]`` is
+    ``gv``, rank 0's initial value ``wv``): whose weights each rank holds tells the cause."""
+    from ..values import fmt_num
+
+    R = len(runs)
+    text = f"after construction, rank {r}: {name}[{i}] = {fmt_num(gv)}, rank 0's is {fmt_num(wv)}"
+    starts = [values(build(net, SEED + k)) for k in range(R)]
+    whose = [next((k for k in range(R) if first_difference(run[:1], starts[k:k + 1]) is None),
+                  None) for run in runs]
+    if len(set(whose)) == 1 and whose[0] not in (None, 0):
+        return (f"{text}: the ranks agree, but every rank holds rank {whose[0]}'s initial "
+                "weights, so rank 0's were replaced. Broadcast from rank 0 (src=0): the "
+                "training starts from rank 0's model, as torch's DDP does.")
+    if name.startswith("frozen"):
+        why = ("the frozen parameter was not broadcast: broadcast every parameter and buffer "
+               "at construction, trainable or not")
+    elif name in dict(build(net, SEED).named_buffers()):
+        why = (f"the buffer {name} was not broadcast (module.buffers(), e.g. BatchNorm's "
+               "running statistics): broadcast every parameter and buffer at construction")
+    elif all(w == k for k, w in enumerate(whose)):
+        why = ("each rank starts from weights of its own (the checker seeds them "
+               "differently): broadcast rank 0's parameters and buffers at construction")
+    else:
+        held = ", ".join(f"rank {k}: " + ("its own" if w == k else "a mix" if w is None
+                                          else f"rank {w}'s") for k, w in enumerate(whose))
+        why = (f"the ranks start from different weights ({held}): broadcast rank 0's "
+               "parameters and buffers to every rank at construction")
+    return f"{text}: {why}."
+
+
 def trajectory_problem(runs: list, net: type, plan: tuple, context=lambda step: "") -> str | None:
     """The sentence for the earliest step at which some rank (``runs[r]``: its values after
     construction and each step) differs from one process, the lowest such rank, with what it
@@ -142,12 +179,7 @@ def trajectory_problem(runs: list, net: type, plan: tuple, context=lambda step: 
     (step, name, i, gv, wv), r = min(diffs, key=lambda dr: (dr[0][0], dr[1]))
     got = runs[r]
     if step == 0:
-        why = ("the frozen parameter was not broadcast: broadcast every parameter and buffer "
-               "at construction, trainable or not" if name.startswith("frozen") else
-               "each rank starts from weights of its own (the checker seeds them differently): "
-               "broadcast rank 0's parameters and buffers at construction")
-        return (f"after construction, rank {r}: {name}[{i}] = {fmt_num(gv)}, rank 0's is "
-                f"{fmt_num(wv)}: {why}.")
+        return _start_problem(runs, net, r, name, i, gv, wv)
     text = (f"step {step}{context(step)}, rank {r}: {name}[{i}] = {fmt_num(gv)}, one process "
             f"on the global batch has {fmt_num(wv)}")
     if matches(got, one_process(net, plan, R, LR * R), step):

@@ -1,4 +1,4 @@
-"""Exercise 01.4: the gradient average weighted by unequal shard sizes, on 3 processes.
+"""Exercise 01.4: the gradient average weighted by unequal shard sizes, at 3 and 2 processes.
 
 Every rank passes its own mean-loss gradient and sample count; the judge recomputes the
 weighted average with :func:`ddp_lesson.gradients.weighted_average` and names the usual
@@ -12,8 +12,9 @@ from .. import solutions as S
 from ..registry import Exercise, register
 from ..values import close, fmt_list, ranks_text, returned
 
-#: Shard sizes per rank. The first three total 8, so a constant 8 could stand in for the total
-#: count; the last two total 11 and 13.
+#: Shard sizes per rank (at 2 processes, the first two of each). At 3 processes the first
+#: three total 8, so a constant 8 could stand in for the total count; the last two total 11 and
+#: 13.
 _COUNTS = ([4, 2, 2], [5, 2, 1], [1, 1, 6], [3, 6, 2], [7, 5, 1])
 
 
@@ -25,8 +26,11 @@ def _rank(fn, rank, world_size):
     out = []
     for counts in _COUNTS:
         got = fn(_grad(rank), counts[rank])
-        out.append(returned(got, "a tensor of 3 numbers",
-                            lambda v: [float(x) for x in torch.as_tensor(v).reshape(-1)]))
+        values = returned(got, "a tensor of 3 numbers",
+                          lambda v: [float(x) for x in torch.as_tensor(v).reshape(-1)])
+        kind = (list(got.shape), str(got.dtype).replace("torch.", "")) \
+            if isinstance(got, torch.Tensor) else (None, type(got).__name__)
+        out.append({"values": values, "shape": kind[0], "type": kind[1]})
     return out
 
 
@@ -35,17 +39,25 @@ def _judge(results) -> list[str]:
 
     R = len(results)
     grads = [_grad(r) for r in range(R)]
+    totals = [sum(c[:R]) for c in _COUNTS]
     for i, counts in enumerate(_COUNTS):
+        counts = counts[:R]
         want = weighted_average(grads, counts).tolist()
         for r in range(R):
-            got = results[r][i]
+            got = results[r][i]["values"]
             if close(got, want):
+                shape, kind = results[r][i]["shape"], results[r][i]["type"]
+                if shape != [3] or kind != "float32":
+                    return [f"with shards of {', '.join(map(str, counts))} samples, rank {r} "
+                            f"returned the right values as {kind} of shape {shape}; the "
+                            "gradient is a float32 tensor of shape [3]: return it shaped and "
+                            "typed like grad."]
                 continue
             shards = ", ".join(map(str, counts))
             msg = (f"with shards of {shards} samples, rank {r} returned {fmt_list(got)}; the "
                    f"global-batch gradient is {fmt_list(want)}")
             if close(got, average(grads).tolist()):
-                msg += (": yours is the plain mean of the 3 gradients, right only for equal "
+                msg += (f": yours is the plain mean of the {R} gradients, right only for equal "
                         "shards. Weight each rank's gradient by its count: sum n_r * g_r and "
                         "n_r over the ranks (two all-reduces, or one), then divide")
             elif close(got, sum(grads).tolist()):
@@ -54,11 +66,14 @@ def _judge(results) -> list[str]:
                 msg += f": yours is sum n_r * g_r; divide it by the total count {sum(counts)}"
             elif close(got, grads[r].tolist()):
                 msg += ": yours is this rank's own gradient; nothing was all-reduced"
-            elif sum(counts) != 8 and close(got, (weighted_average(grads, counts)
-                                                  * sum(counts) / 8).tolist()):
-                msg += (f": yours divides by 8, the total of the other cases; here it is "
-                        f"{sum(counts)}. All-reduce the counts too")
-            others = [s for s in range(R) if s != r and not close(results[s][i], got)]
+            else:
+                k = next((t for t in totals if t != sum(counts) and close(
+                    got, (weighted_average(grads, counts) * sum(counts) / t).tolist())), None)
+                if k is not None:
+                    msg += (f": yours divides by {k}, the total of another case; here it is "
+                            f"{sum(counts)}. All-reduce the counts too")
+            others = [s for s in range(R) if s != r
+                      and not close(results[s][i]["values"], got)]
             if others:
                 msg += f". Ranks {ranks_text([r] + others)} also disagree with each other"
             return [msg + "."]
@@ -71,6 +86,7 @@ register(Exercise(
          "its mean-loss gradient and its shard's sample count; return sum_r n_r g_r / sum_r n_r "
          "(the same on every rank) using all_reduce.",
     signature="fn(grad: Tensor (3,), count: int) -> Tensor (3,)   # a collective",
-    reference=S.weighted_average_gradient, kind="distributed", world_size=3,
+    reference=S.weighted_average_gradient, kind="distributed", world_sizes=(3, 2),
     run_rank=_rank, judge=_judge,
-    checked="3 processes (torchrun, gloo), shards 4/2/2, 5/2/1, 1/1/6, 3/6/2 and 7/5/1"))
+    checked="3 and 2 processes (torchrun, gloo), shards 4/2/2, 5/2/1, 1/1/6, 3/6/2 and 7/5/1 "
+            "(at 2, the first two of each); the value, shape and dtype returned"))

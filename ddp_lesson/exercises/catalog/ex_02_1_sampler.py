@@ -1,4 +1,4 @@
-"""Exercise 02.1: a DistributedSampler index-for-index equal to torch's, on 3 processes.
+"""Exercise 02.1: a DistributedSampler index-for-index equal to torch's, at 3 and 2 processes.
 
 Each rank builds the candidate for its own rank (and one for its neighbour's) on 10 settings
 of N, shuffle, drop_last and seed, and records what it yields in epochs 0 and 1, its
@@ -16,7 +16,7 @@ from ...sampler import contiguous_shard_indices, num_samples_per_rank, padded_or
 from .. import solutions as S
 from ..errors import error_record, format_error
 from ..registry import Exercise, register
-from ..values import ranks_text
+from ..values import ranks_text, shown
 
 # (N, shuffle, drop_last, seed): simple settings first, so the first problem reported is the
 # most basic one.
@@ -33,20 +33,55 @@ _FRESH_EPOCH = 5
 _OTHER_R = (2, 5)
 
 
+class _Items:
+    """The dataset a sampler is built over: ``N`` items that are not their indices (item i is
+    ``("sample", i)``), so a sampler that yields ``dataset[i]`` rather than ``i`` is seen."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i):
+        if not 0 <= int(i) < self.n:
+            raise IndexError(f"index {i} out of range for a dataset of {self.n}")
+        return ("sample", int(i))
+
+
+class NotAnIndex(Exception):
+    """A sampler yielded something other than a whole number (its text: what it yielded)."""
+
+
+def _indices(sampler) -> list[int]:
+    """What one pass over ``sampler`` yields, as ints; :class:`NotAnIndex` for an item that is
+    not a whole number (a bool, a string, a dataset item, a float)."""
+    import numbers
+
+    out = []
+    for i in iter(sampler):
+        if hasattr(i, "dtype") and getattr(i, "ndim", 1) == 0 and "int" in str(i.dtype):
+            i = i.item()  # a 0-d integer tensor or numpy integer is an index
+        if isinstance(i, bool) or not isinstance(i, numbers.Integral):
+            raise NotAnIndex(f"{shown(i)} ({type(i).__name__})")
+        out.append(int(i))
+    return out
+
+
 def _rank(cls, rank, world_size):
     out = []
     for n, shuffle, drop_last, seed in _SETTINGS:
         rec = {}
         try:
-            sampler = cls(list(range(n)), num_replicas=world_size, rank=rank, shuffle=shuffle,
+            sampler = cls(_Items(n), num_replicas=world_size, rank=rank, shuffle=shuffle,
                           seed=seed, drop_last=drop_last)
         except Exception as exc:
             out.append({"construct": error_record(exc)})
             continue
         try:  # the sampler this process builds for its neighbour must match the neighbour's
-            other = cls(list(range(n)), num_replicas=world_size, rank=(rank + 1) % world_size,
+            other = cls(_Items(n), num_replicas=world_size, rank=(rank + 1) % world_size,
                         shuffle=shuffle, seed=seed, drop_last=drop_last)
-            rec["next"] = [int(i) for i in iter(other)]
+            rec["next"] = _indices(other)
         except Exception:
             pass
         for epoch in _EPOCHS:
@@ -56,7 +91,10 @@ def _rank(cls, rank, world_size):
                     break
                 sampler.set_epoch(epoch)
             try:
-                rec[epoch] = [int(i) for i in iter(sampler)]
+                rec[epoch] = _indices(sampler)
+            except NotAnIndex as exc:
+                rec["not_index"] = exc.args[0]
+                break
             except Exception as exc:
                 rec[f"iter{epoch}"] = error_record(exc)
                 break
@@ -77,21 +115,21 @@ def _extra(cls, sampler, rank, world_size, n, shuffle, drop_last, seed) -> dict:
         s = make()
         if epoch is not None:
             s.set_epoch(epoch)
-        return [int(i) for i in iter(s)], len(s)
+        return _indices(s), len(s)
 
     extra = {}
     try:
         extra["error_in"] = "a second pass in epoch 1 (no set_epoch between)"
-        extra["again"] = [int(i) for i in iter(sampler)]
+        extra["again"] = _indices(sampler)
         extra["error_in"] = f"a fresh sampler given set_epoch({_FRESH_EPOCH})"
-        extra["fresh"] = orders(lambda: cls(list(range(n)), num_replicas=world_size, rank=rank,
+        extra["fresh"] = orders(lambda: cls(_Items(n), num_replicas=world_size, rank=rank,
                                             shuffle=shuffle, seed=seed, drop_last=drop_last),
                                 _FRESH_EPOCH)[0]
         for R in _OTHER_R:
             for r in range(R):
                 extra["error_in"] = (f"the sampler built with num_replicas={R}, rank={r} "
                                      "(given set_epoch(2))")
-                extra[R, r] = orders(lambda R=R, r=r: cls(list(range(n)), num_replicas=R, rank=r,
+                extra[R, r] = orders(lambda R=R, r=r: cls(_Items(n), num_replicas=R, rank=r,
                                                           shuffle=shuffle, seed=seed,
                                                           drop_last=drop_last), 2)
         del extra["error_in"]
@@ -200,6 +238,12 @@ def _judge(results) -> list[str]:
                     f"seed={seed}, drop_last={drop_last}) raised "
                     f"{format_error(rec['construct'])}. Keep torch's signature."
                 )
+                break
+            if "not_index" in rec:
+                problem = (f"{setting}: rank {r}'s sampler yielded {rec['not_index']}, not an "
+                           "index: a sampler yields indices i into the dataset (whole numbers "
+                           "0 to N-1); the DataLoader reads dataset[i] itself. (The checker's "
+                           "dataset item i is ('sample', i).)")
                 break
             for epoch in _EPOCHS:
                 if f"iter{epoch}" in rec:
@@ -366,8 +410,8 @@ register(Exercise(
          "that yields, on each rank, exactly the indices torch.utils.data.DistributedSampler "
          "yields.",
     signature="cls(dataset, num_replicas=R, rank=r, shuffle=..., seed=..., drop_last=...)",
-    reference=S.DistributedSampler, kind="distributed", world_size=3,
+    reference=S.DistributedSampler, kind="distributed", world_sizes=(3, 2),
     run_rank=_rank, judge=_judge,
-    checked="3 processes (torchrun, gloo), N = 0, 1, 2, 7, 9, 10, 11, 12, shuffle and "
+    checked="3 and 2 processes (torchrun, gloo), N = 0, 1, 2, 7, 9, 10, 11, 12, shuffle and "
             "drop_last on and off, epochs 0, 1 (twice) and 5 (a fresh sampler); "
             "num_replicas 2 and 5 in one process"))

@@ -72,6 +72,23 @@ def _call_recording_p2p(fn, tensor):
         def recorded(*args, **kwargs):
             t = args[0] if args else kwargs.get("tensor")
             peer, world = _peer(args, kwargs, which), dist.get_world_size()
+            me = dist.get_rank()
+            if peer is None and kind == "recv":
+                # torch receives from any rank then (distributed_c10d.irecv: "src: Source
+                # rank. Will receive from any process if unspecified"): not a ring's message
+                raise ValueError(f"dist.{name} without src on rank {me}: it receives from any "
+                                 "rank, so the ring's order is left to chance. Name the "
+                                 f"previous rank, src=(rank - 1) % R ({(me - 1) % world} here)")
+            if peer == me:
+                # isend's docstring allows dst == rank (distributed_c10d.isend: "Unlike send,
+                # which is blocking, isend allows src == dst rank"), but on gloo the send
+                # raises "[enforce fail at gloo/transport/tcp/pair.cc:801] ... Pair is not
+                # connected" (torch 2.13, 3 processes: a run of isend(t, rank).wait()); either
+                # way it is not a ring's message
+                raise ValueError(f"dist.{name} on rank {me} with {which}={me}, its own rank: a "
+                                 f"rank cannot {kind} to itself. A ring's neighbours are "
+                                 f"(rank + 1) % R and (rank - 1) % R ({(me + 1) % world} and "
+                                 f"{(me - 1) % world} here)")
             if isinstance(peer, int) and not 0 <= peer < world:
                 # gloo would wait for a rank that does not exist until the timeout
                 raise ValueError(f"dist.{name} with rank {peer}, but there are {world} ranks "

@@ -1,8 +1,8 @@
 """Exercise 04.2: a float16-compressing comm hook for torch's DistributedDataParallel.
 
-The hook runs inside torch's own DDP (several buckets) over the 2-rank group and over a
-group of one rank each; the judge compares the gradients with one process's on the global
-batch within float16 rounding and reads what the hook all-reduced and returned.
+The hook runs inside torch's own DDP (several buckets) at 3 and 2 ranks, over the whole group
+and over a group of one rank each; the judge compares the gradients with one process's on the
+global batch within float16 rounding and reads what the hook all-reduced and returned.
 """
 from __future__ import annotations
 
@@ -69,7 +69,7 @@ def _grads(fn, rank, world_size, process_group, log) -> list[float]:
     from ...gradients import make_toy_batch, make_toy_model, split_batch
 
     model = make_toy_model(0)
-    x, y = make_toy_batch(8)
+    x, y = make_toy_batch(4 * world_size)  # 4 samples per rank at every world size
     xs, ys = split_batch(x, y, world_size)[rank]
     ddp = DistributedDataParallel(model, process_group=process_group,
                                   bucket_cap_mb=_BUCKET_MB)
@@ -94,7 +94,7 @@ def _judge(results) -> list[str]:
     from ...gradients import batch_gradient, make_toy_batch, make_toy_model, shard_gradients
 
     R = len(results)
-    x, y = make_toy_batch(8)
+    x, y = make_toy_batch(4 * R)
     want = batch_gradient(make_toy_model(0), x, y).tolist()
     local = [g.tolist() for g in shard_gradients(make_toy_model(0), x, y, R)]
     tol = {"rtol": 2e-3, "atol": 1e-4}  # float16 rounding
@@ -130,6 +130,12 @@ def _judge(results) -> list[str]:
     if close(got, [v / R for v in want], **tol):
         return [f"at world size {R} the gradients are 1/{R} of the average: they were divided "
                 "twice. torch's DDP leaves the division to the hook; divide once."]
+    k = next((k for k in range(2, 9) if k != R and close(got, [R * v / k for v in want], **tol)),
+             None)
+    if k is not None:
+        return [f"at world size {R} the gradients are {R}/{k} of the average: your hook divided "
+                f"the sum over the {R} ranks by {k}. Divide by the size of the group the hook "
+                "serves, state.size() (dist.group.WORLD when state is None), not a constant."]
     if not close(got, want, **tol):
         return [f"at world size {R} the gradients {fmt_list(got)} are not the global-batch "
                 f"gradient {fmt_list(want)} within float16 rounding (rtol 2e-3)."]
@@ -174,8 +180,8 @@ register(Exercise(
          "shaped like bucket.buffer(). Name the second parameter `bucket`: torch checks it.",
     signature="fn(state: ProcessGroup | None, bucket: dist.GradBucket) -> "
               "torch.futures.Future[Tensor]",
-    reference=S.fp16_compress_hook, kind="distributed", world_size=2,
+    reference=S.fp16_compress_hook, kind="distributed", world_sizes=(3, 2),
     run_rank=_rank, judge=_judge,
-    checked="2 processes (torchrun, gloo), torch's DistributedDataParallel on the toy MLP "
-            "with several buckets, over the 2-rank group and over a group of 1 rank each, "
+    checked="3 and 2 processes (torchrun, gloo), torch's DistributedDataParallel on the toy "
+            "MLP with several buckets, over the whole group and over a group of 1 rank each, "
             "against one process on the global batch within float16 rounding"))

@@ -1,28 +1,75 @@
 """Exercise 04.3: a naive DDP wrapper, checked against one process on the global batch.
 
 Each rank wraps a model built from a seed of its own (only a broadcast at construction makes
-the copies equal) that has a frozen parameter and a tied weight, trains it four SGD steps on
-its shard of each global batch, and records every parameter after construction and after each
-step; the judge replays one process on the global batch and names the step, the rank, the
-parameter and the first value that differs.
+the copies equal) that has a frozen parameter, a tied weight and a buffer, trains it four SGD
+steps on its shard of each global batch, and records every parameter and buffer after
+construction and after each step, and how many ``dist.all_reduce`` calls each backward made;
+the judge replays one process on the global batch and names the step, the rank, the
+parameter and the first value that differs, then counts the all-reduces (one per gradient).
 """
 from __future__ import annotations
 
 from .. import solutions as S
 from ..registry import Exercise, register
 from ._ddp_shared import SEED, TiedNet, build, train_rank, trajectory_problem
+from ._shared import dist_patched
 
 _PLAN = (1, 1, 1, 1)  # four steps of one micro-batch each
 
 
+def _counting_all_reduce(calls: list):
+    import torch.distributed.distributed_c10d as c10d
+
+    original = c10d.all_reduce
+
+    def all_reduce(*args, **kwargs):
+        calls[0] += 1
+        return original(*args, **kwargs)
+
+    return all_reduce
+
+
 def _rank(cls, rank, world_size):
     model = build(TiedNet, SEED + rank)  # a seed of its own: only a broadcast makes them equal
-    wrapped = cls(model)
-    return train_rank(wrapped, model, TiedNet, _PLAN, rank, world_size)
+    calls, per_backward = [0], []
+
+    def on_backward(step, micro, synced):
+        per_backward.append(calls[0])
+        calls[0] = 0
+
+    with dist_patched({"all_reduce": _counting_all_reduce(calls)}):
+        wrapped = cls(model)
+        calls[0] = 0  # what construction all-reduced is not a backward's
+        values = train_rank(wrapped, model, TiedNet, _PLAN, rank, world_size, on_backward)
+    return {"values": values, "all_reduces": per_backward}
+
+
+def _gradients() -> int:
+    """How many gradients a backward of TiedNet makes: its trainable parameters (the tied
+    weight once)."""
+    return sum(p.requires_grad for p in TiedNet().parameters())
+
+
+def _count_problem(results) -> str | None:
+    n = _gradients()
+    for r in sorted(results):
+        counts = results[r]["all_reduces"]
+        for step, k in enumerate(counts, 1):
+            if k <= n:
+                continue
+            text = (f"step {step}, rank {r}: the weights are right, but this backward made "
+                    f"{k} dist.all_reduce calls for {n} gradients (all-reduces per backward: "
+                    f"{counts})")
+            if len(counts) > 1 and counts == [counts[0] * s for s in range(1, len(counts) + 1)]:
+                text += (": one more set each step, as if the hooks were registered again in "
+                         "every forward. Register them once, in __init__")
+            return text + ". Average each gradient with one all-reduce per backward."
+    return None
 
 
 def _judge(results) -> list[str]:
-    problem = trajectory_problem([results[r] for r in range(len(results))], TiedNet, _PLAN)
+    problem = trajectory_problem([results[r]["values"] for r in range(len(results))], TiedNet,
+                                 _PLAN) or _count_problem(results)
     return [problem] if problem else []
 
 
@@ -37,8 +84,9 @@ register(Exercise(
          "gradient; a frozen parameter has none.",
     signature="cls(module: nn.Module) -> nn.Module; then out = wrapped(x); "
               "loss(out).backward(); an SGD step on module.parameters(), 4 times",
-    reference=S.NaiveDDP, kind="distributed", world_size=2,
+    reference=S.NaiveDDP, kind="distributed", world_sizes=(2, 3),
     run_rank=_rank, judge=_judge,
-    checked="2 processes (torchrun, gloo), ranks seeded differently, a 4-layer MLP with a "
-            "frozen layer and a tied weight, 4 SGD steps against one process on the global "
-            "batch, every parameter after construction and after each step"))
+    checked="2 and 3 processes (torchrun, gloo), ranks seeded differently, a 4-layer MLP with "
+            "a frozen layer, a tied weight and a buffer, 4 SGD steps against one process on "
+            "the global batch, every parameter and buffer after construction and after each "
+            "step; the all-reduces of each backward"))

@@ -179,8 +179,8 @@ register(Exercise(
     signature="cls(module: nn.Module, bucket_cap_mb: float) -> nn.Module with no_sync(); "
               "then out = wrapped(x); loss(out).backward(); an SGD step, 3 times (the last "
               "with 2 micro-batches, the first inside wrapped.no_sync())",
-    reference=S.BucketedDDP, kind="distributed", world_size=2,
+    reference=S.BucketedDDP, kind="distributed", world_sizes=(2, 3),
     run_rank=_rank, judge=_judge,
-    checked="2 processes (torchrun, gloo), ranks seeded differently, a 3-layer MLP at bucket "
+    checked="2 and 3 processes (torchrun, gloo), ranks seeded differently, a 3-layer MLP at bucket "
             "caps of 0, 40, 100 and 2**20 bytes, 3 SGD steps against one process on the "
             "global batch; every all_reduce recorded with the moment each gradient was ready"))

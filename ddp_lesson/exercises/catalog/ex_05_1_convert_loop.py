@@ -1,12 +1,14 @@
 """Exercise 05.1: convert a single-process training loop to DistributedDataParallel.
 
-The learner's function runs on 2 ranks (gloo, CPU) with the toy MLP and a dataset that notes
-every index each rank reads; ``torch.save`` is replaced, while it runs, by a recorder that
-notes which ranks saved what (and writes no file). The judge compares with one process on the
-global batch (:func:`train_single`, the loop the learner converts) and names the first missing
-piece it finds: no sampler, no ``set_epoch``, weights not averaged, a loss not reduced, a
-checkpoint saved by every rank (or with DDP's ``module.`` keys). A collective only some ranks
-reach ends in the machinery's verdict naming the rank that waited.
+The learner's function runs on 3 and 2 ranks (gloo, CPU) with the toy MLP and a dataset that
+notes every index each rank reads, and a forward pre-hook on the model notes each batch's
+size; ``torch.save`` is replaced, while it runs, by a recorder that notes which ranks saved
+what (and writes no file). The judge compares with one process on the global batch
+(:func:`train_single`, the loop the learner converts) and names the first missing piece it
+finds: no sampler, no ``set_epoch``, a per-rank batch cut by the world size, weights not
+averaged, a learning rate scaled (or gradients divided) by the world size, a loss not reduced,
+a checkpoint saved by every rank (or with DDP's ``module.`` keys). A collective only some
+ranks reach ends in the machinery's verdict naming the rank that waited.
 """
 from __future__ import annotations
 
@@ -16,7 +18,9 @@ from .. import solutions as S
 from ..registry import Exercise, register
 from ..values import close, fmt_list, fmt_num, ranks_text
 
-N, EPOCHS, BATCH, LR = 32, 2, 4, 0.2  # BATCH: per rank; the global batch is BATCH x R
+#: BATCH: per rank; the global batch is BATCH x R. N = 24 gives every rank whole batches at 2
+#: and 3 ranks (12 or 8 samples each).
+N, EPOCHS, BATCH, LR = 24, 2, 4, 0.2
 PATH = "checkpoint.pt"  # the checker records the save; nothing is written there
 
 
@@ -88,24 +92,28 @@ def _rank(fn, rank, world_size):
         else:
             saves.append({"keys": None, "weights": None})
 
-    model, data = _model(), Recorded()
+    model, data, batches = _model(), Recorded(), []
+    model.register_forward_pre_hook(
+        lambda _m, args: batches.append(int(args[0].shape[0]) if args and hasattr(
+            args[0], "shape") and args[0].dim() else -1))
     torch.save = recording_save
     try:
         returned = fn(model, data, EPOCHS, BATCH, LR, PATH)
     finally:
         torch.save = real_save
     return {"losses": _floats(returned) if returned is not None else None,
-            "returned": type(returned).__name__, "seen": data.seen,
+            "returned": type(returned).__name__, "seen": data.seen, "batches": batches,
             "weights": _flat(model.parameters()), "saves": saves}
 
 
-def reference_run(world_size: int) -> dict:
+def reference_run(world_size: int, lr: float = LR) -> dict:
     """One process on the global batch (``BATCH x world_size``), the order torch's
     DistributedSampler draws (``randperm`` seeded with ``epoch``): the epoch losses, the final
-    weights, each rank's index order per epoch and each rank's own shard losses per epoch."""
+    weights, each rank's index order per epoch and each rank's own shard losses per epoch.
+    ``lr``: another learning rate (the judge's replays of lr x R and lr / R)."""
     R, G = world_size, BATCH * world_size
     model, data = _model(), Recorded()
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
     out = {"losses": [], "local": {r: [] for r in range(R)}, "order": {r: [] for r in range(R)}}
     for epoch in range(EPOCHS):
         perm = torch.randperm(N, generator=torch.Generator().manual_seed(epoch))
@@ -169,6 +177,21 @@ def _data_problem(results, ref) -> str | None:
     return None
 
 
+def _batch_problem(results, ref) -> str | None:
+    """Each forward's batch size against ``BATCH`` (the per-rank batch the task gives)."""
+    for r, res in sorted(results.items()):
+        sizes = [b for b in res["batches"] if b != BATCH]
+        if sizes and sizes[0] > 0 and res["batches"]:
+            R = len(results)
+            text = (f"rank {r}'s model saw batches of {sizes[0]} samples; batch_size = {BATCH} "
+                    "is the per-rank batch already (the global batch is batch_size x R = "
+                    f"{BATCH * R}), so pass it to the DataLoader as it is")
+            if sizes[0] == BATCH // R:
+                text += f": dividing it by the world size ({R}) makes R times as many steps"
+            return text + "."
+    return None
+
+
 def _weights_problem(results, ref) -> str | None:
     R = len(results)
     w0 = results[0]["weights"]
@@ -181,9 +204,23 @@ def _weights_problem(results, ref) -> str | None:
                     "wrapper: its backward() averages the gradients over the ranks.")
     if not close(w0, ref["weights"]):
         gap = max(abs(a - b) for a, b in zip(w0, ref["weights"]))
-        return (f"every rank ends with the same weights, but not those of one process on the "
-                f"global batch of {BATCH * R} (max |Δ| = {fmt_num(gap, 2)}). Keep the loss a "
-                "mean, the learning rate as given and one optimizer step per batch.")
+        text = (f"every rank ends with the same weights, but not those of one process on the "
+                f"global batch of {BATCH * R} (max |Δ| = {fmt_num(gap, 2)})")
+        if close(w0, reference_run(R, LR * R)["weights"]):
+            return text + (f": they are those of learning rate {fmt_num(LR * R)} = lr x {R}. "
+                           f"Keep the learning rate given ({fmt_num(LR)}): the checker's "
+                           "reference is the loop's own run on the global batch, and DDP's "
+                           "averaged gradient is already that batch's (no linear scaling "
+                           "here).")
+        if close(w0, reference_run(R, LR / R)["weights"]):
+            return text + (f": they are those of learning rate {fmt_num(LR / R)} = lr / {R}, "
+                           f"gradients {R} times too small. DDP already averages the "
+                           "gradients over the ranks: backpropagate this rank's own mean "
+                           "loss, not a loss divided by the world size (an all-reduced loss "
+                           "divided by R is that). Reduce the loss for logging only, "
+                           "detached, after backward().")
+        return text + (". Keep the loss a mean, the learning rate as given and one optimizer "
+                       "step per batch.")
     return None
 
 
@@ -195,12 +232,18 @@ def _loss_problem(results, ref) -> str | None:
                     "losses: return the logged losses on every rank.")
         if close(got, ref["losses"], rtol=1e-4, atol=1e-6):
             continue
-        msg = (f"rank {r} returned epoch losses {fmt_list(got)}; the global mean over both "
-               f"ranks is {fmt_list(ref['losses'])}")
+        msg = (f"rank {r} returned epoch losses {fmt_list(got)}; the global mean over the "
+               f"{len(results)} ranks is {fmt_list(ref['losses'])}")
+        R = len(results)
+        by = next((k for k in range(1, 9) if k != R and close(
+            got, [v * R / k for v in ref["losses"]], rtol=1e-4, atol=1e-6)), None)
         if close(got, ref["local"][r], rtol=1e-4, atol=1e-6):
             msg += (f": that is rank {r}'s own shard only, a loss logged from one rank, not "
                     "reduced. Sum the loss over the epoch, all_reduce the sum and the step "
                     "count (on every rank), then divide")
+        elif by is not None:
+            msg += (f": that is the sum over the {R} ranks divided by {by}. Divide by "
+                    "dist.get_world_size() (or the all-reduced step count), not a constant")
         return msg + "."
     return None
 
@@ -230,7 +273,8 @@ def _checkpoint_problem(results, ref) -> str | None:
 
 def _judge(results) -> list[str]:
     ref = reference_run(len(results))
-    for check in (_data_problem, _weights_problem, _loss_problem, _checkpoint_problem):
+    for check in (_data_problem, _batch_problem, _weights_problem, _loss_problem,
+                  _checkpoint_problem):
         problem = check(results, ref)
         if problem:
             return [problem]
@@ -246,7 +290,8 @@ register(Exercise(
          "all ranks (the same list on every rank) and save model.state_dict() to "
          "checkpoint_path from rank 0 only. Keep the DataLoader's num_workers=0.",
     signature="fn(model, dataset, epochs, batch_size, lr, checkpoint_path) -> list[float]",
-    reference=S.train_ddp, kind="distributed", world_size=2,
+    reference=S.train_ddp, kind="distributed", world_sizes=(3, 2),
     run_rank=_rank, judge=_judge,
-    checked=f"2 processes (torchrun, gloo), the toy MLP, {N} samples, {EPOCHS} epochs of "
-            f"{BATCH} per rank, against one process on the global batch of {2 * BATCH}"))
+    checked=f"3 and 2 processes (torchrun, gloo), the toy MLP, {N} samples, {EPOCHS} epochs "
+            f"of {BATCH} per rank, against one process on the global batch of {3 * BATCH} "
+            f"({2 * BATCH})"))

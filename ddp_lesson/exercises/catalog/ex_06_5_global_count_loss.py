@@ -145,7 +145,7 @@ register(Exercise(
          "ranks' counts must be combined.",
     signature="fn(sums: list[Tensor ()], counts: list[int]) -> Tensor ()   # a collective; "
               "then loss.backward() and the mean of the gradients over the ranks",
-    reference=S.global_count_loss, kind="distributed", world_size=2,
+    reference=S.global_count_loss, kind="distributed", world_sizes=(2, 3),
     run_rank=_rank, judge=_judge,
-    checked="2 processes (torchrun, gloo), 2, 3 and 1 micro-batches per rank with 1 to 6 "
+    checked="2 and 3 processes (torchrun, gloo), 2, 3 and 1 micro-batches per rank with 1 to 6 "
             "valid tokens each, against one process on the global batch"))

@@ -1,36 +1,47 @@
 """Exercise 07.6: find the stuck rank in the flight-recorder records of a hung job.
 
-Seven recorded hangs, built by hand in the format torch 2.13's flight recorder dumps on gloo
-(what :func:`ddp_lesson.flight.load_dumps` returns: ``{rank: dump}``, each dump with
-``pg_config``, ``pg_status`` and ``entries``), each with a trap a plausible shortcut falls
-into: completion states that tie, ring buffers that dropped different old entries, shapes that
-differ where the ops agree, subgroups with sequence ids of their own, point-to-point entries,
-and a failed collective retired as completed. The candidate must name the rank and the
-collective (sequence id and op) that diverged.
+Hangs in the format torch 2.13's flight recorder dumps on gloo (what
+:func:`ddp_lesson.flight.load_dumps` returns: ``{rank: dump}``, each dump with ``pg_config``,
+``pg_status`` and ``entries``): seven built by hand, each with a trap a plausible shortcut
+falls into (completion states that tie, ring buffers that dropped different old entries,
+shapes that differ where the ops agree, subgroups with sequence ids of their own,
+point-to-point entries, a failed collective retired as completed), then :data:`DRAWN` hangs
+drawn on each check from a family (:func:`drawn_hangs`: 2 to 6 ranks, the divergence a
+missing collective or another op, shape or dtype, at a drawn sequence id on a drawn rank, with
+the traps above and a ``last_completed_collective`` that lags, as
+:func:`ddp_lesson.flight.completed_through` says it can), so a table of answers does not pass.
+The seed of a check is drawn anew each time (``DDP_LESSON_CHECK_SEED`` fixes it) and a
+verdict names it with the hang, so a failure is reproducible. The candidate must name the rank
+and the collective (sequence id and op) that diverged.
 """
 from __future__ import annotations
 
 import copy
 import json
+import os
+import random
 
 from .. import solutions as S
 from ..registry import Exercise, register
 from ..values import call_case, returned
 
 
-def _entry(seq, op="all_reduce", size=(4,), group="0", p2p=0, line=40):
+def _entry(seq, op="all_reduce", size=(4,), group="0", p2p=0, line=40, dtype="Float"):
     return {"collective_seq_id": 0 if p2p else seq, "p2p_seq_id": p2p,
             "profiling_name": f"gloo:{op}", "input_sizes": [list(size)],
-            "input_dtypes": ["Float"], "process_group": (group, ""), "is_p2p": bool(p2p),
+            "input_dtypes": [dtype], "process_group": (group, ""), "is_p2p": bool(p2p),
             "frames": [{"filename": "/job/train.py", "line": line, "name": "train_step"}]}
 
 
-def _dump(world, entries, done):
-    """One rank's record: ``done`` maps a group to its last completed sequence id."""
+def _dump(world, entries, done, last=None):
+    """One rank's record: ``done`` maps a group to its last completed sequence id, ``last``
+    (default: ``done``) to its last enqueued and started one."""
+    last = done if last is None else last
     return {"version": "2.10",
             "pg_config": {"0": {"name": "0", "desc": "default_pg", "ranks": json.dumps(
                 list(range(world)))}},
-            "pg_status": {g: {"last_enqueued_collective": n, "last_started_collective": n,
+            "pg_status": {g: {"last_enqueued_collective": last.get(g, n),
+                              "last_started_collective": last.get(g, n),
                               "last_completed_collective": n} for g, n in done.items()},
             "entries": entries}
 
@@ -95,6 +106,117 @@ def _hangs():
     return h
 
 
+#: How many hangs each check draws from the family, after the seven built by hand.
+DRAWN = 16
+_KINDS = ("missing", "op", "shape", "dtype")
+_TRAPS = ("lagging status", "ring buffers", "subgroups", "point-to-point", "retired failure")
+_OPS = ("all_reduce", "broadcast", "all_gather", "reduce_scatter")
+_DTYPES = ("Float", "BFloat16", "Half", "Long")
+
+
+def check_seed() -> int:
+    """The seed of this check's drawn hangs: ``DDP_LESSON_CHECK_SEED`` when set, else a new
+    one each call (a verdict names it)."""
+    env = os.environ.get("DDP_LESSON_CHECK_SEED", "").strip()
+    return int(env) if env else random.SystemRandom().randrange(1, 10 ** 6)
+
+
+def drawn_hangs(seed: int, count: int = DRAWN) -> dict:
+    """``count`` hangs drawn from the family with ``seed``: name -> (dumps, (rank, seq, op),
+    what the trap is), like the hand-built ones. Hang j diverges by ``_KINDS[j % 4]`` and has
+    trap ``_TRAPS[j % 5]`` (others at random), so every kind meets every trap within 20."""
+    rng = random.Random(seed)
+    out = {}
+    for j in range(count):
+        name, hang = _draw(rng, _KINDS[j % len(_KINDS)], _TRAPS[j % len(_TRAPS)])
+        out[f"{j + 1} of seed {seed}: {name}"] = hang
+    return out
+
+
+def _draw(rng: random.Random, kind: str, trap: str):
+    """One hang of ``kind`` with ``trap`` (and maybe other traps): (name, (dumps, want, why))."""
+    R = rng.randint(2 if kind == "missing" else 3, 6)  # a minority needs 3 ranks
+    s = rng.randint(4, 14)  # the sequence id that diverges
+    guilty = rng.randrange(R)
+    traps = {trap} | {t for t in _TRAPS if rng.random() < 0.25}
+    # the collectives every rank issued alike, #1 .. #s (the last one may diverge)
+    sig = {q: (rng.choice(_OPS), (rng.choice((4, 8, 16, 1000)),), rng.choice(_DTYPES))
+           for q in range(1, s + 1)}
+    op, size, dtype = sig[s]
+    odd = {"op": (rng.choice([o for o in _OPS if o != op]), size, dtype),
+           "shape": (op, (size[0] + rng.choice((-1, 1, 8)),), dtype),
+           "dtype": (op, size, rng.choice([d for d in _DTYPES if d != dtype]))}.get(kind)
+    entries, done = {}, {}
+    for r in range(R):
+        last = s - 1 if kind == "missing" and r == guilty else s
+        mine = [_entry(q, *sig[q][:2], dtype=sig[q][2], line=30 + q) for q in range(1, last + 1)]
+        if odd and r == guilty:
+            mine[-1] = _entry(s, odd[0], odd[1], dtype=odd[2], line=30 + s)
+        entries[r], done[r] = mine, s - 1
+    why = []
+    if "ring buffers" in traps:  # each buffer kept a different number of the latest entries
+        drops = [rng.randint(0, s - 3) for _ in range(R)]
+        if len(set(drops)) == 1:
+            drops[rng.randrange(R)] = (drops[0] + 1) % (s - 2)
+        for r in range(R):
+            entries[r] = entries[r][drops[r]:]
+        why.append("the ring buffers dropped different old entries (compare from the latest "
+                   "first id of any rank on)")
+    if "retired failure" in traps:  # the ranks that waited in #s timed out: retired, completed
+        for r in range(R):
+            if r != guilty:
+                done[r] = s
+        why.append(f"the ranks that waited in #{s} timed out and it was retired as completed")
+    if "lagging status" in traps:  # a status written before the rank saw its last completions
+        innocent = [r for r in range(R) if r != guilty]
+        for r in rng.sample(innocent, rng.randint(1, len(innocent))):
+            done[r] = max(0, s - 1 - rng.randint(1, 3))
+        why.append("last_completed_collective lags on some ranks (it is written after the "
+                   "fact; ddp_lesson.flight.completed_through)")
+    subs = {"1": rng.randint(1, 3), "2": rng.randint(4, 6)}  # subgroup collectives per group
+    dumps = {}
+    for r in range(R):
+        mine, status = entries[r], {"0": done[r]}
+        if "subgroups" in traps:  # two subgroups numbering from 1, interleaved with group 0's
+            sub = "1" if r % 2 == 0 else "2"
+            mixed = []
+            for k, e in enumerate(mine):
+                mixed.append(e)
+                if k < subs[sub]:
+                    mixed.append(_entry(k + 1, "all_reduce", (3 + int(sub),), group=sub,
+                                        line=90))
+            mine, status[sub] = mixed, min(subs[sub], len(entries[r]))
+        if "point-to-point" in traps and len(mine) > 1:
+            at = rng.randint(1, len(mine) - 1)
+            p2p = [_entry(0, "send" if r % 2 == 0 else "recv", p2p=k + 1)
+                   for k in range(1 + r % 2)]
+            mine = mine[:at] + p2p + mine[at:]
+        issued = entries[r][-1]["collective_seq_id"]
+        dumps[r] = _dump(R, mine, status, {"0": max(done[r], issued)})
+    if "subgroups" in traps:
+        why.append("subgroups ('1', '2') number their collectives from 1 too: compare the "
+                   "default group's ('0') entries only")
+    if "point-to-point" in traps:
+        why.append("send/recv entries (is_p2p) differ between the ranks by nature: leave them "
+                   "out")
+    want_op = (odd or sig[s])[0] if kind != "missing" else op
+    what = {"missing": f"rank {guilty} never issues #{s}",
+            "op": f"rank {guilty} issues #{s} as another op",
+            "shape": f"rank {guilty} issues #{s} with another shape",
+            "dtype": f"rank {guilty} issues #{s} with another dtype"}[kind]
+    if kind == "dtype":
+        why.insert(0, f"same op and shape everywhere: the dtypes ({odd[2]} against {dtype}) "
+                      "differ")
+    if kind == "shape":
+        why.insert(0, f"same op everywhere: the shapes ({list(odd[1])} against {list(size)}) "
+                      "differ")
+    if kind == "op":
+        why.insert(0, f"rank {guilty}'s #{s} is {odd[0]}, the others' {op}")
+    if kind == "missing":
+        why.insert(0, f"rank {guilty} never issued #{s}; the others wait in it")
+    return what, (dumps, (guilty, s, want_op), "; ".join(why))
+
+
 def _answer(value):
     rank, seq, op = value
     if isinstance(rank, bool) or isinstance(seq, bool):
@@ -102,14 +224,19 @@ def _answer(value):
     return int(rank), int(seq), str(op).split(":", 1)[-1]
 
 
-def _run_local(fn) -> list[str]:
-    for name, (dumps, want, trap) in _hangs().items():
+def _run_local(fn, seed: int | None = None) -> list[str]:
+    """The seven hand-built hangs, then :data:`DRAWN` drawn with ``seed`` (default:
+    :func:`check_seed`); the first wrong answer's verdict names the hang (and the seed)."""
+    seed = check_seed() if seed is None else seed
+    for name, (dumps, want, trap) in {**_hangs(), **drawn_hangs(seed)}.items():
         got = returned(call_case(fn, (copy.deepcopy(dumps),), f"'{name}'"),
                        "(rank, sequence id, op), e.g. (2, 4, 'all_reduce')", _answer)
         if got != want:
+            again = (f" (to draw these hangs again: DDP_LESSON_CHECK_SEED={seed})"
+                     if " of seed " in name else "")
             return [f"hang '{name}' ({len(dumps)} ranks): you named rank {got[0]}, "
                     f"#{got[1]} {got[2]}; the records say rank {want[0]}, #{want[1]} "
-                    f"{want[2]}: {trap}."]
+                    f"{want[2]}: {trap}{again}."]
     return []
 
 
@@ -126,5 +253,7 @@ register(Exercise(
     signature="fn(dumps: dict[int, dict]) -> tuple[int, int, str]",
     reference=S.stuck_rank, kind="local",
     run_local=_run_local,
-    checked="7 recorded hangs of 2 to 4 ranks (ties in completion, dropped ring-buffer "
-            "entries, shapes, subgroups, point-to-point entries, a retired failure)"))
+    checked=f"7 recorded hangs of 2 to 4 ranks (ties in completion, dropped ring-buffer "
+            f"entries, shapes, subgroups, point-to-point entries, a retired failure), then "
+            f"{DRAWN} drawn anew each check (2 to 6 ranks; a missing collective, another op, "
+            "shape or dtype; a lagging last_completed_collective)"))

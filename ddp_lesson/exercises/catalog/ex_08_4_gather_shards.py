@@ -1,7 +1,9 @@
 """Exercise 08.4: all-gather uneven flat shards with one collective, at 3 and 2 processes.
 
-Every call of a ``torch.distributed`` communication function is recorded while the candidate
-runs, so the judge checks that one all-gather did it.
+The shards are int64, float32 and bfloat16 (a pad buffer of another dtype than the shard's
+changes what is returned, or rounds it); the judge checks the values, the shape and the
+dtype returned. Every call of a ``torch.distributed`` communication function is recorded while
+the candidate runs, so the judge checks that one all-gather did it.
 """
 from __future__ import annotations
 
@@ -14,7 +16,10 @@ from ..registry import Exercise, register
 from ..values import fmt_list, returned
 from ._shared import dist_patched
 
-_CASES = [10, 9, 2, 1, 17]
+#: (elements, dtype); bfloat16 holds the integers up to 256 exactly, so its values compare
+#: exactly too
+_CASES = [(10, "int64"), (9, "int64"), (2, "int64"), (1, "int64"), (17, "int64"),
+          (10, "float32"), (7, "bfloat16")]
 
 #: What torch.distributed offers to move data; a call of any of them is recorded (the outermost
 #: only: all_gather_object calls all_gather itself) while a candidate runs.
@@ -49,31 +54,44 @@ def _call_recording(fn, args, names):
         return fn(*args), calls
 
 
-def _full(total):
-    return (torch.arange(total, dtype=torch.int64) + 1) * 7
+def _full(total, dtype="int64"):
+    """The flat tensor the shards come from: 7, 14, 21, ... (whole numbers in every dtype;
+    float32 and bfloat16 hold them exactly)."""
+    return ((torch.arange(total, dtype=torch.int64) + 1) * 7).to(getattr(torch, dtype))
 
 
 def _rank(fn, rank, world_size):
     out = []
-    for total in _CASES:
-        shard = torch.tensor_split(_full(total), world_size)[rank].clone()
+    for total, dtype in _CASES:
+        shard = torch.tensor_split(_full(total, dtype), world_size)[rank].clone()
         got, calls = _call_recording(fn, (shard, total), _CALLS)
-        out.append({"got": returned(got, f"a tensor of {total} elements",
-                                    lambda v: torch.as_tensor(v).reshape(-1).tolist()),
-                    "calls": calls})
+        values = returned(got, f"a tensor of {total} elements",
+                          lambda v: torch.as_tensor(v).double().reshape(-1).tolist())
+        out.append({"got": values, "calls": calls,
+                    "dtype": (str(got.dtype).replace("torch.", "")
+                              if isinstance(got, torch.Tensor) else type(got).__name__),
+                    "shape": list(got.shape) if isinstance(got, torch.Tensor) else None})
     return out
 
 
 def _judge(results) -> list[str]:
     R = len(results)
-    for i, total in enumerate(_CASES):
+    for i, (total, dtype) in enumerate(_CASES):
         want = _full(total).tolist()
         sizes = [t.numel() for t in torch.tensor_split(torch.empty(total), R)]
+        case = f"{total} {dtype} elements in shards of {', '.join(map(str, sizes))}"
         for r in range(R):
-            got = [int(v) for v in results[r][i]["got"]]
+            got = [int(v) if v == v and abs(v) != float("inf") and v == int(v) else v
+                   for v in results[r][i]["got"]]
             if got == want:
+                kind, shape = results[r][i]["dtype"], results[r][i]["shape"]
+                if kind != dtype or shape != [total]:
+                    return [f"{case}: rank {r} returned the right values as {kind} of shape "
+                            f"{shape}; the shards are {dtype}, so the whole is a {dtype} tensor "
+                            f"of shape [{total}]: make the pad buffer like the shard "
+                            "(torch.zeros(n, dtype=shard.dtype), or shard.new_zeros(n))."]
                 continue
-            msg = (f"{total} elements in shards of {', '.join(map(str, sizes))}: rank {r} got "
+            msg = (f"{case}: rank {r} got "
                    f"{fmt_list(got, limit=12)}, expected {fmt_list(want, limit=12)}")
             if len(got) != len(want):
                 msg += (f" ({len(got)} elements instead of {total}). all_gather needs equal "
@@ -90,7 +108,7 @@ def _judge(results) -> list[str]:
 def _judge_method(results) -> list[str]:
     """The values are right; was it one all-gather, as asked?"""
     R = len(results)
-    for i, total in enumerate(_CASES):
+    for i, (total, _) in enumerate(_CASES):
         for r in range(R):
             calls = results[r][i]["calls"]
             counts = Counter(calls)
@@ -116,8 +134,8 @@ register(
         "all_gather uneven flat shards",
         task="Write gather_flat(shard, total_numel) -> Tensor: the ranks hold the pieces of a flat "
         "tensor of total_numel elements split by torch.tensor_split (the first ranks one "
-        "element longer); return the whole tensor on every rank with one all-gather "
-        "(dist.all_gather, or all_gather_into_tensor).",
+        "element longer); return the whole tensor, of the shard's dtype, on every rank with "
+        "one all-gather (dist.all_gather, or all_gather_into_tensor).",
         signature="fn(shard: Tensor (n_r,), total_numel: int) -> Tensor (total_numel,)"
         "   # a collective",
         reference=S.gather_flat,
@@ -125,7 +143,7 @@ register(
         world_sizes=(3, 2),
         run_rank=_rank,
         judge=_judge,
-        checked="3 and 2 processes (torchrun, gloo), 10, 9, 2, 1 and 17 elements; one "
-        "all-gather per call",
+        checked="3 and 2 processes (torchrun, gloo), 10, 9, 2, 1 and 17 int64 elements, 10 "
+        "float32 and 7 bfloat16; the values, dtype and shape returned; one all-gather per call",
     )
 )

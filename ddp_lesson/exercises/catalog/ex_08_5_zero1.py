@@ -43,7 +43,17 @@ def _recording_adamw(instances):
 
 def _rank(cls, rank, world_size):
     params, instances = _params(), []
-    opt = cls(params, _recording_adamw(instances), **_HYPER)
+    try:
+        opt = cls(params, _recording_adamw(instances), **_HYPER)
+    except ValueError as exc:
+        if "empty parameter list" not in str(exc):
+            raise
+        # torch.optim.Optimizer.__init__ refuses an empty list: this rank owns nothing. The
+        # learner's line stays in the traceback (with_traceback), so the verdict shows it.
+        raise ValueError(f"{exc}: rank {rank} of {world_size} owns no parameter. Partition the "
+                         f"{len(_SHAPES)} parameters over all dist.get_world_size() ranks "
+                         "(owner = i % R, not a constant)").with_traceback(
+                             exc.__traceback__) from None
     steps = []
     for step in range(_STEPS):
         for i, p in enumerate(params):
@@ -106,6 +116,14 @@ def _values_problem(results) -> str | None:
 
 def _state_problem(results) -> str | None:
     R, n = len(results), len(_SHAPES)
+    idle = [r for r in range(R) if not results[r]["held"]]
+    if idle and len(idle) < R:
+        owners = sorted({r for r in range(R) if results[r]["held"]})
+        return (f"rank{'s' if len(idle) > 1 else ''} {', '.join(map(str, idle))} "
+                f"hold{'' if len(idle) > 1 else 's'} no optimizer state: the {n} parameters are "
+                f"shared among rank(s) {', '.join(map(str, owners))} of the {R}. Partition them "
+                "over all dist.get_world_size() ranks (owner = i % R, not a constant), so each "
+                "rank keeps about 1/R of the state.")
     for r in range(R):
         if not results[r]["optimizers"]:
             return (f"rank {r} built no optimizer_class: build the local optimizer over this "
@@ -139,8 +157,8 @@ register(Exercise(
          "owner, so every rank holds the whole updated model.",
     signature="cls(params: list[Tensor], optimizer_class, **defaults) -> Optimizer; then "
               "p.grad = this rank's gradient for each p; opt.step(), 4 times",
-    reference=S.Zero1Optimizer, kind="distributed", world_size=2,
+    reference=S.Zero1Optimizer, kind="distributed", world_sizes=(3, 2),
     run_rank=_rank, judge=_judge,
-    checked="2 processes (torchrun, gloo), 6 parameters, 4 steps against unsharded "
+    checked="3 and 2 processes (torchrun, gloo), 6 parameters, 4 steps against unsharded "
             "torch.optim.AdamW (lr 0.05, eps 1e-2, weight decay 0.1) on the mean gradient; "
             "the optimizer state each rank holds"))
