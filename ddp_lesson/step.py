@@ -24,8 +24,8 @@ import torch.nn.functional as F
 from .data import IGNORE_INDEX
 from .env import all_reduce_sum, reduce_device
 
-__all__ = ["AMP_MODES", "Precision", "StepTimer", "accumulate_gradients", "model_logits",
-           "sum_over_ranks", "train_step"]
+__all__ = ["AMP_MODES", "Precision", "StepTimer", "accumulate_gradients", "cuda_bf16_native",
+           "model_logits", "sum_over_ranks", "train_step"]
 
 #: ``--amp`` choices: no autocast, autocast to bfloat16, autocast to float16 with a GradScaler.
 AMP_MODES = ("off", "bf16", "fp16")
@@ -177,17 +177,41 @@ class Precision:
 def amp_unavailable(amp: str, device_type: str) -> str | None:
     """Why autocast in ``amp`` cannot run on ``device_type``, or None when it can (local).
 
-    bf16 on CUDA needs a GPU that does bf16 (``torch.cuda.is_bf16_supported()``); on CPU
-    torch 2.13 autocasts to bf16 and fp16 (``torch.amp.autocast_mode.is_autocast_available``).
+    bf16 on CUDA needs a GPU that computes in bfloat16 natively (:func:`cuda_bf16_native`:
+    compute capability 8 and up, Ampere and later). ``torch.cuda.is_bf16_supported()`` with
+    its default ``including_emulation=True`` is not that test: it also answers True when a
+    bfloat16 tensor can merely be created on the device (torch/cuda/__init__.py,
+    ``is_bf16_supported`` and ``_check_bf16_tensor_supported``), which a T4 (7.5) allows, and
+    cuDNN has no bfloat16 convolutions there. On CPU torch 2.13 autocasts to bf16 and fp16
+    (``torch.amp.autocast_mode.is_autocast_available``).
     """
     if amp == "off":
         return None
     if not torch.amp.autocast_mode.is_autocast_available(device_type):
         return f"--amp {amp}: autocast is not available on device type {device_type!r}"
-    if amp == "bf16" and device_type == "cuda" and not torch.cuda.is_bf16_supported():
+    if amp == "bf16" and device_type == "cuda" and not cuda_bf16_native():
         return (f"--amp bf16: this GPU ({torch.cuda.get_device_name()}) does not support "
                 "bfloat16; use --amp fp16")
     return None
+
+
+def cuda_bf16_native() -> bool:
+    """True when the current CUDA device computes in bfloat16 natively (local, no sync).
+
+    ``torch.cuda.is_bf16_supported(including_emulation=False)``: True on ROCm, False without
+    CUDA, else compute capability >= 8 (torch/cuda/__init__.py, ``is_bf16_supported``). An
+    older torch whose ``is_bf16_supported`` takes no ``including_emulation`` raises
+    TypeError: then the same test is made here from ``torch.version.hip`` and the device's
+    compute capability (``torch.cuda.get_device_properties(...).major``).
+    """
+    try:
+        return bool(torch.cuda.is_bf16_supported(including_emulation=False))
+    except TypeError:  # an older torch: no including_emulation argument
+        if torch.version.hip:
+            return True
+        if not torch.cuda.is_available():
+            return False
+        return torch.cuda.get_device_properties(torch.cuda.current_device()).major >= 8
 
 
 # --------------------------------------------------------------------------- one step
