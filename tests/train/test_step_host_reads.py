@@ -103,3 +103,24 @@ def test_train_step_refuses_no_micro_batch():
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(ValueError, match="at least 1 micro-batch, got 0"):
         train_step(model, opt, [], 2)
+
+
+def test_the_trainers_steps_read_nothing_to_the_host(world_of_one, monkeypatch, tmp_path):
+    """Trainer.step (the fit loop's per-step call) under the same guard, on a group of one
+    with torch's DDP and fp32 clipping; the epoch's flush then reads the sums and norms once."""
+    from ddp_lesson import train
+    from ddp_lesson.config import parse_config
+    from ddp_lesson.env import read_env
+
+    cfg = parse_config(["--epochs", "1", "--num-train", "8", "--num-val", "2", "-b", "2",
+                        "--size", "32", "64", "--model", "tiny", "--width", "8", "--workers",
+                        "0", "--clip-grad-norm", "1.0", "--out", str(tmp_path / "run")])
+    trainer = train.Trainer(cfg, read_env())
+    groups = [group for _, group, _ in trainer.batches(0, 0)][:3]
+    with no_host_reads(monkeypatch):
+        results = [trainer.step(group) for group in groups]
+    assert all(isinstance(s, torch.Tensor) and isinstance(c, torch.Tensor) for s, c in results)
+    trainer._flush_losses()  # one read for the three steps: the sums over ranks, the norms
+    assert [(r.loss_sum, r.pixel_count) for r in trainer.step_log] == [
+        (float(s), float(c)) for s, c in results]
+    assert all(isinstance(r.grad_norm, float) and r.grad_norm > 0 for r in trainer.step_log)
