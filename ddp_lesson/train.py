@@ -29,7 +29,8 @@ on its own shard of every epoch, and DDP averages the gradients with an ``all_re
 * checkpoints (:mod:`ddp_lesson.checkpoint`): rank 0 writes ``{out}/checkpoint.pt``
   atomically every ``--checkpoint-every-steps`` steps and at each epoch end; a new run with
   the same ``--out`` resumes where the last one stopped, mid-epoch too, and ends with the same
-  weights bit for bit as a run that was never interrupted (the seed had ``--start-epoch``
+  weights bit for bit as a run that was never interrupted on CPU with gloo (on GPUs within a
+  tolerance: CUDA's atomic adds, docs/gpus.md "Determinism"; the seed had ``--start-epoch``
   and no checkpoint at all); at another world size R' too: the run keeps its micro-batches
   (:mod:`ddp_lesson.layout`), each rank taking K' = K x R / R' of them per step, and an R' that
   cannot share a step is refused (docs/pitfalls.md C8);
