@@ -253,12 +253,6 @@ def init_distributed(timeout: float = 60.0, backend: str | None = None,
                      announce: bool | None = None) -> DistEnv:
     """Join the job's process group (a synchronisation point: returns once every rank joined).
 
-    Every rank has joined on return on both backends, for different reasons: gloo connects
-    every pair of ranks while the group is made (docs/pitfalls.md C7); NCCL would form its
-    communicator lazily, at the first collective, but this function passes ``device_id``, so
-    torch forms it here (``init_process_group``'s ``device_id``,
-    torch/distributed/distributed_c10d.py).
-
     Reads :func:`read_env`, sets the CUDA device for NCCL, and calls
     ``torch.distributed.init_process_group`` with an explicit ``timeout`` so a missing peer
     or a mismatched collective fails with an error instead of hanging for torch's default (30

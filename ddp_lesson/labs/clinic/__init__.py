@@ -2,8 +2,7 @@
 
 Each module runs under torchrun (``-m ddp_lesson.labs.clinic.<name>``), joins the group with
 a 5 s timeout (``init_distributed(timeout=5)``: gloo raises after the process group's timeout
-instead of waiting torch 2.13's default, 30 minutes on gloo and 10 on NCCL:
-``torch.distributed.constants``), registers a faulthandler stack dump on SIGUSR1,
+instead of gloo's default 30 minutes; NCCL's: 10), registers a faulthandler stack dump on SIGUSR1,
 takes ``--fixed`` to run the repaired program, and with ``--flight-dir DIR``
 leaves each rank's flight record in ``DIR`` (written while the case hangs,
 :class:`ddp_lesson.flight.HangWatch`; ``--flight-stacks`` adds the callers' file:line):
