@@ -72,7 +72,9 @@ __all__ = [
 def default_all_reduce(tensor: torch.Tensor, process_group=None):
     """The communication step both wrappers use unless given another: an async SUM all_reduce.
 
-    Returns the ``dist.Work`` handle (``.wait()`` blocks until the sum is in ``tensor``).
+    Returns the ``dist.Work`` handle. ``.wait()`` on gloo blocks until the sum is in
+    ``tensor``; on NCCL it makes the current CUDA stream wait for the sum and returns (torch's
+    ``Work.wait`` docstring), so later kernels on that stream read the sum.
     A collective: every rank of ``process_group`` must call it, in the same order.
     """
     return dist.all_reduce(tensor, group=process_group, async_op=True)

@@ -28,6 +28,12 @@ exits 1 when any problem was found, 0 otherwise. The checks, and the public repo
 ``gpu0``           CUDA contexts that other processes hold on GPU 0 (``nvidia-smi``): ranks that
                    touched CUDA before ``torch.cuda.set_device(local_rank)``, or a previous job's
                    ranks, all sit on GPU 0. Only where ``nvidia-smi`` exists.
+``p2p``            how the GPUs connect (``nvidia-smi topo -m``), with 2 GPUs or more: NVLink
+                   (``NV#``) or PCIe (``PIX``, ``PXB``, ``PHB``, ``NODE``, ``SYS``). Over PCIe,
+                   in a VM above all, NCCL's peer-to-peer transfers can fail or crawl and the
+                   first collective looks hung (NCCL's troubleshooting guide, "GPU Direct" and
+                   "PCI Access Control Services"; NVIDIA/nccl#199): the line says to try
+                   ``NCCL_P2P_DISABLE=1``. Not a problem by itself: many PCIe pairs work.
 =================  ===============================================================================
 """
 from __future__ import annotations
@@ -35,6 +41,7 @@ from __future__ import annotations
 import argparse
 import errno
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -253,6 +260,67 @@ def check_gpu0_contexts(run: Callable[[str, str], list[list[str]]] | None = None
     return Finding("gpu0", True, "no other process on GPU 0")
 
 
+#: ``nvidia-smi topo -m``'s codes for a path between two GPUs over PCIe (NVLink is ``NV<n>``)
+PCIE_PATHS = ("PIX", "PXB", "PHB", "NODE", "SYS")
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def parse_topology(text: str) -> dict[tuple[int, int], str]:
+    """``nvidia-smi topo -m``'s GPU matrix: ``{(i, j): code}`` for every pair ``i < j``.
+
+    The header row names the columns (``GPU0 GPU1 ... CPU Affinity ...``); each ``GPU<i>``
+    row gives the path to every GPU column (``X`` for itself). NIC rows and the legend are
+    skipped; terminal escapes (newer nvidia-smi underlines the header) are removed.
+    """
+    gpus: list[int] = []
+    pairs: dict[tuple[int, int], str] = {}
+    for raw in text.splitlines():
+        fields = _ANSI.sub("", raw).split()
+        if not gpus and fields and fields[0] == "GPU0":
+            gpus = [int(f[3:]) for f in fields if re.fullmatch(r"GPU\d+", f)]
+            continue
+        if gpus and fields and re.fullmatch(r"GPU\d+", fields[0]):
+            row = int(fields[0][3:])
+            for col, code in zip(gpus, fields[1:1 + len(gpus)]):
+                if row < col:
+                    pairs[(row, col)] = code
+    return pairs
+
+
+def _topo_text() -> str:
+    return subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True,
+                          timeout=20, check=True).stdout
+
+
+def check_p2p(read: Callable[[], str] | None = None,
+              environ: Mapping[str, str] | None = None) -> Finding:
+    """How the GPUs connect, and what to try when NCCL's first collective hangs over PCIe.
+
+    ``read`` returns ``nvidia-smi topo -m``'s output (default: runs it when it exists).
+    Always ``ok``: a PCIe path is a risk, not a fault; its line names ``NCCL_P2P_DISABLE=1``.
+    """
+    environ = os.environ if environ is None else environ
+    if read is None:
+        if shutil.which("nvidia-smi") is None:
+            return Finding("p2p", True, "no nvidia-smi: no GPU pair to check")
+        read = _topo_text
+    try:
+        pairs = parse_topology(read())
+    except (OSError, subprocess.SubprocessError) as exc:
+        return Finding("p2p", True, f"nvidia-smi topo -m failed ({type(exc).__name__})")
+    if not pairs:
+        return Finding("p2p", True, "fewer than 2 GPUs: no peer-to-peer path")
+    pcie = sorted((a, b, c) for (a, b), c in pairs.items() if c in PCIE_PATHS)
+    if not pcie:
+        return Finding("p2p", True, f"{len(pairs)} GPU pair(s), all over NVLink")
+    a, b, code = pcie[0]
+    where = f"GPUs {a}-{b} over PCIe ({code})" + (f", +{len(pcie) - 1} pair(s)"
+                                                  if len(pcie) > 1 else "")
+    if environ.get("NCCL_P2P_DISABLE", "") not in ("", "0"):
+        return Finding("p2p", True, f"{where}; NCCL_P2P_DISABLE is set: no P2P transfers")
+    return Finding("p2p", True, f"{where}; if the first collective hangs, try NCCL_P2P_DISABLE=1")
+
+
 def run_checks(nproc_per_node: int = 2, backend: str = "auto", port: int | None = None,
                host: str = "127.0.0.1", environ: Mapping[str, str] | None = None,
                shm_path: str = "/dev/shm", proc: str | os.PathLike = "/proc") -> list[Finding]:
@@ -263,7 +331,7 @@ def run_checks(nproc_per_node: int = 2, backend: str = "auto", port: int | None 
         port = int(environ["MASTER_PORT"])
     return [check_backend(nproc_per_node, backend), check_port(port, host),
             *check_interfaces(environ), check_shm(shm_path), check_leftover_torchrun(proc),
-            check_gpu0_contexts()]
+            check_gpu0_contexts(), check_p2p(environ=environ)]
 
 
 def parser(prog: str = "ddp-lesson doctor") -> argparse.ArgumentParser:

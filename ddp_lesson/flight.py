@@ -8,7 +8,9 @@ completed). torch 2.13 records on gloo as well as NCCL, with the buffer size var
 (``TORCH_FR_BUFFER_SIZE``) left unset: ``torch._C._distributed_c10d._dump_fr_trace()`` returns
 the pickled record (``{"version", "pg_config", "pg_status", "entries", ...}``). Each rank of a
 hung or failed job writes its record to ``DIR/<prefix><rank>`` (:func:`write_trace` does that;
-NCCL's watchdog does it itself with ``TORCH_FR_DUMP_TEMP_FILE``), and this module reads the
+NCCL's watchdog does it itself under ``TORCH_NCCL_DUMP_ON_TIMEOUT=1``, to the prefix
+``TORCH_FR_DUMP_TEMP_FILE``, older name ``TORCH_NCCL_DEBUG_INFO_TEMP_FILE``: both names are in
+torch 2.13's and 2.14.1's ``libtorch_cpu.so``), and this module reads the
 files back and prints, for every rank, its last completed and first unfinished collective, then
 one verdict line naming the rank and collective that diverged.
 

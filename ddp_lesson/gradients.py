@@ -170,7 +170,8 @@ def all_reduce_average(tensor: torch.Tensor, group=None) -> torch.Tensor:
     torch's DDP order: each rank divides by the world size *before* the SUM, so a float16 sum
     over the ranks cannot overflow where the mean itself fits. Portable on every backend:
     gloo before PyTorch's 2025 change (pytorch/pytorch#149781) had no ``ReduceOp.AVG``, and
-    even where it has one, an integer tensor cannot be averaged in place.
+    gloo's refuses an integer tensor (NCCL's ``ncclAvg``, 2.10 and later, refuses only bool:
+    ``getNcclReduceOp`` in torch's ProcessGroupNCCL.cpp).
 
     Args:
         tensor: floating-point tensor, same shape on every rank.

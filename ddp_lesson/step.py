@@ -22,10 +22,10 @@ import torch
 import torch.nn.functional as F
 
 from .data import IGNORE_INDEX
-from .env import all_reduce_sum, reduce_device
+from .env import all_reduce_sum, group_active, reduce_device
 
-__all__ = ["AMP_MODES", "Precision", "StepTimer", "accumulate_gradients", "model_logits",
-           "sum_over_ranks", "train_step"]
+__all__ = ["AMP_MODES", "Precision", "StepTimer", "accumulate_gradients", "cuda_bf16_native",
+           "model_logits", "sum_over_ranks", "train_step"]
 
 #: ``--amp`` choices: no autocast, autocast to bfloat16, autocast to float16 with a GradScaler.
 AMP_MODES = ("off", "bf16", "fp16")
@@ -40,6 +40,16 @@ def sum_over_ranks(t: torch.Tensor) -> torch.Tensor:
     """
     # NCCL reduces CUDA tensors only; gloo is happy with CPU ones.
     return all_reduce_sum(t.to(reduce_device())).cpu()
+
+
+def _sum_over_ranks_in_place(t: torch.Tensor) -> torch.Tensor:
+    """Sum ``t`` over ranks; the result stays on ``t``'s device (no read to the host).
+
+    Under NCCL with ``t`` on the rank's GPU and under gloo with ``t`` on the CPU there is no
+    copy at all; without a process group it is a copy. Every rank must call it alike.
+    """
+    where = reduce_device() if group_active() else t.device
+    return all_reduce_sum(t.to(where)).to(t.device)
 
 
 def model_logits(model, images):
@@ -102,9 +112,13 @@ class Precision:
     step: after the last micro-batch's backward, the one that all-reduces, so the norm is the
     norm of the averaged gradient and the same, bit for bit, on every rank.
 
-    After each step :attr:`grad_norm` holds the total norm before clipping (None when not
-    clipping) and :attr:`skipped` whether the scaler skipped the step. Local to the process;
-    the norm needs no communication because the gradients are already all-reduced.
+    After each step :attr:`grad_norm` holds the total norm before clipping, a 0-d float32
+    tensor on the gradients' device (None when not clipping: read it at a logging boundary,
+    ``float(...)`` waits for the GPU), and :attr:`skipped` whether the scaler skipped the
+    step. Local to the process; the norm needs no communication because the gradients are
+    already all-reduced. Host reads: none per step without fp16; under fp16 torch's
+    ``GradScaler.step`` itself reads the inf/NaN flags to the host (``.item()`` in
+    ``_maybe_opt_step``, torch/amp/grad_scaler.py), and :attr:`skipped` reads the scale.
 
     Raises:
         ValueError: ``amp`` not in :data:`AMP_MODES`, ``clip_grad_norm < 0``, or autocast
@@ -124,7 +138,7 @@ class Precision:
         if amp == "fp16" and scaler is None:
             scaler = torch.amp.GradScaler(device_type)
         self.scaler = scaler if amp == "fp16" else None
-        self.grad_norm: float | None = None
+        self.grad_norm: torch.Tensor | None = None
         self.skipped = False
 
     @property
@@ -153,7 +167,7 @@ class Precision:
             self.scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
         if self.clip_grad_norm > 0:
             norm = torch.nn.utils.clip_grad_norm_(parameters, self.clip_grad_norm)
-            self.grad_norm = float(norm)
+            self.grad_norm = norm.detach()  # on the device: float() would wait for the GPU
         if self.scaler is None:
             optimizer.step()
             self.skipped = False
@@ -177,17 +191,41 @@ class Precision:
 def amp_unavailable(amp: str, device_type: str) -> str | None:
     """Why autocast in ``amp`` cannot run on ``device_type``, or None when it can (local).
 
-    bf16 on CUDA needs a GPU that does bf16 (``torch.cuda.is_bf16_supported()``); on CPU
-    torch 2.13 autocasts to bf16 and fp16 (``torch.amp.autocast_mode.is_autocast_available``).
+    bf16 on CUDA needs a GPU that computes in bfloat16 natively (:func:`cuda_bf16_native`:
+    compute capability 8 and up, Ampere and later). ``torch.cuda.is_bf16_supported()`` with
+    its default ``including_emulation=True`` is not that test: it also answers True when a
+    bfloat16 tensor can merely be created on the device (torch/cuda/__init__.py,
+    ``is_bf16_supported`` and ``_check_bf16_tensor_supported``), which a T4 (7.5) allows, and
+    cuDNN has no bfloat16 convolutions there. On CPU torch 2.13 autocasts to bf16 and fp16
+    (``torch.amp.autocast_mode.is_autocast_available``).
     """
     if amp == "off":
         return None
     if not torch.amp.autocast_mode.is_autocast_available(device_type):
         return f"--amp {amp}: autocast is not available on device type {device_type!r}"
-    if amp == "bf16" and device_type == "cuda" and not torch.cuda.is_bf16_supported():
+    if amp == "bf16" and device_type == "cuda" and not cuda_bf16_native():
         return (f"--amp bf16: this GPU ({torch.cuda.get_device_name()}) does not support "
                 "bfloat16; use --amp fp16")
     return None
+
+
+def cuda_bf16_native() -> bool:
+    """True when the current CUDA device computes in bfloat16 natively (local, no sync).
+
+    ``torch.cuda.is_bf16_supported(including_emulation=False)``: True on ROCm, False without
+    CUDA, else compute capability >= 8 (torch/cuda/__init__.py, ``is_bf16_supported``). An
+    older torch whose ``is_bf16_supported`` takes no ``including_emulation`` raises
+    TypeError: then the same test is made here from ``torch.version.hip`` and the device's
+    compute capability (``torch.cuda.get_device_properties(...).major``).
+    """
+    try:
+        return bool(torch.cuda.is_bf16_supported(including_emulation=False))
+    except TypeError:  # an older torch: no including_emulation argument
+        if torch.version.hip:
+            return True
+        if not torch.cuda.is_available():
+            return False
+        return torch.cuda.get_device_properties(torch.cuda.current_device()).major >= 8
 
 
 # --------------------------------------------------------------------------- one step
@@ -227,7 +265,8 @@ def accumulate_gradients(model, micro_batches, compute_loss, timer=None,
 
 
 def train_step(model, optimizer, micro_batches, world_size: int, scheduler=None,
-               timer=None, precision: Precision | None = None) -> tuple[float, int]:
+               timer=None, precision: Precision | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
     """One optimizer step on the global batch: mean cross-entropy over its labelled pixels.
 
     Every rank sums the per-pixel losses of its micro-batches and divides by the number of
@@ -250,16 +289,23 @@ def train_step(model, optimizer, micro_batches, world_size: int, scheduler=None,
             norm and whether the step was skipped. None: plain fp32, no clipping.
 
     Returns:
-        ``(local_loss_sum, local_pixel_count)``: this rank's summed per-pixel loss and its
-        labelled pixel count (sum both over ranks and divide for the global mean).
+        ``(local_loss_sum, local_pixel_count)``: this rank's summed per-pixel loss (a 0-d
+        float64 tensor) and its labelled pixel count (0-d int64), both on the batch's device
+        (sum both over ranks and divide for the global mean; ``float(...)`` reads them).
 
-    Synchronises: one all_reduce of the pixel count, DDP's gradient all_reduce.
+    Synchronises: one all_reduce of the pixel count, DDP's gradient all_reduce. Reads
+    nothing to the host (no ``.item()``, ``float(tensor)``): on CUDA the step is queued
+    and the CPU runs ahead, the pixel count and the scale stay on the GPU; under fp16 torch's
+    GradScaler reads its inf/NaN flags (see :class:`Precision`).
     """
-    local_count = sum(int((t != IGNORE_INDEX).sum()) for _, t in micro_batches)
+    if not micro_batches:
+        raise ValueError("train_step needs at least 1 micro-batch, got 0")
+    local_count = sum((t != IGNORE_INDEX).sum() for _, t in micro_batches)
     with _phase(timer, "comm"):
-        global_count = sum_over_ranks(torch.tensor([float(local_count)],
-                                                           dtype=torch.float64))[0].item()
-    scale = world_size / max(global_count, 1.0)
+        global_count = _sum_over_ranks_in_place(local_count.to(torch.float64))
+    # the same float64 division as world_size / max(count, 1.0) on the host, cast to float32
+    # by the multiplication below as the Python float was
+    scale = world_size / global_count.clamp(min=1.0)
     sums = []
 
     autocast = precision.autocast if precision is not None else contextlib.nullcontext
@@ -284,4 +330,7 @@ def train_step(model, optimizer, micro_batches, world_size: int, scheduler=None,
             precision.step(optimizer, [p for g in optimizer.param_groups for p in g["params"]])
         if scheduler is not None:
             scheduler.step()
-    return float(sum(s.item() for s in sums)), local_count
+    loss_sum = sums[0].double()
+    for s in sums[1:]:  # in order, in float64: what float(sum(s.item() ...)) added
+        loss_sum = loss_sum + s.double()
+    return loss_sum, local_count

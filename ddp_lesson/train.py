@@ -29,7 +29,8 @@ on its own shard of every epoch, and DDP averages the gradients with an ``all_re
 * checkpoints (:mod:`ddp_lesson.checkpoint`): rank 0 writes ``{out}/checkpoint.pt``
   atomically every ``--checkpoint-every-steps`` steps and at each epoch end; a new run with
   the same ``--out`` resumes where the last one stopped, mid-epoch too, and ends with the same
-  weights bit for bit as a run that was never interrupted (the seed had ``--start-epoch``
+  weights bit for bit as a run that was never interrupted on CPU with gloo (on GPUs within a
+  tolerance: CUDA's atomic adds, docs/gpus.md "Determinism"; the seed had ``--start-epoch``
   and no checkpoint at all); at another world size R' too: the run keeps its micro-batches
   (:mod:`ddp_lesson.layout`), each rank taking K' = K x R / R' of them per step, and an R' that
   cannot share a step is refused (docs/pitfalls.md C8);
@@ -119,8 +120,10 @@ __all__ = ["StepRecord", "Trainer", "wrap_model", "main"]
 class StepRecord(NamedTuple):
     """One optimizer step's loss: ``loss_sum / pixel_count`` is the step's mean loss.
 
-    In :attr:`Trainer.step_log` both numbers are summed over ranks (the global batch's);
-    pending records, not yet reduced, hold this rank's own.
+    In :attr:`Trainer.step_log` both numbers are summed over ranks (the global batch's)
+    and are floats; pending records, not yet reduced, hold this rank's own as 0-d tensors
+    on the rank's device (and ``grad_norm`` as a tensor), read at the next flush, so a step
+    reads nothing to the host.
     """
 
     epoch: int
@@ -335,8 +338,11 @@ class Trainer:
                               target.to(self.device, non_blocking=True)))
             yield step, group, time.perf_counter() - start
 
-    def step(self, micro_batches, timer=None) -> tuple[float, int]:
-        """One optimizer step (see :func:`train_step`); advances the counters."""
+    def step(self, micro_batches, timer=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """One optimizer step (see :func:`train_step`); advances the counters.
+
+        Returns this rank's ``(loss_sum, pixel_count)``, 0-d tensors on its device.
+        """
         self.model.train()
         precision = self.precision if self.precision.active else None
         result = train_step(self.model, self.optimizer, micro_batches, self.env.world_size,
@@ -349,14 +355,19 @@ class Trainer:
         return result
 
     def _flush_losses(self) -> None:
-        """Sum the pending per-step (loss_sum, count) over ranks into :attr:`step_log` (sync)."""
+        """Sum the pending per-step (loss_sum, count) over ranks into :attr:`step_log` (sync).
+
+        The one read to the host for these steps: their sums and gradient norms, at once.
+        """
         if not self._pending:  # the same on every rank: they step in lockstep
             return
-        local = torch.tensor([[p.loss_sum, p.pixel_count] for p in self._pending],
-                             dtype=torch.float64)
+        local = torch.stack([torch.stack([torch.as_tensor(p.loss_sum, dtype=torch.float64),
+                                          torch.as_tensor(p.pixel_count, dtype=torch.float64)])
+                             .to(self.device) for p in self._pending])
         total = sum_over_ranks(local).tolist()
-        self.step_log += [p._replace(loss_sum=s, pixel_count=c)
-                          for p, (s, c) in zip(self._pending, total)]
+        norms = [None if p.grad_norm is None else float(p.grad_norm) for p in self._pending]
+        self.step_log += [p._replace(loss_sum=s, pixel_count=c, grad_norm=n)
+                          for p, (s, c), n in zip(self._pending, total, norms)]
         self._pending = []
 
     # ---- checkpoints
@@ -601,12 +612,17 @@ class Trainer:
                        desc=f"epoch {epoch + 1}/{cfg.epochs}", disable=not env.is_main,
                        leave=False, dynamic_ncols=True, mininterval=1.0)
             start = time.perf_counter()
+            shown = -math.inf
             for step, group, _data_s in (self.batches(epoch, start_step) if remaining else ()):
                 loss_sum, count = self.step(group)
                 n = lay.cursor(step + 1) - lay.cursor(step)  # the global batch, all ranks
                 train_samples += n
                 bar.update(n)
-                bar.set_postfix(loss=f"{loss_sum / max(count, 1):.3f}", refresh=False)
+                # reading the loss waits for the GPU: only for a bar that shows, once a second
+                if not bar.disable and time.perf_counter() - shown >= bar.mininterval:
+                    shown = time.perf_counter()
+                    bar.set_postfix(loss=f"{float(loss_sum) / max(float(count), 1.0):.3f}",
+                                    refresh=False)
                 last_of_epoch = self.step_in_epoch == steps
                 if cfg.max_steps and self.global_step >= cfg.max_steps:
                     stopped = True

@@ -257,6 +257,9 @@ SLOW: dict[str, str | frozenset[str]] = {
         "test_cli_kill_during_save_recovers_and_leaves_no_temporary",
         "test_sweep_removes_only_dead_writers_files_of_this_checkpoint",
     }),
+    "train/test_step_host_reads.py": frozenset({
+        "test_the_trainers_steps_read_nothing_to_the_host",  # world_of_one
+    }),
     "train/test_syncbn.py": frozenset({
         "test_a_rank_with_an_empty_batch",
         "test_bf16_input_keeps_torchs_dtype",

@@ -80,8 +80,8 @@ def _model():
     return module, ddp, opt
 
 
-def _global_loss(loss_sum: float, count: int) -> float:
-    total = sum_over_ranks(torch.tensor([loss_sum, float(count)], dtype=torch.float64))
+def _global_loss(loss_sum: torch.Tensor, count: torch.Tensor) -> float:
+    total = sum_over_ranks(torch.stack([loss_sum.double(), count.double()]).cpu())
     return float(total[0] / total[1])
 
 

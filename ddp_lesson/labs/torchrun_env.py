@@ -38,13 +38,21 @@ def raw_setup(backend: str) -> float:
     the ``env://`` method (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` read from
     the environment), all-reduces the rank, then a barrier and ``destroy_process_group``.
     Synchronises all ranks. Returns the all-reduced sum of the ranks.
+
+    ``device_id`` binds the group to the rank's GPU under NCCL: torch then forms the NCCL
+    communicator inside ``init_process_group`` (``ncclCommInit*`` at once, not at the first
+    collective; torch/distributed/distributed_c10d.py, ``init_process_group``), so a missing
+    peer or an NCCL error shows there. On gloo ``init_process_group`` already connects every
+    pair of ranks (ProcessGroupGloo's full mesh, docs/pitfalls.md C7); ``None`` there.
     """
-    device = "cpu"
+    device, device_id = torch.device("cpu"), None
     if backend == "nccl":
         local_rank = int(os.environ["LOCAL_RANK"])
         torch.cuda.set_device(local_rank)   # before any CUDA work: one GPU per process
-        device = f"cuda:{local_rank}"
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=60))
+        device = device_id = torch.device("cuda", local_rank)
+    # device_id: NCCL connects here, with the peers, not at the first collective
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=60),
+                            device_id=device_id)
     x = torch.tensor([float(dist.get_rank())], device=device)
     dist.all_reduce(x)                      # sum over ranks, result on every rank
     dist.barrier()                          # nobody leaves while a peer is mid-collective

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from ddp_lesson.launch import run_torchrun
+from ddp_lesson.step import cuda_bf16_native
 
 CUDA = torch.cuda.is_available()
 GPUS = torch.cuda.device_count() if CUDA else 0
@@ -91,8 +92,8 @@ def _train_one_epoch(tmp_path, amp: str):
         return json.load(f), out
 
 
-@pytest.mark.skipif(CUDA and not torch.cuda.is_bf16_supported(),
-                    reason="this GPU cannot compute in bfloat16")
+@pytest.mark.skipif(CUDA and not cuda_bf16_native(),
+                    reason="this GPU cannot compute in bfloat16 natively (compute capability < 8)")
 def test_trainer_one_epoch_on_cuda_with_amp_bf16(tmp_path):
     summary, _ = _train_one_epoch(tmp_path, "bf16")
     assert summary["device"] == "cuda"

@@ -327,3 +327,22 @@ def test_stack_dump_on_sigusr1_shows_where_a_rank_waits():
     stuck_line = [ln for ln in dump.splitlines() if "partial_collective.py" in ln]
     assert stuck_line and "in run" in stuck_line[0]  # the program's body, inside all_reduce
     assert "Timed out waiting 15000ms for" in dump  # and then the collective still timed out
+
+
+def test_the_clinic_docstrings_state_gloos_default_timeout():
+    """The clinic runs on gloo: its "default timeout" is gloo's 30 minutes, NCCL's is 10
+    (torch.distributed.constants; issue 40: a statement true on one backend only says which)."""
+    import importlib
+    import re
+
+    from torch.distributed import constants
+
+    gloo_minutes = constants.default_pg_timeout.total_seconds() / 60
+    assert gloo_minutes == 30
+    for name in ("__init__", "missing_rank", "partial_collective", "uneven_batches"):
+        mod = importlib.import_module("ddp_lesson.labs.clinic" + ("" if name == "__init__"
+                                                                   else f".{name}"))
+        doc = " ".join(mod.__doc__.split())
+        assert re.search(r"\b30[ -]min", doc) and "gloo" in doc, name
+        assert re.search(r"NCCL's:? 10\b|10 on NCCL", doc), name
+        assert not re.search(r"\b10[ -]minute", doc), name

@@ -201,6 +201,51 @@ def test_gpu0_contexts_from_nvidia_smi_rows():
     assert check_gpu0_contexts(lambda query, kind: rows[kind]).ok
 
 
+#: ``nvidia-smi topo -m`` as two PCIe T4s print it (a cloud VM, Kaggle's 2xT4), tabs and all
+TOPO_T4_PAIR = (
+    "\x1b[4mGPU0\tGPU1\tCPU Affinity\tNUMA Affinity\tGPU NUMA ID\x1b[0m\n"
+    "GPU0\t X \tPHB\t0-3\t0\t\tN/A\n"
+    "GPU1\tPHB\t X \t0-3\t0\t\tN/A\n"
+    "\n"
+    "Legend:\n\n"
+    "  X    = Self\n"
+    "  SYS  = Connection traversing PCIe as well as the SMP interconnect between NUMA nodes\n"
+    "  PHB  = Connection traversing PCIe as well as a PCIe Host Bridge (typically the CPU)\n"
+    "  NV#  = Connection traversing a bonded set of # NVLinks\n")
+#: four SXM GPUs on NVLink, with a NIC column and row
+TOPO_NVLINK_4 = (
+    "\tGPU0\tGPU1\tGPU2\tGPU3\tNIC0\tCPU Affinity\tNUMA Affinity\n"
+    "GPU0\t X \tNV12\tNV12\tNV12\tSYS\t0-31\t0\n"
+    "GPU1\tNV12\t X \tNV12\tNV12\tSYS\t0-31\t0\n"
+    "GPU2\tNV12\tNV12\t X \tNV12\tPXB\t32-63\t1\n"
+    "GPU3\tNV12\tNV12\tNV12\t X \tPXB\t32-63\t1\n"
+    "NIC0\tSYS\tSYS\tPXB\tPXB\t X \n")
+TOPO_ONE_GPU = "\tGPU0\tCPU Affinity\tNUMA Affinity\nGPU0\t X \t0-7\t0\n"
+
+
+def test_topology_matrix_is_read_from_nvidia_smi_output():
+    assert doctor.parse_topology(TOPO_T4_PAIR) == {(0, 1): "PHB"}
+    pairs = doctor.parse_topology(TOPO_NVLINK_4)
+    assert len(pairs) == 6 and set(pairs.values()) == {"NV12"}  # the NIC column is not a GPU
+    assert doctor.parse_topology(TOPO_ONE_GPU) == {}
+
+
+def test_p2p_line_names_nccl_p2p_disable_for_a_pcie_pair():
+    f = doctor.check_p2p(lambda: TOPO_T4_PAIR, environ={})
+    assert f.ok and f.line() == ("ok       p2p: GPUs 0-1 over PCIe (PHB); if the first collective "
+                                 "hangs, try NCCL_P2P_DISABLE=1")
+    assert len(f.line()) <= 100
+    f = doctor.check_p2p(lambda: TOPO_T4_PAIR, environ={"NCCL_P2P_DISABLE": "1"})
+    assert f.symptom == "GPUs 0-1 over PCIe (PHB); NCCL_P2P_DISABLE is set: no P2P transfers"
+    assert doctor.check_p2p(lambda: TOPO_NVLINK_4, environ={}).symptom == (
+        "6 GPU pair(s), all over NVLink")
+    assert doctor.check_p2p(lambda: TOPO_ONE_GPU, environ={}).symptom == (
+        "fewer than 2 GPUs: no peer-to-peer path")
+    mixed = TOPO_NVLINK_4.replace("NV12\tNV12\tNV12\tSYS", "NV12\tSYS\tNV12\tSYS", 1)
+    assert doctor.check_p2p(lambda: mixed, environ={}).symptom.startswith(
+        "GPUs 0-2 over PCIe (SYS); if the first")
+
+
 def test_clean_machine_passes_and_a_problem_exits_1(tmp_path, capsys, monkeypatch):
     monkeypatch.delenv("MASTER_PORT", raising=False)
     for var in doctor.IFNAME_VARS:
@@ -212,7 +257,7 @@ def test_clean_machine_passes_and_a_problem_exits_1(tmp_path, capsys, monkeypatc
     assert out[-1] == "no problem found"
     assert all(line.startswith("ok       ") for line in out[:-1])
     assert [line.split(":")[0].split()[-1] for line in out[:-1]] == [
-        "backend", "port", "interface", "shm", "leftover", "gpu0"]
+        "backend", "port", "interface", "shm", "leftover", "gpu0", "p2p"]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()

@@ -95,6 +95,22 @@ def test_gloo_interface_message_is_a_warning_with_loopback_fallback():
     assert b"Manually set the network interface to bind to with GLOO_SOCKET_IFNAME." in near
 
 
+def test_the_flight_recorder_dump_names_are_the_ones_torch_reads():
+    """The dump's path prefix has a new name and an old one; the switch has one name (issue 40)."""
+    prose = _prose(DEEP)
+    assert ("the path prefix is `TORCH_FR_DUMP_TEMP_FILE`, older name "
+            "`TORCH_NCCL_DEBUG_INFO_TEMP_FILE`") in prose
+    with open(os.path.join(TORCH, "lib", "libtorch_cpu.so"), "rb") as f, \
+            mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as lib:
+        assert lib.find(b"TORCH_FR_DUMP_TEMP_FILE\x00") >= 0
+        assert lib.find(b"TORCH_NCCL_DEBUG_INFO_TEMP_FILE\x00") >= 0
+    header = _torch_src("include/torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp")
+    assert re.search(r'TORCH_NCCL_DUMP_ON_TIMEOUT = \{\s*"TORCH_NCCL_DUMP_ON_TIMEOUT"\};', header)
+    pitfalls = re.sub(r"\s+", " ", (NOTEBOOKS.parent / "docs" / "pitfalls.md").read_text())
+    assert "path prefix `TORCH_FR_DUMP_TEMP_FILE` (older name `TORCH_NCCL_DEBUG_INFO_TEMP_FILE`" \
+        in pitfalls
+
+
 def test_the_flight_recorder_records_on_gloo():
     prose = _prose(DEEP)
     assert "| the flight recorder, gloo and NCCL |" in prose

@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 
-from ddp_lesson import cli, config, train
+from ddp_lesson import cli, config, step, train
 from ddp_lesson.launch import run_torchrun
 
 TINY = ["--epochs", "1", "--num-train", "8", "--num-val", "2", "-b", "4", "--size", "32", "64",
@@ -121,8 +121,6 @@ def test_static_graph_with_no_sync_fails_in_torch_as_the_refusal_says():
 def test_bf16_where_the_device_cannot_do_it(monkeypatch, capsys, tmp_path):
     """bf16 autocast runs on CPU in torch 2.13; where it cannot (here: said so by a patched
     torch), the job stops at start, before any process group, with one line."""
-    from ddp_lesson import step
-
     monkeypatch.setattr(torch.amp.autocast_mode, "is_autocast_available", lambda device: False)
     line = _fails(TINY + ["--amp", "bf16", "--out", str(tmp_path)], capsys)
     assert line == "error: --amp bf16: autocast is not available on device type 'cpu'"
@@ -142,6 +140,49 @@ def test_bf16_where_the_device_cannot_do_it(monkeypatch, capsys, tmp_path):
     assert step.amp_unavailable("bf16", "cuda") == ("--amp bf16: this GPU (Tesla V100) does not "
                                                     "support bfloat16; use --amp fp16")
     assert step.amp_unavailable("fp16", "cuda") is None
+
+
+def test_bf16_guard_refuses_an_emulating_gpu_like_a_t4(monkeypatch):
+    """A T4 (7.5) makes bfloat16 tensors, so ``is_bf16_supported()`` is True there by default
+    (emulation); the guard asks ``including_emulation=False`` and refuses it (issue 40)."""
+    calls = []
+
+    def t4_is_bf16_supported(including_emulation=True):  # torch 2.13's rule for a 7.5 GPU
+        calls.append(including_emulation)
+        return including_emulation
+
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", t4_is_bf16_supported)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, **k: "Tesla T4")
+    monkeypatch.setattr(torch.amp.autocast_mode, "is_autocast_available", lambda device: True)
+    assert step.amp_unavailable("bf16", "cuda") == ("--amp bf16: this GPU (Tesla T4) does not "
+                                                    "support bfloat16; use --amp fp16")
+    assert calls == [False]
+    assert step.amp_unavailable("fp16", "cuda") is None
+    # an A100 (8.0): accepted
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
+    assert step.amp_unavailable("bf16", "cuda") is None
+
+
+def test_bf16_guard_on_a_torch_without_including_emulation(monkeypatch):
+    """Where ``is_bf16_supported`` takes no argument, the guard reads the compute capability."""
+    def old_is_bf16_supported():
+        return True  # what an emulating T4 answers there
+
+    class Props:
+        major = 7
+
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", old_is_bf16_supported)
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: Props)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, **k: "Tesla T4")
+    monkeypatch.setattr(torch.amp.autocast_mode, "is_autocast_available", lambda device: True)
+    assert step.cuda_bf16_native() is False
+    assert step.amp_unavailable("bf16", "cuda").startswith("--amp bf16: this GPU (Tesla T4)")
+    Props.major = 8
+    assert step.cuda_bf16_native() is True
+    assert step.amp_unavailable("bf16", "cuda") is None
 
 
 def test_flag_errors_come_before_any_process(capsys, monkeypatch):

@@ -2,7 +2,7 @@
 
 Each module runs under torchrun (``-m ddp_lesson.labs.clinic.<name>``), joins the group with
 a 5 s timeout (``init_distributed(timeout=5)``: gloo raises after the process group's timeout
-instead of waiting the default 10 minutes), registers a faulthandler stack dump on SIGUSR1,
+instead of gloo's default 30 minutes; NCCL's: 10), registers a faulthandler stack dump on SIGUSR1,
 takes ``--fixed`` to run the repaired program, and with ``--flight-dir DIR``
 leaves each rank's flight record in ``DIR`` (written while the case hangs,
 :class:`ddp_lesson.flight.HangWatch`; ``--flight-stacks`` adds the callers' file:line):

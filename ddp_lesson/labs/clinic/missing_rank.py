@@ -5,7 +5,7 @@
 The bug: the program takes its world size from its own configuration (here: one more than
 torchrun started, as when a config says 3 GPUs and the job got 2) instead of torchrun's
 ``WORLD_SIZE``. ``init_process_group`` then waits for a rank that does not exist. With the
-default timeout that is a 10-minute hang at start-up; with a short one the store raises,
+default timeout, a 30-minute hang on gloo (NCCL's: 10); with a short one the store raises,
 naming how many ranks joined. The fix: take rank and world size from torchrun's variables
 (``ddp_lesson.env.read_env``), never from a config or a hard-coded number.
 """

@@ -6,7 +6,7 @@ The bug: each rank holds its own data and rank ``r`` has ``3 + r`` batches (an u
 without a ``DistributedSampler``, or a streaming source). DDP all-reduces the gradients in
 every ``backward()``; when rank 0 runs out of data and leaves the loop, rank 1's 4th backward
 waits for a peer that never comes: gloo raises "Timed out waiting ... ms" after the process
-group's timeout (5 s here; 10 minutes by default). The fix: ``with Join([model]):`` around
+group's timeout (5 s here; 30 min by default, 10 on NCCL). The fix: ``with Join([model]):`` around
 the loop (``torch.distributed.algorithms.Join``, torch's "Distributed Training with Uneven
 Inputs Using the Join Context Manager" tutorial): a rank that finished shadows the
 collectives of the others with zero gradients until every rank is done. Also fine: give every
