@@ -73,6 +73,9 @@ SLOW: dict[str, str | frozenset[str]] = {
     "ddp/test_compile_ddp.py": frozenset({
         "test_three_ranks_parts_predicted_gradients_within_tolerance",
     }),
+    "ddp/test_ddp_buckets.py": frozenset({
+        "test_bucketed_ddp_builds_torchs_buckets",
+    }),
     "ddp/test_ddp_core.py": frozenset({
         "test_bucketed_core_launches_from_the_hooks_while_backward_runs",
     }),

@@ -121,8 +121,8 @@ def fp16_compress_hook(state, bucket):
 # of backward.
 
 # 04.4 -------------------------------------------------------------------------------
-# The teaching core itself (ddp_lesson/core/bucketed_ddp.py, imported above): reverse-order
-# buckets closed at the cap, launched asynchronously from the gradient hooks in bucket order,
+# The teaching core itself (ddp_lesson/core/bucketed_ddp.py, imported above): torch's
+# construction-time buckets (filled in registration order, closed at the cap, reversed), launched asynchronously from the gradient hooks in bucket order,
 # waited for in the end-of-backward callback; no_sync() launches nothing.
 
 

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddp_lesson.core.bucketed_ddp import MB, BucketedDDP, assign_buckets
+from ddp_lesson.core.bucketed_ddp import MB, BucketedDDP, assign_buckets, initial_buckets
 from ddp_lesson.core.naive_ddp import NaiveDDP, all_reduce_mean_
 from ddp_lesson.core.zero1 import Zero1Optimizer
 from ddp_lesson.exercises import check, describe, reference
@@ -109,8 +109,7 @@ class FutureBuckets(nn.Module):
             for t in [*module.parameters(), *module.buffers()]:
                 dist.broadcast(t, 0)
         self.params = [p for p in module.parameters() if p.requires_grad]
-        self.buckets = assign_buckets([p.numel() * 4 for p in self.params],
-                                      int(bucket_cap_mb * MB))
+        self.buckets = initial_buckets([p.numel() * 4 for p in self.params], bucket_cap_mb)
         self.where = {i: b for b, ids in enumerate(self.buckets) for i in ids}
         self.left, self.futures, self.started = {}, {}, False
         for i, p in enumerate(self.params):
@@ -178,10 +177,9 @@ class BlockingInHook(BucketedDDP):
 class ForwardOrder(BucketedDDP):
     def __init__(self, module, bucket_cap_mb=25):
         super().__init__(module, bucket_cap_mb)
-        n = len(self._params)
-        forward = assign_buckets([p.numel() * 4 for p in reversed(self._params)],
-                                 int(bucket_cap_mb * MB))
-        self.bucket_indices = [[n - 1 - i for i in b] for b in forward]
+        # filled in registration order, as torch, but launched in that order too (not reversed)
+        self.bucket_indices = assign_buckets([p.numel() * 4 for p in self._params],
+                                             int(bucket_cap_mb * MB))
         self._bucket_of = {i: b for b, ids in enumerate(self.bucket_indices) for i in ids}
         self._reset_buckets()
 
