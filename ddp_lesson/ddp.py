@@ -6,9 +6,9 @@ Run the three-way comparison (torch's DDP, NaiveDDP, BucketedDDP give the same w
 
 The algorithms are the teaching cores, :mod:`ddp_lesson.core.naive_ddp` (a hook per
 parameter, a callback queued for the end of backward that divides each gradient by the world
-size and SUM-all-reduces it) and :mod:`ddp_lesson.core.bucketed_ddp` (buckets built as torch's
-Reducer builds them at construction, each all-reduced asynchronously from the hook that completes it, waited
-for at the end of backward). The classes here subclass those cores and add what makes them a
+size and SUM-all-reduces it) and :mod:`ddp_lesson.core.bucketed_ddp` (buckets built as
+torch's Reducer builds them at construction, each all-reduced asynchronously from the hook
+that completes it, waited for at the end of backward). The classes here subclass those cores and add what makes them a
 drop-in replacement for ``torch.nn.parallel.DistributedDataParallel`` in an ordinary loop:
 
 * torch's constructor signature (``device_ids``, ``output_device``, ``broadcast_buffers``,
@@ -967,10 +967,10 @@ class BucketedDDP(_DropIn, _bucketed_core.BucketedDDP, Joinable):
     ``p.grad`` is the mean over ranks.
 
     Parameters are grouped as torch's Reducer groups them at construction
-    (:func:`ddp_lesson.core.bucketed_ddp.initial_buckets`: filled in registration order, a
-    bucket closed once it holds its limit, then reversed into launch order). During a synchronised backward, when the last
-    gradient of a bucket has been accumulated, the bucket's gradients are copied into its flat
-    tensor, multiplied by ``1/R`` (torch pre-divides too) and SUM-all-reduced asynchronously;
+    (:func:`ddp_lesson.core.bucketed_ddp.initial_buckets`: filled in registration order,
+    a bucket closed once it holds its limit, then reversed into launch order). During a
+    synchronised backward, when the last gradient of a bucket has been accumulated, the
+    bucket's gradients are copied into its flat tensor, multiplied by ``1/R`` (torch pre-divides too) and SUM-all-reduced asynchronously;
     buckets are issued in bucket order on every rank (a bucket that is complete early waits
     for the ones before it). When autograd has finished, the final callback issues whatever
     is left, waits for every bucket and copies the averages back into ``.grad``.

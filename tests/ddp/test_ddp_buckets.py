@@ -20,9 +20,9 @@ from ddp_lesson.commsim import (
     job_exposed_share,
     union_length,
 )
-from ddp_lesson.cost_model import model_ready_times, predict_bucket_sweep, predict_overlap
 from ddp_lesson.core.bucketed_ddp import BucketedDDP as CoreBucketedDDP
 from ddp_lesson.core.bucketed_ddp import bucket_size_limits, initial_buckets
+from ddp_lesson.cost_model import model_ready_times, predict_bucket_sweep, predict_overlap
 from ddp_lesson.ddp import (
     MB,
     BucketedDDP,
