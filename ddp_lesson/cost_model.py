@@ -226,11 +226,11 @@ def predict_bucket_sweep(param_nbytes: Sequence[float], caps_mb: Sequence[float]
                          bandwidth_bytes_per_s: float) -> list[dict]:
     """The cost model's exposed communication for each bucket cap (and for NaiveDDP).
 
-    Buckets from :func:`~ddp_lesson.core.bucketed_ddp.initial_buckets` (torch's at
-    construction, kept by ``BucketedDDP``; an explicit cap for every bucket), ready times
-    from :func:`model_ready_times`, link schedule from :func:`predict_overlap`. Small buckets start early but pay α many times;
-    big buckets pay α rarely but the last one starts only when backward ends: the exposed time
-    has a minimum in between.
+    Buckets from :func:`~ddp_lesson.core.bucketed_ddp.initial_buckets` (torch's at construction,
+    kept by ``BucketedDDP``; an explicit cap for every bucket), ready times from
+    :func:`model_ready_times`, link schedule from :func:`predict_overlap`. Small buckets start early
+    but pay α many times; big buckets pay α rarely but the last one starts only when backward ends:
+    the exposed time has a minimum in between.
 
     Args:
         param_nbytes: bytes per trainable parameter, registration order.

@@ -8,8 +8,8 @@ The algorithms are the teaching cores, :mod:`ddp_lesson.core.naive_ddp` (a hook 
 parameter, a callback queued for the end of backward that divides each gradient by the world
 size and SUM-all-reduces it) and :mod:`ddp_lesson.core.bucketed_ddp` (buckets built as
 torch's Reducer builds them at construction, each all-reduced asynchronously from the hook
-that completes it, waited for at the end of backward). The classes here subclass those cores and add what makes them a
-drop-in replacement for ``torch.nn.parallel.DistributedDataParallel`` in an ordinary loop:
+that completes it, waited for at the end of backward). The classes here subclass those
+cores and add what makes them a drop-in replacement for ``torch.nn.parallel.DistributedDataParallel`` in an ordinary loop:
 
 * torch's constructor signature (``device_ids``, ``output_device``, ``broadcast_buffers``,
   ``init_sync``, ``bucket_cap_mb``, ``find_unused_parameters``, ...), and NotImplementedError
@@ -967,13 +967,13 @@ class BucketedDDP(_DropIn, _bucketed_core.BucketedDDP, Joinable):
     ``p.grad`` is the mean over ranks.
 
     Parameters are grouped as torch's Reducer groups them at construction
-    (:func:`ddp_lesson.core.bucketed_ddp.initial_buckets`: filled in registration order,
-    a bucket closed once it holds its limit, then reversed into launch order). During a
-    synchronised backward, when the last gradient of a bucket has been accumulated, the
-    bucket's gradients are copied into its flat tensor, multiplied by ``1/R`` (torch pre-divides too) and SUM-all-reduced asynchronously;
-    buckets are issued in bucket order on every rank (a bucket that is complete early waits
-    for the ones before it). When autograd has finished, the final callback issues whatever
-    is left, waits for every bucket and copies the averages back into ``.grad``.
+    (:func:`ddp_lesson.core.bucketed_ddp.initial_buckets`: filled in registration order, a bucket
+    closed once it holds its limit, then reversed into launch order). During a synchronised
+    backward, when the last gradient of a bucket has been accumulated, the bucket's gradients are
+    copied into its flat tensor, multiplied by ``1/R`` (torch pre-divides too) and SUM-all-reduced
+    asynchronously; buckets are issued in bucket order on every rank (a bucket that is complete
+    early waits for the ones before it). When autograd has finished, the final callback issues
+    whatever is left, waits for every bucket and copies the averages back into ``.grad``.
 
     Unused parameters: with ``find_unused_parameters=True`` the autograd graph is walked
     after each forward (as torch does); parameters it does not reach are marked ready at
