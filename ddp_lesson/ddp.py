@@ -9,7 +9,8 @@ parameter, a callback queued for the end of backward that divides each gradient 
 size and SUM-all-reduces it) and :mod:`ddp_lesson.core.bucketed_ddp` (buckets built as
 torch's Reducer builds them at construction, each all-reduced asynchronously from the hook
 that completes it, waited for at the end of backward). The classes here subclass those
-cores and add what makes them a drop-in replacement for ``torch.nn.parallel.DistributedDataParallel`` in an ordinary loop:
+cores and add what makes them a drop-in replacement for
+``torch.nn.parallel.DistributedDataParallel`` in an ordinary loop:
 
 * torch's constructor signature (``device_ids``, ``output_device``, ``broadcast_buffers``,
   ``init_sync``, ``bucket_cap_mb``, ``find_unused_parameters``, ...), and NotImplementedError
