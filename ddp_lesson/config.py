@@ -243,8 +243,8 @@ class TrainConfig:
             ),
             (
                 self.ddp != "naive" or self.bucket_cap_mb is None,
-                f"bucket_cap_mb {self.bucket_cap_mb:g} needs --ddp torch or bucketed: NaiveDDP "
-                "has no buckets (it all-reduces each gradient on its own)",
+                f"bucket_cap_mb {self.bucket_cap_mb or 0:g} needs --ddp torch or bucketed: "
+                "NaiveDDP has no buckets (it all-reduces each gradient on its own)",
             ),
             (
                 self.ddp == "torch" or not self.static_graph,

@@ -262,6 +262,7 @@ SLOW: dict[str, str | frozenset[str]] = {
     "train/test_train.py": frozenset({
         "TestMultiProcess",
         "test_single_process_run",
+        "test_trainer_wraps_torchs_ddp_with_torchs_default_buckets",
     }),
     "train/test_train_accum.py": frozenset({
         "test_accumulation_equals_one_step_on_the_larger_batch",
