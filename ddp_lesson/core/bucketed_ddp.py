@@ -13,14 +13,14 @@ ideas from torch's DDP fix both costs:
   it travels. The callback queued for the end of backward only waits for what is still in
   flight and copies the averages back into ``.grad``, before ``backward()`` returns.
 
-The buckets are built as torch's Reducer builds them at construction: filled in registration
-order (the last parameter's bucket may stay small), then reversed into launch order. Without
-``bucket_cap_mb``, torch's first-filled bucket, the parameters defined first whose gradients
-come last, is capped at ``dist._DEFAULT_FIRST_BUCKET_BYTES`` (1 MiB), the others at 25 MiB;
-an explicit cap holds for every bucket. torch's DDP uses these buckets with
-``find_unused_parameters=True`` only, for good; by default its first iteration uses one bucket
-and it rebuilds them in the order the gradients became ready before the second forward (with
-``static_graph``, the third). The series' buckets stay as built.
+The buckets are those torch's Reducer is built with (``_ddp_init_helper``): filled in
+registration order, then reversed into launch order, so the bucket left below its cap (the last
+layers') goes first. Without ``bucket_cap_mb`` torch caps the first-filled bucket (the first
+layers', sent last) at ``dist._DEFAULT_FIRST_BUCKET_BYTES`` (1 MiB) and the others at 25 MiB;
+an explicit cap holds for every bucket. torch keeps these buckets only with
+``find_unused_parameters=True``: by default it sends one bucket in the first iteration and,
+before the second forward (the third with ``static_graph``), rebuilds them once in the order
+the gradients became ready. The series' buckets stay as built.
 
 Buckets are launched strictly in bucket order on every rank: collectives are matched by the
 order in which the ranks issue them, so if rank 0 issued bucket 3 while rank 1 issued bucket 2,
@@ -39,8 +39,8 @@ parameters, ``Join``, buffer broadcasts, comm hooks and a recorder.
 
 Sources: S. Li et al., "PyTorch Distributed: Experiences on Accelerating Data Parallel
 Training", VLDB 2020 (arXiv:2006.15704), section 3.2.3 (bucketing, overlap, ``no_sync``);
-torch 2.13's ``torch/nn/parallel/distributed.py`` (``_BucketCapacityConfig``, ``_ddp_init_helper``)
-and ``torch.distributed._compute_bucket_assignment_by_size`` (the bucket rule).
+torch 2.13's ``torch/nn/parallel/distributed.py`` (``_BucketCapacityConfig``,
+``_ddp_init_helper``) and ``torch.distributed._compute_bucket_assignment_by_size`` (the rule).
 """
 from __future__ import annotations
 
