@@ -111,8 +111,8 @@ def _messages_problem(cap, r, bw) -> str | None:
                 "in this backward. Call it as dist.all_reduce (import torch.distributed as "
                 "dist), asynchronously, once per bucket, so that it can be recorded.")
     if sizes == _forward_sizes(cap) and sizes != want:
-        return (f"{where}: all-reduced messages of {fmt_list(sizes)} elements: buckets filled "
-                f"in forward order; launched in reverse order (backward makes the last layer's "
+        return (f"{where}: all-reduced messages of {fmt_list(sizes)} elements: buckets sent "
+                f"in forward order; sent in reverse order (backward makes the last layer's "
                 f"gradients first), they are {fmt_list(want)}.")
     if sizes == _backward_filled_sizes(cap) and sizes != want:
         return (f"{where}: all-reduced messages of {fmt_list(sizes)} elements: buckets filled "
