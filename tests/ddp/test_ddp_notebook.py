@@ -246,15 +246,19 @@ def test_notebook_04_ranks_cells_print_what_one_process_computes():
     assert _nb04_outputs("loss.backward()                 # the hooks fire") == (
         ready + ["[rank 0] backward done"]
         + [f"[rank 0] all_reduce {i}: {n}" for i, n in enumerate(names)] + same)
-    # BucketedDDP, 64-byte cap: torch's bucket assignment of the reversed list, each bucket
-    # issued right after the hook of its last parameter, all before the end of backward
-    params = list(nets[0].parameters())[::-1]
-    buckets, _ = dist._compute_bucket_assignment_by_size(params, [64])
-    buckets = [[names[len(names) - 1 - j] for j in b] for b in buckets]
-    assert len(buckets) == 3
-    trace = []
-    for i, b in enumerate(buckets):
-        trace += [f"[rank 0] ready {n}" for n in b] + [f"[rank 0] all_reduce {i}: {', '.join(b)}"]
+    # BucketedDDP, 64-byte cap: torch's construction-time buckets (filled in registration
+    # order, reversed), each issued right after the hook that completes it (in bucket order),
+    # all before the end of backward
+    buckets, _ = dist._compute_bucket_assignment_by_size(list(nets[0].parameters()), [64])
+    buckets = [[names[j] for j in b] for b in buckets[::-1]]
+    assert len(buckets) == 4 and buckets[0] == ["4.bias"]
+    trace, done, sent = [], set(), 0
+    for n in reversed(names):                      # backward's order: the last layer first
+        trace.append(f"[rank 0] ready {n}")
+        done.add(n)
+        while sent < len(buckets) and done >= set(buckets[sent]):
+            trace.append(f"[rank 0] all_reduce {sent}: {', '.join(buckets[sent])}")
+            sent += 1
     assert _nb04_outputs("bucketed(x).sum().backward()") == (
         [f"[rank 0] buckets: {buckets}"] + trace + ["[rank 0] backward done"] + same)
     assert _nb04_outputs("%dist_stop") == [
