@@ -263,3 +263,39 @@ def test_notebook_04_ranks_cells_print_what_one_process_computes():
         [f"[rank 0] buckets: {buckets}"] + trace + ["[rank 0] backward done"] + same)
     assert _nb04_outputs("%dist_stop") == [
         "[dist_stop] 2 ranks stopped: process group destroyed, engines and controller ended"]
+
+
+def test_torchs_default_cap_is_two_buckets_here_not_one(deeplab):
+    """Deep dive 04 (bucket size), issue 41 claim 2: without ``bucket_cap_mb`` torch caps its
+    first-filled bucket at 1 MiB, so this model gets the 2 buckets of cap 1, not one."""
+    import nbformat
+
+    from ddp_lesson.core.bucketed_ddp import initial_buckets
+
+    model, _, nbytes = deeplab
+    default = initial_buckets(nbytes)
+    assert default == initial_buckets(nbytes, 1.0) == _torch_buckets(model, 1.0)
+    assert [sum(nbytes[i] for i in b) for b in default] == [87_628, 1_062_336]
+    assert len(initial_buckets(nbytes, 25)) == 1
+    nb = nbformat.read(ROOT / "notebooks" / BENCH_NB, as_version=4)
+    prose = " ".join(" ".join(c.source for c in nb.cells if c.cell_type == "markdown").split())
+    assert "one bucket for everything (an explicit cap of 25 MB" in prose
+    assert ("so on this 1.1 MiB model it makes the 2 buckets of cap 1 (the last layers' 87,628 "
+            "bytes first)") in prose
+    assert "cap 25 MB, torch's default" not in prose
+
+
+def test_notebook04_states_torchs_construction_rule_and_the_rebuild():
+    """Notebook 04 section 3 (issue 41 claim 1): the rule and when torch rebuilds, as
+    ``tests/ddp/test_ddp_buckets.py::test_bucketed_ddp_builds_torchs_buckets`` shows on torch."""
+    import nbformat
+
+    nb = nbformat.read(ROOT / "notebooks" / "04_ddp_from_scratch.ipynb", as_version=4)
+    prose = " ".join(" ".join(c.source for c in nb.cells if c.cell_type == "markdown").split())
+    assert "it fills buckets in *registration order*, each closed once it holds at least" in prose
+    assert "then reverses the list" in prose
+    assert ("torch uses these buckets for good only with `find_unused_parameters=True`. By "
+            "default its first iteration sends one bucket, and before the second forward it "
+            "**rebuilds** its buckets once, in the order the gradients became ready (the third "
+            "forward with `static_graph=True`)") in prose
+    assert "reverse registration order*" not in prose and "(torch's rule)" not in prose
