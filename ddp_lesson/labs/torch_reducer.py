@@ -10,7 +10,7 @@ unchanged on a GPU machine through gloo). Every function is a collective: call i
 rank, in the same order. ``main`` prints rank 0's facts (rounded, so the output is the same
 on every machine) and, with ``--out``, writes every number as JSON for the tests.
 
-Sources (torch 2.13): ``torch/nn/parallel/distributed.py`` (``BucketCapacityConfig``: one
+Sources (torch 2.13): ``torch/nn/parallel/distributed.py`` (``_BucketCapacityConfig``: one
 bucket in the first iteration unless ``find_unused_parameters``; ``register_comm_hook``;
 ``_check_comm_hook``'s bf16 refusal), ``torch/csrc/distributed/c10d/reducer.hpp``
 (``div_factor_``, ``kDefaultFirstBucketBytes``), and
@@ -85,7 +85,7 @@ def real_buckets(bucket_cap_mb: float = CAP_MB, iterations: int = 3) -> dict:
     Wraps :func:`make_stack` with ``bucket_cap_mb`` and runs ``iterations`` forward and
     backward passes (a collective). In torch 2.13 the first iteration uses **one** bucket
     (without ``find_unused_parameters`` the initial limit is ``sys.maxsize``: see
-    ``BucketCapacityConfig.compute_bucket_size_limits``); the Reducer records the order in
+    ``_BucketCapacityConfig.compute_bucket_size_limits``); the Reducer records the order in
     which gradients arrived and rebuilds its buckets with the cap before the second
     iteration's forward (``DistributedDataParallel._pre_forward`` calls
     ``reducer._rebuild_buckets()``); the logger reports the rebuilt ones from the third
