@@ -141,10 +141,11 @@ class TrainConfig:
         "clip the total L2 norm of the all-reduced gradients to MAX once per optimizer step "
         "(after unscaling under fp16); the norm before clipping goes to summary.json "
         "(unset: no clipping)", type=float, metavar="MAX"))
-    bucket_cap_mb: float = field(default=25.0, metadata=_note(
-        "gradient bucket size in MB (2**20 bytes) for --ddp torch and --ddp bucketed "
-        "(torch's default 25); smaller buckets: more all_reduce calls, started earlier",
-        metavar="MB"))
+    bucket_cap_mb: float | None = field(default=None, metadata=_note(
+        "gradient bucket size in MB (2**20 bytes) for --ddp torch and --ddp bucketed, for "
+        "every bucket; unset: torch's default, 1 MB for the bucket of the first layers and "
+        "25 MB for the others; smaller buckets: more all_reduce calls, started earlier",
+        type=float, metavar="MB"))
     static_graph: bool = field(default=False, metadata=_note(
         "pass static_graph=True to torch's DDP (--ddp torch only)", action="store_true"))
     gradient_as_bucket_view: bool = field(default=False, metadata=_note(
@@ -237,13 +238,14 @@ class TrainConfig:
                 f"clipping), got {self.clip_grad_norm}",
             ),
             (
-                math.isfinite(self.bucket_cap_mb) and self.bucket_cap_mb > 0,
+                self.bucket_cap_mb is None
+                or (math.isfinite(self.bucket_cap_mb) and self.bucket_cap_mb > 0),
                 f"bucket_cap_mb must be a finite number > 0, got {self.bucket_cap_mb}",
             ),
             (
-                self.ddp != "naive" or self.bucket_cap_mb == 25.0,
-                f"bucket_cap_mb {self.bucket_cap_mb:g} needs --ddp torch or bucketed: NaiveDDP "
-                "has no buckets (it all-reduces each gradient on its own)",
+                self.ddp != "naive" or self.bucket_cap_mb is None,
+                f"bucket_cap_mb {self.bucket_cap_mb or 0:g} needs --ddp torch or bucketed: "
+                "NaiveDDP has no buckets (it all-reduces each gradient on its own)",
             ),
             (
                 self.ddp == "torch" or not self.static_graph,

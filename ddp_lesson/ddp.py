@@ -6,10 +6,11 @@ Run the three-way comparison (torch's DDP, NaiveDDP, BucketedDDP give the same w
 
 The algorithms are the teaching cores, :mod:`ddp_lesson.core.naive_ddp` (a hook per
 parameter, a callback queued for the end of backward that divides each gradient by the world
-size and SUM-all-reduces it) and :mod:`ddp_lesson.core.bucketed_ddp` (buckets in reverse
-registration order, each all-reduced asynchronously from the hook that completes it, waited
-for at the end of backward). The classes here subclass those cores and add what makes them a
-drop-in replacement for ``torch.nn.parallel.DistributedDataParallel`` in an ordinary loop:
+size and SUM-all-reduces it) and :mod:`ddp_lesson.core.bucketed_ddp` (buckets built as
+torch's Reducer builds them at construction, each all-reduced asynchronously from the hook
+that completes it, waited for at the end of backward). The classes here subclass those
+cores and add what makes them a drop-in replacement for
+``torch.nn.parallel.DistributedDataParallel`` in an ordinary loop:
 
 * torch's constructor signature (``device_ids``, ``output_device``, ``broadcast_buffers``,
   ``init_sync``, ``bucket_cap_mb``, ``find_unused_parameters``, ...), and NotImplementedError
@@ -970,13 +971,14 @@ class BucketedDDP(_DropIn, _bucketed_core.BucketedDDP, Joinable):
     find_unused_parameters=...)``: when ``loss.backward()`` returns, every
     ``p.grad`` is the mean over ranks.
 
-    Parameters are grouped by :func:`assign_buckets` (reverse registration order, a bucket
-    closed once it holds ``bucket_cap_mb``). During a synchronised backward, when the last
-    gradient of a bucket has been accumulated, the bucket's gradients are copied into its flat
-    tensor, multiplied by ``1/R`` (torch pre-divides too) and SUM-all-reduced asynchronously;
-    buckets are issued in bucket order on every rank (a bucket that is complete early waits
-    for the ones before it). When autograd has finished, the final callback issues whatever
-    is left, waits for every bucket and copies the averages back into ``.grad``.
+    Parameters are grouped as torch's Reducer groups them at construction
+    (:func:`ddp_lesson.core.bucketed_ddp.initial_buckets`: filled in registration order, a bucket
+    closed once it holds its limit, then reversed into launch order). During a synchronised
+    backward, when the last gradient of a bucket has been accumulated, the bucket's gradients are
+    copied into its flat tensor, multiplied by ``1/R`` (torch pre-divides too) and SUM-all-reduced
+    asynchronously; buckets are issued in bucket order on every rank (a bucket that is complete
+    early waits for the ones before it). When autograd has finished, the final callback issues
+    whatever is left, waits for every bucket and copies the averages back into ``.grad``.
 
     Unused parameters: with ``find_unused_parameters=True`` the autograd graph is walked
     after each forward (as torch does); parameters it does not reach are marked ready at
@@ -997,8 +999,10 @@ class BucketedDDP(_DropIn, _bucketed_core.BucketedDDP, Joinable):
     parameter unfrozen or added after wrapping got a gradient), ``Join`` for uneven inputs,
     reentrant checkpointing and buffer broadcasts: as :class:`NaiveDDP`.
 
-    Differences from torch's DDP: buckets are fixed (torch rebuilds them after the first
-    iteration in the order gradients actually arrived, and makes its first bucket 1 MB);
+    Differences from torch's DDP: buckets are fixed. torch keeps these buckets only with
+    ``find_unused_parameters=True``; otherwise its first iteration uses one bucket and it
+    rebuilds them in the order gradients became ready before the second forward
+    (``Reducer::should_rebuild_buckets``; with ``static_graph``, the third);
     gradients are copied into the bucket (``gradient_as_bucket_view=False``); one extra
     small all-reduce per step carries the check table.
 
@@ -1012,7 +1016,10 @@ class BucketedDDP(_DropIn, _bucketed_core.BucketedDDP, Joinable):
             synchronised one (None: True, unless ``broadcast_buffers=False``); whatever its
             value, construction broadcasts them (torch's rule).
         process_group: group to average over (None: the default group).
-        bucket_cap_mb: bucket size in MiB (1 MiB = 1024**2 bytes), as in torch (None: 25).
+        bucket_cap_mb: bucket size in MiB (1 MiB = 1024**2 bytes), as in torch. None (the
+            default, as torch): 1 MiB for the first-filled bucket
+            (``dist._DEFAULT_FIRST_BUCKET_BYTES``), 25 MiB for the others; a number: that cap
+            for every bucket (:func:`ddp_lesson.core.bucketed_ddp.bucket_size_limits`).
         find_unused_parameters: see above (default False, as in torch).
         overlap: True (default) issues a bucket as soon as it is ready; False waits for the
             end of backward (to measure what overlap buys).
@@ -1027,7 +1034,7 @@ class BucketedDDP(_DropIn, _bucketed_core.BucketedDDP, Joinable):
 
     Raises:
         RuntimeError: no process group.
-        ValueError: no trainable parameter, a negative ``bucket_cap_mb``, a model that
+        ValueError: no trainable parameter, a negative or infinite ``bucket_cap_mb``, a model that
             differs between ranks, or bad ``device_ids`` / ``output_device``.
         NotImplementedError: a left-out torch feature (below).
 
@@ -1041,15 +1048,12 @@ class BucketedDDP(_DropIn, _bucketed_core.BucketedDDP, Joinable):
     def __init__(self, module: nn.Module, device_ids=None, output_device=None, dim=0,
                  broadcast_buffers: bool | None = None, init_sync: bool = True,
                  process_group=None,
-                 bucket_cap_mb: float | None = 25, find_unused_parameters: bool = False,
+                 bucket_cap_mb: float | None = None, find_unused_parameters: bool = False,
                  check_reduction: bool = False, gradient_as_bucket_view: bool = False,
                  static_graph: bool = False, *, overlap: bool = True,
                  comm_hook: Callable | None = None, recorder: Recorder | None = None,
                  **torch_kwargs):
-        if bucket_cap_mb is None:
-            bucket_cap_mb = 25  # torch's default
-        if bucket_cap_mb < 0:
-            raise ValueError(f"bucket_cap_mb must be >= 0, got {bucket_cap_mb}")
+        _bucketed_core.bucket_size_limits(bucket_cap_mb)  # a bad cap fails before any collective
         torch_kwargs.update(dim=dim, check_reduction=check_reduction,
                             gradient_as_bucket_view=gradient_as_bucket_view,
                             static_graph=static_graph)

@@ -722,17 +722,19 @@ class Trainer:
         }
 
 
-def wrap_model(module, kind: str, env, device, bucket_cap_mb: float = 25.0,
+def wrap_model(module, kind: str, env, device, bucket_cap_mb: float | None = None,
                static_graph: bool = False, gradient_as_bucket_view: bool = False):
     """Wrap ``module`` for data parallelism: torch's DDP or a wrapper of ``ddp_lesson.ddp``.
 
-    No wrapper without a process group (a single plain process). For torch's DDP,
-    ``device_ids`` only on CUDA (one GPU per process); no ``find_unused_parameters``: every
-    parameter gets a gradient each step. ``bucket_cap_mb`` goes to torch's DDP and to
-    BucketedDDP (NaiveDDP has no buckets); ``static_graph`` and ``gradient_as_bucket_view``
-    to torch's DDP only (:class:`~ddp_lesson.config.TrainConfig` refuses them with the
-    package's wrappers, which raise NotImplementedError for them). Synchronises: the
-    wrapper broadcasts rank 0's parameters and buffers at construction.
+    No wrapper without a process group (a single plain process). For torch's DDP, ``device_ids``
+    only on CUDA (one GPU per process); no ``find_unused_parameters``: every parameter gets a
+    gradient each step. ``bucket_cap_mb`` goes to torch's DDP and to BucketedDDP (NaiveDDP has no
+    buckets); None leaves torch's default (a 1 MiB bucket for the first layers, 25 MiB for the
+    others: ``_BucketCapacityConfig`` in torch 2.13's ``torch/nn/parallel/distributed.py``; an
+    explicit 25 drops the small bucket); ``static_graph`` and ``gradient_as_bucket_view`` to torch's
+    DDP only (:class:`~ddp_lesson.config.TrainConfig` refuses them with the package's wrappers,
+    which raise NotImplementedError for them). Synchronises: the wrapper broadcasts rank 0's
+    parameters and buffers at construction.
 
     Raises:
         TrainInputError: ``kind`` names a wrapper that cannot be imported.
@@ -768,7 +770,7 @@ def _start_lines(trainer: Trainer) -> list[str]:
     extras = [f"ddp {cfg.ddp}" if env.distributed else "no DDP wrapper (1 process)"]
     if cfg.sync_bn:
         extras.append("sync-bn")
-    if env.distributed and cfg.ddp != "naive" and cfg.bucket_cap_mb != 25.0:
+    if env.distributed and cfg.ddp != "naive" and cfg.bucket_cap_mb is not None:
         extras.append(f"bucket-cap-mb {cfg.bucket_cap_mb:g}")
     extras += [flag for flag, on in (("static-graph", cfg.static_graph),
                                      ("gradient-as-bucket-view", cfg.gradient_as_bucket_view))

@@ -77,6 +77,9 @@ SLOW: dict[str, str | frozenset[str]] = {
     "ddp/test_compile_ddp.py": frozenset({
         "test_three_ranks_parts_predicted_gradients_within_tolerance",
     }),
+    "ddp/test_ddp_buckets.py": frozenset({
+        "test_bucketed_ddp_builds_torchs_buckets",
+    }),
     "ddp/test_ddp_core.py": frozenset({
         "test_bucketed_core_launches_from_the_hooks_while_backward_runs",
     }),
@@ -276,6 +279,7 @@ SLOW: dict[str, str | frozenset[str]] = {
     "train/test_train.py": frozenset({
         "TestMultiProcess",
         "test_single_process_run",
+        "test_trainer_wraps_torchs_ddp_with_torchs_default_buckets",
     }),
     "train/test_train_accum.py": frozenset({
         "test_accumulation_equals_one_step_on_the_larger_batch",

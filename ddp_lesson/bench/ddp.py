@@ -10,7 +10,9 @@ batch with every variant, from the same seed:
 
 * without a link: ``torch`` (``DistributedDataParallel`` with its defaults), ``naive``
   (:class:`~ddp_lesson.ddp.NaiveDDP`), ``bucketed`` (:class:`~ddp_lesson.ddp.BucketedDDP`,
-  ``bucket_cap_mb=25`` like torch);
+  torch's default buckets unless ``--bucket-cap-mb``: a 1 MiB first-filled bucket, then
+  25 MiB; the stored ``benchmarks/ddp.csv`` was measured with ``--bucket-cap-mb 25``, one
+  bucket, as its ``bucket_cap_mb`` column says);
 * under a :class:`~ddp_lesson.commsim.SimulatedLink` (default α = 0.5 ms, 100 MB/s): ``torch``
   (the link as a DDP communication hook), ``naive``, ``bucketed`` with overlap and
   ``bucketed`` without overlap (both with ``--link-bucket-cap-mb``, several buckets);
@@ -81,8 +83,9 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="image size (default 64 128)")
     p.add_argument("--steps", type=int, default=6, help="timed steps per block (default 6)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per variant (default 2)")
-    p.add_argument("--bucket-cap-mb", type=float, default=25.0,
-                   help="BucketedDDP's cap without the link (default 25, torch's default)")
+    p.add_argument("--bucket-cap-mb", type=float, default=None,
+                   help="BucketedDDP's cap without the link, for every bucket (unset: torch's "
+                        "default, 1 MB for the first layers' bucket and 25 MB for the others)")
     p.add_argument("--link-bucket-cap-mb", type=float, default=0.25,
                    help="BucketedDDP's cap under the link (default 0.25)")
     p.add_argument("--latency-ms", type=float, default=0.5, help="link latency α (default 0.5)")
@@ -108,6 +111,8 @@ def worker_argv(opts) -> list[str]:
     out = ["worker", "--repeats", str(opts.repeats)]
     for name in _MODEL_FLAGS:
         value = getattr(opts, name)
+        if value is None:
+            continue  # unset: the worker's default is None too
         flag = "--" + name.replace("_", "-")
         out += [flag, *map(str, value)] if isinstance(value, (list, tuple)) else [flag, str(value)]
     return out + (["--no-link"] if getattr(opts, "no_link", False) else [])

@@ -6,12 +6,21 @@ ideas from torch's DDP fix both costs:
 * **Buckets.** Parameters are grouped into buckets of about ``bucket_cap_mb``; a bucket's
   gradients are copied into one flat tensor and all-reduced as one message, so the network's
   per-message latency is paid once per bucket, not once per parameter.
-* **Overlap.** Backward produces gradients from the last layer to the first, so buckets are
-  filled in *reverse* registration order: the first bucket is complete early in backward. The
-  gradient hook that completes a bucket launches its all-reduce at once, asynchronously
-  (``async_op=True``), and backward goes on computing the earlier layers while it travels.
-  The callback queued for the end of backward only waits for what is still in flight and
-  copies the averages back into ``.grad``, before ``backward()`` returns.
+* **Overlap.** Backward produces gradients from the last layer to the first, so the buckets
+  are launched from the last layer's to the first's: the first bucket is complete early in
+  backward. The gradient hook that completes a bucket launches its all-reduce at once,
+  asynchronously (``async_op=True``), and backward goes on computing the earlier layers while
+  it travels. The callback queued for the end of backward only waits for what is still in
+  flight and copies the averages back into ``.grad``, before ``backward()`` returns.
+
+The buckets are those torch's Reducer is built with (``_ddp_init_helper``): filled in
+registration order, then reversed into launch order, so the bucket left below its cap (the last
+layers') goes first. Without ``bucket_cap_mb`` torch caps the first-filled bucket (the first
+layers', sent last) at ``dist._DEFAULT_FIRST_BUCKET_BYTES`` (1 MiB) and the others at 25 MiB;
+an explicit cap holds for every bucket. torch keeps these buckets only with
+``find_unused_parameters=True``: by default it sends one bucket in the first iteration and,
+before the second forward (the third with ``static_graph``), rebuilds them once in the order
+the gradients became ready. The series' buckets stay as built.
 
 Buckets are launched strictly in bucket order on every rank: collectives are matched by the
 order in which the ranks issue them, so if rank 0 issued bucket 3 while rank 1 issued bucket 2,
@@ -30,7 +39,8 @@ parameters, ``Join``, buffer broadcasts, comm hooks and a recorder.
 
 Sources: S. Li et al., "PyTorch Distributed: Experiences on Accelerating Data Parallel
 Training", VLDB 2020 (arXiv:2006.15704), section 3.2.3 (bucketing, overlap, ``no_sync``);
-``torch.distributed._compute_bucket_assignment_by_size`` (the bucket rule).
+torch 2.13's ``torch/nn/parallel/distributed.py`` (``_BucketCapacityConfig``,
+``_ddp_init_helper``) and ``torch.distributed._compute_bucket_assignment_by_size`` (the rule).
 """
 from __future__ import annotations
 
@@ -43,61 +53,96 @@ from torch import nn
 
 from .naive_ddp import all_reduce_mean_
 
-__all__ = ["MB", "assign_buckets", "BucketedDDP"]
+__all__ = ["MB", "DEFAULT_CAP_MB", "bucket_size_limits", "assign_buckets", "initial_buckets",
+           "BucketedDDP"]
 
 #: Bytes in one "MB" of ``bucket_cap_mb`` (torch counts 1024 * 1024).
 MB = 1024 * 1024
+#: torch's cap without ``bucket_cap_mb`` (``_DEFAULT_BUCKET_CAP_MB`` in ``distributed.py``).
+DEFAULT_CAP_MB = 25
 
 
-def assign_buckets(nbytes: Sequence[int], bucket_cap_bytes: int,
-                   keys: Sequence | None = None) -> list[list[int]]:
-    """Group parameters into buckets, filling them in *reverse* registration order.
+def bucket_size_limits(bucket_cap_mb: float | None = None) -> list[int]:
+    """torch's bucket size limits in bytes, as ``_BucketCapacityConfig`` computes them.
 
-    Walks the parameters from the last to the first (the order in which backward produces
-    their gradients) and appends each to the open bucket of its ``key`` (one bucket is one
-    flat tensor, so it holds one dtype on one device). A bucket closes as soon as it holds
-    **at least** ``bucket_cap_bytes``: it can pass the cap by its last parameter, and a
-    parameter larger than the cap gets a bucket of its own. This is torch's rule
-    (``torch.distributed._compute_bucket_assignment_by_size``) applied to the reversed list.
+    None (torch's default): ``[dist._DEFAULT_FIRST_BUCKET_BYTES, 25 MiB]``, read now (1 MiB
+    unless changed): the first-filled bucket is small. An explicit cap: ``[cap]`` for every
+    bucket. Raises ValueError for a negative or non-finite cap.
+    """
+    if bucket_cap_mb is not None and not 0 <= bucket_cap_mb < float("inf"):
+        raise ValueError(f"bucket_cap_mb must be a finite number >= 0, got {bucket_cap_mb}")
+    cap = int((DEFAULT_CAP_MB if bucket_cap_mb is None else bucket_cap_mb) * MB)
+    first = dist._DEFAULT_FIRST_BUCKET_BYTES if bucket_cap_mb is None else cap
+    return [first, cap] if first < cap else [cap]
 
-    Pure function, no process group.
+
+def assign_buckets(nbytes: Sequence[int], limits: int | Sequence[int],
+                   keys: Sequence | None = None,
+                   order: Sequence[int] | None = None) -> list[list[int]]:
+    """Group parameters into buckets: ``torch.distributed._compute_bucket_assignment_by_size``.
+
+    Walks the parameters in ``order`` and appends each to the open bucket of its ``key`` (one
+    bucket is one flat tensor: one dtype on one device). A bucket closes as soon as it holds
+    **at least** its limit: the n-th bucket of a key gets ``limits[n]``, later ones the last
+    limit; it can pass the limit by its last parameter, and a parameter larger than the limit
+    gets a bucket of its own. Pure function, no process group.
 
     Args:
         nbytes: bytes of each parameter's gradient, in registration order.
-        bucket_cap_bytes: the cap, ``>= 0`` (0: every parameter in a bucket of its own).
-        keys: one hashable per parameter, e.g. ``(dtype, device)``; parameters with
-            different keys never share a bucket. None: all the same.
+        limits: bytes, ``>= 0``: one cap, or a list such as :func:`bucket_size_limits`.
+        keys: one hashable per parameter, e.g. ``(dtype, device)``; None: all the same.
+        order: the order to walk, e.g. the order gradients became ready (torch's rebuild);
+            None: registration order, and the buckets are sorted by their smallest index.
 
     Returns:
-        Buckets in launch order; each a list of parameter indices in the order their
-        gradients become ready (descending). Every index appears exactly once.
+        Buckets in fill order, each a list of parameter indices in walking order. torch's
+        construction-time launch order is the reverse: :func:`initial_buckets`.
 
     Raises:
-        ValueError: a negative cap or size, or ``keys`` of the wrong length.
+        ValueError: a negative limit or size, ``keys`` of the wrong length, or an ``order``
+            that is not a permutation of the indices.
 
     >>> assign_buckets([16, 16, 16, 16, 16], 32)
-    [[4, 3], [2, 1], [0]]
+    [[0, 1], [2, 3], [4]]
     """
-    if bucket_cap_bytes < 0:
-        raise ValueError(f"bucket_cap_bytes must be >= 0, got {bucket_cap_bytes}")
+    limits = [int(limits)] if isinstance(limits, (int, float)) else [int(x) for x in limits]
+    if not limits or min(limits) < 0:
+        raise ValueError(f"bucket size limits must be >= 0 bytes, got {limits}")
     keys = [None] * len(nbytes) if keys is None else keys
     if len(keys) != len(nbytes):
         raise ValueError(f"{len(keys)} keys for {len(nbytes)} parameters")
-    open_buckets: dict = {}  # key -> (indices, bytes so far)
+    walk = range(len(nbytes)) if order is None else order
+    if sorted(walk) != list(range(len(nbytes))):
+        raise ValueError(f"order must list each of the {len(nbytes)} indices once")
+    open_buckets: dict = {}  # key -> (indices, bytes so far, buckets of that key closed)
     closed: list[list[int]] = []
-    for i in reversed(range(len(nbytes))):  # backward's order: last layer first
+    for i in walk:
         if nbytes[i] < 0:
             raise ValueError(f"parameter {i} has a negative size {nbytes[i]}")
-        indices, size = open_buckets.pop(keys[i], ([], 0))
+        indices, size, n = open_buckets.get(keys[i], ([], 0, 0))
         indices.append(i)
         size += nbytes[i]
-        if size >= bucket_cap_bytes:
+        if size >= limits[min(n, len(limits) - 1)]:
             closed.append(indices)
-        else:
-            open_buckets[keys[i]] = (indices, size)
-    closed.extend(indices for indices, _ in open_buckets.values())
-    closed.sort(key=lambda b: -b[0])  # launch order: the bucket whose first gradient comes first
+            indices, size, n = [], 0, n + 1
+        open_buckets[keys[i]] = (indices, size, n)
+    closed.extend(indices for indices, _, _ in open_buckets.values() if indices)
+    if order is None:
+        closed.sort(key=min)  # torch sorts by the smallest index when no order is given
     return closed
+
+
+def initial_buckets(nbytes: Sequence[int], bucket_cap_mb: float | None = None,
+                    keys: Sequence | None = None) -> list[list[int]]:
+    """torch's buckets at construction, in launch order: registration order, then reversed.
+
+    As ``_ddp_init_helper`` builds them with ``find_unused_parameters=True`` (which keeps
+    them): :func:`assign_buckets` with :func:`bucket_size_limits`, reversed.
+
+    >>> initial_buckets([16, 16, 16, 16, 16], 32 / MB)
+    [[4], [2, 3], [0, 1]]
+    """
+    return assign_buckets(nbytes, bucket_size_limits(bucket_cap_mb), keys)[::-1]
 
 
 class BucketedDDP(nn.Module):
@@ -105,12 +150,13 @@ class BucketedDDP(nn.Module):
 
     Args:
         module: the model, already on this rank's device.
-        bucket_cap_mb: bucket size in MiB (1024**2 bytes), as ``bucket_cap_mb`` in torch.
+        bucket_cap_mb: bucket size in MiB (1024**2 bytes), as in torch; None (default):
+            torch's default, a 1 MiB first-filled bucket and 25 MiB for the others.
         process_group: the group to average over (None: the default group).
 
     Attributes:
         bucket_indices: the buckets, in launch order, as lists of indices into the trainable
-            parameters (registration order).
+            parameters (registration order): :func:`initial_buckets`.
 
     As in the naive core: rank 0's parameters and buffers are broadcast at construction, and
     a parameter that got no gradient on this rank contributes zeros (its bucket then waits for
@@ -119,7 +165,8 @@ class BucketedDDP(nn.Module):
     Synchronisation: construction and every synchronised backward are collectives.
     """
 
-    def __init__(self, module: nn.Module, bucket_cap_mb: float = 25, process_group=None):
+    def __init__(self, module: nn.Module, bucket_cap_mb: float | None = None,
+                 process_group=None):
         super().__init__()
         self.module = module
         self.process_group = process_group
@@ -129,8 +176,8 @@ class BucketedDDP(nn.Module):
         self._sync_this_backward = False
         self._params = [p for p in module.parameters() if p.requires_grad]
         self._broadcast_state()
-        self.bucket_indices = assign_buckets(
-            [p.numel() * p.element_size() for p in self._params], int(bucket_cap_mb * MB),
+        self.bucket_indices = initial_buckets(
+            [p.numel() * p.element_size() for p in self._params], bucket_cap_mb,
             [(p.dtype, p.device) for p in self._params])
         self._bucket_of = {i: b for b, bucket in enumerate(self.bucket_indices) for i in bucket}
         self._reset_buckets()

@@ -57,7 +57,7 @@ __all__ = [
 #: DDPOptimizer's 1 MiB first bucket holds exactly one layer. ``dims`` lists the features
 #: between layers: (512,) * 5 makes 4 layers.
 DIMS = (512,) * 5
-#: The caps of the sweep (bucket_cap_mb; None: DDP's default, 25 MiB).
+#: The caps of the sweep (bucket_cap_mb; None: DDP's default, 25 MiB with a 1 MiB first bucket).
 CAPS_MB = (None, 1, 2)
 #: The cap of a second eager DDP run: other buckets, same gradients?
 OTHER_CAP_MB = 1

@@ -10,7 +10,7 @@ unchanged on a GPU machine through gloo). Every function is a collective: call i
 rank, in the same order. ``main`` prints rank 0's facts (rounded, so the output is the same
 on every machine) and, with ``--out``, writes every number as JSON for the tests.
 
-Sources (torch 2.13): ``torch/nn/parallel/distributed.py`` (``BucketCapacityConfig``: one
+Sources (torch 2.13): ``torch/nn/parallel/distributed.py`` (``_BucketCapacityConfig``: one
 bucket in the first iteration unless ``find_unused_parameters``; ``register_comm_hook``;
 ``_check_comm_hook``'s bf16 refusal), ``torch/csrc/distributed/c10d/reducer.hpp``
 (``div_factor_``, ``kDefaultFirstBucketBytes``), and
@@ -33,7 +33,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
 
-from ddp_lesson.ddp import MB, assign_buckets
+from ddp_lesson.core.bucketed_ddp import MB, assign_buckets, bucket_size_limits
 
 __all__ = [
     "HOOKS",
@@ -86,9 +86,12 @@ def real_buckets(bucket_cap_mb: float = CAP_MB, iterations: int = 3) -> dict:
     Wraps :func:`make_stack` with ``bucket_cap_mb`` and runs ``iterations`` forward and
     backward passes (a collective). In torch 2.13 the first iteration uses **one** bucket
     (without ``find_unused_parameters`` the initial limit is ``sys.maxsize``: see
-    ``BucketCapacityConfig.compute_bucket_size_limits``); the Reducer records the order in
+    ``_BucketCapacityConfig.compute_bucket_size_limits``); the Reducer records the order in
     which gradients arrived and rebuilds its buckets with the cap before the second
-    iteration's backward; the logger reports the rebuilt ones from the third iteration on.
+    iteration's forward (``DistributedDataParallel._pre_forward`` calls
+    ``reducer._rebuild_buckets()``); the logger reports the rebuilt ones from the third
+    iteration on. ``ours`` is :func:`assign_buckets` walked in that ready order with
+    :func:`bucket_size_limits`, as the rebuild does.
 
     Returns:
         ``{"iterations": [{"bucket_sizes": [bytes...], "rebuilt_bucket_sizes": [bytes...] or
@@ -116,7 +119,8 @@ def real_buckets(bucket_cap_mb: float = CAP_MB, iterations: int = 3) -> dict:
         )
     nbytes = [p.numel() * p.element_size() for p in model.parameters()]
     cap = int(bucket_cap_mb * MB)
-    ours = assign_buckets(nbytes, cap)
+    ready = per_iter[-1]["grad_ready_order"] or list(range(len(nbytes)))[::-1]
+    ours = assign_buckets(nbytes, bucket_size_limits(bucket_cap_mb), order=ready)
     return {"iterations": per_iter, "ours": ours,
             "ours_sizes": [sum(nbytes[i] for i in b) for b in ours],
             "num_tensors": len(nbytes), "cap_bytes": cap}

@@ -208,7 +208,8 @@ REDUCER_MAP = [
         "4 · end of\nbackward",
         "queue_callback(_final_callback)\n→ _after_backward: wait every\nbucket, copy flat → .grad",
         "queue_callback(finalize_backward):\nwait the futures, copy into .grad\n"
-        "(a view: no copy). Buckets are rebuilt\nonce, before the 2nd forward",
+        "(a view: no copy). Rebuilt once, before\nforward 2 (static_graph: 3); never\n"
+        "with find_unused_parameters=True",
     ),
 ]
 
@@ -218,7 +219,10 @@ def reducer_map_figure(figsize=(11, 5.4)):
 
     Four rows (:data:`REDUCER_MAP`): a parameter's gradient is accumulated (a hook after
     gradient accumulation), its bucket is ready, the bucket is all-reduced, backward ends
-    (a callback queued on autograd's engine finalizes). Sources: ``torch/nn/parallel/
+    (a callback queued on autograd's engine finalizes). torch rebuilds its buckets once, in
+    the order gradients became ready, before the 2nd forward (with ``static_graph``, the 3rd;
+    with ``find_unused_parameters=True`` never: ``_BucketCapacityConfig`` and
+    ``_pre_forward``; shown by ``tests/ddp/test_ddp_buckets.py``). Sources: ``torch/nn/parallel/
     distributed.py`` and ``torch/csrc/distributed/c10d/reducer.hpp`` (torch 2.13).
 
     Args:

@@ -45,11 +45,15 @@ def test_launcher_options_are_not_passed_to_the_worker():
             "--steps", "3", "--size", "8", "16", "--repeats", "5"]
     args = worker_argv(_parser().parse_args(argv))
     assert args == ["worker", "--repeats", "5", "--width", "16", "--batch", "2", "--size", "8",
-                    "16", "--steps", "3", "--warmup", "2", "--bucket-cap-mb", "25.0",
+                    "16", "--steps", "3", "--warmup", "2",
                     "--link-bucket-cap-mb", "0.25", "--latency-ms", "0.5",
                     "--bandwidth-mbps", "100.0"]
     back = _worker_parser().parse_args(args[1:])
     assert (back.batch, back.steps, back.size, back.repeats) == (2, 3, [8, 16], 5)
+    # unset --bucket-cap-mb: BucketedDDP gets torch's default buckets, as torch's DDP does
+    assert back.bucket_cap_mb is None
+    args = worker_argv(_parser().parse_args(argv + ["--bucket-cap-mb", "25"]))
+    assert args[args.index("--bucket-cap-mb") + 1] == "25.0"
 
 
 def test_benchmark_figure_has_both_panels():

@@ -24,7 +24,7 @@ import torch.fx
 from notebook_cells import StoredRun, stream_text
 from torch import nn
 
-from ddp_lesson.ddp import MB, assign_buckets
+from ddp_lesson.core.bucketed_ddp import MB, assign_buckets, initial_buckets
 from ddp_lesson.labs import compile_ddp as cd
 
 NB = "deep/04_torch_compile_and_ddp.ipynb"
@@ -256,8 +256,9 @@ def test_stored_gradients_bit_identical():
     # 4 split runs, 2 graph-break runs, the 2 wrappers eager and compiled
     assert lines[0] == ("gradients vs eager DDP's: bit-identical in 10 of 10 runs, "
                         "max |diff| = 0.0e+00")
-    n_buckets = len(assign_buckets([p.numel() * 4 for p in cd.Stack().parameters()],
-                                   cd.OTHER_CAP_MB * MB))
+    sizes = [p.numel() * 4 for p in cd.Stack().parameters()]
+    # eager DDP's buckets after its rebuild: torch's rule walked in the ready order
+    n_buckets = len(assign_buckets(sizes, cd.OTHER_CAP_MB * MB, order=range(len(sizes))[::-1]))
     assert n_buckets > 2   # really other buckets than the default's 2
     assert lines[1] == (f"eager DDP, bucket_cap_mb={cd.OTHER_CAP_MB} ({n_buckets} buckets): "
                         "bit-identical True, max |diff| = 0.0e+00")
@@ -288,7 +289,7 @@ def test_stored_graph_break_counts():
 def test_stored_wrappers_compile_whole_and_lose_overlap():
     lines = _lines('report(res, ["wrappers"])')
     params = [p.numel() * p.element_size() for p in cd.Stack().parameters()]
-    buckets = len(assign_buckets(params, 1 * MB))
+    buckets = len(initial_buckets(params, 1))   # BucketedDDP's: torch's at construction
     naive_e, naive_tl, naive_c, naive_ctl, buck_e, buck_tl, buck_c, buck_ctl = lines
     assert naive_e == f"NaiveDDP eager: {len(params)} all-reduces, 0 overlapped"
     assert naive_c == (f"NaiveDDP compiled: 1 dynamo graph, 0 graph breaks, 1 part; "
@@ -298,6 +299,15 @@ def test_stored_wrappers_compile_whole_and_lose_overlap():
     assert cd.overlapped(buck_tl.split()) == buckets - 1   # all but the last bucket overlap
     assert buck_c == (f"BucketedDDP compiled: 1 dynamo graph, 0 graph breaks, 1 part; "
                       f"{buckets} all-reduces, 0 overlapped")
+    from pathlib import Path
+
+    import nbformat
+
+    nb = nbformat.read(Path(__file__).resolve().parents[2] / "notebooks" / NB, as_version=4)
+    prose = " ".join(" ".join(c.source for c in nb.cells if c.cell_type == "markdown").split())
+    assert (f"`BucketedDDP`'s {buckets} all-reduces (at `bucket_cap_mb=1`: torch's "
+            "construction-time buckets") in prose
+    assert f"0 overlapped, where the same wrapper eager had {buckets - 1}." in prose
     for tl in (naive_ctl, buck_ctl):
         tokens = tl.split()
         assert tokens[0] == "[1]" and cd.overlapped(tokens) == 0

@@ -20,6 +20,8 @@ from ddp_lesson.commsim import (
     job_exposed_share,
     union_length,
 )
+from ddp_lesson.core.bucketed_ddp import BucketedDDP as CoreBucketedDDP
+from ddp_lesson.core.bucketed_ddp import bucket_size_limits, initial_buckets
 from ddp_lesson.cost_model import model_ready_times, predict_bucket_sweep, predict_overlap
 from ddp_lesson.ddp import (
     MB,
@@ -31,39 +33,115 @@ from ddp_lesson.ddp import (
 DTYPES = (torch.float32, torch.float64, torch.float16)
 
 
-def _torch_buckets(tensors, cap_bytes):
-    """torch's own assignment, applied to the parameters in reverse order, mapped back."""
-    rev = list(reversed(tensors))
-    buckets, _ = dist._compute_bucket_assignment_by_size(rev, [cap_bytes])
-    return [[len(tensors) - 1 - j for j in b] for b in buckets]
+def _torch_buckets(tensors, limits):
+    """torch's own assignment of ``tensors`` in registration order (no process group)."""
+    buckets, _ = dist._compute_bucket_assignment_by_size(tensors, limits)
+    return buckets
 
 
 @settings(max_examples=200, deadline=None)
 @given(sizes=st.lists(st.integers(1, 300), min_size=1, max_size=25),
        dtype_ids=st.lists(st.integers(0, 2), min_size=25, max_size=25),
-       cap=st.integers(0, 2000))
-def test_assign_buckets_equals_torch_in_reverse_order(sizes, dtype_ids, cap):
+       limits=st.lists(st.integers(0, 2000), min_size=1, max_size=3))
+def test_assign_buckets_equals_torch(sizes, dtype_ids, limits):
     tensors = [torch.zeros(n, dtype=DTYPES[d]) for n, d in zip(sizes, dtype_ids)]
     nbytes = [t.numel() * t.element_size() for t in tensors]
-    ours = assign_buckets(nbytes, cap, [t.dtype for t in tensors])
-    assert ours == _torch_buckets(tensors, cap)
+    keys = [t.dtype for t in tensors]
+    assert assign_buckets(nbytes, limits, keys) == _torch_buckets(tensors, limits)
+    # a given order (torch's rebuild passes the ready order): walked as given, never sorted
+    # (one dtype: torch appends the open buckets of several keys in a hash map's order)
+    order = list(range(len(tensors)))[::-1]
+    theirs, _ = dist._compute_bucket_assignment_by_size(
+        [tensors[i].float() for i in order], limits, [], order)
+    assert assign_buckets([4 * n for n in sizes], limits, order=order) == theirs
 
 
-def test_assign_buckets_reverse_order_and_torch_cap_rule():
-    # 5 parameters of 16 bytes: a bucket closes once it holds >= the cap
-    assert assign_buckets([16] * 5, 32) == [[4, 3], [2, 1], [0]]
-    assert assign_buckets([16] * 5, 33) == [[4, 3, 2], [1, 0]]
-    assert assign_buckets([16] * 5, 0) == [[4], [3], [2], [1], [0]]
-    assert assign_buckets([16] * 5, 25 * MB) == [[4, 3, 2, 1, 0]]
+def test_initial_buckets_are_torchs_registration_order_reversed():
+    # issue 41: 5 parameters of 16 bytes, cap 32: torch fills [0, 1], [2, 3], [4], launches
+    # them reversed; filling from the last parameter ([[4, 3], [2, 1], [0]]) is its rebuild
+    assert assign_buckets([16] * 5, 32) == [[0, 1], [2, 3], [4]]
+    assert initial_buckets([16] * 5, 32 / MB) == [[4], [2, 3], [0, 1]]
+    assert assign_buckets([16] * 5, 32, order=[4, 3, 2, 1, 0]) == [[4, 3], [2, 1], [0]]
+    assert initial_buckets([16] * 5, 33 / MB) == [[3, 4], [0, 1, 2]]
+    assert initial_buckets([16] * 5, 0) == [[4], [3], [2], [1], [0]]
+    assert initial_buckets([16] * 5, 25) == [[0, 1, 2, 3, 4]]
     # a parameter bigger than the cap gets a bucket of its own
-    assert assign_buckets([8, 1000, 8], 100) == [[2, 1], [0]]
+    assert initial_buckets([8, 1000, 8], 100 / MB) == [[2], [0, 1]]
+    # torch's default: the first-filled bucket (first parameters, launched last) <= 1 MiB
+    assert bucket_size_limits() == [dist._DEFAULT_FIRST_BUCKET_BYTES, 25 * MB] == [MB, 25 * MB]
+    assert bucket_size_limits(25) == [25 * MB]           # an explicit cap: every bucket
+    assert initial_buckets([MB // 2] * 6) == [[2, 3, 4, 5], [0, 1]]
+    assert initial_buckets([MB // 2] * 6, 25) == [[0, 1, 2, 3, 4, 5]]
 
 
 def test_assign_buckets_rejects_bad_arguments():
-    with pytest.raises(ValueError, match="bucket_cap_bytes must be >= 0, got -1"):
+    with pytest.raises(ValueError, match=r"bucket size limits must be >= 0 bytes, got \[-1\]"):
         assign_buckets([4], -1)
     with pytest.raises(ValueError, match="2 keys for 1 parameters"):
         assign_buckets([4], 10, ["a", "b"])
+    with pytest.raises(ValueError, match="order must list each of the 2 indices once"):
+        assign_buckets([4, 4], 10, order=[0, 0])
+    for bad in (-1, math.inf, math.nan):
+        with pytest.raises(ValueError, match=f"bucket_cap_mb must be a finite number >= 0, "
+                                             f"got {bad}"):
+            bucket_size_limits(bad)
+
+
+def _stack(sizes, seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(*[nn.Linear(a, b) for a, b in zip(sizes, sizes[1:])])
+
+
+#: (model, bucket_cap_mb) pairs: torch's default cap and explicit ones, several bucket counts.
+TORCH_CASES = [((512, 512, 512, 10), None), ((512, 512, 512, 10), 25), ((512, 512, 512, 10), 1),
+               ((256,) * 9, 0.5), ((256,) * 9, None), ((64, 300, 7, 900, 3), 0.02),
+               ((64, 300, 7, 900, 3), 0)]
+
+
+def _torch_ddp_buckets(model, iterations, **kwargs):
+    """torch's buckets in each iteration, in launch order, read by a comm hook."""
+    ddp = nn.parallel.DistributedDataParallel(model, **kwargs)
+    index = {id(p): i for i, p in enumerate(model.parameters())}
+    seen: list = []
+
+    def hook(state, bucket):
+        seen.append((bucket.index(), [index[id(p)] for p in bucket.parameters()]))
+        fut = torch.futures.Future()
+        fut.set_result(bucket.buffer())
+        return fut
+
+    ddp.register_comm_hook(None, hook)
+    out = []
+    for _ in range(iterations):
+        seen.clear()
+        ddp(torch.randn(2, model[0].in_features)).sum().backward()
+        out.append([ids for _, ids in sorted(seen)])
+    return out
+
+
+def test_bucketed_ddp_builds_torchs_buckets(world_of_one):
+    """BucketedDDP's buckets are those torch's DDP builds (kept with find_unused_parameters);
+    without it torch starts with one bucket and rebuilds in the ready order before the 2nd
+    forward (static_graph: the 3rd): assign_buckets walked in that order."""
+    for sizes, cap in TORCH_CASES:
+        nbytes = [p.numel() * 4 for p in _stack(sizes).parameters()]
+        ours = BucketedDDP(_stack(sizes), bucket_cap_mb=cap).bucket_indices
+        core = CoreBucketedDDP(_stack(sizes), bucket_cap_mb=cap).bucket_indices
+        kept = _torch_ddp_buckets(_stack(sizes), 2, bucket_cap_mb=cap,
+                                  find_unused_parameters=True)
+        assert ours == core == kept[0] == kept[1] == initial_buckets(nbytes, cap), (sizes, cap)
+        theirs = _torch_buckets([p.detach() for p in _stack(sizes).parameters()],
+                                bucket_size_limits(cap))
+        assert ours == theirs[::-1]
+        rebuilt = assign_buckets(nbytes, bucket_size_limits(cap),
+                                 order=range(len(nbytes))[::-1])
+        assert _torch_ddp_buckets(_stack(sizes), 2, bucket_cap_mb=cap) == [
+            [list(range(len(nbytes)))], rebuilt], (sizes, cap)
+        assert _torch_ddp_buckets(_stack(sizes), 3, bucket_cap_mb=cap, static_graph=True) == [
+            [list(range(len(nbytes)))]] * 2 + [rebuilt], (sizes, cap)
+    # issue 40: on this model torch's default gives two buckets, an explicit 25 MiB one
+    assert len(initial_buckets([p.numel() * 4 for p in _stack((512, 512, 512, 10)).parameters()]
+                               )) == 2
 
 
 def test_wrappers_need_a_process_group():

@@ -34,9 +34,10 @@ def deeplab():
 
 
 def _torch_buckets(model, cap_mb):
-    params = list(model.parameters())[::-1]
+    """torch's buckets at construction: filled in registration order, launched reversed."""
+    params = list(model.parameters())
     buckets, _ = dist._compute_bucket_assignment_by_size(params, [int(cap_mb * MB)])
-    return [[len(params) - 1 - j for j in b] for b in buckets]
+    return buckets[::-1]
 
 
 def test_gradient_sizes(deeplab):
@@ -62,13 +63,13 @@ def test_cost_of_one_message_per_parameter(deeplab):
 def test_bucket_table_at_a_quarter_megabyte(deeplab):
     model, names, nbytes = deeplab
     buckets = _torch_buckets(model, 0.25)
-    table = [(len(b), f"{sum(nbytes[i] for i in b) / MB:.3f}", names[b[0]], names[b[-1]])
+    table = [(len(b), f"{sum(nbytes[i] for i in b) / MB:.3f}", names[b[-1]], names[b[0]])
              for b in buckets]
     assert table == [
-        (13, "0.381", "classifier.bias", "aspp.branches.2.0.weight"),
-        (9, "0.298", "aspp.branches.1.1.bias", "backbone.7.0.weight"),
-        (6, "0.282", "backbone.6.1.bias", "backbone.5.0.weight"),
-        (15, "0.135", "backbone.4.1.bias", "backbone.0.0.weight"),
+        (12, "0.241", "classifier.bias", "aspp.branches.2.1.weight"),
+        (9, "0.298", "aspp.branches.2.0.weight", "backbone.7.1.weight"),
+        (6, "0.282", "backbone.7.0.weight", "backbone.5.1.weight"),
+        (16, "0.275", "backbone.5.0.weight", "backbone.0.0.weight"),
     ]
 
 
@@ -97,9 +98,9 @@ def test_bucket_sweep_prediction(deeplab):
     naive = _schedule(nbytes, [BACKWARD_S] * len(nbytes), BACKWARD_S)
     assert ours[-1]["exposed_s"] == pytest.approx(naive, abs=1e-12)
     # the rounded values notebook 04 prints
-    assert [r["buckets"] for r in ours] == [43, 13, 10, 8, 4, 3, 2, 1, 43]
+    assert [r["buckets"] for r in ours] == [43, 14, 10, 8, 4, 3, 2, 1, 43]
     assert [f"{e * 1e3:.1f}" for e in expected + [naive]] == [
-        "34.5", "6.0", "4.4", "3.9", "3.9", "6.9", "12.3", "12.5", "54.5"]
+        "34.5", "6.0", "3.4", "2.4", "3.9", "6.8", "11.6", "12.5", "54.5"]
     assert SWEEP_CAPS_MB[min(range(len(expected)), key=expected.__getitem__)] == 0.1
 
 
@@ -245,16 +246,56 @@ def test_notebook_04_ranks_cells_print_what_one_process_computes():
     assert _nb04_outputs("loss.backward()                 # the hooks fire") == (
         ready + ["[rank 0] backward done"]
         + [f"[rank 0] all_reduce {i}: {n}" for i, n in enumerate(names)] + same)
-    # BucketedDDP, 64-byte cap: torch's bucket assignment of the reversed list, each bucket
-    # issued right after the hook of its last parameter, all before the end of backward
-    params = list(nets[0].parameters())[::-1]
-    buckets, _ = dist._compute_bucket_assignment_by_size(params, [64])
-    buckets = [[names[len(names) - 1 - j] for j in b] for b in buckets]
-    assert len(buckets) == 3
-    trace = []
-    for i, b in enumerate(buckets):
-        trace += [f"[rank 0] ready {n}" for n in b] + [f"[rank 0] all_reduce {i}: {', '.join(b)}"]
+    # BucketedDDP, 64-byte cap: torch's construction-time buckets (filled in registration
+    # order, reversed), each issued right after the hook that completes it (in bucket order),
+    # all before the end of backward
+    buckets, _ = dist._compute_bucket_assignment_by_size(list(nets[0].parameters()), [64])
+    buckets = [[names[j] for j in b] for b in buckets[::-1]]
+    assert len(buckets) == 4 and buckets[0] == ["4.bias"]
+    trace, done, sent = [], set(), 0
+    for n in reversed(names):                      # backward's order: the last layer first
+        trace.append(f"[rank 0] ready {n}")
+        done.add(n)
+        while sent < len(buckets) and done >= set(buckets[sent]):
+            trace.append(f"[rank 0] all_reduce {sent}: {', '.join(buckets[sent])}")
+            sent += 1
     assert _nb04_outputs("bucketed(x).sum().backward()") == (
         [f"[rank 0] buckets: {buckets}"] + trace + ["[rank 0] backward done"] + same)
     assert _nb04_outputs("%dist_stop") == [
         "[dist_stop] 2 ranks stopped: process group destroyed, engines and controller ended"]
+
+
+def test_torchs_default_cap_is_two_buckets_here_not_one(deeplab):
+    """Deep dive 04 (bucket size), issue 41 claim 2: without ``bucket_cap_mb`` torch caps its
+    first-filled bucket at 1 MiB, so this model gets the 2 buckets of cap 1, not one."""
+    import nbformat
+
+    from ddp_lesson.core.bucketed_ddp import initial_buckets
+
+    model, _, nbytes = deeplab
+    default = initial_buckets(nbytes)
+    assert default == initial_buckets(nbytes, 1.0) == _torch_buckets(model, 1.0)
+    assert [sum(nbytes[i] for i in b) for b in default] == [87_628, 1_062_336]
+    assert len(initial_buckets(nbytes, 25)) == 1
+    nb = nbformat.read(ROOT / "notebooks" / BENCH_NB, as_version=4)
+    prose = " ".join(" ".join(c.source for c in nb.cells if c.cell_type == "markdown").split())
+    assert "one bucket for everything (an explicit cap of 25 MB" in prose
+    assert ("so on this 1.1 MiB model it makes the 2 buckets of cap 1 (the last layers' 87,628 "
+            "bytes first)") in prose
+    assert "cap 25 MB, torch's default" not in prose
+
+
+def test_notebook04_states_torchs_construction_rule_and_the_rebuild():
+    """Notebook 04 section 3 (issue 41 claim 1): the rule and when torch rebuilds, as
+    ``tests/ddp/test_ddp_buckets.py::test_bucketed_ddp_builds_torchs_buckets`` shows on torch."""
+    import nbformat
+
+    nb = nbformat.read(ROOT / "notebooks" / "04_ddp_from_scratch.ipynb", as_version=4)
+    prose = " ".join(" ".join(c.source for c in nb.cells if c.cell_type == "markdown").split())
+    assert "it fills buckets in *registration order*, each closed once it holds at least" in prose
+    assert "then reverses the list" in prose
+    assert ("torch uses these buckets for good only with `find_unused_parameters=True`. By "
+            "default its first iteration sends one bucket, and before the second forward it "
+            "**rebuilds** its buckets once, in the order the gradients became ready (the third "
+            "forward with `static_graph=True`)") in prose
+    assert "*reverse registration order* until each holds" not in prose   # the old claim

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ddp_lesson.ddp import MB, assign_buckets
+from ddp_lesson.core.bucketed_ddp import MB, assign_buckets, bucket_size_limits
 from ddp_lesson.labs import torch_reducer as tr
 
 pytestmark = pytest.mark.timeout(150)
@@ -47,7 +47,10 @@ def test_real_buckets_one_then_four_in_reverse_order(lab):
     sizes = [sum(nbytes[i] for i in b) for b in theirs]
     assert its[-1]["rebuilt_bucket_sizes"] == sizes == [526_336] * 4
     assert its[-1]["grad_ready_order"] == list(range(15, -1, -1))
-    assert data["buckets"]["ours"] == assign_buckets(nbytes, int(tr.CAP_MB * MB)) == theirs
+    # torch's rebuild: its rule walked in the order the gradients became ready
+    ready = its[-1]["grad_ready_order"]
+    assert data["buckets"]["ours"] == assign_buckets(nbytes, bucket_size_limits(tr.CAP_MB),
+                                                     order=ready) == theirs
     assert lines[:7] == [
         "buckets: 16 parameter tensors, bucket_cap_mb = 0.5 (524,288 bytes)",
         "  iteration 1: bucket_sizes = [2,105,344] (1 bucket)",

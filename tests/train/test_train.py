@@ -26,6 +26,55 @@ def test_defaults():
     assert cfg.timeout_s == 120 and cfg.local_rank is None
 
 
+def test_bucket_cap_left_to_torch_unless_given():
+    """Issue 40: an explicit cap turns off torch's small first bucket (``_BucketCapacityConfig``
+    in torch's ``distributed.py``), so the trainer passes None unless --bucket-cap-mb is given."""
+    assert parse_config([]).bucket_cap_mb is None
+    assert parse_config(["--bucket-cap-mb", "25"]).bucket_cap_mb == 25.0
+    help_text = " ".join(build_parser().format_help().split())
+    assert "unset: torch's default, 1 MB for the bucket of the first layers and 25 MB" in help_text
+    assert "default 25" not in help_text
+
+
+def test_trainer_wraps_torchs_ddp_with_torchs_default_buckets(world_of_one):
+    import types
+
+    import torch
+    import torch.distributed as dist
+
+    from ddp_lesson.core.bucketed_ddp import initial_buckets
+    from ddp_lesson.models import build_model
+
+    cfg, env = parse_config([]), types.SimpleNamespace(distributed=True, local_rank=0)
+    caps = {}
+    for cap in (cfg.bucket_cap_mb, 25.0):
+        model = build_model(cfg.model, width=cfg.width)
+        ddp = train.wrap_model(model, "torch", env, torch.device("cpu"), cap)
+        caps[cap] = ddp._bucket_config.first_bucket_bytes_cap
+        sizes: list = []
+        ddp.register_comm_hook(sizes, _record_bucket)
+        for _ in range(2):  # torch rebuilds its buckets before the 2nd forward
+            sizes.clear()
+            ddp(torch.randn(1, 3, *cfg.size)).sum().backward()
+        caps[cap] = (caps[cap], len(sizes))
+        bucketed = train.wrap_model(build_model(cfg.model, width=cfg.width), "bucketed", env,
+                                    torch.device("cpu"), cap)
+        nbytes = [p.numel() * 4 for p in model.parameters()]
+        assert bucketed.bucket_indices == initial_buckets(nbytes, cap)
+    # the series' model (1.1 MiB): torch's default, two buckets; an explicit 25 MiB: one
+    assert caps == {None: (dist._DEFAULT_FIRST_BUCKET_BYTES, 2), 25.0: (25 * 2**20, 1)}
+
+
+def _record_bucket(sizes, bucket):
+    """A comm hook that records each bucket's size and leaves its gradients as they are."""
+    import torch
+
+    sizes.append(bucket.buffer().numel())
+    fut = torch.futures.Future()
+    fut.set_result(bucket.buffer())
+    return fut
+
+
 def test_seed_flag_names():
     # The seed's spellings, including the three it read but never declared.
     cfg = parse_config(["--epochs", "3", "-b", "4", "-j", "2", "--lr", "0.1",

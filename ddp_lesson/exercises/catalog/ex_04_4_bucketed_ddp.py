@@ -12,7 +12,7 @@ before it.
 """
 from __future__ import annotations
 
-from ...core.bucketed_ddp import MB, assign_buckets
+from ...core.bucketed_ddp import MB, assign_buckets, initial_buckets
 from .. import solutions as S
 from ..registry import Exercise, register
 from ..values import fmt_list
@@ -77,14 +77,23 @@ def _rank(cls, rank, world_size):
     return [_run_cap(cls, cap, rank, world_size) for cap in _CAPS]
 
 
+def _sizes(buckets):
+    return [sum(_NUMELS[i] for i in b) for b in buckets]
+
+
 def _expected_sizes(cap):
-    return [sum(_NUMELS[i] for i in b) for b in assign_buckets([4 * n for n in _NUMELS], cap)]
+    """torch's construction-time buckets: filled in registration order, launched reversed."""
+    return _sizes(initial_buckets([4 * n for n in _NUMELS], cap / MB))
 
 
 def _forward_sizes(cap):
-    """What buckets filled in forward order would send (a learner's slip)."""
-    rev = assign_buckets([4 * n for n in reversed(_NUMELS)], cap)
-    return [sum(_NUMELS[len(_NUMELS) - 1 - i] for i in b) for b in rev]
+    """Those buckets launched in forward (registration) order (a learner's slip)."""
+    return _sizes(assign_buckets([4 * n for n in _NUMELS], cap))
+
+
+def _backward_filled_sizes(cap):
+    """Buckets filled from the last parameter to the first (torch's rebuild, not its start)."""
+    return _sizes(assign_buckets([4 * n for n in _NUMELS], cap, order=range(len(_NUMELS))[::-1]))
 
 
 def _messages_problem(cap, r, bw) -> str | None:
@@ -102,9 +111,13 @@ def _messages_problem(cap, r, bw) -> str | None:
                 "in this backward. Call it as dist.all_reduce (import torch.distributed as "
                 "dist), asynchronously, once per bucket, so that it can be recorded.")
     if sizes == _forward_sizes(cap) and sizes != want:
+        return (f"{where}: all-reduced messages of {fmt_list(sizes)} elements: buckets sent "
+                f"in forward order; sent in reverse order (backward makes the last layer's "
+                f"gradients first), they are {fmt_list(want)}.")
+    if sizes == _backward_filled_sizes(cap) and sizes != want:
         return (f"{where}: all-reduced messages of {fmt_list(sizes)} elements: buckets filled "
-                f"in forward order; filled in reverse order (backward makes the last layer's "
-                f"gradients first), each closed once it holds at least the cap, they are "
+                f"from the last parameter; torch fills them in registration order, each closed "
+                f"once it holds at least the cap, then launches them last first: "
                 f"{fmt_list(want)}.")
     if sorted(sizes) == sorted(want) and sizes != want:
         return (f"{where}: messages of {fmt_list(sizes)} elements, in that order; the buckets "
@@ -112,8 +125,8 @@ def _messages_problem(cap, r, bw) -> str | None:
                 "every rank (all-reduces are matched by the order the ranks issue them).")
     if sizes != want:
         text = (f"{where}: all-reduced messages of {fmt_list(sizes)} elements; the parameters "
-                f"{fmt_list(_NUMELS)} in buckets filled in reverse order, each closed once it "
-                f"holds at least the cap, give {fmt_list(want)}")
+                f"{fmt_list(_NUMELS)} in buckets filled in registration order, each closed once "
+                f"it holds at least the cap, launched last first, give {fmt_list(want)}")
         if len(sizes) != len(want):
             text += f": {len(sizes)} bucket(s) instead of {len(want)}; does the cap decide?"
         return text + "."
@@ -167,8 +180,10 @@ register(Exercise(
     "04.4", "overlapped, bucketed DDP with no_sync()",
     task="Write class BucketedDDP(torch.nn.Module) with __init__(self, module, bucket_cap_mb) "
          "and forward: broadcast rank 0's parameters and buffers at construction; group the "
-         "trainable parameters into buckets filled in reverse registration order, each closed "
-         "once it holds at least bucket_cap_mb * 2**20 bytes; in backward, as soon as a "
+         "trainable parameters into buckets as torch does at construction: filled in "
+         "registration order, each closed once it holds at least bucket_cap_mb * 2**20 "
+         "bytes, then launched in reverse order (the last parameters' bucket first); in "
+         "backward, as soon as a "
          "bucket's gradients are all final (register_post_accumulate_grad_hook), copy them "
          "into one flat tensor and all-reduce it asynchronously (async_op=True; divide by the "
          "world size), buckets strictly in order; wait for the handles and copy the averages "
