@@ -249,6 +249,8 @@ SLOW: dict[str, str | frozenset[str]] = {
         "test_b11_exact_values",
         "test_converted_model_under_ddp_equals_one_process_on_the_global_batch",
         "test_unequal_batches_match_batchnorm_on_the_concatenated_batch",
+        "test_when_to_synchronise_is_torchs_rule",
+        "test_eval_with_one_more_batch_on_one_rank_does_not_communicate",
     }),
     "train/test_token_loss.py": frozenset({
         "test_the_batch_has_unequal_token_counts",
