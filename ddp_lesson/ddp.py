@@ -270,6 +270,17 @@ def _refuse_torch_only_options(name: str, torch_kwargs: dict) -> None:
                 "DistributedDataParallel")
 
 
+def _sparse_gradient_parameters(module: nn.Module) -> list[str]:
+    """Names of the trainable parameters that get sparse gradients: those of an
+    ``nn.Embedding`` or ``nn.EmbeddingBag`` built with ``sparse=True``, torch's test
+    (``produces_sparse_gradient`` in ``DistributedDataParallel._build_params_for_reducer``,
+    torch/nn/parallel/distributed.py). Local; no communication."""
+    return [f"{prefix}.{name}" if prefix else name
+            for prefix, m in module.named_modules()
+            if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse
+            for name, p in m.named_parameters(recurse=False) if p.requires_grad]
+
+
 def _buffer_sync_rule(broadcast_buffers: bool | None,
                       forward_sync_buffers: bool | None) -> tuple[bool, bool]:
     """torch 2.13's buffer flags as ``(sync before forwards, sync at construction)``.
@@ -390,9 +401,13 @@ class _DropIn:
         self._window = False            # synchronised forwards, and no backward since
         self._backwards = 0             # synchronised backwards since the last one of those
         self._queued_tasks: set[int] = set()
+        self._begin_at_output = False   # the last forward's graph reached no parameter
         self._buffers_need_sync = True
         self._warned_no_unused = False
         self._sync_forwards = 0         # synchronised forwards run so far (skipped backward)
+        self._forward_serial = 0        # numbers the synchronised forwards
+        self._pass_forwards: dict[int, set[int]] = {}  # autograd task -> forwards it reached
+        self._input_grad_forwards: set[int] = set()    # reached by input-gradient passes only
         self._divisor = self.world_size
         self._divide_by_initial_world_size = True
         self._unsynced: list[str] = []  # trainable now, but not when wrapped
@@ -464,6 +479,7 @@ class _DropIn:
             self._armed = sync
         if sync:
             self._sync_forwards += 1
+            self._forward_serial += 1
             if self._backward_begun:  # a backward that failed half-way left its state
                 self._end_backward()
             self._backwards = 0
@@ -471,13 +487,22 @@ class _DropIn:
                               if p.requires_grad and id(p) not in self._param_ids]
             if self.recorder is not None:
                 self.recorder._begin(self.rank)
-            self._prepare_backward(output, new_window=not self._window)
+            reached = (walk_autograd_graph(output)[1] if self.find_unused_parameters
+                       else None)
+            self._prepare_backward(reached, new_window=not self._window)
             self._window = True
+            # A backward that reaches none of the parameters fires none of their hooks; with
+            # find_unused_parameters it still averages (zeros here), so it begins at the
+            # output's gradient (torch hangs there: its reducer waits for a hook). Not inside
+            # a torch.func transform: its passes differentiate for the transform's inputs
+            # only (the parameters are not tracked at its level) and never fill a .grad.
+            self._begin_at_output = (reached is not None and not reached & self._param_ids
+                                     and torch._C._functorch.maybe_current_level() is None)
             # The outer backward's own task gets a final callback even when every parameter
             # sits inside a reentrant checkpoint (whose inner backward is a task of its own).
             for t in _find_tensors(output):
                 if t.requires_grad:
-                    t.register_hook(self._on_output_grad)
+                    t.register_hook(lambda g, n=self._forward_serial: self._on_output_grad(n))
         return output
 
     def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
@@ -527,9 +552,27 @@ class _DropIn:
         else:  # counted unused by the graph walk, its zeros may be on the wire already
             self._late[index] = True
 
-    def _on_output_grad(self, grad):
-        if self._armed:
+    def _on_output_grad(self, forward: int) -> None:
+        """A pass through the output began: queue its task's final callback, and begin the
+        synchronised backward only if no parameter hook can begin it.
+
+        A synchronised backward is one that accumulates a parameter's gradient, as in torch,
+        whose reducer is driven by the parameters' gradient-accumulator hooks only
+        (``Reducer::autograd_hook``, torch/csrc/distributed/c10d/reducer.cpp): a pass that
+        differentiates for something else (``torch.autograd.grad(loss, x)`` as in PGD,
+        ``backward(inputs=[x])``, ``torch.func.grad``) runs no ``AccumulateGrad`` node of a
+        parameter, fires no hook, and neither communicates nor counts as a backward. The
+        synchronised forward ``forward`` (its serial number) whose output such a pass
+        differentiates is not counted as a forward whose backward was skipped, so the ranks
+        may run different numbers of them (a PGD attack that stops early on one rank).
+        """
+        if not self._armed:
+            return
+        self._pass_forwards.setdefault(torch._C._current_graph_task_id(), set()).add(forward)
+        if self._begin_at_output:
             self._begin_backward()
+        else:
+            self._queue_final_callback()
 
     def _begin_backward(self) -> None:
         if not self._backward_begun:
@@ -539,16 +582,28 @@ class _DropIn:
             if self.recorder is not None and self.recorder._current is None:
                 self.recorder._begin(self.rank)  # a second backward after one forward
             self._backward_started()
-        # One final callback per autograd task: a reentrant checkpoint runs an inner
-        # backward (a task of its own) whose end is not the end of the outer one.
+        self._queue_final_callback()
+
+    def _queue_final_callback(self) -> None:
+        """One final callback per autograd task: a reentrant checkpoint runs an inner
+        backward (a task of its own) whose end is not the end of the outer one."""
         task = torch._C._current_graph_task_id()
         if task not in self._queued_tasks:
             self._queued_tasks.add(task)
             torch.autograd.Variable._execution_engine.queue_callback(self._final_callback)
 
     def _final_callback(self) -> None:
+        task = torch._C._current_graph_task_id()
+        forwards = self._pass_forwards.pop(task, set())
         if not self._backward_begun:
-            return  # already done in an inner task's callback
+            # already done in an inner task's callback, or a pass that reached no
+            # parameter's gradient (autograd.grad w.r.t. the inputs): nothing to average,
+            # and its forwards were not training forwards whose backward was skipped
+            self._queued_tasks.discard(task)
+            new = forwards - self._input_grad_forwards
+            self._sync_forwards -= len(new)
+            self._input_grad_forwards |= new
+            return
         nested = torch._C._current_autograd_node() is not None
         if nested and not all(self._ready):
             return  # an inner (reentrant) backward ended; the outer one goes on
@@ -572,6 +627,7 @@ class _DropIn:
         self._queued_tasks = set()
         self._window = False  # the next synchronised forward starts a new graph walk
         self._backwards += 1
+        self._input_grad_forwards = set()
         self._backward_done()
 
     # ------------------------------------------------------------------ collectives
@@ -644,9 +700,11 @@ class _DropIn:
 
     # ------------------------------------------------------------------ for subclasses
 
-    def _prepare_backward(self, output, new_window: bool) -> None:
-        """Called after a synchronised forward; ``new_window``: no synchronised forward since
-        the last synchronised backward (False: a second forward before the backward)."""
+    def _prepare_backward(self, reached: set[int] | None, new_window: bool) -> None:
+        """Called after a synchronised forward; ``reached``: ids of the leaves its graph
+        reaches (with ``find_unused_parameters``; else None); ``new_window``: no synchronised
+        forward since the last synchronised backward (False: a second forward before the
+        backward)."""
 
     def _backward_started(self) -> None:
         """Called at the first gradient of a synchronised backward."""
@@ -1044,6 +1102,14 @@ class BucketedDDP(_DropIn, _bucketed_core.BucketedDDP, Joinable):
             bucket_cap_mb = 25  # torch's default
         if bucket_cap_mb < 0:
             raise ValueError(f"bucket_cap_mb must be >= 0, got {bucket_cap_mb}")
+        sparse = _sparse_gradient_parameters(module)
+        if sparse:  # before any collective: every rank holds the same model
+            raise NotImplementedError(
+                f"BucketedDDP does not support sparse gradients: {', '.join(sparse)} "
+                "(nn.Embedding/EmbeddingBag with sparse=True) would get a sparse gradient, "
+                "which does not fit a flat bucket. Use sparse=False, NaiveDDP (one "
+                "all-reduce per gradient, sparse ones included) or torch's "
+                "DistributedDataParallel")
         torch_kwargs.update(dim=dim, check_reduction=check_reduction,
                             gradient_as_bucket_view=gradient_as_bucket_view,
                             static_graph=static_graph)
@@ -1069,11 +1135,10 @@ class BucketedDDP(_DropIn, _bucketed_core.BucketedDDP, Joinable):
 
     # ------------------------------------------------------------------ backward machinery
 
-    def _prepare_backward(self, output, new_window: bool) -> None:
-        if self.find_unused_parameters:
+    def _prepare_backward(self, reached: set[int] | None, new_window: bool) -> None:
+        if reached is not None:
             # Unused: reached by no synchronised forward since the last synchronised backward
             # (several forwards before the backwards: any of their graphs may come first).
-            _, reached = walk_autograd_graph(output)
             before = set(range(len(self._params))) if new_window else set(self._unused_in_forward)
             self._unused_in_forward = [i for i, p in enumerate(self._params)
                                        if id(p) not in reached and i in before]
@@ -1107,6 +1172,11 @@ class BucketedDDP(_DropIn, _bucketed_core.BucketedDDP, Joinable):
                 grad = self._params[i].grad
                 if grad is None:  # no gradient here (unused): contributes zeros
                     bucket.flat[start:stop].zero_()
+                elif grad.layout != torch.strided:  # e.g. F.embedding(..., sparse=True)
+                    raise RuntimeError(
+                        f"BucketedDDP: {self.param_names[i]} got a {grad.layout} gradient, "
+                        "which does not fit a flat bucket (the sparse layers it can see are "
+                        "refused at construction). Use NaiveDDP, or a dense gradient")
                 else:
                     torch.mul(grad.reshape(-1), scale, out=bucket.flat[start:stop])
         bucket.handle = self._all_reduce(bucket.flat, bucket.index,

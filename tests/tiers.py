@@ -86,6 +86,7 @@ SLOW: dict[str, str | frozenset[str]] = {
         "test_overlap_lab_records_timelines_and_sweep",
     }),
     "ddp/test_ddp_pitfalls.py": ALL,
+    "ddp/test_ddp_where_torch_works.py": ALL,
     "ddp/test_gradients.py": frozenset({
         "test_real_all_reduce_and_ddp_on_two_processes",
     }),
