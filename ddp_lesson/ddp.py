@@ -981,6 +981,17 @@ class NaiveDDP(_DropIn, _naive_core.NaiveDDP, Joinable):
                          init_sync=init_sync, process_group=process_group,
                          find_unused_parameters=find_unused_parameters, comm_hook=comm_hook,
                          recorder=recorder, torch_kwargs=torch_kwargs)
+        sparse = set(_sparse_gradient_parameters(module))
+        self._sparse = {i for i, n in enumerate(self.param_names) if n in sparse}
+
+    def _zeros(self, index: int) -> torch.Tensor:
+        """What a rank without this parameter's gradient contributes: zeros, sparse (no
+        entry) for a sparse-gradient embedding, so that every rank's all-reduce is sparse."""
+        p = self._params[index]
+        if index in self._sparse:
+            return torch.sparse_coo_tensor(torch.empty(1, 0, dtype=torch.long, device=p.device),
+                                           p.new_empty(0, *p.shape[1:]), p.shape)
+        return torch.zeros_like(p)
 
     def _grad_ready(self, index: int) -> None:
         pass  # nothing to do until backward has finished
@@ -991,16 +1002,16 @@ class NaiveDDP(_DropIn, _naive_core.NaiveDDP, Joinable):
             if not used[i]:
                 continue  # unused on every rank: .grad stays as it is (None), like torch
             if p.grad is None:
-                p.grad = torch.zeros_like(p)  # unused here, used elsewhere: contributes 0
+                p.grad = self._zeros(i)  # unused here, used elsewhere: contributes 0
             p.grad.div_(self._divisor)        # pre-divide (torch's order: no fp16 overflow)
             handle = self._all_reduce(p.grad, i, [self.param_names[i]])  # SUM over ranks
             self._wait(handle)                # one message at a time, after backward
 
     def _shadow_backward(self) -> None:
         used = self._agree_on_used(joined=True)
-        for i, p in enumerate(self._params):
+        for i in range(len(self._params)):
             if used[i]:
-                self._wait(self._all_reduce(torch.zeros_like(p), i, [self.param_names[i]]))
+                self._wait(self._all_reduce(self._zeros(i), i, [self.param_names[i]]))
 
 
 @dataclass

@@ -90,13 +90,20 @@ def test_sparse_gradients_are_refused_by_the_bucketed_path_only(runs, world):
         assert (kind, cls) == ("error", "NotImplementedError")
         assert msg.startswith("BucketedDDP does not support sparse gradients: emb.weight "
                               "(nn.Embedding/EmbeddingBag with sparse=True)"), msg
+        # used on rank 0 only, find_unused_parameters=True: NaiveDDP averages rank 0's sparse
+        # gradient with empty sparse tensors (torch's DDP fails on the other ranks: "Expected
+        # sparse gradient to be defined", and rank 0 waits for them)
+        assert _max_diff(got["naive sparse_unused"][:18],
+                         got["reference sparse_unused"]) <= TOL, got["naive sparse_unused"]
+        assert any(got["reference sparse_unused"])
         # F.embedding(..., sparse=True) on a bare parameter: torch's DDP cannot see it at
         # construction and fails inside backward; NaiveDDP averages it (row k: the mean
         # over ranks of how often rank r's indices [r, r + 1, 5] hit it), BucketedDDP names it
         assert got["torch functional_sparse"][:2] == ["error", "NotImplementedError"]
         counts = [sum((k in (r, r + 1)) + (k == 5) for r in range(world)) / world
                   for k in range(6)]
-        assert got["naive functional_sparse"] == [c for c in counts for _ in range(3)]
+        assert _max_diff(got["naive functional_sparse"],
+                         [c for c in counts for _ in range(3)]) <= TOL
         kind, cls, msg = got["bucketed functional_sparse"]
         assert (kind, cls) == ("error", "RuntimeError")
         assert msg.startswith("BucketedDDP: table got a torch.sparse_coo gradient"), msg

@@ -140,7 +140,8 @@ class SparseModel(nn.Module):
         self.head = nn.Linear(3, 1)
 
     def forward(self, idx):
-        return self.head(self.emb(idx)).sum()
+        h = self.emb(idx) if idx is not None else torch.ones(2, 3)  # None: the table unused
+        return self.head(h).sum()
 
 
 class FunctionalSparse(nn.Module):
@@ -186,6 +187,20 @@ def features(rank, world):
     for v in DROP_INS:
         out[f"{v} sparse"] = _try(lambda v=v: sparse(DROP_INS[v]))
         dist.barrier()
+
+    # find_unused_parameters=True, the embedding used on rank 0 only: torch's DDP fails on
+    # the other ranks ("Expected sparse gradient to be defined") and rank 0 waits; NaiveDDP
+    # sends an empty sparse tensor for it. Reference: rank 0's local gradient / R.
+    def sparse_unused():
+        model = SparseModel()
+        ddp = NaiveDDP(model, find_unused_parameters=True)
+        ddp(idx if rank == 0 else None).backward()
+        return _grads(model)
+    out["naive sparse_unused"] = _try(sparse_unused)
+    plain = SparseModel()
+    plain(torch.tensor([0, 1, 5])).backward()
+    out["reference sparse_unused"] = [g / world for g in _grads(plain)[:18]]
+    dist.barrier()
 
     def functional_sparse(cls):
         model = FunctionalSparse()
