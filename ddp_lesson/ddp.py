@@ -24,7 +24,9 @@ drop-in replacement for ``torch.nn.parallel.DistributedDataParallel`` in an ordi
 * buffers broadcast from rank 0 before every forward that follows a synchronised one, hidden
   from autograd's version counters (as torch), so two forwards before a backward work;
 * every backward after a synchronised forward averaged, not only the first (several
-  backwards of retained graphs), with the checks of each;
+  backwards of retained graphs), with the checks of each; a pass that runs no parameter's
+  ``AccumulateGrad`` (``autograd.grad`` w.r.t. the inputs, as in PGD) averages nothing, as
+  in torch;
 * ``Join`` for uneven inputs (both classes are ``Joinable``);
 * reentrant activation checkpoints: one final callback per autograd task, because a
   reentrant checkpoint runs an inner backward whose end is not the end of the pass;
@@ -957,9 +959,24 @@ class NaiveDDP(_DropIn, _naive_core.NaiveDDP, Joinable):
     ``skip_all_reduce_unused_params``, ``bucket_cap_mb_list``, ``batched_grad_copy``,
     ``dim != 0``, ``check_reduction=True`` and
     ``register_comm_hook`` (use ``comm_hook=``); multi-device modules (``device_ids`` must
-    be None or the one GPU the module is on); sparse gradients; buffer communication hooks.
+    be None or the one GPU the module is on); buffer communication hooks.
     ``find_unused_parameters=True`` with a reentrant checkpoint raises when it would send
     zeros for a parameter that then gets a gradient.
+
+    Sparse gradients (``nn.Embedding(sparse=True)``, also ``F.embedding(..., sparse=True)``
+    which torch's DDP cannot see): each is all-reduced as a sparse tensor (checked on gloo);
+    a rank without one sends an empty sparse tensor (torch's DDP fails there with "Expected
+    sparse gradient to be defined").
+
+    Passes that are not a synchronised backward, as in torch (whose reducer is driven by
+    the parameters' gradient hooks only, ``Reducer::autograd_hook`` in
+    torch/csrc/distributed/c10d/reducer.cpp): ``torch.autograd.grad`` w.r.t. the inputs
+    (PGD, a gradient penalty with ``create_graph=True``), ``backward(inputs=[x])``,
+    ``torch.func.grad`` and ``autograd.grad`` w.r.t. the parameters (local, as in torch) run
+    no parameter's ``AccumulateGrad``: nothing is communicated, and their forwards do not
+    count as skipped backwards, so ranks may run different numbers of them (docs/pitfalls.md
+    B40). Under ``torch.func`` with ``find_unused_parameters=True`` torch's DDP raises (its
+    ``_DDPSink`` has no ``setup_context``); these wrappers run.
     """
 
     def __init__(self, module: nn.Module, device_ids=None, output_device=None, dim=0,
@@ -1098,7 +1115,13 @@ class BucketedDDP(_DropIn, _bucketed_core.BucketedDDP, Joinable):
     backward are collectives (all ranks together).
 
     Left out, compared with torch's DDP: the same features as :class:`NaiveDDP` (listed in
-    its docstring), each raising NotImplementedError saying so when asked for.
+    its docstring), each raising NotImplementedError saying so when asked for; and sparse
+    gradients: a trainable ``nn.Embedding``/``nn.EmbeddingBag`` with ``sparse=True`` is
+    refused at construction, naming the parameter (torch's test,
+    ``produces_sparse_gradient``), and a sparse gradient it cannot see there
+    (``F.embedding(..., sparse=True)``) is a RuntimeError naming the parameter when its bucket
+    is filled (docs/pitfalls.md B41). Complex parameters, channels_last gradients and
+    parameters of several dtypes (never in one bucket) give torch's gradients.
     """
 
     def __init__(self, module: nn.Module, device_ids=None, output_device=None, dim=0,

@@ -279,7 +279,8 @@ def test_converted_model_under_ddp_equals_one_process_on_the_global_batch(world,
 
 @pytest.mark.parametrize("world", ["two", "three"])
 def test_when_to_synchronise_is_torchs_rule(world, two_ranks, three_ranks):
-    """``nn.SyncBatchNorm.forward`` (torch/nn/modules/batchnorm.py): ``need_sync`` only in
+    """docs/pitfalls.md B42. ``nn.SyncBatchNorm.forward`` (torch/nn/modules/batchnorm.py):
+    ``need_sync`` only in
     training. Eval normalises the local batch, with the running stats when tracked and with
     the local batch's own statistics without them, and never communicates; training always
     uses the global batch (two steps: momentum=None is the cumulative average)."""
