@@ -25,7 +25,9 @@ cores and add what makes them a drop-in replacement for
 * buffers broadcast from rank 0 before every forward that follows a synchronised one, hidden
   from autograd's version counters (as torch), so two forwards before a backward work;
 * every backward after a synchronised forward averaged, not only the first (several
-  backwards of retained graphs), with the checks of each;
+  backwards of retained graphs), with the checks of each; a pass that runs no parameter's
+  ``AccumulateGrad`` (``autograd.grad`` w.r.t. the inputs, as in PGD) averages nothing, as
+  in torch;
 * ``Join`` for uneven inputs (both classes are ``Joinable``);
 * reentrant activation checkpoints: one final callback per autograd task, because a
   reentrant checkpoint runs an inner backward whose end is not the end of the pass;
@@ -273,6 +275,17 @@ def _refuse_torch_only_options(name: str, torch_kwargs: dict) -> None:
                 "DistributedDataParallel")
 
 
+def _sparse_gradient_parameters(module: nn.Module) -> list[str]:
+    """Names of the trainable parameters that get sparse gradients: those of an
+    ``nn.Embedding`` or ``nn.EmbeddingBag`` built with ``sparse=True``, torch's test
+    (``produces_sparse_gradient`` in ``DistributedDataParallel._build_params_for_reducer``,
+    torch/nn/parallel/distributed.py). Local; no communication."""
+    return [f"{prefix}.{name}" if prefix else name
+            for prefix, m in module.named_modules()
+            if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse
+            for name, p in m.named_parameters(recurse=False) if p.requires_grad]
+
+
 def _buffer_sync_rule(broadcast_buffers: bool | None,
                       forward_sync_buffers: bool | None) -> tuple[bool, bool]:
     """torch 2.13's buffer flags as ``(sync before forwards, sync at construction)``.
@@ -393,9 +406,13 @@ class _DropIn:
         self._window = False            # synchronised forwards, and no backward since
         self._backwards = 0             # synchronised backwards since the last one of those
         self._queued_tasks: set[int] = set()
+        self._begin_at_output = False   # the last forward's graph reached no parameter
         self._buffers_need_sync = True
         self._warned_no_unused = False
         self._sync_forwards = 0         # synchronised forwards run so far (skipped backward)
+        self._forward_serial = 0        # numbers the synchronised forwards
+        self._pass_forwards: dict[int, set[int]] = {}  # autograd task -> forwards it reached
+        self._input_grad_forwards: set[int] = set()    # reached by input-gradient passes only
         self._divisor = self.world_size
         self._divide_by_initial_world_size = True
         self._unsynced: list[str] = []  # trainable now, but not when wrapped
@@ -467,6 +484,7 @@ class _DropIn:
             self._armed = sync
         if sync:
             self._sync_forwards += 1
+            self._forward_serial += 1
             if self._backward_begun:  # a backward that failed half-way left its state
                 self._end_backward()
             self._backwards = 0
@@ -474,13 +492,22 @@ class _DropIn:
                               if p.requires_grad and id(p) not in self._param_ids]
             if self.recorder is not None:
                 self.recorder._begin(self.rank)
-            self._prepare_backward(output, new_window=not self._window)
+            reached = (walk_autograd_graph(output)[1] if self.find_unused_parameters
+                       else None)
+            self._prepare_backward(reached, new_window=not self._window)
             self._window = True
+            # A backward that reaches none of the parameters fires none of their hooks; with
+            # find_unused_parameters it still averages (zeros here), so it begins at the
+            # output's gradient (torch hangs there: its reducer waits for a hook). Not inside
+            # a torch.func transform: its passes differentiate for the transform's inputs
+            # only (the parameters are not tracked at its level) and never fill a .grad.
+            self._begin_at_output = (reached is not None and not reached & self._param_ids
+                                     and torch._C._functorch.maybe_current_level() is None)
             # The outer backward's own task gets a final callback even when every parameter
             # sits inside a reentrant checkpoint (whose inner backward is a task of its own).
             for t in _find_tensors(output):
                 if t.requires_grad:
-                    t.register_hook(self._on_output_grad)
+                    t.register_hook(lambda g, n=self._forward_serial: self._on_output_grad(n))
         return output
 
     def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
@@ -530,9 +557,27 @@ class _DropIn:
         else:  # counted unused by the graph walk, its zeros may be on the wire already
             self._late[index] = True
 
-    def _on_output_grad(self, grad):
-        if self._armed:
+    def _on_output_grad(self, forward: int) -> None:
+        """A pass through the output began: queue its task's final callback, and begin the
+        synchronised backward only if no parameter hook can begin it.
+
+        A synchronised backward is one that accumulates a parameter's gradient, as in torch,
+        whose reducer is driven by the parameters' gradient-accumulator hooks only
+        (``Reducer::autograd_hook``, torch/csrc/distributed/c10d/reducer.cpp): a pass that
+        differentiates for something else (``torch.autograd.grad(loss, x)`` as in PGD,
+        ``backward(inputs=[x])``, ``torch.func.grad``) runs no ``AccumulateGrad`` node of a
+        parameter, fires no hook, and neither communicates nor counts as a backward. The
+        synchronised forward ``forward`` (its serial number) whose output such a pass
+        differentiates is not counted as a forward whose backward was skipped, so the ranks
+        may run different numbers of them (a PGD attack that stops early on one rank).
+        """
+        if not self._armed:
+            return
+        self._pass_forwards.setdefault(torch._C._current_graph_task_id(), set()).add(forward)
+        if self._begin_at_output:
             self._begin_backward()
+        else:
+            self._queue_final_callback()
 
     def _begin_backward(self) -> None:
         if not self._backward_begun:
@@ -542,16 +587,28 @@ class _DropIn:
             if self.recorder is not None and self.recorder._current is None:
                 self.recorder._begin(self.rank)  # a second backward after one forward
             self._backward_started()
-        # One final callback per autograd task: a reentrant checkpoint runs an inner
-        # backward (a task of its own) whose end is not the end of the outer one.
+        self._queue_final_callback()
+
+    def _queue_final_callback(self) -> None:
+        """One final callback per autograd task: a reentrant checkpoint runs an inner
+        backward (a task of its own) whose end is not the end of the outer one."""
         task = torch._C._current_graph_task_id()
         if task not in self._queued_tasks:
             self._queued_tasks.add(task)
             torch.autograd.Variable._execution_engine.queue_callback(self._final_callback)
 
     def _final_callback(self) -> None:
+        task = torch._C._current_graph_task_id()
+        forwards = self._pass_forwards.pop(task, set())
         if not self._backward_begun:
-            return  # already done in an inner task's callback
+            # already done in an inner task's callback, or a pass that reached no
+            # parameter's gradient (autograd.grad w.r.t. the inputs): nothing to average,
+            # and its forwards were not training forwards whose backward was skipped
+            self._queued_tasks.discard(task)
+            new = forwards - self._input_grad_forwards
+            self._sync_forwards -= len(new)
+            self._input_grad_forwards |= new
+            return
         nested = torch._C._current_autograd_node() is not None
         if nested and not all(self._ready):
             return  # an inner (reentrant) backward ended; the outer one goes on
@@ -575,6 +632,7 @@ class _DropIn:
         self._queued_tasks = set()
         self._window = False  # the next synchronised forward starts a new graph walk
         self._backwards += 1
+        self._input_grad_forwards = set()
         self._backward_done()
 
     # ------------------------------------------------------------------ collectives
@@ -647,9 +705,11 @@ class _DropIn:
 
     # ------------------------------------------------------------------ for subclasses
 
-    def _prepare_backward(self, output, new_window: bool) -> None:
-        """Called after a synchronised forward; ``new_window``: no synchronised forward since
-        the last synchronised backward (False: a second forward before the backward)."""
+    def _prepare_backward(self, reached: set[int] | None, new_window: bool) -> None:
+        """Called after a synchronised forward; ``reached``: ids of the leaves its graph
+        reaches (with ``find_unused_parameters``; else None); ``new_window``: no synchronised
+        forward since the last synchronised backward (False: a second forward before the
+        backward)."""
 
     def _backward_started(self) -> None:
         """Called at the first gradient of a synchronised backward."""
@@ -904,9 +964,24 @@ class NaiveDDP(_DropIn, _naive_core.NaiveDDP, Joinable):
     ``skip_all_reduce_unused_params``, ``bucket_cap_mb_list``, ``batched_grad_copy``,
     ``dim != 0``, ``check_reduction=True`` and
     ``register_comm_hook`` (use ``comm_hook=``); multi-device modules (``device_ids`` must
-    be None or the one GPU the module is on); sparse gradients; buffer communication hooks.
+    be None or the one GPU the module is on); buffer communication hooks.
     ``find_unused_parameters=True`` with a reentrant checkpoint raises when it would send
     zeros for a parameter that then gets a gradient.
+
+    Sparse gradients (``nn.Embedding(sparse=True)``, also ``F.embedding(..., sparse=True)``
+    which torch's DDP cannot see): each is all-reduced as a sparse tensor (checked on gloo);
+    a rank without one sends an empty sparse tensor (torch's DDP fails there with "Expected
+    sparse gradient to be defined").
+
+    Passes that are not a synchronised backward, as in torch (whose reducer is driven by
+    the parameters' gradient hooks only, ``Reducer::autograd_hook`` in
+    torch/csrc/distributed/c10d/reducer.cpp): ``torch.autograd.grad`` w.r.t. the inputs
+    (PGD, a gradient penalty with ``create_graph=True``), ``backward(inputs=[x])``,
+    ``torch.func.grad`` and ``autograd.grad`` w.r.t. the parameters (local, as in torch) run
+    no parameter's ``AccumulateGrad``: nothing is communicated, and their forwards do not
+    count as skipped backwards, so ranks may run different numbers of them (docs/pitfalls.md
+    B40). Under ``torch.func`` with ``find_unused_parameters=True`` torch's DDP raises (its
+    ``_DDPSink`` has no ``setup_context``); these wrappers run.
     """
 
     def __init__(self, module: nn.Module, device_ids=None, output_device=None, dim=0,
@@ -928,6 +1003,17 @@ class NaiveDDP(_DropIn, _naive_core.NaiveDDP, Joinable):
                          init_sync=init_sync, process_group=process_group,
                          find_unused_parameters=find_unused_parameters, comm_hook=comm_hook,
                          recorder=recorder, torch_kwargs=torch_kwargs)
+        sparse = set(_sparse_gradient_parameters(module))
+        self._sparse = {i for i, n in enumerate(self.param_names) if n in sparse}
+
+    def _zeros(self, index: int) -> torch.Tensor:
+        """What a rank without this parameter's gradient contributes: zeros, sparse (no
+        entry) for a sparse-gradient embedding, so that every rank's all-reduce is sparse."""
+        p = self._params[index]
+        if index in self._sparse:
+            return torch.sparse_coo_tensor(torch.empty(1, 0, dtype=torch.long, device=p.device),
+                                           p.new_empty(0, *p.shape[1:]), p.shape)
+        return torch.zeros_like(p)
 
     def _grad_ready(self, index: int) -> None:
         pass  # nothing to do until backward has finished
@@ -938,16 +1024,16 @@ class NaiveDDP(_DropIn, _naive_core.NaiveDDP, Joinable):
             if not used[i]:
                 continue  # unused on every rank: .grad stays as it is (None), like torch
             if p.grad is None:
-                p.grad = torch.zeros_like(p)  # unused here, used elsewhere: contributes 0
+                p.grad = self._zeros(i)  # unused here, used elsewhere: contributes 0
             p.grad.div_(self._divisor)        # pre-divide (torch's order: no fp16 overflow)
             handle = self._all_reduce(p.grad, i, [self.param_names[i]])  # SUM over ranks
             self._wait(handle)                # one message at a time, after backward
 
     def _shadow_backward(self) -> None:
         used = self._agree_on_used(joined=True)
-        for i, p in enumerate(self._params):
+        for i in range(len(self._params)):
             if used[i]:
-                self._wait(self._all_reduce(torch.zeros_like(p), i, [self.param_names[i]]))
+                self._wait(self._all_reduce(self._zeros(i), i, [self.param_names[i]]))
 
 
 @dataclass
@@ -1042,7 +1128,13 @@ class BucketedDDP(_DropIn, _bucketed_core.BucketedDDP, Joinable):
     backward are collectives (all ranks together).
 
     Left out, compared with torch's DDP: the same features as :class:`NaiveDDP` (listed in
-    its docstring), each raising NotImplementedError saying so when asked for.
+    its docstring), each raising NotImplementedError saying so when asked for; and sparse
+    gradients: a trainable ``nn.Embedding``/``nn.EmbeddingBag`` with ``sparse=True`` is
+    refused at construction, naming the parameter (torch's test,
+    ``produces_sparse_gradient``), and a sparse gradient it cannot see there
+    (``F.embedding(..., sparse=True)``) is a RuntimeError naming the parameter when its bucket
+    is filled (docs/pitfalls.md B41). Complex parameters, channels_last gradients and
+    parameters of several dtypes (never in one bucket) give torch's gradients.
     """
 
     def __init__(self, module: nn.Module, device_ids=None, output_device=None, dim=0,
@@ -1054,6 +1146,14 @@ class BucketedDDP(_DropIn, _bucketed_core.BucketedDDP, Joinable):
                  comm_hook: Callable | None = None, recorder: Recorder | None = None,
                  **torch_kwargs):
         _bucketed_core.bucket_size_limits(bucket_cap_mb)  # a bad cap fails before any collective
+        sparse = _sparse_gradient_parameters(module)
+        if sparse:  # before any collective: every rank holds the same model
+            raise NotImplementedError(
+                f"BucketedDDP does not support sparse gradients: {', '.join(sparse)} "
+                "(nn.Embedding/EmbeddingBag with sparse=True) would get a sparse gradient, "
+                "which does not fit a flat bucket. Use sparse=False, NaiveDDP (one "
+                "all-reduce per gradient, sparse ones included) or torch's "
+                "DistributedDataParallel")
         torch_kwargs.update(dim=dim, check_reduction=check_reduction,
                             gradient_as_bucket_view=gradient_as_bucket_view,
                             static_graph=static_graph)
@@ -1079,11 +1179,10 @@ class BucketedDDP(_DropIn, _bucketed_core.BucketedDDP, Joinable):
 
     # ------------------------------------------------------------------ backward machinery
 
-    def _prepare_backward(self, output, new_window: bool) -> None:
-        if self.find_unused_parameters:
+    def _prepare_backward(self, reached: set[int] | None, new_window: bool) -> None:
+        if reached is not None:
             # Unused: reached by no synchronised forward since the last synchronised backward
             # (several forwards before the backwards: any of their graphs may come first).
-            _, reached = walk_autograd_graph(output)
             before = set(range(len(self._params))) if new_window else set(self._unused_in_forward)
             self._unused_in_forward = [i for i, p in enumerate(self._params)
                                        if id(p) not in reached and i in before]
@@ -1117,6 +1216,11 @@ class BucketedDDP(_DropIn, _bucketed_core.BucketedDDP, Joinable):
                 grad = self._params[i].grad
                 if grad is None:  # no gradient here (unused): contributes zeros
                     bucket.flat[start:stop].zero_()
+                elif grad.layout != torch.strided:  # e.g. F.embedding(..., sparse=True)
+                    raise RuntimeError(
+                        f"BucketedDDP: {self.param_names[i]} got a {grad.layout} gradient, "
+                        "which does not fit a flat bucket (the sparse layers it can see are "
+                        "refused at construction). Use NaiveDDP, or a dense gradient")
                 else:
                     torch.mul(grad.reshape(-1), scale, out=bucket.flat[start:stop])
         bucket.handle = self._all_reduce(bucket.flat, bucket.index,

@@ -23,7 +23,9 @@ be on GPU"), so this module rebuilds it for any device, with plain ``all_reduce`
 
 Every BatchNorm layer therefore adds two collectives per training step, one in forward and one
 in backward: a synchronisation point per layer, which is the price of exact statistics.
-In eval mode (with running stats) nothing is communicated.
+In eval mode nothing is communicated, as in torch's ``nn.SyncBatchNorm`` (``need_sync`` is
+False outside training): the running stats normalise, or, with ``track_running_stats=False``,
+the local batch's own statistics.
 
 :func:`convert_sync_batchnorm` replaces every ``BatchNorm1d/2d/3d`` in a model, nested ones
 included, keeping the weights and running statistics (like
@@ -172,8 +174,11 @@ class SyncBatchNorm(_BatchNorm):
 
     Training mode with more than one rank: global statistics, two all_reduce calls per step
     (see the module docstring); every rank of ``process_group`` must call forward and
-    backward the same number of times. Eval mode (with running stats), or a single process:
-    exactly ``F.batch_norm``, no communication.
+    backward the same number of times. Eval mode, or a single process: exactly
+    ``F.batch_norm`` of the local batch, no communication, so ranks may run different
+    numbers of evaluation batches; in eval with ``track_running_stats=False`` the local
+    batch's own statistics normalise it (torch's ``nn.SyncBatchNorm.forward`` rule,
+    ``need_sync`` only in training).
 
     Args:
         num_features: C.
@@ -210,12 +215,17 @@ class SyncBatchNorm(_BatchNorm):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         """Normalise ``input`` ``(N, C, *)``; synchronises in training mode (see class doc)."""
         self._check_input_dim(input)
-        use_batch_stats = self.training or not self.track_running_stats
-        need_sync = use_batch_stats and _group_size(self.process_group) > 1
+        # torch's rule (nn.SyncBatchNorm.forward, torch/nn/modules/batchnorm.py): batch
+        # statistics in training, and in eval when there are no running stats
+        # (track_running_stats=False); synchronise only in training ("Don't sync batchnorm
+        # stats in inference mode"): eval without running stats uses the local batch.
+        use_batch_stats = self.training or (self.running_mean is None
+                                            and self.running_var is None)
+        need_sync = self.training and _group_size(self.process_group) > 1
         factor = self._factor()
         if not need_sync:
-            # One process, or eval with running stats: plain batch norm, bit for bit
-            # (the same call nn.BatchNorm2d.forward makes).
+            # One process, or eval: plain batch norm of the local batch, bit for bit
+            # (the same call nn.BatchNorm2d.forward makes); no communication.
             keep = not self.training or self.track_running_stats
             return F.batch_norm(input, self.running_mean if keep else None,
                                 self.running_var if keep else None, self.weight, self.bias,

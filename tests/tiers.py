@@ -93,6 +93,7 @@ SLOW: dict[str, str | frozenset[str]] = {
         "test_overlap_lab_records_timelines_and_sweep",
     }),
     "ddp/test_ddp_pitfalls.py": ALL,
+    "ddp/test_ddp_where_torch_works.py": ALL,
     "ddp/test_gradients.py": frozenset({
         "test_real_all_reduce_and_ddp_on_two_processes",
     }),
@@ -269,6 +270,8 @@ SLOW: dict[str, str | frozenset[str]] = {
         "test_b11_exact_values",
         "test_converted_model_under_ddp_equals_one_process_on_the_global_batch",
         "test_unequal_batches_match_batchnorm_on_the_concatenated_batch",
+        "test_when_to_synchronise_is_torchs_rule",
+        "test_eval_with_one_more_batch_on_one_rank_does_not_communicate",
     }),
     "train/test_token_loss.py": frozenset({
         "test_the_batch_has_unequal_token_counts",

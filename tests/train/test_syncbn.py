@@ -142,6 +142,58 @@ out["ddp_step"] = {
     "params": max(err(ps[n], p) for n, p in plain_model.named_parameters()),
     "buffers": max(err(bs[n].float(), b.float()) for n, b in plain_model.named_buffers()),
 }
+# -- torch's rule for when to synchronise (nn.SyncBatchNorm.forward, need_sync): the four
+#    combinations of train/eval x track_running_stats, momentum 0.1 and None; collectives
+#    counted. torch's own SyncBatchNorm runs on CPU where it does not synchronise (eval).
+calls = {"n": 0}
+_all_reduce = dist.all_reduce
+def counting_all_reduce(*a, **k):
+    calls["n"] += 1
+    return _all_reduce(*a, **k)
+dist.all_reduce = counting_all_reduce
+modes = {}
+for training in (True, False):
+    for track in (True, False):
+        for momentum in (0.1, None):
+            kw = dict(momentum=momentum, track_running_stats=track)
+            ours, ref = SyncBatchNorm(4, **kw), nn.BatchNorm2d(4, **kw)
+            theirs = nn.SyncBatchNorm(4, **kw)
+            for m in (ours, ref, theirs):
+                m.train(training)
+                with torch.no_grad():
+                    m.weight.copy_(weight); m.bias.copy_(bias)
+                    if track:  # eval with running stats reads them: make them non-trivial
+                        m.running_mean.copy_(bias); m.running_var.copy_(weight)
+            res = {}
+            for step in range(2):  # momentum=None: a cumulative average over two steps
+                calls["n"] = 0
+                y = ours(full[mine])
+                res[f"collectives{step}"] = calls["n"]
+                # training: the global batch is the concatenated one; eval: the local batch
+                yr = ref(full)[mine] if training else ref(full[mine])
+                res[f"y{step}"] = err(y, yr)
+                if not training:
+                    yt = theirs(full[mine])
+                    res[f"torch{step}"] = err(y, yt)
+                    res[f"torch_collectives{step}"] = calls["n"] - res[f"collectives{step}"]
+            if track:
+                res["running"] = max(err(ours.running_mean, ref.running_mean),
+                                     err(ours.running_var, ref.running_var))
+                res["tracked"] = [int(ours.num_batches_tracked), int(ref.num_batches_tracked)]
+            if training:
+                try:
+                    theirs(full[mine]); res["torch_train"] = "ran"
+                except ValueError as e:
+                    res["torch_train"] = str(e)
+            modes[f"training={training} track={track} momentum={momentum}"] = res
+out["modes"] = modes
+# one more eval batch on rank 0 than on the others: eval never communicates, so no rank waits
+extra = SyncBatchNorm(4, track_running_stats=False).eval()
+calls["n"] = 0
+for _ in range(2 + (r == 0)):
+    extra(full[mine])
+out["uneven_eval"] = calls["n"]
+dist.all_reduce = _all_reduce
 print(json.dumps(out))
 import gc
 gc.collect()  # free DDP wrappers (reference cycles) before the process group goes
@@ -223,6 +275,44 @@ def test_converted_model_under_ddp_equals_one_process_on_the_global_batch(world,
     for out in results.values():
         assert out["ddp_step"]["params"] < 1e-5
         assert out["ddp_step"]["buffers"] < 1e-5
+
+
+@pytest.mark.parametrize("world", ["two", "three"])
+def test_when_to_synchronise_is_torchs_rule(world, two_ranks, three_ranks):
+    """docs/pitfalls.md B42. ``nn.SyncBatchNorm.forward`` (torch/nn/modules/batchnorm.py):
+    ``need_sync`` only in
+    training. Eval normalises the local batch, with the running stats when tracked and with
+    the local batch's own statistics without them, and never communicates; training always
+    uses the global batch (two steps: momentum=None is the cumulative average)."""
+    results = two_ranks if world == "two" else three_ranks
+    for rank, out in results.items():
+        modes = out["modes"]
+        assert len(modes) == 8
+        for key, res in modes.items():
+            training = key.startswith("training=True")
+            for step in (0, 1):
+                assert res[f"y{step}"] < 1e-5, (world, rank, key, step, res)
+                # one all_reduce in forward when training (backward adds one), none in eval
+                assert res[f"collectives{step}"] == (1 if training else 0), (rank, key, res)
+                if not training:  # torch's own SyncBatchNorm, which runs on CPU in eval
+                    assert res[f"torch{step}"] == 0.0, (rank, key, res)
+                    assert res[f"torch_collectives{step}"] == 0, (rank, key, res)
+            if "track=True" in key:
+                assert res["running"] < 1e-6, (rank, key, res)
+                assert res["tracked"] == ([2, 2] if training else [0, 0]), (rank, key, res)
+            if training:  # torch's SyncBatchNorm refuses CPU input where it synchronises
+                assert res["torch_train"].startswith(
+                    "SyncBatchNorm expected input tensor to be on GPU"), res["torch_train"]
+
+
+@pytest.mark.parametrize("world", ["two", "three"])
+def test_eval_with_one_more_batch_on_one_rank_does_not_communicate(world, two_ranks,
+                                                                    three_ranks):
+    """track_running_stats=False in eval: rank 0 runs 3 batches, the others 2, and no rank
+    issues a collective (the old code all-reduced, and rank 0 waited for a partner)."""
+    results = two_ranks if world == "two" else three_ranks
+    for out in results.values():
+        assert out["uneven_eval"] == 0
 
 
 # ---- converter (no process group) -------------------------------------------------------
