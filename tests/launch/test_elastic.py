@@ -199,7 +199,7 @@ def test_lost_node_shrinks_the_world_and_the_survivor_finishes_the_run():
 def test_node_loss_needs_a_step(capsys):
     with pytest.raises(SystemExit):
         config.parse_config(["--simulate-node-loss"])
-    assert "simulate_node_loss needs --simulate-failure-at-step K >= 1" in capsys.readouterr().err
+    assert "--simulate-node-loss needs --simulate-failure-at-step K >= 1" in capsys.readouterr().err
 
 
 def _torch_src(rel):
