@@ -27,6 +27,9 @@ median) and of the bandwidths derived from them: algbw = bytes / time, busbw = a
 2(R-1)/R (nccl-tests doc/PERFORMANCE.md). Figure:
 :func:`ddp_lesson.viz.collectives.allreduce_bandwidth_figure`.
 
+Every tensor lives on the device the group reduces on (``ddp_lesson.env.reduce_device``: the
+rank's GPU under ``--backend nccl``, which refuses CPU tensors, else the CPU); the ``gloo`` row
+is then NCCL's ``dist.all_reduce``.
 On a 2-core machine 4 processes are oversubscribed (two processes per core): that run shows
 what the algorithms do when compute and communication compete for the CPU, not a network.
 """
@@ -39,6 +42,7 @@ import os
 import sys
 import time
 
+from ..env import reduce_device
 from .common import (
     add_common_flags,
     load_avg,
@@ -86,7 +90,10 @@ def _timed(fn, iters: int) -> float:
     t0 = time.perf_counter()
     for _ in range(iters):
         fn()
-    elapsed = torch.tensor([(time.perf_counter() - t0) / iters], dtype=torch.float64)
+    if torch.cuda.is_available() and reduce_device().type == "cuda":
+        torch.cuda.synchronize()  # NCCL's calls return once queued on the GPU, not done
+    elapsed = torch.tensor([(time.perf_counter() - t0) / iters], dtype=torch.float64,
+                           device=reduce_device())
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
     return float(elapsed)
 
@@ -97,7 +104,7 @@ def _exchange_fn(numel: int, rank: int, world_size: int, pattern: str):
     import torch
     import torch.distributed as dist
 
-    out, into = torch.zeros(numel), torch.zeros(numel)
+    out, into = (torch.zeros(numel, device=reduce_device()) for _ in range(2))
     if pattern == "pair":
         src = dst = (1 - rank) if rank < 2 else None
     else:
@@ -146,7 +153,8 @@ def _calls(methods, nbytes, rank, R, piece):
 
     from ..collectives import naive_all_reduce, pipelined_ring_all_reduce, ring_all_reduce
 
-    t = torch.zeros(nbytes // 4)  # zeros stay zeros under SUM: no overflow, no denormals
+    # zeros stay zeros under SUM: no overflow, no denormals
+    t = torch.zeros(nbytes // 4, device=reduce_device())
     reducers = {"gloo": dist.all_reduce, "ring": ring_all_reduce, "naive": naive_all_reduce,
                 "pipelined": lambda x: pipelined_ring_all_reduce(x, **piece)}
     calls = {}

@@ -19,6 +19,7 @@ from torch import nn
 
 from ddp_lesson.commsim import Recorder
 from ddp_lesson.ddp import BucketedDDP, NaiveDDP
+from ddp_lesson.env import reduce_device
 from ddp_lesson.labs.ddp_toys import IN_FEATURES, TwoLayer
 
 __all__ = ["Scalar", "MICRO_GRADS", "no_sync_accumulation", "unused_parameters",
@@ -41,6 +42,9 @@ class Scalar(nn.Module):
 
 
 def _wrap(wrapper, module, **kwargs):
+    # built on the CPU (the same weights on any machine), moved to where the default group
+    # reduces: cuda:LOCAL_RANK under NCCL, which refuses CPU tensors, else cpu (a no-op)
+    module.to(reduce_device())
     if wrapper in (NaiveDDP, BucketedDDP):
         return wrapper(module, **kwargs)
     kwargs.pop("recorder", None)
@@ -73,7 +77,7 @@ def no_sync_accumulation(wrapper=BucketedDDP, order: str = "correct") -> tuple[f
     ddp = _wrap(wrapper, Scalar(), recorder=recorder)
     skip = {"correct": 0, "buggy": 1, "backward-only": 0}[order]
     for m, c in enumerate(MICRO_GRADS[rank]):
-        c = torch.tensor(c)
+        c = torch.tensor(c, device=reduce_device())
         if m == skip and order == "backward-only":
             out = ddp(c)
             with ddp.no_sync():
@@ -101,7 +105,7 @@ def unused_parameters(wrapper=BucketedDDP, find_unused_parameters: bool = False,
     ddp = _wrap(wrapper, TwoLayer(), find_unused_parameters=find_unused_parameters)
     for _ in range(iterations):
         ddp.zero_grad(set_to_none=True)
-        x = torch.full((2, IN_FEATURES), float(rank + 1))
+        x = torch.full((2, IN_FEATURES), float(rank + 1), device=reduce_device())
         try:
             ddp(x, use_b=rank in b_on_ranks).sum().backward()
         except RuntimeError as err:
@@ -118,7 +122,7 @@ def loss_reduction(wrapper=BucketedDDP) -> dict[str, float]:
         Expected 15, 30 (= 60/R) and 30 (2x too big); one process on [1,2,3,4] gives 15 / 60.
     """
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    x = torch.tensor([1.0, 2.0]) + 2.0 * rank
+    x = torch.tensor([1.0, 2.0], device=reduce_device()) + 2.0 * rank
     grads = {}
     for kind in ("mean", "sum", "mean*R"):
         model = nn.Linear(1, 1, bias=False)
@@ -165,10 +169,11 @@ def broadcast_at_construction(wrapper=BucketedDDP, steps: int = 3) -> tuple[floa
     g = torch.Generator().manual_seed(rank)  # different data on every rank
     for _ in range(steps):
         opt.zero_grad()
-        ddp(torch.randn(4, IN_FEATURES, generator=g)).pow(2).mean().backward()
+        ddp(torch.randn(4, IN_FEATURES, generator=g).to(reduce_device())).pow(2).mean().backward()
         opt.step()
     checksum = torch.stack([p.detach().double().sum() for p in model.parameters()]).sum()
-    sums = [torch.zeros((), dtype=torch.float64) for _ in range(dist.get_world_size())]
+    sums = [torch.zeros((), dtype=torch.float64, device=checksum.device)
+            for _ in range(dist.get_world_size())]
     dist.all_gather(sums, checksum)
     return largest, all(bool(torch.equal(s, sums[0])) for s in sums)
 
@@ -208,8 +213,8 @@ def reentrant_checkpoint_on_input(wrapper=BucketedDDP) -> dict[str, bool]:
     """
     rank, world = dist.get_rank(), dist.get_world_size()
     g = torch.Generator().manual_seed(100 + rank)
-    x = torch.randn(4, IN_FEATURES, generator=g)
-    bare = ReentrantHead()
+    x = torch.randn(4, IN_FEATURES, generator=g).to(reduce_device())  # drawn on the CPU
+    bare = ReentrantHead().to(x.device)
     bare(x.clone().requires_grad_(True)).sum().backward()  # autograd.grad refuses reentrant
     own = [p.grad for p in bare.parameters()]
     mean = [o.clone() / world for o in own]

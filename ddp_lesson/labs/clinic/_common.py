@@ -67,7 +67,10 @@ def start(timeout: float):
     from ...env import barrier, group_active, init_distributed
 
     faulthandler.register(signal.SIGUSR1, all_threads=True)
-    env = init_distributed(timeout=max(timeout, JOIN_TIMEOUT_S))
+    # gloo, always: the cases build CPU tensors and teach gloo's timeout (NCCL refuses CPU
+    # tensors, ProcessGroupNCCL's "Tensors must be CUDA and dense", and ends a hung
+    # collective through its watchdog instead)
+    env = init_distributed(timeout=max(timeout, JOIN_TIMEOUT_S), backend="gloo")
     if group_active():
         barrier()
         _set_pg_timeout(datetime.timedelta(seconds=timeout), dist.group.WORLD)
