@@ -42,9 +42,6 @@ class Scalar(nn.Module):
 
 
 def _wrap(wrapper, module, **kwargs):
-    # built on the CPU (the same weights on any machine), moved to where the default group
-    # reduces: cuda:LOCAL_RANK under NCCL, which refuses CPU tensors, else cpu (a no-op)
-    module.to(reduce_device())
     if wrapper in (NaiveDDP, BucketedDDP):
         return wrapper(module, **kwargs)
     kwargs.pop("recorder", None)
@@ -74,7 +71,9 @@ def no_sync_accumulation(wrapper=BucketedDDP, order: str = "correct") -> tuple[f
         raise ValueError(f"order must be correct, buggy or backward-only, got {order!r}")
     rank = dist.get_rank()
     recorder = Recorder()
-    ddp = _wrap(wrapper, Scalar(), recorder=recorder)
+    # every module is built on the CPU (the same weights on any machine), then moved to where
+    # the default group reduces: cuda:LOCAL_RANK under NCCL, which refuses CPU tensors, else cpu
+    ddp = _wrap(wrapper, Scalar().to(reduce_device()), recorder=recorder)
     skip = {"correct": 0, "buggy": 1, "backward-only": 0}[order]
     for m, c in enumerate(MICRO_GRADS[rank]):
         c = torch.tensor(c, device=reduce_device())
@@ -102,7 +101,8 @@ def unused_parameters(wrapper=BucketedDDP, find_unused_parameters: bool = False,
     """
     rank = dist.get_rank()
     torch.manual_seed(0)
-    ddp = _wrap(wrapper, TwoLayer(), find_unused_parameters=find_unused_parameters)
+    ddp = _wrap(wrapper, TwoLayer().to(reduce_device()),
+                find_unused_parameters=find_unused_parameters)
     for _ in range(iterations):
         ddp.zero_grad(set_to_none=True)
         x = torch.full((2, IN_FEATURES), float(rank + 1), device=reduce_device())
@@ -125,7 +125,7 @@ def loss_reduction(wrapper=BucketedDDP) -> dict[str, float]:
     x = torch.tensor([1.0, 2.0], device=reduce_device()) + 2.0 * rank
     grads = {}
     for kind in ("mean", "sum", "mean*R"):
-        model = nn.Linear(1, 1, bias=False)
+        model = nn.Linear(1, 1, bias=False).to(reduce_device())
         with torch.no_grad():
             model.weight.fill_(1.0)
         ddp = _wrap(wrapper, model)
@@ -152,7 +152,7 @@ def broadcast_at_construction(wrapper=BucketedDDP, steps: int = 3) -> tuple[floa
 
     def build():
         return nn.Sequential(nn.Linear(IN_FEATURES, 8), nn.BatchNorm1d(8), nn.ReLU(),
-                             nn.Linear(8, 2))
+                             nn.Linear(8, 2)).to(reduce_device())
 
     model = build()
     with torch.no_grad():
@@ -220,7 +220,7 @@ def reentrant_checkpoint_on_input(wrapper=BucketedDDP) -> dict[str, bool]:
     mean = [o.clone() / world for o in own]
     for m in mean:
         dist.all_reduce(m)
-    module = ReentrantHead()
+    module = ReentrantHead().to(x.device)
     ddp = _wrap(wrapper, module)
     ddp(x.clone().requires_grad_(True)).sum().backward()
     grads = [p.grad for p in module.parameters()]
