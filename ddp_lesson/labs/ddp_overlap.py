@@ -18,7 +18,8 @@ all-reduce intervals; rank 0 gathers every rank's records and writes them to ``-
 JSON for :func:`ddp_lesson.viz.ddp.ddp_timeline_figure` and
 :func:`ddp_lesson.viz.ddp.bucket_sweep_figure`.
 Printed lines are deterministic (bucket counts, what was written); the measured times go only
-into the JSON.
+into the JSON. Model and batch are built on the CPU and moved to the rank's device
+(:func:`ddp_lesson.env.reduce_device`: ``cuda:LOCAL_RANK`` under NCCL, which refuses CPU tensors).
 """
 from __future__ import annotations
 

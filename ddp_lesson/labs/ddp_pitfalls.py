@@ -5,7 +5,10 @@
 Each function is one scenario and works with :class:`ddp_lesson.ddp.NaiveDDP`,
 :class:`ddp_lesson.ddp.BucketedDDP` or torch's ``DistributedDataParallel`` (``wrapper``
 argument), so a notebook cell and a test can run the same thing and compare with torch.
-Every function is a collective: call it on every rank, in the same order.
+Every function is a collective: call it on every rank, in the same order. Modules and inputs
+are built on the CPU (the same numbers on any machine) and moved to the device the default group
+reduces on (:func:`ddp_lesson.env.reduce_device`: ``cuda:LOCAL_RANK`` under NCCL, which refuses
+CPU tensors), so the returned gradients live there too.
 """
 from __future__ import annotations
 

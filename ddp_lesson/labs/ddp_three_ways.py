@@ -8,7 +8,9 @@ wrapper against torch's ``DistributedDataParallel`` (largest difference over all
 parameters and ranks), and the ranks against each other (bit-identical weights). Models: the
 DeepLab-style net and the toys with a frozen layer, a tied weight and an unused branch
 (``ddp_lesson.labs.ddp_toys``). Rank 0 prints facts, not floats, so the output is the same
-on every machine.
+on every machine. Models and batches are built on the CPU (the same numbers everywhere) and moved
+to the rank's device (:func:`ddp_lesson.env.reduce_device`: ``cuda:LOCAL_RANK`` under NCCL,
+which refuses CPU tensors; the CPU under gloo).
 """
 from __future__ import annotations
 

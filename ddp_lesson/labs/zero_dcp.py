@@ -14,7 +14,9 @@ step; ``--save-at K`` saves after K of the steps and trains on (one run gives bo
 checkpoint and the uninterrupted weights). Each rank prints one JSON line (``{"rank",
 "world_size", "step", "owned", "state_tensors"}``: what it owns and holds at the end);
 ``--out W`` has rank 0 write the final weights, ``--dump-loaded F`` the optimizer state as
-loaded (consolidated on rank 0, torch's format) before any step.
+loaded (consolidated on rank 0, torch's format) before any step. The model and each batch are
+built on the CPU and moved to ``env.device`` (``cuda:LOCAL_RANK`` under NCCL); the weights are
+written from the CPU.
 """
 from __future__ import annotations
 
