@@ -1,8 +1,9 @@
 """Every tensor and module that reaches a collective or a DDP wrapper is on the rank's device.
 
 ``ddp_lesson.env.init_distributed`` creates an NCCL group where every local rank has a GPU, and
-NCCL reduces CUDA tensors only (``ProcessGroupNCCL``'s check: "Tensors must be CUDA and dense",
-in ``libtorch_cuda``). A lab or a notebook cell that builds a CPU tensor and hands it to
+NCCL reduces CUDA tensors only (``ProcessGroupNCCL``'s check of every tensor: "Tensors must be
+CUDA and dense", ``torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp``, read in the CUDA build's
+``libtorch_cuda``; torch 2.14.1). A lab or a notebook cell that builds a CPU tensor and hands it to
 ``dist.all_reduce`` runs on the CI's gloo and crashes on a GPU machine. No device other than
 the CPU exists on the CI machine that gloo would carry (gloo takes CPU tensors, and CUDA ones
 in a CUDA build), so this is a static check, with ``ast``, of:
@@ -36,6 +37,7 @@ pin gloo in their runner (``ddp_lesson/exercises/_runner.py``) and are not swept
 from __future__ import annotations
 
 import ast
+import builtins
 import json
 import re
 from pathlib import Path
@@ -58,7 +60,7 @@ RINGS = {"ring_all_reduce", "pipelined_ring_all_reduce", "naive_all_reduce",
 WRAPPERS = {"DistributedDataParallel", "DDP", "NaiveDDP", "BucketedDDP", "wrap", "wrapper",
             "_wrap"}
 PASS_THROUGH = {"list", "tuple", "sorted", "reversed"}
-BUILTINS = set(dir(__builtins__)) if isinstance(__builtins__, dict) else set(dir(__builtins__))
+BUILTINS = set(dir(builtins))
 PINS_GLOO = re.compile(r"""backend\s*=\s*["']gloo["']|init_process_group\(\s*["']gloo["']|"""
                        r"""--backend gloo""")
 
@@ -505,8 +507,8 @@ def test_a_dtype_conversion_does_not_place_a_tensor():
 
 def test_numpy_is_called_on_cpu_tensors():
     """``Tensor.numpy()`` raises for a CUDA tensor ("can't convert cuda:0 device type tensor
-    to numpy", ``torch/_tensor.py`` / ``tensor_numpy.cpp``): in the package every ``.numpy()``
-    follows ``.cpu()`` in the same chain."""
+    to numpy. Use Tensor.cpu() ...", ``torch/csrc/utils/tensor_numpy.cpp``, in torch 2.13's
+    ``libtorch_python``): in the package every ``.numpy()`` follows ``.cpu()`` in its chain."""
     bad = []
     for path in sorted(PACKAGE.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):

@@ -67,9 +67,8 @@ def start(timeout: float):
     from ...env import barrier, group_active, init_distributed
 
     faulthandler.register(signal.SIGUSR1, all_threads=True)
-    # gloo, always: the cases build CPU tensors and teach gloo's timeout (NCCL refuses CPU
-    # tensors, ProcessGroupNCCL's "Tensors must be CUDA and dense", and ends a hung
-    # collective through its watchdog instead)
+    # gloo, always: the cases build CPU tensors (NCCL refuses them: "Tensors must be CUDA and
+    # dense", ProcessGroupNCCL.cpp) and the lessons read gloo's own timeout errors
     env = init_distributed(timeout=max(timeout, JOIN_TIMEOUT_S), backend="gloo")
     if group_active():
         barrier()
