@@ -280,8 +280,10 @@ class Checker:
                 return UNPLACED, set()
         state, params = _combine([self.value(a, scope, depth + 1) for a in expr.args]
                                  + [self.value(k.value, scope, depth + 1) for k in expr.keywords])
-        if state == UNKNOWN and not params:
-            return UNPLACED, set()  # built from constants only: on the CPU
+        if state == UNKNOWN and all(p.startswith("<outer ") for p in params):
+            # built from constants only, or from an enclosing function's arguments (sizes,
+            # settings: ``build_model("deeplab", width=width)`` in a closure): on the CPU
+            return UNPLACED, set()
         return _opaque((state, params))
 
     # -- sinks -----------------------------------------------------------------------------
