@@ -298,7 +298,11 @@ def sgd_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, lr: float) -> n
 
 
 def max_abs_diff(a, b) -> float:
-    """``max |a - b|`` over two tensors, or over two models' parameters in order."""
+    """``max |a - b|`` over two tensors, or over two models' parameters in order. Local.
+
+    Compared on the CPU, so one side may be on a GPU (a rank's result under NCCL) and the
+    other on the CPU (a single-process reference).
+    """
     if isinstance(a, nn.Module):
-        return max(float((p - q).abs().max()) for p, q in zip(a.parameters(), b.parameters()))
-    return float((a - b).abs().max())
+        return max(max_abs_diff(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    return float((a.detach().cpu() - b.detach().cpu()).abs().max())

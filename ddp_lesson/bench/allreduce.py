@@ -32,6 +32,9 @@ median) and of the bandwidths derived from them: algbw = bytes / time, busbw = a
 2(R-1)/R (nccl-tests doc/PERFORMANCE.md). Figure:
 :func:`ddp_lesson.viz.collectives.allreduce_bandwidth_figure`.
 
+Every tensor lives on the device the group reduces on (``ddp_lesson.env.reduce_device``: the
+rank's GPU under ``--backend nccl``, which refuses CPU tensors, else the CPU); the ``gloo`` row
+is then NCCL's ``dist.all_reduce``.
 On a 2-core machine 4 processes are oversubscribed (two processes per core): that run shows
 what the algorithms do when compute and communication compete for the CPU, not a network.
 """
@@ -44,6 +47,7 @@ import os
 import sys
 import time
 
+from ..env import reduce_device
 from .common import (
     add_common_flags,
     at_least,
@@ -116,7 +120,7 @@ def _exchange_fn(numel: int, rank: int, world_size: int, pattern: str):
     import torch
     import torch.distributed as dist
 
-    out, into = torch.zeros(numel), torch.zeros(numel)
+    out, into = (torch.zeros(numel, device=reduce_device()) for _ in range(2))
     if pattern == "pair":
         src = dst = (1 - rank) if rank < 2 else None
     else:

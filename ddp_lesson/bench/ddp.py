@@ -174,7 +174,7 @@ def _time_rounds(runs: dict, step, rounds: int, steps: int, device) -> dict:
             if device.type == "cuda":
                 torch.cuda.synchronize()
             elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64,
-                                   device=device)
+                                   device=device)  # NCCL reduces CUDA tensors only
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
             rates[key].append(steps / float(elapsed))
     return rates

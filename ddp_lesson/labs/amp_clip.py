@@ -26,6 +26,10 @@ scenarios 1 and 3 on rank 0, scenario 2 on every rank (each rank's own view). Wi
 rank 0 writes every number as JSON for the tests. Sources: ``torch/amp/grad_scaler.py``
 (``unscale_``, ``step`` skips ``optimizer.step()`` when ``found_inf``, ``update``'s backoff
 and growth), ``torch/nn/utils/clip_grad.py``.
+
+Run on its own, ``main`` joins a gloo group on any machine (``init_distributed(backend="gloo")``):
+its tensors and models are CPU tensors, which NCCL refuses ("Tensors must be CUDA and dense",
+``ProcessGroupNCCL.cpp``); the deep dive's cell says ``--backend gloo`` for the same reason.
 """
 from __future__ import annotations
 

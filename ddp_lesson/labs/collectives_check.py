@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from ddp_lesson.cli import plain
 from ddp_lesson.collectives import naive_all_reduce, pipelined_ring_all_reduce, ring_all_reduce
-from ddp_lesson.env import cleanup, init_distributed
+from ddp_lesson.env import cleanup, init_distributed, reduce_device
 
 DTYPES = (torch.int32, torch.int64, torch.float32, torch.float64)
 
@@ -55,7 +55,9 @@ def run_cases(variant, world_size: int, rank: int, sizes, group=None,
                 if name == "avg" and not dtype.is_floating_point:
                     continue
                 seed += 1
-                x = _input(numel, dtype, rank, seed, name)
+                # drawn on the CPU (the same numbers on any machine), then on the device
+                # the default group reduces on: cuda:LOCAL_RANK under NCCL, else cpu
+                x = _input(numel, dtype, rank, seed, name).to(reduce_device())
                 ref = x.clone()
                 dist.all_reduce(ref, op=op, group=group)
                 absum = x.abs().to(torch.float64)
@@ -108,7 +110,7 @@ def main(argv=None) -> None:
                 print(f"{where} of {k}, {label}: {n} cases, bit-equal ints: {iok}, "
                       f"floats within rounding: {fok}")
     # a strided (non-contiguous) 2-D tensor: the column view of a matrix
-    m = torch.arange(12, dtype=torch.int64).reshape(3, 4) * (rank + 1)
+    m = torch.arange(12, dtype=torch.int64, device=env.device).reshape(3, 4) * (rank + 1)
     col, ref = m[:, 1], m[:, 1].clone()
     dist.all_reduce(ref)
     ring_all_reduce(col)

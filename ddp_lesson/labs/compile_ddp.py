@@ -26,6 +26,10 @@ subgraph (``fx.passes.split_module``), compiled by the user's backend on its own
 and, since ``convert_frame`` passes no first cap, ``torch.distributed._DEFAULT_FIRST_BUCKET_BYTES``
 (1 MiB) whatever ``bucket_cap_mb`` is; the constructor asserts ``first_bucket_cap <=
 bucket_bytes_cap``, so a cap under 1 MiB fails the compile with an ``AssertionError``.
+
+Run on its own, ``main`` joins a gloo group on any machine (``init_distributed(backend="gloo")``):
+its tensors and models are CPU tensors, which NCCL refuses ("Tensors must be CUDA and dense",
+``ProcessGroupNCCL.cpp``); the deep dive's cell says ``--backend gloo`` for the same reason.
 """
 from __future__ import annotations
 

@@ -18,7 +18,8 @@ all-reduce intervals; rank 0 gathers every rank's records and writes them to ``-
 JSON for :func:`ddp_lesson.viz.ddp.ddp_timeline_figure` and
 :func:`ddp_lesson.viz.ddp.bucket_sweep_figure`.
 Printed lines are deterministic (bucket counts, what was written); the measured times go only
-into the JSON.
+into the JSON. Model and batch are built on the CPU and moved to the rank's device
+(:func:`ddp_lesson.env.reduce_device`: ``cuda:LOCAL_RANK`` under NCCL, which refuses CPU tensors).
 """
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ import torch.nn.functional as F
 
 from ddp_lesson.commsim import Recorder, SimulatedLink, gather_records, job_exposed_s
 from ddp_lesson.ddp import BucketedDDP, NaiveDDP
+from ddp_lesson.env import reduce_device
 from ddp_lesson.models import build_model
 
 #: Bucket caps of the sweep (MiB); 0 puts every parameter in a bucket of its own.
@@ -66,14 +68,15 @@ def run(width: int = 16, batch: int = 4, size=(64, 128), latency_ms: float = 0.5
     Exposed times are per step, for the whole job (:func:`ddp_lesson.commsim.job_exposed_s`).
     """
     rank = dist.get_rank()
-    g = torch.Generator().manual_seed(1000 + rank)
-    images = torch.randn(batch, 3, *size, generator=g)
-    labels = torch.randint(0, 19, (batch, *size), generator=g)
+    device = reduce_device()  # cuda:LOCAL_RANK under NCCL (CUDA tensors only), else cpu
+    g = torch.Generator().manual_seed(1000 + rank)  # drawn on the CPU, the same on any machine
+    images = torch.randn(batch, 3, *size, generator=g).to(device)
+    labels = torch.randint(0, 19, (batch, *size), generator=g).to(device)
     link = SimulatedLink(latency_ms / 1e3, bandwidth_mbps * 1e6)
 
     def wrapped(kind: str, cap: float = cap_mb):
         torch.manual_seed(0)
-        model = build_model("deeplab", width=width)
+        model = build_model("deeplab", width=width).to(device)
         rec = Recorder()
         if kind == "naive":
             return NaiveDDP(model, comm_hook=link, recorder=rec), rec

@@ -5,7 +5,10 @@
 Each function is one scenario and works with :class:`ddp_lesson.ddp.NaiveDDP`,
 :class:`ddp_lesson.ddp.BucketedDDP` or torch's ``DistributedDataParallel`` (``wrapper``
 argument), so a notebook cell and a test can run the same thing and compare with torch.
-Every function is a collective: call it on every rank, in the same order.
+Every function is a collective: call it on every rank, in the same order. Modules and inputs
+are built on the CPU (the same numbers on any machine) and moved to the device the default group
+reduces on (:func:`ddp_lesson.env.reduce_device`: ``cuda:LOCAL_RANK`` under NCCL, which refuses
+CPU tensors), so the returned gradients live there too.
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ from torch import nn
 from ddp_lesson.cli import plain
 from ddp_lesson.commsim import Recorder
 from ddp_lesson.ddp import BucketedDDP, NaiveDDP
+from ddp_lesson.env import reduce_device
 from ddp_lesson.labs.ddp_toys import IN_FEATURES, TwoLayer
 
 __all__ = ["Scalar", "MICRO_GRADS", "no_sync_accumulation", "unused_parameters",
@@ -71,10 +75,12 @@ def no_sync_accumulation(wrapper=BucketedDDP, order: str = "correct") -> tuple[f
         raise ValueError(f"order must be correct, buggy or backward-only, got {order!r}")
     rank = dist.get_rank()
     recorder = Recorder()
-    ddp = _wrap(wrapper, Scalar(), recorder=recorder)
+    # every module is built on the CPU (the same weights on any machine), then moved to where
+    # the default group reduces: cuda:LOCAL_RANK under NCCL, which refuses CPU tensors, else cpu
+    ddp = _wrap(wrapper, Scalar().to(reduce_device()), recorder=recorder)
     skip = {"correct": 0, "buggy": 1, "backward-only": 0}[order]
     for m, c in enumerate(MICRO_GRADS[rank]):
-        c = torch.tensor(c)
+        c = torch.tensor(c, device=reduce_device())
         if m == skip and order == "backward-only":
             out = ddp(c)
             with ddp.no_sync():
@@ -99,10 +105,11 @@ def unused_parameters(wrapper=BucketedDDP, find_unused_parameters: bool = False,
     """
     rank = dist.get_rank()
     torch.manual_seed(0)
-    ddp = _wrap(wrapper, TwoLayer(), find_unused_parameters=find_unused_parameters)
+    ddp = _wrap(wrapper, TwoLayer().to(reduce_device()),
+                find_unused_parameters=find_unused_parameters)
     for _ in range(iterations):
         ddp.zero_grad(set_to_none=True)
-        x = torch.full((2, IN_FEATURES), float(rank + 1))
+        x = torch.full((2, IN_FEATURES), float(rank + 1), device=reduce_device())
         try:
             ddp(x, use_b=rank in b_on_ranks).sum().backward()
         except RuntimeError as err:
@@ -119,10 +126,10 @@ def loss_reduction(wrapper=BucketedDDP) -> dict[str, float]:
         Expected 15, 30 (= 60/R) and 30 (2x too big); one process on [1,2,3,4] gives 15 / 60.
     """
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    x = torch.tensor([1.0, 2.0]) + 2.0 * rank
+    x = torch.tensor([1.0, 2.0], device=reduce_device()) + 2.0 * rank
     grads = {}
     for kind in ("mean", "sum", "mean*R"):
-        model = nn.Linear(1, 1, bias=False)
+        model = nn.Linear(1, 1, bias=False).to(reduce_device())
         with torch.no_grad():
             model.weight.fill_(1.0)
         ddp = _wrap(wrapper, model)
@@ -149,7 +156,7 @@ def broadcast_at_construction(wrapper=BucketedDDP, steps: int = 3) -> tuple[floa
 
     def build():
         return nn.Sequential(nn.Linear(IN_FEATURES, 8), nn.BatchNorm1d(8), nn.ReLU(),
-                             nn.Linear(8, 2))
+                             nn.Linear(8, 2)).to(reduce_device())
 
     model = build()
     with torch.no_grad():
@@ -166,10 +173,11 @@ def broadcast_at_construction(wrapper=BucketedDDP, steps: int = 3) -> tuple[floa
     g = torch.Generator().manual_seed(rank)  # different data on every rank
     for _ in range(steps):
         opt.zero_grad()
-        ddp(torch.randn(4, IN_FEATURES, generator=g)).pow(2).mean().backward()
+        ddp(torch.randn(4, IN_FEATURES, generator=g).to(reduce_device())).pow(2).mean().backward()
         opt.step()
     checksum = torch.stack([p.detach().double().sum() for p in model.parameters()]).sum()
-    sums = [torch.zeros((), dtype=torch.float64) for _ in range(dist.get_world_size())]
+    sums = [torch.zeros((), dtype=torch.float64, device=checksum.device)
+            for _ in range(dist.get_world_size())]
     dist.all_gather(sums, checksum)
     return largest, all(bool(torch.equal(s, sums[0])) for s in sums)
 
@@ -210,14 +218,14 @@ def reentrant_checkpoint_on_input(wrapper=BucketedDDP) -> dict[str, bool]:
     """
     rank, world = dist.get_rank(), dist.get_world_size()
     g = torch.Generator().manual_seed(100 + rank)
-    x = torch.randn(4, IN_FEATURES, generator=g)
-    bare = ReentrantHead()
+    x = torch.randn(4, IN_FEATURES, generator=g).to(reduce_device())  # drawn on the CPU
+    bare = ReentrantHead().to(x.device)
     bare(x.clone().requires_grad_(True)).sum().backward()  # autograd.grad refuses reentrant
     own = [p.grad for p in bare.parameters()]
     mean = [o.clone() / world for o in own]
     for m in mean:
         dist.all_reduce(m)
-    module = ReentrantHead()
+    module = ReentrantHead().to(x.device)
     ddp = _wrap(wrapper, module)
     ddp(x.clone().requires_grad_(True)).sum().backward()
     grads = [p.grad for p in module.parameters()]

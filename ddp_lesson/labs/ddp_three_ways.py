@@ -8,7 +8,9 @@ wrapper against torch's ``DistributedDataParallel`` (largest difference over all
 parameters and ranks), and the ranks against each other (bit-identical weights). Models: the
 DeepLab-style net and the toys with a frozen layer, a tied weight and an unused branch
 (``ddp_lesson.labs.ddp_toys``). Rank 0 prints facts, not floats, so the output is the same
-on every machine.
+on every machine. Models and batches are built on the CPU (the same numbers everywhere) and moved
+to the rank's device (:func:`ddp_lesson.env.reduce_device`: ``cuda:LOCAL_RANK`` under NCCL,
+which refuses CPU tensors; the CPU under gloo).
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 from ddp_lesson.ddp import BucketedDDP, NaiveDDP
+from ddp_lesson.env import reduce_device
 from ddp_lesson.labs.ddp_toys import TOYS, shard, toy_batch
 from ddp_lesson.models import build_model
 
@@ -44,12 +47,13 @@ def train(make, wrap, batch, steps: int = 3) -> tuple[torch.nn.Module, torch.nn.
     rank trains on its contiguous slice.
     """
     rank, world_size = dist.get_rank(), dist.get_world_size()
+    device = reduce_device()  # cuda:LOCAL_RANK under NCCL (CUDA tensors only), else cpu
     torch.manual_seed(0)
-    model = make()
+    model = make().to(device)  # built on the CPU: the same weights on a GPU as on a CPU
     ddp = wrap(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     for step in range(steps):
-        x, y = batch(step)
+        x, y = (t.to(device) for t in batch(step))
         opt.zero_grad()
         F.cross_entropy(ddp(shard(x, rank, world_size)), shard(y, rank, world_size)).backward()
         opt.step()
@@ -60,7 +64,7 @@ def max_difference(a: torch.nn.Module, b: torch.nn.Module) -> float:
     """Largest |a - b| over every parameter, maximised over ranks (a collective)."""
     worst = torch.tensor(max(float((p - q).abs().max())
                              for p, q in zip(a.parameters(), b.parameters())),
-                         dtype=torch.float64)
+                         dtype=torch.float64, device=reduce_device())
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     return float(worst)
 

@@ -126,15 +126,18 @@ def _equalised_loop(batches: list[list[int]]) -> tuple[int, int]:
     """
     import torch.distributed as dist
 
+    from ..env import reduce_device
+
+    device = reduce_device()  # cuda:LOCAL_RANK under NCCL (CUDA tensors only), else cpu
     it = iter(batches)
     steps = reduced = 0
     while True:
         batch = next(it, None)
-        flag = torch.tensor([0 if batch is None else 1])
+        flag = torch.tensor([0 if batch is None else 1], device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)  # 0 as soon as any rank ran out
         if flag.item() == 0:
             return steps, reduced
-        grad = torch.tensor([float(sum(batch))])     # stands in for the DDP gradient
+        grad = torch.tensor([float(sum(batch))], device=device)  # stands in for the DDP gradient
         dist.all_reduce(grad)
         steps, reduced = steps + 1, reduced + 1
 

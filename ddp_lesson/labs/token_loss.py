@@ -46,7 +46,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
-from ddp_lesson.env import cleanup, init_distributed, print0
+from ddp_lesson.env import cleanup, init_distributed, print0, reduce_device
 from ddp_lesson.gpt import GPTConfig, TinyGPT, load_corpus
 
 METHODS = ("micro-batch mean", "padded positions", "rank token count", "global token count")
@@ -94,7 +94,7 @@ def ddp_gradient(base, method: str, micro, world_size: int, k: int, b: int, t: i
     model = DistributedDataParallel(copy.deepcopy(base))
     counts = [int((y != IGNORE).sum()) for _, y in micro]
     n_rank = sum(counts)
-    total = torch.tensor([float(n_rank)])
+    total = torch.tensor([float(n_rank)], device=reduce_device())
     dist.all_reduce(total)  # the global count, known before any backward
     for j, (x, y) in enumerate(micro):
         sync = j == len(micro) - 1
@@ -119,9 +119,10 @@ def run(k: int = 2, b: int = 2, block_size: int = 16, seed: int = 0) -> dict:
     corpus = load_corpus()
     cfg = GPTConfig(vocab_size=corpus.vocab_size, block_size=block_size, n_embd=32, n_head=2,
                     n_layer=1)
+    device = reduce_device()  # cuda:LOCAL_RANK under NCCL (CUDA tensors only), else cpu
     torch.manual_seed(seed)
-    base = TinyGPT(cfg)
-    x, y = padded_batch(corpus.data, world_size * k * b, block_size, seed)
+    base = TinyGPT(cfg).to(device)  # built on the CPU: the same weights on any machine
+    x, y = (t.to(device) for t in padded_batch(corpus.data, world_size * k * b, block_size, seed))
     # one process, the global batch: the mean over every valid token
     ref = copy.deepcopy(base)
     s, n = token_sum(ref, x, y)

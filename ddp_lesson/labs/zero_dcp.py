@@ -14,7 +14,9 @@ step; ``--save-at K`` saves after K of the steps and trains on (one run gives bo
 checkpoint and the uninterrupted weights). Each rank prints one JSON line (``{"rank",
 "world_size", "step", "owned", "state_tensors"}``: what it owns and holds at the end);
 ``--out W`` has rank 0 write the final weights, ``--dump-loaded F`` the optimizer state as
-loaded (consolidated on rank 0, torch's format) before any step.
+loaded (consolidated on rank 0, torch's format) before any step. The model and each batch are
+built on the CPU and moved to ``env.device`` (``cuda:LOCAL_RANK`` under NCCL); the weights are
+written from the CPU.
 """
 from __future__ import annotations
 
@@ -59,7 +61,9 @@ def main(argv=None) -> None:
                          f"{GLOBAL_BATCH}")
     corpus = load_corpus()
     torch.manual_seed(0)
-    model = TinyGPT(vocab_size=corpus.vocab_size)
+    # built on the CPU (the same weights on any machine), then on this rank's device:
+    # cuda:LOCAL_RANK under NCCL, which refuses CPU tensors, else cpu
+    model = TinyGPT(vocab_size=corpus.vocab_size).to(env.device)
     ddp = DistributedDataParallel(model)
     opt = ShardedOptimizer(model.parameters(), torch.optim.AdamW, **HPARAMS)
     start = 0
@@ -79,7 +83,7 @@ def main(argv=None) -> None:
             save(args.save, model, opt, step, env)
         x, y = get_batch(corpus.data, GLOBAL_BATCH, BLOCK_SIZE,
                          torch.Generator().manual_seed(1000 + step))
-        _, loss = ddp(x[rows], y[rows])
+        _, loss = ddp(x[rows].to(env.device), y[rows].to(env.device))
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -91,7 +95,8 @@ def main(argv=None) -> None:
     if args.save and save_at == args.steps:
         save(args.save, model, opt, start + args.steps, env)
     if args.out and env.rank == 0:
-        torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, args.out)
+        torch.save({k: v.detach().cpu().clone() for k, v in model.state_dict().items()},
+                   args.out)
     dist.barrier()
     cleanup()
 

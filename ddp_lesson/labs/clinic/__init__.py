@@ -1,8 +1,10 @@
 """The hang clinic: small broken data-parallel programs that end in a clear error, not a hang.
 
 Each module runs under torchrun (``-m ddp_lesson.labs.clinic.<name>``), joins the group with
-a 5 s timeout (``init_distributed(timeout=5)``: gloo raises after the process group's timeout
-instead of gloo's default 30 minutes; NCCL's: 10), registers a faulthandler stack dump on SIGUSR1,
+a 5 s timeout (``init_distributed(timeout=5, backend="gloo")``: gloo raises after the process
+group's timeout instead of gloo's default 30 minutes (NCCL's: 10); gloo on a GPU machine too,
+since the cases build CPU tensors, which NCCL refuses), registers a faulthandler stack dump on
+SIGUSR1,
 takes ``--fixed`` to run the repaired program, and with ``--flight-dir DIR``
 leaves each rank's flight record in ``DIR`` (written while the case hangs,
 :class:`ddp_lesson.flight.HangWatch`; ``--flight-stacks`` adds the callers' file:line):

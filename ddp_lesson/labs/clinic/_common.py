@@ -67,7 +67,9 @@ def start(timeout: float):
     from ...env import barrier, group_active, init_distributed
 
     faulthandler.register(signal.SIGUSR1, all_threads=True)
-    env = init_distributed(timeout=max(timeout, JOIN_TIMEOUT_S))
+    # gloo, always: the cases build CPU tensors (NCCL refuses them: "Tensors must be CUDA and
+    # dense", ProcessGroupNCCL.cpp) and the lessons read gloo's own timeout errors
+    env = init_distributed(timeout=max(timeout, JOIN_TIMEOUT_S), backend="gloo")
     if group_active():
         barrier()
         _set_pg_timeout(datetime.timedelta(seconds=timeout), dist.group.WORLD)
