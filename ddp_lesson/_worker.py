@@ -11,9 +11,11 @@ once per rank. Before running the real target this:
    so without this a SIGKILL to the launcher alone would leave orphans. The pid is also the
    id of the worker's process group, which the launcher's watchdog kills
    (:func:`ddp_lesson.procs.watch`), so processes the rank started die too;
-3. when the target fails, writes ``OUTDIR/rank{RANK}.exit`` (its exit code) before anything
-   else, so the launcher knows every rank whose own program failed, not only the one torchrun
-   noticed first.
+3. when the target fails, writes ``OUTDIR/rank{RANK}.exit`` (its exit code and the moment,
+   ``time.time_ns()``) before anything else, so the launcher knows every rank whose own program
+   failed, not only the one torchrun noticed first, and which failed first: a peer's failure
+   reaches a rank waiting in a collective only once the failed rank's process has ended
+   ("Connection closed by peer" on gloo), after its record was written.
 
 Then it runs the target as ``__main__``, as ``python -m NAME`` / ``python PATH`` would: in a
 module installed as ``sys.modules["__main__"]`` for good (atexit handlers and pickling see it),
@@ -40,6 +42,7 @@ import os
 import runpy
 import sys
 import threading
+import time
 import types
 
 from .procs import die_with_parent
@@ -65,11 +68,12 @@ def _redirect(outdir: str, rank: str) -> None:
 
 
 def _record_exit(outdir: str, rank: str, code) -> None:
-    """Write this rank's failing exit code to ``OUTDIR/rank{RANK}.exit`` (read by the launcher)."""
+    """Write this rank's failing exit code and the time (ns since the epoch, one host's clock)
+    to ``OUTDIR/rank{RANK}.exit`` as ``"CODE TIME_NS"`` (read by the launcher)."""
     code = code if isinstance(code, int) else 1
     try:
         with open(os.path.join(outdir, f"rank{rank}.exit"), "w") as f:
-            f.write(str(code))
+            f.write(f"{code} {time.time_ns()}")
     except OSError:
         pass
 
