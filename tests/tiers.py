@@ -146,6 +146,7 @@ SLOW: dict[str, str | frozenset[str]] = {
         "test_stack_dump_on_sigusr1_shows_where_a_rank_waits",
     }),
     "launch/test_cluster.py": frozenset({
+        "test_a_rank_that_raises_while_its_peer_waits_is_shown_at_once",
         "test_error_on_one_rank_named_and_ranks_usable_afterwards",
         "test_hang_ended_by_timeout_names_waiting_rank_and_restarts_cleanly",
         "test_interrupt_reaches_the_ranks_and_keeps_the_cluster",

@@ -324,6 +324,32 @@ def test_hang_ended_by_timeout_names_waiting_rank_and_restarts_cleanly(cluster, 
     ) == {0: "2.0 False\n", 1: "2.0 False\n"}
 
 
+@pytest.mark.timeout(120)  # the setup's cluster start included; the cell's own timeout is 300 s
+def test_a_rank_that_raises_while_its_peer_waits_is_shown_at_once(cluster, capsys):
+    """Issue 41 item 9: rank 1 raises while rank 0 waits for it in an all_reduce. The error
+    names rank 1 with its traceback long before the cell's 300 s timeout (this test fails
+    after 120 s), says rank 0 is blocked in a collective, and the cluster is restarted."""
+    cluster.run("lost = 1")
+    old = set(cluster.pids())
+    with pytest.raises(RanksError) as info:
+        cl.ranks_magic("--timeout 300", "print('entering', rank)\nx = torch.ones(4, 3)\n"
+                                        "if rank == 1:\n    x = x @ torch.ones(5, 2)\n"
+                                        "dist.all_reduce(x)\nprint('left', rank)")
+    e = info.value
+    assert sorted(e.failed) == [1] and e.waiting == [0] and e.restarted
+    assert str(e).startswith("rank 1 of 2 failed (rank 1: RuntimeError: mat1 and mat2 shapes "
+                             "cannot be multiplied (4x3 and 5x2)); rank 0 still running ")
+    assert "probably blocked in a collective waiting for rank 1" in str(e)
+    assert str(e).endswith("the cluster was restarted: 2 fresh ranks, state lost")
+    assert "x = x @ torch.ones(5, 2)" in e.failed[1]
+    assert capsys.readouterr().out == "[rank 0] entering 0\n[rank 1] entering 1\n"
+    assert wait_gone(old) == set()
+    assert cluster.running and cluster.restarts >= 1
+    assert cluster.run(
+        "x = torch.ones(1)\ndist.all_reduce(x)\nprint(x.item(), 'lost' in dir())"
+    ) == {0: "2.0 False\n", 1: "2.0 False\n"}
+
+
 def test_stop_is_clean_and_leaves_no_process_or_file(cluster, capsys):
     pids, folder = set(cluster.pids()), cluster.folder
     assert len(pids) == 5 and alive(pids) == pids  # watchdog, controller, torchrun, 2 engines
