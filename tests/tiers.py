@@ -235,11 +235,13 @@ SLOW: dict[str, str | frozenset[str]] = {
         "test_on_gpus_the_repaired_program_takes_a_gpu_per_rank",
     }),
     "train/test_bad_input.py": frozenset({
+        "test_a_failed_summary_write_on_rank_0_raises_on_every_rank",
         "test_every_rank_exits_and_only_rank_0_reports",
         "test_static_graph_with_no_sync_fails_in_torch_as_the_refusal_says",
     }),
     "train/test_checkpoint.py": frozenset({
         "test_a_good_save_sweeps_a_killed_writers_file_but_not_a_live_ones",
+        "test_any_failure_on_rank0_raises_on_every_rank_at_once",
         "test_b12_ddp_keys_carry_the_prefix_and_the_helper_strips_it",
         "test_b14_save_then_load_on_every_rank",
         "test_cli_kill_during_save_recovers_and_leaves_no_temporary",
