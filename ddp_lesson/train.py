@@ -693,7 +693,8 @@ class Trainer:
             # --clip-grad-norm: each step's total gradient norm before clipping (this rank's
             # own computation; every rank's is the same, bit for bit); None without clipping
             "grad_norms": [_finite_or_none(r.grad_norm) for r in self.step_log],
-            # --amp fp16: steps the GradScaler skipped (inf/NaN gradients) and its final scale
+            # --amp fp16: steps the GradScaler skipped (inf/NaN gradients; they step neither
+            # the optimizer nor the learning-rate schedule, train_step) and its final scale
             "skipped_steps": [r.epoch * d["steps_per_epoch"] + r.step_in_epoch + 1
                               for r in self.step_log if r.skipped],
             "amp_scale": (self.precision.scaler.get_scale()
