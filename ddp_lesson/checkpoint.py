@@ -88,7 +88,13 @@ class CheckpointError(ValueError):
 class Rank0Error(RuntimeError):
     """Raised on the other ranks when rank 0's part of a rank-0-only step (:func:`run_on_rank0`:
     a checkpoint write, a check, a summary) raised: the message names the step and rank 0's
-    exception (type and first line). Rank 0 itself raises its own exception."""
+    exception (type and first line). Rank 0 itself raises its own exception.
+
+    ``is_consequence = True``: the launcher never names a rank that failed with it as the
+    cause of a failed run (:mod:`ddp_lesson._worker` marks its record), though it may be
+    raised a moment before rank 0's own exception leaves rank 0's program."""
+
+    is_consequence = True
 
 
 # --------------------------------------------------------------------------- prefixes (B12)

@@ -246,6 +246,7 @@ SLOW: dict[str, str | frozenset[str]] = {
         "test_b14_save_then_load_on_every_rank",
         "test_cli_kill_during_save_recovers_and_leaves_no_temporary",
         "test_sweep_removes_only_dead_writers_files_of_this_checkpoint",
+        "test_the_run_names_rank_0_not_the_rank_it_told",
     }),
     "train/test_syncbn.py": frozenset({
         "test_a_rank_with_an_empty_batch",

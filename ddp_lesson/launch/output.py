@@ -237,7 +237,9 @@ def _collect(outdir: Path, script: Path | None = None
              ) -> tuple[dict[int, str], dict[int, str], dict[int, int], dict[int, int]]:
     """Each rank's stdout and stderr as a terminal shows them, and the ranks' own failures:
     ``(outputs, errors, exits, times)``, ``exits`` rank -> exit code and ``times`` rank -> the
-    failure's ``time.time_ns()`` (:mod:`ddp_lesson._worker` writes ``"CODE TIME_NS"``).
+    failure's ``time.time_ns()`` (:mod:`ddp_lesson._worker` writes ``"CODE TIME_NS"``); a
+    failure marked `` consequence`` (its exception passes on a peer's failure) gets
+    :data:`CONSEQUENCE_NS` added to its time, so it comes after every unmarked one.
 
     The cell's temporary file is named ``<torchrun cell>`` (tracebacks, warnings), so
     nothing shown depends on where the run's folder was.
@@ -256,8 +258,13 @@ def _collect(outdir: Path, script: Path | None = None
         except ValueError:
             exits[rank] = 1
         if len(fields) > 1 and fields[1].isdigit():
-            times[rank] = int(fields[1])
+            times[rank] = int(fields[1]) + (CONSEQUENCE_NS if "consequence" in fields[2:] else 0)
     return outputs, errors, exits, times
+
+
+#: Added to the time of a failure whose exception says it passes on a peer's failure: later
+#: than any real time (year 2286 and beyond), so such a failure is never named as the cause.
+CONSEQUENCE_NS = 10 ** 19
 
 
 def _first_failures(failed: list[int], times: dict[int, int]) -> list[int]:

@@ -14,7 +14,12 @@ from pathlib import Path
 import pytest
 
 from ddp_lesson.launch import TorchrunError, run_torchrun, terminal_text
-from ddp_lesson.launch.output import _collect, _failed_ranks, _first_failures
+from ddp_lesson.launch.output import (
+    CONSEQUENCE_NS,
+    _collect,
+    _failed_ranks,
+    _first_failures,
+)
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -181,9 +186,12 @@ def test_the_records_give_exit_code_and_time(tmp_path):
     (tmp_path / "rank0.exit").write_text("3 1700000000123456789")
     (tmp_path / "rank1.exit").write_text("1")        # an older record: no time
     (tmp_path / "rank2.exit").write_text("")         # cut short: code 1
+    # an exception that passes on a peer's failure (Rank0Error), recorded a moment earlier
+    (tmp_path / "rank3.exit").write_text("1 1700000000000000000 consequence")
     _, _, exits, times = _collect(tmp_path)
-    assert exits == {0: 3, 1: 1, 2: 1}
-    assert times == {0: 1700000000123456789}
+    assert exits == {0: 3, 1: 1, 2: 1, 3: 1}
+    assert times == {0: 1700000000123456789, 3: 1700000000000000000 + CONSEQUENCE_NS}
+    assert _first_failures([0, 3], times) == [0, 3]
 
 
 def test_failing_ranks_from_records_and_torchrun_summary():

@@ -21,7 +21,7 @@ from ddp_lesson.checkpoint import (
     strip_module_prefix,
     unwrap,
 )
-from ddp_lesson.launch import run_torchrun
+from ddp_lesson.launch import TorchrunError, run_torchrun
 
 # ---- B12: the module. prefix ---------------------------------------------------------------
 
@@ -354,6 +354,33 @@ def test_any_failure_on_rank0_raises_on_every_rank_at_once(tmp_path):
     for out in (r0, r1):
         assert out["previous_kept"] is True and out["temporaries"] == []
         assert out["after"] == 2.0
+
+
+RANK0_RAISES = r'''
+import sys
+import torch
+from ddp_lesson.env import init_distributed
+from ddp_lesson import checkpoint as ck
+
+env = init_distributed(timeout=30, announce=False)
+bad = {"schedule": lambda step: 0.1} if env.rank == 0 else None
+ck.save_checkpoint(bad, sys.argv[1])  # uncaught: the run fails
+'''
+
+
+@pytest.mark.timeout(120)
+def test_the_run_names_rank_0_not_the_rank_it_told(tmp_path):
+    """Rank 1's Rank0Error passes on rank 0's failure: the launcher names rank 0 as the cause,
+    whichever of the two exceptions left its program first (its record is marked)."""
+    script = tmp_path / "rank0_raises.py"
+    script.write_text(RANK0_RAISES)
+    with pytest.raises(TorchrunError) as info:
+        run_torchrun(str(script), [str(tmp_path / "c.pt")], nproc_per_node=2, timeout=100,
+                     live=False, backend="gloo")
+    err = info.value
+    assert (err.rank, err.consequences) == (0, [1])
+    assert "Can't pickle" in err.traceback.splitlines()[-1]
+    assert "Rank0Error: rank 0 failed to write checkpoint" in err.result.errors[1]
 
 
 # ---- default map_location: this rank's device (B25) ------------------------------------------
