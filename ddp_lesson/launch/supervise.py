@@ -170,22 +170,28 @@ def _failure(launch: _Launch, result: TorchrunResult, exits: dict[int, int],
         return TorchrunError(f"torchrun failed (exit code {result.returncode})"
                              + (f": {last}" if last else ""), None, result.returncode, tb, result)
     codes = {r: (c if c is not None else result.returncode) for r, c in failed}
-    order = _first_failures(list(codes), times or {})
-    rank = order[0]
+    times = times or {}
+    order = _first_failures(list(codes), times)
+    # ranks without a record (killed by a signal) have no time: several are causes together
+    unrecorded = [r for r in order if r not in times]
+    causes = unrecorded if len(unrecorded) > 1 else order[:1]
+    rank, later = causes[0], sorted(r for r in order if r not in causes)
     result.failed_rank = rank
-    later = sorted(order[1:])
     # the traceback: the first failing rank's, else the next failing rank that said why
     said = [r for r in order if result.errors.get(r, "").strip()] or [rank]
     tb = _clean_traceback(result.errors.get(said[0], ""), launch.script, CELL_LABEL)
     last = tb.strip().splitlines()[-1] if tb.strip() else ""
-    where = f"rank {rank} of {launch.total} failed"
+    where = (f"{_ranks_word(causes)} of {launch.total} failed" + (" first" if later else "")
+             + f" ({_codes_word(causes, codes)})" + (f": {last}" if last else ""))
     if later:
-        where += " first"
-    where += f" (exit code {codes[rank]})" + (f": {last}" if last else "")
-    if later:
-        where += (f"; {_ranks_word(later)} failed after it (exit code"
-                  f"{'s' if len(later) > 1 else ''} {', '.join(str(codes[r]) for r in later)})")
+        where += (f"; {_ranks_word(later)} failed after "
+                  f"{'it' if len(causes) == 1 else 'them'} ({_codes_word(later, codes)})")
     return TorchrunError(where, rank, codes[rank], tb, result, consequences=later)
+
+
+def _codes_word(ranks: list[int], codes: dict[int, int]) -> str:
+    return (f"exit code{'s' if len(ranks) > 1 else ''} "
+            + ", ".join(str(codes[r]) for r in ranks))
 
 
 def _ranks_word(ranks: list[int]) -> str:

@@ -182,6 +182,31 @@ def test_the_failure_order_comes_from_the_records_signals_first():
     assert _first_failures([0, 1, 3], {0: 1, 1: 2}) == [3, 0, 1]
 
 
+def test_the_error_names_the_cause_and_never_orders_ranks_without_a_time():
+    from types import SimpleNamespace
+
+    from ddp_lesson.launch.output import TorchrunResult
+    from ddp_lesson.launch.supervise import _failure
+
+    def error(exits, times, summary=""):
+        result = TorchrunResult(1, {}, {r: f"E{r}: on rank {r}\n" for r in range(4)}, summary,
+                                [], "", "gloo", "")
+        return _failure(SimpleNamespace(script=None, total=4), result, exits, times)
+
+    err = error({0: 1, 2: 1, 3: 1}, {0: 30, 2: 10, 3: 20})
+    assert (err.rank, err.consequences, err.result.failed_ranks) == (2, [0, 3], [0, 2, 3])
+    assert str(err) == ("rank 2 of 4 failed first (exit code 1): E2: on rank 2; ranks 0, 3 "
+                        "failed after it (exit codes 1, 1)")
+    # two ranks killed by signals (torchrun's summary only): both causes, in rank order; the
+    # recorded failure comes after them
+    summary = ("rank      : 1 (local_rank: 1)\n  exitcode  : -9 (pid: 7)\n"
+               "rank      : 3 (local_rank: 3)\n  exitcode  : -11 (pid: 8)\n")
+    err = error({0: 1}, {0: 5}, summary)
+    assert (err.rank, err.consequences) == (1, [0])
+    assert str(err) == ("ranks 1, 3 of 4 failed first (exit codes -9, -11): E1: on rank 1; "
+                        "rank 0 failed after them (exit code 1)")
+
+
 def test_the_records_give_exit_code_and_time(tmp_path):
     (tmp_path / "rank0.exit").write_text("3 1700000000123456789")
     (tmp_path / "rank1.exit").write_text("1")        # an older record: no time
