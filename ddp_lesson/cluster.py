@@ -619,6 +619,9 @@ class Cluster:
         failed = {r: _error_text(ar) for r, ar in ars.items() if _raised(ar)}
         waiting = [r for r, ar in ars.items() if not ar.ready()]
         outputs = {r: _text_output(ar) for r, ar in ars.items()}
+        # the restart takes seconds: say at once what happened (the error follows it)
+        print(f"[ranks] {_ranks_word(failed)} raised; {_ranks_word(waiting)} still waiting: "
+              "restarting the cluster", file=sys.stderr, flush=True)
         self.restart()
         raise RanksError(
             _failure_summary(failed, len(ars), self.world_size, kept=False)

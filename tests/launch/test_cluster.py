@@ -342,7 +342,9 @@ def test_a_rank_that_raises_while_its_peer_waits_is_shown_at_once(cluster, capsy
     assert "probably blocked in a collective waiting for rank 1" in str(e)
     assert str(e).endswith("the cluster was restarted: 2 fresh ranks, state lost")
     assert "x = x @ torch.ones(5, 2)" in e.failed[1]
-    assert capsys.readouterr().out == "[rank 0] entering 0\n[rank 1] entering 1\n"
+    seen = capsys.readouterr()
+    assert seen.out == "[rank 0] entering 0\n[rank 1] entering 1\n"
+    assert seen.err == "[ranks] rank 1 raised; rank 0 still waiting: restarting the cluster\n"
     assert wait_gone(old) == set()
     assert cluster.running and cluster.restarts >= 1
     assert cluster.run(
