@@ -336,7 +336,10 @@ def _from_rank0(compute: Callable[[], Any], what: str, timeout_s: float) -> Any:
             value = compute()
             answer = pickle.dumps((True, value))
         except BaseException as exc:  # every rank hears of it, then rank 0 raises it
-            store.set(key, pickle.dumps((False, f"{type(exc).__name__}: {_first_line(exc)}")))
+            try:
+                store.set(key, pickle.dumps((False, f"{type(exc).__name__}: {_first_line(exc)}")))
+            except Exception:  # the store is gone too: rank 0's own error is what matters
+                pass
             raise
         store.set(key, answer)
         return value
