@@ -539,16 +539,17 @@ class Cluster:
                 pending = [ar for ar in ars.values() if not ar.ready()]
                 if not pending:
                     break
+                if first_failure is None and any(_raised(ar) for ar in ars.values()):
+                    first_failure = time.monotonic()
+                if first_failure is not None and (
+                        time.monotonic() - first_failure > PEER_FAILURE_GRACE_S
+                        or time.monotonic() > deadline):  # a timeout names the failure too
+                    self._failed_while_peers_wait(ars)
                 if time.monotonic() > deadline:
                     self._hung(ars, timeout)
                 for r in ranks:
                     if not alive(self.engine_pids[r]):
                         self._died(ars, r)
-                if first_failure is None and any(_raised(ar) for ar in ars.values()):
-                    first_failure = time.monotonic()
-                if (first_failure is not None
-                        and time.monotonic() - first_failure > PEER_FAILURE_GRACE_S):
-                    self._failed_while_peers_wait(ars)
                 pending[0].wait(_POLL_S)  # returns as soon as that rank is done
         except KeyboardInterrupt:
             self._interrupted(ars)
@@ -625,7 +626,7 @@ class Cluster:
         self.restart()
         raise RanksError(
             _failure_summary(failed, len(ars), self.world_size, kept=False)
-            + f"; {_ranks_word(waiting)} still running {PEER_FAILURE_GRACE_S:g} s later: "
+            + f"; {_ranks_word(waiting)} still running after it: "
             f"probably blocked in a collective waiting for {_ranks_word(failed)}. A rank "
             f"blocked in a collective cannot be interrupted, so the cluster was restarted: "
             f"{self.world_size} fresh ranks, state lost",
