@@ -144,8 +144,8 @@ def test_the_first_failing_rank_is_named_and_later_ones_listed_as_consequences()
 
 # Issue 41 item 9: rank 1 raises mid-step while its peers wait in an all_reduce; they fail
 # with gloo's "Connection closed by peer" once rank 1's process has ended. Their SIGTERM
-# handler keeps torchrun's SIGTERM from ending them first (a Python handler runs only when
-# the all_reduce returns), so every peer's failure is a recorded consequence.
+# handler does nothing, so torchrun's SIGTERM (sent once rank 1 has exited) cannot end them
+# before the all_reduce fails: every peer's failure is a recorded consequence.
 PEER_WAITS = r'''
 import signal, torch, torch.distributed as dist
 from ddp_lesson.env import init_distributed
