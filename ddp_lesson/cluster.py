@@ -585,8 +585,9 @@ class Cluster:
             RanksError: a rank raised (failed ranks named in rank order, their tracebacks
                 attached); the ranks stay usable. If other ranks are still running
                 :data:`PEER_FAILURE_GRACE_S` after the first one raised, they are blocked in a
-                collective waiting for it: raised then, naming them, after restarting the
-                cluster (``restarted``, state lost).
+                collective waiting for it (or the timeout comes first): raised then, naming
+                them, after restarting the cluster (``restarted``, state lost; one line on
+                stderr says so before the restart, which takes seconds).
             RanksTimeout: some ranks were still running after ``timeout`` s; the cluster has been
                 restarted (state lost).
             KeyboardInterrupt: re-raised after interrupting the running ranks (cluster kept if they
