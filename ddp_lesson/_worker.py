@@ -11,9 +11,14 @@ once per rank. Before running the real target this:
    so without this a SIGKILL to the launcher alone would leave orphans. The pid is also the
    id of the worker's process group, which the launcher's watchdog kills
    (:func:`ddp_lesson.procs.watch`), so processes the rank started die too;
-3. when the target fails, writes ``OUTDIR/rank{RANK}.exit`` (its exit code) before anything
-   else, so the launcher knows every rank whose own program failed, not only the one torchrun
-   noticed first.
+3. when the target fails, writes ``OUTDIR/rank{RANK}.exit`` (its exit code and the moment,
+   ``time.time_ns()``) before anything else, so the launcher knows every rank whose own program
+   failed, not only the one torchrun noticed first, and which failed first: a peer's failure
+   reaches a rank waiting in a collective only once the failed rank's process has ended
+   ("Connection closed by peer" on gloo), after its record was written. An exception that
+   itself says it passes on a peer's failure (``is_consequence = True``: the package's
+   ``Rank0Error``) is marked so (`` consequence``), since it may be recorded a moment before
+   the failure it reports.
 
 Then it runs the target as ``__main__``, as ``python -m NAME`` / ``python PATH`` would: in a
 module installed as ``sys.modules["__main__"]`` for good (atexit handlers and pickling see it),
@@ -40,6 +45,7 @@ import os
 import runpy
 import sys
 import threading
+import time
 import types
 
 from .procs import die_with_parent
@@ -64,12 +70,28 @@ def _redirect(outdir: str, rank: str) -> None:
         f.write(f"{os.getpid()}\n")
 
 
-def _record_exit(outdir: str, rank: str, code) -> None:
-    """Write this rank's failing exit code to ``OUTDIR/rank{RANK}.exit`` (read by the launcher)."""
+def _is_consequence(exc: BaseException | None) -> bool:
+    """True when ``exc`` (or an exception it was raised from or during) says it only passes on
+    a peer's failure (``is_consequence = True``, as :class:`ddp_lesson.checkpoint.Rank0Error`
+    does)."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if getattr(exc, "is_consequence", False) is True:
+            return True
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def _record_exit(outdir: str, rank: str, code, exc: BaseException | None = None) -> None:
+    """Write this rank's failing exit code and the time (ns since the epoch, one host's clock)
+    to ``OUTDIR/rank{RANK}.exit`` as ``"CODE TIME_NS"``, plus ``" consequence"`` when the
+    exception passes on a peer's failure (:func:`_is_consequence`); read by the launcher."""
     code = code if isinstance(code, int) else 1
+    mark = " consequence" if _is_consequence(exc) else ""
     try:
         with open(os.path.join(outdir, f"rank{rank}.exit"), "w") as f:
-            f.write(str(code))
+            f.write(f"{code} {time.time_ns()}{mark}")
     except OSError:
         pass
 
@@ -108,10 +130,10 @@ def main(argv: list[str]) -> None:
         _run_as_main(kind, target, args)
     except SystemExit as e:
         if e.code not in (None, 0):
-            _record_exit(outdir, rank, e.code)
+            _record_exit(outdir, rank, e.code, e)
             raise
-    except BaseException:
-        _record_exit(outdir, rank, 1)
+    except BaseException as e:
+        _record_exit(outdir, rank, 1, e)
         raise
     _finish()
 

@@ -12,7 +12,8 @@ Three things go wrong with checkpoints under data parallelism, and this module a
 * **A race between ranks** (docs/pitfalls.md B14). If rank 0 writes while the other ranks read
   straight away, they may see no file, or half of one. :func:`save_checkpoint` has rank 0
   write (atomically) while the others wait; rank 0 then broadcasts whether the write worked
-  and every rank meets at a barrier, so after the call every rank may read the file.
+  and every rank meets at a barrier, so after the call every rank may read the file; whatever
+  fails on rank 0 raises on every rank at once (:func:`run_on_rank0`).
   Decisions such as "is there a checkpoint to resume from?" are made on rank 0 and
   broadcast (:func:`decide_on_rank0`), never taken separately by each rank: ranks that
   disagree would enter different collectives and deadlock.
@@ -58,6 +59,8 @@ __all__ = [
     "save_atomic",
     "sweep_temporaries",
     "save_checkpoint",
+    "Rank0Error",
+    "run_on_rank0",
     "decide_on_rank0",
     "load_checkpoint",
     "default_map_location",
@@ -80,6 +83,18 @@ REQUIRED_KEYS = ("format", "version", "model", "optimizer", "scheduler", "epoch"
 class CheckpointError(ValueError):
     """A file that cannot be resumed from: unreadable, truncated, not a checkpoint, or made for
     another model or configuration. The message names the file and the first problem."""
+
+
+class Rank0Error(RuntimeError):
+    """Raised on the other ranks when rank 0's part of a rank-0-only step (:func:`run_on_rank0`:
+    a checkpoint write, a check, a summary) raised: the message names the step and rank 0's
+    exception (type and first line). Rank 0 itself raises its own exception.
+
+    ``is_consequence = True``: the launcher never names a rank that failed with it as the
+    cause of a failed run (:mod:`ddp_lesson._worker` marks its record), though it may be
+    raised a moment before rank 0's own exception leaves rank 0's program."""
+
+    is_consequence = True
 
 
 # --------------------------------------------------------------------------- prefixes (B12)
@@ -297,9 +312,14 @@ def _from_rank0(compute: Callable[[], Any], what: str, timeout_s: float) -> Any:
     (mosaicml/llm-foundry PR #733; meta-pytorch/torchtune#2093). Every rank calls it the same
     number of times, so the key's number agrees across ranks.
 
+    Whatever ``compute()`` raises on rank 0 (or a result that cannot be pickled) is answered
+    too, before rank 0 re-raises it: the others raise :class:`Rank0Error` at once instead of
+    waiting ``timeout_s`` for an answer that never comes.
+
     Raises:
         TimeoutError: rank 0 did not answer within ``timeout_s`` (raised on the waiting ranks,
             naming ``what`` and the timeout).
+        Rank0Error: ``compute()`` raised on rank 0 (on the other ranks; rank 0 raises its own).
     """
     import datetime
     import pickle
@@ -312,8 +332,16 @@ def _from_rank0(compute: Callable[[], Any], what: str, timeout_s: float) -> Any:
     key = f"ddp_lesson/rank0/{attempt}/{_answers}"
     store = _get_default_store()
     if dist.get_rank() == 0:
-        value = compute()
-        store.set(key, pickle.dumps(value))
+        try:
+            value = compute()
+            answer = pickle.dumps((True, value))
+        except BaseException as exc:  # every rank hears of it, then rank 0 raises it
+            try:
+                store.set(key, pickle.dumps((False, f"{type(exc).__name__}: {_first_line(exc)}")))
+            except Exception:  # the store is gone too: rank 0's own error is what matters
+                pass
+            raise
+        store.set(key, answer)
         return value
     try:
         store.wait([key], datetime.timedelta(seconds=timeout_s))
@@ -323,7 +351,42 @@ def _from_rank0(compute: Callable[[], Any], what: str, timeout_s: float) -> Any:
         raise TimeoutError(f"rank {dist.get_rank()} waited {timeout_s:g} s for rank 0 to "
                            f"{what}; it has not finished (raise the wait: "
                            f"timeout_s=..., now {timeout_s:g} s)") from None
-    return pickle.loads(store.get(key))
+    ok, value = pickle.loads(store.get(key))
+    if not ok:
+        raise Rank0Error(f"rank 0 failed to {what}: {value} (raised on rank "
+                         f"{dist.get_rank()} too, so that no rank waits for it)")
+    return value
+
+
+def run_on_rank0(compute: Callable[[], Any], what: str,
+                 timeout_s: float = RANK0_WAIT_S) -> Any:
+    """Run ``compute()`` on rank 0 only; every rank returns its result, or raises if it raised.
+
+    For rank-0-only work that the other ranks must wait for (write a file, check a folder):
+    the other ranks wait up to ``timeout_s`` through the process group's store, not in a
+    collective, and an exception on rank 0 reaches them at once (:class:`Rank0Error`) instead
+    of leaving them in a barrier until the group's timeout, or for ever in a process that
+    lives on (persistent ranks, a caller that catches the error). Without a process group of
+    more than one rank it is just ``compute()``.
+
+    Synchronises all ranks (the others wait for rank 0's answer). Call it on every rank, the
+    same number of times.
+
+    Args:
+        compute: a function of no arguments returning a picklable value (called on rank 0).
+        what: the step, for the messages ("write summary.json").
+        timeout_s: how long the other ranks wait for rank 0 (seconds).
+
+    Returns:
+        Rank 0's result, on every rank.
+
+    Raises:
+        Whatever ``compute()`` raised (on rank 0); :class:`Rank0Error` naming it (on the
+        others); TimeoutError: rank 0 took longer than ``timeout_s`` (on the others).
+    """
+    if not _distributed():
+        return compute()
+    return _from_rank0(compute, what, timeout_s)
 
 
 def decide_on_rank0(decide: Callable[[], Any], timeout_s: float = RANK0_WAIT_S) -> Any:
@@ -346,15 +409,15 @@ def decide_on_rank0(decide: Callable[[], Any], timeout_s: float = RANK0_WAIT_S) 
 
     Raises:
         TimeoutError: rank 0 took longer than ``timeout_s`` (on the other ranks).
+        Rank0Error: ``decide()`` raised on rank 0 (on the other ranks; rank 0 raises its own).
     """
-    if not _distributed():
-        return decide()
-    return _from_rank0(decide, "check the checkpoint", timeout_s)
+    return run_on_rank0(decide, "check the checkpoint", timeout_s)
 
 
 def save_checkpoint(obj: Any, path: str,
                     before_replace: Callable[[str], None] | None = None,
-                    timeout_s: float = RANK0_WAIT_S) -> str:
+                    timeout_s: float = RANK0_WAIT_S, *,
+                    build: Callable[[], Any] | None = None) -> str:
     """Rank 0 writes ``obj`` atomically to ``path``; every rank returns once the file is complete.
 
     The B14 protocol: rank 0 calls :func:`save_atomic` while the other ranks wait; rank 0 then
@@ -364,7 +427,11 @@ def save_checkpoint(obj: Any, path: str,
     group's store, not in a collective: a write slower than the group's timeout (a large model,
     a slow file system) is waited for, and one slower than ``timeout_s`` is named. Call it on
     every rank, with the same ``path``; ``obj`` matters on rank 0 only (others may pass None).
-    Without a process group it is :func:`save_atomic`.
+    Or pass ``build`` (a function of no arguments returning what to save) and ``obj=None``:
+    it is called on rank 0 inside the protocol, so an error while building the state reaches
+    every rank too.
+    Without a process group it is :func:`save_atomic`. Whatever fails, the previous file at
+    ``path`` stays complete and valid (:func:`atomic_write`).
 
     Synchronises all ranks (they wait for rank 0's write, then meet at a barrier).
     ``before_replace`` is passed on to
@@ -372,14 +439,16 @@ def save_checkpoint(obj: Any, path: str,
 
     Raises:
         OSError: rank 0 could not write (raised on every rank, with rank 0's message).
+        Rank0Error: anything else failed on rank 0 (a state that cannot be pickled, an error
+            building it): rank 0 raises its own exception, the others this, naming it, at once.
         TimeoutError: rank 0's write took longer than ``timeout_s`` (on the other ranks).
     """
     if not _distributed():
-        return save_atomic(obj, path, before_replace)
+        return save_atomic(obj if build is None else build(), path, before_replace)
 
     def write() -> str | None:
         try:
-            save_atomic(obj, path, before_replace)
+            save_atomic(obj if build is None else build(), path, before_replace)
         except OSError as exc:
             return f"rank 0 could not write checkpoint {path}: {exc}"
         return None

@@ -39,6 +39,12 @@ Failures and hangs:
 
 * a rank that raises makes the cell raise :class:`RanksError`, naming the failed ranks in rank
   order with each one's traceback; the ranks stay usable (their state is kept);
+* a rank that raises while others are still running is shown at once, not at the timeout: if
+  the others have not finished within :data:`PEER_FAILURE_GRACE_S` they are taken to be blocked
+  in a collective that waits for the failed rank (its engine stays alive, so gloo sees no
+  closed connection and they would wait until the process group's timeout). The cell raises
+  :class:`RanksError` naming the failed rank with its traceback and the waiting ranks, and the
+  cluster is restarted as after a timeout (state lost; the exception says so);
 * a cell that outlives its timeout (typically a collective that some rank never reaches) raises
   :class:`RanksTimeout` naming the ranks still running. A rank blocked inside a collective cannot
   be interrupted from Python and its process group is then out of step, so the cluster is
@@ -91,6 +97,9 @@ DEFAULT_START_TIMEOUT_S = 120.0
 PROCESS_GROUP_TIMEOUT_S = 600.0
 #: After an interrupt, seconds the ranks get to come back before the cluster is restarted.
 INTERRUPT_GRACE_S = 5.0
+#: After a rank raised, seconds the other ranks of the cell get to finish (or fail too) before
+#: they are taken to be blocked in a collective waiting for it and the cluster is restarted.
+PEER_FAILURE_GRACE_S = 2.0
 _POLL_S = 0.05
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 _TMP_PREFIX = "ddp_lesson_cluster_"
@@ -98,12 +107,17 @@ _TMP_PREFIX = "ddp_lesson_cluster_"
 
 class RanksError(RuntimeError):
     """One or more ranks raised. ``failed`` (rank -> traceback text), ``outputs``
-    (rank -> stdout)."""
+    (rank -> stdout); ``waiting``: ranks still running when it was raised (blocked in a
+    collective that waits for a failed rank), ``restarted``: True when the cluster was
+    restarted because of them (state lost)."""
 
-    def __init__(self, message: str, failed: dict[int, str], outputs: dict[int, str]):
+    def __init__(self, message: str, failed: dict[int, str], outputs: dict[int, str],
+                 waiting: list[int] | None = None, restarted: bool = False):
         super().__init__(message)
         self.failed = failed
         self.outputs = outputs
+        self.waiting = list(waiting or [])
+        self.restarted = restarted
 
     def _render_traceback_(self):  # IPython shows the ranks' tracebacks, not this module's frames
         lines = [f"RanksError: {self}"]
@@ -519,12 +533,18 @@ class Cluster:
             r: self.client[self.engine_ids[r]].execute(code, silent=False, block=False)
             for r in ranks
         }
-        deadline = start + timeout
+        deadline, first_failure = start + timeout, None
         try:
             while True:
                 pending = [ar for ar in ars.values() if not ar.ready()]
                 if not pending:
                     break
+                if first_failure is None and any(_raised(ar) for ar in ars.values()):
+                    first_failure = time.monotonic()
+                if first_failure is not None and (
+                        time.monotonic() - first_failure > PEER_FAILURE_GRACE_S
+                        or time.monotonic() > deadline):  # a timeout names the failure too
+                    self._failed_while_peers_wait(ars)
                 if time.monotonic() > deadline:
                     self._hung(ars, timeout)
                 for r in ranks:
@@ -539,9 +559,8 @@ class Cluster:
             ar.wait_for_output(5.0)
             result.outputs[r] = _text_output(ar)
             result.errors[r] = ar.stderr or ""
-            err = ar.metadata.get("error")
-            if err is not None:
-                result.failed[r] = _ANSI.sub("", err.traceback or f"{err.ename}: {err.evalue}")
+            if _raised(ar):
+                result.failed[r] = _error_text(ar)
         return result
 
     def run(self, code: str, ranks=None, timeout: float | None = None) -> dict[int, str]:
@@ -564,7 +583,11 @@ class Cluster:
         Raises:
             ValueError: a rank outside ``[0, world_size)``, or a bad timeout.
             RanksError: a rank raised (failed ranks named in rank order, their tracebacks
-                attached); the ranks stay usable.
+                attached); the ranks stay usable. If other ranks are still running
+                :data:`PEER_FAILURE_GRACE_S` after the first one raised, they are blocked in a
+                collective waiting for it (or the timeout comes first): raised then, naming
+                them, after restarting the cluster (``restarted``, state lost; one line on
+                stderr says so before the restart, which takes seconds).
             RanksTimeout: some ranks were still running after ``timeout`` s; the cluster has been
                 restarted (state lost).
             KeyboardInterrupt: re-raised after interrupting the running ranks (cluster kept if they
@@ -590,6 +613,27 @@ class Cluster:
             "fresh ranks, state lost",
             waiting,
             outputs,
+            restarted=True,
+        )
+
+    def _failed_while_peers_wait(self, ars: dict) -> None:
+        """A rank raised and the others are still running: name it now, restart the cluster."""
+        failed = {r: _error_text(ar) for r, ar in ars.items() if _raised(ar)}
+        waiting = [r for r, ar in ars.items() if not ar.ready()]
+        outputs = {r: _text_output(ar) for r, ar in ars.items()}
+        # the restart takes seconds: say at once what happened (the error follows it)
+        print(f"[ranks] {_ranks_word(failed)} raised; {_ranks_word(waiting)} still waiting: "
+              "restarting the cluster", file=sys.stderr, flush=True)
+        self.restart()
+        raise RanksError(
+            _failure_summary(failed, len(ars), self.world_size, kept=False)
+            + f"; {_ranks_word(waiting)} still running after it: "
+            f"probably blocked in a collective waiting for {_ranks_word(failed)}. A rank "
+            f"blocked in a collective cannot be interrupted, so the cluster was restarted: "
+            f"{self.world_size} fresh ranks, state lost",
+            failed,
+            outputs,
+            waiting=waiting,
             restarted=True,
         )
 
@@ -645,19 +689,32 @@ def _text_output(ar) -> str:
     return text
 
 
+def _raised(ar) -> bool:
+    """The rank's cell is done and raised."""
+    return ar.ready() and ar.metadata.get("error") is not None
+
+
+def _error_text(ar) -> str:
+    """The traceback of a rank's cell that raised, as plain text."""
+    err = ar.metadata["error"]
+    return _ANSI.sub("", err.traceback or f"{err.ename}: {err.evalue}")
+
+
 def _ranks_word(ranks) -> str:
     ranks = sorted(ranks)
     return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
 
 
-def _failure_summary(failed: dict[int, str], ran: int, world_size: int) -> str:
+def _failure_summary(failed: dict[int, str], ran: int, world_size: int,
+                     kept: bool = True) -> str:
     last = {}
     for r, tb in failed.items():
         lines = [ln for ln in tb.strip().splitlines() if ln.strip()]
         last[r] = lines[-1].strip() if lines else "error"
     ranks = sorted(failed)
     detail = "; ".join(f"rank {r}: {last[r]}" for r in ranks)
-    return f"{_ranks_word(ranks)} of {world_size} failed ({detail}); the ranks keep their state"
+    return (f"{_ranks_word(ranks)} of {world_size} failed ({detail})"
+            + ("; the ranks keep their state" if kept else ""))
 
 
 # --------------------------------------------------------------------------- magics
@@ -717,8 +774,10 @@ def ranks_magic(line: str, cell: str) -> None:
     Output of each rank in rank order, each line tagged ``[rank N]``: its stdout, prints and
     writes to fd 1 (``os.system``, subprocesses) in program order; with ``--show-stderr`` its
     stderr after it (fd 2, in order too). A failing rank raises
-    :class:`RanksError` (ranks stay usable); a cell outliving ``--timeout`` (default 120 s)
-    raises :class:`RanksTimeout` naming the waiting ranks, after restarting the cluster.
+    :class:`RanksError` (ranks stay usable), at once, with a restart, when the other ranks are
+    still running :data:`PEER_FAILURE_GRACE_S` later (blocked in a collective, waiting for it);
+    a cell outliving ``--timeout`` (default 120 s) raises :class:`RanksTimeout` naming the
+    waiting ranks, after restarting the cluster.
     """
     from .launch import format_rank_outputs
 
@@ -742,7 +801,7 @@ def ranks_magic(line: str, cell: str) -> None:
             raise ValueError(f"--ranks {opts.ranks!r}: give integers, e.g. --ranks 0,2") from None
     try:
         result = cluster.run_detailed(cell, ranks, opts.timeout)
-    except RanksTimeout as e:
+    except (RanksTimeout, RanksError) as e:  # the cluster was restarted: what ran is shown
         print(format_rank_outputs(e.outputs), end="")
         raise
     print(format_rank_outputs(result.outputs), end="")

@@ -118,7 +118,8 @@ class Precision:
     step. Local to the process; the norm needs no communication because the gradients are
     already all-reduced. Host reads: none per step without fp16; under fp16 torch's
     ``GradScaler.step`` itself reads the inf/NaN flags to the host (``.item()`` in
-    ``_maybe_opt_step``, torch/amp/grad_scaler.py), and :attr:`skipped` reads the scale.
+    ``_maybe_opt_step``, torch/amp/grad_scaler.py); :attr:`skipped` comes from an optimizer
+    step post-hook (a fused optimizer's from the scale, read to the host).
 
     Raises:
         ValueError: ``amp`` not in :data:`AMP_MODES`, ``clip_grad_norm < 0``, or autocast
@@ -160,7 +161,8 @@ class Precision:
         """Unscale (fp16), measure and clip (``clip_grad_norm > 0``), then step the optimizer.
 
         Under fp16 ``scaler.step`` skips ``optimizer.step()`` when any gradient is inf/NaN
-        and ``scaler.update()`` then halves the scale; :attr:`skipped` says so.
+        and ``scaler.update()`` then halves the scale; :attr:`skipped` says so (read from an
+        optimizer step post-hook: whether ``optimizer.step()`` ran).
         """
         self.grad_norm = None
         if self.scaler is not None and self.clip_grad_norm > 0:
@@ -172,11 +174,25 @@ class Precision:
             optimizer.step()
             self.skipped = False
             return
-        scale_before = self.scaler.get_scale()
-        self.scaler.step(optimizer)
+        if getattr(optimizer, "_step_supports_amp_scaling", False):
+            # a fused optimizer skips inside its own step: update() halves the scale exactly
+            # when the step found inf/NaN (backoff 0.5); get_scale() reads it to the host
+            scale_before = self.scaler.get_scale()
+            self.scaler.step(optimizer)
+            self.scaler.update()
+            self.skipped = self.scaler.get_scale() < scale_before
+            return
+        # GradScaler.step calls optimizer.step() only when no gradient is inf/NaN
+        # (_maybe_opt_step, torch/amp/grad_scaler.py); a post-hook sees whether it ran, with
+        # no read of the scale to the host
+        stepped = []
+        hook = optimizer.register_step_post_hook(lambda *_: stepped.append(True))
+        try:
+            self.scaler.step(optimizer)
+        finally:
+            hook.remove()
         self.scaler.update()
-        # update() halves the scale exactly when the step found inf/NaN (backoff 0.5)
-        self.skipped = self.scaler.get_scale() < scale_before
+        self.skipped = not stepped
 
     def state_dict(self) -> dict | None:
         """The scaler's state (scale, growth tracker, factors) for a checkpoint; None without."""
@@ -282,7 +298,13 @@ def train_step(model, optimizer, micro_batches, world_size: int, scheduler=None,
         micro_batches: list of ``(images (B, 3, H, W), target (B, H, W))`` on the model's
             device.
         world_size: R, the number of ranks DDP averages over.
-        scheduler: stepped once after the optimizer, if given.
+        scheduler: stepped once after the optimizer, if given, and only when the optimizer
+            stepped: a step the fp16 GradScaler skipped (inf/NaN gradients) does not consume
+            the schedule, so the first real step runs with the schedule's first value and torch
+            does not warn "Detected call of `lr_scheduler.step()` before `optimizer.step()`"
+            (``LRScheduler.step``, torch/optim/lr_scheduler.py). Accelerate does the same
+            (``AcceleratedScheduler.step`` returns when an optimizer's ``step_was_skipped``,
+            src/accelerate/scheduler.py).
         timer: optional :class:`StepTimer` (phases comm, forward, backward, optimizer).
         precision: optional :class:`Precision`: autocast for the forwards, the GradScaler,
             clipping after the last (all-reducing) backward; it records the step's gradient
@@ -328,8 +350,8 @@ def train_step(model, optimizer, micro_batches, world_size: int, scheduler=None,
             optimizer.step()
         else:
             precision.step(optimizer, [p for g in optimizer.param_groups for p in g["params"]])
-        if scheduler is not None:
-            scheduler.step()
+        if scheduler is not None and not (precision is not None and precision.skipped):
+            scheduler.step()  # a skipped step leaves the schedule where it was
     loss_sum = sums[0].double()
     for s in sums[1:]:  # in order, in float64: what float(sum(s.item() ...)) added
         loss_sum = loss_sum + s.double()

@@ -77,12 +77,12 @@ from . import env as dist_env
 from .checkpoint import (
     CHECKPOINT_FORMAT,
     CHECKPOINT_VERSION,
-    _barrier,
     atomic_write,
     capture_rng_state,
     decide_on_rank0,
     load_checkpoint,
     restore_rng_state,
+    run_on_rank0,
     save_checkpoint,
     strip_module_prefix,
     sweep_temporaries,
@@ -435,13 +435,14 @@ class Trainer:
             dist.all_gather_object(states, rng)  # every rank's generators, for exact resume
         else:
             states = [rng]
-        state = self.checkpoint_state(states) if self.env.is_main else None
         hook = None
         if (self.cfg.simulate_failure_during_save and self.env.is_main
                 and self.global_step >= self.cfg.simulate_failure_at_step):
             hook = lambda tmp: self._simulated_failure("during the checkpoint write")  # noqa: E731
         try:
-            save_checkpoint(state, self.checkpoint_path, before_replace=hook)
+            # the state is built on rank 0 inside the protocol: an error there reaches every rank
+            save_checkpoint(None, self.checkpoint_path, before_replace=hook,
+                            build=lambda: self.checkpoint_state(states))
         except OSError as exc:
             raise TrainInputError(str(exc)) from None
 
@@ -708,7 +709,8 @@ class Trainer:
             # --clip-grad-norm: each step's total gradient norm before clipping (this rank's
             # own computation; every rank's is the same, bit for bit); None without clipping
             "grad_norms": [_finite_or_none(r.grad_norm) for r in self.step_log],
-            # --amp fp16: steps the GradScaler skipped (inf/NaN gradients) and its final scale
+            # --amp fp16: steps the GradScaler skipped (inf/NaN gradients; they step neither
+            # the optimizer nor the learning-rate schedule, train_step) and its final scale
             "skipped_steps": [r.epoch * d["steps_per_epoch"] + r.step_in_epoch + 1
                               for r in self.step_log if r.skipped],
             "amp_scale": (self.precision.scaler.get_scale()
@@ -851,12 +853,10 @@ def _run(cfg: TrainConfig, env, wall_start: float) -> dict:
     if trainer.per_class_iou is None and trainer.history and not facts["stopped"]:
         trainer.validate()  # a finished run resumed: evaluate once more for the summary
     summary = trainer.summary(facts, wall_start)
-    if env.is_main:
-        path = os.path.join(cfg.out, "summary.json")
-        _write_json_atomic(path, summary)
-        print0(f"wrote {path}", env=env)
-    if group_active() and dist.get_world_size() > 1:
-        _barrier()  # rank 0's summary is on disk before any rank returns
+    path = os.path.join(cfg.out, "summary.json")
+    # rank 0 writes; every rank returns once it is on disk, or raises if the write failed
+    run_on_rank0(lambda: _write_json_atomic(path, summary), f"write {path}")
+    print0(f"wrote {path}", env=env)
     return summary
 
 

@@ -164,6 +164,7 @@ SLOW: dict[str, str | frozenset[str]] = {
         "test_stack_dump_on_sigusr1_shows_where_a_rank_waits",
     }),
     "launch/test_cluster.py": frozenset({
+        "test_a_rank_that_raises_while_its_peer_waits_is_shown_at_once",
         "test_error_on_one_rank_named_and_ranks_usable_afterwards",
         "test_hang_ended_by_timeout_names_waiting_rank_and_restarts_cleanly",
         "test_interrupt_reaches_the_ranks_and_keeps_the_cluster",
@@ -216,7 +217,8 @@ SLOW: dict[str, str | frozenset[str]] = {
         "test_cell_program_ends_as_under_plain_torchrun",
         "test_in_a_kernel_busy_throughout_text_status_and_one_line_interrupt",
         "test_progress_bars_stderr_names_temp_folder_and_sockets",
-        "test_several_failing_ranks_report_the_lowest_and_list_all",
+        "test_a_peer_waiting_in_a_collective_is_a_consequence_not_the_cause",
+        "test_the_first_failing_rank_is_named_and_later_ones_listed_as_consequences",
     }),
     "launch/test_preemption.py": ALL,
     "launch/test_procs.py": ALL,
@@ -251,15 +253,18 @@ SLOW: dict[str, str | frozenset[str]] = {
         "test_on_gpus_the_repaired_program_takes_a_gpu_per_rank",
     }),
     "train/test_bad_input.py": frozenset({
+        "test_a_failed_summary_write_on_rank_0_raises_on_every_rank",
         "test_every_rank_exits_and_only_rank_0_reports",
         "test_static_graph_with_no_sync_fails_in_torch_as_the_refusal_says",
     }),
     "train/test_checkpoint.py": frozenset({
         "test_a_good_save_sweeps_a_killed_writers_file_but_not_a_live_ones",
+        "test_any_failure_on_rank0_raises_on_every_rank_at_once",
         "test_b12_ddp_keys_carry_the_prefix_and_the_helper_strips_it",
         "test_b14_save_then_load_on_every_rank",
         "test_cli_kill_during_save_recovers_and_leaves_no_temporary",
         "test_sweep_removes_only_dead_writers_files_of_this_checkpoint",
+        "test_the_run_names_rank_0_not_the_rank_it_told",
     }),
     "train/test_step_host_reads.py": frozenset({
         "test_the_trainers_steps_read_nothing_to_the_host",  # world_of_one

@@ -31,8 +31,8 @@ rank-ordered output, tracebacks, live status); :mod:`.magic` is the notebook fac
   same after a kernel restart and unexecuted), shown with a display id and rewritten in place;
   it starts and ends as a constant text (:func:`status_text`), so the stored output is
   deterministic (see :class:`_LiveStatus`);
-* a failing rank raises :class:`TorchrunError`: the lowest failing rank and its traceback,
-  every failing rank named in rank order;
+* a failing rank raises :class:`TorchrunError`: the rank that failed first and its traceback,
+  the ranks that failed after it (peers waiting in a collective) listed as its consequences;
 * a wall-clock timeout (:class:`TorchrunTimeout`) and, on timeout or interrupt
   (:class:`TorchrunInterrupted`, one line in a notebook), every process ended: torchrun gets
   SIGTERM (it forwards it to its workers and waits up to 30 s, as plain torchrun), then SIGKILL,

@@ -21,21 +21,57 @@ CELL_LABEL = "<torchrun cell>"
 
 
 class TorchrunError(RuntimeError):
-    """A rank exited with an error; ``rank``, ``exitcode``, ``traceback``, ``result`` tell which."""
+    """A rank exited with an error.
+
+    Attributes:
+        rank: the rank that failed first (the root cause), None when no rank is known.
+        exitcode: its exit code.
+        traceback: its traceback (the cell named ``<torchrun cell>``).
+        consequences: the ranks that failed after it, in rank order: a rank waiting in a
+            collective fails when its peer's process ends ("Connection closed by peer" on
+            gloo), so their errors follow from ``rank``'s and are never reported as the cause.
+        result: the :class:`TorchrunResult` (every rank's output and stderr).
+
+    Which rank failed first is read from the ranks' own records (``rank{N}.exit``, written by
+    :mod:`ddp_lesson._worker` with ``time.time_ns()`` as the exception leaves the rank's
+    program), not from torchrun's summary: torchrun's "Root Cause (first observed failure)"
+    is the failure with the smallest timestamp (``ChildFailedError.get_first_failure`` in
+    ``torch/distributed/elastic/multiprocessing/errors/__init__.py``), and those timestamps
+    are whole seconds (``int(time.time())`` in ``ProcessFailure`` and ``error_handler.py``),
+    so a cause and its consequence a few milliseconds later tie.
+    """
 
     def __init__(self, message: str, rank: int | None, exitcode: int, traceback: str,
-                 result: TorchrunResult):
+                 result: TorchrunResult, consequences: list[int] | None = None):
         super().__init__(message)
         self.rank = rank
         self.exitcode = exitcode
         self.traceback = traceback
         self.result = result
+        self.consequences = list(consequences or [])
 
     def _render_traceback_(self):  # IPython shows this instead of the launcher's own frames
         lines = [f"TorchrunError: {self}"]
         if self.traceback:
             lines += ["", *self.traceback.rstrip().splitlines()]
+        for rank in self.consequences:
+            last = _last_line(self.result.errors.get(rank, ""))
+            lines += ["", f"rank {rank} failed after rank {self.rank}, as a consequence"
+                      + (f": {last}" if last else "")]
         return lines
+
+
+def _last_line(text: str) -> str:
+    """The last non-empty line of a rank's stderr, without torch's ``[rankN]: `` prefix."""
+    lines = [_TORCH_PREFIX.sub("", ln).strip() for ln in text.splitlines()]
+    lines = [ln for ln in lines if ln]
+    return lines[-1] if lines else ""
+
+
+#: torch's excepthook prefixes every line of an uncaught exception's traceback with
+#: ``[rank{N}]: `` once a process group exists (``_set_pg_excepthook`` sets it in
+#: ``torch/distributed/distributed_c10d.py``).
+_TORCH_PREFIX = re.compile(r"^\[rank\d+\]: ?", re.M)
 
 
 class TorchrunInterrupted(KeyboardInterrupt):
@@ -80,7 +116,8 @@ class TorchrunResult:
         torchrun_command: the equivalent command to type in a terminal.
         backend, backend_reason: the launcher's backend choice and why.
         wall_s: seconds from start to exit.
-        failed_rank: the lowest failing rank (None when all succeeded).
+        failed_rank: the rank that failed first, the root cause (None when all succeeded):
+            see :class:`TorchrunError`.
         failed_ranks: every failing rank, in rank order.
     """
 
@@ -197,8 +234,12 @@ def terminal_text(text: str) -> str:
 
 
 def _collect(outdir: Path, script: Path | None = None
-             ) -> tuple[dict[int, str], dict[int, str], dict[int, int]]:
-    """Each rank's stdout and stderr as a terminal shows them, and the ranks' own failures.
+             ) -> tuple[dict[int, str], dict[int, str], dict[int, int], dict[int, int]]:
+    """Each rank's stdout and stderr as a terminal shows them, and the ranks' own failures:
+    ``(outputs, errors, exits, times)``, ``exits`` rank -> exit code and ``times`` rank -> the
+    failure's ``time.time_ns()`` (:mod:`ddp_lesson._worker` writes ``"CODE TIME_NS"``); a
+    failure marked `` consequence`` (its exception passes on a peer's failure) gets
+    :data:`CONSEQUENCE_NS` added to its time, so it comes after every unmarked one.
 
     The cell's temporary file is named ``<torchrun cell>`` (tracebacks, warnings), so
     nothing shown depends on where the run's folder was.
@@ -209,13 +250,35 @@ def _collect(outdir: Path, script: Path | None = None
 
     outputs = {int(p.stem[4:]): text(p) for p in outdir.glob("rank*.out")}
     errors = {int(p.stem[4:]): text(p) for p in outdir.glob("rank*.err")}
-    exits = {}
+    exits, times = {}, {}
     for p in outdir.glob("rank*.exit"):
+        rank, fields = int(p.stem[4:]), _read(p).split()
         try:
-            exits[int(p.stem[4:])] = int(_read(p) or 1)
+            exits[rank] = int(fields[0]) if fields else 1
         except ValueError:
-            exits[int(p.stem[4:])] = 1
-    return outputs, errors, exits
+            exits[rank] = 1
+        if len(fields) > 1 and fields[1].isdigit():
+            times[rank] = int(fields[1]) + (CONSEQUENCE_NS if "consequence" in fields[2:] else 0)
+    return outputs, errors, exits, times
+
+
+#: Added to the time of a failure whose exception says it passes on a peer's failure: later
+#: than any real time (year 2286 and beyond), so such a failure is never named as the cause.
+CONSEQUENCE_NS = 10 ** 19
+
+
+def _first_failures(failed: list[int], times: dict[int, int]) -> list[int]:
+    """``failed`` ordered by when each rank failed, the root cause first.
+
+    A rank with a record (``times``: its program raised or exited non-zero) is placed by the
+    record's time, ties by rank. A failing rank without one died of a signal (torchrun's
+    summary names it; its own SIGTERMs are not counted, :func:`_failed_ranks`): a peer's
+    failure reaches a rank as an exception in a collective, which is recorded, not as a
+    signal, so those ranks come first, in rank order.
+    """
+    unrecorded = [r for r in sorted(failed) if r not in times]
+    recorded = sorted((r for r in failed if r in times), key=lambda r: (times[r], r))
+    return unrecorded + recorded
 
 
 
@@ -265,6 +328,7 @@ def _clean_traceback(text: str, script: Path | None, label: str) -> str:
     """The rank's traceback without the bootstrap's frames, the cell file shown as ``label``."""
     if script is not None:
         text = text.replace(str(script), label)
+    text = _TORCH_PREFIX.sub("", text)
     start = text.rfind("Traceback (most recent call last):")
     if start < 0:
         return text[-4000:]

@@ -31,6 +31,7 @@ from .output import (
     _clean_traceback,
     _collect,
     _failed_ranks,
+    _first_failures,
     _LiveStatus,
     _progress_line,
     status_text,
@@ -143,21 +144,24 @@ def _supervise(launch: _Launch, timeout: float | None, status: _LiveStatus, errf
 
 
 def _collect_result(launch: _Launch, procs, errfiles, wall: float
-                    ) -> tuple[TorchrunResult, dict[int, int]]:
+                    ) -> tuple[TorchrunResult, dict[int, int], dict[int, int]]:
     """Read what the run left in its folder: every rank's output, torchrun's own log, and
-    the exit codes of the ranks whose own program failed."""
+    the exit codes and failure times of the ranks whose own program failed."""
     launcher_stderr = ""
     for err in errfiles:
         err.seek(0)
         launcher_stderr += err.read().decode(errors="replace")
-    outputs, errors, exits = _collect(launch.outdir, launch.script)
+    outputs, errors, exits, times = _collect(launch.outdir, launch.script)
     returncode = next((p.returncode for p in procs if p.returncode), 0)
     return TorchrunResult(returncode, outputs, errors, launcher_stderr, launch.commands[0],
-                          launch.equivalent, launch.backend, launch.reason, wall), exits
+                          launch.equivalent, launch.backend, launch.reason, wall), exits, times
 
 
-def _failure(launch: _Launch, result: TorchrunResult, exits: dict[int, int]) -> TorchrunError:
-    """The error for a failed run: every failing rank in rank order, the lowest one's traceback."""
+def _failure(launch: _Launch, result: TorchrunResult, exits: dict[int, int],
+             times: dict[int, int] | None = None) -> TorchrunError:
+    """The error for a failed run: the rank that failed first (the root cause) with its
+    traceback, the ranks that failed after it named as its consequences (see
+    :class:`TorchrunError`)."""
     failed = _failed_ranks(result.launcher_stderr, result.errors, exits)
     result.failed_ranks = [r for r, _ in failed]
     if not failed:
@@ -165,20 +169,34 @@ def _failure(launch: _Launch, result: TorchrunResult, exits: dict[int, int]) -> 
         last = tb.strip().splitlines()[-1] if tb.strip() else ""
         return TorchrunError(f"torchrun failed (exit code {result.returncode})"
                              + (f": {last}" if last else ""), None, result.returncode, tb, result)
-    rank, code = failed[0]
+    codes = {r: (c if c is not None else result.returncode) for r, c in failed}
+    times = times or {}
+    order = _first_failures(list(codes), times)
+    # ranks without a record (killed by a signal) have no time: several are causes together
+    unrecorded = [r for r in order if r not in times]
+    causes = unrecorded if len(unrecorded) > 1 else order[:1]
+    rank, later = causes[0], sorted(r for r in order if r not in causes)
     result.failed_rank = rank
-    # the traceback: the lowest failing rank's, else the first failing rank that said why
-    said = [r for r, _ in failed if result.errors.get(r, "").strip()] or [rank]
+    # the traceback: the first failing rank's, else the next failing rank that said why
+    said = [r for r in order if result.errors.get(r, "").strip()] or [rank]
     tb = _clean_traceback(result.errors.get(said[0], ""), launch.script, CELL_LABEL)
-    exitcode = code if code is not None else result.returncode
     last = tb.strip().splitlines()[-1] if tb.strip() else ""
-    if len(failed) == 1:
-        where = f"rank {rank} of {launch.total} failed (exit code {exitcode})"
-    else:
-        codes = ", ".join(str(c if c is not None else result.returncode) for _, c in failed)
-        where = (f"ranks {', '.join(str(r) for r, _ in failed)} of {launch.total} failed "
-                 f"(exit codes {codes})")
-    return TorchrunError(where + (f": {last}" if last else ""), rank, exitcode, tb, result)
+    where = (f"{_ranks_word(causes)} of {launch.total} failed" + (" first" if later else "")
+             + f" ({_codes_word(causes, codes)})" + (f": {last}" if last else ""))
+    if later:
+        where += (f"; {_ranks_word(later)} failed after "
+                  f"{'it' if len(causes) == 1 else 'them'} ({_codes_word(later, codes)})")
+    return TorchrunError(where, rank, codes[rank], tb, result, consequences=later)
+
+
+def _codes_word(ranks: list[int], codes: dict[int, int]) -> str:
+    return (f"exit code{'s' if len(ranks) > 1 else ''} "
+            + ", ".join(str(codes[r]) for r in ranks))
+
+
+def _ranks_word(ranks: list[int]) -> str:
+    return (f"rank {ranks[0]}" if len(ranks) == 1
+            else "ranks " + ", ".join(str(r) for r in ranks))
 
 
 def run_torchrun(target: str | None = None, args=(), *, code: str | None = None,
@@ -237,7 +255,7 @@ def run_torchrun(target: str | None = None, args=(), *, code: str | None = None,
         watchdog = start_watchdog(launch.outdir, launch.env)
         try:
             procs, timed_out, wall = _supervise(launch, timeout, status, errfiles, _cancel)
-            result, exits = _collect_result(launch, procs, errfiles, wall)
+            result, exits, times = _collect_result(launch, procs, errfiles, wall)
         finally:
             release_watchdog(watchdog)
             for err in errfiles:
@@ -246,7 +264,7 @@ def run_torchrun(target: str | None = None, args=(), *, code: str | None = None,
         if timed_out:
             raise TorchrunTimeout(launch.equivalent, timeout, result)
         if result.returncode != 0:
-            error = _failure(launch, result, exits)
+            error = _failure(launch, result, exits, times)
             if check:
                 raise error
         return result

@@ -324,6 +324,43 @@ def test_hang_ended_by_timeout_names_waiting_rank_and_restarts_cleanly(cluster, 
     ) == {0: "2.0 False\n", 1: "2.0 False\n"}
 
 
+@pytest.mark.timeout(240)  # a cluster start and two restarts; the first cell's timeout: 600 s
+def test_a_rank_that_raises_while_its_peer_waits_is_shown_at_once(cluster, capsys,
+                                                                  monkeypatch):
+    """Issue 41 item 9: rank 1 raises while rank 0 waits for it in an all_reduce. The error
+    names rank 1 with its traceback long before the cell's 600 s timeout (this test fails
+    after 240 s), says rank 0 is blocked in a collective, and the cluster is restarted."""
+    cluster.run("lost = 1")
+    old = set(cluster.pids())
+    with pytest.raises(RanksError) as info:
+        cl.ranks_magic("--timeout 600", "print('entering', rank)\nx = torch.ones(4, 3)\n"
+                                        "if rank == 1:\n    x = x @ torch.ones(5, 2)\n"
+                                        "dist.all_reduce(x)\nprint('left', rank)")
+    e = info.value
+    assert sorted(e.failed) == [1] and e.waiting == [0] and e.restarted
+    assert str(e).startswith("rank 1 of 2 failed (rank 1: RuntimeError: mat1 and mat2 shapes "
+                             "cannot be multiplied (4x3 and 5x2)); rank 0 still running after "
+                             "it: ")
+    assert "probably blocked in a collective waiting for rank 1" in str(e)
+    assert str(e).endswith("the cluster was restarted: 2 fresh ranks, state lost")
+    assert "x = x @ torch.ones(5, 2)" in e.failed[1]
+    seen = capsys.readouterr()
+    assert seen.out == "[rank 0] entering 0\n[rank 1] entering 1\n"
+    assert seen.err == "[ranks] rank 1 raised; rank 0 still waiting: restarting the cluster\n"
+    assert wait_gone(old) == set()
+    assert cluster.running and cluster.restarts >= 1
+    assert cluster.run(
+        "x = torch.ones(1)\ndist.all_reduce(x)\nprint(x.item(), 'lost' in dir())"
+    ) == {0: "2.0 False\n", 1: "2.0 False\n"}
+    # a cell timeout shorter than the grace: the verdict still names the rank that raised
+    monkeypatch.setattr(cl, "PEER_FAILURE_GRACE_S", 1000.0)
+    with pytest.raises(RanksError) as info:
+        cluster.run("if rank == 1:\n    raise ValueError('bad shard')\n"
+                    "dist.all_reduce(torch.ones(1))", timeout=10)
+    assert info.value.waiting == [0] and info.value.restarted
+    assert str(info.value).startswith("rank 1 of 2 failed (rank 1: ValueError: bad shard); ")
+
+
 def test_stop_is_clean_and_leaves_no_process_or_file(cluster, capsys):
     pids, folder = set(cluster.pids()), cluster.folder
     assert len(pids) == 5 and alive(pids) == pids  # watchdog, controller, torchrun, 2 engines

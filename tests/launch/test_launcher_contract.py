@@ -14,7 +14,12 @@ from pathlib import Path
 import pytest
 
 from ddp_lesson.launch import TorchrunError, run_torchrun, terminal_text
-from ddp_lesson.launch.output import _failed_ranks
+from ddp_lesson.launch.output import (
+    CONSEQUENCE_NS,
+    _collect,
+    _failed_ranks,
+    _first_failures,
+)
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -107,31 +112,111 @@ def test_terminal_text_keeps_what_a_terminal_shows():
     assert terminal_text("\r 50%\r100%\ndone\n") == "100%\ndone\n"
 
 
-FAIL_TOGETHER = r'''
-import os, time
-rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-folder = os.environ["MEET"]
-failing = [1, 2]
-if rank in failing:
-    # the failing ranks raise together, so both fail before torchrun ends anyone
-    open(os.path.join(folder, f"ready{rank}"), "w").close()
-    while not all(os.path.exists(os.path.join(folder, f"ready{r}")) for r in failing):
-        time.sleep(0.01)
-    raise ValueError(f"bad batch on rank {rank}")
+# Rank 2 fails first. torchrun then sends SIGTERM to ranks 0 and 1: rank 1's handler turns it
+# into an error of its own (recorded after rank 2's), rank 0 dies of it (a SIGTERM from
+# torchrun is not a failure of its own). Deterministic whichever rank is lowest.
+FAIL_IN_TURN = r'''
+import os, signal, time
+rank = int(os.environ["RANK"])
+if rank == 1:
+    def stop(signum, frame):
+        raise ValueError("rank 1 stopped by torchrun")
+    signal.signal(signal.SIGTERM, stop)
+if rank == 2:
+    raise ValueError("bad batch on rank 2")
 time.sleep(60)
 '''
 
 
-def test_several_failing_ranks_report_the_lowest_and_list_all(tmp_path):
-    """Deterministic whichever rank torchrun saw first."""
+def test_the_first_failing_rank_is_named_and_later_ones_listed_as_consequences():
     with pytest.raises(TorchrunError) as info:
-        run_torchrun(code=FAIL_TOGETHER, nproc_per_node=3, timeout=120, live=False,
-                     env={**os.environ, "MEET": str(tmp_path)})
+        run_torchrun(code=FAIL_IN_TURN, nproc_per_node=3, timeout=120, live=False)
     err = info.value
-    assert err.rank == 1
+    assert (err.rank, err.consequences, err.result.failed_rank) == (2, [1], 2)
     assert err.result.failed_ranks == [1, 2]
-    assert str(err) == "ranks 1, 2 of 3 failed (exit codes 1, 1): ValueError: bad batch on rank 1"
-    assert err.traceback.splitlines()[-1] == "ValueError: bad batch on rank 1"
+    assert str(err) == ("rank 2 of 3 failed first (exit code 1): ValueError: bad batch on rank 2; "
+                        "rank 1 failed after it (exit code 1)")
+    assert err.traceback.splitlines()[-1] == "ValueError: bad batch on rank 2"
+    shown = err._render_traceback_()
+    assert shown[-1] == ("rank 1 failed after rank 2, as a consequence: "
+                         "ValueError: rank 1 stopped by torchrun")
+
+
+# Issue 41 item 9: rank 1 raises mid-step while its peers wait in an all_reduce; they fail
+# with gloo's "Connection closed by peer" once rank 1's process has ended. Their SIGTERM
+# handler does nothing, so torchrun's SIGTERM (sent once rank 1 has exited) cannot end them
+# before the all_reduce fails: every peer's failure is a recorded consequence.
+PEER_WAITS = r'''
+import signal, torch, torch.distributed as dist
+from ddp_lesson.env import init_distributed
+env = init_distributed(timeout=60)
+signal.signal(signal.SIGTERM, lambda signum, frame: None)
+x = torch.ones(4, 3)
+if env.rank == 1:
+    x = x @ torch.ones(5, 2)     # the bug: a shape error on one rank, mid-step
+dist.all_reduce(x)               # the others wait here for rank 1
+'''
+
+
+@pytest.mark.parametrize("nproc", [2, 3])
+def test_a_peer_waiting_in_a_collective_is_a_consequence_not_the_cause(nproc):
+    with pytest.raises(TorchrunError) as info:
+        run_torchrun(code=PEER_WAITS, nproc_per_node=nproc, timeout=120, live=False,
+                     backend="gloo")
+    err = info.value
+    others = [r for r in range(nproc) if r != 1]
+    assert (err.rank, err.consequences, err.result.failed_rank) == (1, others, 1)
+    assert err.result.failed_ranks == list(range(nproc))
+    cause = "RuntimeError: mat1 and mat2 shapes cannot be multiplied (4x3 and 5x2)"
+    assert err.traceback.splitlines()[-1] == cause
+    assert "[rank1]" not in err.traceback  # torch's excepthook prefix is taken off
+    assert str(err).startswith(f"rank 1 of {nproc} failed first (exit code 1): {cause}; ")
+    assert "Connection closed by peer" in err.result.errors[0]
+    assert "Connection closed by peer" not in err.traceback
+
+
+def test_the_failure_order_comes_from_the_records_signals_first():
+    # recorded failures by time (ties by rank); a rank that died of a signal has no record
+    assert _first_failures([0, 1, 2], {0: 30, 1: 10, 2: 20}) == [1, 2, 0]
+    assert _first_failures([0, 1], {0: 5, 1: 5}) == [0, 1]
+    assert _first_failures([0, 1, 3], {0: 1, 1: 2}) == [3, 0, 1]
+
+
+def test_the_error_names_the_cause_and_never_orders_ranks_without_a_time():
+    from types import SimpleNamespace
+
+    from ddp_lesson.launch.output import TorchrunResult
+    from ddp_lesson.launch.supervise import _failure
+
+    def error(exits, times, summary=""):
+        result = TorchrunResult(1, {}, {r: f"E{r}: on rank {r}\n" for r in range(4)}, summary,
+                                [], "", "gloo", "")
+        return _failure(SimpleNamespace(script=None, total=4), result, exits, times)
+
+    err = error({0: 1, 2: 1, 3: 1}, {0: 30, 2: 10, 3: 20})
+    assert (err.rank, err.consequences, err.result.failed_ranks) == (2, [0, 3], [0, 2, 3])
+    assert str(err) == ("rank 2 of 4 failed first (exit code 1): E2: on rank 2; ranks 0, 3 "
+                        "failed after it (exit codes 1, 1)")
+    # two ranks killed by signals (torchrun's summary only): both causes, in rank order; the
+    # recorded failure comes after them
+    summary = ("rank      : 1 (local_rank: 1)\n  exitcode  : -9 (pid: 7)\n"
+               "rank      : 3 (local_rank: 3)\n  exitcode  : -11 (pid: 8)\n")
+    err = error({0: 1}, {0: 5}, summary)
+    assert (err.rank, err.consequences) == (1, [0])
+    assert str(err) == ("ranks 1, 3 of 4 failed first (exit codes -9, -11): E1: on rank 1; "
+                        "rank 0 failed after them (exit code 1)")
+
+
+def test_the_records_give_exit_code_and_time(tmp_path):
+    (tmp_path / "rank0.exit").write_text("3 1700000000123456789")
+    (tmp_path / "rank1.exit").write_text("1")        # an older record: no time
+    (tmp_path / "rank2.exit").write_text("")         # cut short: code 1
+    # an exception that passes on a peer's failure (Rank0Error), recorded a moment earlier
+    (tmp_path / "rank3.exit").write_text("1 1700000000000000000 consequence")
+    _, _, exits, times = _collect(tmp_path)
+    assert exits == {0: 3, 1: 1, 2: 1, 3: 1}
+    assert times == {0: 1700000000123456789, 3: 1700000000000000000 + CONSEQUENCE_NS}
+    assert _first_failures([0, 3], times) == [0, 3]
 
 
 def test_failing_ranks_from_records_and_torchrun_summary():

@@ -489,3 +489,36 @@ def test_every_rank_exits_and_only_rank_0_reports(tmp_path, good_checkpoint):
         "rank 0 samples; use at most 2 ranks or no --drop-last")
     assert "is not a readable checkpoint" in per_rank[0]["truncated"]["stderr"]
     assert truncated.read_bytes() == before
+
+
+SUMMARY_FAILS = r'''
+import json, os, sys
+from ddp_lesson.env import init_distributed
+from ddp_lesson import train
+
+env = init_distributed(timeout=60, announce=False)
+try:
+    train.main(json.loads(sys.argv[1]))
+    print(json.dumps(None), flush=True)
+except Exception as exc:  # kept alive, as a persistent rank or a caller that catches would be
+    print(json.dumps(f"{type(exc).__name__}: {exc}"), flush=True)
+os._exit(0)
+'''
+
+
+@pytest.mark.timeout(120)
+def test_a_failed_summary_write_on_rank_0_raises_on_every_rank(tmp_path):
+    """Issue 41 item 10: rank 0 cannot write summary.json (a folder is in the way). Rank 1
+    hears of it from rank 0 (before: it waited in a barrier until rank 0's process ended,
+    then failed with gloo's "Connection closed by peer", or for ever if rank 0 lived on)."""
+    out = tmp_path / "run"
+    (out / "summary.json").mkdir(parents=True)
+    script = tmp_path / "summary_fails.py"
+    script.write_text(SUMMARY_FAILS)
+    result = run_torchrun(str(script), [json.dumps(TINY + ["--out", str(out)])],
+                          nproc_per_node=2, timeout=100, live=False, backend="gloo")
+    r0, r1 = (json.loads(result.rank_lines(r)[-1]) for r in (0, 1))
+    assert r0.startswith("IsADirectoryError: ")
+    # rank 0's exception, its first 160 characters
+    assert r1.startswith(f"Rank0Error: rank 0 failed to write {out / 'summary.json'}: {r0[:120]}")
+    assert r1.endswith(" (raised on rank 1 too, so that no rank waits for it)")

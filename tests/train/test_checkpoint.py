@@ -21,7 +21,7 @@ from ddp_lesson.checkpoint import (
     strip_module_prefix,
     unwrap,
 )
-from ddp_lesson.launch import run_torchrun
+from ddp_lesson.launch import TorchrunError, run_torchrun
 
 # ---- B12: the module. prefix ---------------------------------------------------------------
 
@@ -282,6 +282,105 @@ def test_b14_save_then_load_on_every_rank(tmp_path):
             assert out["slow"] == (f"rank {rank} waited 0.3 s for rank 0 to write checkpoint "
                                    f"{path}; it has not finished (raise the wait: "
                                    "timeout_s=..., now 0.3 s)")
+
+
+# ---- any failure on rank 0 reaches every rank at once (issue 41 item 10) ---------------------
+
+RANK0_FAILS = r'''
+import json, os, sys
+import torch
+import torch.distributed as dist
+from ddp_lesson.env import init_distributed
+from ddp_lesson import checkpoint as ck
+
+env = init_distributed(timeout=30, announce=False)
+path = sys.argv[1]
+out = {}
+good = {"format": ck.CHECKPOINT_FORMAT, "version": ck.CHECKPOINT_VERSION,
+        "model": {"w": torch.arange(10.0)}, "optimizer": {}, "scheduler": {}, "epoch": 1,
+        "step_in_epoch": 2, "global_step": 3, "sampler": {}, "rng": [], "config": {},
+        "world_size": env.world_size}
+ck.save_checkpoint(good if env.rank == 0 else None, path)
+before = open(path, "rb").read()
+
+def attempt(key, call):
+    try:
+        call()
+        out[key] = None
+    except Exception as exc:  # the default waits (1800 s) would outlast the test's limit
+        out[key] = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
+
+# a state torch.save cannot pickle (a lambda): not an OSError
+bad = dict(good, schedule=lambda step: 0.1)
+attempt("pickling", lambda: ck.save_checkpoint(bad if env.rank == 0 else None, path))
+out["previous_kept"] = open(path, "rb").read() == before
+out["temporaries"] = sorted(f for f in os.listdir(os.path.dirname(path)) if ".tmp." in f)
+# an error while rank 0 builds the state (build=...)
+def build():
+    raise KeyError("scheduler")
+attempt("build", lambda: ck.save_checkpoint(None, path, build=build))
+# a check that raises on rank 0
+def decide():
+    raise ValueError("cannot read the folder")
+attempt("decide", lambda: ck.decide_on_rank0(decide))
+# the ranks are still in step: a collective works
+t = torch.ones(1)
+dist.all_reduce(t)
+out["after"] = t.item()
+print(json.dumps(out), flush=True)
+os._exit(0)
+'''
+
+
+@pytest.mark.timeout(120)  # rank 1 would otherwise wait RANK0_WAIT_S = 1800 s for each answer
+def test_any_failure_on_rank0_raises_on_every_rank_at_once(tmp_path):
+    script = tmp_path / "rank0_fails.py"
+    script.write_text(RANK0_FAILS)
+    path = tmp_path / "checkpoint.pt"
+    result = run_torchrun(str(script), [str(path)], nproc_per_node=2, timeout=100, live=False,
+                          backend="gloo")
+    r0, r1 = (json.loads(result.rank_lines(r)[-1]) for r in (0, 1))
+    assert r0["pickling"].startswith(("AttributeError: Can't pickle", "PicklingError: Can't"))
+    pickling = r0["pickling"].split(": ", 1)[1]
+    assert r1["pickling"].startswith(f"Rank0Error: rank 0 failed to write checkpoint {path}: ")
+    assert pickling[:30] in r1["pickling"]
+    assert r0["build"] == "KeyError: 'scheduler'"
+    assert r1["build"] == (f"Rank0Error: rank 0 failed to write checkpoint {path}: KeyError: "
+                           "'scheduler' (raised on rank 1 too, so that no rank waits for it)")
+    assert r0["decide"] == "ValueError: cannot read the folder"
+    assert r1["decide"] == ("Rank0Error: rank 0 failed to check the checkpoint: ValueError: "
+                            "cannot read the folder (raised on rank 1 too, so that no rank "
+                            "waits for it)")
+    for out in (r0, r1):
+        assert out["previous_kept"] is True and out["temporaries"] == []
+        assert out["after"] == 2.0
+
+
+RANK0_RAISES = r'''
+import sys
+import torch
+from ddp_lesson.env import init_distributed
+from ddp_lesson import checkpoint as ck
+
+env = init_distributed(timeout=30, announce=False)
+bad = {"schedule": lambda step: 0.1} if env.rank == 0 else None
+ck.save_checkpoint(bad, sys.argv[1])  # uncaught: the run fails
+'''
+
+
+@pytest.mark.timeout(120)
+def test_the_run_names_rank_0_not_the_rank_it_told(tmp_path):
+    """Rank 1's Rank0Error passes on rank 0's failure: the launcher names rank 0 as the cause,
+    whichever of the two exceptions left its program first (its record is marked)."""
+    script = tmp_path / "rank0_raises.py"
+    script.write_text(RANK0_RAISES)
+    with pytest.raises(TorchrunError) as info:
+        run_torchrun(str(script), [str(tmp_path / "c.pt")], nproc_per_node=2, timeout=100,
+                     live=False, backend="gloo")
+    err = info.value
+    assert (err.rank, err.consequences) == (0, [1])
+    assert "Can't pickle" in err.traceback.splitlines()[-1]
+    assert "Rank0Error: rank 0 failed to write checkpoint" in err.result.errors[1]
 
 
 # ---- default map_location: this rank's device (B25) ------------------------------------------

@@ -165,3 +165,44 @@ def test_derived_global_batch_and_effective_lr():
     assert d["micro_batches_per_epoch"] == math.ceil(50 / 2) == 25
     assert d["steps_per_epoch"] == math.ceil(25 / 4) == 7
     assert d["effective_lr"] == pytest.approx(0.05)
+
+
+# ---- a step the fp16 GradScaler skips does not consume the schedule (issue 41 item 12) -------
+
+def test_a_skipped_fp16_step_leaves_the_learning_rate_schedule_where_it_was():
+    """Step 1's gradients are inf (the logits multiplied by inf): GradScaler skips the
+    optimizer's step. The scheduler must not step either: the first real step runs with the
+    schedule's first value, and torch does not warn that the scheduler stepped first.
+    torch 2.13's GradScaler runs on CPU (``GradScaler("cpu").is_enabled()``)."""
+    import warnings
+
+    import torch
+
+    from ddp_lesson.step import Precision, train_step
+
+    torch.manual_seed(0)
+    conv = torch.nn.Conv2d(3, 2, 1)
+    factor = torch.ones(())
+
+    def model(images):
+        return conv(images) * factor
+
+    opt = torch.optim.SGD(conv.parameters(), lr=1.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5 ** step)
+    applied = []  # the learning rate of each optimizer step that ran
+    opt.register_step_pre_hook(lambda o, *_: applied.append(o.param_groups[0]["lr"]))
+    precision = Precision("fp16", "cpu")
+    assert precision.scaler.is_enabled()
+    batch = [(torch.randn(1, 3, 2, 2), torch.tensor([[[0, 1], [1, 0]]]))]
+    skipped = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for inf in (True, False, False):
+            factor.fill_(math.inf if inf else 1.0)
+            train_step(model, opt, batch, 1, sched, precision=precision)
+            skipped.append(precision.skipped)
+    assert skipped == [True, False, False]
+    assert applied == [1.0, 0.5]  # was [0.5, 0.25]: the skipped step consumed 1.0
+    assert sched.last_epoch == 2 and opt.param_groups[0]["lr"] == 0.25
+    assert precision.scaler.get_scale() == 2.0 ** 15  # 2^16 halved once, for the skip
+    assert not [w for w in caught if "lr_scheduler.step()" in str(w.message)]
