@@ -1110,7 +1110,7 @@ class BucketedDDP(_DropIn, _bucketed_core.BucketedDDP, Joinable):
             value, construction broadcasts them (torch's rule).
         process_group: group to average over (None: the default group).
         bucket_cap_mb: bucket size in MiB (1 MiB = 1024**2 bytes), as in torch. None (the
-            default, as torch): 1 MiB for the first-filled bucket
+            default, as torch): 1 MiB for the first bucket
             (``dist._DEFAULT_FIRST_BUCKET_BYTES``), 25 MiB for the others; a number: that cap
             for every bucket (:func:`ddp_lesson.core.bucketed_ddp.bucket_size_limits`).
         find_unused_parameters: see above (default False, as in torch).

@@ -32,7 +32,8 @@ def test_bucket_cap_left_to_torch_unless_given():
     assert parse_config([]).bucket_cap_mb is None
     assert parse_config(["--bucket-cap-mb", "25"]).bucket_cap_mb == 25.0
     help_text = " ".join(build_parser().format_help().split())
-    assert "unset: torch's default, 1 MB for the bucket of the first layers and 25 MB" in help_text
+    assert ("unset: torch's default, 1 MB for the first bucket sent (the last layers') and 25 "
+            "MB") in help_text   # torch's rebuilt buckets: test_trainer_wraps_torchs_ddp_...
     assert "default 25" not in help_text
 
 
