@@ -1094,8 +1094,9 @@ class BucketedDDP(_DropIn, _bucketed_core.BucketedDDP, Joinable):
     limit ``sys.maxsize``) and it rebuilds the buckets in the order the gradients became ready
     before the second forward (``_pre_forward``, ``Reducer::should_rebuild_buckets``; with
     ``static_graph``, the third); these buckets are the rebuilt ones from the start, assuming
-    that order is reverse registration order (a model whose forward uses its modules in another
-    order gets other buckets from torch);
+    that order is reverse registration order (on DeepLab torch records a convolution's or
+    BatchNorm's weight before its bias: the same buckets, another order inside them; a model
+    whose forward uses its modules in another order gets other buckets from torch);
     gradients are copied into the bucket (``gradient_as_bucket_view=False``); one extra
     small all-reduce per step carries the check table.
 

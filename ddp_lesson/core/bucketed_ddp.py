@@ -23,8 +23,9 @@ sends one bucket, and it rebuilds the buckets once, in the ready order it record
 second forward (the third with ``static_graph``); with ``find_unused_parameters=True`` it
 never rebuilds and keeps buckets filled in registration order, launched reversed. The series
 builds the steady-state buckets at once, assuming the gradients become ready in reverse
-registration order: true for its sequential models; a model whose forward uses its modules in
-another order gets other buckets from torch after the rebuild.
+registration order. On the series' DeepLab torch's buckets hold the same parameters, but its
+Reducer records a convolution's or BatchNorm's weight before its bias, so the order inside a
+bucket differs; a model whose forward uses its modules in another order gets other buckets.
 
 Buckets are launched strictly in bucket order on every rank: collectives are matched by the
 order in which the ranks issue them, so if rank 0 issued bucket 3 while rank 1 issued bucket 2,
@@ -142,8 +143,8 @@ def ddp_buckets(nbytes: Sequence[int], bucket_cap_mb: float | None = None,
     """torch's buckets after its rebuild, in launch order, for gradients ready last layer first.
 
     :func:`assign_buckets` with :func:`bucket_size_limits`, walking the parameters in reverse
-    registration order (the order torch's Reducer records on the series' models, then passes
-    to ``_compute_bucket_assignment_by_size`` in ``_rebuild_buckets``).
+    registration order, as torch's rebuild walks the ready order it recorded
+    (``_compute_bucket_assignment_by_size`` in ``Reducer::rebuild_buckets``).
 
     >>> ddp_buckets([16, 16, 16, 16, 16], 32 / MB)
     [[4, 3], [2, 1], [0]]
