@@ -143,8 +143,9 @@ class TrainConfig:
         "(unset: no clipping)", type=float, metavar="MAX"))
     bucket_cap_mb: float | None = field(default=None, metadata=_note(
         "gradient bucket size in MB (2**20 bytes) for --ddp torch and --ddp bucketed, for "
-        "every bucket; unset: torch's default, 1 MB for the bucket of the first layers and "
-        "25 MB for the others; smaller buckets: more all_reduce calls, started earlier",
+        "every bucket; unset: torch's default, 1 MB for the first bucket sent (the last "
+        "layers') and 25 MB for the others; smaller buckets: more all_reduce calls, started "
+        "earlier",
         type=float, metavar="MB"))
     static_graph: bool = field(default=False, metadata=_note(
         "pass static_graph=True to torch's DDP (--ddp torch only)", action="store_true"))

@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from .core.bucketed_ddp import initial_buckets
+from .core.bucketed_ddp import ddp_buckets
 
 __all__ = [
     "naive_allreduce_time", "tree_allreduce_time", "ring_allreduce_time",
@@ -226,8 +226,8 @@ def predict_bucket_sweep(param_nbytes: Sequence[float], caps_mb: Sequence[float]
                          bandwidth_bytes_per_s: float) -> list[dict]:
     """The cost model's exposed communication for each bucket cap (and for NaiveDDP).
 
-    Buckets from :func:`~ddp_lesson.core.bucketed_ddp.initial_buckets` (torch's at construction,
-    kept by ``BucketedDDP``; an explicit cap for every bucket), ready times from
+    Buckets from :func:`~ddp_lesson.core.bucketed_ddp.ddp_buckets` (torch's after its rebuild,
+    those ``BucketedDDP`` builds; an explicit cap for every bucket), ready times from
     :func:`model_ready_times`, link schedule from :func:`predict_overlap`. Small buckets start early
     but pay α many times; big buckets pay α rarely but the last one starts only when backward ends:
     the exposed time has a minimum in between.
@@ -244,7 +244,7 @@ def predict_bucket_sweep(param_nbytes: Sequence[float], caps_mb: Sequence[float]
     ready = model_ready_times(param_nbytes, backward_s)
     rows = []
     for cap in caps_mb:
-        buckets = initial_buckets(param_nbytes, cap)
+        buckets = ddp_buckets(param_nbytes, cap)
         pred = predict_overlap([sum(param_nbytes[i] for i in b) for b in buckets],
                                [max(ready[i] for i in b) for b in buckets], backward_s,
                                world_size, latency_s, bandwidth_bytes_per_s)

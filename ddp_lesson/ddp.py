@@ -6,8 +6,8 @@ Run the three-way comparison (torch's DDP, NaiveDDP, BucketedDDP give the same w
 
 The algorithms are the teaching cores, :mod:`ddp_lesson.core.naive_ddp` (a hook per
 parameter, a callback queued for the end of backward that divides each gradient by the world
-size and SUM-all-reduces it) and :mod:`ddp_lesson.core.bucketed_ddp` (buckets built as
-torch's Reducer builds them at construction, each all-reduced asynchronously from the hook
+size and SUM-all-reduces it) and :mod:`ddp_lesson.core.bucketed_ddp` (the buckets torch's
+Reducer uses from its second iteration on, each all-reduced asynchronously from the hook
 that completes it, waited for at the end of backward). The classes here subclass those
 cores and add what makes them a drop-in replacement for
 ``torch.nn.parallel.DistributedDataParallel`` in an ordinary loop:
@@ -1057,9 +1057,13 @@ class BucketedDDP(_DropIn, _bucketed_core.BucketedDDP, Joinable):
     find_unused_parameters=...)``: when ``loss.backward()`` returns, every
     ``p.grad`` is the mean over ranks.
 
-    Parameters are grouped as torch's Reducer groups them at construction
-    (:func:`ddp_lesson.core.bucketed_ddp.initial_buckets`: filled in registration order, a bucket
-    closed once it holds its limit, then reversed into launch order). During a synchronised
+    Parameters are grouped as torch's Reducer groups them in the configuration asked for. By
+    default, as torch after its rebuild (before the second forward):
+    :func:`ddp_lesson.core.bucketed_ddp.ddp_buckets`, filled in reverse registration order (the
+    order backward makes the series' gradients ready), a bucket closed once it holds its limit.
+    With ``find_unused_parameters=True``, as torch at construction, which it then keeps
+    (``_ddp_init_helper``): filled in registration order, then reversed into launch order.
+    During a synchronised
     backward, when the last gradient of a bucket has been accumulated, the bucket's gradients are
     copied into its flat tensor, multiplied by ``1/R`` (torch pre-divides too) and SUM-all-reduced
     asynchronously; buckets are issued in bucket order on every rank (a bucket that is complete
@@ -1085,10 +1089,14 @@ class BucketedDDP(_DropIn, _bucketed_core.BucketedDDP, Joinable):
     parameter unfrozen or added after wrapping got a gradient), ``Join`` for uneven inputs,
     reentrant checkpointing and buffer broadcasts: as :class:`NaiveDDP`.
 
-    Differences from torch's DDP: buckets are fixed. torch keeps these buckets only with
-    ``find_unused_parameters=True``; otherwise its first iteration uses one bucket and it
-    rebuilds them in the order gradients became ready before the second forward
-    (``Reducer::should_rebuild_buckets``; with ``static_graph``, the third);
+    Differences from torch's DDP: buckets are fixed. Without ``find_unused_parameters`` torch's
+    first iteration sends one bucket (``_BucketCapacityConfig.compute_bucket_size_limits``:
+    limit ``sys.maxsize``) and it rebuilds the buckets in the order the gradients became ready
+    before the second forward (``_pre_forward``, ``Reducer::should_rebuild_buckets``; with
+    ``static_graph``, the third); these buckets are the rebuilt ones from the start, assuming
+    that order is reverse registration order (on DeepLab torch records a convolution's or
+    BatchNorm's weight before its bias: the same buckets, another order inside them; a model
+    whose forward uses its modules in another order gets other buckets from torch);
     gradients are copied into the bucket (``gradient_as_bucket_view=False``); one extra
     small all-reduce per step carries the check table.
 
@@ -1103,7 +1111,7 @@ class BucketedDDP(_DropIn, _bucketed_core.BucketedDDP, Joinable):
             value, construction broadcasts them (torch's rule).
         process_group: group to average over (None: the default group).
         bucket_cap_mb: bucket size in MiB (1 MiB = 1024**2 bytes), as in torch. None (the
-            default, as torch): 1 MiB for the first-filled bucket
+            default, as torch): 1 MiB for the first bucket
             (``dist._DEFAULT_FIRST_BUCKET_BYTES``), 25 MiB for the others; a number: that cap
             for every bucket (:func:`ddp_lesson.core.bucketed_ddp.bucket_size_limits`).
         find_unused_parameters: see above (default False, as in torch).
@@ -1165,6 +1173,13 @@ class BucketedDDP(_DropIn, _bucketed_core.BucketedDDP, Joinable):
                          core_kwargs={"bucket_cap_mb": bucket_cap_mb})
         self.bucket_cap_mb = bucket_cap_mb
         self.overlap = overlap
+        if find_unused_parameters:  # torch's construction-time buckets, which it then keeps
+            self.bucket_indices = assign_buckets(
+                [p.numel() * p.element_size() for p in self._params],
+                _bucketed_core.bucket_size_limits(bucket_cap_mb),
+                [(p.dtype, p.device) for p in self._params])[::-1]
+            self._bucket_of = {i: b for b, ids in enumerate(self.bucket_indices) for i in ids}
+            self._reset_buckets()
         # one flat tensor per bucket, allocated once and reused by every backward
         self._buckets: list[_Bucket] = []
         for b, indices in enumerate(self.bucket_indices):

@@ -10,7 +10,7 @@ batch with every variant, from the same seed:
 
 * without a link: ``torch`` (``DistributedDataParallel`` with its defaults), ``naive``
   (:class:`~ddp_lesson.ddp.NaiveDDP`), ``bucketed`` (:class:`~ddp_lesson.ddp.BucketedDDP`,
-  torch's default buckets unless ``--bucket-cap-mb``: a 1 MiB first-filled bucket, then
+  torch's default buckets unless ``--bucket-cap-mb``: a 1 MiB first bucket, then
   25 MiB; the stored ``benchmarks/ddp.csv`` was measured with ``--bucket-cap-mb 25``, one
   bucket, as its ``bucket_cap_mb`` column says);
 * under a :class:`~ddp_lesson.commsim.SimulatedLink` (default α = 0.5 ms, 100 MB/s): ``torch``

@@ -13,14 +13,19 @@ ideas from torch's DDP fix both costs:
   it travels. The callback queued for the end of backward only waits for what is still in
   flight and copies the averages back into ``.grad``, before ``backward()`` returns.
 
-The buckets are those torch's Reducer is built with (``_ddp_init_helper``): filled in
-registration order, then reversed into launch order, so the bucket left below its cap (the last
-layers') goes first. Without ``bucket_cap_mb`` torch caps the first-filled bucket (the first
-layers', sent last) at ``dist._DEFAULT_FIRST_BUCKET_BYTES`` (1 MiB) and the others at 25 MiB;
-an explicit cap holds for every bucket. torch keeps these buckets only with
-``find_unused_parameters=True``: by default it sends one bucket in the first iteration and,
-before the second forward (the third with ``static_graph``), rebuilds them once in the order
-the gradients became ready. The series' buckets stay as built.
+The buckets are those torch's DDP uses from its second iteration on: the parameters walked in
+the order backward makes their gradients ready (the last layer's first), each bucket closed
+once it holds its limit, so the first bucket (launched first) is complete early. Without
+``bucket_cap_mb`` torch caps that first bucket at ``dist._DEFAULT_FIRST_BUCKET_BYTES`` (1 MiB)
+and the others at 25 MiB; an explicit cap holds for every bucket. torch itself starts
+differently (``_ddp_init_helper``, ``Reducer::should_rebuild_buckets``): its first iteration
+sends one bucket, and it rebuilds the buckets once, in the ready order it recorded, before the
+second forward (the third with ``static_graph``); with ``find_unused_parameters=True`` it
+never rebuilds and keeps buckets filled in registration order, launched reversed. The series
+builds the steady-state buckets at once, assuming the gradients become ready in reverse
+registration order. On the series' DeepLab torch's buckets hold the same parameters, but its
+Reducer records a convolution's or BatchNorm's weight before its bias, so the order inside a
+bucket differs; a model whose forward uses its modules in another order gets other buckets.
 
 Buckets are launched strictly in bucket order on every rank: collectives are matched by the
 order in which the ranks issue them, so if rank 0 issued bucket 3 while rank 1 issued bucket 2,
@@ -40,7 +45,8 @@ parameters, ``Join``, buffer broadcasts, comm hooks and a recorder.
 Sources: S. Li et al., "PyTorch Distributed: Experiences on Accelerating Data Parallel
 Training", VLDB 2020 (arXiv:2006.15704), section 3.2.3 (bucketing, overlap, ``no_sync``);
 torch 2.13's ``torch/nn/parallel/distributed.py`` (``_BucketCapacityConfig``,
-``_ddp_init_helper``) and ``torch.distributed._compute_bucket_assignment_by_size`` (the rule).
+``_ddp_init_helper``, ``_pre_forward``) and ``torch.distributed._compute_bucket_assignment_by_size``
+(the rule).
 """
 from __future__ import annotations
 
@@ -53,7 +59,7 @@ from torch import nn
 
 from .naive_ddp import all_reduce_mean_
 
-__all__ = ["MB", "DEFAULT_CAP_MB", "bucket_size_limits", "assign_buckets", "initial_buckets",
+__all__ = ["MB", "DEFAULT_CAP_MB", "bucket_size_limits", "assign_buckets", "ddp_buckets",
            "BucketedDDP"]
 
 #: Bytes in one "MB" of ``bucket_cap_mb`` (torch counts 1024 * 1024).
@@ -66,7 +72,7 @@ def bucket_size_limits(bucket_cap_mb: float | None = None) -> list[int]:
     """torch's bucket size limits in bytes, as ``_BucketCapacityConfig`` computes them.
 
     None (torch's default): ``[dist._DEFAULT_FIRST_BUCKET_BYTES, 25 MiB]``, read now (1 MiB
-    unless changed): the first-filled bucket is small. An explicit cap: ``[cap]`` for every
+    unless changed): the first bucket closes early. An explicit cap: ``[cap]`` for every
     bucket. Raises ValueError for a negative or non-finite cap.
     """
     if bucket_cap_mb is not None and not 0 <= bucket_cap_mb < float("inf"):
@@ -95,8 +101,8 @@ def assign_buckets(nbytes: Sequence[int], limits: int | Sequence[int],
             None: registration order, and the buckets are sorted by their smallest index.
 
     Returns:
-        Buckets in fill order, each a list of parameter indices in walking order. torch's
-        construction-time launch order is the reverse: :func:`initial_buckets`.
+        Buckets in fill order, each a list of parameter indices in walking order. Walked in
+        ready order they are also launched in fill order: :func:`ddp_buckets`.
 
     Raises:
         ValueError: a negative limit or size, ``keys`` of the wrong length, or an ``order``
@@ -132,17 +138,19 @@ def assign_buckets(nbytes: Sequence[int], limits: int | Sequence[int],
     return closed
 
 
-def initial_buckets(nbytes: Sequence[int], bucket_cap_mb: float | None = None,
-                    keys: Sequence | None = None) -> list[list[int]]:
-    """torch's buckets at construction, in launch order: registration order, then reversed.
+def ddp_buckets(nbytes: Sequence[int], bucket_cap_mb: float | None = None,
+                keys: Sequence | None = None) -> list[list[int]]:
+    """torch's buckets after its rebuild, in launch order, for gradients ready last layer first.
 
-    As ``_ddp_init_helper`` builds them with ``find_unused_parameters=True`` (which keeps
-    them): :func:`assign_buckets` with :func:`bucket_size_limits`, reversed.
+    :func:`assign_buckets` with :func:`bucket_size_limits`, walking the parameters in reverse
+    registration order, as torch's rebuild walks the ready order it recorded
+    (``_compute_bucket_assignment_by_size`` in ``Reducer::rebuild_buckets``).
 
-    >>> initial_buckets([16, 16, 16, 16, 16], 32 / MB)
-    [[4], [2, 3], [0, 1]]
+    >>> ddp_buckets([16, 16, 16, 16, 16], 32 / MB)
+    [[4, 3], [2, 1], [0]]
     """
-    return assign_buckets(nbytes, bucket_size_limits(bucket_cap_mb), keys)[::-1]
+    ready = range(len(nbytes) - 1, -1, -1)
+    return assign_buckets(nbytes, bucket_size_limits(bucket_cap_mb), keys, order=ready)
 
 
 class BucketedDDP(nn.Module):
@@ -151,12 +159,12 @@ class BucketedDDP(nn.Module):
     Args:
         module: the model, already on this rank's device.
         bucket_cap_mb: bucket size in MiB (1024**2 bytes), as in torch; None (default):
-            torch's default, a 1 MiB first-filled bucket and 25 MiB for the others.
+            torch's default, 1 MiB for the first bucket and 25 MiB for the others.
         process_group: the group to average over (None: the default group).
 
     Attributes:
         bucket_indices: the buckets, in launch order, as lists of indices into the trainable
-            parameters (registration order): :func:`initial_buckets`.
+            parameters (registration order): :func:`ddp_buckets`.
 
     As in the naive core: rank 0's parameters and buffers are broadcast at construction, and
     a parameter that got no gradient on this rank contributes zeros (its bucket then waits for
@@ -176,7 +184,7 @@ class BucketedDDP(nn.Module):
         self._sync_this_backward = False
         self._params = [p for p in module.parameters() if p.requires_grad]
         self._broadcast_state()
-        self.bucket_indices = initial_buckets(
+        self.bucket_indices = ddp_buckets(
             [p.numel() * p.element_size() for p in self._params], bucket_cap_mb,
             [(p.dtype, p.device) for p in self._params])
         self._bucket_of = {i: b for b, bucket in enumerate(self.bucket_indices) for i in bucket}

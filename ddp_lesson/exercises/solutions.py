@@ -122,7 +122,7 @@ def fp16_compress_hook(state, bucket):
 
 # 04.4 -------------------------------------------------------------------------------
 # The teaching core itself (ddp_lesson/core/bucketed_ddp.py, imported above): torch's
-# construction-time buckets (filled in registration order, closed at the cap, reversed),
+# buckets after its rebuild (filled from the last parameter, closed at the cap),
 # launched asynchronously from the gradient hooks in bucket order, waited for in the
 # end-of-backward callback; no_sync() launches nothing.
 

@@ -24,7 +24,7 @@ import torch.fx
 from notebook_cells import StoredRun, stream_text
 from torch import nn
 
-from ddp_lesson.core.bucketed_ddp import MB, assign_buckets, initial_buckets
+from ddp_lesson.core.bucketed_ddp import MB, assign_buckets, ddp_buckets
 from ddp_lesson.labs import compile_ddp as cd
 
 NB = "deep/04_torch_compile_and_ddp.ipynb"
@@ -289,7 +289,8 @@ def test_stored_graph_break_counts():
 def test_stored_wrappers_compile_whole_and_lose_overlap():
     lines = _lines('report(res, ["wrappers"])')
     params = [p.numel() * p.element_size() for p in cd.Stack().parameters()]
-    buckets = len(initial_buckets(params, 1))   # BucketedDDP's: torch's at construction
+    buckets = len(ddp_buckets(params, 1))   # BucketedDDP's: torch's after its rebuild
+    assert buckets == 4                     # one layer each (1,050,624 bytes >= 1 MiB)
     naive_e, naive_tl, naive_c, naive_ctl, buck_e, buck_tl, buck_c, buck_ctl = lines
     assert naive_e == f"NaiveDDP eager: {len(params)} all-reduces, 0 overlapped"
     assert naive_c == (f"NaiveDDP compiled: 1 dynamo graph, 0 graph breaks, 1 part; "
@@ -305,8 +306,8 @@ def test_stored_wrappers_compile_whole_and_lose_overlap():
 
     nb = nbformat.read(Path(__file__).resolve().parents[2] / "notebooks" / NB, as_version=4)
     prose = " ".join(" ".join(c.source for c in nb.cells if c.cell_type == "markdown").split())
-    assert (f"`BucketedDDP`'s {buckets} all-reduces (at `bucket_cap_mb=1`: torch's "
-            "construction-time buckets") in prose
+    assert (f"`BucketedDDP`'s {buckets} all-reduces (at `bucket_cap_mb=1`: one layer each, "
+            "the buckets torch's DDP uses after its rebuild") in prose
     assert f"0 overlapped, where the same wrapper eager had {buckets - 1}." in prose
     for tl in (naive_ctl, buck_ctl):
         tokens = tl.split()

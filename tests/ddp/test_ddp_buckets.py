@@ -21,7 +21,7 @@ from ddp_lesson.commsim import (
     union_length,
 )
 from ddp_lesson.core.bucketed_ddp import BucketedDDP as CoreBucketedDDP
-from ddp_lesson.core.bucketed_ddp import bucket_size_limits, initial_buckets
+from ddp_lesson.core.bucketed_ddp import bucket_size_limits, ddp_buckets
 from ddp_lesson.cost_model import model_ready_times, predict_bucket_sweep, predict_overlap
 from ddp_lesson.ddp import (
     MB,
@@ -56,22 +56,34 @@ def test_assign_buckets_equals_torch(sizes, dtype_ids, limits):
     assert assign_buckets([4 * n for n in sizes], limits, order=order) == theirs
 
 
-def test_initial_buckets_are_torchs_registration_order_reversed():
-    # issue 41: 5 parameters of 16 bytes, cap 32: torch fills [0, 1], [2, 3], [4], launches
-    # them reversed; filling from the last parameter ([[4, 3], [2, 1], [0]]) is its rebuild
-    assert assign_buckets([16] * 5, 32) == [[0, 1], [2, 3], [4]]
-    assert initial_buckets([16] * 5, 32 / MB) == [[4], [2, 3], [0, 1]]
-    assert assign_buckets([16] * 5, 32, order=[4, 3, 2, 1, 0]) == [[4, 3], [2, 1], [0]]
-    assert initial_buckets([16] * 5, 33 / MB) == [[3, 4], [0, 1, 2]]
-    assert initial_buckets([16] * 5, 0) == [[4], [3], [2], [1], [0]]
-    assert initial_buckets([16] * 5, 25) == [[0, 1, 2, 3, 4]]
-    # a parameter bigger than the cap gets a bucket of its own
-    assert initial_buckets([8, 1000, 8], 100 / MB) == [[2], [0, 1]]
-    # torch's default: the first-filled bucket (first parameters, launched last) <= 1 MiB
+def test_ddp_buckets_are_filled_from_the_last_parameter():
+    # issue 41: 5 parameters of 16 bytes, cap 32: torch's rebuild walks the ready order (the
+    # last parameter first) and launches in fill order; its construction-time rule (kept with
+    # find_unused_parameters=True) fills in registration order and launches reversed
+    assert ddp_buckets([16] * 5, 32 / MB) == [[4, 3], [2, 1], [0]]
+    assert assign_buckets([16] * 5, 32)[::-1] == [[4], [2, 3], [0, 1]]
+    assert ddp_buckets([16] * 5, 33 / MB) == [[4, 3, 2], [1, 0]]
+    assert ddp_buckets([16] * 5, 0) == [[4], [3], [2], [1], [0]]
+    assert ddp_buckets([16] * 5, 25) == [[4, 3, 2, 1, 0]]
+    # a parameter bigger than the cap closes the bucket it joins
+    assert ddp_buckets([8, 1000, 8], 100 / MB) == [[2, 1], [0]]
+    # torch's default: the first bucket (last parameters, launched first) holds >= 1 MiB only
     assert bucket_size_limits() == [dist._DEFAULT_FIRST_BUCKET_BYTES, 25 * MB] == [MB, 25 * MB]
     assert bucket_size_limits(25) == [25 * MB]           # an explicit cap: every bucket
-    assert initial_buckets([MB // 2] * 6) == [[2, 3, 4, 5], [0, 1]]
-    assert initial_buckets([MB // 2] * 6, 25) == [[0, 1, 2, 3, 4, 5]]
+    assert ddp_buckets([MB // 2] * 6) == [[5, 4], [3, 2, 1, 0]]
+    assert ddp_buckets([MB // 2] * 6, 25) == [[5, 4, 3, 2, 1, 0]]
+
+
+@pytest.mark.parametrize("cap", [None, 0, 0.0001, 0.001, 1, 25])
+def test_ddp_buckets_are_torchs_assignment_in_ready_order(cap):
+    """torch's rebuild: ``_compute_bucket_assignment_by_size`` of the tensors in ready order,
+    with their indices (``tensor_indices``), the last parameter first."""
+    model = _stack((64, 300, 7, 900, 3))
+    params = [p.detach() for p in model.parameters()]
+    order = list(range(len(params)))[::-1]
+    theirs, _ = dist._compute_bucket_assignment_by_size(
+        [params[i] for i in order], bucket_size_limits(cap), [], order)
+    assert ddp_buckets([p.numel() * 4 for p in params], cap) == theirs
 
 
 def test_assign_buckets_rejects_bad_arguments():
@@ -114,34 +126,60 @@ def _torch_ddp_buckets(model, iterations, **kwargs):
     out = []
     for _ in range(iterations):
         seen.clear()
-        ddp(torch.randn(2, model[0].in_features)).sum().backward()
+        ddp(torch.randn(2, next(model.parameters()).shape[1])).sum().backward()
         out.append([ids for _, ids in sorted(seen)])
     return out
 
 
 def test_bucketed_ddp_builds_torchs_buckets(world_of_one):
-    """BucketedDDP's buckets are those torch's DDP builds (kept with find_unused_parameters);
-    without it torch starts with one bucket and rebuilds in the ready order before the 2nd
-    forward (static_graph: the 3rd): assign_buckets walked in that order."""
+    """BucketedDDP's buckets are those torch's DDP uses: by default torch sends one bucket in
+    iteration 1 and rebuilds in the ready order before the 2nd forward (static_graph: the 3rd);
+    with find_unused_parameters=True it keeps its construction-time buckets."""
+    differ = []
     for sizes, cap in TORCH_CASES:
         nbytes = [p.numel() * 4 for p in _stack(sizes).parameters()]
+        one = [list(range(len(nbytes)))]
         ours = BucketedDDP(_stack(sizes), bucket_cap_mb=cap).bucket_indices
         core = CoreBucketedDDP(_stack(sizes), bucket_cap_mb=cap).bucket_indices
-        kept = _torch_ddp_buckets(_stack(sizes), 2, bucket_cap_mb=cap,
+        assert ours == core == ddp_buckets(nbytes, cap), (sizes, cap)
+        assert _torch_ddp_buckets(_stack(sizes), 3, bucket_cap_mb=cap) == [one, ours, ours]
+        assert _torch_ddp_buckets(_stack(sizes), 3, bucket_cap_mb=cap, static_graph=True) == [
+            one, one, ours], (sizes, cap)
+        kept_ours = BucketedDDP(_stack(sizes), bucket_cap_mb=cap,
+                                find_unused_parameters=True).bucket_indices
+        kept = _torch_ddp_buckets(_stack(sizes), 3, bucket_cap_mb=cap,
                                   find_unused_parameters=True)
-        assert ours == core == kept[0] == kept[1] == initial_buckets(nbytes, cap), (sizes, cap)
+        assert kept == [kept_ours] * 3, (sizes, cap)
         theirs = _torch_buckets([p.detach() for p in _stack(sizes).parameters()],
                                 bucket_size_limits(cap))
-        assert ours == theirs[::-1]
-        rebuilt = assign_buckets(nbytes, bucket_size_limits(cap),
-                                 order=range(len(nbytes))[::-1])
-        assert _torch_ddp_buckets(_stack(sizes), 2, bucket_cap_mb=cap) == [
-            [list(range(len(nbytes)))], rebuilt], (sizes, cap)
-        assert _torch_ddp_buckets(_stack(sizes), 3, bucket_cap_mb=cap, static_graph=True) == [
-            [list(range(len(nbytes)))]] * 2 + [rebuilt], (sizes, cap)
+        assert kept_ours == theirs[::-1]
+        differ.append(kept_ours != ours)
+    assert sum(differ) == 6   # other buckets (or order in a bucket), except at cap 0
     # issue 40: on this model torch's default gives two buckets, an explicit 25 MiB one
-    assert len(initial_buckets([p.numel() * 4 for p in _stack((512, 512, 512, 10)).parameters()]
-                               )) == 2
+    nbytes = [p.numel() * 4 for p in _stack((512, 512, 512, 10)).parameters()]
+    assert len(ddp_buckets(nbytes)) == 2 and len(ddp_buckets(nbytes, 25)) == 1
+
+
+class _OutOfOrder(nn.Module):
+    """Registers ``a`` before ``b`` but runs ``b`` first: gradients are ready a's first."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(64, 64), nn.Linear(64, 64)
+
+    def forward(self, x):
+        return self.a(self.b(x))
+
+
+def test_torch_rebuilds_other_buckets_when_forward_runs_out_of_registration_order(world_of_one):
+    """The series assumes reverse registration order; torch walks the order it recorded."""
+    nbytes = [p.numel() * 4 for p in _OutOfOrder().parameters()]   # a.w, a.b, b.w, b.b
+    cap = 16_000 / MB   # one Linear(64, 64) per bucket (16,640 bytes)
+    ours = BucketedDDP(_OutOfOrder(), bucket_cap_mb=cap).bucket_indices
+    assert ours == ddp_buckets(nbytes, cap) == [[3, 2], [1, 0]]
+    theirs = _torch_ddp_buckets(_OutOfOrder(), 2, bucket_cap_mb=cap)[1]
+    assert theirs == [[1, 0], [3, 2]]   # a's gradients were ready first
 
 
 def test_wrappers_need_a_process_group():

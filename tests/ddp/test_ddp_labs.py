@@ -19,10 +19,12 @@ NB04 = "04_ddp_from_scratch.ipynb"
 
 
 def _torch_bucket_count(model, cap_mb: float) -> int:
-    """Buckets torch's own assignment makes from the trainable parameters (registration
-    order; torch then reverses the list, which does not change the count)."""
+    """Buckets torch's own assignment makes from the trainable parameters walked in the order
+    their gradients become ready on these models (the last first), as its rebuild does."""
     params = [p for p in model.parameters() if p.requires_grad]
-    buckets, _ = dist._compute_bucket_assignment_by_size(params, [int(cap_mb * MB)])
+    ready = list(range(len(params)))[::-1]
+    buckets, _ = dist._compute_bucket_assignment_by_size(
+        [params[i] for i in ready], [int(cap_mb * MB)], [], ready)
     return len(buckets)
 
 
@@ -61,7 +63,7 @@ def test_overlap_lab_records_timelines_and_sweep(tmp_path):
     torch.manual_seed(0)
     model = build_model("deeplab", width=16)
     counts = [_torch_bucket_count(model, cap) for cap in SWEEP_CAPS_MB]
-    assert counts == [43, 14, 10, 8, 4, 3, 2, 1]
+    assert counts == [43, 13, 10, 8, 4, 3, 2, 1]   # 0.01 MB: 14 filled from the first layer
     assert result.rank_lines(0) == [
         "link: alpha = 0.5 ms, bandwidth = 100 MB/s",
         "buckets per cap (MB):",

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from ddp_lesson.commsim import SimulatedLink
+from ddp_lesson.core.bucketed_ddp import bucket_size_limits
 from ddp_lesson.cost_model import predict_bucket_sweep
 from ddp_lesson.ddp import MB, walk_autograd_graph
 from ddp_lesson.labs.ddp_overlap import SWEEP_CAPS_MB
@@ -34,10 +35,13 @@ def deeplab():
 
 
 def _torch_buckets(model, cap_mb):
-    """torch's buckets at construction: filled in registration order, launched reversed."""
+    """torch's buckets after its rebuild: its assignment walked in ready order (the last
+    parameter first on these models), with its limits; launched in that order."""
     params = list(model.parameters())
-    buckets, _ = dist._compute_bucket_assignment_by_size(params, [int(cap_mb * MB)])
-    return buckets[::-1]
+    ready = list(range(len(params)))[::-1]
+    buckets, _ = dist._compute_bucket_assignment_by_size(
+        [params[i] for i in ready], bucket_size_limits(cap_mb), [], ready)
+    return buckets
 
 
 def test_gradient_sizes(deeplab):
@@ -63,14 +67,18 @@ def test_cost_of_one_message_per_parameter(deeplab):
 def test_bucket_table_at_a_quarter_megabyte(deeplab):
     model, names, nbytes = deeplab
     buckets = _torch_buckets(model, 0.25)
-    table = [(len(b), f"{sum(nbytes[i] for i in b) / MB:.3f}", names[b[-1]], names[b[0]])
+    table = [(len(b), f"{sum(nbytes[i] for i in b) / MB:.3f}", names[b[0]], names[b[-1]])
              for b in buckets]
     assert table == [
-        (12, "0.241", "classifier.bias", "aspp.branches.2.1.weight"),
-        (9, "0.298", "aspp.branches.2.0.weight", "backbone.7.1.weight"),
-        (6, "0.282", "backbone.7.0.weight", "backbone.5.1.weight"),
-        (16, "0.275", "backbone.5.0.weight", "backbone.0.0.weight"),
+        (13, "0.381", "classifier.bias", "aspp.branches.2.0.weight"),
+        (9, "0.298", "aspp.branches.1.1.bias", "backbone.7.0.weight"),
+        (6, "0.282", "backbone.6.1.bias", "backbone.5.0.weight"),
+        (15, "0.135", "backbone.4.1.bias", "backbone.0.0.weight"),
     ]
+    lines = [f"bucket {b}: {n:2d} tensors, {mb} MB, from {first} down to {last}"
+             for b, (n, mb, first, last) in enumerate(table)]
+    assert _nb04_outputs("buckets = ddp_buckets(nbytes, cap_mb)") == lines + [
+        "same as torch's _compute_bucket_assignment_by_size in ready order: True"]
 
 
 def _schedule(bucket_bytes, bucket_ready, backward_s):
@@ -98,10 +106,22 @@ def test_bucket_sweep_prediction(deeplab):
     naive = _schedule(nbytes, [BACKWARD_S] * len(nbytes), BACKWARD_S)
     assert ours[-1]["exposed_s"] == pytest.approx(naive, abs=1e-12)
     # the rounded values notebook 04 prints
-    assert [r["buckets"] for r in ours] == [43, 14, 10, 8, 4, 3, 2, 1, 43]
+    assert [r["buckets"] for r in ours] == [43, 13, 10, 8, 4, 3, 2, 1, 43]
     assert [f"{e * 1e3:.1f}" for e in expected + [naive]] == [
-        "34.5", "6.0", "3.4", "2.4", "3.9", "6.8", "11.6", "12.5", "54.5"]
+        "34.5", "6.0", "4.4", "3.9", "3.9", "6.9", "12.3", "12.5", "54.5"]
+    # 0.1 and 0.25 both print 3.9 ms; 0.1 is lower by more than rounding noise
+    assert expected[SWEEP_CAPS_MB.index(0.25)] - expected[SWEEP_CAPS_MB.index(0.1)] > 1e-5
     assert SWEEP_CAPS_MB[min(range(len(expected)), key=expected.__getitem__)] == 0.1
+    counts = [f"{c:g} -> {r['buckets']}" for c, r in zip(SWEEP_CAPS_MB, ours)]
+    lines = _nb04_outputs("from ddp_lesson.labs.ddp_overlap import main")
+    k = lines.index("[rank 0] buckets per cap (MB):")
+    assert lines[k:k + 3] == [
+        "[rank 0] buckets per cap (MB):", "[rank 0]   " + ", ".join(counts[:4]),
+        "[rank 0]   " + ", ".join(counts[4:])]   # the real BucketedDDP's, in the lab
+    table = [f"{'naive' if r['cap_mb'] is None else format(r['cap_mb'], 'g'):>8}  "
+             f"{r['buckets']:7d}  {r['exposed_s'] * 1e3:8.1f}" for r in ours]
+    assert _nb04_outputs("rows = predict_bucket_sweep(", BENCH_NB) == [
+        "cap (MB)  buckets  predicted exposed (ms)", *table, "model optimum: 0.1 MB (8 buckets)"]
 
 
 def test_graph_walk_finds_exactly_the_parameters_that_get_gradients(deeplab):
@@ -246,12 +266,15 @@ def test_notebook_04_ranks_cells_print_what_one_process_computes():
     assert _nb04_outputs("loss.backward()                 # the hooks fire") == (
         ready + ["[rank 0] backward done"]
         + [f"[rank 0] all_reduce {i}: {n}" for i, n in enumerate(names)] + same)
-    # BucketedDDP, 64-byte cap: torch's construction-time buckets (filled in registration
-    # order, reversed), each issued right after the hook that completes it (in bucket order),
-    # all before the end of backward
-    buckets, _ = dist._compute_bucket_assignment_by_size(list(nets[0].parameters()), [64])
-    buckets = [[names[j] for j in b] for b in buckets[::-1]]
-    assert len(buckets) == 4 and buckets[0] == ["4.bias"]
+    # BucketedDDP, 64-byte cap: torch's buckets after its rebuild (its assignment walked from
+    # the last parameter), each issued right after the hook that completes it (in bucket
+    # order), all before the end of backward
+    params = list(nets[0].parameters())
+    order = list(range(len(params)))[::-1]
+    buckets, _ = dist._compute_bucket_assignment_by_size([params[i] for i in order], [64], [],
+                                                         order)
+    buckets = [[names[j] for j in b] for b in buckets]
+    assert buckets == [["4.bias", "4.weight", "2.bias"], ["2.weight"], ["0.bias", "0.weight"]]
     trace, done, sent = [], set(), 0
     for n in reversed(names):                      # backward's order: the last layer first
         trace.append(f"[rank 0] ready {n}")
@@ -266,36 +289,41 @@ def test_notebook_04_ranks_cells_print_what_one_process_computes():
 
 
 def test_torchs_default_cap_is_two_buckets_here_not_one(deeplab):
-    """Deep dive 04 (bucket size), issue 41 claim 2: without ``bucket_cap_mb`` torch caps its
-    first-filled bucket at 1 MiB, so this model gets the 2 buckets of cap 1, not one."""
+    """Deep dive 04 (bucket size), issue 41 claim 2: without ``bucket_cap_mb`` torch closes its
+    first bucket at 1 MiB, so this model gets the 2 buckets of cap 1, not one."""
     import nbformat
 
-    from ddp_lesson.core.bucketed_ddp import initial_buckets
+    from ddp_lesson.core.bucketed_ddp import ddp_buckets
 
     model, _, nbytes = deeplab
-    default = initial_buckets(nbytes)
-    assert default == initial_buckets(nbytes, 1.0) == _torch_buckets(model, 1.0)
-    assert [sum(nbytes[i] for i in b) for b in default] == [87_628, 1_062_336]
-    assert len(initial_buckets(nbytes, 25)) == 1
+    default = ddp_buckets(nbytes)
+    assert default == ddp_buckets(nbytes, 1.0) == _torch_buckets(model, 1.0)
+    assert default == _torch_buckets(model, None)
+    assert [sum(nbytes[i] for i in b) for b in default] == [1_082_956, 67_008]
+    assert len(ddp_buckets(nbytes, 25)) == 1
     nb = nbformat.read(ROOT / "notebooks" / BENCH_NB, as_version=4)
     prose = " ".join(" ".join(c.source for c in nb.cells if c.cell_type == "markdown").split())
     assert "one bucket for everything (an explicit cap of 25 MB" in prose
-    assert ("so on this 1.1 MiB model it makes the 2 buckets of cap 1 (the last layers' 87,628 "
-            "bytes first)") in prose
+    assert ("so on this 1.1 MiB model it makes the 2 buckets of cap 1 (the last layers' "
+            "1,082,956 bytes first, then the first layers' 67,008)") in prose
     assert "cap 25 MB, torch's default" not in prose
 
 
-def test_notebook04_states_torchs_construction_rule_and_the_rebuild():
-    """Notebook 04 section 3 (issue 41 claim 1): the rule and when torch rebuilds, as
-    ``tests/ddp/test_ddp_buckets.py::test_bucketed_ddp_builds_torchs_buckets`` shows on torch."""
+def test_notebook04_states_the_rebuilt_buckets_and_torchs_two_steps():
+    """Notebook 04 section 3 (issue 41 claim 1): the series builds torch's rebuilt buckets; torch
+    starts with one and rebuilds once (construction-time buckets kept with
+    find_unused_parameters=True), as ``tests/ddp/test_ddp_buckets.py::
+    test_bucketed_ddp_builds_torchs_buckets`` shows on torch."""
     import nbformat
 
     nb = nbformat.read(ROOT / "notebooks" / "04_ddp_from_scratch.ipynb", as_version=4)
     prose = " ".join(" ".join(c.source for c in nb.cells if c.cell_type == "markdown").split())
-    assert "it fills buckets in *registration order*, each closed once it holds at least" in prose
-    assert "then reverses the list" in prose
-    assert ("torch uses these buckets for good only with `find_unused_parameters=True`. By "
-            "default its first iteration sends one bucket, and before the second forward it "
+    assert ("`BucketedDDP` walks the parameters in that order, the last first, and closes a "
+            "bucket once it holds at least `bucket_cap_mb`") in prose
+    assert "These are the buckets torch's DDP uses from its second iteration on." in prose
+    assert ("Its first iteration sends **one** bucket; before the second forward it "
             "**rebuilds** its buckets once, in the order the gradients became ready (the third "
-            "forward with `static_graph=True`)") in prose
-    assert "*reverse registration order* until each holds" not in prose   # the old claim
+            "forward with `static_graph=True`), and keeps them. With "
+            "`find_unused_parameters=True` it never rebuilds") in prose
+    assert "then reverses the list" not in prose                         # the old rule
+    assert "The series' buckets stay as built" not in prose

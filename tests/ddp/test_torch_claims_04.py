@@ -213,23 +213,25 @@ def test_claim17_buffer_broadcast_hidden_from_autograd_as_torch():
         in text
 
 
-def test_claim_bucketed_ddp_keeps_torchs_construction_buckets_not_the_rebuilt_ones():
-    """Deep dive 04 inside torch's DDP: the stack's buckets at cap 0.5 as BucketedDDP (and torch
-    with find_unused_parameters=True) builds them; torch's rebuild walks the ready order."""
-    from ddp_lesson.core.bucketed_ddp import assign_buckets, bucket_size_limits, initial_buckets
+def test_claim_bucketed_ddp_builds_torchs_rebuilt_buckets():
+    """Deep dive 04 inside torch's DDP: the stack's buckets at cap 0.5 as BucketedDDP builds them
+    (torch's after the rebuild, which walks the ready order); with find_unused_parameters=True
+    torch keeps its construction-time buckets."""
+    from ddp_lesson.core.bucketed_ddp import assign_buckets, bucket_size_limits, ddp_buckets
     from ddp_lesson.labs.torch_reducer import CAP_MB, make_stack
 
     nbytes = [p.numel() * p.element_size() for p in make_stack().parameters()]
-    built = initial_buckets(nbytes, CAP_MB)
-    assert built == [[15], [11, 12, 13, 14], [7, 8, 9, 10], [3, 4, 5, 6], [0, 1, 2]]
+    built = ddp_buckets(nbytes, CAP_MB)
+    assert built == [[15, 14, 13, 12], [11, 10, 9, 8], [7, 6, 5, 4], [3, 2, 1, 0]]
+    assert built == assign_buckets(nbytes, bucket_size_limits(CAP_MB), order=range(15, -1, -1))
     theirs, _ = dist._compute_bucket_assignment_by_size(list(make_stack().parameters()),
                                                         bucket_size_limits(CAP_MB))
-    assert built == theirs[::-1]
-    rebuilt = assign_buckets(nbytes, bucket_size_limits(CAP_MB), order=range(15, -1, -1))
-    assert rebuilt == [[15, 14, 13, 12], [11, 10, 9, 8], [7, 6, 5, 4], [3, 2, 1, 0]]
+    assert theirs[::-1] == [[15], [11, 12, 13, 14], [7, 8, 9, 10], [3, 4, 5, 6], [0, 1, 2]]
     text = _markdown(INSIDE)
-    assert ("[15], [11–14], [7–10], [3–6], [0–2], as torch with "
-            "`find_unused_parameters=True`") in text
+    assert ("makes the same four buckets, and so does our `BucketedDDP` from its first "
+            "iteration") in text
+    assert ("filled from index 0 and reversed: [15], [11–14], [7–10], [3–6], [0–2], and so does "
+            "`BucketedDDP(find_unused_parameters=True)`") in text
     assert ("rebuilds its buckets once, before the second forward (with `static_graph`, the "
             "third)") in text
     from ddp_lesson.viz.ddp import REDUCER_MAP

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddp_lesson.core.bucketed_ddp import MB, BucketedDDP, assign_buckets, initial_buckets
+from ddp_lesson.core.bucketed_ddp import MB, BucketedDDP, assign_buckets, ddp_buckets
 from ddp_lesson.core.naive_ddp import NaiveDDP, all_reduce_mean_
 from ddp_lesson.core.zero1 import Zero1Optimizer
 from ddp_lesson.exercises import check, describe, reference
@@ -159,7 +159,7 @@ class FutureBuckets(nn.Module):
             for t in [*module.parameters(), *module.buffers()]:
                 dist.broadcast(t, 0)
         self.params = [p for p in module.parameters() if p.requires_grad]
-        self.buckets = initial_buckets([p.numel() * 4 for p in self.params], bucket_cap_mb)
+        self.buckets = ddp_buckets([p.numel() * 4 for p in self.params], bucket_cap_mb)
         self.where = {i: b for b, ids in enumerate(self.buckets) for i in ids}
         self.left, self.futures, self.started = {}, {}, False
         for i, p in enumerate(self.params):
@@ -227,21 +227,21 @@ class BlockingInHook(BucketedDDP):
 class ForwardOrder(BucketedDDP):
     def __init__(self, module, bucket_cap_mb=25):
         super().__init__(module, bucket_cap_mb)
-        # filled in registration order, as torch, but launched in that order too (not reversed)
+        # filled and launched in registration order (the first layer first: not reversed)
         self.bucket_indices = assign_buckets([p.numel() * 4 for p in self._params],
                                              int(bucket_cap_mb * MB))
         self._bucket_of = {i: b for b, ids in enumerate(self.bucket_indices) for i in ids}
         self._reset_buckets()
 
 
-class BackwardFilled(BucketedDDP):
-    """Buckets filled from the last parameter (torch's rebuild, not its construction)."""
+class ConstructionBuckets(BucketedDDP):
+    """Filled in registration order, sent reversed: torch's buckets at construction (kept only
+    with find_unused_parameters=True), not those it uses after its rebuild."""
 
     def __init__(self, module, bucket_cap_mb=25):
         super().__init__(module, bucket_cap_mb)
-        n = len(self._params)
         self.bucket_indices = assign_buckets([p.numel() * 4 for p in self._params],
-                                             int(bucket_cap_mb * MB), order=range(n)[::-1])
+                                             int(bucket_cap_mb * MB))[::-1]
         self._bucket_of = {i: b for b, ids in enumerate(self.bucket_indices) for i in ids}
         self._reset_buckets()
 
@@ -438,7 +438,7 @@ ANSWERS = {
     "04.4": {"reference": reference("04.4"), "futures": FutureBuckets,
              "after_backward": AfterBackward, "wait_in_hook": WaitInHook,
              "blocking": BlockingInHook, "forward_order": ForwardOrder,
-             "backward_filled": BackwardFilled,
+             "construction_buckets": ConstructionBuckets,
              "cap_ignored": CapIgnored, "syncs_in_no_sync": SyncsInNoSync,
              "zeroes_in_forward": ZeroesInForward, "half": HalfBuckets},
     "06.5": {"reference": reference("06.5"), "stacked": global_count_stacked,
@@ -536,11 +536,12 @@ def test_04_4_bucketed_ddp_checks_weights_buckets_overlap_and_no_sync(verdicts):
                                          "all-reduced messages of [15, 5, 20, 4, 8, 2] "
                                          "elements: buckets sent in forward order")
     assert "[2, 8, 4, 20, 5, 15]" in v("forward_order")
-    assert v("backward_filled") == (
+    assert v("construction_buckets") == (
         "bucket_cap_mb = 40/2**20 (40 bytes), step 1, rank 0: all-reduced messages of "
-        "[10, 24, 20] elements: buckets filled from the last parameter; torch fills them in "
-        "registration order, each closed once it holds at least the cap, then launches them "
-        "last first: [2, 12, 25, 15].")
+        "[2, 12, 25, 15] elements: buckets filled in registration order, sent last first: "
+        "torch's buckets at construction, kept only with find_unused_parameters=True; by "
+        "default torch rebuilds them in the order gradients become ready (the last parameter "
+        "first), each closed once it holds at least the cap, sent in that order: [10, 24, 20].")
     cap = v("cap_ignored")
     assert cap.startswith("bucket_cap_mb = 0/2**20 (0 bytes), step 1, rank 0: all-reduced "
                           "messages of [54] elements") and "1 bucket(s) instead of 6" in cap

@@ -32,7 +32,8 @@ def test_bucket_cap_left_to_torch_unless_given():
     assert parse_config([]).bucket_cap_mb is None
     assert parse_config(["--bucket-cap-mb", "25"]).bucket_cap_mb == 25.0
     help_text = " ".join(build_parser().format_help().split())
-    assert "unset: torch's default, 1 MB for the bucket of the first layers and 25 MB" in help_text
+    assert ("unset: torch's default, 1 MB for the first bucket sent (the last layers') and 25 "
+            "MB") in help_text   # torch's rebuilt buckets: test_trainer_wraps_torchs_ddp_...
     assert "default 25" not in help_text
 
 
@@ -42,7 +43,7 @@ def test_trainer_wraps_torchs_ddp_with_torchs_default_buckets(world_of_one):
     import torch
     import torch.distributed as dist
 
-    from ddp_lesson.core.bucketed_ddp import initial_buckets
+    from ddp_lesson.core.bucketed_ddp import ddp_buckets
     from ddp_lesson.models import build_model
 
     cfg, env = parse_config([]), types.SimpleNamespace(distributed=True, local_rank=0)
@@ -51,25 +52,33 @@ def test_trainer_wraps_torchs_ddp_with_torchs_default_buckets(world_of_one):
         model = build_model(cfg.model, width=cfg.width)
         ddp = train.wrap_model(model, "torch", env, torch.device("cpu"), cap)
         caps[cap] = ddp._bucket_config.first_bucket_bytes_cap
-        sizes: list = []
-        ddp.register_comm_hook(sizes, _record_bucket)
+        seen: list = []
+        index = {id(p): i for i, p in enumerate(model.parameters())}
+        ddp.register_comm_hook((seen, index), _record_bucket)
         for _ in range(2):  # torch rebuilds its buckets before the 2nd forward
-            sizes.clear()
+            seen.clear()
             ddp(torch.randn(1, 3, *cfg.size)).sum().backward()
-        caps[cap] = (caps[cap], len(sizes))
+        caps[cap] = (caps[cap], len(seen))
         bucketed = train.wrap_model(build_model(cfg.model, width=cfg.width), "bucketed", env,
                                     torch.device("cpu"), cap)
         nbytes = [p.numel() * 4 for p in model.parameters()]
-        assert bucketed.bucket_indices == initial_buckets(nbytes, cap)
+        theirs = [ids for _, ids in sorted(seen)]
+        assert bucketed.bucket_indices == ddp_buckets(nbytes, cap)
+        # the same parameters in each bucket as torch after its rebuild; inside a bucket torch
+        # recorded a convolution's or BatchNorm's weight before its bias (reverse registration
+        # order: bias first), so only the layout inside the flat bucket differs
+        assert [sorted(b) for b in bucketed.bucket_indices] == [sorted(b) for b in theirs], cap
+        assert bucketed.bucket_indices != theirs
     # the series' model (1.1 MiB): torch's default, two buckets; an explicit 25 MiB: one
     assert caps == {None: (dist._DEFAULT_FIRST_BUCKET_BYTES, 2), 25.0: (25 * 2**20, 1)}
 
 
-def _record_bucket(sizes, bucket):
-    """A comm hook that records each bucket's size and leaves its gradients as they are."""
+def _record_bucket(state, bucket):
+    """A comm hook that records each bucket's parameter indices and leaves its gradients."""
     import torch
 
-    sizes.append(bucket.buffer().numel())
+    seen, index = state
+    seen.append((bucket.index(), [index[id(p)] for p in bucket.parameters()]))
     fut = torch.futures.Future()
     fut.set_result(bucket.buffer())
     return fut

@@ -12,7 +12,7 @@ before it.
 """
 from __future__ import annotations
 
-from ...core.bucketed_ddp import MB, assign_buckets, initial_buckets
+from ...core.bucketed_ddp import MB, assign_buckets, ddp_buckets
 from .. import solutions as S
 from ..registry import Exercise, register
 from ..values import fmt_list
@@ -82,18 +82,19 @@ def _sizes(buckets):
 
 
 def _expected_sizes(cap):
-    """torch's construction-time buckets: filled in registration order, launched reversed."""
-    return _sizes(initial_buckets([4 * n for n in _NUMELS], cap / MB))
+    """torch's buckets after its rebuild: filled from the last parameter, launched so."""
+    return _sizes(ddp_buckets([4 * n for n in _NUMELS], cap / MB))
 
 
 def _forward_sizes(cap):
-    """Those buckets launched in forward (registration) order (a learner's slip)."""
+    """Buckets filled and launched in forward (registration) order (a learner's slip)."""
     return _sizes(assign_buckets([4 * n for n in _NUMELS], cap))
 
 
-def _backward_filled_sizes(cap):
-    """Buckets filled from the last parameter to the first (torch's rebuild, not its start)."""
-    return _sizes(assign_buckets([4 * n for n in _NUMELS], cap, order=range(len(_NUMELS))[::-1]))
+def _construction_sizes(cap):
+    """Filled in registration order, launched reversed: torch's construction-time buckets,
+    which it keeps only with find_unused_parameters=True."""
+    return _sizes(assign_buckets([4 * n for n in _NUMELS], cap)[::-1])
 
 
 def _messages_problem(cap, r, bw) -> str | None:
@@ -114,19 +115,20 @@ def _messages_problem(cap, r, bw) -> str | None:
         return (f"{where}: all-reduced messages of {fmt_list(sizes)} elements: buckets sent "
                 f"in forward order; sent in reverse order (backward makes the last layer's "
                 f"gradients first), they are {fmt_list(want)}.")
-    if sizes == _backward_filled_sizes(cap) and sizes != want:
+    if sizes == _construction_sizes(cap) and sizes != want:
         return (f"{where}: all-reduced messages of {fmt_list(sizes)} elements: buckets filled "
-                f"from the last parameter; torch fills them in registration order, each closed "
-                f"once it holds at least the cap, then launches them last first: "
-                f"{fmt_list(want)}.")
+                f"in registration order, sent last first: torch's buckets at construction, "
+                f"kept only with find_unused_parameters=True; by default torch rebuilds them "
+                f"in the order gradients become ready (the last parameter first), each closed "
+                f"once it holds at least the cap, sent in that order: {fmt_list(want)}.")
     if sorted(sizes) == sorted(want) and sizes != want:
         return (f"{where}: messages of {fmt_list(sizes)} elements, in that order; the buckets "
                 f"go out as {fmt_list(want)}: launch them strictly in bucket order, the same on "
                 "every rank (all-reduces are matched by the order the ranks issue them).")
     if sizes != want:
         text = (f"{where}: all-reduced messages of {fmt_list(sizes)} elements; the parameters "
-                f"{fmt_list(_NUMELS)} in buckets filled in registration order, each closed once "
-                f"it holds at least the cap, launched last first, give {fmt_list(want)}")
+                f"{fmt_list(_NUMELS)} in buckets filled from the last one, each closed once "
+                f"it holds at least the cap, launched in that order, give {fmt_list(want)}")
         if len(sizes) != len(want):
             text += f": {len(sizes)} bucket(s) instead of {len(want)}; does the cap decide?"
         return text + "."
@@ -180,9 +182,10 @@ register(Exercise(
     "04.4", "overlapped, bucketed DDP with no_sync()",
     task="Write class BucketedDDP(torch.nn.Module) with __init__(self, module, bucket_cap_mb) "
          "and forward: broadcast rank 0's parameters and buffers at construction; group the "
-         "trainable parameters into buckets as torch does at construction: filled in "
-         "registration order, each closed once it holds at least bucket_cap_mb * 2**20 "
-         "bytes, then launched in reverse order (the last parameters' bucket first); in "
+         "trainable parameters into buckets as torch's DDP does after its first iteration: "
+         "filled from the last parameter to the first (the order backward makes gradients "
+         "ready), each closed once it holds at least bucket_cap_mb * 2**20 bytes, launched in "
+         "that order (the last parameters' bucket first); in "
          "backward, as soon as a "
          "bucket's gradients are all final (register_post_accumulate_grad_hook), copy them "
          "into one flat tensor and all-reduce it asynchronously (async_op=True; divide by the "
