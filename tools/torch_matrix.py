@@ -6,7 +6,9 @@
 
 For each version: a fresh virtual environment in a temporary folder; ``pip install torch==V``,
 then ``pip install -e ".[dev]"`` of a copy of the repository at ``--ref`` (``git archive``,
-default HEAD: the results belong to a commit, not to a working tree being edited); then the
+default HEAD, resolved once: the results belong to a commit, not to a working tree being
+edited); torch stays at the version asked for (a constraint during the project's install: a
+version outside ``pyproject.toml``'s range fails there unless ``--ignore-range``); then the
 quick tier (``pytest -m "not slow" -n 0``) and the multi-process tests that do not replay stored
 outputs (``pytest -m "slow and not notebook" -n 2``; ``--slow-args`` narrows them to the paths
 or ``-k`` given, ``--no-slow`` skips them). Each run's counts come from pytest's JUnit XML.
@@ -29,6 +31,7 @@ import csv
 import datetime
 import json
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -85,13 +88,21 @@ def _environment(folder: Path, version: str, args, log) -> tuple[Path, str]:
     _run([*pip, f"torch=={version}", *index], env, log)
     src = folder / "src"
     src.mkdir()
-    archive = subprocess.run(["git", "archive", args.ref], cwd=ROOT, capture_output=True,
+    archive = subprocess.run(["git", "archive", args.commit], cwd=ROOT, capture_output=True,
                              check=True).stdout
     subprocess.run(["tar", "-x", "-C", str(src)], input=archive, check=True)
-    _run([*pip, "-e", f"{src}[dev]"], env, log)
+    if args.ignore_range:  # a version outside the range, on purpose: drop the bounds
+        toml = src / "pyproject.toml"
+        toml.write_text(re.sub(r'"torch[<>=!~][^"]*"', '"torch"', toml.read_text()))
+    # the torch just installed stays: a version outside the range fails here, never replaced
+    pin = folder / "torch-pin.txt"
+    pin.write_text(f"torch=={version}\n")
+    _run([*pip, "-e", f"{src}[dev]", "--constraint", str(pin)], env, log)
     build = subprocess.run([str(py), "-c", "import torch; print(torch.__version__, "
                             "'cuda ' + torch.version.cuda if torch.version.cuda else 'cpu')"],
                            env=env, capture_output=True, text=True, check=True).stdout.strip()
+    if build.split()[0].split("+")[0] != version.split("+")[0]:
+        raise RuntimeError(f"asked for torch {version}, the environment has {build}")
     return py, build
 
 
@@ -177,14 +188,18 @@ def main(argv=None) -> int:
     p.add_argument("--index-url", default=None, help="pip's index for torch (e.g. the CPU one)")
     p.add_argument("--keep-constraint", action="store_true",
                    help="keep pip's configured constraint file (default: ignore it)")
+    p.add_argument("--ignore-range", action="store_true",
+                   help="install a torch outside pyproject's range (to see what fails there)")
     p.add_argument("--keep", action="store_true", help="keep the temporary environments")
     p.add_argument("--csv", default=str(ROOT / "benchmarks" / "torch_matrix.csv"))
     p.add_argument("--json", default=str(ROOT / "benchmarks" / "torch_matrix.json"))
     p.add_argument("--logs", default=str(ROOT / "runs" / "torch_matrix"),
                    help="folder for each version's install and pytest log")
     args = p.parse_args(argv)
-    commit = subprocess.run(["git", "rev-parse", "--short", args.ref], cwd=ROOT,
-                            capture_output=True, text=True, check=True).stdout.strip()
+    # resolved once: every version tests the same commit, whatever is committed meanwhile
+    args.commit = subprocess.run(["git", "rev-parse", "--short", args.ref], cwd=ROOT,
+                                 capture_output=True, text=True, check=True).stdout.strip()
+    commit = args.commit
     rows = []
     for version in args.torch:
         try:
