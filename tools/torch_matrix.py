@@ -8,7 +8,8 @@ For each version: a fresh virtual environment in a temporary folder; ``pip insta
 then ``pip install -e ".[dev]"`` of a copy of the repository at ``--ref`` (``git archive``,
 default HEAD, resolved once: the results belong to a commit, not to a working tree being
 edited); torch stays at the version asked for (a constraint during the project's install: a
-version outside ``pyproject.toml``'s range fails there unless ``--ignore-range``); then the
+version outside ``pyproject.toml``'s range fails there unless ``--ignore-range``, which drops
+the copy's bounds, so that ``tests/project/test_packaging.py``'s range tests fail there); then the
 quick tier (``pytest -m "not slow" -n 0``) and the multi-process tests that do not replay stored
 outputs (``pytest -m "slow and not notebook" -n 2``; ``--slow-args`` narrows them to the paths
 or ``-k`` given, ``--no-slow`` skips them). Each run's counts come from pytest's JUnit XML.
