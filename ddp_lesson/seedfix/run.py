@@ -37,13 +37,15 @@ from . import last_own_frame, path
 WARNING = re.compile(r"(?P<file>[\w.-]+\.(?:py|cpp|cc|h|hpp)):\d+\]?:? \w*Warning: (?P<msg>.+)")
 
 
-#: torch's words when ``init_process_group("nccl")`` cannot start NCCL, one per build:
+#: torch's words when ``init_process_group("nccl")`` cannot start NCCL, by build and version:
 #: a CPU build has no NCCL (``RuntimeError`` from ``_new_process_group_helper`` in
 #: ``torch/distributed/distributed_c10d.py``); a CUDA build on a machine without a GPU has NCCL
-#: but no device for it (``ValueError`` from ``ProcessGroupNCCL``'s constructor, C++
-#: ``torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp``; seen with torch 2.14.1+cu130).
+#: but no device for it: torch 2.14.1+cu130 raises ``ValueError`` from ``ProcessGroupNCCL``'s
+#: constructor (C++, ``torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp``), torch 2.15.0+cu132
+#: ``RuntimeError`` from ``_nccl2_device`` in ``distributed_c10d.py`` (both seen by a run).
 NCCL_UNAVAILABLE = ("Distributed package doesn't have NCCL built in",
-                    "ProcessGroupNCCL is only supported with GPUs, no GPUs found!")
+                    "ProcessGroupNCCL is only supported with GPUs, no GPUs found!",
+                    "nccl2 requires at least one CUDA device")
 #: The ending printed for either, the same on every build.
 NO_NCCL = "NCCL cannot start here (no NCCL in this torch, or no GPU)"
 

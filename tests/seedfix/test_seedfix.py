@@ -251,11 +251,14 @@ def test_the_runner_reads_python_and_torch_warning_lines():
 
 def test_the_runner_says_no_nccl_in_one_line_whatever_the_build():
     """A CPU build and a CUDA build without a GPU word the failure differently (and raise
-    different classes): the ending is the same line for both; the traceback goes to stderr."""
+    different classes; 2.14 and 2.15 differ too): the ending is the same line for all."""
     c10d = (Path(torch.__file__).parent / "distributed" / "distributed_c10d.py").read_text()
     assert f'raise RuntimeError("{NCCL_UNAVAILABLE[0]}")' in c10d      # the CPU build's words
+    # 2.15's words for a CUDA build without a GPU are in the same file, where this torch has them
+    assert NCCL_UNAVAILABLE[2] not in c10d or f'raise RuntimeError("{NCCL_UNAVAILABLE[2]}")' in c10d
     line = line_of("seed_v1", 'dist.init_process_group(backend="nccl")')
-    for exc in (RuntimeError(NCCL_UNAVAILABLE[0]), ValueError(NCCL_UNAVAILABLE[1])):
+    for exc in (RuntimeError(NCCL_UNAVAILABLE[0]), ValueError(NCCL_UNAVAILABLE[1]),
+                RuntimeError(NCCL_UNAVAILABLE[2])):
         # raised from seed_v1.py's init_process_group line, as a run raises it
         at_line = compile("\n" * (line - 1) + "raise exc", str(path("seed_v1")), "exec")
         with pytest.raises((RuntimeError, ValueError)) as raised:
