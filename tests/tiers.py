@@ -99,7 +99,7 @@ SLOW: dict[str, str | frozenset[str]] = {
         "test_real_all_reduce_and_ddp_on_two_processes",
     }),
     "ddp/test_torch_reducer.py": frozenset({
-        "test_bf16_compress_hook_refuses_cpu",
+        "test_bf16_compress_hook_refused_by_the_build",
         "test_comm_hooks_bytes_error_and_loss",
         "test_fp16_sum_overflows_where_pre_division_stays_finite",
         "test_real_buckets_one_then_four_in_reverse_order",

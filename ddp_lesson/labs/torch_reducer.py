@@ -23,7 +23,7 @@ import argparse
 import contextlib
 import json
 import math
-import textwrap
+import sys
 
 import torch
 import torch.distributed as dist
@@ -37,6 +37,7 @@ from ddp_lesson.core.bucketed_ddp import MB, assign_buckets, bucket_size_limits
 
 __all__ = [
     "HOOKS",
+    "bf16_build_supports",
     "bf16_refusal",
     "bucket_view_run",
     "comm_hooks_run",
@@ -275,8 +276,9 @@ def bucket_view_run(iterations: int = 3) -> dict:
 def bf16_refusal() -> str | None:
     """torch's answer to ``register_comm_hook(None, bf16_compress_hook)`` on this process group.
 
-    Not a collective. Returns ``"TypeError: <torch's message>"`` when torch refuses (torch
-    2.13 on gloo/CPU: the hook needs CUDA and NCCL, or XPU and XCCL), None when it accepts.
+    Not a collective. Returns ``"TypeError: <torch's message>"`` when torch refuses, None when
+    it accepts. Which it is depends on the build, not the backend (:func:`bf16_build_supports`):
+    a CPU build refuses, a CUDA build with NCCL 2.10+ accepts, even on gloo.
     """
     ddp = DistributedDataParallel(nn.Linear(4, 4))
     try:
@@ -284,6 +286,18 @@ def bf16_refusal() -> str | None:
     except TypeError as exc:
         return f"TypeError: {exc}"
     return None
+
+
+def bf16_build_supports() -> bool:
+    """Whether this torch *build* passes the test that ``_check_comm_hook`` applies to
+    ``bf16_compress_hook`` (``DistributedDataParallel._check_comm_hook``,
+    ``torch/nn/parallel/distributed.py``): CUDA or ROCm with NCCL 2.10 or later, or XCCL with
+    an XPU. The backend of the process group is not part of it. Local; no communication.
+    """
+    cuda = torch.version.cuda is not None or torch.version.hip is not None
+    nccl = dist.is_nccl_available() and torch.cuda.nccl.version() >= (2, 10)
+    xccl = getattr(dist, "is_xccl_available", lambda: False)() and torch.xpu.is_available()
+    return (cuda and nccl) or xccl
 
 
 # --------------------------------------------------------------------------- comm hooks
@@ -461,7 +475,8 @@ def error_order(x: float) -> str:
 
 
 def report_hooks(res: dict) -> None:
-    """Print :func:`comm_hooks_run` and :func:`bf16_refusal` (rank 0)."""
+    """Print :func:`comm_hooks_run` and whether :func:`bf16_refusal` follows
+    :func:`bf16_build_supports` (rank 0; torch's own answer to stderr)."""
     rows = res["hooks"]
     steps = res["steps"]
     _say(f"{'hook':<19} {'bytes/step':>10} {'vs fp32':>7} {'grad error':>10} "
@@ -472,8 +487,13 @@ def report_hooks(res: dict) -> None:
              f"{r['loss_last']:>9.4f}")
     _say(f"(PowerSGD sent plain all-reduces for its first {POWERSGD_START} steps: "
          f"{rows[2]['bytes_first']:,} bytes in step 1)")
+    # Whether torch refuses, and its words, depend on the build (a CPU build refuses, a CUDA
+    # build accepts): the printed fact holds on every build; torch's answer goes to stderr.
     _say("bf16_compress_hook on gloo/CPU:")
-    _say(textwrap.fill(str(res["bf16"]), 88, initial_indent="  ", subsequent_indent="  "))
+    _say(f"  refused exactly where the build lacks CUDA+NCCL and XPU+XCCL: "
+         f"{(res['bf16'] is not None) != res['bf16_build']}")
+    if dist.get_rank() == 0:
+        print(f"bf16_compress_hook: {res['bf16'] or 'accepted'}", file=sys.stderr, flush=True)
 
 
 def main(argv=None) -> dict:
@@ -497,6 +517,7 @@ def main(argv=None) -> dict:
         res["steps"] = args.steps
         res["hooks"] = comm_hooks_run(args.steps)
         res["bf16"] = bf16_refusal()
+        res["bf16_build"] = bf16_build_supports()
         report_hooks(res)
     if args.out and dist.get_rank() == 0:
         from pathlib import Path

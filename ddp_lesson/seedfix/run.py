@@ -10,6 +10,10 @@ its warnings) and written back to stderr afterwards. Then come one line per dist
 found there, ``warning (reducer.cpp): <the warning's first clause>``, and the ending:
 ``finished``, ``exited 2: <the last line the program wrote to stderr>`` (argparse's error),
 or ``crashed at seed_v0.py:32: NameError: ...``, at the program's own line nearest the error.
+Where NCCL cannot start, torch's words and exception class depend on the build (a CPU build and
+a CUDA build without a GPU differ: :data:`NCCL_UNAVAILABLE`), so that ending is one line that
+holds for every build, :data:`NO_NCCL`. The program's traceback goes to stderr, with torch's
+own message (``%%torchrun --show-stderr`` shows it).
 A process group the crashed program left open is destroyed, and the process ends with exit
 status 0, so a notebook cell that runs it shows these lines and the next cell runs. Run the
 version's module directly (``-m ddp_lesson.seedfix.seed_v0``) for the program's own exit
@@ -24,12 +28,32 @@ import re
 import runpy
 import sys
 import tempfile
+import traceback
 
 from . import last_own_frame, path
 
 #: A warning line as Python (``file.py:12: UserWarning: ...``) or torch's C++ code
 #: (``[W... reducer.cpp:1529] Warning: ...``) writes it.
 WARNING = re.compile(r"(?P<file>[\w.-]+\.(?:py|cpp|cc|h|hpp)):\d+\]?:? \w*Warning: (?P<msg>.+)")
+
+
+#: torch's words when ``init_process_group("nccl")`` cannot start NCCL, by build and version:
+#: a CPU build has no NCCL (``RuntimeError`` from ``_new_process_group_helper`` in
+#: ``torch/distributed/distributed_c10d.py``); a CUDA build on a machine without a GPU has NCCL
+#: but no device for it: torch 2.14.1+cu130 raises ``ValueError`` from ``ProcessGroupNCCL``'s
+#: constructor (C++, ``torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp``), torch 2.15.0+cu132
+#: ``RuntimeError`` from ``_nccl2_device`` in ``distributed_c10d.py`` (both seen by a run).
+NCCL_UNAVAILABLE = ("Distributed package doesn't have NCCL built in",
+                    "ProcessGroupNCCL is only supported with GPUs, no GPUs found!",
+                    "nccl2 requires at least one CUDA device")
+#: The ending printed for either, the same on every build.
+NO_NCCL = "NCCL cannot start here (no NCCL in this torch, or no GPU)"
+
+
+def nccl_unavailable(exc: BaseException) -> bool:
+    """Whether ``exc`` is torch saying that NCCL cannot start on this machine, in the words of
+    any build (:data:`NCCL_UNAVAILABLE`)."""
+    return any(words in str(exc) for words in NCCL_UNAVAILABLE)
 
 
 def warnings_in(text: str) -> list[tuple[str, str]]:
@@ -84,6 +108,8 @@ def _ending(exc: BaseException | None, err: str, version: str) -> str:
         return f"exited {exc.code}: {last[0].strip()}"
     frame = last_own_frame(exc, path(version))
     where = f" at {path(version).name}:{frame.lineno}" if frame else ""
+    if nccl_unavailable(exc):
+        return f"crashed{where}: {NO_NCCL}"
     message = (str(exc).splitlines() or [""])[0]
     return f"crashed{where}: {type(exc).__name__}: {message}"
 
@@ -116,6 +142,9 @@ def run_version(version: str, argv=()) -> str:
             sys.stdout.flush()
             if exc is not None:
                 _close_group()
+    if exc is not None and not isinstance(exc, SystemExit):
+        traceback.print_exception(exc, file=sys.stderr)  # as `python -m` would print it
+        sys.stderr.flush()
     ending = _ending(exc, err.text, version)
     for file, clause in warnings_in(err.text):
         print(f"warning ({file}): {clause}")

@@ -18,6 +18,8 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.nn.parallel import distributed as torch_ddp
 from torch.utils.checkpoint import checkpoint
 
+from ddp_lesson.labs import torch_reducer as tr
+
 pytestmark = pytest.mark.timeout(120)
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -122,8 +124,12 @@ def test_claim4_bf16_hook_refused_by_the_build_not_the_backend():
     bf16 = src[src.index('"bf16_compress_hook"'):]
     assert "torch.version.cuda is not None" in bf16 and "is_nccl_available()" in bf16
     assert "get_backend" not in bf16 and "backend" not in bf16.replace("is_available", "")
-    assert torch.version.cuda is None                         # this venv: a CPU-only build
+    cuda_nccl = (torch.version.cuda is not None or torch.version.hip is not None) and (
+        dist.is_nccl_available() and torch.cuda.nccl.version() >= (2, 10))
+    assert tr.bf16_build_supports() == cuda_nccl              # the lab's rule is torch's
     text = _markdown(INSIDE)
+    assert ("refused at registration by a CPU-only build of torch and accepted by a CUDA "
+            "build") in text
     assert "`_check_comm_hook` tests the *build*" in text
     assert "The backend is not what it checks." in text
     assert "refuses gloo" not in text

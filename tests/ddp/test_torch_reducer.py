@@ -7,7 +7,6 @@ matrix sizes, float16's range) or against the JSON it wrote.
 from __future__ import annotations
 
 import math
-import textwrap
 
 import pytest
 import torch
@@ -152,13 +151,20 @@ def test_comm_hooks_bytes_error_and_loss(lab):
                                 "25,348 bytes in step 1)")
 
 
-def test_bf16_compress_hook_refuses_cpu(lab):
+def test_bf16_compress_hook_refused_by_the_build(lab):
+    """Refused on a CPU build, accepted on a CUDA build with NCCL (on gloo too): the lab prints
+    the fact that holds on both, and the build's own answer is read from torch here."""
     lines, _, data = lab
     refusal = data["bf16"]
-    assert refusal.startswith("TypeError: ") and "CUDA" in refusal and "NCCL" in refusal
-    assert lines[-3] == "bf16_compress_hook on gloo/CPU:"
-    assert lines[-2:] == textwrap.fill(refusal, 88, initial_indent="  ",
-                                       subsequent_indent="  ").splitlines()
+    build = (torch.version.cuda is not None or torch.version.hip is not None) and (
+        dist.is_nccl_available() and torch.cuda.nccl.version() >= (2, 10))
+    assert data["bf16_build"] == tr.bf16_build_supports() == build
+    if build:
+        assert refusal is None
+    else:
+        assert refusal.startswith("TypeError: ") and "CUDA" in refusal and "NCCL" in refusal
+    assert lines[-2:] == ["bf16_compress_hook on gloo/CPU:", "  refused exactly where the build "
+                          "lacks CUDA+NCCL and XPU+XCCL: True"]
 
 
 def test_reducer_map_figure_is_readable_and_names_both_sides():

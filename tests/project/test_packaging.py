@@ -76,3 +76,47 @@ def test_console_script_points_at_the_cli():
     from ddp_lesson.cli import main
 
     assert callable(main)
+
+
+# ----------------------------------------------------------------------------- torch's range
+
+def _torch_range() -> str:
+    return _pyproject_packages()["torch"].removeprefix("torch")
+
+
+def test_installed_torch_is_in_the_range():
+    """The suite runs on a torch the package allows (whatever build pip or CI gave it)."""
+    import torch
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import Version
+
+    assert Version(torch.__version__) in SpecifierSet(_torch_range()), torch.__version__
+
+
+def test_the_range_is_stated_the_same_everywhere():
+    """README and docs/gpus.md quote the range; each quote is pyproject's (and environment.yml's,
+    test above)."""
+    rng = _torch_range()
+    for doc in ("README.md", "docs/gpus.md"):
+        quoted = re.findall(r"`torch(>=[\d.]+,<[\d.]+)`", (ROOT / doc).read_text())
+        assert quoted and set(quoted) == {rng}, (doc, quoted, rng)
+
+
+def test_the_range_is_what_the_matrix_passed():
+    """``tools/torch_matrix.py``'s results (benchmarks/torch_matrix.csv): the range's floor and
+    the newest version it allows passed the quick tier with no failure, and the range allows
+    no minor version above the newest one run."""
+    import csv
+
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import Version
+
+    spec = SpecifierSet(_torch_range())
+    floor = next(Version(s.version) for s in spec if s.operator == ">=")
+    ceiling = next(Version(s.version) for s in spec if s.operator == "<")
+    rows = list(csv.DictReader(open(ROOT / "benchmarks" / "torch_matrix.csv")))
+    clean = {Version(r["version"]) for r in rows
+             if r["tier"] == "quick" and r["failed"] == "0" and r["errors"] == "0"}
+    assert any(v.release[:2] == floor.release[:2] for v in clean), (floor, clean)
+    newest = max(v for v in clean if v in spec)
+    assert ceiling.release[:2] == (newest.major, newest.minor + 1), (ceiling, newest)

@@ -14,6 +14,7 @@ import inspect
 import json
 import math
 import re
+from pathlib import Path
 
 import nbformat
 import pytest
@@ -34,8 +35,15 @@ from ddp_lesson.seedfix import (
     source,
     step_diff,
 )
+from ddp_lesson.seedfix.run import (
+    NCCL_UNAVAILABLE,
+    NO_NCCL,
+    _ending,
+    nccl_unavailable,
+    run_version,
+    warnings_in,
+)
 from ddp_lesson.seedfix.run import main as run_main
-from ddp_lesson.seedfix.run import run_version, warnings_in
 
 NOTEBOOK = "deep/06_the_seed_repaired.ipynb"
 NUM_SAMPLES, BATCH, EPOCHS, WORLD = 12, 3, 2, 2  # seed_v0's data set and defaults
@@ -241,6 +249,27 @@ def test_the_runner_reads_python_and_torch_warning_lines():
     assert warnings_in("RuntimeError: no warning here\n") == []
 
 
+def test_the_runner_says_no_nccl_in_one_line_whatever_the_build():
+    """A CPU build and a CUDA build without a GPU word the failure differently (and raise
+    different classes; 2.14 and 2.15 differ too): the ending is the same line for all."""
+    c10d = (Path(torch.__file__).parent / "distributed" / "distributed_c10d.py").read_text()
+    assert f'raise RuntimeError("{NCCL_UNAVAILABLE[0]}")' in c10d      # the CPU build's words
+    # 2.15's words for a CUDA build without a GPU are in the same file, where this torch has them
+    assert NCCL_UNAVAILABLE[2] not in c10d or f'raise RuntimeError("{NCCL_UNAVAILABLE[2]}")' in c10d
+    line = line_of("seed_v1", 'dist.init_process_group(backend="nccl")')
+    for exc in (RuntimeError(NCCL_UNAVAILABLE[0]), ValueError(NCCL_UNAVAILABLE[1]),
+                RuntimeError(NCCL_UNAVAILABLE[2])):
+        # raised from seed_v1.py's init_process_group line, as a run raises it
+        at_line = compile("\n" * (line - 1) + "raise exc", str(path("seed_v1")), "exec")
+        with pytest.raises((RuntimeError, ValueError)) as raised:
+            exec(at_line, {"exc": exc})
+        assert nccl_unavailable(raised.value)
+        assert _ending(raised.value, "", "seed_v1") == f"crashed at seed_v1.py:{line}: {NO_NCCL}"
+    other = RuntimeError("NCCL error: unhandled system error")      # not this case: as it is
+    assert not nccl_unavailable(other)
+    assert _ending(other, "", "seed_v1") == f"crashed: RuntimeError: {other}"
+
+
 # ----------------------------------------------------------------------------- the deep dive
 
 def _cell_source(k: int) -> str:
@@ -261,8 +290,7 @@ def expected_lines(k: int, rank: int) -> list[str]:
         return [_crash(0, "class DistributedSampler(Sampler):",
                        "NameError: name 'Sampler' is not defined")]
     if k in (1, 2):
-        nccl = _crash(k, 'dist.init_process_group(backend="nccl")',
-                      "RuntimeError: Distributed package doesn't have NCCL built in")
+        nccl = _crash(k, 'dist.init_process_group(backend="nccl")', NO_NCCL)
         hidden = "warning (distributed_c10d.py): Attempted to get default timeout for nccl backend"
         return [nccl] if k == 1 else [hidden, nccl]
     local = [f"local rank {rank if k >= 7 else 0}, device cpu"]
@@ -287,6 +315,28 @@ def test_each_versions_run_shows_its_defect_and_the_last_repair(k):
     assert sorted(run.ranks) == [0, 1] and run.other == []
     for rank in (0, 1):
         assert run.rank_lines(rank) == expected_lines(k, rank), (k, rank)
+
+
+def test_step_2s_warning_is_the_cpu_builds_and_the_replay_leaves_it_out():
+    """Only a build without NCCL warns about NCCL's default timeout (torch's source), so the
+    stored line (a CPU build's run) is left out of nbval's comparison by one sanitize entry,
+    which removes that line and nothing else."""
+    import torch.distributed.distributed_c10d as c10d
+    from nbval.plugin import get_sanitize_patterns
+
+    src = inspect.getsource(c10d._get_default_timeout)
+    assert "if not isinstance(default_pg_nccl_timeout, timedelta):" in src
+    assert "Attempted to get default timeout for nccl backend" in src
+    constants = inspect.getsource(importlib.import_module("torch.distributed.constants"))
+    assert "default_pg_nccl_timeout = None" in constants   # where NCCL is not compiled
+    root = Path(__file__).resolve().parents[2]
+    patterns = get_sanitize_patterns((root / "tests" / "nbval_sanitize.cfg").read_text())
+    run = StoredRun(NOTEBOOK, 'run_version("seed_v2")', _cell_source(2))
+    for rank in (0, 1):
+        text = "".join(f"[rank {rank}] {line}\n" for line in run.rank_lines(rank))
+        for regex, replace in patterns:
+            text = re.sub(regex, replace, text)
+        assert text == f"[rank {rank}] {expected_lines(2, rank)[1]}\n"
 
 
 def test_the_runs_show_set_epoch_as_a_new_order_with_disjoint_shares():

@@ -50,7 +50,9 @@ def test_default_timeouts_stated_are_torchs():
                       r"(\d+) \* (\d+) \* (\d+)\)", header)
         nccl = timedelta(milliseconds=int(m[1]) * int(m[2]) * int(m[3]))
     assert nccl == timedelta(minutes=10)
-    assert torch.__version__.startswith("2.13")
+    # the values are read from the torch installed (any build: a CUDA build has the NCCL
+    # constant in Python, a CPU build in the header only); the prose names the version it
+    # was written against, and these values hold for every torch the tests run on
     assert ("no explicit timeout, so torch's defaults apply (10 minutes for NCCL and 30 for gloo "
             "in torch 2.13)") in _markdown()
 
