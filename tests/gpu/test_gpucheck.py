@@ -8,6 +8,7 @@ benchmark's step on gloo and a command cut at its timeout.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import subprocess
@@ -401,7 +402,9 @@ def test_the_readmes_tested_on_table_has_the_rows_shape_and_names_the_command():
     text = (ROOT / "README.md").read_text()
     section = text[text.index("## Tested on"):text.index("## Layout")]
     assert "python -m ddp_lesson.gpucheck" in section
-    table = [ln for ln in section.splitlines() if ln.startswith("|")]
+    lines = section.splitlines()
+    start = lines.index("| GPU | torch | date | result |")
+    table = list(itertools.takewhile(lambda ln: ln.startswith("|"), lines[start:]))
     assert table[:2] == ["| GPU | torch | date | result |", "|---|---|---|---|"]
     assert table[2:], "the table has no row"
     for row in table[2:]:

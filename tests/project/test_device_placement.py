@@ -63,6 +63,7 @@ PASS_THROUGH = {"list", "tuple", "sorted", "reversed"}
 BUILTINS = set(dir(builtins))
 PINS_GLOO = re.compile(r"""backend\s*=\s*["']gloo["']|init_process_group\(\s*["']gloo["']|"""
                        r"""--backend gloo""")
+NAMES_NCCL = re.compile(r"""["']nccl["']|--backend nccl""")
 
 
 def _names_device(node: ast.AST) -> bool:
@@ -379,8 +380,10 @@ def _doc_programs():
 
 
 def _pins_gloo(source: str) -> bool:
-    """Gloo and only gloo (the seed's later versions choose NCCL or gloo: checked)."""
-    return bool(PINS_GLOO.search(source)) and "nccl" not in source
+    """Gloo and only gloo: no NCCL backend named anywhere, as a string or a flag (the seed's
+    later versions choose NCCL or gloo: checked). A program that only asks whether NCCL exists
+    (``dist.is_nccl_available()``, a variable named ``nccl``) still pins gloo."""
+    return bool(PINS_GLOO.search(source)) and not NAMES_NCCL.search(source)
 
 
 PROGRAMS = ([(str(p.relative_to(ROOT)), p.read_text(encoding="utf-8")) for p in _package_files()]
