@@ -27,7 +27,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def torch_raising_list() -> list[dict]:
-    """torch's "will throw a RuntimeError" entries: name, aten key(s), backward-only or not."""
+    """torch's "will throw a RuntimeError" entries for CUDA: name, aten key(s), backward-only or
+    not (an entry for another device, such as torch 2.15's MPS interpolate, is left out)."""
     doc = torch.use_deterministic_algorithms.__doc__
     start = doc.index("will throw a")
     section = doc[start:doc.index("In addition", start)]
@@ -35,6 +36,8 @@ def torch_raising_list() -> list[dict]:
     for item in re.split(r"\n\s*\* ", section)[1:]:
         target = re.search(r":(?:class|func):`([\w.]+)`", item)
         if target is None:
+            continue
+        if "CUDA" not in item:  # e.g. torch 2.15's interpolate entry for MPS tensors
             continue
         name = target.group(1).split(".")[-1]
         modes = re.findall(r"- ``(\w+)``", item)

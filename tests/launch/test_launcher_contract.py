@@ -158,6 +158,15 @@ dist.all_reduce(x)               # the others wait here for rank 1
 '''
 
 
+def shape_error() -> str:
+    """The message of the rank's bug in this torch's words (2.15 prefixes "mm: ")."""
+    import torch
+
+    with pytest.raises(RuntimeError) as info:
+        torch.ones(4, 3) @ torch.ones(5, 2)
+    return str(info.value)
+
+
 @pytest.mark.parametrize("nproc", [2, 3])
 def test_a_peer_waiting_in_a_collective_is_a_consequence_not_the_cause(nproc):
     with pytest.raises(TorchrunError) as info:
@@ -167,7 +176,7 @@ def test_a_peer_waiting_in_a_collective_is_a_consequence_not_the_cause(nproc):
     others = [r for r in range(nproc) if r != 1]
     assert (err.rank, err.consequences, err.result.failed_rank) == (1, others, 1)
     assert err.result.failed_ranks == list(range(nproc))
-    cause = "RuntimeError: mat1 and mat2 shapes cannot be multiplied (4x3 and 5x2)"
+    cause = f"RuntimeError: {shape_error()}"
     assert err.traceback.splitlines()[-1] == cause
     assert "[rank1]" not in err.traceback  # torch's excepthook prefix is taken off
     assert str(err).startswith(f"rank 1 of {nproc} failed first (exit code 1): {cause}; ")
