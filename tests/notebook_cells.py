@@ -95,3 +95,30 @@ class StoredRun:
 
     def rank_lines(self, rank: int) -> list[str]:
         return list(self.ranks.get(rank, []))
+
+
+def concept_checks(notebook: str) -> list[tuple[str, str]]:
+    """The concept checks of ``notebooks/<notebook>``: ``(question, answer)`` pairs, in order.
+
+    The convention (CONTRIBUTING.md, "Concept checks"): one Markdown cell whose first line is
+    ``## Concept checks``; each question is a numbered item (``1. ...``) followed by its answer in
+    ``<details><summary>Answer</summary> ... </details>``. The texts come back with the HTML tags
+    removed and whitespace collapsed, so a test can find the number the answer states.
+
+    Raises:
+        AssertionError: the notebook has no such cell, or a question has no answer.
+    """
+    nb = nbformat.read(NOTEBOOKS / notebook, as_version=4)
+    cells = [c for c in nb.cells if c.cell_type == "markdown"
+             and c.source.lstrip().startswith("## Concept checks")]
+    assert cells, f"no '## Concept checks' cell in {notebook}"
+    text = cells[0].source.split("\n", 1)[1]
+    pairs = []
+    for item in re.split(r"^\d+\.\s", text, flags=re.M)[1:]:
+        m = re.search(r"<details>(.*?)</details>", item, re.S)
+        assert m, f"a concept check of {notebook} has no <details> answer: {item[:60]!r}"
+        question = item[:m.start()]
+        answer = re.sub(r"<summary>.*?</summary>", " ", m.group(1), flags=re.S)
+        clean = [" ".join(re.sub(r"<[^>]+>", " ", s).split()) for s in (question, answer)]
+        pairs.append((clean[0], clean[1]))
+    return pairs
