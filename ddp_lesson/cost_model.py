@@ -11,7 +11,12 @@ Sending a message of ``n`` bytes costs ``α + n β``: ``α`` the latency (second
   (:func:`fit_alpha_beta`);
 * DDP's overlap on a serial link: when each bucket's all-reduce runs and how much of it is
   exposed after backward (:func:`predict_overlap`, :func:`model_ready_times`,
-  :func:`predict_bucket_sweep`).
+  :func:`predict_bucket_sweep`);
+* the roofline of data parallelism on real hardware (:class:`Hardware`, :data:`HARDWARE`):
+  FLOPs per sample counted by torch (:func:`flops_per_sample`), the per-GPU batch above which
+  backward hides the gradient all-reduce (:func:`compute_bound_batch`), a step's predicted
+  scaling efficiency (:func:`predict_step`) and a calculator that prints all of it for the
+  learner's own model (:func:`roofline_report`).
 
 Pure arithmetic: nothing here needs a process group or communicates.
 
@@ -23,11 +28,19 @@ Sources
   workstations", J. Parallel Distrib. Comput. 69(2), 2009 — the ring is bandwidth-optimal.
 * NVIDIA nccl-tests, doc/PERFORMANCE.md — algorithm bandwidth vs bus bandwidth,
   busbw = algbw · 2(R-1)/R for all-reduce.
+* J. Austin et al., "How to Scale Your Model" (Google DeepMind, 2025), chapter "How to Think
+  About GPUs", section "Rooflines for LLM Scaling on GPUs / Data Parallelism" — the compute vs
+  all-reduce roofline, ``T_comms = max(in-node, across-node)``, per-GPU bandwidths 450e9 (NVLink)
+  and 400e9 (node egress) for H100 nodes.
+* J. Kaplan et al., "Scaling Laws for Neural Language Models", 2020, section 2.1 — about
+  2 FLOPs per parameter per token forward, 4 backward (``C ≈ 6N``).
+* The hardware constants: see :data:`HARDWARE`, each with its source.
 """
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from .core.bucketed_ddp import ddp_buckets
 
@@ -35,6 +48,8 @@ __all__ = [
     "naive_allreduce_time", "tree_allreduce_time", "ring_allreduce_time",
     "ring_bytes_sent_per_rank", "bus_factor", "algbw", "busbw", "fit_alpha_beta",
     "predict_overlap", "model_ready_times", "predict_bucket_sweep",
+    "Hardware", "HARDWARE", "flops_per_sample", "compute_bound_batch", "predict_step",
+    "roofline_report",
 ]
 
 
@@ -255,3 +270,200 @@ def predict_bucket_sweep(param_nbytes: Sequence[float], caps_mb: Sequence[float]
     rows.append({"cap_mb": None, "buckets": len(param_nbytes), "exposed_s": naive["exposed_s"],
                  "comm_s": naive["comm_s"], "step_s": naive["step_s"]})
     return rows
+
+
+# ----------------------------------------------------------------------------- the roofline
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """A kind of GPU and its links: what a DDP step's roofline needs. Bandwidths are per
+    direction (what nccl-tests' bus bandwidth can at most reach), in bytes/s.
+
+    Attributes:
+        name: what the preset is.
+        flops_per_s: dense peak FLOP/s of one GPU at the training precision.
+        gpus_per_node: GPUs joined by the in-node link.
+        gpu_bytes_per_s: one GPU's in-node link (NVLink, PCIe).
+        node_bytes_per_s: the network out of one node (all its NICs); 0 when the preset is one
+            node.
+        source: where the numbers come from.
+    """
+
+    name: str
+    flops_per_s: float
+    gpus_per_node: int
+    gpu_bytes_per_s: float
+    node_bytes_per_s: float
+    source: str
+
+    def allreduce_s(self, nbytes: float, world_size: int) -> float:
+        """Seconds of an all-reduce of ``nbytes`` over ``world_size`` GPUs (bandwidth term).
+
+        Inside a node, the ring: ``2(R-1)/R · n / W_gpu``. Across ``X`` nodes, hierarchical as in
+        "How to Scale Your Model" (GPU chapter): ``max(2(G-1)/G · n / W_gpu,
+        2(X-1)/X · n / W_node)``, G GPUs per node. Latency (α) is left out: it matters for
+        small buckets, not for the bandwidth roofline.
+
+        Raises:
+            ValueError: ``world_size`` < 1, or more than one node where the preset has no
+                network or a node is not full.
+        """
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        g = min(world_size, self.gpus_per_node)
+        t = bus_factor(g) * nbytes / self.gpu_bytes_per_s
+        if world_size > g:
+            nodes, rest = divmod(world_size, g)
+            if rest or not self.node_bytes_per_s:
+                raise ValueError(f"{world_size} GPUs do not fill whole nodes of {g} GPUs joined "
+                                 f"by a network in {self.name!r}")
+            t = max(t, bus_factor(nodes) * nbytes / self.node_bytes_per_s)
+        return t
+
+
+#: Presets. Sources (vendor data sheets; per direction = half the bidirectional figure):
+#: H100 SXM data sheet: BF16 1,979 TFLOP/s "with sparsity", dense half = 989e12; NVLink
+#: 900 GB/s (both directions). DGX H100: 8 ConnectX-7 400 Gb/s NICs = 400e9 bytes/s a node
+#: (the scaling book's "node egress" 400e9). A100 SXM data sheet: BF16 312 TFLOP/s dense,
+#: NVLink 600 GB/s; DGX A100: 8 ConnectX-6 200 Gb/s NICs = 200e9 bytes/s. T4 data sheet:
+#: 65 TFLOP/s mixed precision (FP16), PCIe Gen3 x16 32 GB/s (both directions); Kaggle's
+#: "GPU T4 x2" is two of them in one machine. The 200 Gb/s network: one NIC per node,
+#: 25e9 bytes/s.
+HARDWARE = {
+    "h100": Hardware("8x H100 SXM per node, NVLink; 8x400 Gb/s", 989e12, 8, 450e9, 400e9,
+                     "NVIDIA H100 and DGX H100 data sheets"),
+    "a100": Hardware("8x A100 SXM per node, NVLink; 8x200 Gb/s", 312e12, 8, 300e9, 200e9,
+                     "NVIDIA A100 and DGX A100 data sheets"),
+    "t4x2": Hardware("Kaggle 2x T4, PCIe Gen3 x16", 65e12, 2, 16e9, 0.0,
+                     "NVIDIA T4 data sheet"),
+    "h100-200g": Hardware("8x H100 SXM per node, one 200 Gb/s NIC", 989e12, 8, 450e9, 25e9,
+                          "NVIDIA H100 data sheet; 200 Gb/s = 25e9 bytes/s"),
+}
+
+
+def flops_per_sample(model, inputs: tuple) -> tuple[float, float]:
+    """Forward and backward FLOPs per sample, counted by torch's ``FlopCounterMode``.
+
+    Runs ``model(*inputs)`` once and backward from the sum of its first tensor output (the
+    sum's gradient costs no counted FLOPs). torch counts matrix products and convolutions
+    (``FlopCounterMode``'s registry: mm, bmm, addmm, convolution, attention), not element-wise
+    ops. Backward is about twice forward: a weight and an input gradient per product (the
+    first layer has no input gradient).
+
+    Args:
+        model: an ``nn.Module``.
+        inputs: its positional arguments; the first one's dim 0 is the batch.
+
+    Returns:
+        ``(forward, backward)`` FLOPs per sample. Leaves gradients in ``model``.
+    """
+    from torch.utils.flop_counter import FlopCounterMode  # torch/utils/flop_counter.py
+
+    with FlopCounterMode(display=False) as fwd:
+        out = model(*inputs)
+    out = out if not isinstance(out, (tuple, list)) else out[0]
+    with FlopCounterMode(display=False) as bwd:
+        out.sum().backward()
+    n = inputs[0].shape[0]
+    return fwd.get_total_flops() / n, bwd.get_total_flops() / n
+
+
+def compute_bound_batch(backward_flops_per_sample: float, grad_bytes: float, hardware: Hardware,
+                        world_size: int, mfu: float = 1.0) -> float:
+    """The per-GPU batch above which backward takes longer than the gradient all-reduce.
+
+    ``b* = T_allreduce · C · mfu / F_backward``: with overlap, a bigger batch hides the
+    all-reduce entirely (the scaling book's ``B/X > C/W``, per sample instead of per token).
+
+    Args:
+        backward_flops_per_sample: FLOPs of backward per sample.
+        grad_bytes: bytes all-reduced each step (parameters x bytes per gradient).
+        hardware, world_size: as :meth:`Hardware.allreduce_s`.
+        mfu: the share of peak FLOP/s the model reaches (1.0: the book's assumption).
+
+    Raises:
+        ValueError: non-positive FLOPs or ``mfu`` outside (0, 1].
+    """
+    if backward_flops_per_sample <= 0 or not 0 < mfu <= 1:
+        raise ValueError(f"need backward FLOPs > 0 and 0 < mfu <= 1, got "
+                         f"{backward_flops_per_sample}, {mfu}")
+    return (hardware.allreduce_s(grad_bytes, world_size) * hardware.flops_per_s * mfu
+            / backward_flops_per_sample)
+
+
+def predict_step(flops: tuple[float, float], grad_bytes: float, batch_per_gpu: float,
+                 hardware: Hardware, world_size: int, mfu: float = 1.0,
+                 overlap: bool = True) -> dict:
+    """A DDP step predicted by the roofline: compute, all-reduce, exposed, efficiency.
+
+    ``compute = b (F_fwd + F_bwd) / (C mfu)``; the all-reduce overlaps backward
+    (``exposed = max(0, T_ar - T_backward)``) or follows it (``overlap=False``). Scaling
+    efficiency = throughput on R GPUs / (R x throughput on one) = ``compute / step``.
+
+    Returns:
+        ``{"compute_s", "backward_s", "allreduce_s", "exposed_s", "step_s", "efficiency"}``.
+    """
+    fwd, bwd = flops
+    rate = hardware.flops_per_s * mfu
+    compute, backward = batch_per_gpu * (fwd + bwd) / rate, batch_per_gpu * bwd / rate
+    comm = hardware.allreduce_s(grad_bytes, world_size) if world_size > 1 else 0.0
+    exposed = max(0.0, comm - backward) if overlap else comm
+    return {"compute_s": compute, "backward_s": backward, "allreduce_s": comm,
+            "exposed_s": exposed, "step_s": compute + exposed,
+            "efficiency": compute / (compute + exposed)}
+
+
+def roofline_report(model, hardware: Hardware | str = "h100", world_sizes=(2, 8, 64),
+                    batch_per_gpu: int = 32, inputs: tuple | None = None,
+                    tokens_per_sample: int = 1, grad_bytes_per_param: int = 4,
+                    mfu: float = 1.0) -> str:
+    """The calculator: compute-bound batch and predicted efficiency for a model on hardware.
+
+    Args:
+        model: an ``nn.Module`` (with ``inputs``: FLOPs counted by :func:`flops_per_sample`;
+            without: ``2P`` forward and ``4P`` backward per token, Kaplan et al. 2020) or a
+            parameter count.
+        hardware: a :data:`HARDWARE` key or a :class:`Hardware`.
+        world_sizes: GPU counts to predict (those the hardware cannot hold are skipped).
+        batch_per_gpu: samples per GPU per step for the efficiency lines.
+        inputs: an example batch for ``model`` (positional arguments).
+        tokens_per_sample: tokens per sample when FLOPs come from the parameter count.
+        grad_bytes_per_param: 4 (fp32 parameters, also under autocast) or 2 (bf16 parameters).
+        mfu: share of peak FLOP/s reached.
+
+    Returns:
+        Short lines, one fact each. Nothing communicates.
+
+    Raises:
+        KeyError: an unknown preset (the known ones are named).
+    """
+    if isinstance(hardware, str):
+        if hardware not in HARDWARE:
+            raise KeyError(f"unknown hardware {hardware!r}; presets are {sorted(HARDWARE)}")
+        hardware = HARDWARE[hardware]
+    params = model if isinstance(model, (int, float)) else sum(
+        p.numel() for p in model.parameters() if p.requires_grad)
+    if inputs is not None:
+        flops, how = flops_per_sample(model, inputs), "FlopCounterMode"
+    else:
+        flops, how = (2 * params * tokens_per_sample, 4 * params * tokens_per_sample), "2P/4P"
+    grad = params * grad_bytes_per_param
+    lines = [f"model: {params:,.0f} parameters, {grad:,.0f} gradient bytes a step",
+             f"FLOPs per sample ({how}): forward {flops[0]:.3g}, backward {flops[1]:.3g}",
+             f"hardware: {hardware.name}", f"  {hardware.flops_per_s / 1e12:g} TFLOP/s per GPU"
+             f" x mfu {mfu:g}; links {hardware.gpu_bytes_per_s / 1e9:g} GB/s per GPU, "
+             f"{hardware.node_bytes_per_s / 1e9:g} GB/s per node",
+             f"GPUs  all-reduce  compute-bound above  efficiency at {batch_per_gpu}/GPU "
+             "(overlap, none)"]
+    for r in world_sizes:
+        try:
+            b = compute_bound_batch(flops[1], grad, hardware, r, mfu)
+        except ValueError:
+            lines.append(f"{r:4d}  more GPUs than this hardware holds")
+            continue
+        on, off = (predict_step(flops, grad, batch_per_gpu, hardware, r, mfu, o)
+                   for o in (True, False))
+        lines.append(f"{r:4d}  {on['allreduce_s'] * 1e3:7.3f} ms  {b:12.1f} samples  "
+                     f"{on['efficiency']:8.1%}, {off['efficiency']:.1%}")
+    return "\n".join(lines)
