@@ -6,7 +6,8 @@ shows is also available as plain text (``.text``), so tests drive it without a b
 ``repr`` is short and constant for given settings, because nbval compares a displayed widget's
 text form. ipywidgets and matplotlib are imported when an explorer is built, not at import.
 
-Explorers: :func:`sampler_explorer` (notebook 02); ring all-reduce stepper (notebook 03).
+Explorers: :func:`sampler_explorer` (notebook 02); ring all-reduce stepper (notebook 03);
+:func:`roofline_calculator` (notebook 09).
 """
 from __future__ import annotations
 
@@ -361,3 +362,81 @@ def ring_allreduce_stepper(world_size: int = 3, step: int = 0, values=None,
 
 
 __all__ += ["ring_allreduce_stepper"]
+
+
+# ================================================================ roofline calculator (notebook 09)
+
+
+@functools.cache
+def _roofline_class():
+    import ipywidgets as W
+
+    class RooflineCalculator(W.VBox):
+        """A form over :func:`ddp_lesson.cost_model.roofline_report`: hardware preset, batch per
+        GPU, share of peak FLOP/s and bytes per gradient; ``text`` is the report on show."""
+
+        def __init__(self, model, inputs, hardware, batch_per_gpu, mfu, grad_bytes_per_param):
+            from .cost_model import HARDWARE
+
+            self._model, self._inputs = model, inputs
+            style = {"description_width": "110px"}
+            self.hardware = W.Dropdown(options=sorted(HARDWARE), value=hardware,
+                                       description="hardware", style=style)
+            self.batch_per_gpu = W.IntSlider(value=batch_per_gpu, min=1, max=4096,
+                                             description="batch per GPU", style=style)
+            self.mfu = W.FloatSlider(value=mfu, min=0.05, max=1.0, step=0.05,
+                                     description="share of peak", style=style)
+            self.grad_bytes = W.Dropdown(options=[2, 4], value=grad_bytes_per_param,
+                                         description="bytes per grad", style=style)
+            self.view, self.text = W.HTML(), ""
+            controls = [self.hardware, self.batch_per_gpu, self.mfu, self.grad_bytes]
+            super().__init__(children=[*controls, self.view])
+            for c in controls:
+                c.observe(lambda change: self.refresh(), names="value")
+            self.refresh()
+
+        def refresh(self) -> None:
+            """Recompute the report from the controls."""
+            import html
+
+            from .cost_model import roofline_report
+
+            self.text = roofline_report(self._model, self.hardware.value,
+                                        batch_per_gpu=self.batch_per_gpu.value,
+                                        inputs=self._inputs, mfu=self.mfu.value,
+                                        grad_bytes_per_param=self.grad_bytes.value)
+            self.view.value = f"<pre>{html.escape(self.text)}</pre>"
+
+        def _repr_mimebundle_(self, **kwargs):
+            # The static text form nbval compares: the report for the initial settings.
+            bundle = super()._repr_mimebundle_(**kwargs)
+            bundle["text/plain"] = "roofline calculator (run the notebook to change it)\n" + \
+                self.text
+            return bundle
+
+    return RooflineCalculator
+
+
+def roofline_calculator(model, inputs=None, hardware: str = "h100", batch_per_gpu: int = 32,
+                        mfu: float = 1.0, grad_bytes_per_param: int = 4):
+    """An ipywidgets form: the compute-bound batch and predicted efficiency of ``model``.
+
+    Args as :func:`ddp_lesson.cost_model.roofline_report` (``model``: an ``nn.Module`` with an
+    example batch ``inputs``, or a parameter count). Nothing communicates; FLOPs are counted
+    again (one forward and backward of ``inputs``) at every change.
+
+    Returns:
+        A ``RooflineCalculator`` (``ipywidgets.VBox``); set ``.batch_per_gpu.value`` and read
+        ``.text``.
+
+    Raises:
+        KeyError: an unknown hardware preset.
+    """
+    from .cost_model import HARDWARE
+
+    if hardware not in HARDWARE:
+        raise KeyError(f"unknown hardware {hardware!r}; presets are {sorted(HARDWARE)}")
+    return _roofline_class()(model, inputs, hardware, batch_per_gpu, mfu, grad_bytes_per_param)
+
+
+__all__ += ["roofline_calculator"]

@@ -1,0 +1,28 @@
+"""The roofline calculator widget: its text is roofline_report's for the controls' values."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ddp_lesson.cost_model import roofline_report
+from ddp_lesson.widgets import roofline_calculator
+
+
+def test_calculator_follows_its_controls():
+    model = torch.nn.Linear(64, 64)
+    x = torch.randn(4, 64)
+    calc = roofline_calculator(model, (x,), hardware="a100", batch_per_gpu=16)
+    assert calc.text == roofline_report(model, "a100", batch_per_gpu=16, inputs=(x,))
+    calc.hardware.value = "t4x2"
+    calc.batch_per_gpu.value = 512
+    calc.grad_bytes.value = 2
+    want = roofline_report(model, "t4x2", batch_per_gpu=512, inputs=(x,), grad_bytes_per_param=2)
+    assert calc.text == want and "   8  more GPUs than this hardware holds" in want
+    assert "efficiency at 512/GPU" in calc.view.value
+    plain = calc._repr_mimebundle_()["text/plain"]
+    assert plain == "roofline calculator (run the notebook to change it)\n" + want
+
+
+def test_calculator_names_the_presets():
+    with pytest.raises(KeyError, match="presets are \\['a100', 'h100', 'h100-200g', 't4x2'\\]"):
+        roofline_calculator(1e6, hardware="v100")
