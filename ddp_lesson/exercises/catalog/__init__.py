@@ -1,4 +1,4 @@
-"""Every checkable exercise of notebooks 00-08, one module each, named by id and topic.
+"""Every checkable exercise of notebooks 00-09, one module each, named by id and topic.
 
 Each module holds one exercise's inputs, how a rank runs the candidate (``_rank``) or how a
 local one is called (``_run``), the judge that turns the first difference from the reference
@@ -31,4 +31,5 @@ from . import (  # noqa: F401  (imported to register)
     ex_08_1_zero3_ranks,
     ex_08_4_gather_shards,
     ex_08_5_zero1,
+    ex_09_1_compute_bound_batch,
 )
