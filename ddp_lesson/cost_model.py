@@ -453,7 +453,8 @@ def roofline_report(model, hardware: Hardware | str = "h100", world_sizes=(2, 8,
              f"FLOPs per sample ({how}): forward {flops[0]:.3g}, backward {flops[1]:.3g}",
              f"hardware: {hardware.name}", f"  {hardware.flops_per_s / 1e12:g} TFLOP/s per GPU"
              f" x mfu {mfu:g}; links {hardware.gpu_bytes_per_s / 1e9:g} GB/s per GPU, "
-             f"{hardware.node_bytes_per_s / 1e9:g} GB/s per node",
+             + (f"{hardware.node_bytes_per_s / 1e9:g} GB/s per node" if hardware.node_bytes_per_s
+                else "one node"),
              f"GPUs  all-reduce  compute-bound above  efficiency at {batch_per_gpu}/GPU "
              "(overlap, none)"]
     for r in world_sizes:

@@ -39,6 +39,8 @@ SHOWS = {
                                  "agents as two nodes; the hang clinic",
     "08_beyond_ddp_zero_fsdp": "memory per rank under DDP and ZeRO; ZeRO-1 from scratch (printed "
                                "whole) on a tiny GPT; FSDP2 is ZeRO-3",
+    "09_how_fast_a_step_can_go": "FLOPs counted by torch, published GPUs and links: the "
+                                 "compute-bound batch, efficiency at 2/8/64 GPUs; a calculator",
 }
 TIMES = re.compile(r"Reading time:\s+about\s+(\d+)\s+minutes?.*?Run time:\s+about\s+(\d+)\s*s\b",
                    re.S)
