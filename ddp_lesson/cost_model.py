@@ -29,7 +29,8 @@ Sources
 * NVIDIA nccl-tests, doc/PERFORMANCE.md — algorithm bandwidth vs bus bandwidth,
   busbw = algbw · 2(R-1)/R for all-reduce.
 * J. Austin et al., "How to Scale Your Model" (Google DeepMind, 2025), chapter "How to Think
-  About GPUs", section "Rooflines for LLM Scaling on GPUs / Data Parallelism" — the compute vs
+  About GPUs" (https://jax-ml.github.io/scaling-book/gpus/), section "Rooflines for LLM
+  Scaling on GPUs / Data Parallelism" — the compute vs
   all-reduce roofline, ``T_comms = max(in-node, across-node)``, per-GPU bandwidths 450e9 (NVLink)
   and 400e9 (node egress) for H100 nodes.
 * J. Kaplan et al., "Scaling Laws for Neural Language Models", 2020, section 2.1 — about
@@ -323,9 +324,11 @@ class Hardware:
 
 
 #: Presets. Sources (vendor data sheets; per direction = half the bidirectional figure):
-#: H100 SXM data sheet: BF16 1,979 TFLOP/s "with sparsity", dense half = 989e12; NVLink
+#: H100 SXM data sheet (https://www.nvidia.com/en-us/data-center/h100/, the page the scaling
+#: book cites): BF16 1,979 TFLOP/s "with sparsity", dense half = 989e12; NVLink
 #: 900 GB/s (both directions). DGX H100: 8 ConnectX-7 400 Gb/s NICs = 400e9 bytes/s a node
-#: (the scaling book's "node egress" 400e9). A100 SXM data sheet: BF16 312 TFLOP/s dense,
+#: (the scaling book's "node egress" 400e9). A100 SXM data sheet (nvidia.com, document
+#: nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf): BF16 312 TFLOP/s dense,
 #: NVLink 600 GB/s; DGX A100: 8 ConnectX-6 200 Gb/s NICs = 200e9 bytes/s. T4 data sheet:
 #: 65 TFLOP/s mixed precision (FP16), PCIe Gen3 x16 32 GB/s (both directions); Kaggle's
 #: "GPU T4 x2" is two of them in one machine. The 200 Gb/s network: one NIC per node,

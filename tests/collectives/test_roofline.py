@@ -4,12 +4,13 @@ compute-bound batch, predicted efficiency, and the model against published and s
 Published numbers used here, each with its source; "measured" means someone ran it on that hardware:
 * How to Scale Your Model (Austin et al. 2025), GPU chapter, "Data Parallelism": per-GPU token
   batch > 990e12 / 450e9 = 2200 inside an H100 node (arithmetic, not a measurement).
-* NVIDIA/nccl-tests issue 212, answer of NCCL's maintainer (S. Jeaugey, 2024-05-06): 450 GB/s is
-  NVLink's line rate on H100; NCCL reaches a busbw of about 370 GB/s with NCCL_ALGO=RING, and a
-  peak of about 480 GB/s on 8 GPUs with NVLink SHARP (measured).
-* NVIDIA DeepLearningExamples, PyTorch/Classification/ConvNets/resnet50v1.5/README.md, "Training
-  performance: NVIDIA DGX A100 (8x A100 80GB)", batch 256 per GPU: TF32 938 -> 7248 img/s,
-  mixed precision 2470 -> 16621 img/s from 1 to 8 GPUs (measured).
+* https://github.com/NVIDIA/nccl-tests/issues/212, answer of NCCL's maintainer (S. Jeaugey,
+  2024-05-06): 450 GB/s is NVLink's line rate on H100; NCCL reaches a busbw of about 370 GB/s
+  with NCCL_ALGO=RING, and a peak of about 480 GB/s on 8 GPUs with NVLink SHARP (measured).
+* https://github.com/NVIDIA/DeepLearningExamples,
+  PyTorch/Classification/ConvNets/resnet50v1.5/README.md, "Training performance: NVIDIA DGX
+  A100 (8x A100 80GB)", batch 256 per GPU: TF32 938 -> 7248 img/s, mixed precision
+  2470 -> 16621 img/s from 1 to 8 GPUs (measured).
 """
 from __future__ import annotations
 
