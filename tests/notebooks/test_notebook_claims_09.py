@@ -179,3 +179,15 @@ def test_deep_dive_numbers_and_prose():
     for claim in ("0.6 ms of all-reduce against 70 ms of backward", "(0.82 of the line rate)",
                   "0.97 TF32, 0.84 mixed precision", "over ten times the all-reduce"):
         assert claim in prose, claim
+
+
+def test_what_flop_counter_mode_counts_is_torchs_registry():
+    # Notebook 09: "`FlopCounterMode` (`torch/utils/flop_counter.py`) counts matrix products
+    # and convolutions, not element-wise work" -- its flop_registry, torch 2.13.
+    from torch.utils.flop_counter import FlopCounterMode
+
+    aten = torch.ops.aten
+    registry = FlopCounterMode(display=False).flop_registry
+    assert {aten.mm, aten.addmm, aten.bmm, aten.convolution} <= set(registry)
+    assert not {aten.add, aten.mul, aten.relu, aten.gelu} & set(registry)
+    assert ("counts matrix products and convolutions, not element-wise work" in _prose())
