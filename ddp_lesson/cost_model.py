@@ -331,8 +331,9 @@ class Hardware:
 #: nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf): BF16 312 TFLOP/s dense,
 #: NVLink 600 GB/s; DGX A100: 8 ConnectX-6 200 Gb/s NICs = 200e9 bytes/s. T4 data sheet:
 #: 65 TFLOP/s mixed precision (FP16), PCIe Gen3 x16 32 GB/s (both directions); Kaggle's
-#: "GPU T4 x2" is two of them in one machine. The 200 Gb/s network: one NIC per node,
-#: 25e9 bytes/s.
+#: "GPU T4 x2" is two of them in one machine; that they exchange data at the PCIe line rate
+#: is assumed (no measured figure for Kaggle's machines was found). The 200 Gb/s network:
+#: one NIC per node, 25e9 bytes/s.
 HARDWARE = {
     "h100": Hardware("8x H100 SXM per node, NVLink; 8x400 Gb/s", 989e12, 8, 450e9, 400e9,
                      "NVIDIA H100 and DGX H100 data sheets"),
