@@ -380,8 +380,11 @@ def _roofline_class():
 
             self._model, self._inputs = model, inputs
             style = {"description_width": "110px"}
-            self.hardware = W.Dropdown(options=sorted(HARDWARE), value=hardware,
-                                       description="hardware", style=style)
+            options = [(k, HARDWARE[k]) for k in sorted(HARDWARE)]
+            if hardware not in HARDWARE.values():  # the learner's own Hardware(...)
+                options.append(("custom", hardware))
+            self.hardware = W.Dropdown(options=options, value=hardware, description="hardware",
+                                       style=style)
             self.batch_per_gpu = W.IntSlider(value=batch_per_gpu, min=1, max=4096,
                                              description="batch per GPU", style=style)
             self.mfu = W.FloatSlider(value=mfu, min=0.05, max=1.0, step=0.05,
@@ -417,12 +420,13 @@ def _roofline_class():
     return RooflineCalculator
 
 
-def roofline_calculator(model, inputs=None, hardware: str = "h100", batch_per_gpu: int = 32,
+def roofline_calculator(model, inputs=None, hardware="h100", batch_per_gpu: int = 32,
                         mfu: float = 1.0, grad_bytes_per_param: int = 4):
     """An ipywidgets form: the compute-bound batch and predicted efficiency of ``model``.
 
     Args as :func:`ddp_lesson.cost_model.roofline_report` (``model``: an ``nn.Module`` with an
-    example batch ``inputs``, or a parameter count). Nothing communicates; FLOPs are counted
+    example batch ``inputs``, or a parameter count; ``hardware``: a preset's key or your own
+    ``Hardware(...)``, listed as "custom"). Nothing communicates; FLOPs are counted
     again (one forward and backward of ``inputs``) at every change.
 
     Returns:
@@ -434,8 +438,10 @@ def roofline_calculator(model, inputs=None, hardware: str = "h100", batch_per_gp
     """
     from .cost_model import HARDWARE
 
-    if hardware not in HARDWARE:
-        raise KeyError(f"unknown hardware {hardware!r}; presets are {sorted(HARDWARE)}")
+    if isinstance(hardware, str):
+        if hardware not in HARDWARE:
+            raise KeyError(f"unknown hardware {hardware!r}; presets are {sorted(HARDWARE)}")
+        hardware = HARDWARE[hardware]
     return _roofline_class()(model, inputs, hardware, batch_per_gpu, mfu, grad_bytes_per_param)
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ddp_lesson.cost_model import roofline_report
+from ddp_lesson.cost_model import HARDWARE, Hardware, roofline_report
 from ddp_lesson.widgets import roofline_calculator
 
 
@@ -13,7 +13,7 @@ def test_calculator_follows_its_controls():
     x = torch.randn(4, 64)
     calc = roofline_calculator(model, (x,), hardware="a100", batch_per_gpu=16)
     assert calc.text == roofline_report(model, "a100", batch_per_gpu=16, inputs=(x,))
-    calc.hardware.value = "t4x2"
+    calc.hardware.value = HARDWARE["t4x2"]
     calc.batch_per_gpu.value = 512
     calc.grad_bytes.value = 2
     want = roofline_report(model, "t4x2", batch_per_gpu=512, inputs=(x,), grad_bytes_per_param=2)
@@ -26,3 +26,11 @@ def test_calculator_follows_its_controls():
 def test_calculator_names_the_presets():
     with pytest.raises(KeyError, match="presets are \\['a100', 'h100', 'h100-200g', 't4x2'\\]"):
         roofline_calculator(1e6, hardware="v100")
+
+
+def test_calculator_takes_the_learners_own_hardware():
+    mine = Hardware("4x L4 over PCIe Gen4", 121e12, 4, 32e9, 0.0, "my data sheet")
+    calc = roofline_calculator(1e8, hardware=mine, batch_per_gpu=8)
+    assert calc.hardware.options[-1] == ("custom", mine)
+    assert calc.text == roofline_report(1e8, mine, batch_per_gpu=8)
+    assert "hardware: 4x L4 over PCIe Gen4" in calc.text
