@@ -165,8 +165,21 @@ def test_per_rank_gradients_figure():
 
     model = make_toy_model(seed=0)
     x, y = make_toy_batch(8, seed=1)
-    fig = per_rank_gradients_figure(shard_gradients(model, x, y, 4), batch_gradient(model, x, y))
+    grads, full = shard_gradients(model, x, y, 4), batch_gradient(model, x, y)
+    fig = per_rank_gradients_figure(grads, full)
     assert len(fig.axes) == 1
+    ax = fig.axes[0]
+    bars = ax.containers[:4]   # one container per rank, then the average's
+    heights = torch.tensor([[b.get_height() for b in c] for c in bars], dtype=torch.float64)
+    # every one of the 19 entries is legible: its tallest shard bar is 1 in size, none flat
+    assert heights.shape == (4, 19)
+    assert torch.allclose(heights.abs().max(dim=0).values, torch.ones(19, dtype=torch.float64))
+    scale = torch.stack(grads).double().abs().max(dim=0).values
+    assert torch.allclose(heights, torch.stack(grads).double() / scale)   # scaled, signs kept
+    crosses = torch.tensor(ax.collections[0].get_offsets()[:, 1])
+    average = torch.tensor([b.get_height() for b in ax.containers[4]])
+    assert torch.allclose(crosses, full.double() / scale, atol=1e-6)
+    assert torch.allclose(average, crosses, atol=1e-6)   # the average lands on the full batch
     plt.close(fig)
     with pytest.raises(ValueError):
         per_rank_gradients_figure([torch.ones(3), torch.ones(2)], torch.ones(3))
