@@ -249,7 +249,7 @@ def test_error_on_one_rank_named_and_ranks_usable_afterwards(cluster, capsys):
     ) == {0: "201\n", 1: "201\n"}
 
 
-def test_notebook_01_deep_ranks_cells_replay_their_stored_output(cluster, capsys):
+def test_notebook_01_ranks_cells_replay_their_stored_output_three_times(cluster, capsys):
     """What nbval compares for notebook 01 deep dive's %%ranks cells (their stored stdout),
     replayed three times in a row on one cluster through the magic itself. (The suite also
     replays the whole notebook with nbval, in a fresh kernel with its own %dist_start and
