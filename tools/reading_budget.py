@@ -2,6 +2,7 @@
 
     python tools/reading_budget.py            # one line per notebook, then the core total
     python tools/reading_budget.py --check    # exit 1 if a budget or a stated figure is off
+    python tools/reading_budget.py --write    # set each first cell's "about N minutes" to the rule
 
 The rule: Markdown prose at 200 words a minute (HTML tags dropped), code cells and printed
 source (an output of 8 lines or more with 3 or more lines of Python structure) at 100, other
@@ -92,11 +93,30 @@ def problems(core: list[dict], deep: list[dict]) -> list[str]:
     return bad
 
 
+def write_stated(path: Path) -> bool:
+    """Set the first cell's "Reading time: about N minutes" to the rule's figure, rounded.
+    Returns whether the notebook changed (a first cell without the phrase is left alone)."""
+    import nbformat
+
+    nb = nbformat.read(path, as_version=4)
+    n = max(1, round(budget(path)["minutes"]))
+    new = STATED.sub(f"Reading time: about {n} minutes", nb.cells[0].source, count=1)
+    if new == nb.cells[0].source:
+        return False
+    nb.cells[0].source = new
+    nbformat.write(nb, path)
+    return True
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--check", action="store_true", help="exit 1 if a figure is off")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--write", action="store_true", help="restate each first cell's figure")
     opts = p.parse_args(argv)
+    if opts.write:
+        changed = [q.name for q in core_paths() + deep_paths() if write_stated(q)]
+        print("restated:", ", ".join(changed) or "none")
     core, deep = [budget(q) for q in core_paths()], [budget(q) for q in deep_paths()]
     if opts.json:
         print(json.dumps(dict(core=core, deep=deep)))

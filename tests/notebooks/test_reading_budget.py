@@ -39,6 +39,19 @@ def test_the_rule_counts_prose_code_printed_source_outputs_and_figures(tmp_path)
     assert r["stated"] == 5
 
 
+def test_write_restates_the_figure_in_the_first_cell(tmp_path):
+    cells = [{"cell_type": "markdown", "id": "a1", "metadata": {},
+              "source": "Reading time: about 9 minutes · "
+              "Run time: about 5 s\n" + "w " * 394}]   # 400 words of prose: 2 minutes
+    path = tmp_path / "nb.ipynb"
+    path.write_text(json.dumps({"cells": cells, "metadata": {}, "nbformat": 4,
+                                "nbformat_minor": 5}))
+    assert reading_budget.write_stated(path) is True
+    assert reading_budget.budget(path)["stated"] == 2
+    assert "Run time: about 5 s" in "".join(json.loads(path.read_text())["cells"][0]["source"])
+    assert reading_budget.write_stated(path) is False   # already true
+
+
 def test_check_refuses_a_stated_figure_off_by_more_than_ten_percent():
     row = dict(path="notebooks/deep/99_x.ipynb", minutes=20.0, stated=20)
     assert reading_budget.problems([], [row]) == []
