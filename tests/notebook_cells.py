@@ -122,3 +122,9 @@ def concept_checks(notebook: str) -> list[tuple[str, str]]:
         clean = [" ".join(re.sub(r"<[^>]+>", " ", s).split()) for s in (question, answer)]
         pairs.append((clean[0], clean[1]))
     return pairs
+
+
+def numbers_in(text: str) -> list[float]:
+    """The numbers written in ``text`` (a concept check's answer), in order: ``"0.2: 8 × 64"``
+    gives ``[0.2, 8.0, 64.0]``."""
+    return [float(n) for n in re.findall(r"\d+(?:\.\d+)?", text)]

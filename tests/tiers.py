@@ -233,6 +233,7 @@ SLOW: dict[str, str | frozenset[str]] = {
     "models/test_models.py": frozenset({
         "test_ddp_without_find_unused_parameters",
     }),
+    "notebooks/test_book.py": ALL,
     "notebooks/test_browser.py": ALL,
     "notebooks/test_notebook_claims_02.py": frozenset({
         "test_02_eval_under_no_grad_one_buffer_broadcast_and_no_per_batch_collective",

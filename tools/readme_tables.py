@@ -3,7 +3,9 @@
     python tools/readme_tables.py            # rewrite the two blocks in README.md
     python tools/readme_tables.py --check    # exit 1 if README.md differs from what they say
 
-Each core notebook's first cell states its reading and run time ("Reading time: about N
+It also writes the number of exercises with a checker ("the ones you can code (N of them"),
+counted in ``ddp_lesson.exercises.REGISTRY``. Each core notebook's first cell states its reading
+and run time ("Reading time: about N
 minutes ... Run time: about S s"); its title is the first cell's heading. A deep dive's title is
 its first heading, and it branches from the core notebook with the same two-digit number.
 ``tests/notebooks/test_readme_tables.py`` fails when the README's blocks drift from the notebooks.
@@ -78,7 +80,21 @@ def deep_list() -> str:
     return "\n".join(items) or "- (none yet)"
 
 
+CHECKERS = re.compile(r"(the ones you can code \()\d+( of them)")
+
+
+def checker_count() -> int:
+    """How many exercises have a checker: the registry filled by ``exercises.catalog``."""
+    import ddp_lesson.exercises.catalog  # noqa: F401  (registers them)
+    from ddp_lesson.exercises import registry
+
+    return len(registry.REGISTRY)
+
+
 def render(readme: str) -> str:
+    if not CHECKERS.search(readme):
+        raise SystemExit("README.md no longer says 'the ones you can code (N of them'")
+    readme = CHECKERS.sub(lambda m: f"{m.group(1)}{checker_count()}{m.group(2)}", readme)
     for name, block in (("core-path", core_table()), ("deep-dives", deep_list())):
         start, end = f"<!-- {name} -->", f"<!-- /{name} -->"
         pattern = re.compile(re.escape(start) + r".*?" + re.escape(end), re.S)

@@ -32,19 +32,8 @@ def env_lines(environ=None) -> list[str]:
 
 
 def raw_setup(backend: str) -> float:
-    """What ``ddp_lesson.env.init_distributed`` and ``cleanup`` do, written out by hand.
-
-    ``backend``: ``"nccl"`` (one GPU per process) or ``"gloo"`` (CPU). Joins the group with
-    the ``env://`` method (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` read from
-    the environment), all-reduces the rank, then a barrier and ``destroy_process_group``.
-    Synchronises all ranks. Returns the all-reduced sum of the ranks.
-
-    ``device_id`` binds the group to the rank's GPU under NCCL: torch then forms the NCCL
-    communicator inside ``init_process_group`` (``ncclCommInit*`` at once, not at the first
-    collective; torch/distributed/distributed_c10d.py, ``init_process_group``), so a missing
-    peer or an NCCL error shows there. On gloo ``init_process_group`` already connects every
-    pair of ranks (ProcessGroupGloo's full mesh, docs/pitfalls.md C7); ``None`` there.
-    """
+    """What ``init_distributed`` and ``cleanup`` do, by hand, on ``backend`` ``"nccl"`` or
+    ``"gloo"``. Synchronises all ranks; returns the all-reduced sum of the ranks."""
     device, device_id = torch.device("cpu"), None
     if backend == "nccl":
         local_rank = int(os.environ["LOCAL_RANK"])

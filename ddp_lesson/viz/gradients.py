@@ -13,7 +13,9 @@ def per_rank_gradients_figure(
 
     Bars: rank r's gradient entries (one colour per rank). Black bar outline: the average of
     the ranks' gradients (what the all-reduce delivers). Red x: the gradient of the mean loss
-    on the whole global batch — it sits exactly on the average for equal shards.
+    on the whole global batch — it sits exactly on the average for equal shards. Each entry is
+    divided by its largest |shard value|, so an entry of 0.01 is as legible as one of 5 (the
+    scaling is linear: the average still lands on the full-batch gradient).
 
     Args:
         shard_grads: list of R 1-D tensors (flattened gradients, one per rank).
@@ -38,8 +40,11 @@ def per_rank_gradients_figure(
                          f"{[g.numel() for g in shard_grads]}")
     k = n if max_params is None else min(max_params, n)
     grads = np.stack([g.detach().cpu().double().numpy()[:k] for g in shard_grads])
+    scale = np.abs(grads).max(axis=0)
+    scale[scale == 0] = 1.0
+    grads = grads / scale
     avg = grads.mean(axis=0)
-    full = full_grad.detach().cpu().double().numpy()[:k]
+    full = full_grad.detach().cpu().double().numpy()[:k] / scale
     R = len(shard_grads)
     fig, ax = subplots(figsize=figsize)
     width = 0.8 / R
@@ -53,7 +58,7 @@ def per_rank_gradients_figure(
     ax.axhline(0, color="grey", linewidth=0.5)
     ax.set_xticks(xs)
     ax.set_xlabel("parameter entry", fontsize=SMALL_PT)
-    ax.set_ylabel("gradient", fontsize=SMALL_PT)
+    ax.set_ylabel("gradient ÷ largest |shard|", fontsize=SMALL_PT)
     ax.set_title(
         f"{R} shard gradients, their average and the full-batch gradient", fontsize=LABEL_PT
     )

@@ -10,9 +10,10 @@ import math
 import textwrap
 from pathlib import Path
 
+import nbformat
 import pytest
 import torch
-from notebook_cells import stream_text
+from notebook_cells import NOTEBOOKS, stream_text
 
 from ddp_lesson.gradients import (
     accumulation_steps,
@@ -165,8 +166,21 @@ def test_per_rank_gradients_figure():
 
     model = make_toy_model(seed=0)
     x, y = make_toy_batch(8, seed=1)
-    fig = per_rank_gradients_figure(shard_gradients(model, x, y, 4), batch_gradient(model, x, y))
+    grads, full = shard_gradients(model, x, y, 4), batch_gradient(model, x, y)
+    fig = per_rank_gradients_figure(grads, full)
     assert len(fig.axes) == 1
+    ax = fig.axes[0]
+    bars = ax.containers[:4]   # one container per rank, then the average's
+    heights = torch.tensor([[b.get_height() for b in c] for c in bars], dtype=torch.float64)
+    # every one of the 19 entries is legible: its tallest shard bar is 1 in size, none flat
+    assert heights.shape == (4, 19)
+    assert torch.allclose(heights.abs().max(dim=0).values, torch.ones(19, dtype=torch.float64))
+    scale = torch.stack(grads).double().abs().max(dim=0).values
+    assert torch.allclose(heights, torch.stack(grads).double() / scale)   # scaled, signs kept
+    crosses = torch.tensor(ax.collections[0].get_offsets()[:, 1])
+    average = torch.tensor([b.get_height() for b in ax.containers[4]])
+    assert torch.allclose(crosses, full.double() / scale, atol=1e-6)
+    assert torch.allclose(average, crosses, atol=1e-6)   # the average lands on the full batch
     plt.close(fig)
     with pytest.raises(ValueError):
         per_rank_gradients_figure([torch.ones(3), torch.ones(2)], torch.ones(3))
@@ -272,11 +286,17 @@ def test_notebook_01_single_process_outputs():
     assert _text("grads = shard_gradients(model, x, y, R)").splitlines() == [
         "parameters: 19", "shard sizes: [2, 2, 2, 2]",
         "shard gradients differ from each other: True", "max |Δ| below 1e-6: True"]
-    b5 = _text("single process, mean loss:").splitlines()
-    # 2·mean(x²) = 15, 2·sum(x²) = 60; shards [1,2] -> 5 / 10 and [3,4] -> 25 / 50
-    assert b5 == ["single process, mean loss: 15.0", "single process, sum loss:  60.0",
-                  "rank 0: mean-loss grad 5, sum-loss grad 10",
-                  "rank 1: mean-loss grad 25, sum-loss grad 50"]
+    # 3a's numbers by hand, in its prose: 2·mean(x²) = 15, 2·sum(x²) = 60; shards [1,2] -> 5 / 10
+    # and [3,4] -> 25 / 50, averages 15 and 30
+    g = scalar_squared_error_grad
+    x, shards = [1, 2, 3, 4], ([1, 2], [3, 4])
+    mean, total = g(1.0, x, "mean"), g(1.0, x, "sum")
+    (m0, s0), (m1, s1) = ((g(1.0, sh, "mean"), g(1.0, sh, "sum")) for sh in shards)
+    prose = " ".join(" ".join(c.source.split()) for c in nbformat.read(
+        NOTEBOOKS / "01_data_parallelism.ipynb", as_version=4).cells if c.cell_type == "markdown")
+    assert (f"one process gets {mean:g} with the mean loss and {total:g} with the sum loss; the "
+            f"ranks' mean-loss gradients {m0:g} and {m1:g} average to {(m0 + m1) / 2:g}, their "
+            f"sum-loss gradients {s0:g} and {s1:g} to {(s0 + s1) / 2:g}: off by R") in prose
     lr = _text("from ddp_lesson.gradients import scale_lr").splitlines()
     assert lr == ["linear rule: 0.2", f"sqrt rule:   {round(0.1 * math.sqrt(2), 4)}",
                   "8 ranks × 32 = 256, the tuned batch: 0.1"]
@@ -285,8 +305,6 @@ def test_notebook_01_single_process_outputs():
                        f"shard gradients: [{round(28 / 3, 4)}, 41.0]",
                        f"plain average: {round((28 / 3 + 41) / 2, 4)}",
                        "weighted by shard size: 22.0"]
-    assert _text("sizes = [4, 2, 2]").splitlines() == [
-        "plain average, max |Δ| above 1e-3: True", "weighted average, max |Δ| below 1e-6: True"]
 
 
 def test_notebook_01_torchrun_outputs():
@@ -294,14 +312,13 @@ def test_notebook_01_torchrun_outputs():
     for r in range(2):
         assert f"[rank {r}] shard of 4 samples; differs from the full-batch gradient: True" in avg
         assert f"[rank {r}] after all_reduce and ÷ world_size, max |Δ| below 1e-6: True" in avg
-        assert f"[rank {r}] ReduceOp.AVG gives the same average: True" in avg
-        # the integer refusal, as test_real_all_reduce_and_ddp_on_two_processes's launch sees it
-        assert f"[rank {r}] ReduceOp.AVG on an integer tensor: refused" in avg
+    # ReduceOp.AVG moved to the deep dive's %%ranks cells: tests/launch/test_cluster.py
     b5 = _text("DDP gradient").splitlines()
     for r in range(2):   # pitfalls.md B5: mean 15, sum 30, mean × R 30
         for label, value in (("mean    ", 15), ("sum     ", 30), ("mean × R", 30)):
             assert f"[rank {r}] {label} loss: DDP gradient {value}" in b5
-    b7 = _text("sgd_step(make_toy_model(seed=0), x, y, lr)").splitlines()
+    b7 = stream_text("deep/01_loss_scaling_and_lr_rules.ipynb",
+                     "sgd_step(make_toy_model(seed=0), x, y, lr)").splitlines()
     for r in range(2):
         assert (f"[rank {r}] B=2 per rank, global batch 4, lr 0.1: "
                 f"max |Δ| below 1e-6 vs one process on B=4: True") in b7

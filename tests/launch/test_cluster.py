@@ -19,6 +19,8 @@ from ddp_lesson import cluster as cl
 from ddp_lesson.cluster import Cluster, RanksError, RanksTimeout
 
 ROOT = Path(__file__).resolve().parents[2]
+#: Notebook 01's %%ranks section, cell by cell on ranks that stay up, lives in its deep dive.
+DEEP01 = "deep/01_loss_scaling_and_lr_rules.ipynb"
 
 
 def _children() -> dict[int, int]:
@@ -248,14 +250,15 @@ def test_error_on_one_rank_named_and_ranks_usable_afterwards(cluster, capsys):
 
 
 def test_notebook_01_ranks_cells_replay_their_stored_output_three_times(cluster, capsys):
-    """What nbval compares for notebook 01's %%ranks cells (their stored stdout), replayed three
-    times in a row on one cluster through the magic itself. (The suite also replays the whole
-    notebook with nbval, in a fresh kernel with its own %dist_start and %dist_stop.)"""
+    """What nbval compares for notebook 01 deep dive's %%ranks cells (their stored stdout),
+    replayed three times in a row on one cluster through the magic itself. (The suite also
+    replays the whole notebook with nbval, in a fresh kernel with its own %dist_start and
+    %dist_stop.)"""
     import nbformat
 
-    nb = nbformat.read(ROOT / "notebooks" / "01_data_parallelism.ipynb", as_version=4)
+    nb = nbformat.read(ROOT / "notebooks" / DEEP01, as_version=4)
     cells = [c for c in nb.cells if c.cell_type == "code" and c.source.startswith("%%ranks")]
-    assert len(cells) == 4
+    assert len(cells) == 5
     for _ in range(3):
         for c in cells:
             line, body = c.source.split("\n", 1)
@@ -444,10 +447,10 @@ def test_kernel_restart_and_sigkill_leave_no_process_or_file(tmp_path):
 
 # --------------------------------------------------------------------------- notebook 01's outputs
 
-def _nb01_outputs(marker: str) -> list[str]:
+def _nb01_outputs(marker: str, notebook: str = DEEP01) -> list[str]:
     import nbformat
 
-    nb = nbformat.read(ROOT / "notebooks" / "01_data_parallelism.ipynb", as_version=4)
+    nb = nbformat.read(ROOT / "notebooks" / notebook, as_version=4)
     for cell in nb.cells:
         if cell.cell_type == "code" and marker in cell.source:
             return "".join(o.get("text", "") for o in cell.outputs
@@ -488,6 +491,9 @@ def test_notebook_01_ranks_cells_print_what_one_process_computes():
         after += [f"[rank {r}] gradient[:3] = {first3(full)}",
                   f"[rank {r}] equals the full-batch gradient (max |Δ| < 1e-6): True"]
     assert _nb01_outputs("g /= world_size") == after
+    avg = [(f"[rank {r}] ReduceOp.AVG gives the same average: True",   # gloo: float yes, int no
+            f"[rank {r}] ReduceOp.AVG on an integer tensor: refused") for r in range(2)]
+    assert _nb01_outputs("op=dist.ReduceOp.AVG)            #") == [*avg[0], *avg[1]]
     # float16: 40000 + 40000 overflows (largest finite 65504); 40000/2 + 40000/2 does not
     half = torch.tensor([40000.0], dtype=torch.float16)
     assert torch.isinf(half + half).item() and (half / 2 + half / 2).item() == 40000.0
@@ -501,7 +507,7 @@ def test_notebook_01_ranks_cells_print_what_one_process_computes():
                                    torch.nn.Linear(3, 1))
     off = max_abs_diff(average(shard_gradients(bn_model, x, y, 4)), batch_gradient(bn_model, x, y))
     assert off > 1e-3
-    assert _nb01_outputs("bn_model = torch.nn.Sequential") == [
+    assert _nb01_outputs("bn_model = torch.nn.Sequential", "01_data_parallelism.ipynb") == [
         "with BatchNorm, average of shard gradients vs full batch, max |Δ| above 1e-3: True"]
     assert _nb01_outputs("%dist_stop") == [
         "[dist_stop] 2 ranks stopped: process group destroyed, engines and controller ended"]

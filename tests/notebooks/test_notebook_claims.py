@@ -141,7 +141,7 @@ def test_00_legacy_launcher_passes_local_rank_flag_torchrun_does_not():
     assert seed.parse_known_args([]) == (argparse.Namespace(local_rank=0), [])
     assert seed.parse_known_args(["--local-rank=1"]) == (argparse.Namespace(local_rank=0),
                                                           ["--local-rank=1"])
-    prose, out = _nb("00_setup.ipynb")
+    prose, out = _nb("deep/00_torchrun_internals.ipynb")   # notebook 00's section 4 moved there
     assert "under torchrun that parser is\nsilent" in prose
     assert "since PyTorch 2.0 that launcher passes `--local-rank=N`" in prose
     assert "argv=['--local-rank=1']: local_rank=0, not understood: ['--local-rank=1']" in out
@@ -154,7 +154,7 @@ def test_00_launcher_box_default_timeout():
 
     from torch.distributed.constants import default_pg_timeout
     assert default_pg_timeout == datetime.timedelta(minutes=30)
-    prose, _ = _nb("00_setup.ipynb")
+    prose, _ = _nb("deep/00_torchrun_internals.ipynb")   # the box, moved from notebook 00
     assert "(torch 2.13's default: 30 min, NCCL 10)" in prose
     assert "`ddp-lesson doctor --nproc-per-node N`" in prose
     header = Path(torch.__file__).parent / "include" / "torch" / "csrc" / "distributed" / "c10d"

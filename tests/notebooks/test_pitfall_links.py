@@ -46,3 +46,15 @@ def test_pitfall_codes_in_markdown_are_links_to_existing_anchors(path):
         for up, code in LINK.findall(cell.source):
             assert code in CODES, (cell.get("id"), code)
             assert up == "../" * depth, (cell.get("id"), up)
+
+
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+DOC_LINK = re.compile(r"\[([A-E]\d{1,2})\]\(([^)]*pitfalls\.md)(#[^)]*)?\)")
+
+
+@pytest.mark.parametrize("path", DOCS, ids=lambda p: p.name)
+def test_a_pitfall_code_in_the_docs_links_to_its_own_entry(path):
+    """``[B7](pitfalls.md)`` opened the table's top, not B7: each code links to its anchor."""
+    wrong = [m.group(0) for m in DOC_LINK.finditer(path.read_text())
+             if m.group(3) != f"#{m.group(1)}" or m.group(1) not in CODES]
+    assert wrong == []

@@ -29,3 +29,13 @@ def test_every_core_notebook_has_a_line_in_the_readme_table():
 def test_readme_blocks_are_the_notebooks():
     readme = (ROOT / "README.md").read_text()
     assert readme_tables.render(readme) == readme, "run python tools/readme_tables.py"
+
+
+def test_the_readme_counts_the_checkers_the_registry_holds():
+    from ddp_lesson.exercises.registry import REGISTRY
+
+    readme = (ROOT / "README.md").read_text()
+    said = int(readme_tables.CHECKERS.search(readme).group(0).split("(")[1].split()[0])
+    assert said == len(REGISTRY) == readme_tables.checker_count()
+    stale = readme.replace(f"code ({said} of them", "code (3 of them")
+    assert f"code ({len(REGISTRY)} of them" in readme_tables.render(stale)   # the tool rewrites it
