@@ -481,6 +481,7 @@ def _first(verdict) -> str:
     return verdict.problems[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("exercise", sorted(ANSWERS))
 def test_correct_answers_written_differently_pass(verdicts, exercise):
     right = [n for n in ANSWERS[exercise] if n in
@@ -490,6 +491,7 @@ def test_correct_answers_written_differently_pass(verdicts, exercise):
         assert verdicts[exercise, name].passed, (name, str(verdicts[exercise, name]))
 
 
+@pytest.mark.slow
 def test_04_3_naive_ddp_refuses_the_plausible_wrong_answers(verdicts):
     v = lambda name: _first(verdicts["04.3", name])  # noqa: E731
     assert v("no_broadcast").startswith("after construction, rank 1: a.weight[0] = ")
@@ -525,6 +527,7 @@ def test_04_3_naive_ddp_refuses_the_plausible_wrong_answers(verdicts):
     assert server is None or _children(server) == []
 
 
+@pytest.mark.slow
 def test_04_4_bucketed_ddp_checks_weights_buckets_overlap_and_no_sync(verdicts):
     v = lambda name: _first(verdicts["04.4", name])  # noqa: E731
     assert v("after_backward").startswith("bucket_cap_mb = 0/2**20 (0 bytes), step 1, rank 0: "
@@ -556,6 +559,7 @@ def test_04_4_bucketed_ddp_checks_weights_buckets_overlap_and_no_sync(verdicts):
                            "first inside no_sync()), rank 0: ")
 
 
+@pytest.mark.slow
 def test_06_5_global_count_loss_names_the_normalisation(verdicts):
     v = lambda name: _first(verdicts["06.5", name])  # noqa: E731
     first = ("2 micro-batch(es) per rank, valid tokens by rank [[1, 4], [2, 5]]: rank 0's "
@@ -572,6 +576,7 @@ def test_06_5_global_count_loss_names_the_normalisation(verdicts):
                                      "averaged gradient["), v("times_two")
 
 
+@pytest.mark.slow
 def test_08_5_zero1_checks_the_update_and_the_sharded_state(verdicts):
     v = lambda name: _first(verdicts["08.5", name])  # noqa: E731
     assert v("full_state") == ("rank 0 holds optimizer state for all 6 parameters: ZeRO-1 keeps "

@@ -320,6 +320,7 @@ def test_bad_arguments_exit_2_naming_the_value(monkeypatch, capsys):
 # ----------------------------------------------------------------------------- processes
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the run without a CUDA device")
 def test_on_cpu_the_command_skips_every_gpu_step_and_writes_the_json(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "ddp_lesson.gpucheck", "--out", str(tmp_path)],
@@ -343,6 +344,7 @@ def test_on_cpu_the_command_skips_every_gpu_step_and_writes_the_json(tmp_path):
     assert proc.stdout.splitlines()[-1] == data["row"]
 
 
+@pytest.mark.slow
 def test_a_notebook_is_executed_into_the_scratch_folder_and_its_errors_named(tmp_path):
     import nbformat
 
@@ -361,6 +363,7 @@ def test_a_notebook_is_executed_into_the_scratch_folder_and_its_errors_named(tmp
     assert ran.cells[3].outputs[0]["text"] == "2\n"  # the cells after the error ran too
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the call without a CUDA device")
 def test_the_gpu_test_step_runs_pytests_gpu_group_and_counts_it(tmp_path):
     p = Planned("gpu-tests", True, "", 2, "gloo", 240)
@@ -371,6 +374,7 @@ def test_the_gpu_test_step_runs_pytests_gpu_group_and_counts_it(tmp_path):
     assert result.reason == f"no gpu test passed ({result.figures['skipped']} skipped)"
 
 
+@pytest.mark.slow
 def test_the_ddp_step_times_bucketed_against_torch_without_the_link_on_gloo(tmp_path):
     p = Planned("ddp-steps", True, "2 processes but 1 GPU: using gloo on CPU", 2, "gloo", 240)
     result = gc.step_ddp_steps(p, facts(), Context(tmp_path))
@@ -380,6 +384,7 @@ def test_the_ddp_step_times_bucketed_against_torch_without_the_link_on_gloo(tmp_
     assert result.reason.endswith("; 2 processes but 1 GPU: using gloo on CPU")
 
 
+@pytest.mark.slow
 def test_a_command_past_its_timeout_is_ended_with_its_children(tmp_path):
     pid_file = tmp_path / "child.pid"
     code = (f"import subprocess, sys, time; c = subprocess.Popen([sys.executable, '-c', "
@@ -424,6 +429,7 @@ def test_docs_gpus_states_the_step_limits_the_module_has():
         assert f"| `{name}` |" in section, name
 
 
+@pytest.mark.slow
 def test_the_training_steps_command_runs_the_trainer_and_its_judge_reads_the_summary(tmp_path):
     # on gloo (any machine): the trainer accepts every flag and writes summary.json, and the
     # judge fails the run for what it is, a CPU run
@@ -437,6 +443,7 @@ def test_the_training_steps_command_runs_the_trainer_and_its_judge_reads_the_sum
     assert (tmp_path / "train-fp16" / "summary.json").is_file()
 
 
+@pytest.mark.slow
 def test_the_bandwidth_steps_command_reaches_the_bench_which_wants_nccl(tmp_path):
     p = Planned("allreduce-busbw", True, "", 2, "gloo", 120)
     result = gc.step_allreduce_busbw(p, facts(), Context(tmp_path))

@@ -17,7 +17,7 @@ import pytest
 from ddp_lesson.launch import TorchrunInterrupted, TorchrunTimeout, forkserver, run_torchrun
 from ddp_lesson.procs import alive
 
-pytestmark = [pytest.mark.timeout(120),
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120),
               pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux only")]
 
 # Each rank reports on its parent, the torchrun agent: its command line, its parent, its group.

@@ -15,7 +15,7 @@ import torch
 
 from ddp_lesson.launch import run_torchrun
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
 TINY = ["--size", "32", "64", "--width", "8", "--num-train", "64", "--num-val", "8", "-b", "2",
         "--epochs", "500", "--checkpoint-every-steps", "2"]  # far longer than the test waits
