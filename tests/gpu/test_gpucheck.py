@@ -1,4 +1,4 @@
-"""``python -m ddp_lesson.gpucheck``, the GPU acceptance run, checked on any machine.
+"""``python tools/gpucheck.py``, the GPU acceptance run, checked on any machine.
 
 The pure pieces (the plan for a machine's facts, busbw, the README row, the junit and notebook
 readers, the summary's judge) with fake device facts; the run loop with fake steps; and, as
@@ -19,8 +19,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddp_lesson import gpucheck as gc
-from ddp_lesson.gpucheck import (
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+import gpucheck as gc  # noqa: E402  (tools/gpucheck.py: a maintainer's program, not the package's)
+from gpucheck import (  # noqa: E402
     NO_CUDA,
     STEPS,
     TIMEOUT_S,
@@ -323,7 +324,7 @@ def test_bad_arguments_exit_2_naming_the_value(monkeypatch, capsys):
 @pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the run without a CUDA device")
 def test_on_cpu_the_command_skips_every_gpu_step_and_writes_the_json(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "ddp_lesson.gpucheck", "--out", str(tmp_path)],
+    proc = subprocess.run([sys.executable, str(ROOT / "tools/gpucheck.py"), "--out", str(tmp_path)],
                           capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     data = json.loads((tmp_path / "gpucheck.json").read_text())
@@ -406,7 +407,7 @@ def test_a_command_past_its_timeout_is_ended_with_its_children(tmp_path):
 def test_the_readmes_tested_on_table_has_the_rows_shape_and_names_the_command():
     text = (ROOT / "README.md").read_text()
     section = text[text.index("## Tested on"):text.index("## Layout")]
-    assert "python -m ddp_lesson.gpucheck" in section
+    assert "python tools/gpucheck.py" in section
     lines = section.splitlines()
     start = lines.index("| GPU | torch | date | result |")
     table = list(itertools.takewhile(lambda ln: ln.startswith("|"), lines[start:]))
