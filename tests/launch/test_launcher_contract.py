@@ -98,8 +98,10 @@ def test_progress_bars_stderr_names_temp_folder_and_sockets(tmp_path, monkeypatc
     for rank in (0, 1):
         assert result.errors[rank].splitlines()[0] == (
             f"<torchrun cell>:{line}: UserWarning: a warning names the cell, not a temporary path")
-    # 10: nothing left in $TMPDIR (torchrun's torchelastic_* folder was in the run's folder)
-    assert os.listdir(private_tmp) == []
+    # 10: nothing left in $TMPDIR (torchrun's torchelastic_* folder was in the run's folder) but
+    # the standard fork server's folder if this launch started it (one per launching process)
+    left = os.listdir(private_tmp)
+    assert len(left) <= 1 and all(n.startswith("pymp-") for n in left), left
     # 11: the workers' store (node 0's agent hosts it: a run that cannot restart shares it) and
     # gloo listen on loopback only; the agents' rendezvous store is hosted by the launcher, on
     # 127.0.0.1 too
