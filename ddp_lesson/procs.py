@@ -61,7 +61,7 @@ def reap(proc: subprocess.Popen, seconds: float) -> bool:
     then blocks forever. Sets ``proc.returncode`` as Popen would.
     """
     wait_exit = getattr(proc, "wait_exit", None)
-    if wait_exit is not None:  # not our child: a forked agent (ddp_lesson.launch.forkserver)
+    if wait_exit is not None:  # a forked agent (ddp_lesson.launch.forkserver)
         return wait_exit(seconds)
     deadline = time.monotonic() + seconds
     while True:

@@ -164,8 +164,8 @@ def pytest_pyfunc_call(pyfuncitem):
 
 
 # ----------------------------------------------------------------------------- the quick tier
-# tests/tiers.py: the slow tests, and the guard that fails a test not marked slow that starts
-# a process. `pytest -m "not slow"` is the quick tier (CONTRIBUTING.md, "Tests").
+# Each test file marks its slow tests (pytest.mark.slow); tests/tiers.py's guard fails a test not
+# marked slow that starts a process. `pytest -m "not slow"` is the quick tier (CONTRIBUTING.md).
 
 import tiers  # noqa: E402  (found through the sys.path entry above)
 
@@ -174,10 +174,6 @@ import tiers  # noqa: E402  (found through the sys.path entry above)
 def pytest_collection_modifyitems(items):
     for item in items:
         path = getattr(item, "path", None)
-        cls = getattr(item, "cls", None)
-        names = {getattr(item, "originalname", None) or item.name, cls and cls.__name__}
-        if path is not None and tiers.is_listed_slow(path, names):
-            item.add_marker(pytest.mark.slow)
         if path is not None and tiers.reads_notebooks(path):
             item.add_marker(pytest.mark.notebook)
 
@@ -209,5 +205,5 @@ def pytest_runtest_call(item):
 def _fail_if_swallowed(item, guard):
     if guard is not None and guard.started:
         pytest.fail(f"{item.nodeid} starts a process ({guard.started[0]}) but is not marked "
-                    "slow (the test caught the failure): add it to SLOW in tests/tiers.py",
+                    "slow (the test caught the failure): mark it @pytest.mark.slow",
                     pytrace=False)

@@ -93,7 +93,7 @@ def kind_of(rec: dict, agents: set[int]) -> str:
         return "worker"
     if "ipykernel" in argv:
         return "kernel"
-    if "ddp_lesson/launch/forkserver.py" in argv:
+    if "multiprocessing.forkserver" in argv:
         return "forkserver"
     if "ddp_lesson/procs.py" in argv:
         return "watchdog"

@@ -15,7 +15,7 @@ size is timed for:
   ``--backend nccl`` and only there (``--methods nccl``): the other methods build CPU tensors,
   which NCCL refuses. Its clock reads follow ``torch.cuda.synchronize()``: a CUDA collective
   may return before the GPU has run it (torch's docs/source/distributed.rst, "Synchronous and
-  asynchronous collective operations"). ``python -m ddp_lesson.gpucheck`` uses it;
+  asynchronous collective operations"). ``python tools/gpucheck.py`` uses it;
 * ``sendrecv``   — ranks 0 and 1 exchange a message of that size in both directions at once
   (``isend`` + ``irecv``); the other ranks wait. Its bandwidth (bytes per direction per
   second) is the link's limit that bus bandwidth is compared with;

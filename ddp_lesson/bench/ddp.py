@@ -16,7 +16,7 @@ batch with every variant, from the same seed:
 * under a :class:`~ddp_lesson.commsim.SimulatedLink` (default α = 0.5 ms, 100 MB/s): ``torch``
   (the link as a DDP communication hook), ``naive``, ``bucketed`` with overlap and
   ``bucketed`` without overlap (both with ``--link-bucket-cap-mb``, several buckets);
-  ``--no-link`` leaves these out (``python -m ddp_lesson.gpucheck`` times the three without).
+  ``--no-link`` leaves these out (``python tools/gpucheck.py`` times the three without).
 
 On CUDA (``--backend nccl``) each timed block ends with ``torch.cuda.synchronize()`` and the
 slowest rank's time is reduced as a tensor on the rank's GPU: NCCL refuses a CPU tensor ("Tensors

@@ -113,25 +113,41 @@ def test_every_lr_recipe_claim_compares_rows_that_exist_and_did_not_diverge():
             assert row["diverged"] == 0 and row["seeds"] >= 3, q.label
 
 
-def test_numbers_in_docs_benchmarks_match_the_csvs():
-    text = _prose("docs/benchmarks.md")
-    loads = {name: [r["load_avg_1min"] for r in TABLES[name]]
-             for name in ("allreduce", "ddp", "scaling")}   # lr_recipe is a loss, not a timing
-    assert (round(min(loads["allreduce"])), round(max(loads["allreduce"]))) == (5, 8)
-    assert round(max(loads["ddp"])) == round(min(loads["ddp"])) == 9
-    assert round(sum(loads["scaling"]) / len(loads["scaling"])) == 11
-    assert "load average was 5 to 8" in text and "about 9 during the DDP" in text
-    assert "about 11 during the scaling" in text
-    ddp = {(r["variant"], r["link"]): r for r in TABLES["ddp"]}
-    over, no = ddp["bucketed", True], ddp["bucketed-no-overlap", True]
-    assert (round(over["exposed_ms"]), round(no["exposed_ms"])) == (6, 23)
-    assert "(about 6 ms against 23 ms exposed)" in text
-    assert (round(over["exposed_ms_min"]), round(over["exposed_ms_max"])) == (3, 38)
-    assert (round(no["exposed_ms_min"]), round(no["exposed_ms_max"])) == (16, 48)
-    assert "from 3 to 38 ms with overlap and from 16 to 48 ms without" in text
-    one = {r["mode"]: r for r in TABLES["scaling"] if r["nprocs"] == 1}
-    assert (
-        round(one["weak"]["comm_exposed_s"] * 1e3),
-        round(one["strong"]["comm_exposed_s"] * 1e3),
-    ) == (15, 25)
-    assert "(median 15 ms weak, 25 ms strong in the stored file)" in text
+def _bench_numbers():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_numbers",
+                                                  ROOT / "tools" / "bench_numbers.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_numbers_docs_benchmarks_quotes_are_the_csvs():
+    """tools/bench_numbers.py writes them; this fails until it is run after a re-measurement."""
+    tool = _bench_numbers()
+    text = (ROOT / "docs/benchmarks.md").read_text()
+    assert tool.differences(text, TABLES) == []
+    assert {name for name, _ in tool.MARK.findall(text)} == set(tool.NUMBERS)
+
+
+def test_bench_numbers_computes_each_number_from_the_rows():
+    tool = _bench_numbers()
+    ddp = [{"variant": v, "link": True, "exposed_ms": e, "exposed_ms_min": lo,
+            "exposed_ms_max": hi, "load_avg_1min": load}
+           for v, e, lo, hi, load in (("bucketed", 6.4, 2.6, 38.2, 8.6),
+                                      ("bucketed-no-overlap", 22.6, 15.4, 48.4, 9.4))]
+    scaling = [{"mode": m, "nprocs": 1, "comm_exposed_s": s, "load_avg_1min": 11.4}
+               for m, s in (("weak", 0.0151), ("strong", 0.0249))]
+    tables = {"allreduce": [{"load_avg_1min": x} for x in (5.2, 7.6, 6.0)], "ddp": ddp,
+              "scaling": scaling}
+    text = " ".join(f"<!-- n:{n} -->?<!-- /n -->" for n in tool.NUMBERS)
+    got = dict(tool.MARK.findall(tool.render(text, tables)))
+    assert got == {"load_allreduce": "5 to 8", "load_ddp": "9", "load_scaling": "11",
+                   "exposed_overlap": "6", "exposed_no_overlap": "23",
+                   "range_overlap": "3 to 38", "range_no_overlap": "15 to 48",
+                   "one_process_weak_ms": "15", "one_process_strong_ms": "25"}
+    assert tool.differences(text, tables)[0] == (
+        "load_allreduce: the text says '?', the CSVs '5 to 8'")
+    with pytest.raises(KeyError, match="unknown number 'typo'"):
+        tool.render("<!-- n:typo -->1<!-- /n -->", tables)

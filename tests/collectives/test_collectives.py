@@ -110,6 +110,7 @@ def test_calls_without_a_process_group_fail_clearly():
         ring_all_reduce(torch.ones(3))
 
 
+@pytest.mark.slow
 def test_world_of_one_and_argument_errors(world_of_one):
     for fn in (ring_all_reduce, pipelined_ring_all_reduce, naive_all_reduce):
         for dtype in (torch.int64, torch.float32):
@@ -134,6 +135,7 @@ def _lines(result) -> list[str]:
     return result.rank_lines(0)
 
 
+@pytest.mark.slow
 def test_against_all_reduce_world_sizes_one_to_four():
     # one 4-process job: the world (R=4) plus subgroups of the first 1, 2 and 3 ranks
     result = run_torchrun("ddp_lesson.labs.collectives_check",
@@ -189,6 +191,7 @@ ODD_WORLD = textwrap.dedent(r"""
 """)
 
 
+@pytest.mark.slow
 def test_odd_world_dtypes_and_reduce_scatter():
     result = run_torchrun(code=ODD_WORLD, nproc_per_node=3, timeout=120, live=False)
     for rank in range(3):
@@ -231,6 +234,7 @@ CORE_VS_TORCH = textwrap.dedent(r"""
 """)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 3])
 def test_core_and_hardened_ring_equal_torch_all_reduce(world):
     result = run_torchrun(code=CORE_VS_TORCH, nproc_per_node=world, timeout=120, live=False,

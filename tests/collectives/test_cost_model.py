@@ -253,6 +253,7 @@ def test_figures_from_rows():
         cost_model_figure([r for r in rows if r["method"] != "sendrecv"])
 
 
+@pytest.mark.slow
 def test_bench_cli_runs_a_tiny_sweep(tmp_path):
     from ddp_lesson.cli import main
 

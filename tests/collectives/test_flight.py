@@ -47,6 +47,7 @@ def _report(d):
     return flight.report(d)
 
 
+@pytest.mark.slow
 def test_ranks_that_called_different_collectives(dumps):
     """torch's raw pickle, written by the ranks themselves under NCCL's default file name."""
     assert sorted(p.name for p in dumps["differ"].iterdir()) == [
@@ -61,6 +62,7 @@ def test_ranks_that_called_different_collectives(dumps):
     ]
 
 
+@pytest.mark.slow
 def test_an_all_reduce_of_different_sizes_returns_on_one_rank(dumps):
     """torch's JSON form (no stacks: callers unknown). gloo completes the 3-element all_reduce
     on rank 0 while rank 1's 4-element one waits: the record shows the mismatch anyway."""
@@ -71,6 +73,7 @@ def test_an_all_reduce_of_different_sizes_returns_on_one_rank(dumps):
         "#3 differs: rank 0 all_reduce [[3]] (?); rank 1 all_reduce [[4]] (?)")
 
 
+@pytest.mark.slow
 def test_a_rank_that_never_called_the_collective(dumps):
     assert _report(dumps["skip"])[-3:] == [
         f"rank 1 last completed: #2 all_reduce [4] Float ({SECOND})",
@@ -81,17 +84,20 @@ def test_a_rank_that_never_called_the_collective(dumps):
         f"rank 0 first unfinished: #3 all_reduce [4] Float ({SKIPPED})")
 
 
+@pytest.mark.slow
 def test_a_rank_that_died_without_a_record(dumps):
     assert [p.name for p in dumps["silent"].iterdir()] == ["trace_0"]
     assert flight.verdict(flight.load_dumps(dumps["silent"])) == (
         "rank 1 wrote no trace: it died or never got there")
 
 
+@pytest.mark.slow
 def test_a_job_that_went_well(dumps):
     assert _report(dumps["ok"])[-1] == "verdict: nothing unfinished: every rank completed " \
         "collective #3"
 
 
+@pytest.mark.slow
 def test_the_command_line_prints_the_ledger_and_exits_2_without_dumps(dumps, tmp_path):
     r = subprocess.run([sys.executable, "-m", "ddp_lesson.flight", str(dumps["skip"])],
                        capture_output=True, text=True, timeout=60, cwd=ROOT)
@@ -103,6 +109,7 @@ def test_the_command_line_prints_the_ledger_and_exits_2_without_dumps(dumps, tmp
     assert "no flight-recorder dump" in r.stderr
 
 
+@pytest.mark.slow
 def test_torchs_own_analyzer_stops_on_gloo_dumps(dumps, tmp_path):
     """What the module docstring says of torch 2.13's fr_trace on these dumps. (If a torch
     release fixes it, this test fails: update the docstring and docs/pitfalls.md C6.)"""
@@ -184,6 +191,7 @@ def test_verdicts_on_hand_made_records(tmp_path):
 LATE_PEER = str(ROOT / "tests" / "programs" / "clinic_late_peer.py")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("delay", [0.0, 2.5])
 def test_a_peer_behind_a_failed_rank_is_recorded_stuck(delay, tmp_path):
     """The kind of CI's red nb07 replay (clinic ``model_mismatch`` on a loaded machine): rank 1

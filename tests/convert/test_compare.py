@@ -73,6 +73,7 @@ def test_help_states_the_contract(capsys):
         assert words in text
 
 
+@pytest.mark.slow
 def test_the_package_pair_trains_the_same_weights(capsys):
     code = cli.main(["compare", str(SINGLE), str(DDP), "--weights", "checkpoint.pt",
                      "--timeout", str(TIMEOUT), "--", "--out", "{out}"])
@@ -90,6 +91,7 @@ BROKEN = {
 }
 
 
+@pytest.mark.slow
 def test_broken_conversions_are_flagged(tmp_path):
     run_single(SINGLE, ["--out", "{out}"], tmp_path, TIMEOUT)
     reference = load_weights(tmp_path / "checkpoint.pt", "single")

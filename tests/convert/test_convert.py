@@ -46,6 +46,7 @@ def _run_single(tmp_path, *args) -> list[str]:
     return done.stdout.splitlines()
 
 
+@pytest.mark.slow
 def test_the_ddp_run_ends_where_the_single_process_run_ends(tmp_path):
     single = _run_single(tmp_path)
     run = StoredRun(NOTEBOOK, "-m ddp_lesson.convert.ddp", DDP_CELL)
@@ -82,6 +83,7 @@ def test_the_prose_quotes_the_stored_numbers():
     assert f"within 1e-6 over {epochs * steps} steps" in prose
 
 
+@pytest.mark.slow
 def test_the_single_script_is_deterministic_and_saves_a_loadable_checkpoint(tmp_path):
     first = _run_single(tmp_path / "a")
     assert first == _run_single(tmp_path / "b")
@@ -92,6 +94,7 @@ def test_the_single_script_is_deterministic_and_saves_a_loadable_checkpoint(tmp_
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+@pytest.mark.slow
 @pytest.mark.gpu
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(GPUS < 2, reason="needs 2 CUDA devices: NCCL, one GPU per rank")
@@ -387,12 +390,14 @@ def verdicts():
     return dict(zip(["reference", "by_hand"] + [f.__name__ for f in WRONG], found))
 
 
+@pytest.mark.slow
 def test_05_1_accepts_two_correct_answers_written_differently(verdicts):
     assert verdicts["reference"].passed, verdicts["reference"]
     assert verdicts["by_hand"].passed, verdicts["by_hand"]
     assert str(verdicts["reference"]).startswith("PASSED 05.1")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, words", [
     ("no_sampler", "each read all 24 samples in epoch 0"),
     ("no_set_epoch", "call sampler.set_epoch(epoch)"),
@@ -416,6 +421,7 @@ def test_05_1_names_the_missing_piece(verdicts, name, words):
     assert words in verdict.problems[0], verdict.problems
 
 
+@pytest.mark.slow
 def test_05_1_a_collective_only_rank_0_reaches_is_named_not_hung(verdicts):
     text = verdicts["barrier_on_rank0_only"].problems[0]
     assert re.search(r"rank 0 at .*line \d+", text), text

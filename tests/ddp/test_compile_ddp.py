@@ -336,6 +336,7 @@ def three_ranks(tmp_path_factory):
     return json.loads(out.read_text())
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_three_ranks_parts_predicted_gradients_within_tolerance(three_ranks):
     res = three_ranks

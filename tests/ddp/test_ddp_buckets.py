@@ -131,6 +131,7 @@ def _torch_ddp_buckets(model, iterations, **kwargs):
     return out
 
 
+@pytest.mark.slow
 def test_bucketed_ddp_builds_torchs_buckets(world_of_one):
     """BucketedDDP's buckets are those torch's DDP uses: by default torch sends one bucket in
     iteration 1 and rebuilds in the ready order before the 2nd forward (static_graph: the 3rd);
@@ -172,6 +173,7 @@ class _OutOfOrder(nn.Module):
         return self.a(self.b(x))
 
 
+@pytest.mark.slow
 def test_torch_rebuilds_other_buckets_when_forward_runs_out_of_registration_order(world_of_one):
     """The series assumes reverse registration order; torch walks the order it recorded."""
     nbytes = [p.numel() * 4 for p in _OutOfOrder().parameters()]   # a.w, a.b, b.w, b.b

@@ -128,6 +128,7 @@ OVERLAP_WORKER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_bucketed_core_launches_from_the_hooks_while_backward_runs():
     from ddp_lesson.launch import run_torchrun
 

@@ -14,7 +14,7 @@ import pytest
 
 from ddp_lesson.launch import run_torchrun
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 OURS = ("naive", "bucketed")
 NAMES = {"naive": "NaiveDDP", "bucketed": "BucketedDDP"}
 PROGRAM = Path(__file__).resolve().parents[1] / "programs" / "ddp_dropin.py"

@@ -30,7 +30,7 @@ from ddp_lesson.labs.ddp_toys import TOYS, shard, toy_batch
 from ddp_lesson.launch import run_torchrun
 from ddp_lesson.models import build_model
 
-pytestmark = pytest.mark.timeout(150)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]
 
 STEPS, PER_RANK, LR, MOMENTUM = 10, 2, 0.1, 0.9
 DEEPLAB_STEPS, DEEPLAB_SIZE, DEEPLAB_WIDTH = 3, (32, 48), 8

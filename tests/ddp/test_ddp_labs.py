@@ -56,6 +56,7 @@ def test_three_ways_lab_prints_equal_weights_and_what_is_synchronised():
     assert expected[5] == "tied: 7 parameter tensors synchronised, 8 registered in the modules"
 
 
+@pytest.mark.slow
 def test_overlap_lab_records_timelines_and_sweep(tmp_path):
     out = tmp_path / "overlap.json"
     result = run_torchrun("ddp_lesson.labs.ddp_overlap", ["--out", str(out), "--steps", "2"],

@@ -14,7 +14,7 @@ import pytest
 
 from ddp_lesson.launch import run_torchrun
 
-pytestmark = pytest.mark.timeout(150)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]
 
 WRAPPERS = ("NaiveDDP", "BucketedDDP", "torch")
 

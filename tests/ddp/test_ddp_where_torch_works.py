@@ -15,7 +15,7 @@ import pytest
 
 from ddp_lesson.launch import run_torchrun
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 PROGRAM = Path(__file__).resolve().parents[1] / "programs" / "ddp_where_torch_works.py"
 CASES = ("pgd", "pgd_uneven", "penalty", "inputs", "func", "param_grad", "eval_no_grad",
          "eval_grad")

@@ -259,6 +259,7 @@ DDP_CHECKS = textwrap.dedent(r"""
 """)
 
 
+@pytest.mark.slow
 def test_real_all_reduce_and_ddp_on_two_processes():
     result = run_torchrun(code=DDP_CHECKS, nproc_per_node=2, timeout=120, live=False)
     for rank in range(2):

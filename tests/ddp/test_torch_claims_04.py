@@ -95,6 +95,7 @@ def runs(tmp_path_factory):
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_claim3_buckets_rebuilt_only_without_find_unused_parameters(runs):
     hpp = REDUCER_HPP.read_text()
     # the Reducer rebuilds once, and never with find_unused_parameters (unless static_graph)
@@ -135,6 +136,7 @@ def test_claim4_bf16_hook_refused_by_the_build_not_the_backend():
     assert "refuses gloo" not in text
 
 
+@pytest.mark.slow
 def test_claim5_broadcast_buffers_deprecated_forward_sync_buffers_still_syncs_at_init(runs):
     src = inspect.getsource(DistributedDataParallel.__init__)
     assert "broadcast_buffers=None," in inspect.getsource(DistributedDataParallel)

@@ -34,6 +34,7 @@ def _expected_buckets():
     return nbytes, theirs
 
 
+@pytest.mark.slow
 def test_real_buckets_one_then_four_in_reverse_order(lab):
     lines, lines1, data = lab
     nbytes, theirs = _expected_buckets()
@@ -62,6 +63,7 @@ def test_real_buckets_one_then_four_in_reverse_order(lab):
     assert lines1 == []  # rank 0 speaks for both
 
 
+@pytest.mark.slow
 def test_fp16_sum_overflows_where_pre_division_stays_finite(lab):
     lines, _, data = lab
     d = data["division"]
@@ -75,6 +77,7 @@ def test_fp16_sum_overflows_where_pre_division_stays_finite(lab):
                            "  torch's DDP on a float16 weight: grad = 40,000"]
 
 
+@pytest.mark.slow
 def test_static_graph_and_gradient_as_bucket_view(lab):
     lines, _, data = lab
     s = data["static_graph"]
@@ -114,6 +117,7 @@ def _powersgd_bytes(model, rank: int, min_rate: float = 2.0) -> int:
     return total
 
 
+@pytest.mark.slow
 def test_comm_hooks_bytes_error_and_loss(lab):
     lines, _, data = lab
     model = tr._hook_model()
@@ -151,6 +155,7 @@ def test_comm_hooks_bytes_error_and_loss(lab):
                                 "25,348 bytes in step 1)")
 
 
+@pytest.mark.slow
 def test_bf16_compress_hook_refused_by_the_build(lab):
     """Refused on a CPU build, accepted on a CUDA build with NCCL (on gloo too): the lab prints
     the fact that holds on both, and the build's own answer is read from torch here."""

@@ -203,6 +203,7 @@ def runs():
     return out
 
 
+@pytest.mark.slow
 def test_exact_evaluation_is_identical_to_one_process_at_world_sizes_1_2_3(runs):
     ref = _baseline(ToySegmentation(7), 4)
     for world in (1, 2, 3):
@@ -218,6 +219,7 @@ def test_exact_evaluation_is_identical_to_one_process_at_world_sizes_1_2_3(runs)
             assert local == len(range(rank, 7, world))
 
 
+@pytest.mark.slow
 def test_exact_classification_accuracy_at_world_sizes_1_2_3(runs):
     # 7 samples, wrong on indices 0 and 5: 5/7 whatever the world size
     for world in (1, 2, 3):
@@ -228,6 +230,7 @@ def test_exact_classification_accuracy_at_world_sizes_1_2_3(runs):
             assert local == len(range(rank, 7, world))
 
 
+@pytest.mark.slow
 def test_a3_eval_lab_as_notebook_02_shows_it(runs):
     """ddp_lesson.labs.sampler_eval on 3 ranks: the A3 literals."""
     rank0, rank1, rank2 = runs["lines3"]
@@ -264,6 +267,7 @@ A10_WORKER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_a10_per_batch_collective_over_uneven_shards_times_out_not_hangs():
     with pytest.raises(TorchrunError) as info:
         run_torchrun(code=A10_WORKER, nproc_per_node=3, timeout=90, live=False,

@@ -156,6 +156,7 @@ SCRIPT = textwrap.dedent('''
 ''')
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_all_reduced_confusion_equals_single_process(tmp_path, world_size):
     """Multi-process (gloo, torchrun): exact equality, every sample on exactly one rank."""

@@ -265,6 +265,7 @@ def as_double(grad, count):  # the right values in float64 (the reference's own 
     return reference("01.4")(grad, count).double()
 
 
+@pytest.mark.slow
 @judges("01.4", reference("01.4"), plain_mean, Attempt("01.4"), plain_sum, undivided,
         over_eight, as_row, as_double)
 def test_01_4_weighted_average(judged):
@@ -315,6 +316,7 @@ def by_environment(model):  # right: torchrun's WORLD_SIZE, read where the group
         p.grad /= int(os.environ["WORLD_SIZE"])
 
 
+@pytest.mark.slow
 @judges("01.5", reference("01.5"), summed, weights_only, divided_by_two, by_environment)
 def test_01_5_average_gradients(judged):
     good, v_sum, v_weights, v_two, v_env = judged
@@ -490,12 +492,14 @@ class ThreeReplicas(SeedIgnored):
         self.inner = reference("02.1")(dataset, 3, rank, shuffle, seed, drop_last)
 
 
+@pytest.mark.slow
 def test_02_1_reference_passes_through_the_public_check():
     v = check("02.1", reference("02.1"))
     assert v.passed, str(v)
     assert "3 and 2 processes (torchrun, gloo)" in str(v)
 
 
+@pytest.mark.slow
 @judges("02.1", SeedSampler, SeedSamplerWithLen, EpochIgnored, RankSeeded, Contiguous,
         Attempt("02.1"), PadsWithTheEnd, LenAlwaysZero, SeedIgnored, RankFromTheGroup,
         CountsItsPasses, ThreeReplicas, YieldsItems)
@@ -580,6 +584,7 @@ class DropsWhenDivisible(Sampler):
         return self.num_samples
 
 
+@pytest.mark.slow
 @judges("02.1", DropsWhenDivisible)
 def test_02_1_hint_names_the_case_that_differs_and_guesses_no_cause(judged):
     (v,) = judged
@@ -643,6 +648,7 @@ def three_ranks(seed, epoch):  # a constant 3 for the world size
         raise RuntimeError(f"ranks {bad} differ from rank 0")
 
 
+@pytest.mark.slow
 @judges("02.3", reference("02.3"), local_only, raises_on_rank0_only, seed_only, unnamed,
         multiline, three_ranks)
 def test_02_3_seed_epoch_check(judged):
@@ -685,6 +691,7 @@ def three_pairs(correct, count):  # right with 3 ranks only: a list of 3 for all
     return total[0].item() / total[1].item()
 
 
+@pytest.mark.slow
 @judges("02.4", reference("02.4"), mean_of_means, local, float32_counts, three_pairs)
 def test_02_4_exact_accuracy(judged):
     good, v_means, v_local, v_f32, v_three = judged
@@ -708,6 +715,7 @@ def guarded_mean_of_means(correct, count):  # right on the first three cases onl
     return pair[0].item() / pair[1].item()
 
 
+@pytest.mark.slow
 @judges("02.4", guarded_mean_of_means)
 def test_02_4_empty_shard_crash_is_reported_not_hung(judged):
     (v,) = judged
@@ -821,6 +829,7 @@ def ring_batched(tensor):
     return tensor
 
 
+@pytest.mark.slow
 @judges("03.6", reference("03.6"), ring_without_all_gather, Attempt("03.6"), ring_mean,
         out_of_place, all_to_all_exchange, whole_tensor_relay, ring_batched, ring_for_four)
 def test_03_6_ring_all_reduce(judged):
@@ -868,6 +877,7 @@ def to_itself(tensor):  # (rank + 1) % R written as rank + 0
     return reference("03.6")(tensor)
 
 
+@pytest.mark.slow
 @judges("03.6", recv_from_anyone, to_itself)
 def test_03_6_names_a_recv_from_anyone_and_a_send_to_itself(judged):
     anyone, itself = (v.problems[0] for v in judged)
@@ -896,6 +906,7 @@ def chunked_ring(tensor):  # tensor.chunk(R) returns fewer than R chunks when nu
     return tensor
 
 
+@pytest.mark.slow
 @judges("03.6", chunked_ring)
 def test_03_6_chunking_that_breaks_below_world_size_is_reported(judged):
     (v,) = judged
@@ -950,6 +961,7 @@ def returns_list(state, bucket):  # the raw future: its value is a list of tenso
     return dist.all_reduce(half, group=state, async_op=True).get_future()
 
 
+@pytest.mark.slow
 @judges("04.2", reference("04.2"), Attempt("04.2"), no_division, constant_two,
         global_world_size, default_group, uncompressed, returns_work, returns_list)
 def test_04_2_fp16_comm_hook_under_torch_ddp(judged):
@@ -1027,6 +1039,7 @@ def float_pad(shard, total):  # a float32 pad buffer whatever the shard's dtype
     return torch.cat([p[:n] for p, n in zip(pieces, sizes)])
 
 
+@pytest.mark.slow
 @judges("08.4", reference("08.4"), truncating, reversed_order, broadcasts, three_pieces,
         float_pad)
 def test_08_4_gather_flat(judged):
@@ -1056,6 +1069,7 @@ def lonely(shard, total):
     return reference("08.4")(shard, total)
 
 
+@pytest.mark.slow
 @judges("08.4", lonely)
 def test_a_collective_only_one_rank_calls_ends_in_a_verdict_not_a_hang(judged):
     (v,) = judged
@@ -1075,6 +1089,7 @@ def recv_first(tensor):  # every rank waits to receive before it sends: nobody s
     return tensor
 
 
+@pytest.mark.slow
 @judges("03.6", recv_first)
 def test_a_deadlocked_exchange_ends_in_a_verdict(judged):
     (v,) = judged
@@ -1088,6 +1103,7 @@ def not_a_ring(tensor):
     return tensor
 
 
+@pytest.mark.slow
 @judges("03.6", not_a_ring)
 def test_03_6_a_ring_may_not_call_torchs_all_reduce(judged):
     (v,) = judged
@@ -1101,6 +1117,7 @@ def rank1_leaves(grad, count):
     return reference("01.4")(grad, count)
 
 
+@pytest.mark.slow
 @judges("01.4", rank1_leaves, ends_launch=True)
 def test_a_rank_that_exits_is_named(judged):
     (v,) = judged
@@ -1113,6 +1130,7 @@ def returns_none(grad, count):
     reference("01.4")(grad, count)
 
 
+@pytest.mark.slow
 @judges("01.4", returns_none)
 def test_what_a_function_returns_is_checked_before_it_is_judged(judged):
     (v,) = judged
@@ -1218,6 +1236,7 @@ def too_small_buffer(tensor):  # receives the whole tensor into a one-element bu
     return tensor
 
 
+@pytest.mark.slow
 @judges("03.6", too_small_buffer, ends_launch=True)
 def test_a_size_mismatch_on_the_wire_is_named_as_such(judged):
     (v,) = judged

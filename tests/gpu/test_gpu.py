@@ -46,6 +46,7 @@ def _json_lines(result, rank: int) -> list[dict]:
     return [json.loads(line) for line in result.rank_lines(rank) if line.startswith("{")]
 
 
+@pytest.mark.slow
 def test_nccl_all_reduce_at_world_size_min_2_gpus():
     code = _code("""
         import json, os, torch, torch.distributed as dist
@@ -65,6 +66,7 @@ def test_nccl_all_reduce_at_world_size_min_2_gpus():
         assert rec == {"backend": "nccl", "device": f"cuda:{rank}", "sum": want, "same": True}
 
 
+@pytest.mark.slow
 def test_torchrun_cell_on_cuda_picks_nccl_and_one_gpu_per_rank(capsys):
     from ddp_lesson.launch import torchrun_magic
 
@@ -92,6 +94,7 @@ def _train_one_epoch(tmp_path, amp: str):
         return json.load(f), out
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(CUDA and not cuda_bf16_native(),
                     reason="this GPU cannot compute in bfloat16 natively (compute capability < 8)")
 def test_trainer_one_epoch_on_cuda_with_amp_bf16(tmp_path):
@@ -102,6 +105,7 @@ def test_trainer_one_epoch_on_cuda_with_amp_bf16(tmp_path):
     assert losses and all(math.isfinite(v) for v in losses)
 
 
+@pytest.mark.slow
 def test_trainer_one_epoch_on_cuda_with_amp_fp16_saves_the_scaler(tmp_path):
     from ddp_lesson.checkpoint import load_checkpoint
 
@@ -117,6 +121,7 @@ def test_trainer_one_epoch_on_cuda_with_amp_fp16_saves_the_scaler(tmp_path):
     assert state and state["scale"] > 0          # GradScaler.state_dict() of a used scaler
 
 
+@pytest.mark.slow
 def test_bucketed_ddp_equals_torch_ddp_on_cuda():
     code = _code("""
         import json, torch, torch.distributed as dist
@@ -159,6 +164,7 @@ def test_bucketed_ddp_equals_torch_ddp_on_cuda():
         assert rec["max_diff"] < 1e-5
 
 
+@pytest.mark.slow
 def test_torch_sync_batchnorm_on_cuda_uses_the_global_batch_statistics():
     code = _code("""
         import json, torch, torch.distributed as dist
@@ -187,6 +193,7 @@ def test_torch_sync_batchnorm_on_cuda_uses_the_global_batch_statistics():
         assert rec["mean_diff"] < 1e-4 and rec["var_diff"] < 1e-3
 
 
+@pytest.mark.slow
 def test_checkpoint_loads_onto_each_ranks_own_gpu(tmp_path):
     path = tmp_path / "ckpt.pt"
     code = _code(f"""
@@ -239,6 +246,7 @@ def test_step_timer_synchronises_cuda_before_reading_the_clock(monkeypatch):
     assert timer.counts == {"kernel": 1}
 
 
+@pytest.mark.slow
 def test_doctor_finds_another_process_holding_gpu_0():
     """``ddp-lesson doctor``'s gpu0 check, with the fault reproduced: a process that made a CUDA
     context on GPU 0 (as a rank does that touches CUDA before ``set_device``)."""

@@ -1,4 +1,4 @@
-"""``python -m ddp_lesson.gpucheck``, the GPU acceptance run, checked on any machine.
+"""``python tools/gpucheck.py``, the GPU acceptance run, checked on any machine.
 
 The pure pieces (the plan for a machine's facts, busbw, the README row, the junit and notebook
 readers, the summary's judge) with fake device facts; the run loop with fake steps; and, as
@@ -19,8 +19,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddp_lesson import gpucheck as gc
-from ddp_lesson.gpucheck import (
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+import gpucheck as gc  # noqa: E402  (tools/gpucheck.py: a maintainer's program, not the package's)
+from gpucheck import (  # noqa: E402
     NO_CUDA,
     STEPS,
     TIMEOUT_S,
@@ -320,9 +321,10 @@ def test_bad_arguments_exit_2_naming_the_value(monkeypatch, capsys):
 # ----------------------------------------------------------------------------- processes
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the run without a CUDA device")
 def test_on_cpu_the_command_skips_every_gpu_step_and_writes_the_json(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "ddp_lesson.gpucheck", "--out", str(tmp_path)],
+    proc = subprocess.run([sys.executable, str(ROOT / "tools/gpucheck.py"), "--out", str(tmp_path)],
                           capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     data = json.loads((tmp_path / "gpucheck.json").read_text())
@@ -343,6 +345,7 @@ def test_on_cpu_the_command_skips_every_gpu_step_and_writes_the_json(tmp_path):
     assert proc.stdout.splitlines()[-1] == data["row"]
 
 
+@pytest.mark.slow
 def test_a_notebook_is_executed_into_the_scratch_folder_and_its_errors_named(tmp_path):
     import nbformat
 
@@ -361,6 +364,7 @@ def test_a_notebook_is_executed_into_the_scratch_folder_and_its_errors_named(tmp
     assert ran.cells[3].outputs[0]["text"] == "2\n"  # the cells after the error ran too
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the call without a CUDA device")
 def test_the_gpu_test_step_runs_pytests_gpu_group_and_counts_it(tmp_path):
     p = Planned("gpu-tests", True, "", 2, "gloo", 240)
@@ -371,6 +375,7 @@ def test_the_gpu_test_step_runs_pytests_gpu_group_and_counts_it(tmp_path):
     assert result.reason == f"no gpu test passed ({result.figures['skipped']} skipped)"
 
 
+@pytest.mark.slow
 def test_the_ddp_step_times_bucketed_against_torch_without_the_link_on_gloo(tmp_path):
     p = Planned("ddp-steps", True, "2 processes but 1 GPU: using gloo on CPU", 2, "gloo", 240)
     result = gc.step_ddp_steps(p, facts(), Context(tmp_path))
@@ -380,6 +385,7 @@ def test_the_ddp_step_times_bucketed_against_torch_without_the_link_on_gloo(tmp_
     assert result.reason.endswith("; 2 processes but 1 GPU: using gloo on CPU")
 
 
+@pytest.mark.slow
 def test_a_command_past_its_timeout_is_ended_with_its_children(tmp_path):
     pid_file = tmp_path / "child.pid"
     code = (f"import subprocess, sys, time; c = subprocess.Popen([sys.executable, '-c', "
@@ -401,7 +407,7 @@ def test_a_command_past_its_timeout_is_ended_with_its_children(tmp_path):
 def test_the_readmes_tested_on_table_has_the_rows_shape_and_names_the_command():
     text = (ROOT / "README.md").read_text()
     section = text[text.index("## Tested on"):text.index("## Layout")]
-    assert "python -m ddp_lesson.gpucheck" in section
+    assert "python tools/gpucheck.py" in section
     lines = section.splitlines()
     start = lines.index("| GPU | torch | date | result |")
     table = list(itertools.takewhile(lambda ln: ln.startswith("|"), lines[start:]))
@@ -424,6 +430,7 @@ def test_docs_gpus_states_the_step_limits_the_module_has():
         assert f"| `{name}` |" in section, name
 
 
+@pytest.mark.slow
 def test_the_training_steps_command_runs_the_trainer_and_its_judge_reads_the_summary(tmp_path):
     # on gloo (any machine): the trainer accepts every flag and writes summary.json, and the
     # judge fails the run for what it is, a CPU run
@@ -437,6 +444,7 @@ def test_the_training_steps_command_runs_the_trainer_and_its_judge_reads_the_sum
     assert (tmp_path / "train-fp16" / "summary.json").is_file()
 
 
+@pytest.mark.slow
 def test_the_bandwidth_steps_command_reaches_the_bench_which_wants_nccl(tmp_path):
     p = Planned("allreduce-busbw", True, "", 2, "gloo", 120)
     result = gc.step_allreduce_busbw(p, facts(), Context(tmp_path))

@@ -296,6 +296,7 @@ def _catches_sigusr1(pid: int) -> bool:
     return bool(int(caught, 16) >> (signal.SIGUSR1 - 1) & 1)
 
 
+@pytest.mark.slow
 def test_stack_dump_on_sigusr1_shows_where_a_rank_waits():
     """``kill -USR1`` on a stuck worker prints its Python stack (faulthandler) and lets it run
     on: the stuck rank's stack ends in the line of the collective it waits in."""

@@ -131,6 +131,7 @@ def test_status_and_stop_without_cluster(capsys):
 
 # --------------------------------------------------------------------------- one shared cluster
 
+@pytest.mark.slow
 def test_start_line_names_ranks_backend_and_why(cluster):
     assert cluster.backend == "gloo"
     assert cl._start_line(cluster) == (
@@ -138,6 +139,7 @@ def test_start_line_names_ranks_backend_and_why(cluster):
     assert cluster.status()["alive"] == {0: True, 1: True}
 
 
+@pytest.mark.slow
 def test_state_kept_across_cells(cluster):
     assert cluster.run("x = torch.tensor([float(rank + 1)])") == {0: "", 1: ""}
     # the tensor made in the previous cell is all-reduced in this one: 1 + 2 = 3 on every rank
@@ -149,6 +151,7 @@ def test_state_kept_across_cells(cluster):
                                                                     1: "1 1 2 gloo\n"}
 
 
+@pytest.mark.slow
 def test_rank_ordered_deterministic_output(cluster, capsys):
     # rank 0 prints last in time, yet comes first: output is grouped in rank order
     cell = ("import time\nif rank == 0:\n    time.sleep(0.5)\n"
@@ -180,6 +183,7 @@ MIXED_OUT = ["print 1 {r}", "os.write {r}", "os.system {r}", "subprocess.run {r}
 MIXED_ERR = ["os.write err {r}", "print err {r}", "os.system err {r}", "subprocess.run err {r}"]
 
 
+@pytest.mark.slow
 def test_writes_that_bypass_python_come_in_program_order_20_times(cluster, capsys):
     """Each rank's stdout (and, under --show-stderr, its stderr) in the cell's own order, every
     line there, in 20 cells in a row: ipykernel's own fd watching loses or reorders lines
@@ -196,6 +200,7 @@ def test_writes_that_bypass_python_come_in_program_order_20_times(cluster, capsy
     assert wrong == []
 
 
+@pytest.mark.slow
 def test_a_process_left_running_neither_holds_its_cell_nor_shows_in_the_next(cluster):
     # the child holds the cell's stdout pipe, waiting for a line: the cell returns all the same
     assert cluster.run("import subprocess\n"
@@ -208,6 +213,7 @@ def test_a_process_left_running_neither_holds_its_cell_nor_shows_in_the_next(clu
         0: "waited 0\n", 1: "waited 0\n"}
 
 
+@pytest.mark.slow
 def test_rank_selection(cluster, capsys):
     cl.ranks_magic("--rank 1", "y = 10 * rank\nprint(y)")
     assert capsys.readouterr().out == "[rank 1] 10\n"
@@ -222,6 +228,7 @@ def test_rank_selection(cluster, capsys):
         cl.ranks_magic("--ranks a,b", "print(rank)")
 
 
+@pytest.mark.slow
 def test_error_on_one_rank_named_and_ranks_usable_afterwards(cluster, capsys):
     cluster.run("z = rank + 100")
     with pytest.raises(RanksError) as info:
@@ -249,6 +256,7 @@ def test_error_on_one_rank_named_and_ranks_usable_afterwards(cluster, capsys):
     ) == {0: "201\n", 1: "201\n"}
 
 
+@pytest.mark.slow
 def test_notebook_01_ranks_cells_replay_their_stored_output_three_times(cluster, capsys):
     """What nbval compares for notebook 01 deep dive's %%ranks cells (their stored stdout),
     replayed three times in a row on one cluster through the magic itself. (The suite also
@@ -269,6 +277,7 @@ def test_notebook_01_ranks_cells_replay_their_stored_output_three_times(cluster,
             assert capsys.readouterr().out == stored, c.source
 
 
+@pytest.mark.slow
 def test_notebook_04_ranks_cells_replay_their_stored_output(cluster, capsys):
     """Notebook 04's section 3b (NaiveDDP's and BucketedDDP's hooks traced cell by cell) through
     the magic on the shared 2 gloo ranks: the stored stdout comes back exactly (the order of
@@ -285,6 +294,7 @@ def test_notebook_04_ranks_cells_replay_their_stored_output(cluster, capsys):
         assert capsys.readouterr().out == stored, c.source
 
 
+@pytest.mark.slow
 def test_interrupt_reaches_the_ranks_and_keeps_the_cluster(cluster):
     cluster.run("kept = rank * 7")
     restarts, pids = cluster.restarts, dict(cluster.engine_pids)
@@ -306,6 +316,7 @@ def test_interrupt_reaches_the_ranks_and_keeps_the_cluster(cluster):
     assert cluster.run("print(kept)") == {0: "0\n", 1: "7\n"}
 
 
+@pytest.mark.slow
 def test_hang_ended_by_timeout_names_waiting_rank_and_restarts_cleanly(cluster, capsys):
     cluster.run("lost = 1")
     old = set(cluster.pids())
@@ -327,6 +338,7 @@ def test_hang_ended_by_timeout_names_waiting_rank_and_restarts_cleanly(cluster, 
     ) == {0: "2.0 False\n", 1: "2.0 False\n"}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)  # a cluster start and two restarts; the first cell's timeout: 600 s
 def test_a_rank_that_raises_while_its_peer_waits_is_shown_at_once(cluster, capsys,
                                                                   monkeypatch):
@@ -367,6 +379,7 @@ def test_a_rank_that_raises_while_its_peer_waits_is_shown_at_once(cluster, capsy
     assert str(info.value).startswith("rank 1 of 2 failed (rank 1: ValueError: bad shard); ")
 
 
+@pytest.mark.slow
 def test_stop_is_clean_and_leaves_no_process_or_file(cluster, capsys):
     pids, folder = set(cluster.pids()), cluster.folder
     assert len(pids) == 5 and alive(pids) == pids  # watchdog, controller, torchrun, 2 engines
@@ -400,6 +413,7 @@ def _kernel_start_cluster(km_client, args: str = "--nproc-per-node 2") -> str:
     return _kernel_run(km_client, f"%load_ext ddp_lesson\n%dist_start {args} --backend gloo")
 
 
+@pytest.mark.slow
 def test_kernel_restart_and_sigkill_leave_no_process_or_file(tmp_path):
     """A Jupyter kernel that ran %dist_start, restarted (shutdown request, then a new kernel),
     then SIGKILLed (the owning Python process killed outright): after each, within 10 s, no

@@ -77,6 +77,7 @@ def test_port_check_reads_master_port_from_the_environment(tmp_path):
     assert [f.ok for f in found if f.check == "port"] == [False]
 
 
+@pytest.mark.slow
 def test_a_missing_gloo_interface_is_what_makes_gloo_fail():
     """The fault reproduced: gloo's init_process_group with GLOO_SOCKET_IFNAME naming no
     interface fails with "Unable to find address for: NAME"; the doctor names it first."""
@@ -123,6 +124,7 @@ def test_shm_size_is_read_from_the_file_system(tmp_path):
     assert not missing.ok and "--ipc=host" in missing.fix
 
 
+@pytest.mark.slow
 def test_a_docker_sized_shm_is_a_problem(tmp_path):
     """The fault reproduced: a 64 MiB tmpfs, Docker's default /dev/shm."""
     mnt = tmp_path / "shm"
@@ -153,6 +155,7 @@ def test_is_torchrun(argv, expected):
     assert is_torchrun(argv) is expected
 
 
+@pytest.mark.slow
 def test_a_leftover_torchrun_is_found(tmp_path):
     """The fault reproduced: a real torchrun agent left running (its worker a plain sleep)."""
     agent = subprocess.Popen(
@@ -176,6 +179,7 @@ def test_a_leftover_torchrun_is_found(tmp_path):
     assert check_leftover_torchrun(tmp_path).ok
 
 
+@pytest.mark.slow
 def test_own_torchrun_agent_is_not_a_leftover():
     """The doctor run inside a torchrun job does not report the agent that started it."""
     code = ("import os\n"
@@ -297,6 +301,7 @@ def test_ddp_doctor_magic_is_registered_and_runs(capsys, monkeypatch):
     assert "ok       leftover: none (test)" in out
 
 
+@pytest.mark.slow
 def test_ddp_lesson_doctor_command_exits_1_on_a_problem():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -65,6 +65,7 @@ def test_launcher_disables_the_shared_rendezvous_store():
         "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "0"
 
 
+@pytest.mark.slow
 def test_kill_right_after_a_checkpoint_recovers_bit_identical(tmp_path, reference):
     r = _train(tmp_path, ["--simulate-failure-at-step", "2", "--failure-rank", "0"],
                max_restarts=1)
@@ -78,6 +79,7 @@ def test_kill_right_after_a_checkpoint_recovers_bit_identical(tmp_path, referenc
     assert _same(_model(tmp_path), reference)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("attempt", range(2))
 def test_kill_mid_epoch_between_checkpoints_recovers_bit_identical(tmp_path, reference, attempt):
     r = _train(tmp_path, ["--simulate-failure-at-step", "5", "--failure-rank", "1"],
@@ -128,6 +130,7 @@ def test_kill_during_checkpoint_write_keeps_previous_checkpoint():
                      "same weights as the uninterrupted run: True"]
 
 
+@pytest.mark.slow
 def test_two_nodes_of_one_process_train_the_same_weights(tmp_path, reference):
     r = _train(tmp_path, nproc_per_node=1, nnodes=2)
     assert any(line.startswith("world_size 2 ") for line in r.rank_lines(0))

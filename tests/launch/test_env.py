@@ -97,6 +97,7 @@ def test_print0_prints_on_rank_0_only(capsys, monkeypatch):
     assert capsys.readouterr().out == "hello\n"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_init_distributed_and_cleanup_on_three_ranks():
     """A real gloo group of 3: every rank joins, sums, tears down cleanly; one announcement."""

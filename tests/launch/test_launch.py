@@ -39,6 +39,7 @@ def _wait_dead(pids, seconds=10.0) -> list[int]:
     return [p for p in pids if _alive(p)]
 
 
+@pytest.mark.slow
 def test_outputs_come_back_in_rank_order_whatever_the_finishing_order():
     # rank 0 prints last; the result is still grouped rank 0, 1, 2
     code = textwrap.dedent("""
@@ -80,6 +81,7 @@ def gloo_pair():
                         live=False, backend="gloo", env={**os.environ, "OMP_NUM_THREADS": "2"})
 
 
+@pytest.mark.slow
 def test_workers_get_backend_threads_and_a_real_process_group(gloo_pair):
     result = gloo_pair
     # an explicit backend reaches every rank; the user's OMP_NUM_THREADS is kept; 1 + 2 = 3
@@ -89,6 +91,7 @@ def test_workers_get_backend_threads_and_a_real_process_group(gloo_pair):
     assert result.backend == "gloo"
 
 
+@pytest.mark.slow
 def test_omp_banner_silenced_and_threads_set_when_unset():
     # and every rank uses the backend the launcher chose and printed, with its reason; the
     # request comes from the run's own environment (env=), not from this process's
@@ -104,6 +107,7 @@ def test_omp_banner_silenced_and_threads_set_when_unset():
     assert "OMP_NUM_THREADS" not in result.launcher_stderr  # no starred banner (cases C5)
 
 
+@pytest.mark.slow
 def test_failing_rank_raises_with_its_traceback():
     code = textwrap.dedent("""
         import os
@@ -153,6 +157,7 @@ def jobs_at_once():
                              live=False)
 
 
+@pytest.mark.slow
 def test_check_false_returns_the_failure_instead(jobs_at_once):
     # the "fails" job: every rank exits 3, and run_torchrun(check=False) returned its result
     # (with check=True it would have raised, and run_torchrun_many with it)
@@ -161,6 +166,7 @@ def test_check_false_returns_the_failure_instead(jobs_at_once):
     assert result.failed_rank in (0, 1)
 
 
+@pytest.mark.slow
 def test_timeout_ends_every_process(tmp_path):
     code = textwrap.dedent(f"""
         import os, time
@@ -181,6 +187,7 @@ def test_timeout_ends_every_process(tmp_path):
     assert _wait_dead(pids) == []
 
 
+@pytest.mark.slow
 def test_a_ranks_sigterm_handler_gets_torchruns_grace(tmp_path):
     """A rank that saves for 8 s on SIGTERM (a preemption checkpoint) finishes when the run is
     ended (an interrupt here; a timeout takes the same path), as under plain torchrun, whose
@@ -281,6 +288,7 @@ def _interrupt_script(tmp_path: Path, signum: int, many: bool = False
     return below, proc.returncode, out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("many", [False, True], ids=["one_job", "two_jobs_at_once"])
 def test_interrupt_leaves_no_process(tmp_path, many):
     below, code, out = _interrupt_script(tmp_path, signal.SIGINT, many)
@@ -291,6 +299,7 @@ def test_interrupt_leaves_no_process(tmp_path, many):
     assert _wait_dead(below) == []
 
 
+@pytest.mark.slow
 def test_killing_the_launcher_outright_leaves_no_orphans(tmp_path):
     # a notebook kernel killed with SIGKILL cannot clean up: its watchdog and the death
     # signals must do it, for the processes the ranks started too
@@ -299,6 +308,7 @@ def test_killing_the_launcher_outright_leaves_no_orphans(tmp_path):
     assert _wait_dead(below, seconds=10) == []
 
 
+@pytest.mark.slow
 def test_launches_at_once_get_different_ports_and_come_back_in_job_order(jobs_at_once):
     # "slow" finishes last but comes back first; "fails" exits 3 on both ranks (check=False)
     results = jobs_at_once
@@ -320,6 +330,7 @@ def test_launches_at_once_raise_the_first_failed_job_in_order():
         run_torchrun_many(jobs, live=False)
 
 
+@pytest.mark.slow
 def test_module_and_script_targets_get_their_arguments(tmp_path):
     script = tmp_path / "show_args.py"
     script.write_text("import os, sys; print(os.environ['RANK'], sys.argv[1:])\n")
@@ -479,6 +490,7 @@ def test_magic_line_splitting():
         split_magic_line("--nproc-per-node 2 -m")
 
 
+@pytest.mark.slow
 def test_magic_prints_backend_once_then_ranks_in_order(capsys):
     torchrun_magic("--nproc-per-node 2 --timeout 90 --backend gloo",
                    "import os\nprint('hi', os.environ['RANK'])\n")
@@ -493,6 +505,7 @@ def test_magic_prints_backend_once_then_ranks_in_order(capsys):
         torchrun_magic("--nproc-per-node two", "print(1)")
 
 
+@pytest.mark.slow
 def test_two_simulated_nodes_form_one_job():
     # two torchrun agents on this host joined by c10d rendezvous, as two machines would be
     code = textwrap.dedent("""
@@ -510,6 +523,7 @@ def test_two_simulated_nodes_form_one_job():
     assert "--nnodes 2 --rdzv-backend c10d" in result.torchrun_command
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("nproc, preset, expect_banner, expect_seen", [
     (2, None, True, "1"),      # unset: torchrun sets 1 per worker and prints its starred banner
     (2, "2", False, "2"),      # set: no banner, the value is kept
@@ -547,6 +561,7 @@ def test_error_shows_a_rank_that_said_why():
     assert _failed_rank("", {0: "", 1: "Traceback (most recent call last):\nE\n"}) == (1, None)
 
 
+@pytest.mark.slow
 def test_error_message_carries_the_cause_and_args_may_be_a_string(gloo_pair):
     code = "import os, sys\nif os.environ['RANK'] == '0': sys.exit('epochs must be >= 1, got 0')\n"
     with pytest.raises(TorchrunError) as info:

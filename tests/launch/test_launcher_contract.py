@@ -76,6 +76,7 @@ cleanup()
 '''
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("nnodes", [1, 2])
 def test_progress_bars_stderr_names_temp_folder_and_sockets(tmp_path, monkeypatch, nnodes):
     """Progress bars, stderr, the temporary folder and the listening sockets, on one launch each
@@ -97,8 +98,10 @@ def test_progress_bars_stderr_names_temp_folder_and_sockets(tmp_path, monkeypatc
     for rank in (0, 1):
         assert result.errors[rank].splitlines()[0] == (
             f"<torchrun cell>:{line}: UserWarning: a warning names the cell, not a temporary path")
-    # 10: nothing left in $TMPDIR (torchrun's torchelastic_* folder was in the run's folder)
-    assert os.listdir(private_tmp) == []
+    # 10: nothing left in $TMPDIR (torchrun's torchelastic_* folder was in the run's folder) but
+    # the standard fork server's folder if this launch started it (one per launching process)
+    left = os.listdir(private_tmp)
+    assert len(left) <= 1 and all(n.startswith("pymp-") for n in left), left
     # 11: the workers' store (node 0's agent hosts it: a run that cannot restart shares it) and
     # gloo listen on loopback only; the agents' rendezvous store is hosted by the launcher, on
     # 127.0.0.1 too
@@ -128,6 +131,7 @@ time.sleep(60)
 '''
 
 
+@pytest.mark.slow
 def test_the_first_failing_rank_is_named_and_later_ones_listed_as_consequences():
     with pytest.raises(TorchrunError) as info:
         run_torchrun(code=FAIL_IN_TURN, nproc_per_node=3, timeout=120, live=False)
@@ -167,6 +171,7 @@ def shape_error() -> str:
     return str(info.value)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("nproc", [2, 3])
 def test_a_peer_waiting_in_a_collective_is_a_consequence_not_the_cause(nproc):
     with pytest.raises(TorchrunError) as info:
@@ -264,6 +269,7 @@ print("cwd on sys.path:", os.getcwd() in sys.path)
 """
 
 
+@pytest.mark.slow
 def test_cell_program_ends_as_under_plain_torchrun(tmp_path):
     """The same script under plain torchrun and under the launcher, line for line.
 
@@ -294,6 +300,7 @@ def test_cell_program_ends_as_under_plain_torchrun(tmp_path):
         assert (folder / "unclosed.txt").read_text() == "written, never closed"
 
 
+@pytest.mark.slow
 def test_a_cell_that_prints_warns_and_prints_replays_five_times(tmp_path):
     """nbval never compares stderr (notebooks/conftest.py), whose text varies."""
     import shutil
@@ -411,6 +418,7 @@ def _subshell_probe(client) -> None:
     time.sleep(0.5)
 
 
+@pytest.mark.slow
 def test_in_a_kernel_busy_throughout_text_status_and_one_line_interrupt(tmp_path):
     """The status line, the busy kernel and the interrupt in a real IPython kernel; and
     ``--show-stderr`` names the cell."""

@@ -15,7 +15,7 @@ import torch
 
 from ddp_lesson.launch import run_torchrun
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
 TINY = ["--size", "32", "64", "--width", "8", "--num-train", "64", "--num-val", "8", "-b", "2",
         "--epochs", "500", "--checkpoint-every-steps", "2"]  # far longer than the test waits
@@ -96,7 +96,7 @@ def test_next_launch_works_at_once_after_an_interrupt(tmp_path):
     proc = subprocess.Popen([sys.executable, str(driver)])
     _wait_for(lambda: all((tmp_path / f"started{r}").exists() for r in (0, 1)), 60, "both workers")
     # its 2 workers (the agent, forked from the launcher's fork server, runs under that
-    # server's command line: ddp_lesson.launch.forkserver)
+    # server's command line: multiprocessing.forkserver)
     assert len(_processes_mentioning(str(worker))) >= 2
     proc.send_signal(signal.SIGINT)
     assert proc.wait(timeout=60) == 130

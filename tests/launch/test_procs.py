@@ -12,7 +12,7 @@ import pytest
 
 from ddp_lesson import procs
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(60)]
 
 
 def test_a_dead_pid_is_not_alive():

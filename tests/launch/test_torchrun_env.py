@@ -89,6 +89,7 @@ def test_notebook00_lab_on_three_ranks():
         ]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_plain_torchrun_defaults(tmp_path):
     """Plain torchrun, nothing preset: OMP_NUM_THREADS=1 with 2 processes, shared agent store."""
@@ -153,6 +154,7 @@ cleanup()
 """
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("max_restarts", [0, 1])
 def test_shared_store_follows_restarts(max_restarts):

@@ -92,6 +92,7 @@ def test_sample_depends_only_on_seed_and_index():
     assert_same_samples(in_order, [forward[i] for i in range(6)])  # asked again
 
 
+@pytest.mark.slow
 def test_dataloader_workers_see_the_same_samples():
     dataset = SyntheticCityscapes(6, seed=1)
     loader = torch.utils.data.DataLoader(dataset, batch_size=3, num_workers=2)

@@ -61,6 +61,7 @@ def test_every_parameter_gets_a_gradient(name):
         assert torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0, pname
 
 
+@pytest.mark.slow
 def test_ddp_without_find_unused_parameters(world_of_one):
     """Two DDP steps in a world of one (gloo): the reducer finds no unused parameter."""
     ddp = nn.parallel.DistributedDataParallel(DeepLabV3Mini(width=4),

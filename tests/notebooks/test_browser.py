@@ -64,7 +64,7 @@ from procfs import proc_table
 # hang. The module fixtures open every stored notebook in turn (132 s unloaded on 2 cores, 247 s
 # under a second suite's load), so the backstop is far above that: at 300 s, the fixture's setup
 # outlived it under load (both suites of a loaded pair, 3 errors each).
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOK = "02_sampler_sharding.ipynb"

@@ -113,6 +113,7 @@ EVAL_WORKER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_02_eval_under_no_grad_one_buffer_broadcast_and_no_per_batch_collective(tmp_path):
     script = tmp_path / "eval_worker.py"
@@ -182,6 +183,7 @@ def test_02_deep_prose_and_pitfalls_numpy_worker_seed_is_a_hash():
     assert "entropy = [worker_id, base_seed & MASK32, base_seed >> 32, 0]" in worker
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_02_numpy_in_a_worker_is_not_seeded_base_seed_plus_worker_id():
     from torch.utils.data._utils.worker import _generate_state

@@ -29,7 +29,7 @@ LAYERS = {
                     "cost_model"],
     "trainer": ["config", "step", "train", "data", "models", "gpt"],
     "display": ["viz", "widgets"],
-    "programs": ["labs", "bench", "convert", "seedfix", "cli", "gpucheck", ""],  # "" = __init__
+    "programs": ["labs", "bench", "convert", "seedfix", "cli", ""],  # "" = __init__
     # what runs and judges a candidate, knowing no exercise: it never imports the catalogue
     "exercise machinery": ["exercises.registry", "exercises.values", "exercises.errors",
                            "exercises.failures", "exercises.core", "exercises._runner"],

@@ -110,7 +110,7 @@ def test_an_optimizers_first_step_imports_dynamo_as_contributing_says():
 def test_a_fork_server_and_its_forked_agents_have_kinds_of_their_own(tmp_path):
     test = "demo/launch_y.py::test_b (call)"
     _put(tmp_path, 20, 1, ["-c"], "", 10.0)
-    _put(tmp_path, 21, 20, ["/r/ddp_lesson/launch/forkserver.py", "9", "20"], test, 1.3)
+    _put(tmp_path, 21, 20, ["-c", "from multiprocessing.forkserver import main"], test, 1.3)
     # a forked agent writes no start record (it is not a new Python), only its exit
     rec = {"pid": 22, "ppid": 21, "argv": AGENT, "test": test, "cpu_s": 0.2, "wall_s": 1.0,
            "dynamo": False}

@@ -1,5 +1,6 @@
-"""The quick tier holds itself (tests/tiers.py): the slow list names real tests, the guard
-refuses every way of starting a process, and the markers are registered."""
+"""The quick tier holds itself (tests/tiers.py): the guard refuses every way of starting a
+process, the markers are registered, and tools/slow_markers.py writes an old central list of
+slow tests as markers."""
 
 from __future__ import annotations
 
@@ -21,9 +22,46 @@ def _refuse(message):
     raise Refused(message)
 
 
-def test_every_slow_entry_names_an_existing_test_file_and_function():
-    assert tiers.SLOW, "the slow list is empty"
-    assert tiers.stale_entries() == []
+def test_no_central_slow_list_is_left():
+    """A branch merged with the old list (tests/tiers.py SLOW) marks nothing: convert it with
+    tools/slow_markers.py (its docstring says how)."""
+    assert not getattr(tiers, "SLOW", None), "run tools/slow_markers.py on the merged SLOW list"
+
+
+def test_slow_markers_writes_the_old_list_as_markers(tmp_path):
+    sys.path.insert(0, str(tiers.TESTS.parent / "tools"))
+    try:
+        import slow_markers
+    finally:
+        sys.path.pop(0)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a/test_all.py").write_text(
+        "import os\n\npytestmark = pytest.mark.timeout(9)\n\n\ndef test_x():\n    pass\n")
+    (tmp_path / "a/test_some.py").write_text(
+        '"""Doc."""\nimport os\n\n\n@deco\ndef test_a():\n    pass\n\n\n'
+        "class TestB:\n    def test_c(self):\n        pass\n\n\ndef test_d():\n    pass\n")
+    slow = {"a/test_all.py": "*", "a/test_some.py": {"test_a", "TestB", "test_gone"}}
+    problems = slow_markers.apply(slow, "*", tmp_path)
+    assert problems == ["a/test_some.py::test_gone: no such test"]
+    assert "pytestmark = [pytest.mark.slow, pytest.mark.timeout(9)]" in (
+        tmp_path / "a/test_all.py").read_text()
+    some = (tmp_path / "a/test_some.py").read_text()
+    assert some.startswith('"""Doc."""\nimport pytest\nimport os\n')
+    assert "@pytest.mark.slow\n@deco\ndef test_a" in some
+    assert "@pytest.mark.slow\nclass TestB" in some and some.count("mark.slow") == 2
+    slow_markers.apply(slow, "*", tmp_path)  # idempotent
+    assert (tmp_path / "a/test_some.py").read_text() == some
+
+
+def test_every_test_that_starts_a_process_here_is_marked_slow():
+    """Spot check of the conversion: files whose every test launches torchrun are marked."""
+    import ast
+
+    for rel in ("launch/test_preemption.py", "train/test_train_resize.py", "zero/test_fsdp.py"):
+        tree = ast.parse((tiers.TESTS / rel).read_text())
+        marks = [ast.unparse(n.value) for n in tree.body if isinstance(n, ast.Assign)
+                 and ast.unparse(n.targets[0]) == "pytestmark"]
+        assert any("pytest.mark.slow" in m for m in marks), rel
 
 
 def test_the_guard_refuses_a_subprocess_a_multiprocessing_process_and_os_calls():
@@ -47,11 +85,7 @@ def test_system_tools_libraries_call_are_let_through():
     assert tiers._command_name([sys.executable, "-m", "torch.distributed.run"]) not in tiers.TOOLS
 
 
-def test_slow_lookup_by_file_function_and_class():
-    assert tiers.is_listed_slow(tiers.TESTS / "launch/test_preemption.py", {"anything"})
-    train = tiers.TESTS / "train/test_train.py"
-    assert tiers.is_listed_slow(train, {"test_two_process_training_run", "TestMultiProcess"})
-    assert not tiers.is_listed_slow(train, {"test_defaults", None})
+def test_notebook_marker_lookup():
     assert tiers.reads_notebooks(tiers.TESTS / "notebooks/test_stored_notebooks.py")
     assert not tiers.reads_notebooks(tiers.TESTS / "sampler/test_sampler.py")
 

@@ -145,11 +145,13 @@ def _gathered(run, prefix: str = "JSON "):
     return json.loads(line[len(prefix):])
 
 
+@pytest.mark.slow
 def test_every_rank_gets_torchs_shard_through_a_real_dataloader(shards_run):
     for c, shards in zip(CONFIGS, _gathered(shards_run)):
         assert shards == torch_shards(r=3, **c), c
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("prefix", ["CORE ", "JSON "], ids=["core", "hardened"])
 @pytest.mark.parametrize("world", [2, 3])
 def test_core_and_hardened_equal_torch_on_two_and_three_ranks(request, prefix, world):
@@ -158,6 +160,7 @@ def test_core_and_hardened_equal_torch_on_two_and_three_ranks(request, prefix, w
         assert shards == torch_shards(r=world, **c), (world, c)
 
 
+@pytest.mark.slow
 def test_one_epoch_touches_each_index_once_or_exactly_the_padding(shards_run):
     R = 3
     checked_even = checked_pad = checked_drop = 0
@@ -185,6 +188,7 @@ def test_one_epoch_touches_each_index_once_or_exactly_the_padding(shards_run):
     assert checked_even and checked_pad and checked_drop
 
 
+@pytest.mark.slow
 def test_a2_same_seed_and_epoch_partition_on_every_rank(shards_run):
     for c, shards in zip(CONFIGS, _gathered(shards_run)):
         if c["n"] % 3 == 0:
@@ -206,6 +210,7 @@ def _blocks(lines):
     return blocks
 
 
+@pytest.mark.slow
 def test_shards_lab_report_as_the_notebook_shows_it(shards_run):
     lines = [l for l in shards_run.rank_lines(0) if not l.startswith(("JSON ", "CORE "))]
     blocks = _blocks(lines)

@@ -155,6 +155,7 @@ def _rank_items(n, R, rank, workers, batch_size):
     return [i for b in batches for i in b], len(batches)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_issue_case_103_items_two_ranks_two_real_workers_each_item_once():
     got = [_rank_items(103, 2, r, workers=2, batch_size=5) for r in range(2)]

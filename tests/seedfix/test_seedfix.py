@@ -421,6 +421,7 @@ def direct_runs():
     return run_torchrun_many(jobs, label="seed runs")
 
 
+@pytest.mark.slow
 def test_the_seed_fails_on_its_own_with_the_traceback(direct_runs):
     run = direct_runs["seed_v0"]
     assert run.returncode != 0
@@ -429,6 +430,7 @@ def test_the_seed_fails_on_its_own_with_the_traceback(direct_runs):
         assert run.outputs[rank] == ""
 
 
+@pytest.mark.slow
 def test_the_repaired_program_runs_on_its_own_without_a_warning(direct_runs):
     run = direct_runs[f"seed_v{FINAL}"]
     assert run.returncode == 0, run.errors
@@ -441,6 +443,7 @@ def test_the_repaired_program_runs_on_its_own_without_a_warning(direct_runs):
         assert "Warning" not in run.errors[rank], run.errors[rank]
 
 
+@pytest.mark.slow
 @pytest.mark.gpu
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

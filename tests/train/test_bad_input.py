@@ -105,6 +105,7 @@ dist.destroy_process_group()
 """
 
 
+@pytest.mark.slow
 def test_static_graph_with_no_sync_fails_in_torch_as_the_refusal_says():
     """Why ``--static-graph --grad-accum-steps 2`` is refused: torch's DDP itself fails with
     ``static_graph=True`` when its first backward runs inside ``no_sync()`` (huggingface/
@@ -462,6 +463,7 @@ cleanup()
 '''
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_every_rank_exits_and_only_rank_0_reports(tmp_path, good_checkpoint):
     truncated = _bad_file("truncated", tmp_path / "trunc", good_checkpoint)
@@ -506,6 +508,7 @@ os._exit(0)
 '''
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_failed_summary_write_on_rank_0_raises_on_every_rank(tmp_path):
     """Issue 41 item 10: rank 0 cannot write summary.json (a folder is in the way). Rank 1

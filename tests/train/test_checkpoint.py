@@ -25,6 +25,7 @@ from ddp_lesson.launch import TorchrunError, run_torchrun
 
 # ---- B12: the module. prefix ---------------------------------------------------------------
 
+@pytest.mark.slow
 def test_b12_ddp_keys_carry_the_prefix_and_the_helper_strips_it(world_of_one):
     # world_of_one: a real gloo process group of one rank (torch's DDP needs one)
     torch.manual_seed(0)
@@ -261,6 +262,7 @@ os._exit(0)
 '''
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_b14_save_then_load_on_every_rank(tmp_path):
     script = tmp_path / "b14.py"
@@ -332,6 +334,7 @@ os._exit(0)
 '''
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)  # rank 1 would otherwise wait RANK0_WAIT_S = 1800 s for each answer
 def test_any_failure_on_rank0_raises_on_every_rank_at_once(tmp_path):
     script = tmp_path / "rank0_fails.py"
@@ -368,6 +371,7 @@ ck.save_checkpoint(bad, sys.argv[1])  # uncaught: the run fails
 '''
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_the_run_names_rank_0_not_the_rank_it_told(tmp_path):
     """Rank 1's Rank0Error passes on rank 0's failure: the launcher names rank 0 as the cause,
@@ -427,6 +431,7 @@ def _dead_pid() -> int:
     return proc.pid
 
 
+@pytest.mark.slow
 def test_sweep_removes_only_dead_writers_files_of_this_checkpoint(tmp_path):
     import subprocess
     import sys
@@ -452,6 +457,7 @@ def test_sweep_removes_only_dead_writers_files_of_this_checkpoint(tmp_path):
     assert ck.sweep_temporaries(str(tmp_path / "no" / "folder" / "c.pt")) == []
 
 
+@pytest.mark.slow
 def test_a_good_save_sweeps_a_killed_writers_file_but_not_a_live_ones(tmp_path):
     path = tmp_path / "c.pt"
     dead, live = _dead_pid(), os.getppid()
@@ -477,6 +483,7 @@ def test_the_trainer_sweeps_at_start_before_any_write(tmp_path):
     assert not [p for p in os.listdir(out) if ".tmp." in p and p != "notes.tmp.1"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_cli_kill_during_save_recovers_and_leaves_no_temporary(tmp_path):
     """B26's command: SIGKILL inside the checkpoint write, restart, tmp file gone."""

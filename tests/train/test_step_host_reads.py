@@ -105,6 +105,7 @@ def test_train_step_refuses_no_micro_batch():
         train_step(model, opt, [], 2)
 
 
+@pytest.mark.slow
 def test_the_trainers_steps_read_nothing_to_the_host(world_of_one, monkeypatch, tmp_path):
     """Trainer.step (the fit loop's per-step call) under the same guard, on a group of one
     with torch's DDP and fp32 clipping; the epoch's flush then reads the sums and norms once."""

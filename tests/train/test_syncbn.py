@@ -219,6 +219,7 @@ def three_ranks(tmp_path_factory):
     return _launch(tmp_path_factory.mktemp("sbn3"), 3, [1, 4, 2])
 
 
+@pytest.mark.slow
 def test_b11_exact_values(two_ranks):
     """docs/pitfalls.md B11: global mean 2.5, biased var 1.25; running stats 0.25 and 1.06667."""
     expected_y = {0: [-1.3416, -0.4472], 1: [0.4472, 1.3416]}
@@ -233,6 +234,7 @@ def test_b11_exact_values(two_ranks):
         assert b11["plain_running_var"] == pytest.approx(0.95, abs=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", ["two", "three"])
 def test_unequal_batches_match_batchnorm_on_the_concatenated_batch(world, two_ranks,
                                                                    three_ranks):
@@ -249,6 +251,7 @@ def test_unequal_batches_match_batchnorm_on_the_concatenated_batch(world, two_ra
         assert out["unequal"]["eval_y"] < 1e-5
 
 
+@pytest.mark.slow
 def test_bf16_input_keeps_torchs_dtype(two_ranks):
     """fp32 parameters with a bf16 input, and under autocast (the ``--sync-bn --amp bf16``
     path): the output dtype is torch's BatchNorm's; values within one bf16 step (2^-7 of the
@@ -263,11 +266,13 @@ def test_bf16_input_keeps_torchs_dtype(two_ranks):
         assert b["y"] <= step, (rank, b["y"], step)
 
 
+@pytest.mark.slow
 def test_a_rank_with_an_empty_batch(three_ranks):
     for out in three_ranks.values():
         assert out["empty_rank"]["y"] < 1e-5 and out["empty_rank"]["running_mean"] < 1e-6
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", ["two", "three"])
 def test_converted_model_under_ddp_equals_one_process_on_the_global_batch(world, two_ranks,
                                                                           three_ranks):
@@ -277,6 +282,7 @@ def test_converted_model_under_ddp_equals_one_process_on_the_global_batch(world,
         assert out["ddp_step"]["buffers"] < 1e-5
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", ["two", "three"])
 def test_when_to_synchronise_is_torchs_rule(world, two_ranks, three_ranks):
     """docs/pitfalls.md B42. ``nn.SyncBatchNorm.forward`` (torch/nn/modules/batchnorm.py):
@@ -305,6 +311,7 @@ def test_when_to_synchronise_is_torchs_rule(world, two_ranks, three_ranks):
                     "SyncBatchNorm expected input tensor to be on GPU"), res["torch_train"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", ["two", "three"])
 def test_eval_with_one_more_batch_on_one_rank_does_not_communicate(world, two_ranks,
                                                                     three_ranks):

@@ -40,6 +40,7 @@ def _methods(lines):
     return out
 
 
+@pytest.mark.slow
 def test_the_batch_has_unequal_token_counts(lab):
     rank0, _ = lab
     counts = ast.literal_eval(_value(rank0, "valid tokens per micro-batch, by rank: "))
@@ -49,6 +50,7 @@ def test_the_batch_has_unequal_token_counts(lab):
     assert "the same count, errors and fp16 results on every rank: True" in rank0
 
 
+@pytest.mark.slow
 def test_only_the_global_token_count_matches_one_process(lab):
     rank0, rank1 = lab
     m = _methods(rank0)
@@ -59,6 +61,7 @@ def test_only_the_global_token_count_matches_one_process(lab):
     assert "the same count, errors and fp16 results on every rank: True" in rank0
 
 
+@pytest.mark.slow
 def test_fp16_divide_before_the_sum(lab):
     rank0, _ = lab
     assert "fp16, scale 2^16, sum then divide: finite False" in rank0
@@ -66,6 +69,7 @@ def test_fp16_divide_before_the_sum(lab):
     assert "divide then sum within fp16 precision (< 1e-3): True" in rank0
 
 
+@pytest.mark.slow
 def test_printed_lines(lab):
     rank0, _ = lab
     assert rank0 == [

@@ -37,6 +37,7 @@ def test_bucket_cap_left_to_torch_unless_given():
     assert "default 25" not in help_text
 
 
+@pytest.mark.slow
 def test_trainer_wraps_torchs_ddp_with_torchs_default_buckets(world_of_one):
     import types
 
@@ -257,6 +258,7 @@ def _check_summary(s, world_size, batch_size=4):
     assert s["config"]["num_train"] == 32 and s["torch"]
 
 
+@pytest.mark.slow
 def test_single_process_run(tmp_path):
     """One plain process (no torchrun): world size 1, no process group, no DDP wrapper."""
     proc, s = _run([sys.executable, "-m", "ddp_lesson.train", *TINY, "--local_rank=0"], tmp_path)
@@ -275,6 +277,7 @@ def test_single_process_run(tmp_path):
     assert (ckpt["epoch"], ckpt["step_in_epoch"], ckpt["global_step"]) == (1, 0, 8)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 class TestMultiProcess:
     """Multi-process: the README's main command, a real 2-rank gloo job under torchrun."""

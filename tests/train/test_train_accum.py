@@ -117,6 +117,7 @@ def results(tmp_path_factory):
     return {r: json.loads(res.rank_lines(r)[-1]) for r in range(2)}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_b4_sync_on_the_last_micro_batch(results):
     # correct: (1 + 3 + 1 + 6) / 2 = 5.5 on both ranks; buggy order: 4.0 and 7.0
@@ -124,6 +125,7 @@ def test_b4_sync_on_the_last_micro_batch(results):
     assert (results[0]["b4_buggy"], results[1]["b4_buggy"]) == (4.0, 7.0)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_b5_mean_matches_one_process_and_sum_is_off_by_r(results):
     for out in results.values():
@@ -132,6 +134,7 @@ def test_b5_mean_matches_one_process_and_sum_is_off_by_r(results):
         assert out["b5_mean_times_r"] == 30.0
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_accumulation_equals_one_step_on_the_larger_batch(results):
     for out in results.values():

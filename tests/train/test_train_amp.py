@@ -16,7 +16,7 @@ from ddp_lesson.data import NUM_CLASSES, make_datasets
 from ddp_lesson.labs import amp_clip as ac
 from ddp_lesson.models import build_model
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
 
 @pytest.fixture(scope="module")

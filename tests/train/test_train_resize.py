@@ -29,6 +29,8 @@ from ddp_lesson import train
 from ddp_lesson.launch import run_torchrun
 from ddp_lesson.models import build_model
 
+pytestmark = pytest.mark.slow
+
 # R=2, K=1: 16 samples per rank, 4 micro-batches, 4 steps per epoch, 8 in all
 BASE = ["--epochs", "2", "--num-train", "32", "--num-val", "4", "-b", "4", "--size", "32", "64",
         "--width", "4"]

@@ -260,6 +260,7 @@ cleanup()
 '''
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_two_ranks_interrupted_and_resumed_are_bit_identical(tmp_path):
     script = tmp_path / "two_ranks.py"
@@ -340,6 +341,7 @@ cleanup()
 '''
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_three_ranks_resume_is_bit_identical_with_torch_ddp(tmp_path):
     """With 3 ranks the gradient sum's order depends on DDP's bucket layout, which torch's

@@ -8,7 +8,7 @@ from gpt_reference import lab_value, single_process_losses
 
 from ddp_lesson.gpt import TinyGPT
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
 
 def test_fsdp_matches_ddp(fsdp_lab):

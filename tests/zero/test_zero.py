@@ -101,6 +101,7 @@ CORE_AND_HARDENED = textwrap.dedent(r"""
 """)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 3])
 def test_core_and_hardened_equal_adamw_and_torch_zero(world):
     result = run_torchrun(code=CORE_AND_HARDENED, nproc_per_node=world, timeout=120, live=False,
@@ -114,6 +115,7 @@ def test_core_and_hardened_equal_adamw_and_torch_zero(world):
                 assert f"{name} {fact}: True" in lines, (rank, name, fact, lines)
 
 
+@pytest.mark.slow
 def test_equal_to_ddp_adamw_and_torch_zero(zero_lab):
     _, lines = zero_lab
     for key in ("same losses as DDP+AdamW",
@@ -127,6 +129,7 @@ def test_equal_to_ddp_adamw_and_torch_zero(zero_lab):
         assert lab_value(lines, key) == "True", key
 
 
+@pytest.mark.slow
 def test_losses_match_a_single_process_run(zero_lab):
     world_size, lines = zero_lab
     ref = single_process_losses(10, world_size)
@@ -136,6 +139,7 @@ def test_losses_match_a_single_process_run(zero_lab):
         assert f"{ref[0]:.3f} -> {ref[-1]:.3f}" == "4.656 -> 3.663"
 
 
+@pytest.mark.slow
 def test_optimizer_state_is_one_over_world_size(zero_lab):
     world_size, lines = zero_lab
     m = TinyGPT(vocab_size=103)
@@ -152,6 +156,7 @@ def test_optimizer_state_is_one_over_world_size(zero_lab):
         assert abs(b * world_size / full - 1) < 0.10
 
 
+@pytest.mark.slow
 def test_single_rank_equals_adamw_and_errors(world_of_one):
     from ddp_lesson.zero import ShardedOptimizer
 

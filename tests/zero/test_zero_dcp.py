@@ -17,7 +17,7 @@ from ddp_lesson.labs.zero_dcp import compare
 from ddp_lesson.launch import run_torchrun_many
 from ddp_lesson.zero import dcp_load
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 LAB = "ddp_lesson.labs.zero_dcp"
 N_PARAMS = 29  # TinyGPT's parameter tensors
 

@@ -1,8 +1,8 @@
 """The GPU acceptance run: one command a maintainer runs on a GPU machine, unedited.
 
-    python -m ddp_lesson.gpucheck                       # every step, at most 8 minutes
-    python -m ddp_lesson.gpucheck --quick               # without the gpu tests and the notebooks
-    python -m ddp_lesson.gpucheck --skip notebooks --out runs/gpucheck
+    python tools/gpucheck.py                       # every step, at most 8 minutes
+    python tools/gpucheck.py --quick               # without the gpu tests and the notebooks
+    python tools/gpucheck.py --skip notebooks --out runs/gpucheck
 
 It prints what it found (GPUs with name, memory, compute capability; torch, CUDA, NCCL, cuDNN,
 the driver from ``nvidia-smi``; native bfloat16; peer-to-peer access between GPU pairs), then
@@ -52,7 +52,7 @@ import xml.etree.ElementTree as ET
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from .env import choose_backend
+from ddp_lesson.env import choose_backend
 
 #: Each step's limit in seconds, in the order the steps run; the sum is the whole run's bound.
 TIMEOUT_S = {"environment": 20, "gpu-tests": 120, "train-bf16": 40, "train-fp16": 40,
@@ -479,7 +479,7 @@ def bandwidth_figures(rows: list[dict]) -> list[dict]:
     """The all-reduce rows of ``ddp-lesson bench allreduce`` as figures: size, median time,
     algbw and busbw in GB/s (1 GB = 1e9 bytes), busbw = algbw x 2(n-1)/n (nccl-tests,
     doc/PERFORMANCE.md): 0 at world size 1, where no byte crosses a link."""
-    from .cost_model import bus_factor
+    from ddp_lesson.cost_model import bus_factor
 
     out = []
     for r in sorted(rows, key=lambda r: r["size_bytes"]):
@@ -492,7 +492,7 @@ def bandwidth_figures(rows: list[dict]) -> list[dict]:
 
 def step_allreduce_busbw(p: Planned, facts: Facts, ctx: Context) -> StepResult:
     """NCCL all-reduce bandwidth at world size = GPUs, by ``ddp-lesson bench allreduce``."""
-    from .bench.allreduce import read_results
+    from ddp_lesson.bench.allreduce import read_results
 
     csv, log = ctx.out / "allreduce.csv", ctx.out / "allreduce-busbw.log"
     cmd = [sys.executable, "-m", "ddp_lesson.cli", "bench", "allreduce", "--nprocs",
@@ -512,7 +512,7 @@ def step_allreduce_busbw(p: Planned, facts: Facts, ctx: Context) -> StepResult:
 
 def step_ddp_steps(p: Planned, facts: Facts, ctx: Context) -> StepResult:
     """BucketedDDP against torch's DDP, steps/s, by ``ddp-lesson bench ddp --no-link``."""
-    from .bench.ddp import read_results
+    from ddp_lesson.bench.ddp import read_results
 
     csv, log = ctx.out / "ddp.csv", ctx.out / "ddp-steps.log"
     cmd = [sys.executable, "-m", "ddp_lesson.cli", "bench", "ddp", "--nprocs", str(p.nproc),
@@ -631,7 +631,7 @@ def markdown_row(facts: Facts, results: list[StepResult], date: str) -> str:
 def report(facts: Facts, planned: list[Planned], results: list[StepResult],
            date: str) -> dict:
     """The JSON file's content."""
-    return {"command": "python -m ddp_lesson.gpucheck", "date": date,
+    return {"command": "python tools/gpucheck.py", "date": date,
             "facts": asdict(facts), "multi_gpu_not_run": multi_gpu_not_run(facts),
             "plan": [asdict(p) for p in planned],
             "steps": [asdict(r) for r in results],
@@ -641,7 +641,7 @@ def report(facts: Facts, planned: list[Planned], results: list[StepResult],
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m ddp_lesson.gpucheck",
+        prog="python tools/gpucheck.py",
         description="The GPU acceptance run: facts, the gpu tests, the trainer under bf16 and "
         "fp16, every core notebook executed, NCCL bus bandwidth, BucketedDDP vs torch's DDP. "
         f"At most {sum(TIMEOUT_S.values())} s; writes OUT/gpucheck.json and prints the README's "
