@@ -15,17 +15,21 @@ which slice it took: each works it out alone from values they all share (the dat
    end land on different ranks, one each at most.
 
 Source: ``torch/utils/data/distributed.py`` (``DistributedSampler``), whose signature,
-attributes and output this module reproduces. No function here communicates.
+attributes and output this module reproduces, and whose ``__init__`` checks its arguments as
+:func:`check_world` does here. No function here communicates.
 """
 from __future__ import annotations
 
 import math
+import operator
+import warnings
 
 import torch
 import torch.distributed as dist
 from torch.utils.data import Sampler
 
-__all__ = ["DistributedSampler", "global_order", "pad_or_cut", "num_samples_per_rank"]
+__all__ = ["DistributedSampler", "global_order", "pad_or_cut", "num_samples_per_rank",
+           "check_world", "check_int"]
 
 
 class DistributedSampler(Sampler[int]):
@@ -42,28 +46,35 @@ class DistributedSampler(Sampler[int]):
     Attributes: ``num_samples`` (indices per rank, ``len(self)``), ``total_size``
     (``num_samples * R``), ``epoch`` (0 until :meth:`set_epoch`), and the arguments.
 
-    The arguments are taken as given: the drop-in :class:`ddp_lesson.sampler.DistributedSampler`
-    checks them, with errors that name the numbers.
+    Raises (:func:`check_world`): ValueError for ``num_replicas < 1`` or ``rank`` outside
+    ``[0, R - 1]``, TypeError for a non-int, RuntimeError for a None with no process group.
+    Warns (UserWarning) when ``drop_last`` leaves every rank empty (``0 < N < R``), where
+    torch's sampler is silent; :meth:`__iter__` raises RuntimeError if ``len(dataset)`` changed.
     """
 
     def __init__(self, dataset, num_replicas=None, rank=None, shuffle=True, seed=0,
                  drop_last=False):
-        if num_replicas is None:
-            num_replicas = dist.get_world_size()   # a local query, not a collective
-        if rank is None:
-            rank = dist.get_rank()
+        num_replicas, rank = check_world(num_replicas, rank)
         self.dataset, self.num_replicas, self.rank = dataset, num_replicas, rank
         self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
         self.epoch = 0
         self.num_samples = num_samples_per_rank(len(dataset), num_replicas, drop_last)
         self.total_size = self.num_samples * num_replicas
+        if self.num_samples == 0 and len(dataset) > 0:
+            warnings.warn(f"DistributedSampler with drop_last=True: dataset length N="
+                          f"{len(dataset)} is smaller than num_replicas R={num_replicas}, so "
+                          "every rank gets 0 samples and an epoch runs zero steps (as torch's "
+                          "does); use drop_last=False or fewer ranks", UserWarning, stacklevel=2)
 
     def __iter__(self):
         # 1. the same order on every rank, computed alone from shared values
         indices = global_order(len(self.dataset), self.shuffle, self.seed, self.epoch)
         # 2. pad (repeat from the start) or cut, to total_size = R * num_samples
         indices = pad_or_cut(indices, self.num_replicas, self.drop_last)
-        assert len(indices) == self.total_size, (len(indices), self.total_size)
+        if len(indices) != self.total_size:      # a rank with other lengths would hang peers
+            raise RuntimeError(f"dataset length changed to {len(self.dataset)} after the sampler"
+                               f" was built (num_samples={self.num_samples}, "
+                               f"num_replicas={self.num_replicas})")
         # 3. deal out strided: rank r takes r, r + R, r + 2R, ...
         return iter(indices[self.rank:self.total_size:self.num_replicas])
 
@@ -83,7 +94,9 @@ class DistributedSampler(Sampler[int]):
 def global_order(n, shuffle=False, seed=0, epoch=0):
     """The whole dataset's order for one epoch: ``randperm(n)`` seeded ``seed + epoch``, or
     ``0..n-1``. A list of ``n`` indices, each once; the same on every rank given the same
-    arguments. A private ``torch.Generator``, so dropout and augmentation RNG are untouched."""
+    arguments. A private ``torch.Generator``, so dropout and augmentation RNG are untouched.
+    ValueError for ``n < 0``."""
+    n = check_int("n (the dataset length)", n, 0)
     if not shuffle:
         return list(range(n))
     g = torch.Generator()
@@ -93,7 +106,9 @@ def global_order(n, shuffle=False, seed=0, epoch=0):
 
 def num_samples_per_rank(n, num_replicas, drop_last=False):
     """Indices per rank per epoch: ``ceil(N / R)``, or with ``drop_last`` and ``R ∤ N``,
-    ``ceil((N - R) / R)`` (= ``N // R``, and 0 when ``N < R``), written as torch writes it."""
+    ``ceil((N - R) / R)`` (= ``N // R``, and 0 when ``N < R``), written as torch writes it.
+    ValueError for ``n < 0`` or ``num_replicas < 1``."""
+    n, num_replicas = check_int("n", n, 0), check_int("num_replicas", num_replicas, 1)
     if drop_last and n % num_replicas != 0:
         return math.ceil((n - num_replicas) / num_replicas)
     return math.ceil(n / num_replicas)
@@ -113,3 +128,31 @@ def pad_or_cut(indices, num_replicas, drop_last=False):
     if pad <= 0:            # already divisible (or empty: N = 0 gives every rank nothing)
         return list(indices)
     return list(indices) + (list(indices) * math.ceil(pad / len(indices)))[:pad]
+
+
+def check_int(name, value, low=None):
+    """``value`` as an int (TypeError for 2.0, "2", ...), at least ``low`` (ValueError)."""
+    try:
+        value = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {value!r}") from None
+    if low is not None and value < low:
+        raise ValueError(f"{name} must be >= {low}, got {value}")
+    return value
+
+
+def check_world(num_replicas=None, rank=None):
+    """``(num_replicas, rank)`` checked; a None is read from the default process group (a local
+    query, not a collective). RuntimeError names what is missing when there is no group."""
+    if (num_replicas is None or rank is None) and not dist.is_initialized():
+        missing = " and ".join(k for k, v in (("num_replicas", num_replicas), ("rank", rank))
+                               if v is None)
+        raise RuntimeError(f"{missing} not given and no default process group is initialised: "
+                           "pass num_replicas= and rank= explicitly, or call "
+                           "torch.distributed.init_process_group() first (under torchrun)")
+    R = check_int("num_replicas", dist.get_world_size() if num_replicas is None else num_replicas,
+                  1)
+    rank = check_int("rank", dist.get_rank() if rank is None else rank)
+    if not 0 <= rank < R:
+        raise ValueError(f"rank {rank} is outside [0, {R - 1}] (num_replicas={R})")
+    return R, rank
