@@ -31,18 +31,12 @@ _OPS = {dist.ReduceOp.SUM: torch.add, dist.ReduceOp.AVG: torch.add,   # AVG: sum
 
 def ring_all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None,
                     all_gather: bool = True) -> torch.Tensor:
-    """Reduce ``tensor`` over the ranks of ``group`` (None: the default group), in place.
+    """Reduce ``tensor`` (any shape, same on every rank) over ``group``'s ranks, in place.
 
-    A collective: every rank must call it with a tensor of the same shape and dtype (any shape;
-    a non-contiguous one is reduced through a contiguous copy) and the same ``op``; it returns
-    when this rank has done its exchanges. ``op``: SUM, AVG (SUM, then one division by ``R``,
-    gloo's rule), PRODUCT, MIN or MAX. Integers match ``dist.all_reduce`` bit for bit, floats
-    up to the order of additions. ``all_gather=False`` stops after the reduce-scatter: only
-    chunk ``(rank + 1) mod R`` (its range: ``chunk_bounds(numel, R)``) is then reduced.
-
-    Raises:
-        ValueError: another ``op``; no process group (torch's error), or not a member of it.
-        TypeError: AVG of an integer tensor, or a complex tensor (see :func:`combine_fn`).
+    A collective. ``op``: SUM, AVG (SUM, then / R, gloo's rule), PRODUCT, MIN, MAX; integers
+    match ``dist.all_reduce`` bit for bit, floats up to rounding. ``all_gather=False`` stops
+    after the reduce-scatter, when only chunk ``(rank + 1) mod R`` is reduced. Raises
+    ValueError (bad ``op``, no group) or TypeError (see :func:`combine_fn`).
     """
     combine = combine_fn(tensor, op)
     rank, R = dist.get_rank(group), dist.get_world_size(group)
@@ -50,7 +44,7 @@ def ring_all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None,
         raise ValueError("this process is not a member of the group it was given")
     to_global = (lambda r: r) if group is None else (lambda r: dist.get_global_rank(group, r))
     right, left = to_global((rank + 1) % R), to_global((rank - 1) % R)
-    work = tensor.contiguous()                   # tensor itself when already contiguous
+    work = tensor.contiguous()                   # itself when contiguous
     flat = work.view(-1)                         # chunks are ranges of the flat view
     bounds = chunk_bounds(flat.numel(), R)
     buf = torch.empty(bounds[0][1], dtype=flat.dtype, device=flat.device)  # the largest chunk

@@ -349,8 +349,8 @@ def test_notebook_03_collective_outputs():
         assert f"[rank {r}] barrier: markers seen after it: 3 of 3" in text.splitlines()
 
 
-def test_notebook_03_ring_check_outputs():
-    text = _cell_text("def check(fn, x, op=dist.ReduceOp.SUM)")
+def test_notebook_03_ring_check_outputs():   # the run moved to the deep dive
+    text = stream_text("deep/03_collective_costs.ipynb", "def check(fn, x, op=dist.ReduceOp.SUM)")
     lines = text.splitlines()
     for label in ("int64, 1000 elements, bit-equal to all_reduce:",
                   "float32, 1001 elements, equal within rounding:",
