@@ -358,3 +358,49 @@ def test_notebook_03_ring_check_outputs():   # the run moved to the deep dive
                   "pipelined ring, bit-equal:", "naive (via rank 0), bit-equal:"):
         assert f"[rank 0] {label} True" in lines
     assert not any("False" in ln for ln in lines)
+
+
+def _imported_names(source: str, package: str) -> list[tuple[str, str]]:
+    """``(module, name)`` of every ``from module import name`` in ``source`` (cell magics and
+    ``%`` lines dropped; relative imports resolved against ``package``)."""
+    import ast
+    import importlib.util
+
+    code = "\n".join(ln for ln in source.splitlines() if not ln.lstrip().startswith("%"))
+    out = []
+    for node in ast.walk(ast.parse(code)):
+        if isinstance(node, ast.ImportFrom):
+            mod = node.module or ""
+            if node.level:
+                mod = importlib.util.resolve_name("." * node.level + mod, package)
+            out += [(mod, a.name) for a in node.names]
+    return out
+
+
+def test_notebooks_02_03_and_the_labs_run_the_cores():
+    """What the notebooks 02/03 (and their deep dives) and the labs import as the sampler or
+    the ring is the very object in ``ddp_lesson.core``: one implementation runs everywhere."""
+    import importlib
+
+    import nbformat
+
+    sources = []
+    for pattern in ("02_*.ipynb", "03_*.ipynb", "deep/02_*.ipynb", "deep/03_*.ipynb"):
+        for path in sorted((ROOT / "notebooks").glob(pattern)):
+            nb = nbformat.read(path, as_version=4)
+            sources += [(c.source, "ddp_lesson") for c in nb.cells if c.cell_type == "code"]
+    sources += [(p.read_text(), "ddp_lesson.labs") for p in (ROOT / "ddp_lesson/labs").glob("*.py")]
+    core_of = {"DistributedSampler": "ddp_lesson.core.sampler",
+               "ring_all_reduce": "ddp_lesson.core.ring"}
+    seen = set()
+    for source, package in sources:
+        for mod, name in _imported_names(source, package):
+            if name in core_of and mod.startswith("ddp_lesson"):
+                obj = getattr(importlib.import_module(mod), name)
+                assert obj.__module__ == core_of[name], (mod, name, obj.__module__)
+                seen.add((mod, name))
+    # the notebooks' and labs' own imports, all of them cores
+    assert {("ddp_lesson.sampler", "DistributedSampler"),
+            ("ddp_lesson.core.sampler", "DistributedSampler"),
+            ("ddp_lesson.collectives", "ring_all_reduce"),
+            ("ddp_lesson.core.ring", "ring_all_reduce")} <= seen, seen
