@@ -1,43 +1,22 @@
-"""All-reduce built from point-to-point messages: the ring, a pipelined ring and a naive one.
+"""All-reduce from point-to-point messages beside the core ring: a pipelined ring, a naive one.
 
 Run the check against torch's own all_reduce on 3 CPU processes::
 
     torchrun --standalone --nproc-per-node 3 -m ddp_lesson.labs.collectives_check
 
-What is here
-------------
-The ring's algorithm alone, short enough to print whole, is :mod:`ddp_lesson.core.ring` (its
-schedule, :func:`chunk_bounds` and the one formula of :func:`ring_send_chunk`, is used here
-too); this module is the hardened layer: every reduce op, dtype checks, process groups,
-receive buffers kept between calls. The α-β cost model is :mod:`ddp_lesson.cost_model`.
+* :func:`ring_all_reduce` is :func:`ddp_lesson.core.ring.ring_all_reduce`, the one ring loop
+  (every op, dtype checks, groups, odd world sizes), and :func:`ring_reduce_scatter` runs its
+  first half.
+* :func:`pipelined_ring_all_reduce` — the ring's schedule with each chunk cut into pieces,
+  each forwarded as soon as it has been reduced (what NCCL and gloo do in C++).
+* :func:`naive_all_reduce` — through rank 0: rank 0's link carries 2(R-1) full tensors.
+* :func:`simulate_ring_all_reduce` — the ring in pure Python, for the stepper widget.
 
-* :func:`ring_all_reduce` — the bandwidth-optimal ring: a **reduce-scatter** (R-1 steps; after
-  it, rank r holds the fully reduced chunk (r+1) mod R) followed by an **all-gather** (R-1 more
-  steps that pass the reduced chunks round the ring). Every rank sends and receives
-  2(R-1)/R of the tensor in total, whatever R is. Built only from ``isend``/``irecv``.
-* :func:`pipelined_ring_all_reduce` — the same schedule with each chunk cut into pieces, and
-  each piece forwarded as soon as it has been reduced, so sending, receiving and adding
-  overlap (what NCCL and gloo do in C++).
-* :func:`naive_all_reduce` — gather everything to rank 0, reduce there, send the result back:
-  rank 0's link carries 2(R-1) full tensors.
-* A pure-Python simulation of the ring (:func:`simulate_ring_all_reduce`) that the stepper
-  widget (``ddp_lesson.widgets.ring_allreduce_stepper``) draws, with no process group needed.
-
-Sources
--------
-* P. Patarasuk and X. Yuan, "Bandwidth optimal all-reduce algorithms for clusters of
-  workstations", J. Parallel Distrib. Comput. 69(2), 2009 — the ring is bandwidth-optimal.
-* A. Gibiansky, "Bringing HPC techniques to deep learning" (Baidu Research, 2017) and
-  baidu-research/baidu-allreduce — the ring all-reduce as used for data-parallel training.
-* R. Thakur, R. Rabenseifner and W. Gropp, "Optimization of collective communication
-  operations in MPICH", IJHPCA 19(1), 2005 — the α-β(-γ) cost model, tree and ring costs.
-* NVIDIA nccl-tests, doc/PERFORMANCE.md — algorithm bandwidth vs bus bandwidth,
-  busbw = algbw · 2(R-1)/R for all-reduce.
-
-Every collective in this module is a **synchronisation point**: it returns on a rank only
-after that rank has exchanged its messages with its neighbours, and no rank can finish before
-every rank has entered the call. All ranks must call it with tensors of the same shape, dtype
-and the same ``op`` (and the same ``piece_numel`` for the pipelined ring), like any collective.
+Sources: P. Patarasuk and X. Yuan, J. Parallel Distrib. Comput. 69(2), 2009 (the ring is
+bandwidth-optimal); A. Gibiansky, Baidu Research, 2017 (the ring for data-parallel training);
+R. Thakur, R. Rabenseifner and W. Gropp, IJHPCA 19(1), 2005 (the alpha-beta costs, in
+:mod:`ddp_lesson.cost_model`). Every all-reduce here is a collective: all ranks of the group
+call it with tensors of the same shape and dtype and the same ``op`` (and ``piece_numel``).
 """
 from __future__ import annotations
 
@@ -46,77 +25,19 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .core import ring as _core
-from .core.ring import chunk_bounds
-from .env import group_active
+from .core.ring import chunk_bounds, combine_fn, ring_all_reduce, ring_recv_chunk, ring_send_chunk
 
 __all__ = [
-    "OPS", "chunk_bounds", "piece_bounds", "ring_send_chunk", "ring_recv_chunk", "ring_schedule",
+    "chunk_bounds", "piece_bounds", "ring_send_chunk", "ring_recv_chunk",
     "ring_all_reduce", "pipelined_ring_all_reduce", "naive_all_reduce", "ring_reduce_scatter",
-    "holdings_line", "RingState", "simulate_ring_all_reduce",
-    "clear_buffer_cache", "default_piece_numel",
+    "holdings_line", "fmt_values", "RingState", "simulate_ring_all_reduce",
+    "default_piece_numel",
 ]
-
-#: Reduction names accepted by this module (``dist.ReduceOp`` members are accepted too).
-OPS = ("sum", "avg", "product", "min", "max")
-
-# ----------------------------------------------------------------------------- ops
-
-
-def _op_name(op) -> str:
-    """``dist.ReduceOp.SUM`` or ``"sum"`` -> ``"sum"``; raises for anything else."""
-    if isinstance(op, str):
-        name = op.lower()
-        if name in OPS:
-            return name
-        raise ValueError(f"reduce op {op!r} is not one of {', '.join(OPS)}")
-    for name in OPS:
-        member = getattr(dist.ReduceOp, name.upper(), None)
-        if member is not None and op == member:
-            return name
-    raise ValueError(f"reduce op {op!r} is not supported here; use one of "
-                     f"{', '.join('ReduceOp.' + n.upper() for n in OPS)}")
-
-
-def _check_dtype(tensor: torch.Tensor, name: str) -> None:
-    if tensor.is_complex():
-        raise TypeError(f"complex tensors ({tensor.dtype}) are not supported; reduce "
-                        "torch.view_as_real(tensor) instead")
-    if name == "avg" and not tensor.is_floating_point():
-        raise TypeError(f"ReduceOp.AVG of an integer tensor ({tensor.dtype}) has no exact "
-                        "integer result; use SUM and divide, or convert to float first")
-
-
-def _reduce_(acc: torch.Tensor, other: torch.Tensor, name: str) -> None:
-    """``acc = acc (op) other`` in place (AVG adds here and divides once at the end)."""
-    if name in ("sum", "avg"):
-        acc.add_(other)
-    elif name == "product":
-        acc.mul_(other)
-    elif name == "max":
-        torch.maximum(acc, other, out=acc)
-    elif name == "min":
-        torch.minimum(acc, other, out=acc)
-    else:  # pragma: no cover - _op_name already refused it
-        raise ValueError(name)
-
-
-def _finish_avg_(flat: torch.Tensor, name: str, world_size: int) -> None:
-    # Average = sum / world_size: the same rule gloo uses for ReduceOp.AVG (and what you must
-    # write yourself on a backend without an average op).
-    if name == "avg" and world_size > 1:
-        flat.div_(world_size)
-
-
-# ----------------------------------------------------------------------------- schedule
 
 
 def piece_bounds(start: int, stop: int, piece_numel: int) -> list[tuple[int, int]]:
     """Cut the chunk ``[start, stop)`` into pieces of ``piece_numel`` elements (the last may
-    be shorter).
-
-    >>> piece_bounds(10, 15, 2)
-    [(10, 12), (12, 14), (14, 15)]
+    be shorter): ``piece_bounds(10, 15, 2) == [(10, 12), (12, 14), (14, 15)]``.
 
     Raises:
         ValueError: ``piece_numel < 1``.
@@ -126,64 +47,14 @@ def piece_bounds(start: int, stop: int, piece_numel: int) -> list[tuple[int, int
     return [(a, min(a + piece_numel, stop)) for a in range(start, stop, piece_numel)]
 
 
-def ring_send_chunk(rank: int, step: int, world_size: int) -> int:
-    """Chunk that ``rank`` sends to ``rank + 1`` at ``step`` (0-based, ``0 <= step < 2(R-1)``).
-
-    ``(rank - step) mod R`` in both phases: the core's formula
-    (:func:`ddp_lesson.core.ring.ring_send_chunk`), with ``step`` checked. The chunk a rank
-    receives at one step is the chunk it sends at the next, which is what lets a pipelined ring
-    forward each piece as soon as it arrives.
-
-    Raises:
-        ValueError: ``world_size < 1`` or ``step`` outside ``[0, 2(R-1) - 1]``.
-    """
-    _check_step(step, world_size)
-    return _core.ring_send_chunk(rank, step, world_size)
-
-
-def ring_recv_chunk(rank: int, step: int, world_size: int) -> int:
-    """Chunk that ``rank`` receives from ``rank - 1`` at ``step``: ``(rank - step - 1) mod R``
-    (:func:`ddp_lesson.core.ring.ring_recv_chunk`), reduced into the local copy in the
-    reduce-scatter, copied over it in the all-gather. Equal to
-    ``ring_send_chunk(rank - 1, step, R)``.
-
-    Raises:
-        ValueError: as :func:`ring_send_chunk`.
-    """
-    _check_step(step, world_size)
-    return _core.ring_recv_chunk(rank, step, world_size)
-
-
-def _check_step(step: int, world_size: int) -> None:
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
-    if not 0 <= step < 2 * (world_size - 1):
-        raise ValueError(f"step {step} is outside [0, {2 * (world_size - 1) - 1}] "
-                         f"for world_size {world_size}")
-
-
-def ring_schedule(world_size: int) -> list[list[tuple[int, int, int]]]:
-    """Every message of the ring: ``schedule[step] = [(src, dst, chunk), ...]`` (one per rank).
-
-    ``2(R-1)`` steps; empty for ``world_size == 1``.
-    """
-    return [[(r, (r + 1) % world_size, ring_send_chunk(r, s, world_size))
-             for r in range(world_size)]
-            for s in range(2 * (world_size - 1))]
-
-
 # ----------------------------------------------------------------------------- group plumbing
 
 
 def _world(group) -> tuple[int, int, int, int]:
     """(rank, world_size, global rank of the left neighbour, global rank of the right one)."""
-    if not group_active():
-        raise RuntimeError("no process group: call ddp_lesson.env.init_distributed() "
-                           "(or torch.distributed.init_process_group) first")
-    rank = dist.get_rank(group)
-    world_size = dist.get_world_size(group)
+    rank, world_size = dist.get_rank(group), dist.get_world_size(group)  # no group: torch's error
     if rank < 0:
-        raise RuntimeError("this process is not a member of the group it was given")
+        raise ValueError("this process is not a member of the group it was given")
 
     def glob(r: int) -> int:
         return r if group is None else dist.get_global_rank(group, r)
@@ -193,7 +64,7 @@ def _world(group) -> tuple[int, int, int, int]:
 
 def _flat_view(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A contiguous 1-D tensor to work on, and the contiguous tensor it views."""
-    work = tensor if tensor.is_contiguous() else tensor.contiguous()
+    work = tensor.contiguous()            # tensor itself when already contiguous
     return work.view(-1), work
 
 
@@ -212,11 +83,6 @@ def _scratch(numel: int, dtype: torch.dtype, device: torch.device, slot: int = 0
     return buf[:numel]
 
 
-def clear_buffer_cache() -> None:
-    """Free the receive buffers the all-reduce functions keep between calls."""
-    _SCRATCH.clear()
-
-
 def _tag(step: int, piece: int = 0, pieces_per_step: int = 1) -> int:
     # gloo matches a receive to a send by (peer, tag): a distinct tag per message keeps
     # pieces that are in flight at the same time from ever being confused.
@@ -226,108 +92,22 @@ def _tag(step: int, piece: int = 0, pieces_per_step: int = 1) -> int:
 # ----------------------------------------------------------------------------- ring
 
 
-def ring_all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None) -> torch.Tensor:
-    """All-reduce ``tensor`` in place with the ring: reduce-scatter, then all-gather.
-
-    The tensor is viewed as 1-D and split into R chunks (:func:`chunk_bounds`). In each of
-    2(R-1) steps every rank sends one chunk to its right neighbour and receives one from its
-    left neighbour, at the same time (``isend`` + ``irecv``), so every link is busy in both
-    directions. Per rank it sends ``2(R-1)/R · n`` elements in total: as R grows this tends to
-    2n, independent of R, which is why the ring is bandwidth-optimal (Patarasuk & Yuan 2009;
-    Baidu's ring all-reduce).
-
-    Args:
-        tensor: any shape, float or integer dtype, identical shape/dtype on every rank.
-            Non-contiguous tensors are handled through a contiguous copy.
-        op: ``dist.ReduceOp.SUM`` (default), ``AVG``, ``PRODUCT``, ``MIN``, ``MAX``, or their
-            lower-case names. ``AVG`` is computed as SUM then ``÷ world_size`` (floats only).
-        group: process group (None: the default group). Ranks are the group's ranks.
-
-    Returns:
-        ``tensor`` itself, now holding the reduction over all ranks. Integer results are
-        bit-identical to ``dist.all_reduce``'s; float results agree within rounding (the
-        additions happen in a different order).
-
-    Raises:
-        RuntimeError: no process group.
-        ValueError: unsupported ``op``.
-        TypeError: ``AVG`` of an integer tensor, or a complex tensor.
-
-    Synchronisation: yes — a collective; every rank of ``group`` must call it.
-    """
-    name = _op_name(op)
-    _check_dtype(tensor, name)
-    rank, world_size, left, right = _world(group)
-    flat, work = _flat_view(tensor)
-    if world_size > 1 and flat.numel() > 0:
-        bounds = chunk_bounds(flat.numel(), world_size)
-        buf = _scratch(max(b - a for a, b in bounds), flat.dtype, flat.device)
-        for step in range(2 * (world_size - 1)):
-            sa, sb = bounds[ring_send_chunk(rank, step, world_size)]
-            ra, rb = bounds[ring_recv_chunk(rank, step, world_size)]
-            reduce_phase = step < world_size - 1
-            target = buf[: rb - ra] if reduce_phase else flat[ra:rb]
-            reqs = []
-            if rb > ra:
-                reqs.append(dist.irecv(target, src=left, group=group, tag=_tag(step)))
-            if sb > sa:
-                reqs.append(dist.isend(flat[sa:sb], dst=right, group=group, tag=_tag(step)))
-            for req in reqs:  # both must finish before the next step touches these chunks
-                req.wait()
-            if reduce_phase and rb > ra:
-                _reduce_(flat[ra:rb], target, name)
-        _finish_avg_(flat, name, world_size)
-    if work is not tensor:
-        tensor.copy_(work)
-    return tensor
-
-
 def ring_reduce_scatter(tensor: torch.Tensor, op=dist.ReduceOp.SUM,
                         group=None) -> tuple[int, int]:
-    """The ring's first half alone: after it, this rank's chunk ``(rank + 1) mod R`` is reduced.
+    """The ring's first half: :func:`ring_all_reduce` with ``all_gather=False``, in place.
 
-    Runs the R-1 reduce-scatter steps of :func:`ring_all_reduce` in place. The other chunks of
-    ``tensor`` are left partially reduced (garbage for the caller). ``dist.reduce_scatter``
-    gives each rank chunk ``rank`` instead; the difference is only a relabelling of chunks.
-
-    Args:
-        tensor: as for :func:`ring_all_reduce` (must be contiguous).
-        op: as for :func:`ring_all_reduce` (AVG divides the owned chunk by world_size).
-        group: process group (None: default).
-
-    Returns:
-        ``(start, stop)``: the flat element range of the chunk this rank now owns, reduced.
+    Returns ``(start, stop)``, the flat range of the chunk this rank now holds reduced,
+    chunk ``(rank + 1) mod R``; the other chunks are left partly reduced. ``dist.reduce_scatter``
+    gives rank ``r`` chunk ``r`` instead: a relabelling of the same result. A collective.
 
     Raises:
-        ValueError: a non-contiguous tensor or an unsupported op; TypeError as for the ring.
-
-    Synchronisation: yes — a collective.
+        ValueError: a non-contiguous ``tensor``; otherwise as :func:`ring_all_reduce`.
     """
-    name = _op_name(op)
-    _check_dtype(tensor, name)
     if not tensor.is_contiguous():
         raise ValueError("ring_reduce_scatter needs a contiguous tensor")
-    rank, world_size, left, right = _world(group)
-    flat = tensor.view(-1)
-    bounds = chunk_bounds(flat.numel(), world_size)
-    own = bounds[(rank + 1) % world_size]
-    if world_size == 1 or flat.numel() == 0:
-        return own
-    buf = _scratch(max(b - a for a, b in bounds), flat.dtype, flat.device)
-    for step in range(world_size - 1):
-        sa, sb = bounds[ring_send_chunk(rank, step, world_size)]
-        ra, rb = bounds[ring_recv_chunk(rank, step, world_size)]
-        reqs = []
-        if rb > ra:
-            reqs.append(dist.irecv(buf[: rb - ra], src=left, group=group, tag=_tag(step)))
-        if sb > sa:
-            reqs.append(dist.isend(flat[sa:sb], dst=right, group=group, tag=_tag(step)))
-        for req in reqs:
-            req.wait()
-        if rb > ra:
-            _reduce_(flat[ra:rb], buf[: rb - ra], name)
-    _finish_avg_(flat[own[0]:own[1]], name, world_size)
-    return own
+    ring_all_reduce(tensor, op, group, all_gather=False)
+    rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+    return chunk_bounds(tensor.numel(), world_size)[(rank + 1) % world_size]
 
 
 #: The pipelined ring's default: each chunk in this many pieces ...
@@ -376,8 +156,7 @@ def pipelined_ring_all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=
 
     Synchronisation: yes — a collective.
     """
-    name = _op_name(op)
-    _check_dtype(tensor, name)
+    combine = combine_fn(tensor, op)
     if piece_numel is not None and piece_numel < 1:
         raise ValueError(f"piece_numel must be >= 1, got {piece_numel}")
     rank, world_size, left, right = _world(group)
@@ -436,7 +215,7 @@ def pipelined_ring_all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=
                 recvs.pop((step, k)).wait()
                 if step < world_size - 1:
                     c0 = bounds[c][0]
-                    _reduce_(flat[a:b], bufs[step % 2][a - c0: b - c0], name)
+                    flat[a:b] = combine(flat[a:b], bufs[step % 2][a - c0: b - c0])
                 if nxt < n_steps:
                     # The piece just finished is the next step's piece k: forward it now,
                     # while the rest of this step's pieces are still arriving.
@@ -448,7 +227,7 @@ def pipelined_ring_all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=
                     recvs[(nxt, k)] = post_recv(nxt, k)
         for req in sends.values():
             req.wait()
-        _finish_avg_(flat, name, world_size)
+        _finish_avg_(flat, op, world_size)
     if work is not tensor:
         tensor.copy_(work)
     return tensor
@@ -466,8 +245,7 @@ def naive_all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None) -> 
 
     Synchronisation: yes — a collective; ranks other than 0 wait for rank 0's result.
     """
-    name = _op_name(op)
-    _check_dtype(tensor, name)
+    combine = combine_fn(tensor, op)
     rank, world_size, _, _ = _world(group)
     flat, work = _flat_view(tensor)
 
@@ -482,8 +260,8 @@ def naive_all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None) -> 
             reqs = {r: dist.irecv(bufs[r], src=glob(r), group=group, tag=_tag(0)) for r in bufs}
             for r in range(1, world_size):
                 reqs[r].wait()
-                _reduce_(flat, bufs[r], name)
-            _finish_avg_(flat, name, world_size)
+                flat.copy_(combine(flat, bufs[r]))
+            _finish_avg_(flat, op, world_size)
             for req in [dist.isend(flat, dst=glob(r), group=group, tag=_tag(1)) for r in bufs]:
                 req.wait()
         else:
@@ -494,6 +272,11 @@ def naive_all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None) -> 
     return tensor
 
 
+def _finish_avg_(flat: torch.Tensor, op, world_size: int) -> None:
+    if op == dist.ReduceOp.AVG:          # SUM, then one division: gloo's rule, as the core's
+        flat.div_(world_size)
+
+
 def holdings_line(label: str, before, after) -> str:
     """One line of a "who holds what" picture: ``"broadcast    before [0, 0]  after [10, 11]"``.
 
@@ -501,16 +284,17 @@ def holdings_line(label: str, before, after) -> str:
     a decimal point, others with up to 4 significant digits, so the line is the same on
     every machine. Never synchronises.
     """
-    return f"{label:<15} before {_fmt(before):<18} after {_fmt(after)}"
+    return f"{label:<15} before {fmt_values(before):<18} after {fmt_values(after)}"
 
 
-def _fmt(values) -> str:
+def fmt_values(values) -> str:
+    """Numbers as ``holdings_line`` prints them: ``[7, 8]``, ``[0.3333]``, ``-`` for None."""
     if values is None:
         return "-"
     if isinstance(values, torch.Tensor):
         values = values.detach().cpu().reshape(-1).tolist()
     if isinstance(values, (list, tuple)):
-        return "[" + ", ".join(_fmt(v) for v in values) + "]"
+        return "[" + ", ".join(fmt_values(v) for v in values) + "]"
     if isinstance(values, float) and values.is_integer():
         return str(int(values))
     if isinstance(values, float):

@@ -1,19 +1,16 @@
 """The ring all-reduce: a reduce-scatter, then an all-gather, built from point-to-point messages.
 
-``R`` ranks stand in a ring; each talks only to its neighbours, sending right to ``rank + 1``
-and receiving from the left, ``rank - 1``. The tensor is cut into ``R`` chunks. In each of
-``2(R - 1)`` steps every rank sends one chunk and receives one, at the same time, so every link
-is busy in both directions. The whole schedule is one formula: at step ``s`` rank ``r``
+``R`` ranks stand in a ring; each sends right to ``rank + 1`` and receives from the left,
+``rank - 1``. The tensor is cut into ``R`` chunks. In each of ``2(R - 1)`` steps every rank
+sends one chunk and receives one, at the same time, so every link is busy in both directions.
+At step ``s`` rank ``r`` sends chunk ``(r - s) mod R`` and receives chunk ``(r - s - 1) mod R``
+(what ``r`` receives is what its left neighbour sends; it forwards it at the next step).
 
-    sends chunk ``(r - s) mod R``  and receives chunk ``(r - s - 1) mod R``
-
-(what ``r`` receives is what its left neighbour sends, and it forwards it at the next step).
-
-1. **Reduce-scatter** (steps ``0 .. R-2``): the received chunk is *added* to the local copy.
-   Each chunk travels once round the ring gathering a contribution from every rank; after
-   ``R - 1`` steps rank ``r`` holds chunk ``(r + 1) mod R`` summed over all ranks.
+1. **Reduce-scatter** (steps ``0 .. R-2``): the received chunk is *combined* (added, for SUM)
+   into the local copy. After ``R - 1`` steps rank ``r`` holds chunk ``(r + 1) mod R`` reduced
+   over all ranks.
 2. **All-gather** (steps ``R-1 .. 2R-3``): the received chunk, already complete, *replaces*
-   the local copy, until every rank holds every summed chunk.
+   the local copy, until every rank holds every reduced chunk.
 
 Each rank sends ``2(R-1)/R`` of the tensor in all: under twice its size whatever ``R`` is, which
 is why the ring is bandwidth-optimal (P. Patarasuk and X. Yuan, J. Parallel Distrib. Comput.
@@ -24,31 +21,37 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-__all__ = ["ring_all_reduce", "ring_send_chunk", "ring_recv_chunk", "chunk_bounds"]
+__all__ = ["ring_all_reduce", "combine_fn", "ring_send_chunk", "ring_recv_chunk",
+           "chunk_bounds"]
+
+_OPS = {dist.ReduceOp.SUM: torch.add, dist.ReduceOp.AVG: torch.add,   # AVG: sum, then / R
+        dist.ReduceOp.PRODUCT: torch.mul, dist.ReduceOp.MIN: torch.minimum,
+        dist.ReduceOp.MAX: torch.maximum}
 
 
-def ring_all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None) -> torch.Tensor:
-    """Sum (``op=SUM``) or average (``op=AVG``) ``tensor`` over the ranks, in place, on a ring.
+def ring_all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None,
+                    all_gather: bool = True) -> torch.Tensor:
+    """Reduce ``tensor`` (any shape, same on every rank) over ``group``'s ranks, in place.
 
-    A collective: every rank of ``group`` (None: the default group) must call it with a
-    contiguous tensor of the same shape and dtype; it returns when this rank has done its
-    ``2(R-1)`` exchanges. AVG is SUM, then one division by ``R`` (gloo's rule; floats only).
-    Returns ``tensor``. Floats agree with ``dist.all_reduce`` up to the order of additions.
-
-    Raises:
-        ValueError: an ``op`` other than SUM and AVG (``ddp_lesson.collectives`` has them all).
+    A collective. ``op``: SUM, AVG (SUM, then / R, gloo's rule), PRODUCT, MIN, MAX; integers
+    match ``dist.all_reduce`` bit for bit, floats up to rounding. ``all_gather=False`` stops
+    after the reduce-scatter, when only chunk ``(rank + 1) mod R`` is reduced. Raises
+    ValueError (bad ``op``, no group) or TypeError (see :func:`combine_fn`).
     """
-    if op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
-        raise ValueError(f"the core ring does SUM and AVG only, not {op}")
+    combine = combine_fn(tensor, op)
     rank, R = dist.get_rank(group), dist.get_world_size(group)
+    if rank < 0:
+        raise ValueError("this process is not a member of the group it was given")
     to_global = (lambda r: r) if group is None else (lambda r: dist.get_global_rank(group, r))
     right, left = to_global((rank + 1) % R), to_global((rank - 1) % R)
-    flat = tensor.view(-1)                       # chunks are ranges of the flat view
+    work = tensor.contiguous()                   # itself when contiguous
+    flat = work.view(-1)                         # chunks are ranges of the flat view
     bounds = chunk_bounds(flat.numel(), R)
-    for step in range(2 * (R - 1)):
+    buf = torch.empty(bounds[0][1], dtype=flat.dtype, device=flat.device)  # the largest chunk
+    for step in range((2 if all_gather else 1) * (R - 1)):
         s0, s1 = bounds[ring_send_chunk(rank, step, R)]
         r0, r1 = bounds[ring_recv_chunk(rank, step, R)]
-        incoming = torch.empty(r1 - r0, dtype=flat.dtype, device=flat.device)
+        incoming = buf[:r1 - r0]
         reqs = []
         if s1 > s0:                              # an empty chunk (numel < R) sends nothing
             reqs.append(dist.isend(flat[s0:s1], dst=right, group=group, tag=step))
@@ -57,12 +60,32 @@ def ring_all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None) -> t
         for req in reqs:                         # both done before the chunks are touched
             req.wait()
         if step < R - 1:
-            flat[r0:r1] += incoming              # reduce-scatter: add the partial sum
+            flat[r0:r1] = combine(flat[r0:r1], incoming)   # reduce-scatter: combine
         else:
             flat[r0:r1] = incoming               # all-gather: take the finished chunk
     if op == dist.ReduceOp.AVG:
         flat /= R
+    if work is not tensor:
+        tensor.copy_(work)
     return tensor
+
+
+def combine_fn(tensor: torch.Tensor, op):
+    """The element-wise function that reduces two chunks of ``tensor`` under ``op``.
+
+    Raises:
+        ValueError: ``op`` is not SUM, AVG, PRODUCT, MIN or MAX.
+        TypeError: AVG of an integer tensor (no exact integer mean), or a complex tensor.
+    """
+    if op not in _OPS:
+        raise ValueError(f"reduce op {op!r} is not one of SUM, AVG, PRODUCT, MIN, MAX")
+    if tensor.is_complex():
+        raise TypeError(f"complex tensors ({tensor.dtype}) are not supported; reduce "
+                        "torch.view_as_real(tensor) instead")
+    if op == dist.ReduceOp.AVG and not tensor.is_floating_point():
+        raise TypeError(f"ReduceOp.AVG of an integer tensor ({tensor.dtype}) has no exact "
+                        "integer result; use SUM and divide, or convert to float first")
+    return _OPS[op]
 
 
 def ring_send_chunk(rank: int, step: int, world_size: int) -> int:

@@ -15,75 +15,69 @@ which slice it took: each works it out alone from values they all share (the dat
    end land on different ranks, one each at most.
 
 Source: ``torch/utils/data/distributed.py`` (``DistributedSampler``), whose signature,
-attributes and output this module reproduces. No function here communicates.
+attributes and output this module reproduces, and whose ``__init__`` checks its arguments as
+:func:`check_world` does here. No function here communicates.
 """
 from __future__ import annotations
 
 import math
+import operator
+import warnings
 
 import torch
 import torch.distributed as dist
 from torch.utils.data import Sampler
 
-__all__ = ["DistributedSampler", "global_order", "pad_or_cut", "num_samples_per_rank"]
+__all__ = ["DistributedSampler", "global_order", "pad_or_cut", "num_samples_per_rank",
+           "check_world", "check_int"]
 
 
 class DistributedSampler(Sampler[int]):
-    """Give each of ``num_replicas`` ranks an equal, disjoint (up to padding) share of a dataset.
+    """Rank ``rank``'s equal share of ``range(len(dataset))``, index for index torch's.
 
-    Args:
-        dataset: a sized dataset; only ``len(dataset)`` is used.
-        num_replicas: world size R. Default: ``torch.distributed.get_world_size()``.
-        rank: this rank in ``[0, R - 1]``. Default: ``torch.distributed.get_rank()``.
-        shuffle: a new permutation each epoch (``seed + epoch``) instead of ``0..N-1``.
-        seed: base seed; must be the same on every rank.
-        drop_last: cut the tail to a multiple of R instead of padding with repeats.
-
-    Attributes: ``num_samples`` (indices per rank, ``len(self)``), ``total_size``
-    (``num_samples * R``), ``epoch`` (0 until :meth:`set_epoch`), and the arguments.
-
-    The arguments are taken as given: the drop-in :class:`ddp_lesson.sampler.DistributedSampler`
-    checks them, with errors that name the numbers.
+    Arguments as torch's: ``num_replicas`` (R) and ``rank`` default to the process group's;
+    ``shuffle`` permutes with the seed ``seed + epoch``; ``drop_last`` cuts to a multiple of R
+    instead of padding. ``len(self)`` is ``num_samples``, per rank. Bad arguments raise errors
+    naming the numbers (:func:`check_world`); a ``drop_last`` that empties every rank warns.
     """
 
     def __init__(self, dataset, num_replicas=None, rank=None, shuffle=True, seed=0,
                  drop_last=False):
-        if num_replicas is None:
-            num_replicas = dist.get_world_size()   # a local query, not a collective
-        if rank is None:
-            rank = dist.get_rank()
+        num_replicas, rank = check_world(num_replicas, rank)
         self.dataset, self.num_replicas, self.rank = dataset, num_replicas, rank
         self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
         self.epoch = 0
         self.num_samples = num_samples_per_rank(len(dataset), num_replicas, drop_last)
         self.total_size = self.num_samples * num_replicas
+        if self.num_samples == 0 and len(dataset) > 0:
+            warnings.warn(f"DistributedSampler with drop_last=True: N={len(dataset)} < R="
+                          f"{num_replicas}, so every rank gets 0 samples (as torch's)",
+                          UserWarning, stacklevel=2)
 
     def __iter__(self):
         # 1. the same order on every rank, computed alone from shared values
         indices = global_order(len(self.dataset), self.shuffle, self.seed, self.epoch)
         # 2. pad (repeat from the start) or cut, to total_size = R * num_samples
         indices = pad_or_cut(indices, self.num_replicas, self.drop_last)
-        assert len(indices) == self.total_size, (len(indices), self.total_size)
+        if len(indices) != self.total_size:      # len(dataset) changed since __init__
+            raise RuntimeError(f"dataset length changed to {len(self.dataset)} after the sampler"
+                               f" was built (num_samples={self.num_samples}, "
+                               f"num_replicas={self.num_replicas})")
         # 3. deal out strided: rank r takes r, r + R, r + 2R, ...
         return iter(indices[self.rank:self.total_size:self.num_replicas])
 
     def __len__(self):
-        """Indices this rank yields per epoch: ``num_samples``, not the dataset's length."""
         return self.num_samples
 
     def set_epoch(self, epoch):
-        """Seed the next epoch's permutation with ``seed + epoch``.
-
-        Call it on every rank with the same value before iterating the DataLoader (which calls
-        ``iter(sampler)`` at once); without it every epoch repeats the same order.
-        """
+        """Call on every rank, same value, before iterating the DataLoader: a new order."""
         self.epoch = epoch
 
 
 def global_order(n, shuffle=False, seed=0, epoch=0):
-    """The whole dataset's order for one epoch: ``randperm(n)`` seeded ``seed + epoch``, or
-    ``0..n-1``. A list of ``n`` indices, each once; the same on every rank given the same
-    arguments. A private ``torch.Generator``, so dropout and augmentation RNG are untouched."""
+    """One epoch's order, the same on every rank: ``randperm(n)`` seeded ``seed + epoch`` on a
+    private generator (the global RNG untouched), or ``0..n-1``."""
+    n = check_int("n (the dataset length)", n, 0)
     if not shuffle:
         return list(range(n))
     g = torch.Generator()
@@ -93,19 +87,16 @@ def global_order(n, shuffle=False, seed=0, epoch=0):
 
 def num_samples_per_rank(n, num_replicas, drop_last=False):
     """Indices per rank per epoch: ``ceil(N / R)``, or with ``drop_last`` and ``R ∤ N``,
-    ``ceil((N - R) / R)`` (= ``N // R``, and 0 when ``N < R``), written as torch writes it."""
+    ``ceil((N - R) / R)`` (= ``N // R``), written as torch writes it."""
+    n, num_replicas = check_int("n", n, 0), check_int("num_replicas", num_replicas, 1)
     if drop_last and n % num_replicas != 0:
         return math.ceil((n - num_replicas) / num_replicas)
     return math.ceil(n / num_replicas)
 
 
 def pad_or_cut(indices, num_replicas, drop_last=False):
-    """``indices`` made ``R * num_samples_per_rank(len(indices), R, drop_last)`` long.
-
-    ``drop_last=False``: repeat entries from the start, wrapping round as often as needed (with
-    ``N < R`` one wrap is not enough: ``N = 3, R = 8`` pads 5). ``drop_last=True``: cut the
-    tail. A new list; ``indices`` is not changed.
-    """
+    """A new list, ``R * num_samples_per_rank(len(indices), R, drop_last)`` long: repeats from
+    the start, wrapping round as often as needed (``N = 3, R = 8`` pads 5), or the tail cut."""
     total_size = num_replicas * num_samples_per_rank(len(indices), num_replicas, drop_last)
     if drop_last:
         return list(indices[:total_size])
@@ -113,3 +104,31 @@ def pad_or_cut(indices, num_replicas, drop_last=False):
     if pad <= 0:            # already divisible (or empty: N = 0 gives every rank nothing)
         return list(indices)
     return list(indices) + (list(indices) * math.ceil(pad / len(indices)))[:pad]
+
+
+def check_int(name, value, low=None):
+    """``value`` as an int (TypeError for 2.0, "2", ...), at least ``low`` (ValueError)."""
+    try:
+        value = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {value!r}") from None
+    if low is not None and value < low:
+        raise ValueError(f"{name} must be >= {low}, got {value}")
+    return value
+
+
+def check_world(num_replicas=None, rank=None):
+    """``(num_replicas, rank)`` checked; a None is read from the default process group (a local
+    query, not a collective). RuntimeError names what is missing when there is no group."""
+    if (num_replicas is None or rank is None) and not dist.is_initialized():
+        missing = " and ".join(k for k, v in (("num_replicas", num_replicas), ("rank", rank))
+                               if v is None)
+        raise RuntimeError(f"{missing} not given and no default process group is initialised: "
+                           "pass num_replicas= and rank= explicitly, or call "
+                           "torch.distributed.init_process_group() first (under torchrun)")
+    R = check_int("num_replicas", dist.get_world_size() if num_replicas is None else num_replicas,
+                  1)
+    rank = check_int("rank", dist.get_rank() if rank is None else rank)
+    if not 0 <= rank < R:
+        raise ValueError(f"rank {rank} is outside [0, {R - 1}] (num_replicas={R})")
+    return R, rank

@@ -4,9 +4,8 @@ Spoilers, kept out of the notebooks on purpose: try the exercise first, then com
 Each is small and written the way the lesson explains it. Where the lesson's idea has a
 teaching core, the reference *is* that core (02.1: :mod:`ddp_lesson.core.sampler`, 03.6:
 :mod:`ddp_lesson.core.ring`, 04.3, 04.4 and 08.5: the DDP and ZeRO-1 cores), not a second
-copy; the package's full versions
-(``ddp_lesson.sampler``, ``ddp_lesson.collectives``, ...) add argument checks, pipelining and
-options. ``ddp_lesson.exercises.reference(ID)`` returns the one for an id.
+copy (``ddp_lesson.sampler`` and ``ddp_lesson.collectives`` re-export the sampler and the ring
+and add helpers around them). ``ddp_lesson.exercises.reference(ID)`` returns the one for an id.
 """
 from __future__ import annotations
 

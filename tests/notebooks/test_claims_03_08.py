@@ -55,7 +55,7 @@ def test_03_prose_says_what_a_collective_promises():
 
 
 def test_03_stored_run_shows_a_rank_leaving_a_broadcast_early():
-    text = stream_text("03_collectives.ipynb", "time.sleep(2.0)")
+    text = stream_text("deep/03_collective_costs.ipynb", "time.sleep(2.0)")
     assert "[rank 0] every rank got 7: True" in text
     assert "[rank 0] rank 2 left before rank 1 entered: True" in text
     assert "[rank 0] rank 0 left after rank 1 entered: True" in text

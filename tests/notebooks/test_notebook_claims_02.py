@@ -26,6 +26,7 @@ from ddp_lesson.launch import run_torchrun
 ROOT = Path(__file__).resolve().parents[2]
 TORCH = Path(torch.__file__).parent
 CORE = "02_sampler_sharding.ipynb"
+EDGE = "deep/02_sampler_edge_cases.ipynb"
 STREAMS = "deep/02_weighted_streams_and_seeds.ipynb"
 
 
@@ -44,7 +45,7 @@ def _function(src: str, name: str) -> str:
 # ------------------------------------------------------------- eval under no_grad: no sync
 
 def test_02_prose_says_eval_under_no_grad_does_not_communicate_per_batch():
-    prose = _prose(CORE)
+    prose = _prose(EDGE)           # notebook 02's evaluation section moved to this deep dive
     assert ("In `eval()` under `torch.no_grad()` neither SyncBatchNorm (it uses its running "
             "statistics) nor DDP communicates per batch: DDP broadcasts its buffers once, in the "
             "first no-grad forward after training") in prose

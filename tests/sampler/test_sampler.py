@@ -30,9 +30,24 @@ from ddp_lesson.sampler import (
     shard_indices,
 )
 
-#: The core alone and the hardened drop-in built on it: both must equal torch's.
-SAMPLERS = pytest.mark.parametrize("Sampler", [core.DistributedSampler, DistributedSampler],
-                                   ids=["core", "hardened"])
+#: The one sampler (ddp_lesson.sampler's is the core's, checks included): it must equal torch's.
+SAMPLERS = pytest.mark.parametrize("Sampler", [core.DistributedSampler], ids=["core"])
+
+
+def test_one_sampler_implementation():
+    import ddp_lesson.sampler as pkg
+
+    for name in ("DistributedSampler", "global_order", "num_samples_per_rank"):
+        assert getattr(pkg, name) is getattr(core, name), name
+    assert DistributedSampler is core.DistributedSampler
+
+
+def test_a_dataset_that_changed_length_is_a_clear_error():
+    data = list(range(10))
+    s = DistributedSampler(data, num_replicas=3, rank=0, shuffle=False)
+    data.extend(range(10, 13))              # 13 items now: 5 per rank, not the 4 fixed at init
+    with pytest.raises(RuntimeError, match=r"changed to 13 .*num_samples=4, num_replicas=3"):
+        list(s)
 
 
 def ours(n, r, rank, **kw):
