@@ -4,14 +4,14 @@ On a CPU machine the loopback all-reduce is nearly free, so buckets and overlap 
 benefit. :class:`SimulatedLink` lays an α-β network over the real all-reduce (the numbers stay
 right; waiting takes the modelled time), so a bucket issued during backward is hidden behind
 computation and one issued after backward is exposed, as on a real network. A
-:class:`Recorder` attached to a drop-in wrapper (``ddp_lesson.ddp.NaiveDDP`` /
-``BucketedDDP``) notes when each gradient was ready and each all-reduce ran, per rank, as
-:class:`StepRecord` and :class:`CommEvent`; :func:`job_exposed_s` and
+:class:`Recorder` attached to a wrapper (the cores ``ddp_lesson.core.naive_ddp.NaiveDDP`` /
+``BucketedDDP``, or the drop-ins built on them) notes when each gradient was ready and each
+all-reduce ran, per rank, as :class:`StepRecord` and :class:`CommEvent`; :func:`job_exposed_s` and
 :func:`job_exposed_share` say how much communication nobody's computation hid, and
 :func:`gather_records` brings every rank's records to every rank.
 
-None of this changes a number the wrappers compute; it is instrumentation, kept out of the
-lesson's cores (``ddp_lesson.core``).
+None of this changes a number the wrappers compute; it is instrumentation: the cores only
+call a recorder's six methods (``begin`` ... ``finish``) when one is given.
 
 Source: the α-β model of R. Thakur, R. Rabenseifner, W. Gropp, "Optimization of collective
 communication operations in MPICH", IJHPCA 2005.
@@ -227,6 +227,9 @@ class Recorder:
 
     Attach with ``BucketedDDP(..., recorder=Recorder())`` or ``ddp.recorder = Recorder()``.
     Recording costs a few ``time.perf_counter()`` calls per parameter; it changes no number.
+    The wrapper calls, per synchronised step: :meth:`begin` (forward), :meth:`grad_ready` (each
+    hook), :meth:`comm_start` / :meth:`comm_end` (each message), :meth:`backward_end`,
+    :meth:`finish`.
 
     Attributes:
         steps: the records, oldest first.
@@ -245,15 +248,15 @@ class Recorder:
     def _now(self) -> float:
         return time.perf_counter() - self._t0
 
-    def _begin(self, rank: int) -> None:
+    def begin(self, rank: int) -> None:
         self._t0 = time.perf_counter()
         self._current = StepRecord(rank=rank, step=len(self.steps), t0_s=self._t0)
 
-    def _grad(self, name: str) -> None:
+    def grad_ready(self, name: str) -> None:
         if self._current is not None:
             self._current.grad_ready_s[name] = self._now()
 
-    def _comm_start(self, index: int, nbytes: int, names: list[str], work) -> CommEvent | None:
+    def comm_start(self, index: int, nbytes: int, names: list[str], work) -> CommEvent | None:
         if self._current is None:
             return None
         issued = self._now()
@@ -272,7 +275,7 @@ class Recorder:
         self._current.comm.append(event)
         return event
 
-    def _comm_end(self, event: CommEvent | None) -> None:
+    def comm_end(self, event: CommEvent | None) -> None:
         if event is None:
             return
         end = event._real_end if not math.isnan(event._real_end) else self._now()
@@ -281,11 +284,11 @@ class Recorder:
         event.end_s = end
         del event._real_end, event._done_at
 
-    def _backward_end(self) -> None:
+    def backward_end(self) -> None:
         if self._current is not None:
             self._current.backward_end_s = self._now()
 
-    def _finish(self) -> None:
+    def finish(self) -> None:
         if self._current is not None:
             self._current.sync_end_s = self._now()
             self.steps.append(self._current)

@@ -1,51 +1,16 @@
-"""The torch drop-ins: NaiveDDP and BucketedDDP as replacements for DistributedDataParallel.
+"""The torch drop-ins: the cores of notebook 04 with ``DistributedDataParallel``'s signature.
 
-Run the three-way comparison (torch's DDP, NaiveDDP, BucketedDDP give the same weights)::
-
-    torchrun --standalone --nproc-per-node 2 -m ddp_lesson.labs.ddp_three_ways
-
-The algorithms are the teaching cores, :mod:`ddp_lesson.core.naive_ddp` (a hook per
-parameter, a callback queued for the end of backward that divides each gradient by the world
-size and SUM-all-reduces it) and :mod:`ddp_lesson.core.bucketed_ddp` (the buckets torch's
-Reducer uses from its second iteration on, each all-reduced asynchronously from the hook
-that completes it, waited for at the end of backward). The classes here subclass those
-cores and add what makes them a drop-in replacement for
-``torch.nn.parallel.DistributedDataParallel`` in an ordinary loop:
-
-* torch's constructor signature (``device_ids``, ``output_device``, ``broadcast_buffers``,
-  ``init_sync``, ``bucket_cap_mb``, ``find_unused_parameters``, ...), and NotImplementedError
-  naming any torch option they leave out;
-* before the construction broadcast, every rank's parameter list (names, shapes, dtypes) is
-  all-gathered and compared, so a model that differs between ranks is the same ValueError on
-  every rank;
-* a small check table all-reduced after each synchronised backward, so every rank raises the
-  same clear error where torch hangs or lets the ranks silently diverge: a parameter that got
-  no gradient, a rank that skipped a backward, a parameter unfrozen or added after wrapping;
-* ``find_unused_parameters`` (a walk of the autograd graph after forward, as torch);
-* buffers broadcast from rank 0 before every forward that follows a synchronised one, hidden
-  from autograd's version counters (as torch), so two forwards before a backward work;
-* every backward after a synchronised forward averaged, not only the first (several
-  backwards of retained graphs), with the checks of each; a pass that runs no parameter's
-  ``AccumulateGrad`` (``autograd.grad`` w.r.t. the inputs, as in PGD) averages nothing, as
-  in torch;
-* ``Join`` for uneven inputs (both classes are ``Joinable``);
-* reentrant activation checkpoints: one final callback per autograd task, because a
-  reentrant checkpoint runs an inner backward whose end is not the end of the pass;
-* a pluggable ``comm_hook`` (e.g. :class:`ddp_lesson.commsim.SimulatedLink`) and a
-  :class:`ddp_lesson.commsim.Recorder`.
-
-Averaging is the cores' contract: each gradient is divided by ``R`` *before* the SUM
-all-reduce, as torch does (a sum over ``R`` ranks of fp16 gradients can overflow, a sum of
-pre-divided ones cannot).
-
-The design follows PyTorch's own DDP: S. Li et al., "PyTorch Distributed: Experiences on
-Accelerating Data Parallel Training", VLDB 2020 (arXiv:2006.15704), sections 3.2-3.3
-(gradient bucketing, overlap, ``no_sync``, unused parameters), and
-``torch/csrc/distributed/c10d/reducer.cpp``. Differences from torch are named in each
-docstring.
-
-The cost-model predictions the notebook's bucket-size sweep prints are in
-:mod:`ddp_lesson.cost_model`; the simulated link and the recorder in :mod:`ddp_lesson.commsim`.
+:class:`NaiveDDP` and :class:`BucketedDDP` subclass :mod:`ddp_lesson.core.naive_ddp` and
+:mod:`ddp_lesson.core.bucketed_ddp` (the classes notebook 04 prints and its labs run) and add
+what code written for torch's DDP needs: torch's signature (NotImplementedError naming each
+option they leave out), a construction check that every rank holds the same model, a small check
+table all-reduced after each synchronised backward (every rank raises the same error where torch
+hangs or lets ranks diverge), ``find_unused_parameters``, buffer broadcasts before forwards,
+``Join``, reentrant checkpoints and sparse gradients. The trainer's ``--ddp naive|bucketed``
+uses them; ``notebooks/deep/04_ddp_dropin_edge_cases.ipynb`` runs each case and
+``tests/programs/ddp_dropin.py`` checks it against torch. Averaging is the cores': ÷ R, then
+SUM. Design: S. Li et al., "PyTorch Distributed", VLDB 2020 (arXiv:2006.15704), 3.2-3.3, and
+``torch/csrc/distributed/c10d/reducer.cpp``.
 """
 from __future__ import annotations
 
@@ -65,22 +30,8 @@ from .core.bucketed_ddp import MB, assign_buckets
 from .env import group_active
 
 __all__ = [
-    "MB", "assign_buckets", "NaiveDDP", "BucketedDDP", "default_all_reduce", "walk_autograd_graph",
+    "MB", "assign_buckets", "NaiveDDP", "BucketedDDP", "walk_autograd_graph",
 ]
-
-
-# =========================================================================== communication
-
-
-def default_all_reduce(tensor: torch.Tensor, process_group=None):
-    """The communication step both wrappers use unless given another: an async SUM all_reduce.
-
-    Returns the ``dist.Work`` handle. ``.wait()`` on gloo blocks until the sum is in
-    ``tensor``; on NCCL it makes the current CUDA stream wait for the sum and returns (torch's
-    ``Work.wait`` docstring), so later kernels on that stream read the sum.
-    A collective: every rank of ``process_group`` must call it, in the same order.
-    """
-    return dist.all_reduce(tensor, group=process_group, async_op=True)
 
 
 # =========================================================================== the drop-ins
@@ -213,16 +164,11 @@ def _move_to(obj, device: torch.device):
 
 
 class _WrapperJoinHook(JoinHook):
-    """What a rank out of inputs does inside ``Join``: shadow the others' collectives.
-
-    The ranks still training run a handshake (:meth:`_DropIn._join_handshake`) at every
-    forward and at the start of every synchronised backward; ``main_hook`` runs once per
-    handshake and issues the same collectives, in the same order: the flags (shadow a
-    backward, broadcast buffers now, buffers due before the next forward), the buffer
-    broadcast if asked for, then, for a backward, zeros in place of each gradient message and a
-    row marked "joined" in the check table. So one forward with several backwards, or several
-    forwards with one backward, are shadowed too. ``post_hook`` broadcasts the final
-    parameters (and buffers) from the highest rank among the last to join, as torch does.
+    """A rank out of inputs inside ``Join``: ``main_hook`` runs once per handshake of the ranks
+    still training (:meth:`_DropIn._join_handshake`) and issues the same collectives in the same
+    order (flags, buffers if asked, zeros for each gradient message and a "joined" table row);
+    ``post_hook`` broadcasts the final state from the highest rank among the last to join, as
+    torch does.
     """
 
     def __init__(self, ddp: _DropIn, divide_by_initial_world_size: bool):
@@ -324,17 +270,10 @@ def _check_same_model_everywhere(name: str, module, broadcast_buffers: bool, wor
 
 
 class _DropIn:
-    """What the NaiveDDP and BucketedDDP drop-ins add to their cores: torch's signature, the
-    construction checks, buffers, hooks that keep the check table, ``Join``, and reentrant
-    checkpoints.
-
-    Mixed in before a core class (``class NaiveDDP(_DropIn, core.NaiveDDP, Joinable)``), it
-    plugs into the core's overridable methods: ``_broadcast_state`` (checks, then one
-    coalesced broadcast), ``forward``, ``_on_grad_ready`` (the per-parameter hook the core
-    registers) and the final callback, which calls the subclass's ``_after_backward``.
-    Subclasses implement ``_grad_ready(index)`` (a gradient arrived during a synchronised
-    backward), ``_after_backward()`` (autograd finished; make ``.grad`` the average) and
-    ``_shadow_backward()`` (a joined rank's matching collectives with zeros).
+    """What the drop-ins add to their cores, mixed in before a core class. It overrides the
+    core's ``_broadcast_state``, ``forward``, ``_on_grad_ready`` and final callback; subclasses
+    implement ``_grad_ready``, ``_after_backward`` and ``_shadow_backward`` (a joined rank's
+    matching collectives with zeros).
     """
 
     def __init__(self, module: nn.Module, device_ids=None, output_device=None, *,
@@ -359,36 +298,24 @@ class _DropIn:
             broadcast_buffers, forward_sync_buffers)
         self._init_sync = init_sync
         self._src = 0 if process_group is None else dist.get_global_rank(process_group, 0)
-        super().__init__(module, process_group=process_group, **(core_kwargs or {}))
+        super().__init__(module, process_group=process_group, comm_hook=comm_hook,
+                         recorder=recorder, **(core_kwargs or {}))
         Joinable.__init__(self)
         self.find_unused_parameters = find_unused_parameters
-        self.comm_hook = comm_hook if comm_hook is not None else default_all_reduce
-        self.recorder = recorder
-        # named_parameters() lists a shared (tied) parameter once, in the core's order
-        self.param_names = [n for n, p in module.named_parameters() if p.requires_grad]
         self._param_ids = {id(p) for p in self._params}
         self._device = self._params[0].device
         self._init_sync_state()
 
     def _broadcast_state(self) -> None:
-        """The core's construction broadcast, checked first, and with torch's buffer rule.
-
-        Case 1 of the drop-in checks: every rank's parameter list is exchanged before any
-        broadcast, so a model that differs between ranks is the same ValueError everywhere
-        (torch raises on the differing rank only; the others see "connection closed"). B8:
-        whatever each rank initialised, everyone starts from rank 0's weights (and, unless
-        ``broadcast_buffers=False``, rank 0's buffers: torch's rule, also at init;
-        ``forward_sync_buffers`` never turns the construction broadcast off).
-        ``init_sync=False`` skips both.
+        """The core's construction broadcast with the drop-in's check first: every rank's
+        parameter list exchanged, so a model that differs is the same ValueError everywhere
+        (torch raises on that rank only), then one coalesced broadcast (buffers unless
+        ``broadcast_buffers=False``, torch's rule). ``init_sync=False`` skips both.
         """
-        name = type(self).__name__
         if self._init_sync:
-            _check_same_model_everywhere(name, self.module, self._init_sync_buffers,
-                                         self.world_size, self.process_group)
-        if not self._params:
-            raise ValueError(f"{name}: the module has no parameter with "
-                             "requires_grad=True, so there is nothing to synchronise")
-        if self._init_sync:
+            _check_same_model_everywhere(type(self).__name__, self.module,
+                                         self._init_sync_buffers, self.world_size,
+                                         self.process_group)
             tensors = [p.detach() for p in self.module.parameters()]
             if self._init_sync_buffers:
                 tensors += list(self.module.buffers())
@@ -449,26 +376,12 @@ class _DropIn:
     # ------------------------------------------------------------------ user-facing
 
     def forward(self, *inputs, **kwargs):
-        """Run the wrapped module; decide here whether the backwards after it synchronise.
-
-        As in torch's DDP the decision is taken in ``forward``: after a forward run inside
-        :meth:`no_sync`, backwards only accumulate locally. Unlike torch, *every* backward
-        after a synchronised forward averages, not only the first: three forwards, then three
-        backwards (``retain_graph=True``) average three times, each backward's share (torch
-        averages the first and lets the ranks diverge, B32). A forward under ``no_grad``
-        builds no graph and decides nothing (the backward of the forward before it still
-        averages, as in torch).
-
-        Buffers: with ``broadcast_buffers=True`` (torch's default) the module's buffers, read
-        afresh from ``module.buffers()`` each time (a forward may replace a buffer tensor by
-        a new one), are broadcast from rank 0 before a forward that follows a synchronised
-        one (inside ``Join``: from the highest rank still training, as torch). So a
-        collective may run here. The writes are hidden from autograd's version counters, as
-        torch does, so a second forward before the backward works (B33).
-        ``broadcast_buffers=False``: never, not even at construction (torch's rule): each
-        rank keeps its own buffers.
-
-        With ``device_ids`` (one GPU), tensors in the inputs are moved to that device first.
+        """Run the wrapped module; as torch, forward decides whether the backwards after it
+        synchronise (not after one inside :meth:`no_sync`; a ``no_grad`` one decides nothing).
+        Every backward after a synchronised forward averages its share (torch: the first only,
+        B32). Before a forward that follows a synchronised one, buffers are broadcast from rank
+        0 (under ``Join``: the highest rank still training), a collective, hidden from
+        autograd's version counters (B33). With ``device_ids``, inputs move to that GPU first.
         """
         if self.device_ids:
             inputs, kwargs = _move_to(inputs, self._device), _move_to(kwargs, self._device)
@@ -491,7 +404,7 @@ class _DropIn:
             self._unsynced = [n for n, p in self.module.named_parameters()
                               if p.requires_grad and id(p) not in self._param_ids]
             if self.recorder is not None:
-                self.recorder._begin(self.rank)
+                self.recorder.begin(self.rank)
             reached = (walk_autograd_graph(output)[1] if self.find_unused_parameters
                        else None)
             self._prepare_backward(reached, new_window=not self._window)
@@ -549,7 +462,7 @@ class _DropIn:
             return  # a no_sync backward: the gradient just accumulates
         self._begin_backward()
         if self.recorder is not None:
-            self.recorder._grad(self.param_names[index])
+            self.recorder.grad_ready(self.param_names[index])
         self._got[index] = True
         if not self._ready[index]:
             self._ready[index] = True
@@ -558,18 +471,11 @@ class _DropIn:
             self._late[index] = True
 
     def _on_output_grad(self, forward: int) -> None:
-        """A pass through the output began: queue its task's final callback, and begin the
-        synchronised backward only if no parameter hook can begin it.
-
-        A synchronised backward is one that accumulates a parameter's gradient, as in torch,
-        whose reducer is driven by the parameters' gradient-accumulator hooks only
-        (``Reducer::autograd_hook``, torch/csrc/distributed/c10d/reducer.cpp): a pass that
-        differentiates for something else (``torch.autograd.grad(loss, x)`` as in PGD,
-        ``backward(inputs=[x])``, ``torch.func.grad``) runs no ``AccumulateGrad`` node of a
-        parameter, fires no hook, and neither communicates nor counts as a backward. The
-        synchronised forward ``forward`` (its serial number) whose output such a pass
-        differentiates is not counted as a forward whose backward was skipped, so the ranks
-        may run different numbers of them (a PGD attack that stops early on one rank).
+        """A pass through the output began: queue its task's final callback; begin the
+        synchronised backward here only if no parameter hook can. As torch, whose reducer is
+        driven by the parameters' ``AccumulateGrad`` hooks only (``Reducer::autograd_hook``,
+        reducer.cpp), a pass that reaches no parameter (``autograd.grad`` w.r.t. the inputs,
+        as in PGD) neither communicates nor counts as a skipped backward (B40).
         """
         if not self._armed:
             return
@@ -585,7 +491,7 @@ class _DropIn:
             if self._join_config.enable:  # the joined ranks shadow this very backward
                 self._join_handshake(backward=True, buffers_due_after=self._buffers_need_sync)
             if self.recorder is not None and self.recorder._current is None:
-                self.recorder._begin(self.rank)  # a second backward after one forward
+                self.recorder.begin(self.rank)  # a second backward after one forward
             self._backward_started()
         self._queue_final_callback()
 
@@ -613,14 +519,14 @@ class _DropIn:
         if nested and not all(self._ready):
             return  # an inner (reentrant) backward ended; the outer one goes on
         if self.recorder is not None:
-            self.recorder._backward_end()
+            self.recorder.backward_end()
         try:
             self._after_backward()
         finally:
             self._used = [False] * len(self._params)
             self._end_backward()
             if self.recorder is not None:
-                self.recorder._finish()
+                self.recorder.finish()
 
     def _end_backward(self) -> None:
         """Ready for the next synchronised backward, with or without a forward in between
@@ -652,17 +558,10 @@ class _DropIn:
 
     def _broadcast_buffers(self, joined: bool) -> None:
         """Overwrite every rank's buffers with rank 0's (under ``Join``: the highest rank still
-        training), hiding the writes from autograd's version counters (a collective).
-
-        An earlier forward whose backward has not run yet may have saved a buffer for it
-        (``x * buf`` saves ``buf``); a plain in-place copy bumps the buffer's version and that
-        backward fails ("modified by an inplace operation ... is at version N; expected
-        version N-1", pytorch/pytorch#22095, #175024). torch's ``_sync_buffers``
-        (torch/nn/parallel/distributed.py) wraps its broadcast in
-        ``torch.autograd._unsafe_preserve_version_counter(buffers)``; so do we. As in torch,
-        a buffer whose value the broadcast changes (another rank's BatchNorm statistics) is
-        then read by that backward with its new value: harmless for BatchNorm in training,
-        whose backward does not use its running statistics.
+        training), a collective, inside ``torch.autograd._unsafe_preserve_version_counter`` as
+        torch's ``_sync_buffers`` (torch/nn/parallel/distributed.py): a forward whose backward
+        has not run may have saved a buffer, and a bumped version would fail that backward
+        (pytorch/pytorch#22095).
         """
         buffers = list(self.module.buffers())  # afresh: forward may have replaced them
         src = self._common_rank(not joined) if self._join_config.enable else self._src
@@ -671,18 +570,11 @@ class _DropIn:
 
     def _join_handshake(self, backward: bool, buffers_due_after: bool) -> None:
         """Under ``Join``, before a forward and at the start of a synchronised backward: tell
-        the joined ranks what comes, so that their ``main_hook`` mirrors it (collectives).
-
-        The notification counts the ranks still training (the divisor with
-        ``divide_by_initial_world_size=False``); then four flags, summed over the ranks:
-        "shadow a backward now", "broadcast the buffers now" (before a forward that follows
-        a synchronised one), "buffers due before the next forward" and "refuse" (below).
-
-        Raises (on every rank, the joined ones in ``main_hook``): RuntimeError for a second
-        backward after one forward once a rank has joined, with
-        ``divide_by_initial_world_size=True``: it averages the whole ``.grad`` and the joined
-        ranks send zeros, so the share averaged by the first backward would be divided again
-        (rank 0 with 3 then 4, rank 1 joined: 2.75 instead of 3.5).
+        the joined ranks what comes (collectives): the number still training (the divisor with
+        ``divide_by_initial_world_size=False``), then four summed flags: shadow a backward,
+        broadcast buffers now, buffers due before the next forward, refuse. Raises RuntimeError
+        on every rank for a second backward after one forward once a rank has joined, with
+        ``divide_by_initial_world_size=True`` (it would divide the first share again).
         """
         self._divisor = self.world_size
         active = self.world_size
@@ -857,16 +749,9 @@ class _DropIn:
         work = self.comm_hook(tensor, self.process_group)
         event = None
         if self.recorder is not None:
-            event = self.recorder._comm_start(index, tensor.numel() * tensor.element_size(),
+            event = self.recorder.comm_start(index, tensor.numel() * tensor.element_size(),
                                               names, work)
         return work, event
-
-    def _wait(self, handle) -> None:
-        """Block until the all-reduce behind ``handle`` has finished."""
-        work, event = handle
-        work.wait()
-        if self.recorder is not None:
-            self.recorder._comm_end(event)
 
     def _write_grad(self, index: int, value: torch.Tensor) -> None:
         p = self._params[index]
@@ -877,111 +762,38 @@ class _DropIn:
 
 
 class NaiveDDP(_DropIn, _naive_core.NaiveDDP, Joinable):
-    """Data parallelism the simplest way: after backward, one all-reduce per parameter.
+    """:class:`ddp_lesson.core.naive_ddp.NaiveDDP` as a drop-in for torch's DDP (``--ddp naive``).
 
-    The core :class:`ddp_lesson.core.naive_ddp.NaiveDDP` made a drop-in replacement for
-    ``torch.nn.parallel.DistributedDataParallel(module, ...)``, with torch's signature: when
-    ``loss.backward()`` returns, every ``p.grad`` is the mean over ranks. It is slow on
-    purpose: every parameter is its own message (each pays the link latency α), and nothing
-    is sent until backward has finished (no overlap).
-    :class:`BucketedDDP` fixes both.
-
-    Averaging: each gradient is divided by ``R`` *before* the SUM all-reduce, as torch's DDP
-    does (with no comm hook, its C++ Reducer multiplies by ``1 / div_factor_`` while filling
-    the bucket, ``reducer.hpp``; ``_allreduce_fut`` in ``torch/distributed/algorithms/
-    ddp_comm_hooks/default_hooks.py``, the Python equivalent: "Apply the division first to
-    avoid overflow, especially for FP16"): a sum over ``R`` ranks
-    of fp16 values near 65504 would overflow to inf, the mean of the pre-divided values
-    cannot.
-
-    Construction checks (a collective): every rank's parameter list (names, shapes, dtypes,
-    requires_grad; and buffers with ``broadcast_buffers``) is all-gathered and compared, so a
-    model that differs between ranks raises the same ValueError on every rank, naming the
-    first difference and both shapes; then parameters (and buffers with
-    ``broadcast_buffers``) are broadcast from rank 0.
-
-    Each synchronised backward also all-reduces a small ``(R, P + 4)`` int32 table (who
-    produced which gradient, how many synchronised forwards each rank ran, whether a
-    parameter the wrapper does not know got a gradient) and raises the same RuntimeError on
-    every rank when: a parameter got no gradient on some rank (without
-    ``find_unused_parameters``; torch hangs or fails an iteration later); a rank skipped a
-    backward (torch silently averages different steps); a parameter unfrozen or added after
-    wrapping got a gradient (torch lets the ranks diverge silently: wrap again).
-
-    Uneven inputs: a ``torch.distributed.algorithms.Join`` joinable like torch's DDP (``with
-    Join([ddp]):`` or ``with ddp.join():``); a rank out of inputs shadows the others'
-    all-reduces with zeros (the ranks still training tell it at every forward and at the
-    start of every synchronised backward). Reentrant activation checkpointing works (the
-    averaging waits for the outer backward, not the checkpoint's inner one).
-
-    Several forwards, then several backwards (``retain_graph=True``): every backward after a
-    synchronised forward averages its share of ``.grad`` (torch's DDP averages the first
-    only and the ranks silently diverge, B32). A forward under ``no_grad`` decides nothing.
-    Two forwards before one backward, with a buffer the first one saved for backward: the
-    buffer broadcast before the second forward is hidden from autograd, as torch does (B33).
+    Beyond the core: every rank's parameter list (names, shapes, dtypes, requires_grad; buffers
+    with ``broadcast_buffers``) compared at construction, the same ValueError on every rank;
+    after each synchronised backward a ``(R, P + 4)`` int32 table all-reduced, so every rank
+    raises the same RuntimeError for a parameter with no gradient (without
+    ``find_unused_parameters``), a rank that skipped a backward, or a parameter unfrozen after
+    wrapping; buffers broadcast before a forward that follows a synchronised one, hidden from
+    autograd's version counters as torch (B33); ``Join`` (a rank out of inputs shadows the
+    others' all-reduces with zeros); reentrant checkpoints; every backward after a synchronised
+    forward averages (torch: the first only, B32); passes that run no parameter's
+    ``AccumulateGrad`` communicate nothing, as torch (B40); sparse gradients all-reduced sparse.
 
     Args:
-        module: the model (already on this rank's device).
-        device_ids: None on CPU (a list raises ValueError, as torch); on one GPU, None or
-            ``[that GPU]``: inputs are then moved to it in ``forward``.
-        output_device: None, or the module's GPU.
-        dim: only 0 (torch uses it to scatter inputs over several GPUs per process).
-        broadcast_buffers: deprecated in torch 2.13 (None, the default; any value warns
-            ``FutureWarning`` as torch does). False: rank 0's buffers are broadcast never, not
-            even at construction.
-        forward_sync_buffers: broadcast rank 0's buffers before forwards that follow a
-            synchronised one (None: True, unless ``broadcast_buffers=False``); whatever its
-            value, construction broadcasts them (torch's rule).
-        init_sync: False skips the construction checks and broadcast (torch's flag).
-        process_group: group to average over (None: the default group).
-        bucket_cap_mb: only None (NaiveDDP has no buckets; use :class:`BucketedDDP`).
-        find_unused_parameters: False (default): a parameter that gets no gradient on some
-            rank raises RuntimeError on every rank, naming it (and saying when it got its
-            gradient only inside ``no_sync()``). True: its local gradient (accumulated since
-            the last sync, ``no_sync`` passes included) counts in the average, zeros for a
-            rank that has none (torch's behaviour); one unused on every rank keeps ``.grad``
-            unchanged (``None``).
-        comm_hook: ``hook(tensor, process_group) -> work`` that SUM-all-reduces ``tensor``
-            (default :func:`default_all_reduce`; a :class:`SimulatedLink` fits).
-        recorder: a :class:`Recorder` to fill, or None.
-
-    Attributes:
-        module: the wrapped model (save ``ddp.module.state_dict()``).
-        param_names: names of the synchronised (trainable) parameters, registration order.
+        module: the model, on this rank's device.
+        device_ids, output_device: None on CPU; on one GPU, None or that GPU (torch's rule).
+        dim: only 0. init_sync: False skips the construction check and broadcast.
+        broadcast_buffers: deprecated as in torch 2.13 (warns); False: buffers never broadcast.
+        forward_sync_buffers: broadcast buffers before forwards (construction always does).
+        process_group: the group (None: default). bucket_cap_mb: only None.
+        find_unused_parameters: False: a missing gradient raises on every rank, naming it;
+            True: its rank contributes zeros; unused everywhere keeps ``.grad`` None.
+        comm_hook, recorder: as the core.
 
     Raises:
-        RuntimeError: no process group.
-        ValueError: no trainable parameter, a model that differs between ranks, or bad
-            ``device_ids`` / ``output_device``.
-        NotImplementedError: a left-out torch feature (below).
+        RuntimeError: no process group. ValueError: no trainable parameter, a model that
+        differs between ranks, bad ``device_ids``/``output_device``. NotImplementedError: a
+        left-out torch feature (``gradient_as_bucket_view``, ``static_graph``,
+        ``mixed_precision``, ``device_mesh``, ``register_comm_hook``, ...).
 
-    Synchronisation: construction (gather and broadcast), forwards that broadcast buffers,
-    and every synchronised backward are collectives: all ranks must do them together.
-
-    Left out, compared with torch's DDP (each raises NotImplementedError saying so when asked
-    for): ``gradient_as_bucket_view=True``, ``static_graph=True``, ``mixed_precision``,
-    ``device_mesh``, ``delay_all_reduce_named_params``, ``param_to_hook_all_reduce``,
-    ``skip_all_reduce_unused_params``, ``bucket_cap_mb_list``, ``batched_grad_copy``,
-    ``dim != 0``, ``check_reduction=True`` and
-    ``register_comm_hook`` (use ``comm_hook=``); multi-device modules (``device_ids`` must
-    be None or the one GPU the module is on); buffer communication hooks.
-    ``find_unused_parameters=True`` with a reentrant checkpoint raises when it would send
-    zeros for a parameter that then gets a gradient.
-
-    Sparse gradients (``nn.Embedding(sparse=True)``, also ``F.embedding(..., sparse=True)``
-    which torch's DDP cannot see): each is all-reduced as a sparse tensor (checked on gloo);
-    a rank without one sends an empty sparse tensor (torch's DDP fails there with "Expected
-    sparse gradient to be defined").
-
-    Passes that are not a synchronised backward, as in torch (whose reducer is driven by
-    the parameters' gradient hooks only, ``Reducer::autograd_hook`` in
-    torch/csrc/distributed/c10d/reducer.cpp): ``torch.autograd.grad`` w.r.t. the inputs
-    (PGD, a gradient penalty with ``create_graph=True``), ``backward(inputs=[x])``,
-    ``torch.func.grad`` and ``autograd.grad`` w.r.t. the parameters (local, as in torch) run
-    no parameter's ``AccumulateGrad``: nothing is communicated, and their forwards do not
-    count as skipped backwards, so ranks may run different numbers of them (docs/pitfalls.md
-    B40). Under ``torch.func`` with ``find_unused_parameters=True`` torch's DDP raises (its
-    ``_DDPSink`` has no ``setup_context``); these wrappers run.
+    Synchronisation: construction, buffer broadcasts and every synchronised backward are
+    collectives.
     """
 
     def __init__(self, module: nn.Module, device_ids=None, output_device=None, dim=0,
@@ -1044,105 +856,26 @@ class _Bucket:
     flat: torch.Tensor                 # the message: every gradient of the bucket, flattened
     handle: object = None              # the all-reduce in flight
 
-    @property
-    def nbytes(self) -> int:
-        return self.flat.numel() * self.flat.element_size()
-
 
 class BucketedDDP(_DropIn, _bucketed_core.BucketedDDP, Joinable):
-    """Data parallelism with gradient buckets all-reduced while backward is still running.
+    """:class:`ddp_lesson.core.bucketed_ddp.BucketedDDP` as a drop-in (``--ddp bucketed``).
 
-    The core :class:`ddp_lesson.core.bucketed_ddp.BucketedDDP` made a drop-in replacement
-    for ``torch.nn.parallel.DistributedDataParallel(module, bucket_cap_mb=...,
-    find_unused_parameters=...)``: when ``loss.backward()`` returns, every
-    ``p.grad`` is the mean over ranks.
+    What :class:`NaiveDDP` adds, with buckets: each allocated once and reused; with
+    ``find_unused_parameters=True`` torch's construction-time buckets (filled in registration
+    order, launched reversed, as torch keeps them), and the parameters the graph walk after
+    forward misses counted ready at the start of backward. Differs from torch: the buckets are
+    torch's rebuilt ones from the first step (torch's first iteration sends one bucket);
+    gradients are copied into the bucket (``gradient_as_bucket_view=False``); one small extra
+    all-reduce per step carries the check table.
 
-    Parameters are grouped as torch's Reducer groups them in the configuration asked for. By
-    default, as torch after its rebuild (before the second forward):
-    :func:`ddp_lesson.core.bucketed_ddp.ddp_buckets`, filled in reverse registration order (the
-    order backward makes the series' gradients ready), a bucket closed once it holds its limit.
-    With ``find_unused_parameters=True``, as torch at construction, which it then keeps
-    (``_ddp_init_helper``): filled in registration order, then reversed into launch order.
-    During a synchronised
-    backward, when the last gradient of a bucket has been accumulated, the bucket's gradients are
-    copied into its flat tensor, multiplied by ``1/R`` (torch pre-divides too) and SUM-all-reduced
-    asynchronously; buckets are issued in bucket order on every rank (a bucket that is complete
-    early waits for the ones before it). When autograd has finished, the final callback issues
-    whatever is left, waits for every bucket and copies the averages back into ``.grad``.
+    Args: as :class:`NaiveDDP`, and ``bucket_cap_mb`` (MiB, as torch; None: 1 MiB first, then
+    25) and ``overlap`` (False: every bucket waits for the end of backward).
 
-    Unused parameters: with ``find_unused_parameters=True`` the autograd graph is walked
-    after each forward (as torch does); parameters it does not reach are marked ready at
-    the start of backward, contributing their current ``.grad`` or zeros, so their bucket is
-    not held back. A parameter that nobody used keeps its ``.grad`` (``None``); one used on
-    some ranks only gets the average with zeros for the others (B1: g on rank 0 -> g/2 on
-    both). Without the flag, a missing gradient raises RuntimeError on every rank, naming
-    the parameter, at the end of that backward (torch hangs or fails an iteration later).
+    Raises: as :class:`NaiveDDP`; ValueError for a negative or infinite ``bucket_cap_mb``;
+    NotImplementedError for a trainable ``nn.Embedding(sparse=True)`` (named at construction)
+    and RuntimeError for another sparse gradient, naming the parameter (B41).
 
-    Averaging: each bucket is multiplied by ``1/R`` *before* the SUM all-reduce, as torch's
-    DDP does (with no comm hook, its C++ Reducer multiplies by ``1 / div_factor_`` while filling
-    the bucket, ``reducer.hpp``; ``_allreduce_fut`` in ``torch/distributed/algorithms/
-    ddp_comm_hooks/default_hooks.py``, the Python equivalent: "Apply the division first to
-    avoid overflow, especially for FP16"): a
-    sum over ``R`` ranks of fp16 values near 65504 would overflow to inf.
-
-    Construction checks, the per-step table and its errors (a rank skipped a backward, a
-    parameter unfrozen or added after wrapping got a gradient), ``Join`` for uneven inputs,
-    reentrant checkpointing and buffer broadcasts: as :class:`NaiveDDP`.
-
-    Differences from torch's DDP: buckets are fixed. Without ``find_unused_parameters`` torch's
-    first iteration sends one bucket (``_BucketCapacityConfig.compute_bucket_size_limits``:
-    limit ``sys.maxsize``) and it rebuilds the buckets in the order the gradients became ready
-    before the second forward (``_pre_forward``, ``Reducer::should_rebuild_buckets``; with
-    ``static_graph``, the third); these buckets are the rebuilt ones from the start, assuming
-    that order is reverse registration order (on DeepLab torch records a convolution's or
-    BatchNorm's weight before its bias: the same buckets, another order inside them; a model
-    whose forward uses its modules in another order gets other buckets from torch);
-    gradients are copied into the bucket (``gradient_as_bucket_view=False``); one extra
-    small all-reduce per step carries the check table.
-
-    Args:
-        module: the model (already on this rank's device).
-        device_ids, output_device, dim, init_sync: as :class:`NaiveDDP` (torch's rules).
-        broadcast_buffers: deprecated in torch 2.13 (None, the default; any value warns
-            ``FutureWarning`` as torch does). False: rank 0's buffers are broadcast never, not
-            even at construction.
-        forward_sync_buffers: broadcast rank 0's buffers before forwards that follow a
-            synchronised one (None: True, unless ``broadcast_buffers=False``); whatever its
-            value, construction broadcasts them (torch's rule).
-        process_group: group to average over (None: the default group).
-        bucket_cap_mb: bucket size in MiB (1 MiB = 1024**2 bytes), as in torch. None (the
-            default, as torch): 1 MiB for the first bucket
-            (``dist._DEFAULT_FIRST_BUCKET_BYTES``), 25 MiB for the others; a number: that cap
-            for every bucket (:func:`ddp_lesson.core.bucketed_ddp.bucket_size_limits`).
-        find_unused_parameters: see above (default False, as in torch).
-        overlap: True (default) issues a bucket as soon as it is ready; False waits for the
-            end of backward (to measure what overlap buys).
-        comm_hook: ``hook(tensor, process_group) -> work`` that SUM-all-reduces ``tensor``
-            (default :func:`default_all_reduce`; a :class:`SimulatedLink` fits).
-        recorder: a :class:`Recorder` to fill, or None.
-
-    Attributes:
-        module: the wrapped model (save ``ddp.module.state_dict()``).
-        bucket_indices: the buckets as lists of parameter indices (into ``param_names``).
-        param_names: names of the synchronised (trainable) parameters.
-
-    Raises:
-        RuntimeError: no process group.
-        ValueError: no trainable parameter, a negative or infinite ``bucket_cap_mb``, a model that
-            differs between ranks, or bad ``device_ids`` / ``output_device``.
-        NotImplementedError: a left-out torch feature (below).
-
-    Synchronisation: construction, buffer broadcasts before forwards and every synchronised
-    backward are collectives (all ranks together).
-
-    Left out, compared with torch's DDP: the same features as :class:`NaiveDDP` (listed in
-    its docstring), each raising NotImplementedError saying so when asked for; and sparse
-    gradients: a trainable ``nn.Embedding``/``nn.EmbeddingBag`` with ``sparse=True`` is
-    refused at construction, naming the parameter (torch's test,
-    ``produces_sparse_gradient``), and a sparse gradient it cannot see there
-    (``F.embedding(..., sparse=True)``) is a RuntimeError naming the parameter when its bucket
-    is filled (docs/pitfalls.md B41). Complex parameters, channels_last gradients and
-    parameters of several dtypes (never in one bucket) give torch's gradients.
+    Attributes: ``module``, ``bucket_indices`` (lists of indices into ``param_names``).
     """
 
     def __init__(self, module: nn.Module, device_ids=None, output_device=None, dim=0,
@@ -1170,9 +903,8 @@ class BucketedDDP(_DropIn, _bucketed_core.BucketedDDP, Joinable):
                          init_sync=init_sync, process_group=process_group,
                          find_unused_parameters=find_unused_parameters, comm_hook=comm_hook,
                          recorder=recorder, torch_kwargs=torch_kwargs,
-                         core_kwargs={"bucket_cap_mb": bucket_cap_mb})
+                         core_kwargs={"bucket_cap_mb": bucket_cap_mb, "overlap": overlap})
         self.bucket_cap_mb = bucket_cap_mb
-        self.overlap = overlap
         if find_unused_parameters:  # torch's construction-time buckets, which it then keeps
             self.bucket_indices = assign_buckets(
                 [p.numel() * p.element_size() for p in self._params],
@@ -1214,12 +946,6 @@ class BucketedDDP(_DropIn, _bucketed_core.BucketedDDP, Joinable):
             if not self._ready[i]:
                 self._ready[i] = True
                 self._grad_ready(i)
-
-    def _grad_ready(self, index: int) -> None:
-        if self.overlap:
-            super()._grad_ready(index)  # the core: count it in, launch complete buckets
-        else:
-            self._pending[self._bucket_of[index]] -= 1  # everything waits for the callback
 
     def _launch(self, b: int) -> None:
         """The core's launch into the bucket's own flat tensor, divided by the Join-aware

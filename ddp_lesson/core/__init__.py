@@ -3,7 +3,7 @@
 Every module here holds one algorithm in its plainest correct form (NaiveDDP, BucketedDDP, and
 their siblings), imports only torch and other ``ddp_lesson.core`` modules, and stays within 300
 lines including its docstrings, so a reader meets the algorithm itself and no machinery around
-it. The hardened drop-ins that the trainer and the labs use (torch's constructor signature,
-checks that name ranks and parameters, ``Join``, recorders) live in the package's other modules
-as layers on top of these cores; tests compare each core with torch's own implementation.
+it. The labs, the notebooks and the exercises' references run these classes (a comm hook and a
+recorder are the labs' seam); the trainer's drop-in layer (``ddp_lesson.ddp``: torch's
+signature, ``Join``, cross-rank checks) builds on them. Tests compare each core with torch's.
 """

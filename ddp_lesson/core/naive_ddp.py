@@ -1,40 +1,20 @@
 """NaiveDDP: data parallelism in its simplest correct form.
 
-Every rank holds a full copy of the model and runs forward and backward on its own shard of
-the global batch. If every copy starts from the same weights and every rank replaces its
-gradients by their mean over the ranks, every copy takes the same optimizer step, and that
-step is the one a single process would take on the whole global batch (notebook 01). So a
-data-parallel wrapper has two jobs:
+Every rank holds a full copy of the model and runs forward and backward on its own shard of the
+global batch. If the copies start equal and every rank replaces each gradient by its mean over
+the ranks, every copy takes the step one process would take on the whole batch (notebook 01).
 
-1. **Start equal.** At construction, broadcast rank 0's parameters and buffers to every rank.
-2. **Average every gradient.** A hook on each parameter
-   (``Tensor.register_post_accumulate_grad_hook``) fires inside ``backward()`` once that
-   parameter's ``.grad`` is final. The first hook of a backward queues a callback that autograd
-   runs when the whole backward has finished; that callback divides each gradient by the world
-   size and all-reduces it with SUM, so ``loss.backward()`` returns with averaged gradients.
+1. **Start equal.** At construction, broadcast rank 0's parameters and buffers.
+2. **Average every gradient.** A hook on each parameter fires inside ``backward()`` once its
+   ``.grad`` is final; the first queues a callback that autograd runs when backward has
+   finished. It divides each gradient by the world size R, then SUM-all-reduces it.
 
-Why a callback and not the hook itself: a hook sees one parameter; the callback runs once, when
-every gradient is final, and before ``backward()`` returns, so the caller needs to call
-nothing. Why divide first: torch's DDP does. Its C++ ``Reducer``
-(``torch/csrc/distributed/c10d/reducer.cpp``) multiplies each gradient by ``1 / div_factor_``
-as it copies it into its bucket (``at::mul_out(bucket_view, grad, wrapped)``), before the
-all-reduce; ``div_factor_`` is "Division factor for reduction of gradients. Equal to the
-process group size" (``torch/include/torch/csrc/distributed/c10d/reducer.hpp``, installed with
-torch). Its default comm hook, ``_allreduce_fut`` in
-``torch/distributed/algorithms/ddp_comm_hooks/default_hooks.py``, says "Apply the division
-first to avoid overflow, especially for FP16": a SUM over R ranks of float16 gradients near
-65,504 overflows to inf, the sum of gradients already divided by R cannot.
+Divide first, as torch's Reducer does (``reducer.cpp``: ``at::mul_out(bucket_view, grad,
+1 / div_factor_)``; ``_allreduce_fut`` in ``ddp_comm_hooks/default_hooks.py``: "Apply the
+division first to avoid overflow, especially for FP16"). Slow on purpose: one message per
+parameter, all after backward; ``ddp_lesson.core.bucketed_ddp`` fixes both.
 
-It is slow on purpose: one message per parameter (each pays the network's latency), and nothing
-is sent until backward has finished. ``ddp_lesson.core.bucketed_ddp`` fixes both.
-
-The drop-in replacement for ``torch.nn.parallel.DistributedDataParallel`` that the trainer
-uses is ``ddp_lesson.ddp.NaiveDDP``: this class plus torch's constructor signature, checks that
-raise the same clear error on every rank, ``Join``, buffer broadcasts and reentrant
-checkpoints.
-
-Source: S. Li et al., "PyTorch Distributed: Experiences on Accelerating Data Parallel
-Training", VLDB 2020 (arXiv:2006.15704), section 3.2.
+Source: S. Li et al., "PyTorch Distributed", VLDB 2020 (arXiv:2006.15704), section 3.2.
 """
 from __future__ import annotations
 
@@ -44,92 +24,115 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["NaiveDDP", "all_reduce_mean_"]
+__all__ = ["NaiveDDP", "all_reduce_mean_", "sum_all_reduce"]
 
 
 def all_reduce_mean_(tensor: torch.Tensor, process_group=None, async_op: bool = False):
-    """Average ``tensor`` over the ranks, in place: divide by the world size, then SUM.
+    """Average ``tensor`` over the ranks in place: divide by the world size, then SUM.
 
-    The one averaging rule of the package, torch's DDP order (dividing first keeps a float16
-    sum from overflowing).
-
-    Args:
-        tensor: a floating-point tensor, same shape and dtype on every rank.
-        process_group: the group to average over (None: the default group).
-        async_op: False: return when ``tensor`` holds the mean. True: return at once with the
-            all-reduce's ``Work``; ``.wait()`` on it before reading ``tensor``.
-
-    Returns:
-        None, or the ``Work`` handle with ``async_op=True``.
-
-    Synchronisation: a collective; every rank of the group must call it, in the same order.
+    Returns None, or the all-reduce's ``Work`` with ``async_op=True`` (``.wait()`` before
+    reading ``tensor``). A collective: every rank of the group calls it, in the same order.
     """
     tensor.div_(dist.get_world_size(process_group))
     return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=process_group, async_op=async_op)
+
+
+def sum_all_reduce(tensor: torch.Tensor, process_group=None):
+    """The default ``comm_hook``: start a SUM all-reduce of ``tensor``; returns its ``Work``."""
+    return dist.all_reduce(tensor, group=process_group, async_op=True)
 
 
 class NaiveDDP(nn.Module):
     """Wrap ``module`` so that ``loss.backward()`` leaves every gradient averaged over the ranks.
 
     Args:
-        module: the model, already on this rank's device.
-        process_group: the group to average over (None: the default group).
+        module: the model, on this rank's device. process_group: None (the default group).
+        comm_hook: ``hook(tensor, process_group) -> Work``, a SUM all-reduce (default
+            :func:`sum_all_reduce`; a ``commsim.SimulatedLink`` fits). recorder: a
+            ``commsim.Recorder`` told when gradients, messages and backward end, or None.
 
-    Every trainable parameter must get a gradient in every synchronised backward; one that
-    got none on this rank contributes zeros (so every rank issues the same all-reduces). Buffers
-    (BatchNorm's running statistics) are broadcast once, at construction.
-
-    Every backward after a synchronised forward averages, not only the first: with several
-    forwards, then several backwards (``retain_graph=True``), each averages the whole ``.grad``,
-    which before it was already equal on every rank, so each backward's share is averaged.
-
-    Synchronisation: construction (the broadcasts) and every synchronised backward are
-    collectives: every rank must do them, together.
+    Raises RuntimeError without a process group; ValueError, on every rank, without a trainable
+    parameter or for parameters that differ between ranks. Construction and every backward of a
+    forward outside ``no_sync()`` are collectives.
     """
 
-    def __init__(self, module: nn.Module, process_group=None):
+    def __init__(self, module: nn.Module, process_group=None, comm_hook=None, recorder=None):
         super().__init__()
-        self.module = module
-        self.process_group = process_group
+        name = type(self).__name__
+        if not dist.is_initialized():
+            raise RuntimeError(f"{name} needs a process group: call init_process_group first")
+        self.module, self.process_group, self.recorder = module, process_group, recorder
+        self.comm_hook = comm_hook or sum_all_reduce
         self.world_size = dist.get_world_size(process_group)
-        #: False inside ``no_sync()``; read by ``forward``, as in torch's DDP.
-        self.require_backward_grad_sync = True
-        self._sync_this_backward = False
-        self._callback_queued = False
-        # parameters() lists a tied (shared) weight once, so it is averaged once; a frozen
-        # parameter gets no gradient and is left alone.
-        self._params = [p for p in module.parameters() if p.requires_grad]
-        self._broadcast_state()
+        self.require_backward_grad_sync = True  # False inside no_sync(); read by forward
+        self._sync_this_backward = self._callback_queued = False
+        # a tied weight is listed once; a frozen one is left alone
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        self.param_names, self._params = [n for n, _ in named], [p for _, p in named]
+        self._broadcast_state()  # a collective check first: every rank raises together
+        if not named:
+            raise ValueError(f"{name}: the module has no parameter with requires_grad=True, "
+                             "so there is nothing to synchronise")
         for i, p in enumerate(self._params):
             p.register_post_accumulate_grad_hook(lambda _p, i=i: self._on_grad_ready(i))
 
     def forward(self, *inputs, **kwargs):
-        # As in torch, forward decides whether the coming backwards average: after a forward
-        # run inside no_sync() they only accumulate into .grad. A forward under no_grad builds
-        # no graph, so it decides nothing (else the backward of the forward before it would
-        # silently stay local).
+        # as torch, forward decides if the coming backward averages (a no_grad one: nothing)
         if torch.is_grad_enabled():
             self._sync_this_backward = self.require_backward_grad_sync
+            if self._sync_this_backward and self.recorder is not None:
+                self.recorder.begin(dist.get_rank(self.process_group))
         return self.module(*inputs, **kwargs)
 
     def _on_grad_ready(self, index: int) -> None:
         """The hook of parameter ``index``: its ``.grad`` is final for this backward."""
+        if self.recorder is not None:
+            self.recorder.grad_ready(self.param_names[index])
         if self._sync_this_backward and not self._callback_queued:
-            # Not the hook but the end of backward is where every gradient is final; autograd
-            # runs a queued callback exactly there, before backward() returns.
+            # all gradients are final at the end of backward: autograd runs the callback there
             self._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._after_backward)
 
     def _after_backward(self) -> None:
         """Autograd has finished: average every gradient, one blocking all-reduce each."""
         self._callback_queued = False
-        for p in self._params:
+        if self.recorder is not None:
+            self.recorder.backward_end()
+        for i, p in enumerate(self._params):
             if p.grad is None:
                 p.grad = torch.zeros_like(p)  # unused on this rank: it contributes zeros
-            all_reduce_mean_(p.grad, self.process_group)  # divide by R, then SUM over ranks
+            self._wait(self._send(p.grad, i, [i]))
+        if self.recorder is not None:
+            self.recorder.finish()
+
+    def _send(self, tensor: torch.Tensor, index: int, params: list[int]):
+        """Start averaging ``tensor`` in place: ÷ R, then SUM through ``comm_hook``."""
+        tensor.div_(self.world_size)  # divide first: a float16 sum cannot overflow
+        work = self.comm_hook(tensor, self.process_group)
+        event = None if self.recorder is None else self.recorder.comm_start(
+            index, tensor.numel() * tensor.element_size(),
+            [self.param_names[i] for i in params], work)
+        return work, event
+
+    def _wait(self, handle) -> None:
+        """Block until the all-reduce :meth:`_send` started has finished."""
+        work, event = handle
+        work.wait()
+        if self.recorder is not None:
+            self.recorder.comm_end(event)
 
     def _broadcast_state(self) -> None:
-        """Give every rank rank 0's parameters and buffers (a collective)."""
+        """Check every rank holds the same parameters, then broadcast rank 0's state."""
+        shapes = [(n, tuple(p.shape), p.requires_grad) for n, p in self.module.named_parameters()]
+        every = [None] * self.world_size
+        dist.all_gather_object(every, shapes, group=self.process_group)
+        for r, theirs in enumerate(every):
+            if theirs != every[0]:
+                a, b = next(((a, b) for a, b in zip(every[0], theirs) if a != b),
+                            (f"{len(every[0])} parameters", f"{len(theirs)}"))
+                raise ValueError(f"{type(self).__name__}: the model differs between ranks: "
+                                 f"rank 0 has {a}, rank {r} has {b}. Build the same model "
+                                 "on every rank")
         src = 0 if self.process_group is None else dist.get_global_rank(self.process_group, 0)
         with torch.no_grad():
             for t in [*self.module.parameters(), *self.module.buffers()]:
@@ -137,13 +140,8 @@ class NaiveDDP(nn.Module):
 
     @contextlib.contextmanager
     def no_sync(self):
-        """Accumulate gradients locally: the backward of a forward run inside skips averaging.
-
-        With ``k`` micro-batches, run the first ``k - 1`` forwards and backwards inside
-        ``no_sync()`` and the last one outside: its backward averages the accumulated ``.grad``.
-        """
-        old = self.require_backward_grad_sync
-        self.require_backward_grad_sync = False
+        """Accumulate locally: the backward of a forward run inside does not average."""
+        old, self.require_backward_grad_sync = self.require_backward_grad_sync, False
         try:
             yield
         finally:

@@ -49,7 +49,8 @@ from torch._dynamo.utils import counters
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
-from ddp_lesson.ddp import BucketedDDP, NaiveDDP, default_all_reduce
+from ddp_lesson.core.naive_ddp import sum_all_reduce
+from ddp_lesson.ddp import BucketedDDP, NaiveDDP
 
 __all__ = [
     "BAD_CAP_MB", "CAPS_MB", "CountingBackend", "DIMS", "LoopStack", "Stack", "Timeline",
@@ -358,7 +359,7 @@ def _ours(cls, **kwargs):
     def wrap(model, timeline):
         def hook(tensor, process_group):
             timeline.all_reduce(tensor.numel() * tensor.element_size())
-            return default_all_reduce(tensor, process_group)
+            return sum_all_reduce(tensor, process_group)
         return cls(model, comm_hook=hook, **kwargs)
     return wrap
 

@@ -48,7 +48,7 @@ def hook_trace(record: StepRecord) -> list[str]:
 
 def main() -> None:
     from ddp_lesson.commsim import Recorder
-    from ddp_lesson.ddp import NaiveDDP
+    from ddp_lesson.core.naive_ddp import NaiveDDP
     from ddp_lesson.env import cleanup, init_distributed
 
     env = init_distributed()

@@ -34,7 +34,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ddp_lesson.commsim import Recorder, SimulatedLink, gather_records, job_exposed_s
-from ddp_lesson.ddp import BucketedDDP, NaiveDDP
+from ddp_lesson.core.bucketed_ddp import BucketedDDP
+from ddp_lesson.core.naive_ddp import NaiveDDP
 from ddp_lesson.env import reduce_device
 from ddp_lesson.models import build_model
 

@@ -2,9 +2,10 @@
 
     torchrun --standalone --nproc-per-node 2 -m ddp_lesson.labs.ddp_pitfalls
 
-Each function is one scenario and works with :class:`ddp_lesson.ddp.NaiveDDP`,
-:class:`ddp_lesson.ddp.BucketedDDP` or torch's ``DistributedDataParallel`` (``wrapper``
-argument), so a notebook cell and a test can run the same thing and compare with torch.
+Each function is one scenario and works with the package's wrappers (the cores of
+:mod:`ddp_lesson.core` or the drop-ins of :mod:`ddp_lesson.ddp`) or torch's
+``DistributedDataParallel`` (``wrapper`` argument), so a notebook cell and a test can run the
+same thing and compare with torch.
 Every function is a collective: call it on every rank, in the same order. Modules and inputs
 are built on the CPU (the same numbers on any machine) and moved to the device the default group
 reduces on (:func:`ddp_lesson.env.reduce_device`: ``cuda:LOCAL_RANK`` under NCCL, which refuses
@@ -22,6 +23,7 @@ from torch import nn
 
 from ddp_lesson.cli import plain
 from ddp_lesson.commsim import Recorder
+from ddp_lesson.core import naive_ddp as core_naive_ddp
 from ddp_lesson.ddp import BucketedDDP, NaiveDDP
 from ddp_lesson.env import reduce_device
 from ddp_lesson.labs.ddp_toys import IN_FEATURES, TwoLayer
@@ -45,8 +47,13 @@ class Scalar(nn.Module):
         return self.w * c
 
 
+def _ours(wrapper) -> bool:
+    """The package's wrappers: the cores and the drop-ins built on them (they take a recorder)."""
+    return isinstance(wrapper, type) and issubclass(wrapper, core_naive_ddp.NaiveDDP)
+
+
 def _wrap(wrapper, module, **kwargs):
-    if wrapper in (NaiveDDP, BucketedDDP):
+    if _ours(wrapper):
         return wrapper(module, **kwargs)
     kwargs.pop("recorder", None)
     return wrapper(module, **kwargs)
@@ -88,7 +95,7 @@ def no_sync_accumulation(wrapper=BucketedDDP, order: str = "correct") -> tuple[f
             continue
         with ddp.no_sync() if m == skip else contextlib.nullcontext():
             ddp(c).backward()
-    syncs = len(recorder.steps) if wrapper in (NaiveDDP, BucketedDDP) else None
+    syncs = len(recorder.steps) if _ours(wrapper) else None
     return float(ddp.module.w.grad), syncs
 
 

@@ -185,14 +185,14 @@ def ddp_benchmark_figure(rows, figsize=(7, 3)):
 REDUCER_MAP = [
     (
         "1 · a gradient is\naccumulated",
-        "p.register_post_accumulate_grad_hook(hook)\n→ _grad_ready(i):\n  bucket.pending -= 1",
+        "p.register_post_accumulate_grad_hook(hook)\n→ _grad_ready(i):\n  _pending[bucket] -= 1",
         "AccumulateGrad post-hook →\nReducer::autograd_hook(i) →\n"
         "mark_variable_ready_dense(i): copy\n.grad × 1/div_factor_ into its bucket\n"
         "view (a plain copy if a hook is set)",
     ),
     (
         "2 · a bucket is\nready",
-        "pending == 0 → _launch(bucket):\ncopy each .grad × 1/R into bucket.flat\n"
+        "pending == 0 → _launch(b): torch.cat\nthe .grads into _flat[b]; _send ÷ R\n"
         "(in bucket order on every rank)",
         "pending == 0 (its views were\nfilled at step 1) →\n"
         "mark_bucket_ready (in bucket order)",
@@ -206,7 +206,7 @@ REDUCER_MAP = [
     ),
     (
         "4 · end of\nbackward",
-        "queue_callback(_final_callback)\n→ _after_backward: wait every\nbucket, copy flat → .grad",
+        "queue_callback(_after_backward):\nwait every bucket,\ncopy _flat[b] → .grad",
         "queue_callback(finalize_backward):\nwait the futures, copy into .grad\n"
         "(a view: no copy). Rebuilt once, before\nforward 2 (static_graph: 3); never\n"
         "with find_unused_parameters=True",
@@ -215,7 +215,7 @@ REDUCER_MAP = [
 
 
 def reducer_map_figure(figsize=(11, 5.4)):
-    """Our ``BucketedDDP`` (ddp_lesson/ddp.py) beside torch's C++ ``Reducer``, stage by stage.
+    """Our ``BucketedDDP`` (ddp_lesson/core/bucketed_ddp.py) beside torch's C++ ``Reducer``.
 
     Four rows (:data:`REDUCER_MAP`): a parameter's gradient is accumulated (a hook after
     gradient accumulation), its bucket is ready, the bucket is all-reduced, backward ends
@@ -244,7 +244,7 @@ def reducer_map_figure(figsize=(11, 5.4)):
     ax.axis("off")
     cols = [
         (0.8, 13.5, "stage", "#eeeeee"),
-        (16, 40.5, "our BucketedDDP (ddp_lesson/ddp.py)", "#dbe9f6"),
+        (16, 40.5, "our BucketedDDP (core/bucketed_ddp.py)", "#dbe9f6"),
         (58.5, 40.5, "torch's Reducer (C++, reducer.cpp)", "#fde3cf"),
     ]
     for x, w, title, _ in cols[1:]:

@@ -62,6 +62,11 @@ def test_cost_of_one_message_per_parameter(deeplab):
     link = SimulatedLink(ALPHA, BANDWIDTH)
     assert sum(link.cost_s(n, R) for n in nbytes) == pytest.approx(per_param)
     assert link.cost_s(sum(nbytes), R) == pytest.approx(one)
+    assert _nb04_outputs("link = SimulatedLink(") == [
+        "43 parameter tensors, 1,149,964 bytes of float32 gradients",
+        "smallest 64 B, median 256 B, largest 147,456 B",
+        "one all-reduce per parameter: 54.5 ms, of which latency 43.0 ms",
+        "one all-reduce of everything:  12.5 ms"]
 
 
 def test_bucket_table_at_a_quarter_megabyte(deeplab):
@@ -77,8 +82,9 @@ def test_bucket_table_at_a_quarter_megabyte(deeplab):
     ]
     lines = [f"bucket {b}: {n:2d} tensors, {mb} MB, from {first} down to {last}"
              for b, (n, mb, first, last) in enumerate(table)]
-    assert _nb04_outputs("buckets = ddp_buckets(nbytes, cap_mb)") == lines + [
-        "same as torch's _compute_bucket_assignment_by_size in ready order: True"]
+    assert _nb04_outputs("buckets = ddp_buckets(nbytes, 0.25)") == lines
+    assert _nb04_outputs("theirs == ddp_buckets(nbytes, 0.25)", INSIDE_NB) == [
+        "torch's assignment in ready order = ddp_buckets at 0.25 MB: True"]
 
 
 def _schedule(bucket_bytes, bucket_ready, backward_s):
@@ -144,6 +150,7 @@ def test_graph_walk_finds_exactly_the_parameters_that_get_gradients(deeplab):
 
 
 BENCH_NB = "deep/04_bucket_size_and_benchmarks.ipynb"   # notebook 04's benchmark deep dive
+INSIDE_NB = "deep/04_inside_torchs_ddp.ipynb"   # torch's rebuild and the cores' hooks, traced
 
 
 def _nb04_outputs(marker: str, notebook: str = "04_ddp_from_scratch.ipynb") -> list[str]:
@@ -220,12 +227,13 @@ def test_notebook_04_states_each_benchmark_verdict_it_prints():
 
 
 def test_notebook_04_ranks_cells_print_what_one_process_computes():
-    """Every number section 3b's %%ranks cells print, recomputed on one process: rank 0's
-    initial weights on both ranks after wrapping, each rank's own gradient, and their mean."""
+    """Every number the cores' %%ranks cells print (notebook 04's deep dive, inside torch's
+    DDP), recomputed on one process: rank 0's initial weights on both ranks after wrapping,
+    each rank's own gradient, and their mean."""
     from ddp_lesson.env import choose_backend
     from ddp_lesson.labs.ddp_hooks import small_mlp
 
-    assert _nb04_outputs("%dist_start --nproc-per-node 2") == [
+    assert _nb04_outputs("%dist_start --nproc-per-node 2", INSIDE_NB) == [
         "[dist_start] 2 ranks (1 node x 2), gloo: " + choose_backend(2, "auto", 0)[1]]
     nets = [small_mlp(seed=r) for r in range(2)]
 
@@ -238,7 +246,7 @@ def test_notebook_04_ranks_cells_print_what_one_process_computes():
                   f"[rank {r}] after wrapping:  4.weight[0, :3] = {w3(nets[0])}",
                   (f"[rank {r}] 6 parameters, each with a hook: 0.weight, 0.bias, 2.weight, "
                   "2.bias, 4.weight, 4.bias")]
-    assert _nb04_outputs("model = NaiveDDP(net, recorder=rec)") == lines
+    assert _nb04_outputs("model = NaiveDDP(net, recorder=rec)", INSIDE_NB) == lines
     own = []
     for r in range(2):
         x = torch.randn(2, 4, generator=torch.Generator().manual_seed(10 + r))
@@ -250,7 +258,7 @@ def test_notebook_04_ranks_cells_print_what_one_process_computes():
             f"[rank {r}] own gradient of 4.weight: {[round(v, 3) for v in own[r][0].tolist()]}",
             f"[rank {r}] after forward, parameters with a .grad: []",
         ]
-    assert _nb04_outputs("own = torch.autograd.grad") == lines
+    assert _nb04_outputs("own = torch.autograd.grad", INSIDE_NB) == lines
     mean = (own[0] + own[1]) / 2
     lines = []
     for r in range(2):
@@ -258,12 +266,12 @@ def test_notebook_04_ranks_cells_print_what_one_process_computes():
             f"[rank {r}] after backward, 4.weight.grad: {[round(v, 3) for v in mean[0].tolist()]}",
             f"[rank {r}] equals the mean of the ranks' own gradients (max |Δ| < 1e-6): True",
         ]
-    assert _nb04_outputs("mean = own / world_size") == lines
+    assert _nb04_outputs("mean = own / world_size", INSIDE_NB) == lines
     names = [n for n, _ in nets[0].named_parameters()]
     ready = [f"[rank 0] ready {n}" for n in reversed(names)]
     same = [f"[rank {r}] the same order on every rank: True" for r in range(2)]
     # NaiveDDP: every hook first, then one all-reduce per parameter in registration order
-    assert _nb04_outputs("loss.backward()                 # the hooks fire") == (
+    assert _nb04_outputs("loss.backward()                 # the hooks fire", INSIDE_NB) == (
         ready + ["[rank 0] backward done"]
         + [f"[rank 0] all_reduce {i}: {n}" for i, n in enumerate(names)] + same)
     # BucketedDDP, 64-byte cap: torch's buckets after its rebuild (its assignment walked from
@@ -282,9 +290,9 @@ def test_notebook_04_ranks_cells_print_what_one_process_computes():
         while sent < len(buckets) and done >= set(buckets[sent]):
             trace.append(f"[rank 0] all_reduce {sent}: {', '.join(buckets[sent])}")
             sent += 1
-    assert _nb04_outputs("bucketed(x).sum().backward()") == (
+    assert _nb04_outputs("bucketed(x).sum().backward()", INSIDE_NB) == (
         [f"[rank 0] buckets: {buckets}"] + trace + ["[rank 0] backward done"] + same)
-    assert _nb04_outputs("%dist_stop") == [
+    assert _nb04_outputs("%dist_stop", INSIDE_NB) == [
         "[dist_stop] 2 ranks stopped: process group destroyed, engines and controller ended"]
 
 
@@ -311,19 +319,24 @@ def test_torchs_default_cap_is_two_buckets_here_not_one(deeplab):
 
 def test_notebook04_states_the_rebuilt_buckets_and_torchs_two_steps():
     """Notebook 04 section 3 (issue 41 claim 1): the series builds torch's rebuilt buckets; torch
-    starts with one and rebuilds once (construction-time buckets kept with
-    find_unused_parameters=True), as ``tests/ddp/test_ddp_buckets.py::
-    test_bucketed_ddp_builds_torchs_buckets`` shows on torch."""
+    (its deep dive, inside torch's DDP, says) starts with one and rebuilds once
+    (construction-time buckets kept with find_unused_parameters=True), as
+    ``tests/ddp/test_ddp_buckets.py::test_bucketed_ddp_builds_torchs_buckets`` shows on torch."""
     import nbformat
 
-    nb = nbformat.read(ROOT / "notebooks" / "04_ddp_from_scratch.ipynb", as_version=4)
-    prose = " ".join(" ".join(c.source for c in nb.cells if c.cell_type == "markdown").split())
+    def prose(name):
+        nb = nbformat.read(ROOT / "notebooks" / name, as_version=4)
+        return " ".join(" ".join(c.source for c in nb.cells if c.cell_type == "markdown").split())
+
+    nb04 = prose("04_ddp_from_scratch.ipynb")
     assert ("`BucketedDDP` walks the parameters in that order, the last first, and closes a "
-            "bucket once it holds at least `bucket_cap_mb`") in prose
-    assert "These are the buckets torch's DDP uses from its second iteration on." in prose
+            "bucket once it holds at least `bucket_cap_mb`") in nb04
+    assert "These are the buckets torch's DDP uses from its second iteration on." in nb04
+    assert "deep/04_inside_torchs_ddp.ipynb#rebuild" in nb04   # where torch's two steps went
+    text = prose(INSIDE_NB)
     assert ("Its first iteration sends **one** bucket; before the second forward it "
             "**rebuilds** its buckets once, in the order the gradients became ready (the third "
             "forward with `static_graph=True`), and keeps them. With "
-            "`find_unused_parameters=True` it never rebuilds") in prose
-    assert "then reverses the list" not in prose                         # the old rule
-    assert "The series' buckets stay as built" not in prose
+            "`find_unused_parameters=True` it never rebuilds") in text
+    assert "then reverses the list" not in text                          # the old rule
+    assert "The series' buckets stay as built" not in text

@@ -209,7 +209,7 @@ class AfterBackward(BucketedDDP):
 class WaitInHook(BucketedDDP):
     def _launch(self, b):
         super()._launch(b)
-        self._work[b].wait()
+        self._wait(self._work[b])  # the core's (work, recorder event) handle
 
 
 class _Done:
@@ -222,7 +222,7 @@ class BlockingInHook(BucketedDDP):
         params = [self._params[i] for i in self.bucket_indices[b]]
         self._flat[b] = torch.cat([p.grad.reshape(-1) for p in params])
         all_reduce_mean_(self._flat[b], self.process_group)
-        self._work[b] = _Done()
+        self._work[b] = (_Done(), None)  # the core's (work, recorder event) handle
 
 
 class ForwardOrder(BucketedDDP):
@@ -263,7 +263,7 @@ class HalfBuckets(BucketedDDP):
     def _launch(self, b):
         params = [self._params[i] for i in self.bucket_indices[b]]
         self._flat[b] = torch.cat([p.grad.reshape(-1) for p in params]) / 2
-        self._work[b] = dist.all_reduce(self._flat[b], async_op=True)
+        self._work[b] = (dist.all_reduce(self._flat[b], async_op=True), None)
 
 
 class ZeroesInForward(BucketedDDP):

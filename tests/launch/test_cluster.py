@@ -279,12 +279,12 @@ def test_notebook_01_ranks_cells_replay_their_stored_output_three_times(cluster,
 
 @pytest.mark.slow
 def test_notebook_04_ranks_cells_replay_their_stored_output(cluster, capsys):
-    """Notebook 04's section 3b (NaiveDDP's and BucketedDDP's hooks traced cell by cell) through
-    the magic on the shared 2 gloo ranks: the stored stdout comes back exactly (the order of
-    hook and all-reduce events included). Its numbers: tests/ddp/test_ddp_notebook.py."""
+    """Notebook 04's cores' hooks traced cell by cell (in its deep dive, inside torch's DDP)
+    through the magic on the shared 2 gloo ranks: the stored stdout comes back exactly (the
+    order of hook and all-reduce events included). Its numbers: tests/ddp/test_ddp_notebook.py."""
     import nbformat
 
-    nb = nbformat.read(ROOT / "notebooks" / "04_ddp_from_scratch.ipynb", as_version=4)
+    nb = nbformat.read(ROOT / "notebooks" / "deep" / "04_inside_torchs_ddp.ipynb", as_version=4)
     cells = [c for c in nb.cells if c.cell_type == "code" and c.source.startswith("%%ranks")]
     assert len(cells) == 5
     for c in cells:
