@@ -30,7 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 __all__ = ["GB", "GIB", "STAGES", "STAGE_NAMES", "MemoryBreakdown", "memory_per_rank",
-           "memory_table", "max_params_per_memory"]
+           "memory_table", "max_params_per_memory", "optimizer_state_bytes"]
 
 #: The paper's unit: 1 GB = 1e9 bytes.
 GB = 1e9
@@ -124,3 +124,10 @@ def max_params_per_memory(memory_bytes: float, world_size: int, stage: int,
     per_param = memory_per_rank(1, world_size, stage, param_bytes, grad_bytes,
                                 optimizer_bytes).total_bytes
     return memory_bytes / per_param
+
+
+def optimizer_state_bytes(optimizer) -> int:
+    """Measured bytes of the tensors in ``optimizer.state`` (Adam's ``exp_avg``,
+    ``exp_avg_sq``, ``step``); for a ZeRO-1 optimizer, this rank's shard. Local."""
+    return sum(v.numel() * v.element_size() for state in optimizer.state.values()
+               for v in state.values() if hasattr(v, "element_size"))
