@@ -3,6 +3,9 @@ saves, with and without checkpointing; the decision rule against bytes measured 
 process; the calculator; exercise 08.6's checker and the slips it names."""
 from __future__ import annotations
 
+from pathlib import Path
+
+import nbformat
 import pytest
 import torch
 
@@ -19,6 +22,7 @@ from ddp_lesson.memory import (
 )
 from ddp_lesson.widgets import shard_calculator
 
+ROOT = Path(__file__).resolve().parents[2]
 T, C = 32, 64   # TinyGPT's block_size and n_embd
 
 
@@ -129,3 +133,75 @@ def test_08_6_refuses_the_plausible_slips_and_names_them():
     assert "the activations are missing" in missing.problems[0]
     assert "that is stage 1's figure: stage 0 shards nothing" in shifted.problems[0]
     assert not fixed.passed   # the seeded cases catch a table of the fixed answers
+
+
+# ------------------------------------------------------------ the deep dive's stored numbers
+DEEP = "deep/08_when_to_shard.ipynb"
+
+
+def test_the_deep_dives_activations_are_the_ones_measured_here():
+    from notebook_cells import stream_text
+
+    out = stream_text(DEEP, "def activations(").splitlines()
+    a4, a8 = activations(4)[0], activations(8)[0]
+    assert out == [f"parameters: {4 * TinyGPT(vocab_size=103).num_params():,} bytes",
+                   f"activations, 4 x 32 tokens: {a4:,} bytes",
+                   f"activations, 8 x 32 tokens: {a8:,} bytes",
+                   f"one more block, 4 x 32 tokens: {activations(4, 3)[0] - a4:,} bytes"]
+    ckpt, ckpt3 = activations(4, checkpointed=True)[0], activations(4, 3, checkpointed=True)[0]
+    assert stream_text(DEEP, "ckpt = activations(4").splitlines() == [
+        f"checkpointed, 4 x 32 tokens: {ckpt:,} bytes = {ckpt / a4:.3f} of plain",
+        f"one more checkpointed block: {ckpt3 - ckpt:,} bytes = 4 x 32 x 64 fp32, "
+        "the block's input"]
+    prose = "".join(c.source for c in nbformat.read(ROOT / "notebooks" / DEEP, as_version=4).cells
+                    if c.cell_type == "markdown")
+    assert f"{a4 / (4 * TinyGPT(vocab_size=103).num_params()):.2f} times the parameters" in prose
+    assert f"(less {2 * a4 - a8} bytes" in prose
+    assert round((activations(4, 3)[0] - a4) / (ckpt3 - ckpt)) == 16 and "a sixteenth" in prose
+    ddp, zero1 = (per_rank_bytes(7.5e9, 20e9, 8, s) / 1e9 for s in (0, 1))
+    assert f"({ddp:g} GB per rank); ZeRO-1 brings it to {zero1:g} GB" in prose
+    assert f"with {80 - zero1:g} GB to spare" in prose
+
+
+def _table(lines):
+    """{"DDP measured": [params, grads, optimizer, total], ...} from the lab's rows."""
+    rows = {}
+    for line in lines:
+        words = line.split()
+        if len(words) == 6 and words[1] in ("measured", "formula"):
+            rows[" ".join(words[:2])] = [int(w.replace(",", "")) for w in words[2:]]
+    return rows
+
+
+def test_the_measured_table_is_the_formula_up_to_the_rounding_of_real_shards():
+    from notebook_cells import stored_run
+
+    from ddp_lesson.core.zero1 import partition_parameters
+    from ddp_lesson.memory import memory_per_rank
+
+    ranks, _ = stored_run(DEEP, "from ddp_lesson.labs.zero_memory import main")
+    rows = _table(ranks[0])
+    model = TinyGPT(vocab_size=103)
+    shapes = [p.shape for p in model.parameters()]
+    n, R = model.num_params(), 2
+    for stage, name in ((0, "DDP"), (1, "ZeRO-1"), (2, "ZeRO-2"), (3, "FSDP")):
+        m = memory_per_rank(n, R, stage, param_bytes=4, grad_bytes=4, optimizer_bytes=8)
+        formula = [m.params_bytes, m.grads_bytes, m.optimizer_bytes + 4 * len(shapes)]
+        assert rows[f"{name} formula"] == [*formula, sum(formula)], name
+    assert rows["DDP measured"] == rows["DDP formula"]
+    # ZeRO-1: whole tensors, largest first; the largest rank's AdamW state (8 B + a step each)
+    owned = partition_parameters([s.numel() for s in shapes], R)
+    zero1 = max(sum(8 * shapes[i].numel() + 4 for i in o) for o in owned)
+    assert rows["ZeRO-1 measured"][2] == zero1
+    # FSDP2: dim 0 split as torch.chunk does, rank 0 the larger half (103 rows -> 52)
+    fsdp = sum(4 * s.numel() // s[0] * -(-s[0] // R) for s in shapes)
+    assert rows["FSDP measured"][:2] == [fsdp, fsdp]
+    assert rows["FSDP measured"][2] == 2 * fsdp + 4 * len(shapes)
+    for name in ("ZeRO-1", "FSDP"):   # the prose: "within 0.2 %"
+        assert abs(rows[f"{name} measured"][3] / rows[f"{name} formula"][3] - 1) < 0.002
+    shard = stored_run(DEEP, "fully_shard(model, mesh=mesh)")[0]
+    assert shard[0] == [f"params {fsdp:,}, grads {fsdp:,}, optimizer {2 * fsdp + 116:,} "
+                        "bytes on this rank"]
+    rank1 = 4 * n - fsdp
+    assert shard[1] == [f"params {rank1:,}, grads {rank1:,}, optimizer {2 * rank1 + 116:,} "
+                        "bytes on this rank"]
