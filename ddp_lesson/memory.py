@@ -34,7 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 __all__ = ["GB", "GIB", "STAGES", "STAGE_NAMES", "MemoryBreakdown", "memory_per_rank",
-           "memory_table", "max_params_per_memory", "per_rank_bytes", "smallest_stage",
+           "max_params_per_memory", "per_rank_bytes", "smallest_stage",
            "decision_lines", "local_bytes", "optimizer_state_bytes", "saved_activation_bytes",
            "checkpoint_blocks"]
 
@@ -106,19 +106,6 @@ def memory_per_rank(num_params: float, world_size: int, stage: int, param_bytes:
     return MemoryBreakdown(params_bytes=p / n if stage >= 3 else p,
                            grads_bytes=g / n if stage >= 2 else g,
                            optimizer_bytes=o / n if stage >= 1 else o)
-
-
-def memory_table(num_params: float, world_sizes, stages=STAGES, **kwargs) -> list[dict]:
-    """Rows ``{"world_size", "stage", "name", "params_bytes", "grads_bytes", "optimizer_bytes",
-    "total_bytes"}`` of :func:`memory_per_rank` for every world size and stage (bytes)."""
-    rows = []
-    for n in world_sizes:
-        for s in stages:
-            m = memory_per_rank(num_params, n, s, **kwargs)
-            rows.append({"world_size": n, "stage": s, "name": STAGE_NAMES[s],
-                         "params_bytes": m.params_bytes, "grads_bytes": m.grads_bytes,
-                         "optimizer_bytes": m.optimizer_bytes, "total_bytes": m.total_bytes})
-    return rows
 
 
 def max_params_per_memory(memory_bytes: float, world_size: int, stage: int,

@@ -205,3 +205,37 @@ def test_the_measured_table_is_the_formula_up_to_the_rounding_of_real_shards():
     rank1 = 4 * n - fsdp
     assert shard[1] == [f"params {rank1:,}, grads {rank1:,}, optimizer {2 * rank1 + 116:,} "
                         "bytes on this rank"]
+
+
+# ------------------------------------------------------------------ notebook 08's numbers
+NB08 = "08_beyond_ddp_zero_fsdp.ipynb"
+
+
+def test_notebook_08_prints_the_papers_table_and_the_rule():
+    from notebook_cells import stream_text
+
+    from ddp_lesson.memory import GB, STAGE_NAMES, memory_per_rank
+
+    lines = stream_text(NB08, "psi, world_size = 7.5e9, 64").splitlines()
+    for stage in range(4):
+        m = memory_per_rank(7.5e9, 64, stage)
+        assert lines[1 + stage] == (f"{STAGE_NAMES[stage]:20s} {m.params_bytes / GB:7.2f} "
+                                    f"{m.grads_bytes / GB:7.2f} {m.optimizer_bytes / GB:7.2f} "
+                                    f"{m.total_bytes / GB:7.3g}")
+    assert [round(memory_per_rank(7.5e9, 64, s).total_bytes / GB, 2) for s in range(4)] == [
+        120, 31.41, 16.64, 1.88]   # the paper's Figure 1: 120, 31.4, 16.6, 1.88 GB
+    assert stream_text(NB08, "decision_lines(7.5e9").splitlines() == decision_lines(
+        7.5e9, 20e9, 8, 80e9)
+
+
+def test_notebook_08s_measured_table_is_the_deep_dives_run():
+    from notebook_cells import stored_run
+
+    rows = _table(stored_run(DEEP, "from ddp_lesson.labs.zero_memory import main")[0][0])
+    prose = "".join(c.source for c in nbformat.read(ROOT / "notebooks" / NB08, as_version=4).cells
+                    if c.cell_type == "markdown")
+    for name, label in (("DDP", "DDP"), ("ZeRO-1", "ZeRO-1"), ("FSDP", "FSDP (`fully_shard`)")):
+        p, g, o, _ = rows[f"{name} measured"]
+        assert f"| {label} | {p:,} | {g:,} | {o:,} |" in prose, name
+    plain, ckpt = activations(4)[0], activations(4, checkpointed=True)[0]
+    assert f"4 sequences of 32 tokens are {plain:,} bytes at every stage, {ckpt:,} with" in prose
