@@ -115,10 +115,11 @@ class Zero1Optimizer(torch.optim.Optimizer):
             self.optim.add_param_group(self.local_group(len(self.param_groups) - 1))
 
     def consolidate_state_dict(self, to=0):
-        """Gather every rank's shard of the state (copies) on rank ``to``: a collective."""
+        """Gather every rank's shard of the state (CPU copies) on rank ``to``: a collective."""
+        mine = {i: {k: v.cpu() if torch.is_tensor(v) else v for k, v in s.items()}  # any GPU's
+                for i, s in super().state_dict()["state"].items()}  # torch's format, my shard
         shards = [None] * self.world_size if self.rank == to else None
-        dist.gather_object(super().state_dict()["state"], shards,  # torch's format, my shard
-                           dst=self.global_ranks[to], group=self.process_group)
+        dist.gather_object(mine, shards, dst=self.global_ranks[to], group=self.process_group)
         self.consolidated = shards and dict(sorted(kv for s in shards for kv in s.items()))
 
     def state_dict(self):
