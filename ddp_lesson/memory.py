@@ -22,15 +22,21 @@ stage      what is partitioned          bytes per rank
 =========  ===========================  =====================================
 
 The paper's example, 7.5B parameters on 64 ranks: 120 GB, 31.4 GB, 16.6 GB and 1.88 GB
-per rank, where GB means 1e9 bytes (:data:`GB`). Activations, temporary buffers and memory
-fragmentation come on top and are not counted here. Pure arithmetic: no process group.
+per rank, where GB means 1e9 bytes (:data:`GB`). Activations come on top: every rank keeps
+those of its own micro-batch whatever the stage (each rank runs the whole model on its own
+inputs), measured here by :func:`saved_activation_bytes`. The decision rule,
+:func:`per_rank_bytes` ``<= M``: model states at the stage plus activations fit in a GPU of M
+bytes. Temporary buffers and fragmentation are not counted. Pure arithmetic, no process group,
+except the measurements at the end (local).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 __all__ = ["GB", "GIB", "STAGES", "STAGE_NAMES", "MemoryBreakdown", "memory_per_rank",
-           "memory_table", "max_params_per_memory"]
+           "max_params_per_memory", "per_rank_bytes", "smallest_stage",
+           "decision_lines", "local_bytes", "optimizer_state_bytes", "saved_activation_bytes",
+           "checkpoint_blocks"]
 
 #: The paper's unit: 1 GB = 1e9 bytes.
 GB = 1e9
@@ -60,7 +66,9 @@ class MemoryBreakdown:
         return self.params_bytes + self.grads_bytes + self.optimizer_bytes
 
 
-def _check(num_params, world_size, stage):
+def _check(num_params, world_size, stage, activation_bytes=0):
+    if activation_bytes < 0:
+        raise ValueError(f"activation_bytes must be >= 0, got {activation_bytes}")
     if num_params < 0:
         raise ValueError(f"num_params must be >= 0, got {num_params}")
     if world_size < 1:
@@ -100,19 +108,6 @@ def memory_per_rank(num_params: float, world_size: int, stage: int, param_bytes:
                            optimizer_bytes=o / n if stage >= 1 else o)
 
 
-def memory_table(num_params: float, world_sizes, stages=STAGES, **kwargs) -> list[dict]:
-    """Rows ``{"world_size", "stage", "name", "params_bytes", "grads_bytes", "optimizer_bytes",
-    "total_bytes"}`` of :func:`memory_per_rank` for every world size and stage (bytes)."""
-    rows = []
-    for n in world_sizes:
-        for s in stages:
-            m = memory_per_rank(num_params, n, s, **kwargs)
-            rows.append({"world_size": n, "stage": s, "name": STAGE_NAMES[s],
-                         "params_bytes": m.params_bytes, "grads_bytes": m.grads_bytes,
-                         "optimizer_bytes": m.optimizer_bytes, "total_bytes": m.total_bytes})
-    return rows
-
-
 def max_params_per_memory(memory_bytes: float, world_size: int, stage: int,
                           param_bytes: float = 2, grad_bytes: float = 2,
                           optimizer_bytes: float = 12) -> float:
@@ -124,3 +119,98 @@ def max_params_per_memory(memory_bytes: float, world_size: int, stage: int,
     per_param = memory_per_rank(1, world_size, stage, param_bytes, grad_bytes,
                                 optimizer_bytes).total_bytes
     return memory_bytes / per_param
+
+
+
+def per_rank_bytes(num_params: float, activation_bytes: float, world_size: int, stage: int,
+                   **bytes_per_param) -> float:
+    """Bytes one rank needs: :func:`memory_per_rank`'s model states plus ``activation_bytes``,
+    the activations of this rank's micro-batch, which no stage divides by ``world_size``.
+
+    ``bytes_per_param``: ``param_bytes``, ``grad_bytes``, ``optimizer_bytes`` as for
+    :func:`memory_per_rank` (default mixed-precision Adam, 2 + 2 + 12). Raises ``ValueError``
+    as it does, or for ``activation_bytes < 0``.
+    """
+    _check(num_params, world_size, stage, activation_bytes)
+    return memory_per_rank(num_params, world_size, stage, **bytes_per_param).total_bytes + \
+        activation_bytes
+
+
+def smallest_stage(num_params: float, activation_bytes: float, world_size: int,
+                   memory_bytes: float, **bytes_per_param) -> int | None:
+    """The decision rule: the lowest stage (0 = DDP, 3 = FSDP) whose :func:`per_rank_bytes`
+    fit in ``memory_bytes`` per GPU, or None when none does (more GPUs, a smaller micro-batch
+    or activation checkpointing are then needed)."""
+    return next((s for s in STAGES if per_rank_bytes(num_params, activation_bytes, world_size,
+                                                     s, **bytes_per_param) <= memory_bytes),
+                None)
+
+
+def decision_lines(num_params: float, activation_bytes: float, world_size: int,
+                   memory_bytes: float, **bytes_per_param) -> list[str]:
+    """The calculator's text: GB per rank at every stage against ``memory_bytes``, then the
+    stage to use (:func:`smallest_stage`). GB = 1e9 bytes."""
+    lines = [f"{num_params / 1e9:g}B parameters, {activation_bytes / GB:g} GB of activations "
+             f"per rank, {world_size} GPUs of {memory_bytes / GB:g} GB"]
+    for s in STAGES:
+        need = per_rank_bytes(num_params, activation_bytes, world_size, s, **bytes_per_param)
+        lines.append(f"{STAGE_NAMES[s]:18s} {need / GB:8.2f} GB per rank: "
+                     f"{'fits' if need <= memory_bytes else 'does not fit'}")
+    best = smallest_stage(num_params, activation_bytes, world_size, memory_bytes,
+                          **bytes_per_param)
+    lines.append("use: " + (STAGE_NAMES[best] if best is not None else
+                            "none fits: more GPUs, a smaller micro-batch or checkpointing"))
+    return lines
+
+
+# ------------------------------------------------------------------ measured, in this process
+
+def local_bytes(t) -> int:
+    """Bytes of ``t`` held by this rank: a ``DTensor``'s local shard, else the whole tensor."""
+    t = t.to_local() if hasattr(t, "to_local") else t
+    return t.numel() * t.element_size()
+
+
+def optimizer_state_bytes(optimizer) -> int:
+    """Measured bytes of the tensors in ``optimizer.state`` (Adam's ``exp_avg``,
+    ``exp_avg_sq``, ``step``); for ZeRO-1 or FSDP, this rank's shard. Local."""
+    return sum(local_bytes(v) for state in optimizer.state.values() for v in state.values()
+               if hasattr(v, "element_size"))
+
+
+def saved_activation_bytes(forward, params=()) -> tuple[int, object]:
+    """Run ``forward()`` and measure the bytes autograd saves for backward meanwhile.
+
+    Every tensor saved for backward passes ``torch.autograd.graph.saved_tensors_hooks``'s pack
+    hook; each storage is counted once (views share it), the storages of ``params`` (the
+    model's parameters, which are not activations) not at all. With
+    :func:`checkpoint_blocks`, a checkpointed block's insides are not saved but recomputed in
+    backward. Returns ``(bytes, forward's result)``: call backward on the result, or drop it.
+    Local; CPU or GPU.
+    """
+    import torch
+
+    skip = {p.untyped_storage().data_ptr() for p in params}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in skip:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = forward()
+    return sum(seen.values()), out
+
+
+def checkpoint_blocks(blocks) -> None:
+    """Activation checkpointing (``torch.utils.checkpoint.checkpoint``, ``use_reentrant=False``)
+    on every module of ``blocks``, in place: forward keeps each block's input only, backward
+    recomputes the block's activations (one more forward per block)."""
+    import functools
+
+    from torch.utils.checkpoint import checkpoint
+
+    for block in blocks:
+        block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)

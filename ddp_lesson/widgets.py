@@ -446,3 +446,49 @@ def roofline_calculator(model, inputs=None, hardware="h100", batch_per_gpu: int 
 
 
 __all__ += ["roofline_calculator"]
+
+
+# ====================================================== FSDP decision calculator (notebook 08)
+
+def shard_calculator(params_billion: float = 7.5, activation_gb: float = 20.0,
+                     world_size: int = 8, gpu_gb: float = 80.0):
+    """Which ZeRO stage a model needs: :func:`ddp_lesson.memory.decision_lines` for the
+    learner's own numbers (mixed-precision Adam; GB = 1e9 bytes; activations per rank).
+
+    Returns an ``ipywidgets.VBox`` of four ``FloatText`` controls (``.children[0]``) and an
+    ``HTML`` view; ``.text`` holds the lines, and the text form (a stored notebook) shows them.
+    Negative sizes or fewer than one GPU show the memory functions' ``ValueError`` as text.
+    """
+    import ipywidgets as W
+
+    from .memory import decision_lines
+
+    names = ("params (billions)", "activations GB/rank", "GPUs", "GB per GPU")
+    boxes = [W.FloatText(value=v, description=d, style={"description_width": "140px"})
+             for v, d in zip((params_billion, activation_gb, world_size, gpu_gb), names)]
+
+    class ShardCalculator(W.VBox):
+        def refresh(self, change=None) -> None:
+            psi, act, R, gpu = (b.value for b in boxes)
+            try:
+                self.text = "\n".join(decision_lines(psi * 1e9, act * 1e9, int(R), gpu * 1e9))
+            except ValueError as exc:   # shown, not raised inside a widget callback
+                self.text = f"cannot compute: {exc}"
+            self.children[1].value = f"<pre>{self.text}</pre>"
+
+        def __repr__(self) -> str:
+            return "ShardCalculator(" + ", ".join(f"{b.value:g}" for b in boxes) + ")"
+
+        def _repr_mimebundle_(self, **kwargs):
+            bundle = super()._repr_mimebundle_(**kwargs)
+            bundle["text/plain"] = "shard calculator (run the notebook to edit)\n" + self.text
+            return bundle
+
+    calc = ShardCalculator(children=[W.VBox(boxes), W.HTML()])
+    calc.refresh()
+    for b in boxes:
+        b.observe(calc.refresh, names="value")
+    return calc
+
+
+__all__ += ["shard_calculator"]

@@ -39,8 +39,8 @@ SHOWS = {
                                   "accumulation, checkpoint and exact resume",
     "07_failures_and_multinode": "kill a worker, torchrun restarts it, bit-identical recovery; two "
                                  "agents as two nodes; the hang clinic",
-    "08_beyond_ddp_zero_fsdp": "memory per rank under DDP and ZeRO; ZeRO-1 from scratch (printed "
-                               "whole) on a tiny GPT; FSDP2 is ZeRO-3",
+    "08_beyond_ddp_zero_fsdp": "memory per rank under DDP and ZeRO; when to shard, by arithmetic "
+                               "with activations; ZeRO-1 from scratch on a tiny GPT",
     "09_how_fast_a_step_can_go": "FLOPs counted by torch, published GPUs and links: the "
                                  "compute-bound batch, efficiency at 2/8/64 GPUs; a calculator",
 }

@@ -33,33 +33,46 @@ class Zero1Optimizer(torch.optim.Optimizer):
 
     Args:
         params: tensors or param-group dicts, the same (same order, same values) on every rank.
-        optimizer_class: the local optimizer, e.g. ``torch.optim.AdamW``.
+        optimizer_class: the local optimizer class, e.g. ``torch.optim.AdamW``.
         process_group: the group to shard over (None: the default group).
         **defaults: hyperparameters for ``optimizer_class`` (``lr=..., weight_decay=...``).
 
     Attributes: ``param_groups`` (every parameter, as the model's code built them: set ``lr``
-    here), ``params`` (all parameters in order), ``owner[i]`` (the rank that updates parameter
-    ``i``), ``optim`` (the local optimizer over this rank's shard), ``state`` (its state).
+    here, or let a scheduler), ``params`` (all parameters in order), ``owner[i]`` (the rank
+    that updates parameter ``i``), ``optim`` (the local optimizer over this rank's shard),
+    ``state`` (its state), ``average_gradients`` (set False behind torch's DDP).
 
-    :meth:`step` is a collective (one all-reduce and one broadcast per parameter) that every
-    rank must call; construction is local but must happen alike on every rank.
+    :meth:`step` and :meth:`consolidate_state_dict` are collectives every rank must call;
+    construction and :meth:`add_param_group` are local but must happen alike on every rank.
+    Checkpoints as torch's: ``consolidate_state_dict(to=0)``, then ``state_dict()`` on rank
+    0; ``load_state_dict(full)`` on every rank.
+
+    Raises:
+        TypeError: ``optimizer_class`` is not a ``torch.optim.Optimizer`` class.
+        ValueError: no parameters (torch's own check).
     """
 
     #: Average the gradients in :meth:`step`. False where they arrive averaged (after DDP).
     average_gradients = True
 
     def __init__(self, params, optimizer_class, process_group=None, **defaults):
+        if not (isinstance(optimizer_class, type) and
+                issubclass(optimizer_class, torch.optim.Optimizer)):
+            raise TypeError("optimizer_class must be a torch.optim.Optimizer class such as "
+                            f"torch.optim.AdamW, not {optimizer_class!r}")
         self.process_group = process_group
         self.world_size = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)
         group = dist.group.WORLD if process_group is None else process_group
         self.global_ranks = dist.get_process_group_ranks(group)   # broadcast takes global ranks
-        self.optimizer_class = optimizer_class
         super().__init__(params, defaults)       # self.param_groups: every parameter
         self.partition()
         self.optim = optimizer_class(
             [self.local_group(gi) for gi in range(len(self.param_groups))], **defaults)
+        for group, local in zip(self.param_groups, self.optim.param_groups):
+            group.update({k: v for k, v in local.items() if k != "params"})  # class defaults
         self.state = self.optim.state            # this rank's shard of the state, only
+        self.consolidated = None
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -93,6 +106,36 @@ class Zero1Optimizer(torch.optim.Optimizer):
         group = self.param_groups[gi]
         mine = [p for k, p in enumerate(group["params"]) if self.owner[start + k] == self.rank]
         return {**{k: v for k, v in group.items() if k != "params"}, "params": mine}
+
+    def add_param_group(self, param_group):
+        """Add a group on every rank alike; the earlier parameters keep their owners (local)."""
+        super().add_param_group(param_group)
+        if hasattr(self, "optim"):               # not while Optimizer.__init__ adds the groups
+            self.partition()
+            self.optim.add_param_group(self.local_group(len(self.param_groups) - 1))
+
+    def consolidate_state_dict(self, to=0):
+        """Gather every rank's shard of the state (CPU copies) on rank ``to``: a collective."""
+        mine = {i: {k: v.cpu() if torch.is_tensor(v) else v for k, v in s.items()}  # any GPU's
+                for i, s in super().state_dict()["state"].items()}  # torch's format, my shard
+        shards = [None] * self.world_size if self.rank == to else None
+        dist.gather_object(mine, shards, dst=self.global_ranks[to], group=self.process_group)
+        self.consolidated = shards and dict(sorted(kv for s in shards for kv in s.items()))
+
+    def state_dict(self):
+        """The whole state in torch's format, where :meth:`consolidate_state_dict` put it."""
+        if self.consolidated is None:
+            raise RuntimeError(f"rank {self.rank} has no consolidated state: call "
+                               "consolidate_state_dict(to=rank) on every rank first")
+        return {**super().state_dict(), "state": self.consolidated}
+
+    def load_state_dict(self, state_dict):
+        """Load a whole state dict (every rank the same); each rank keeps its shard (local)."""
+        super().load_state_dict(state_dict)      # torch checks the groups; all the state
+        mine = {p for g in self.optim.param_groups for p in g["params"]}
+        self.optim.state.clear()
+        self.optim.state.update({p: s for p, s in self.state.items() if p in mine})
+        self.state = self.optim.state
 
 
 def partition_parameters(numels, world_size, group_sizes=None):

@@ -184,6 +184,16 @@ def min_ranks_zero3(num_params: float, gpu_bytes: float) -> int:
     return max(1, math.ceil(16 * num_params / gpu_bytes))
 
 
+# 08.6 -------------------------------------------------------------------------------
+def bytes_per_rank(num_params: float, activation_bytes: float, world_size: int,
+                   stage: int) -> float:
+    """Mixed-precision Adam's 2 + 2 + 12 bytes per parameter, each piece divided by the
+    world size from its stage on, plus this rank's activations (never divided)."""
+    p, g, o, R = 2 * num_params, 2 * num_params, 12 * num_params, world_size
+    return ((p / R if stage >= 3 else p) + (g / R if stage >= 2 else g)
+            + (o / R if stage >= 1 else o) + activation_bytes)
+
+
 # 08.4 -------------------------------------------------------------------------------
 def gather_flat(shard: torch.Tensor, total_numel: int) -> torch.Tensor:
     """Rebuild the flat tensor split by ``tensor_split`` over the ranks, with one all_gather."""

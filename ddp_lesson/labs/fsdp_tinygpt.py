@@ -39,17 +39,9 @@ from ddp_lesson.labs.zero_check import (
     start_lab,
     train_steps,
 )
+from ddp_lesson.memory import local_bytes
 
 LOSS_TOL = 1e-5
-
-
-def local_param_bytes(model: torch.nn.Module) -> int:
-    """Bytes of parameter storage this rank holds (the local shard of each DTensor)."""
-    total = 0
-    for p in model.parameters():
-        t = p.to_local() if isinstance(p, DTensor) else p
-        total += t.numel() * t.element_size()
-    return total
 
 
 def shard_tinygpt(model: TinyGPT, mesh) -> TinyGPT:
@@ -169,7 +161,7 @@ def main(argv=None):
                             (env.world_size,))
     shard_tinygpt(model, mesh)
     opt = torch.optim.AdamW(model.parameters(), **HPARAMS)
-    mine = local_param_bytes(model)
+    mine = sum(local_bytes(p) for p in model.parameters())   # each DTensor's local shard
 
     ref_losses = train_steps(ref_ddp, ref_opt, corpus.data, steps, 0, env)
     losses = train_steps(model, opt, corpus.data, steps, 0, env)

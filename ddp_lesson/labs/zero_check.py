@@ -7,7 +7,8 @@ wraps each copy in torch's ``DistributedDataParallel`` and trains it for ``--ste
 steps on its slice of the same global character batches, with three optimizers:
 
 * ``torch.optim.AdamW`` on every rank (the unsharded baseline: full state everywhere);
-* :class:`ddp_lesson.zero.ShardedOptimizer` (ours, ZeRO stage 1);
+* :class:`ddp_lesson.core.zero1.Zero1Optimizer` (ours, ZeRO stage 1, the core notebook 08
+  prints; DDP has averaged the gradients, so ``average_gradients = False``);
 * ``torch.distributed.optim.ZeroRedundancyOptimizer`` (torch's ZeRO stage 1).
 
 It prints facts: equality of the weights (``allclose`` with rtol 1e-6), each rank's measured
@@ -25,9 +26,10 @@ import torch.distributed as dist
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
+from ddp_lesson.core.zero1 import Zero1Optimizer
 from ddp_lesson.env import cleanup, init_distributed
 from ddp_lesson.gpt import TinyGPT, get_batch, load_corpus
-from ddp_lesson.zero import ShardedOptimizer, optimizer_state_bytes
+from ddp_lesson.memory import optimizer_state_bytes
 
 RTOL = 1e-6
 HPARAMS = dict(lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
@@ -71,6 +73,13 @@ def same(a: torch.nn.Module, b: torch.nn.Module) -> tuple[bool, float]:
     return ok, worst
 
 
+def zero1_behind_ddp(model) -> Zero1Optimizer:
+    """The core's ZeRO-1 over ``model``'s parameters; DDP averages the gradients (local)."""
+    opt = Zero1Optimizer(model.parameters(), torch.optim.AdamW, **HPARAMS)
+    opt.average_gradients = False
+    return opt
+
+
 def start_lab(description: str, default_steps: int, argv=None):
     """What the ZeRO and FSDP labs share: ``--steps``, the process group, the corpus, a rank-0
     printer and the baseline they compare against, DDP + AdamW.
@@ -103,7 +112,7 @@ def main(argv=None):
     steps, env, corpus, say, (ref, ref_ddp, ref_opt) = start_lab(
         __doc__.splitlines()[0], 10, argv)
     ours, ours_ddp = make_ddp(env, corpus.vocab_size)
-    ours_opt = ShardedOptimizer(ours.parameters(), torch.optim.AdamW, **HPARAMS)
+    ours_opt = zero1_behind_ddp(ours)
     tz, tz_ddp = make_ddp(env, corpus.vocab_size)
     tz_opt = ZeroRedundancyOptimizer(tz.parameters(), optimizer_class=torch.optim.AdamW,
                                      **HPARAMS)
@@ -120,13 +129,14 @@ def main(argv=None):
     say(f"loss step 1 -> {steps} (DDP+AdamW): {ref_losses[0]:.3f} -> {ref_losses[-1]:.3f}")
     losses_same = all(abs(a - b) <= RTOL * abs(a) for a, b in zip(ours_losses, ref_losses))
     say(f"same losses as DDP+AdamW: {losses_same}")
-    say(f"ShardedOptimizer == DDP+AdamW (rtol 1e-6): {ok_ours}")
+    say(f"ours: {type(ours_opt).__module__}.{type(ours_opt).__name__}")
+    say(f"Zero1Optimizer == DDP+AdamW (rtol 1e-6): {ok_ours}")
     say(f"ZeroRedundancyOptimizer == DDP+AdamW (rtol 1e-6): {ok_tz}")
-    say(f"ShardedOptimizer == ZeroRedundancyOptimizer (rtol 1e-6): {ok_both}")
+    say(f"Zero1Optimizer == ZeroRedundancyOptimizer (rtol 1e-6): {ok_both}")
     say(f"max |delta| below 1e-6: {max(d_ours, d_tz) < 1e-6}")
 
     full = optimizer_state_bytes(ref_opt)
-    mine = ours_opt.state_bytes()
+    mine = optimizer_state_bytes(ours_opt)
     say(f"unsharded optimizer state per rank: {full:,} bytes")
     all_bytes = say_bytes_per_rank(say, env, mine, full, "optimizer state", "unsharded")
     say(f"sum over ranks == unsharded: {sum(all_bytes) == full}")
@@ -147,7 +157,7 @@ def main(argv=None):
     dist.broadcast_object_list(path_box, src=0)
     loaded_sd = torch.load(path_box[0], weights_only=False)
     # Continue 3 steps with the live optimizer, then rewind the weights, load the saved state
-    # into a fresh ShardedOptimizer and redo the 3 steps through the same DDP wrapper (a new
+    # into a fresh Zero1Optimizer and redo the 3 steps through the same DDP wrapper (a new
     # wrapper would bucket gradients differently, and with 3 ranks the all-reduce would then
     # add them in another order).
     snapshot = [p.detach().clone() for p in ours.parameters()]
@@ -157,7 +167,7 @@ def main(argv=None):
         for p, q in zip(ours.parameters(), snapshot):
             p.copy_(q)
     del ours_opt
-    ours_opt = ShardedOptimizer(ours.parameters(), torch.optim.AdamW, **HPARAMS)
+    ours_opt = zero1_behind_ddp(ours)
     ours_opt.load_state_dict(loaded_sd)
     train_steps(ours_ddp, ours_opt, corpus.data, 3, steps, env)
     train_steps(ref_ddp, ref_opt, corpus.data, 3, steps, env)

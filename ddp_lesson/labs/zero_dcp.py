@@ -6,7 +6,7 @@ loaded at another world size R' (notebook 08's deep dive, ``tests/zero/test_zero
 
 Every rank builds the same :class:`ddp_lesson.gpt.TinyGPT` (seed 0), wraps it in torch's
 ``DistributedDataParallel`` and trains ``--steps`` AdamW steps with
-:class:`ddp_lesson.zero.ShardedOptimizer` on its ``G / R`` rows of the same global batch of
+:class:`ddp_lesson.core.zero1.Zero1Optimizer` on its ``G / R`` rows of the same global batch of
 ``G = 8`` sequences per step (so R = 1, 2, 4, 8 train on the same data). ``--save D`` writes
 the model and each rank's optimizer shard with :func:`ddp_lesson.zero.dcp_save`; ``--load D``
 reads them with :func:`ddp_lesson.zero.dcp_load` at this run's R and goes on from the saved
@@ -31,11 +31,11 @@ from torch.nn.parallel import DistributedDataParallel
 from ddp_lesson.cli import plain
 from ddp_lesson.env import cleanup, init_distributed
 from ddp_lesson.gpt import TinyGPT, get_batch, load_corpus
-from ddp_lesson.zero import ShardedOptimizer, dcp_load, dcp_save
+from ddp_lesson.labs.zero_check import zero1_behind_ddp
+from ddp_lesson.zero import dcp_load, dcp_save
 
 GLOBAL_BATCH = 8
 BLOCK_SIZE = 32
-HPARAMS = dict(lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
 
 
 def save(path, model, opt, step: int, env) -> None:
@@ -65,7 +65,7 @@ def main(argv=None) -> None:
     # cuda:LOCAL_RANK under NCCL, which refuses CPU tensors, else cpu
     model = TinyGPT(vocab_size=corpus.vocab_size).to(env.device)
     ddp = DistributedDataParallel(model)
-    opt = ShardedOptimizer(model.parameters(), torch.optim.AdamW, **HPARAMS)
+    opt = zero1_behind_ddp(model)
     start = 0
     if args.load:
         dcp_load(args.load, model, opt)

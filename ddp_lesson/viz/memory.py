@@ -1,56 +1,9 @@
-"""Memory and data movement per rank under DDP, ZeRO and FSDP (notebook 08)."""
+"""Data movement per rank under DDP, ZeRO and FSDP (notebook 08's FSDP2 deep dive)."""
 from __future__ import annotations
 
-from .style import LABEL_PT, MIN_WIDTH_IN, SMALL_PT, finish, subplots
+from .style import MIN_WIDTH_IN, SMALL_PT, finish, subplots
 
-__all__ = ["memory_stages_figure", "data_movement_per_step", "data_movement_figure"]
-
-
-def memory_stages_figure(num_params: float, world_size: int, capacity_bytes: float | None = None,
-                         figsize=(6, 3), **kwargs):
-    """Model-state memory per rank under DDP and ZeRO stages 1-3, as stacked bars (GB = 1e9 B).
-
-    Args:
-        num_params: parameters ``Psi`` of the model.
-        world_size: ranks ``N``.
-        capacity_bytes: optional device memory, drawn as a dashed line (e.g. 80e9).
-        figsize: inches.
-        **kwargs: ``param_bytes``, ``grad_bytes``, ``optimizer_bytes`` for
-            :func:`ddp_lesson.memory.memory_per_rank`.
-
-    Returns:
-        The ``Figure`` (one Axes); each bar patch has ``gid`` ``"params"``, ``"grads"`` or
-        ``"optimizer"``, heights in GB. Pure arithmetic, no process group.
-    """
-
-    from ..memory import GB, STAGE_NAMES, STAGES, memory_per_rank
-
-    parts = [memory_per_rank(num_params, world_size, s, **kwargs) for s in STAGES]
-    names = [STAGE_NAMES[s].replace(" (", "\n(") for s in STAGES]
-    fig, ax = subplots(figsize=figsize)
-    bottom = [0.0] * len(parts)
-    for attr, label, colour in (("params_bytes", "parameters (16-bit)", "tab:blue"),
-                                ("grads_bytes", "gradients (16-bit)", "tab:orange"),
-                                ("optimizer_bytes", "optimizer states (K bytes)", "tab:green")):
-        h = [getattr(m, attr) / GB for m in parts]
-        bars = ax.bar(range(len(parts)), h, bottom=bottom, color=colour, label=label)
-        for bar in bars:
-            bar.set_gid(attr.replace("_bytes", ""))
-        bottom = [b + x for b, x in zip(bottom, h)]
-    for i, total in enumerate(bottom):
-        ax.text(i, total, f"{total:.3g} GB", ha="center", va="bottom", fontsize=SMALL_PT)
-    if capacity_bytes is not None:
-        ax.axhline(capacity_bytes / GB, color="red", linestyle="--", linewidth=1,
-                   label=f"device memory {capacity_bytes / GB:g} GB")
-    ax.set_xticks(range(len(parts)))
-    ax.set_xticklabels(names, fontsize=SMALL_PT)
-    ax.set_ylabel("GB per rank (1e9 bytes)", fontsize=SMALL_PT)
-    ax.set_ylim(0, max(bottom) * 1.15)
-    ax.set_title(f"{num_params / 1e9:g}B parameters, {world_size} ranks, model states only",
-                 fontsize=LABEL_PT)
-    ax.tick_params(labelsize=SMALL_PT)
-    ax.legend(fontsize=SMALL_PT, frameon=False)
-    return finish(fig)
+__all__ = ["data_movement_per_step", "data_movement_figure"]
 
 
 def data_movement_per_step(world_size: int) -> dict[str, list[tuple[str, float]]]:

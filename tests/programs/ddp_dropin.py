@@ -255,6 +255,11 @@ def fp16_sum(rank):
     return out
 
 
+def _behind_ddp(opt):
+    opt.average_gradients = False   # the gradients are the same on every rank here
+    return opt
+
+
 def zero_optimizer(rank):
     """Case 8: ZeRO-1 as a torch optimizer, ours and torch's ZeroRedundancyOptimizer.
 
@@ -266,11 +271,11 @@ def zero_optimizer(rank):
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.optim.lr_scheduler import LambdaLR
 
-    from ddp_lesson.zero import ShardedOptimizer
+    from ddp_lesson.core.zero1 import Zero1Optimizer
 
     out = {}
     makers = {"torch": lambda g, **kw: ZeroRedundancyOptimizer(g, torch.optim.SGD, **kw),
-              "ours": lambda g, **kw: ShardedOptimizer(g, torch.optim.SGD, **kw)}
+              "ours": lambda g, **kw: _behind_ddp(Zero1Optimizer(g, torch.optim.SGD, **kw))}
     for v, make in makers.items():
         params = [nn.Parameter(torch.ones(n)) for n in (50, 40, 30, 20)]
         opt = make([{"params": [p], "lr": 0.1} for p in params], lr=0.1)

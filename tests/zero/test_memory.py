@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from ddp_lesson.memory import GB, max_params_per_memory, memory_per_rank, memory_table
+from ddp_lesson.memory import GB, max_params_per_memory, memory_per_rank
 
 
 def test_zero_paper_figure1_example():
@@ -32,10 +32,8 @@ def test_breakdown_parts_and_stage_monotone():
             assert len(set(totals)) == 1
 
 
-def test_table_and_inverse():
-    rows = memory_table(7.5e9, [1, 64])
-    assert len(rows) == 8 and rows[0]["name"] == "DDP"
-    assert rows[0]["total_bytes"] == 120e9  # one rank: nothing to share
+def test_inverse():
+    assert memory_per_rank(7.5e9, 1, 3).total_bytes == 120e9  # one rank: nothing to share
     # 80 GB with DDP fits 5B parameters of model states (16 bytes each)
     assert max_params_per_memory(80e9, 8, 0) == pytest.approx(5e9)
     assert max_params_per_memory(80e9, 64, 3) == pytest.approx(80e9 * 64 / 16)
@@ -43,7 +41,7 @@ def test_table_and_inverse():
 
 
 def test_notebook_numbers():
-    # notebook 08 prints the largest model whose states fit in 80 GB for 64 ranks
+    # the largest model whose states fit in 80 GB on 64 ranks (notebook 08's concept check: 320B)
     assert round(max_params_per_memory(80e9, 64, 0) / 1e9, 1) == 5.0
     assert round(max_params_per_memory(80e9, 64, 1) / 1e9, 1) == 19.1
     assert round(max_params_per_memory(80e9, 64, 2) / 1e9, 1) == 36.1
@@ -55,21 +53,6 @@ def test_notebook_numbers():
 def test_bad_input(args, match):
     with pytest.raises(ValueError, match=match):
         memory_per_rank(*args)
-
-
-def test_memory_figure_bars():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from ddp_lesson.viz.memory import memory_stages_figure
-
-    fig = memory_stages_figure(7.5e9, 64, capacity_bytes=80e9)
-    opt = [p for p in fig.axes[0].patches if p.get_gid() == "optimizer"]
-    assert [round(p.get_height(), 3) for p in opt] == [90.0, round(90 / 64, 3),
-                                                     round(90 / 64, 3), round(90 / 64, 3)]
-    plt.close(fig)
 
 
 def test_notebook_table_parts():

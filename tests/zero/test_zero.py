@@ -1,5 +1,5 @@
 """ZeRO stage 1 from scratch against DDP + AdamW and torch's ZeroRedundancyOptimizer: the teaching
-core (ddp_lesson.core.zero1) alone and the hardened drop-in on it (ddp_lesson.zero)."""
+core (ddp_lesson.core.zero1), alone and behind torch's DDP as the labs run it."""
 
 from __future__ import annotations
 
@@ -10,10 +10,9 @@ import pytest
 import torch
 from gpt_reference import lab_value, single_process_losses
 
-from ddp_lesson.core import zero1
+from ddp_lesson.core.zero1 import Zero1Optimizer, partition_parameters
 from ddp_lesson.gpt import TinyGPT
 from ddp_lesson.launch import run_torchrun
-from ddp_lesson.zero import partition_parameters
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -39,8 +38,13 @@ def test_partition_is_greedy_by_size_and_deterministic():
             assert abs(sum(numels[i] for i in o) * R / sum(numels) - 1) < 0.1
 
 
-def test_the_hardened_layer_uses_the_cores_partition():
-    assert partition_parameters is zero1.partition_parameters
+def test_one_zero1_implementation_the_core():
+    from ddp_lesson import zero
+    from ddp_lesson.exercises import solutions
+    from ddp_lesson.labs import zero_check
+
+    assert zero_check.Zero1Optimizer is solutions.Zero1Optimizer is Zero1Optimizer
+    assert not hasattr(zero, "ShardedOptimizer") and not hasattr(zero, "partition_parameters")
 
 
 CORE_AND_HARDENED = textwrap.dedent(r"""
@@ -48,8 +52,6 @@ CORE_AND_HARDENED = textwrap.dedent(r"""
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from ddp_lesson.core.zero1 import Zero1Optimizer
     from ddp_lesson.env import init_distributed, cleanup
-    from ddp_lesson.zero import ShardedOptimizer
-
     env = init_distributed(timeout=60)
     R, rank = env.world_size, env.rank
     HP = dict(lr=0.05, weight_decay=0.1)
@@ -66,10 +68,11 @@ CORE_AND_HARDENED = textwrap.dedent(r"""
     ref, core, hard, tz = model(), model(), model(), model()
     opts = {"AdamW": torch.optim.AdamW(ref.parameters(), **HP),
             "core": Zero1Optimizer(core.parameters(), torch.optim.AdamW, **HP),
-            "hardened": ShardedOptimizer(hard.parameters(), torch.optim.AdamW, **HP),
+            "behind DDP": Zero1Optimizer(hard.parameters(), torch.optim.AdamW, **HP),
             "torch": ZeroRedundancyOptimizer(tz.parameters(), optimizer_class=torch.optim.AdamW,
                                              **HP)}
-    models = {"AdamW": ref, "core": core, "hardened": hard, "torch": tz}
+    opts["behind DDP"].average_gradients = False   # as the labs run it, behind DDP
+    models = {"AdamW": ref, "core": core, "behind DDP": hard, "torch": tz}
     for step in range(4):
         g = torch.Generator().manual_seed(100 * step + rank)   # each rank its own batch
         x, y = torch.randn(4, 6, generator=g), torch.randn(4, 3, generator=g)
@@ -83,7 +86,7 @@ CORE_AND_HARDENED = textwrap.dedent(r"""
     def equal(a, b):
         return all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
 
-    for name in ("core", "hardened"):
+    for name in ("core", "behind DDP"):
         opt = opts[name]
         print(f"{name} == AdamW:", equal(models[name], ref))
         print(f"{name} == ZeroRedundancyOptimizer:", equal(models[name], tz))
@@ -108,7 +111,7 @@ def test_core_and_hardened_equal_adamw_and_torch_zero(world):
                           backend="gloo")
     for rank in range(world):
         lines = result.rank_lines(rank)
-        for name in ("core", "hardened"):
+        for name in ("core", "behind DDP"):
             for fact in ("== AdamW", "== ZeroRedundancyOptimizer",
                          "holds state for its own shard only",
                          "shards cover every parameter once", "state equals AdamW's"):
@@ -118,10 +121,11 @@ def test_core_and_hardened_equal_adamw_and_torch_zero(world):
 @pytest.mark.slow
 def test_equal_to_ddp_adamw_and_torch_zero(zero_lab):
     _, lines = zero_lab
+    assert lab_value(lines, "ours") == "ddp_lesson.core.zero1.Zero1Optimizer"  # the core runs
     for key in ("same losses as DDP+AdamW",
-                "ShardedOptimizer == DDP+AdamW (rtol 1e-6)",
+                "Zero1Optimizer == DDP+AdamW (rtol 1e-6)",
                 "ZeroRedundancyOptimizer == DDP+AdamW (rtol 1e-6)",
-                "ShardedOptimizer == ZeroRedundancyOptimizer (rtol 1e-6)",
+                "Zero1Optimizer == ZeroRedundancyOptimizer (rtol 1e-6)",
                 "max |delta| below 1e-6",
                 "consolidated state == AdamW state",
                 "reloaded optimizer continues identically",
@@ -158,13 +162,11 @@ def test_optimizer_state_is_one_over_world_size(zero_lab):
 
 @pytest.mark.slow
 def test_single_rank_equals_adamw_and_errors(world_of_one):
-    from ddp_lesson.zero import ShardedOptimizer
-
     torch.manual_seed(0)
     a, b = torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)
     b.load_state_dict(a.state_dict())
     ref = torch.optim.AdamW(a.parameters(), lr=0.1)
-    opt = ShardedOptimizer(b.parameters(), torch.optim.AdamW, lr=0.1)
+    opt = Zero1Optimizer(b.parameters(), torch.optim.AdamW, lr=0.1)
     x = torch.randn(5, 4)
     for _ in range(3):
         for m, o in ((a, ref), (b, opt)):
@@ -180,7 +182,9 @@ def test_single_rank_equals_adamw_and_errors(world_of_one):
     b(x).square().sum().backward()
     opt.step()
     assert torch.equal(sd["state"][0]["exp_avg"], snapshot)  # a copy, not a view
-    with pytest.raises(ValueError, match="state dict has 1 parameters, this optimizer 2"):
+    with pytest.raises(ValueError, match="doesn't match the size of optimizer's group"):
         opt.load_state_dict({"state": {}, "param_groups": [{"params": [0]}]})
     with pytest.raises(ValueError, match="empty parameter list"):
-        ShardedOptimizer([], torch.optim.AdamW)
+        Zero1Optimizer([], torch.optim.AdamW)
+    with pytest.raises(TypeError, match="optimizer_class must be a torch.optim.Optimizer class"):
+        Zero1Optimizer(b.parameters(), torch.optim.AdamW(a.parameters()))  # an instance

@@ -31,5 +31,6 @@ from . import (  # noqa: F401  (imported to register)
     ex_08_1_zero3_ranks,
     ex_08_4_gather_shards,
     ex_08_5_zero1,
+    ex_08_6_fits_per_rank,
     ex_09_1_compute_bound_batch,
 )
