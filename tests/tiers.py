@@ -187,6 +187,13 @@ SLOW: dict[str, str | frozenset[str]] = {
         "test_own_torchrun_agent_is_not_a_leftover",
         "test_ddp_lesson_doctor_command_exits_1_on_a_problem",
     }),
+    "launch/test_job_failures.py": frozenset({
+        "test_a_raising_rank_with_and_without_record",
+        "test_a_killed_rank_has_a_signal_and_no_error_file",
+        "test_monitored_barrier_names_the_hanging_rank",
+        "test_log_dir_redirects_and_tee",
+        "test_torch_distributed_debug_levels",
+    }),
     "launch/test_elastic.py": frozenset({
         "test_kill_mid_epoch_between_checkpoints_recovers_bit_identical",
         "test_kill_right_after_a_checkpoint_recovers_bit_identical",
