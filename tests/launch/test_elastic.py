@@ -22,7 +22,7 @@ import os
 
 import pytest
 import torch
-from notebook_cells import cell_with, stored_run
+from notebook_cells import cell_with, stored_run, stream_text
 
 from ddp_lesson import config, train
 from ddp_lesson.launch import launch_env, run_torchrun
@@ -94,20 +94,22 @@ def _assert_mid_epoch_recovery(lines0, lines1):
     assert any(line.endswith("epoch 2/2, step 0/4 (global step 4)") for line in lines0)
 
 
-def _notebook_job(name: str, flags: str) -> None:
-    """Notebook 07 starts the job ``name`` with this test file's BASE and ``flags``, one
-    restart allowed (so its stored output answers for the same run as the tests here)."""
-    setup = " ".join(cell_with(NB, "run_torchrun_many({").source.split())  # one line
-    assert "BASE = " + json.dumps(BASE) in setup
-    assert f'"{name}": job("{name}", {flags}' in setup
-    assert 'module=True, timeout=300, backend="gloo"' in setup
+def _notebook_job(name: str, extra: list[str]) -> None:
+    """Notebook 07 starts the job ``name`` (``ddp_lesson.labs.restart_jobs``) with this test
+    file's BASE and ``extra``, one restart allowed (so its stored output answers for the same
+    run as the tests here)."""
+    from ddp_lesson.labs import restart_jobs
+
+    assert "runs = run_jobs()" in cell_with(NB, "commands()").source
+    assert restart_jobs.TINY == BASE
+    assert restart_jobs.JOBS[name] == (1, extra)
+    assert restart_jobs.JOBS["reference"] == (0, [])
 
 
 def test_notebook_kill_mid_epoch_recovers_bit_identical():
     """The same run a third time: notebook 07's ``killed`` cell as stored (nbval replays it)."""
-    _notebook_job("killed", '"--simulate-failure-at-step", "5", "--failure-rank", "1", '
-                            'max_restarts=1)')
-    ranks, other = stored_run(NB, "show(killed)")
+    _notebook_job("killed", ["--simulate-failure-at-step", "5", "--failure-rank", "1"])
+    ranks, other = stored_run(NB, "story(killed)")
     _assert_mid_epoch_recovery(ranks[0], ranks[1])
     assert other == ["same weights as the uninterrupted run: True"]
 
@@ -115,9 +117,8 @@ def test_notebook_kill_mid_epoch_recovers_bit_identical():
 def test_kill_during_checkpoint_write_keeps_previous_checkpoint():
     """Notebook 07's ``torn`` cell as stored (nbval replays it): rank 0, the writer, killed
     once the temporary file of step 6 is complete, before the rename."""
-    _notebook_job("torn", '"--simulate-failure-at-step", "5", "--simulate-failure-during-save", '
-                          'max_restarts=1)')
-    ranks, other = stored_run(NB, "show(torn)")
+    _notebook_job("torn", ["--simulate-failure-at-step", "5", "--simulate-failure-during-save"])
+    ranks, other = stored_run(NB, "story(torn)")
     assert ("simulated failure: rank 0 kills itself (SIGKILL) during the checkpoint write at "
             "global step 6") in ranks[0]
     # the write of step 6 never reached the rename: the restart loads step 4's checkpoint
@@ -267,3 +268,23 @@ def test_gloo_full_mesh_keys_are_the_ranks():
     assert sorted(groups) == [0, 1]
     assert sorted(k for op, k in calls if op == "set") == ["0/0", "0/1"]
     assert sorted(set(k for op, k in calls if op == "get")) == ["0/0", "0/1"]
+
+
+def test_notebook_prints_the_commands_it_runs():
+    """Notebook 07's first cell prints the torchrun commands of the three runs it starts."""
+    from ddp_lesson.labs.restart_jobs import commands
+
+    assert stream_text(NB, "commands()") == "\n".join(commands()) + "\n"
+    assert commands()[2:4] == [
+        "torchrun --nproc-per-node 2 --max-restarts 1 -m ddp_lesson.train $TINY "
+        "--out runs/nb07/killed", "    --simulate-failure-at-step 5 --failure-rank 1"]
+
+
+def test_without_docstring_keeps_the_code_only():
+    from ddp_lesson.checkpoint import atomic_write
+    from ddp_lesson.labs.restart_jobs import without_docstring
+
+    code = without_docstring(atomic_write)
+    assert '"""' not in code and code.startswith("def atomic_write(path: str,")
+    assert "    os.replace(tmp, path)\n" in code and code.endswith("    return path\n")
+    assert without_docstring(lambda: 1).lstrip().startswith("assert without_docstring(lambda")
