@@ -77,6 +77,7 @@ SLOW: dict[str, str | frozenset[str]] = {
     "ddp/test_compile_ddp.py": frozenset({
         "test_three_ranks_parts_predicted_gradients_within_tolerance",
     }),
+    "ddp/test_ddp_profile.py": frozenset({"test_a_profiled_step_on_two_ranks"}),
     "ddp/test_ddp_buckets.py": frozenset({
         "test_bucketed_ddp_builds_torchs_buckets",
         "test_torch_rebuilds_other_buckets_when_forward_runs_out_of_registration_order",
