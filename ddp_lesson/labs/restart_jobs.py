@@ -52,12 +52,12 @@ def run_jobs(root: str = "runs/nb07", timeout: float = 300.0) -> dict:
         for name, (restarts, extra) in JOBS.items()})
 
 
-def story(result) -> list[str]:
-    """``[rank N] line`` for each rank's lines that start with :data:`KEEP`, in rank order,
+def story(result, keep: tuple = KEEP) -> list[str]:
+    """``[rank N] line`` for each rank's lines that start with one of ``keep``, in rank order,
     wrapped at 100 characters (a continuation indented 11 spaces)."""
     return [textwrap.fill(f"[rank {rank}] {line}", 100, subsequent_indent=" " * 11)
             for rank in sorted(result.outputs)
-            for line in result.rank_lines(rank) if line.startswith(KEEP)]
+            for line in result.rank_lines(rank) if line.startswith(keep)]
 
 
 def same_weights(run: str, other: str, root: str = "runs/nb07") -> bool:

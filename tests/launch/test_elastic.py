@@ -17,7 +17,6 @@ prints exactly what is stored, so the same values are checked on a fresh run eit
 Config: 32 samples, 2 ranks, batch 4 -> 4 steps per epoch, 8 in all; checkpoints every 2
 steps and at each epoch end, i.e. after global steps 2, 4, 6 and 8.
 """
-import json
 import os
 
 import pytest
@@ -176,8 +175,10 @@ def test_lost_node_shrinks_the_world_and_the_survivor_finishes_the_run():
     (nbval replays it): node 1's agent dies after step 6; node 0 restarts alone (WORLD_SIZE 1),
     resumes the checkpoint written by 2 processes with their micro-batches, 2 per step, and
     ends with the weights of an uninterrupted 2-process run (docs/pitfalls.md C8)."""
+    from ddp_lesson.labs.restart_jobs import TINY
+
     setup = " ".join(cell_with(DEEP, "def train(").source.split())  # the same job as here
-    assert "BASE = " + json.dumps(BASE) in setup
+    assert 'args=TINY + ["--out", f"runs/nb07/{out}", *extra]' in setup and TINY == BASE
     cell = cell_with(DEEP, "--simulate-node-loss").source
     assert 'ELASTIC = ["--nnodes", "1:2", ' in cell and "max_restarts=1" in cell
     assert 'train("uninterrupted", live=False)' in cell  # the reference: 2 processes, no stop
