@@ -45,7 +45,8 @@ class Collective:
         op: the op, e.g. ``"all_reduce"`` (torch's ``profiling_name`` without ``gloo:``/``nccl:``).
         sizes: the input tensors' shapes.
         dtypes: their dtypes as torch records them (``"Float"``).
-        caller: ``file:line`` of the first frame outside torch (the program's call), or ``"?"``.
+        caller: ``file:line`` of the first frame outside torch (the program's call), or ``"?"``
+            (a record without stacks; :meth:`text` then leaves it out).
     """
 
     seq: int
@@ -57,8 +58,12 @@ class Collective:
     def text(self) -> str:
         """``#3 all_reduce [3] Float (job.py:9)``."""
         sizes = ", ".join(str(list(s)) for s in self.sizes) or "[]"
-        parts = [f"#{self.seq}", self.op, sizes, "/".join(self.dtypes), f"({self.caller})"]
+        parts = [f"#{self.seq}", self.op, sizes, "/".join(self.dtypes), self.at()]
         return " ".join(p for p in parts if p)  # a barrier has no dtype
+
+    def at(self) -> str:
+        """``(job.py:9)``, or nothing when the record has no stack (dumped without one)."""
+        return "" if self.caller == "?" else f"({self.caller})"
 
     def signature(self) -> tuple:
         """What must be equal on every rank for the collective to match."""
@@ -430,15 +435,17 @@ def verdict(dumps: dict[int, dict], group: str = "0") -> str:
         seq, have, missing = found
         some = next(iter(have.values()))
         if missing:
-            return (f"rank {', '.join(map(str, missing))} never called #{seq} {some.op} "
-                    f"({some.caller}), rank {', '.join(map(str, sorted(have)))} did")
-        parts = "; ".join(f"rank {r} {c.op} {[list(x) for x in c.sizes]} ({c.caller})"
-                          for r, c in sorted(have.items()))
+            return (f"rank {', '.join(map(str, missing))} never called "
+                    + " ".join(filter(None, [f"#{seq}", some.op, some.at()]))
+                    + f", rank {', '.join(map(str, sorted(have)))} did")
+        parts = "; ".join(" ".join(filter(None, [f"rank {r}", c.op, str([list(x) for x in c.sizes]),
+                                                 c.at()])) for r, c in sorted(have.items()))
         return f"#{seq} differs: {parts}"
     waiting = [r.first_unfinished for r in rows if r.first_unfinished]
     if waiting:
         c = min(waiting, key=lambda c: c.seq)
-        return f"every rank waits in #{c.seq} {c.op} ({c.caller}): the records match"
+        return f"every rank waits in {' '.join(filter(None, [f'#{c.seq}', c.op, c.at()]))}: " \
+               "the records match"
     last = max((r.last_completed.seq for r in rows if r.last_completed), default=0)
     return f"nothing unfinished: every rank completed collective #{last}"
 

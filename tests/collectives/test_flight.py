@@ -70,7 +70,7 @@ def test_an_all_reduce_of_different_sizes_returns_on_one_rank(dumps):
     assert [(r.last_completed.seq, r.first_unfinished and r.first_unfinished.seq) for r in rows] \
         == [(3, None), (2, 3)]
     assert flight.verdict(flight.load_dumps(dumps["shape"])) == (
-        "#3 differs: rank 0 all_reduce [[3]] (?); rank 1 all_reduce [[4]] (?)")
+        "#3 differs: rank 0 all_reduce [[3]]; rank 1 all_reduce [[4]]")
 
 
 @pytest.mark.slow
@@ -209,11 +209,18 @@ def test_a_peer_behind_a_failed_rank_is_recorded_stuck(delay, tmp_path):
     assert r.rank_lines(0) == ["rank 0 enters broadcast"]
     assert "Timed out waiting 2000ms for send" in r.errors[0]  # not "Connection closed"
     assert flight.report(tmp_path) == [
-        "rank 0 last completed: #1 barrier [] (?)",
-        "rank 0 first unfinished: #2 broadcast [49] Float (?)",
-        "rank 1 last completed: #1 barrier [] (?)",
+        "rank 0 last completed: #1 barrier []",
+        "rank 0 first unfinished: #2 broadcast [49] Float",
+        "rank 1 last completed: #1 barrier []",
         "rank 1 first unfinished: none",
-        "verdict: rank 1 never called #2 broadcast (?), rank 0 did"]
+        "verdict: rank 1 never called #2 broadcast, rank 0 did"]
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "trace_0", "trace_0.final", "trace_1", "trace_1.final"]
     assert (tmp_path / "trace_0.final").read_text() == (tmp_path / "trace_1.final").read_text()
+
+
+def test_a_record_without_stacks_shows_no_caller():
+    """A dump without stacks has caller "?": the line leaves it out rather than print "(?)"."""
+    bare = flight.Collective(2, "all_reduce", ((3,),), ("Float",), "?")
+    assert bare.text() == "#2 all_reduce [3] Float"
+    assert flight.Collective(2, "barrier", (), (), "job.py:9").text() == "#2 barrier [] (job.py:9)"

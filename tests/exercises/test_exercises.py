@@ -122,7 +122,7 @@ def notebook_attempt(exercise_id):
 
 def test_every_exercise_in_the_notebooks_has_a_checker_and_vice_versa():
     mentioned = set()
-    for nb in sorted((ROOT / "notebooks").glob("*.ipynb")):
+    for nb in sorted((ROOT / "notebooks").rglob("*.ipynb")):  # deep dives' exercises too
         cells = json.loads(nb.read_text())["cells"]
         text = "".join("".join(c["source"]) for c in cells)
         ids = set(re.findall(r'check\("(\d\d\.\d+)"', text))

@@ -8,15 +8,14 @@ names a parameter whose shape differs between ranks.
 
 One job, one launch (docs/architecture.md): notebook 07's clinic cell starts exactly these
 launches (every broken case with a 3 s timeout and its flight record, shape_mismatch again with
-DETAIL, the repairs' job) and prints, per case, its verdict, every line each rank printed, the
-telling line of its error, then each rank's flight-recorder ledger (gloo, written while the case
-hangs) and the reader's verdict line. The tests below read that stored output, after
+DETAIL, the repairs' job) and prints, per case, how it ended, the telling line of its error and
+the flight recorder's verdict (gloo, written while the case hangs), then shape_mismatch's
+ledger rank by rank. The tests below read that stored output, after
 asserting the cell's source starts those very launches; nbval's replay of the notebook reruns
 the cell and fails unless it prints exactly what is stored. Only the SIGUSR1 stack dump
 launches here.
 """
 import os
-import re
 from pathlib import Path
 
 import pytest
@@ -28,7 +27,7 @@ from ddp_lesson.launch import run_torchrun
 
 NB = "07_failures_and_multinode.ipynb"
 CLINIC_CELL = "clinic = run_all(runs, timeout=300)"
-FIXED_CELL = "fixed = {rank: split_cases"
+FIXED_CELL = "split_cases(clinic[\"fixed\"]"
 TIMEOUT_LINE = "RuntimeError: Timed out waiting 3000ms"
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -41,26 +40,21 @@ def _line_of(path: str, code: str) -> str:
     return f"{Path(path).name}:{lines[0]}"
 
 
-#: Where the clinic's ledger for partial_collective (the case recorded with stacks) points.
-BARRIER_AT = _line_of("ddp_lesson/env.py", "        dist.barrier()")  # the start-up barrier
+#: Where the clinic's verdict for partial_collective (the case recorded with stacks) points.
 BUG_AT = _line_of("ddp_lesson/labs/clinic/partial_collective.py",
                   "dist.all_reduce(loss)  # BUG")
+LEDGER = "shape_mismatch, rank by rank:"
 
 
 def _blocks(text: str) -> dict[str, dict]:
-    """A clinic cell's printed text, per case: ``{case: {"head": text after the name,
-    "ranks": {rank: [lines]}, "rest": [other indented lines, wrapped ones joined]}}``."""
+    """A clinic cell's printed text, per case: ``{case: {"head": text after "case: ",
+    "rest": [its indented lines, wrapped ones joined]}}``."""
     blocks: dict[str, dict] = {}
-    block = None
     for line in text.splitlines():
         if not line.startswith(" "):
-            name, _, head = line.partition(" ")
-            block = blocks.setdefault(name, {"head": head.strip(), "ranks": {}, "rest": []})
-            continue
-        m = re.match(r" {21}\[rank (\d+)\] (.*)$", line)
-        if m:
-            block["ranks"].setdefault(int(m.group(1)), []).append(m.group(2))
-        elif line.startswith(" " * 23) and block["rest"]:  # a textwrap continuation
+            name, _, head = line.partition(": ")
+            block = blocks.setdefault(name, {"head": head.strip(), "rest": []})
+        elif line.startswith("    ") and block["rest"]:  # a textwrap continuation
             block["rest"][-1] += " " + line.strip()
         else:
             block["rest"].append(line.strip())
@@ -79,47 +73,38 @@ def clinic():
                  '{"TORCH_DISTRIBUTED_DEBUG": "DETAIL"})',
                  'runs["fixed"] = ("fixed", ["--timeout", "10"])',
                  "clinic = run_all(runs, timeout=300)",
-                 'flight.report(f"runs/nb07/flight/{name}")'):
+                 'flight.report(f"runs/nb07/flight/{name}")[-1]',
+                 'flight.report("runs/nb07/flight/shape_mismatch")[:-1]'):
         assert line in source, line
     blocks = _blocks(stream_text(NB, CLINIC_CELL))
-    assert list(blocks) == list(CASES)
+    assert list(blocks) == [*CASES, LEDGER]
     return blocks
 
 
 def _broken(clinic, name, verdict):
     block = clinic[name]
-    assert block["head"] == f"ends with: {verdict}"  # diagnose(): not "finished", so rc != 0
+    assert block["head"] == verdict  # diagnose(): not "finished", so rc != 0
     return block
 
 
 def test_collective_called_by_one_rank_times_out(clinic):
     b = _broken(clinic, "partial_collective", "timeout")
-    assert b["ranks"] == {0: ["rank 0 enters all_reduce; the other ranks do not"],
-                          1: ["rank 1 skips the all_reduce and goes on"]}
-    # the flight recorder, with stacks: rank 0 waits in the all_reduce at the bug's own line
-    assert b["rest"] == [
-        TIMEOUT_LINE,
-        f"rank 0 last completed: #1 barrier [] ({BARRIER_AT})",
-        f"rank 0 first unfinished: #2 all_reduce [1] Float ({BUG_AT})",
-        f"rank 1 last completed: #1 barrier [] ({BARRIER_AT})",
-        "rank 1 first unfinished: none",
-        f"verdict: rank 1 never called #2 all_reduce ({BUG_AT}), rank 0 did"]
+    # the flight recorder, with stacks: rank 1 never called the all_reduce at the bug's line
+    assert b["rest"] == [TIMEOUT_LINE,
+                         f"verdict: rank 1 never called #2 all_reduce ({BUG_AT}), rank 0 did"]
 
 
 def test_all_reduce_with_different_shapes_times_out(clinic):
     b = _broken(clinic, "shape_mismatch", "timeout")
-    assert b["ranks"][1] == ["rank 1: all_reduce of shape (3,)"]
-    # rank 0's all_reduce returned, summed over the two elements it has: [0, 1] + [0, 1]
-    assert b["ranks"][0] == ["rank 0: all_reduce of shape (2,)", "rank 0: got [0.0, 2.0]"]
+    assert b["rest"] == [TIMEOUT_LINE,
+                         "verdict: #2 differs: rank 0 all_reduce [[2]]; rank 1 all_reduce [[3]]"]
     # rank 1 waits for the element rank 0 lacks; the record shows rank 0 *completed* the
-    # all_reduce (a collective is not a barrier) and waits in the next one
-    assert b["rest"] == [
-        TIMEOUT_LINE,
-        "rank 0 last completed: #2 all_reduce [2] Float (?)",
-        "rank 0 first unfinished: #3 barrier [] (?)",
-        "rank 1 last completed: #1 barrier [] (?)",
-        "rank 1 first unfinished: #2 all_reduce [3] Float (?)",
-        "verdict: #2 differs: rank 0 all_reduce [[2]] (?); rank 1 all_reduce [[3]] (?)"]
+    # all_reduce (a collective is not a barrier) and waits in the next one (no stacks: no caller)
+    assert clinic[LEDGER]["rest"] == [
+        "rank 0 last completed: #2 all_reduce [2] Float",
+        "rank 0 first unfinished: #3 barrier []",
+        "rank 1 last completed: #1 barrier []",
+        "rank 1 first unfinished: #2 all_reduce [3] Float"]
 
 
 def test_debug_detail_names_the_mismatched_collective():
@@ -132,74 +117,38 @@ def test_debug_detail_names_the_mismatched_collective():
 
 def test_uneven_batches_time_out_in_the_extra_backward(clinic):
     b = _broken(clinic, "uneven_batches", "timeout")
-    assert b["ranks"] == {0: ["rank 0: 3 batches", "rank 0: done with my batches"],
-                          1: ["rank 1: 4 batches"]}
-    # rank 1's 4th backward, or rank 0 waiting for it; in the record, #2 to #9 are DDP's
-    # constructor checks and the 3 shared steps, then rank 0's barrier against rank 1's 4th
-    assert b["rest"] == [
-        TIMEOUT_LINE,
-        "rank 0 last completed: #9 all_reduce [5] Float (?)",
-        "rank 0 first unfinished: #10 barrier [] (?)",
-        "rank 1 last completed: #9 all_reduce [5] Float (?)",
-        "rank 1 first unfinished: #10 all_reduce [5] Float (?)",
-        "verdict: #10 differs: rank 0 barrier [] (?); rank 1 all_reduce [[5]] (?)"]
+    # #2 to #9 are DDP's constructor checks and the 3 shared steps, then rank 0's barrier
+    # against rank 1's 4th gradient all-reduce
+    assert b["rest"] == [TIMEOUT_LINE,
+                         "verdict: #10 differs: rank 0 barrier []; rank 1 all_reduce [[5]]"]
 
 
 def test_rank_that_never_joins_fails_at_start_within_the_timeout(clinic):
     b = _broken(clinic, "missing_rank", "a rank never joined")
-    for rank in (0, 1):
-        assert b["ranks"][rank] == [f"rank {rank}: torchrun started 2 processes; "
-                                    "joining a group of 3"]
+    # no group formed: the flight recorder has nothing, and says so
     assert b["rest"] == ["DistStoreError: wait timeout after 3000ms",
-                         # no group formed: the flight recorder has nothing, and says so
-                         "rank 0 last completed: none", "rank 0 first unfinished: none",
-                         "rank 1 last completed: none", "rank 1 first unfinished: none",
                          "verdict: no rank recorded process group 0: the group never formed"]
 
 
 def test_model_differing_between_ranks_is_refused_by_ddp(clinic):
     b = _broken(clinic, "model_mismatch", "model differs between ranks")
-    assert b["ranks"] == {0: ["rank 0: hidden width 8"], 1: ["rank 1: hidden width 9"]}
-    # "[1]:": rank 1's error, naming the parameter and both sizes
+    # "[1]:": rank 1's error, naming the parameter and both sizes; rank 1 raised after the
+    # shape check (#3), rank 0 waits in #4, the broadcast of its weights
     assert b["rest"] == ["RuntimeError: [1]: params[0] in this process with sizes [9, 4] "
                          "appears not to match sizes of the same param in process 0.",
-                         # rank 1 raised after the shape check (#3); rank 0 waits in the
-                         # broadcast of its weights: 4*8 + 8 + 8 + 1 = 49 numbers
-                         "rank 0 last completed: #3 broadcast [12] Long (?)",
-                         "rank 0 first unfinished: #4 broadcast [49] Float (?)",
-                         "rank 1 last completed: #3 broadcast [12] Long (?)",
-                         "rank 1 first unfinished: none",
-                         "verdict: rank 1 never called #4 broadcast (?), rank 0 did"]
+                         "verdict: rank 1 never called #4 broadcast, rank 0 did"]
 
 
-@pytest.fixture(scope="module")
-def fixed(clinic):
-    """Each case's ``--fixed`` output, per rank, as notebook 07 prints it from the repairs'
-    job (one launch, every repaired program in order)."""
-    first, _, rest = stream_text(NB, FIXED_CELL).partition("\n")
-    assert first == "the repairs' job: finished"
-    blocks = _blocks(rest)
-    assert all(b["head"] == "--fixed:" and not b["rest"] for b in blocks.values())
-    return {rank: {name: b["ranks"].get(rank, []) for name, b in blocks.items()}
-            for rank in (0, 1)}
-
-
-def test_every_fixed_version_succeeds(fixed):
-    assert list(fixed[0]) == list(fixed[1]) == list(CASES)  # every case ran, in order
-    assert fixed[0]["partial_collective"] == ["mean loss over 2 ranks: 1.50"]  # (1+2)/2
-    assert fixed[1]["partial_collective"] == []  # only rank 0 prints
-    for rank in (0, 1):
-        # [0, 1] + [0, 1, 2] after padding to 3
-        assert fixed[rank]["shape_mismatch"] == [f"rank {rank}: padded to 3, sum [0.0, 2.0, 2.0]"]
-        assert fixed[rank]["uneven_batches"] == [
-            f"rank {rank}: {3 + rank} batches",
-            f"rank {rank}: BucketedDDP under Join: weights equal on all ranks: True",
-            f"rank {rank}: done; weights equal on all ranks: True"]
-        assert fixed[rank]["model_mismatch"] == [f"rank {rank}: hidden width 8",
-                                                 f"rank {rank}: one step done with DDP"]
-        assert fixed[rank]["missing_rank"] == [
-            f"rank {rank}: torchrun started 2 processes; joining a group of 2",
-            f"rank {rank}: all 2 ranks joined"]
+def test_every_fixed_version_succeeds(clinic):
+    """The repairs' job (one launch, every repaired program in order): rank 0's last line of
+    each case, as notebook 07 prints it."""
+    assert stream_text(NB, FIXED_CELL) == (
+        "the repairs' job: finished\n"
+        "  partial_collective: mean loss over 2 ranks: 1.50\n"  # (1 + 2) / 2
+        "  shape_mismatch: rank 0: padded to 3, sum [0.0, 2.0, 2.0]\n"  # [0, 1] + [0, 1, 2]
+        "  uneven_batches: rank 0: done; weights equal on all ranks: True\n"
+        "  model_mismatch: rank 0: one step done with DDP\n"
+        "  missing_rank: rank 0: all 2 ranks joined\n")
 
 
 def test_split_cases_cuts_at_the_headers():

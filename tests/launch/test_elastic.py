@@ -17,12 +17,11 @@ prints exactly what is stored, so the same values are checked on a fresh run eit
 Config: 32 samples, 2 ranks, batch 4 -> 4 steps per epoch, 8 in all; checkpoints every 2
 steps and at each epoch end, i.e. after global steps 2, 4, 6 and 8.
 """
-import json
 import os
 
 import pytest
 import torch
-from notebook_cells import cell_with, stored_run
+from notebook_cells import cell_with, stored_run, stream_text
 
 from ddp_lesson import config, train
 from ddp_lesson.launch import launch_env, run_torchrun
@@ -96,20 +95,22 @@ def _assert_mid_epoch_recovery(lines0, lines1):
     assert any(line.endswith("epoch 2/2, step 0/4 (global step 4)") for line in lines0)
 
 
-def _notebook_job(name: str, flags: str) -> None:
-    """Notebook 07 starts the job ``name`` with this test file's BASE and ``flags``, one
-    restart allowed (so its stored output answers for the same run as the tests here)."""
-    setup = " ".join(cell_with(NB, "run_torchrun_many({").source.split())  # one line
-    assert "BASE = " + json.dumps(BASE) in setup
-    assert f'"{name}": job("{name}", {flags}' in setup
-    assert 'module=True, timeout=300, backend="gloo"' in setup
+def _notebook_job(name: str, extra: list[str]) -> None:
+    """Notebook 07 starts the job ``name`` (``ddp_lesson.labs.restart_jobs``) with this test
+    file's BASE and ``extra``, one restart allowed (so its stored output answers for the same
+    run as the tests here)."""
+    from ddp_lesson.labs import restart_jobs
+
+    assert "runs = run_jobs()" in cell_with(NB, "commands()").source
+    assert restart_jobs.TINY == BASE
+    assert restart_jobs.JOBS[name] == (1, extra)
+    assert restart_jobs.JOBS["reference"] == (0, [])
 
 
 def test_notebook_kill_mid_epoch_recovers_bit_identical():
     """The same run a third time: notebook 07's ``killed`` cell as stored (nbval replays it)."""
-    _notebook_job("killed", '"--simulate-failure-at-step", "5", "--failure-rank", "1", '
-                            'max_restarts=1)')
-    ranks, other = stored_run(NB, "show(killed)")
+    _notebook_job("killed", ["--simulate-failure-at-step", "5", "--failure-rank", "1"])
+    ranks, other = stored_run(NB, "story(killed)")
     _assert_mid_epoch_recovery(ranks[0], ranks[1])
     assert other == ["same weights as the uninterrupted run: True"]
 
@@ -117,9 +118,8 @@ def test_notebook_kill_mid_epoch_recovers_bit_identical():
 def test_kill_during_checkpoint_write_keeps_previous_checkpoint():
     """Notebook 07's ``torn`` cell as stored (nbval replays it): rank 0, the writer, killed
     once the temporary file of step 6 is complete, before the rename."""
-    _notebook_job("torn", '"--simulate-failure-at-step", "5", "--simulate-failure-during-save", '
-                          'max_restarts=1)')
-    ranks, other = stored_run(NB, "show(torn)")
+    _notebook_job("torn", ["--simulate-failure-at-step", "5", "--simulate-failure-during-save"])
+    ranks, other = stored_run(NB, "story(torn)")
     assert ("simulated failure: rank 0 kills itself (SIGKILL) during the checkpoint write at "
             "global step 6") in ranks[0]
     # the write of step 6 never reached the rename: the restart loads step 4's checkpoint
@@ -178,8 +178,10 @@ def test_lost_node_shrinks_the_world_and_the_survivor_finishes_the_run():
     (nbval replays it): node 1's agent dies after step 6; node 0 restarts alone (WORLD_SIZE 1),
     resumes the checkpoint written by 2 processes with their micro-batches, 2 per step, and
     ends with the weights of an uninterrupted 2-process run (docs/pitfalls.md C8)."""
+    from ddp_lesson.labs.restart_jobs import TINY
+
     setup = " ".join(cell_with(DEEP, "def train(").source.split())  # the same job as here
-    assert "BASE = " + json.dumps(BASE) in setup
+    assert 'args=TINY + ["--out", f"runs/nb07/{out}", *extra]' in setup and TINY == BASE
     cell = cell_with(DEEP, "--simulate-node-loss").source
     assert 'ELASTIC = ["--nnodes", "1:2", ' in cell and "max_restarts=1" in cell
     assert 'train("uninterrupted", live=False)' in cell  # the reference: 2 processes, no stop
@@ -270,3 +272,23 @@ def test_gloo_full_mesh_keys_are_the_ranks():
     assert sorted(groups) == [0, 1]
     assert sorted(k for op, k in calls if op == "set") == ["0/0", "0/1"]
     assert sorted(set(k for op, k in calls if op == "get")) == ["0/0", "0/1"]
+
+
+def test_notebook_prints_the_commands_it_runs():
+    """Notebook 07's first cell prints the torchrun commands of the three runs it starts."""
+    from ddp_lesson.labs.restart_jobs import commands
+
+    assert stream_text(NB, "commands()") == "\n".join(commands()) + "\n"
+    assert commands()[2:4] == [
+        "torchrun --nproc-per-node 2 --max-restarts 1 -m ddp_lesson.train $TINY "
+        "--out runs/nb07/killed", "    --simulate-failure-at-step 5 --failure-rank 1"]
+
+
+def test_without_docstring_keeps_the_code_only():
+    from ddp_lesson.checkpoint import atomic_write
+    from ddp_lesson.labs.restart_jobs import without_docstring
+
+    code = without_docstring(atomic_write)
+    assert '"""' not in code and code.startswith("def atomic_write(path: str,")
+    assert "    os.replace(tmp, path)\n" in code and code.endswith("    return path\n")
+    assert without_docstring(lambda: 1).lstrip().startswith("assert without_docstring(lambda")

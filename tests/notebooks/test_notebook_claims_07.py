@@ -44,9 +44,9 @@ def test_a_collective_is_not_a_synchronisation_point():
     # the run that shows it: rank 0's all_reduce of 2 elements completed while rank 1's of 3
     # never did, and rank 0 went on to the next collective
     out = stream_text(CORE, "clinic = run_all(")
-    assert "rank 0 last completed: #2 all_reduce [2] Float (?)" in out
-    assert "rank 1 first unfinished: #2 all_reduce [3] Float (?)" in out
-    assert "rank 0 first unfinished: #3 barrier [] (?)" in out
+    assert "rank 0 last completed: #2 all_reduce [2] Float\n" in out
+    assert "rank 1 first unfinished: #2 all_reduce [3] Float\n" in out
+    assert "rank 0 first unfinished: #3 barrier []\n" in out
 
 
 def test_join_shadows_only_its_joinables():
@@ -115,7 +115,7 @@ def test_the_flight_recorder_records_on_gloo():
     prose = _prose(DEEP)
     assert "| the flight recorder, gloo and NCCL |" in prose
     assert "2000 when unset in 2.13, so gloo records by default" in prose
-    assert "kept on gloo as on NCCL in torch 2.13" in _prose(CORE)
+    assert "kept on gloo too in torch 2.13" in _prose(CORE)
     row = prose[prose.index("| `TORCH_FR_BUFFER_SIZE=N`"):]
     row = row[:row.index("| `TORCH_NCCL_DUMP_ON_TIMEOUT=1`")]
     assert "NCCL only" not in row  # the old table's last column

@@ -23,6 +23,7 @@ from . import (  # noqa: F401  (imported to register)
     ex_04_2_fp16_hook,
     ex_04_3_naive_ddp,
     ex_04_4_bucketed_ddp,
+    ex_04_9_exposed_share,
     ex_05_1_convert_loop,
     ex_06_4_effective_lr,
     ex_06_5_global_count_loss,
