@@ -501,16 +501,17 @@ def holdings_line(label: str, before, after) -> str:
     a decimal point, others with up to 4 significant digits, so the line is the same on
     every machine. Never synchronises.
     """
-    return f"{label:<15} before {_fmt(before):<18} after {_fmt(after)}"
+    return f"{label:<15} before {format_values(before):<18} after {format_values(after)}"
 
 
-def _fmt(values) -> str:
+def format_values(values) -> str:
+    """``values`` (tensor, list, number or None) as short text: ``[1, 2.5]``, ``-`` for None."""
     if values is None:
         return "-"
     if isinstance(values, torch.Tensor):
         values = values.detach().cpu().reshape(-1).tolist()
     if isinstance(values, (list, tuple)):
-        return "[" + ", ".join(_fmt(v) for v in values) + "]"
+        return "[" + ", ".join(format_values(v) for v in values) + "]"
     if isinstance(values, float) and values.is_integer():
         return str(int(values))
     if isinstance(values, float):

@@ -139,7 +139,8 @@ class StepRecord(NamedTuple):
 
 # --------------------------------------------------------------------------- small helpers
 
-def _set_threads_from_env() -> None:
+def set_threads_from_env() -> None:
+    """Set torch's intra-op threads to ``OMP_NUM_THREADS`` when it is set; never synchronises."""
     # torchrun sets OMP_NUM_THREADS=1 (with a warning) and our launcher does so quietly; make
     # torch's intra-op pool follow it, so N processes on N cores do not oversubscribe them.
     raw = os.environ.get("OMP_NUM_THREADS", "")
@@ -884,7 +885,7 @@ def main(argv: list[str] | None = None) -> dict:
     """
     wall_start = time.perf_counter()
     cfg = parse_config(argv)
-    _set_threads_from_env()
+    set_threads_from_env()
     owns_group = not group_active()
     env = None
     try:

@@ -115,9 +115,9 @@ def run_worker(spec: dict) -> dict:
     from .. import env as dist_env
     from ..config import TrainConfig
     from ..step import StepTimer
-    from ..train import Trainer, _set_threads_from_env
+    from ..train import Trainer, set_threads_from_env
 
-    _set_threads_from_env()
+    set_threads_from_env()
     env = dist_env.init_distributed(timeout=spec.get("timeout_s", 300), announce=False)
     steps, warmup, b = spec["steps"], spec["warmup"], spec["batch_per_rank"]
     cfg = TrainConfig(epochs=1, batch_size=b, num_train=(steps + warmup) * b * env.world_size,

@@ -48,7 +48,7 @@ import sys
 import threading
 import time
 
-from ..procs import _LIBC, alive, die_with_parent, kill_pids
+from ..procs import LIBC, alive, die_with_parent, kill_pids
 
 #: The switch: ``"0"`` in a run's environment starts its agents fresh (``subprocess.Popen``).
 SWITCH_ENV = "DDP_LESSON_FORKSERVER"
@@ -438,8 +438,8 @@ def _flush() -> None:
             stream.flush()
         except (AttributeError, OSError, ValueError):
             pass
-    if _LIBC is not None:
-        _LIBC.fflush(None)
+    if LIBC is not None:
+        LIBC.fflush(None)
 
 
 def _exit(code: int, sigint: bool) -> None:
