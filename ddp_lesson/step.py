@@ -21,14 +21,13 @@ import time
 import torch
 import torch.nn.functional as F
 
+from .config import AMP_MODES
 from .data import IGNORE_INDEX
 from .env import all_reduce_sum, group_active, reduce_device
 
 __all__ = ["AMP_MODES", "Precision", "StepTimer", "accumulate_gradients", "cuda_bf16_native",
            "model_logits", "sum_over_ranks", "train_step"]
 
-#: ``--amp`` choices: no autocast, autocast to bfloat16, autocast to float16 with a GradScaler.
-AMP_MODES = ("off", "bf16", "fp16")
 _AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 

@@ -63,6 +63,7 @@ import math
 import os
 import signal
 import sys
+import tempfile
 import time
 from dataclasses import asdict
 from typing import NamedTuple
@@ -75,11 +76,14 @@ from tqdm import tqdm
 
 from . import env as dist_env
 from .checkpoint import (
+    CHECKPOINT_FILE,
     CHECKPOINT_FORMAT,
     CHECKPOINT_VERSION,
     atomic_write,
     capture_rng_state,
     decide_on_rank0,
+    inspect_resume,
+    layout_problem,
     load_checkpoint,
     restore_rng_state,
     run_on_rank0,
@@ -88,33 +92,26 @@ from .checkpoint import (
     sweep_temporaries,
 )
 from .config import (
-    CHECKPOINT_FILE,
     TrainConfig,
     TrainInputError,
-    bare_model_state,
-    check_amp,
-    check_out_writable,
     check_steps,
     derived_values,
-    inspect_resume,
     layout_for,
-    layout_problem,
-    load_datasets,
     parse_config,
 )
-from .data import IGNORE_INDEX, NUM_CLASSES
+from .data import IGNORE_INDEX, NUM_CLASSES, load_datasets
 from .env import group_active, print0
 from .evaluation import evaluate_exact
 from .layout import LayoutBatchSampler
 from .metrics import miou_from_confusion
 from .models import build_model
-from .step import Precision, model_logits, sum_over_ranks, train_step
+from .step import Precision, amp_unavailable, model_logits, sum_over_ranks, train_step
 from .syncbn import convert_sync_batchnorm
 
 # Only what this module defines; import the flags, the checks and one step from config.py and
 # step.py. Trainer.step calls train_step through this module's globals, so a test can replace
 # ``ddp_lesson.train.train_step`` to simulate a crash.
-__all__ = ["StepRecord", "Trainer", "wrap_model", "main"]
+__all__ = ["StepRecord", "Trainer", "wrap_model", "preflight", "main"]
 
 
 class StepRecord(NamedTuple):
@@ -808,26 +805,101 @@ def _resize_lines(trainer: Trainer) -> list[str]:
             f"{lay.cursor(trainer.step_in_epoch)} of {d['samples_per_epoch']} this epoch"]
 
 
-def _run(cfg: TrainConfig, env, wall_start: float) -> dict:
-    path = os.path.join(cfg.out, CHECKPOINT_FILE)
+def check_amp(cfg: TrainConfig, device_type: str) -> None:
+    """Raise TrainInputError when ``--amp`` cannot run on ``device_type`` (e.g. bf16 on a GPU
+    without bfloat16). Local: no communication."""
+    problem = amp_unavailable(cfg.amp, device_type)
+    if problem:
+        raise TrainInputError(problem)
 
-    def check_out_and_checkpoint():
-        # Before anything is built or printed: a bad --out or checkpoint fails fast.
-        problem, layout = check_out_writable(cfg.out), None
-        sweep_temporaries(path, only_dead=False)  # rank 0, before any write: killed writers' files
-        if problem is None and not cfg.no_resume and os.path.exists(path):
-            problem, layout = inspect_resume(path, cfg, env.world_size, bare_model_state(cfg))
-        # a simulated failure that already happened (its marker is written) needs no rank:
-        # the restart of a job that lost that rank's node runs on without it
-        if (problem is None and cfg.simulate_failure_at_step
-                and cfg.failure_rank >= env.world_size
-                and not os.path.exists(_failure_marker(cfg))):
-            problem = (f"--failure-rank {cfg.failure_rank} is outside [0, "
-                       f"{env.world_size - 1}] (world size {env.world_size})")
-        return problem, layout
+
+def check_out_writable(out: str) -> str | None:
+    """None when ``out`` can be created and written, else a one-line reason."""
+    try:
+        os.makedirs(out, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=out, prefix=".write-test-"):
+            pass
+    except OSError as exc:
+        return f"--out {out!r} cannot be written: {exc.strerror or exc}"
+    return None
+
+
+def bare_model_state(cfg: TrainConfig):
+    """The ``state_dict`` of a freshly built bare model for ``cfg`` (names and shapes)."""
+    return build_model(cfg.model, num_classes=NUM_CLASSES, width=cfg.width).state_dict()
+
+
+def check_out_and_checkpoint(cfg: TrainConfig, world_size: int):
+    """``(problem, (R, K))``: why ``--out`` or the checkpoint there stops this run (None when
+    nothing does), and the layout of the run the checkpoint continues (None without one).
+
+    Checks a writable ``--out``, a checkpoint this run can resume from
+    (:func:`~ddp_lesson.checkpoint.inspect_resume`) and ``--failure-rank`` inside the world
+    size. Local: reads and writes the disk, no collective.
+    """
+    problem, layout = check_out_writable(cfg.out), None
+    path = os.path.join(cfg.out, CHECKPOINT_FILE)
+    if problem is None and not cfg.no_resume and os.path.exists(path):
+        problem, layout = inspect_resume(path, cfg, world_size, bare_model_state(cfg))
+    # a simulated failure that already happened (its marker is written) needs no rank:
+    # the restart of a job that lost that rank's node runs on without it
+    if (problem is None and cfg.simulate_failure_at_step and cfg.failure_rank >= world_size
+            and not os.path.exists(_failure_marker(cfg))):
+        problem = (f"--failure-rank {cfg.failure_rank} is outside [0, "
+                   f"{world_size - 1}] (world size {world_size})")
+    return problem, layout
+
+
+def preflight(argv: list[str] | None, world_size: int,
+              prog: str = "python -m ddp_lesson.train") -> TrainConfig:
+    """Check a trainer command line before starting any process (for launchers such as the CLI).
+
+    Runs, in the calling process and without a process group, the checks every rank would
+    run at start: flags, the backend, ``--amp`` on that device, the data folder, at least one
+    step per epoch, a writable ``--out``, and a checkpoint there that this run can resume
+    from. A launcher that calls it reports bad input in one line instead of starting
+    ``world_size`` processes that all fail.
+
+    Args:
+        argv: the trainer's flags.
+        world_size: the number of processes the job will have.
+        prog: the command the user typed, named in a bad flag's error line.
+
+    Returns:
+        The parsed :class:`~ddp_lesson.config.TrainConfig`.
+
+    Raises:
+        SystemExit: a bad flag (one line printed by the parser, status 2).
+        TrainInputError: any other bad input (message names the values).
+    """
+    cfg = parse_config(argv, prog)
+    if world_size < 1:
+        raise TrainInputError(f"the job needs at least 1 process, got {world_size}")
+    try:
+        backend, _ = dist_env.choose_backend(world_size,
+                                             None if cfg.backend == "auto" else cfg.backend)
+    except ValueError as exc:
+        raise TrainInputError(str(exc)) from None
+    check_amp(cfg, "cuda" if backend == "nccl" else "cpu")
+    n = len(load_datasets(cfg)[0])
+    check_steps(cfg, derived_values(cfg, world_size, n), n)
+    problem, layout = check_out_and_checkpoint(cfg, world_size)
+    if problem is None and layout is not None:
+        problem = layout_problem(os.path.join(cfg.out, CHECKPOINT_FILE),
+                                 layout_for(cfg, n, *layout), world_size)
+    if problem:
+        raise TrainInputError(problem)
+    return cfg
+
+
+def _run(cfg: TrainConfig, env, wall_start: float) -> dict:
+    def check():  # before anything is built or printed: a bad --out or checkpoint fails fast
+        # rank 0, before any write: remove what killed writers left
+        sweep_temporaries(os.path.join(cfg.out, CHECKPOINT_FILE), only_dead=False)
+        return check_out_and_checkpoint(cfg, env.world_size)
 
     # rank 0 decides, all ranks act; layout: (R, K) of the run a checkpoint continues
-    problem, layout = decide_on_rank0(check_out_and_checkpoint)
+    problem, layout = decide_on_rank0(check)
     if problem:
         raise TrainInputError(problem)
     trainer = Trainer(cfg, env, layout=layout)
