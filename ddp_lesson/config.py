@@ -167,111 +167,64 @@ class TrainConfig:
 
     def __post_init__(self):
         self.size = tuple(self.size)
-        for ok, message in [*self._data_and_optimizer_checks(), *self._run_checks()]:
+        for ok, message in self._checks():
             if not ok:
                 raise ValueError(message)
 
-    def _data_and_optimizer_checks(self) -> list[tuple[bool, str]]:
-        """(ok, message) pairs for the data, model, optimizer and backend fields."""
-        return [
-            (self.epochs >= 1, f"epochs must be >= 1, got {self.epochs}"),
-            (self.batch_size >= 1, f"batch_size must be >= 1, got {self.batch_size}"),
-            (self.workers >= 0, f"workers must be >= 0, got {self.workers}"),
-            (
-                math.isfinite(self.lr) and self.lr > 0,
-                f"lr must be a finite number > 0, got {self.lr}",
-            ),
-            (0 <= self.momentum < 1, f"momentum must be in [0, 1), got {self.momentum}"),
-            (self.weight_decay >= 0, f"weight_decay must be >= 0, got {self.weight_decay}"),
-            (self.num_train >= 1, f"num_train must be >= 1, got {self.num_train}"),
-            (self.num_val >= 1, f"num_val must be >= 1, got {self.num_val}"),
-            (
-                len(self.size) == 2 and min(self.size) >= 16,
-                f"size must be two numbers H W, each >= 16, got {self.size}",
-            ),
-            (self.model in MODELS, f"model {self.model!r} is not one of {', '.join(MODELS)}"),
-            (self.width >= 1, f"width must be >= 1, got {self.width}"),
-            (
-                self.backend in BACKENDS,
-                f"backend {self.backend!r} is not one of {', '.join(BACKENDS)}",
-            ),
-            (
-                self.grad_accum_steps >= 1,
-                f"grad_accum_steps must be >= 1, got {self.grad_accum_steps}",
-            ),
-            (
-                self.lr_scaling in LR_SCALINGS,
-                f"lr_scaling {self.lr_scaling!r} is not one of {', '.join(LR_SCALINGS)}",
-            ),
-            (self.base_batch >= 1, f"base_batch must be >= 1, got {self.base_batch}"),
-            (
-                self.lr_schedule in LR_SCHEDULES,
-                f"lr_schedule {self.lr_schedule!r} is not one of {', '.join(LR_SCHEDULES)}",
-            ),
-            (self.ddp in DDP_WRAPPERS, f"ddp {self.ddp!r} is not one of {', '.join(DDP_WRAPPERS)}"),
-            (self.amp in AMP_MODES, f"amp {self.amp!r} is not one of {', '.join(AMP_MODES)}"),
-        ]
+    def _checks(self) -> list[tuple[bool, str]]:
+        """(ok, message) pairs, one per rule; a message names the field and the value."""
+        def positive(name, minimum=1):
+            v = getattr(self, name)
+            return v >= minimum, f"{name} must be >= {minimum}, got {v}"
 
-    def _run_checks(self) -> list[tuple[bool, str]]:
-        """(ok, message) pairs for precision, the DDP wrapper, checkpoints and failures."""
+        def one_of(name, choices):
+            v = getattr(self, name)
+            return v in choices, f"{name} {v!r} is not one of {', '.join(choices)}"
+
+        def finite_positive(name, unset_ok=False):
+            v = getattr(self, name)
+            ok = (unset_ok and v is None) or (v is not None and math.isfinite(v) and v > 0)
+            return ok, f"{name} must be a finite number > 0, got {v}"
+
+        clip_ok, _ = finite_positive("clip_grad_norm", unset_ok=True)
         return [
-            (
-                self.clip_grad_norm is None
-                or (math.isfinite(self.clip_grad_norm) and self.clip_grad_norm > 0),
-                f"clip_grad_norm must be a finite number > 0 (leave the flag out for no "
-                f"clipping), got {self.clip_grad_norm}",
-            ),
-            (
-                self.bucket_cap_mb is None
-                or (math.isfinite(self.bucket_cap_mb) and self.bucket_cap_mb > 0),
-                f"bucket_cap_mb must be a finite number > 0, got {self.bucket_cap_mb}",
-            ),
-            (
-                self.ddp != "naive" or self.bucket_cap_mb is None,
-                f"bucket_cap_mb {self.bucket_cap_mb or 0:g} needs --ddp torch or bucketed: "
-                "NaiveDDP has no buckets (it all-reduces each gradient on its own)",
-            ),
-            (
-                self.ddp == "torch" or not self.static_graph,
-                f"static_graph needs --ddp torch: ddp_lesson's {self.ddp} wrapper does not "
-                "implement it",
-            ),
-            (
-                not (self.static_graph and self.grad_accum_steps > 1),
-                f"static_graph with grad_accum_steps {self.grad_accum_steps}: torch's DDP fails "
-                "in its first no_sync() backward (expect_autograd_hooks_ INTERNAL ASSERT, seen "
-                "in torch 2.13); drop --static-graph or use --grad-accum-steps 1",
-            ),
-            (
-                self.ddp == "torch" or not self.gradient_as_bucket_view,
-                f"gradient_as_bucket_view needs --ddp torch: ddp_lesson's {self.ddp} wrapper "
-                "does not implement it",
-            ),
-            (
-                self.checkpoint_every_steps >= 0,
-                f"checkpoint_every_steps must be >= 0, got {self.checkpoint_every_steps}",
-            ),
-            (self.max_steps >= 0, f"max_steps must be >= 0, got {self.max_steps}"),
-            (
-                self.simulate_failure_at_step >= 0,
-                f"simulate_failure_at_step must be >= 0, got {self.simulate_failure_at_step}",
-            ),
-            (self.failure_rank >= 0, f"failure_rank must be >= 0, got {self.failure_rank}"),
-            (
-                not self.simulate_failure_during_save or self.simulate_failure_at_step >= 1,
-                "simulate_failure_during_save needs --simulate-failure-at-step K >= 1",
-            ),
-            (
-                not self.simulate_node_loss or (self.simulate_failure_at_step >= 1
-                                                and not self.simulate_failure_during_save),
-                "simulate_node_loss needs --simulate-failure-at-step K >= 1 (and no "
-                "--simulate-failure-during-save)",
-            ),
+            positive("epochs"), positive("batch_size"), positive("workers", 0),
+            finite_positive("lr"),
+            (0 <= self.momentum < 1, f"momentum must be in [0, 1), got {self.momentum}"),
+            positive("weight_decay", 0), positive("num_train"), positive("num_val"),
+            (len(self.size) == 2 and min(self.size) >= 16,
+             f"size must be two numbers H W, each >= 16, got {self.size}"),
+            one_of("model", MODELS), positive("width"), one_of("backend", BACKENDS),
+            positive("grad_accum_steps"), one_of("lr_scaling", LR_SCALINGS),
+            positive("base_batch"), one_of("lr_schedule", LR_SCHEDULES),
+            one_of("ddp", DDP_WRAPPERS), one_of("amp", AMP_MODES),
+            (clip_ok, f"clip_grad_norm must be a finite number > 0 (leave the flag out for no "
+                      f"clipping), got {self.clip_grad_norm}"),
+            finite_positive("bucket_cap_mb", unset_ok=True),
+            (self.ddp != "naive" or self.bucket_cap_mb is None,
+             f"bucket_cap_mb {self.bucket_cap_mb or 0:g} needs --ddp torch or bucketed: "
+             "NaiveDDP has no buckets (it all-reduces each gradient on its own)"),
+            (self.ddp == "torch" or not self.static_graph,
+             f"static_graph needs --ddp torch: ddp_lesson's {self.ddp} wrapper does not "
+             "implement it"),
+            (not (self.static_graph and self.grad_accum_steps > 1),
+             f"static_graph with grad_accum_steps {self.grad_accum_steps}: torch's DDP fails "
+             "in its first no_sync() backward (expect_autograd_hooks_ INTERNAL ASSERT, seen "
+             "in torch 2.13); drop --static-graph or use --grad-accum-steps 1"),
+            (self.ddp == "torch" or not self.gradient_as_bucket_view,
+             f"gradient_as_bucket_view needs --ddp torch: ddp_lesson's {self.ddp} wrapper "
+             "does not implement it"),
+            positive("checkpoint_every_steps", 0), positive("max_steps", 0),
+            positive("simulate_failure_at_step", 0), positive("failure_rank", 0),
+            (not self.simulate_failure_during_save or self.simulate_failure_at_step >= 1,
+             "simulate_failure_during_save needs --simulate-failure-at-step K >= 1"),
+            (not self.simulate_node_loss or (self.simulate_failure_at_step >= 1
+                                            and not self.simulate_failure_during_save),
+             "simulate_node_loss needs --simulate-failure-at-step K >= 1 (and no "
+             "--simulate-failure-during-save)"),
             (self.timeout_s > 0, f"timeout_s must be > 0, got {self.timeout_s}"),
-            (
-                self.local_rank is None or self.local_rank >= 0,
-                f"local_rank must be >= 0, got {self.local_rank}",
-            ),
+            (self.local_rank is None or self.local_rank >= 0,
+             f"local_rank must be >= 0, got {self.local_rank}"),
         ]
 
 

@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 
-from ddp_lesson import cli, config, step, train
+from ddp_lesson import cli, config, train
 from ddp_lesson.launch import run_torchrun
 
 TINY = ["--epochs", "1", "--num-train", "8", "--num-val", "2", "-b", "4", "--size", "32", "64",
@@ -137,9 +137,9 @@ def test_bf16_where_the_device_cannot_do_it(monkeypatch, capsys, tmp_path):
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, **k: "Tesla V100")
     monkeypatch.setattr(torch.amp.autocast_mode, "is_autocast_available", lambda device: True)
-    assert step.amp_unavailable("bf16", "cuda") == ("--amp bf16: this GPU (Tesla V100) does not "
+    assert train.amp_unavailable("bf16", "cuda") == ("--amp bf16: this GPU (Tesla V100) does not "
                                                     "support bfloat16; use --amp fp16")
-    assert step.amp_unavailable("fp16", "cuda") is None
+    assert train.amp_unavailable("fp16", "cuda") is None
 
 
 def test_bf16_guard_refuses_an_emulating_gpu_like_a_t4(monkeypatch):
@@ -154,13 +154,13 @@ def test_bf16_guard_refuses_an_emulating_gpu_like_a_t4(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", t4_is_bf16_supported)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, **k: "Tesla T4")
     monkeypatch.setattr(torch.amp.autocast_mode, "is_autocast_available", lambda device: True)
-    assert step.amp_unavailable("bf16", "cuda") == ("--amp bf16: this GPU (Tesla T4) does not "
+    assert train.amp_unavailable("bf16", "cuda") == ("--amp bf16: this GPU (Tesla T4) does not "
                                                     "support bfloat16; use --amp fp16")
     assert calls == [False]
-    assert step.amp_unavailable("fp16", "cuda") is None
+    assert train.amp_unavailable("fp16", "cuda") is None
     # an A100 (8.0): accepted
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
-    assert step.amp_unavailable("bf16", "cuda") is None
+    assert train.amp_unavailable("bf16", "cuda") is None
 
 
 def test_bf16_guard_on_a_torch_without_including_emulation(monkeypatch):
@@ -178,11 +178,11 @@ def test_bf16_guard_on_a_torch_without_including_emulation(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: Props)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, **k: "Tesla T4")
     monkeypatch.setattr(torch.amp.autocast_mode, "is_autocast_available", lambda device: True)
-    assert step.cuda_bf16_native() is False
-    assert step.amp_unavailable("bf16", "cuda").startswith("--amp bf16: this GPU (Tesla T4)")
+    assert train.cuda_bf16_native() is False
+    assert train.amp_unavailable("bf16", "cuda").startswith("--amp bf16: this GPU (Tesla T4)")
     Props.major = 8
-    assert step.cuda_bf16_native() is True
-    assert step.amp_unavailable("bf16", "cuda") is None
+    assert train.cuda_bf16_native() is True
+    assert train.amp_unavailable("bf16", "cuda") is None
 
 
 def test_flag_errors_come_before_any_process(capsys, monkeypatch):
