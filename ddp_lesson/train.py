@@ -4,46 +4,21 @@ The seed program (DeepLab on Cityscapes with DistributedDataParallel), done righ
 
 One process per rank, started by torchrun; each rank holds a full copy of the model, trains
 on its own shard of every epoch, and DDP averages the gradients with an ``all_reduce`` during
-``backward()``, so every rank takes the same optimizer step. What changed from the seed:
-
-* every hyper-parameter the program reads is declared (the seed read ``args.lr``,
-  ``args.momentum`` and ``args.weight_decay`` that its parser never defined);
-* the local rank comes from torchrun's ``LOCAL_RANK`` variable; the legacy ``--local_rank``
-  flag is still accepted so old command lines keep working, but it is not needed;
-* ``train_sampler.set_epoch(epoch)`` every epoch, so each epoch has a new shuffle (without
-  it the sampler repeats epoch 0's order forever); the DataLoader gets ``shuffle=False``
-  because the sampler does the shuffling;
-* no ``find_unused_parameters=True``: every parameter gets a gradient in every step, and the
-  flag costs an extra traversal of the autograd graph each iteration;
-* ``ignore_index=255``: Cityscapes marks "void" pixels 255, which are not a class and must
-  not be learned (without it the loss raises on label 255, or on CUDA trips a device-side
-  assert);
-* the loss is the mean over the labelled pixels of the whole *global* batch: each rank sums
-  its pixels' losses and divides by the global pixel count (one small all_reduce per step),
-  so R processes compute exactly the gradient one process computes on the concatenated
-  batch, whatever the share of void pixels on each rank (docs/pitfalls.md B5);
-* validation on a sampler that gives each sample to exactly one rank, with the confusion
-  matrix summed over ranks: the mIoU is exact, the same at any world size;
-* backend and device chosen by one rule (:mod:`ddp_lesson.env`): NCCL + one GPU per rank
-  when there are enough GPUs, gloo on CPU otherwise;
-* checkpoints (:mod:`ddp_lesson.checkpoint`): rank 0 writes ``{out}/checkpoint.pt``
-  atomically every ``--checkpoint-every-steps`` steps and at each epoch end; a new run with
-  the same ``--out`` resumes where the last one stopped, mid-epoch too, and ends with the same
-  weights bit for bit as a run that was never interrupted on CPU with gloo (on GPUs within a
-  tolerance: CUDA's atomic adds, docs/gpus.md "Determinism"; the seed had ``--start-epoch``
-  and no checkpoint at all); at another world size R' too: the run keeps its micro-batches
-  (:mod:`ddp_lesson.layout`), each rank taking K' = K x R / R' of them per step, and an R' that
-  cannot share a step is refused (docs/pitfalls.md C8);
-* ``--sync-bn`` (BatchNorm statistics over the global batch, :mod:`ddp_lesson.syncbn` on
-  CPU, torch's ``nn.SyncBatchNorm`` on GPUs), ``--grad-accum-steps`` (``no_sync`` on all but
-  the last micro-batch), ``--lr-scaling`` (the learning rate follows the global batch),
-  ``--ddp`` (torch's wrapper or this package's), ``--bucket-cap-mb``, ``--static-graph`` and
-  ``--gradient-as-bucket-view`` (passed to the wrapper);
-* ``--amp bf16|fp16`` (autocast; fp16 with one GradScaler per process, checkpointed) and
-  ``--clip-grad-norm MAX`` (once per optimizer step, after unscaling; each step's norm before
-  clipping in ``summary.json``), :class:`Precision`;
-* bad input stops with one line that names the values (``error: ...``), exit status 2, and
-  leaves any checkpoint untouched.
+``backward()``, so every rank takes the same optimizer step. What changed from the seed
+(notebook 06's table; ``notebooks/deep/06_the_seed_repaired.ipynb`` repairs it step by step):
+every hyper-parameter declared; ``LOCAL_RANK`` from torchrun (the legacy ``--local_rank``
+still accepted); ``set_epoch`` every epoch; no ``find_unused_parameters``;
+``ignore_index=255``; the loss averaged over the *global* batch's labelled pixels (one small
+all_reduce per step, docs/pitfalls.md B5); exact validation (each sample on one rank, the
+confusion matrices summed); the backend by one rule (:mod:`ddp_lesson.env`); atomic
+checkpoints and an exact resume, mid-epoch and at another world size R' (the run keeps its
+micro-batches, :mod:`ddp_lesson.layout`, C8; bit for bit on CPU with gloo, on GPUs within a
+tolerance, docs/gpus.md "Determinism"); ``--sync-bn``, ``--grad-accum-steps`` (``no_sync`` on
+all but the last micro-batch), ``--lr-scaling``, ``--ddp torch|naive|bucketed``,
+``--bucket-cap-mb``, ``--static-graph``, ``--gradient-as-bucket-view``, ``--amp bf16|fp16``
+(one GradScaler per process, checkpointed) and ``--clip-grad-norm MAX`` (once per optimizer
+step, after unscaling). Bad input stops with one line that names the values (``error:
+...``), exit status 2, and leaves any checkpoint untouched.
 
 Also runs as a single process, ``python -m ddp_lesson.train``: world size 1, no process
 group, no DDP wrapper, same numbers printed. Rank 0 prints the derived values at start, one
