@@ -40,6 +40,7 @@ import re
 import zipfile
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
+from dataclasses import asdict
 from typing import Any
 
 import numpy as np
@@ -47,6 +48,7 @@ import torch
 import torch.distributed as dist
 
 from .env import barrier, group_active
+from .layout import regroup_problem
 from .procs import alive
 
 __all__ = [
@@ -292,9 +294,6 @@ def _distributed() -> bool:
     return group_active() and dist.get_world_size() > 1
 
 
-_barrier = barrier  # one barrier for the package: env.barrier (names this rank's GPU on NCCL)
-
-
 #: How long the other ranks wait for rank 0's answer or write (seconds): a checkpoint save or
 #: check may take far longer than the process group's timeout (minutes for a large model on a
 #: shared file system), so that wait does not go through a collective.
@@ -456,7 +455,7 @@ def save_checkpoint(obj: Any, path: str,
     error = _from_rank0(write, f"write checkpoint {path}", timeout_s)
     # Every rank leaves together (a quick barrier: no rank is busy any more), so rank 0 does not
     # start its next write while the others still look at this one.
-    _barrier()
+    barrier()  # env.barrier: names this rank's GPU on NCCL
     if error is not None:
         raise OSError(error)
     return path
@@ -584,6 +583,83 @@ def first_config_mismatch(saved: Mapping[str, Any], current: Mapping[str, Any],
         if norm(a) != norm(b):
             return f"{key}={a!r} in the checkpoint but {key}={b!r} in this run"
     return None
+
+
+# --------------------------------------------------------------------------- the resume plan
+
+#: File name of the trainer's checkpoint inside its ``--out`` folder.
+CHECKPOINT_FILE = "checkpoint.pt"
+#: Config fields a run must share with the checkpoint it resumes from: they decide the
+#: trajectory (data order, batch composition, model shape, optimiser). Others (``--out``,
+#: ``--workers``, ``--max-steps``, ``--ddp``, ``--backend``, ...) may change between runs.
+RESUME_MUST_MATCH = ("model", "width", "size", "seed", "num_train", "batch_size",
+                     "grad_accum_steps", "drop_last", "sync_bn", "lr", "momentum",
+                     "weight_decay", "lr_scaling", "base_batch", "lr_schedule", "epochs",
+                     "amp", "clip_grad_norm")
+
+
+def checkpoint_layout(ckpt: dict) -> tuple[int, int]:
+    """``(R, K)`` of the run whose micro-batches a checkpoint continues: its ``cursor`` entry
+    (a run resumed at another world size keeps its first start's), else (a checkpoint written
+    before there was one) the world size that wrote it and its ``grad_accum_steps``."""
+    cursor = ckpt.get("cursor")
+    if cursor:
+        return int(cursor["world_size"]), int(cursor["grad_accum_steps"])
+    return int(ckpt["world_size"]), int(ckpt["config"]["grad_accum_steps"])
+
+
+def world_size_problem(path: str, cfg, layout: tuple[int, int], world_size: int) -> str | None:
+    """Why a checkpoint of the run ``layout = (R, K)`` cannot continue at ``world_size``
+    processes, or None (the same R, or R' dividing K x R without ``cfg.sync_bn``)."""
+    r, k = layout
+    if world_size == r:
+        return None
+    where = f"checkpoint {path} cannot resume at {world_size} processes"
+    hint = "or pass --no-resume to start over"
+    if cfg.sync_bn:
+        return (f"{where}: with --sync-bn BatchNorm's statistics span the micro-batches of "
+                f"the R={r} ranks at the same moment, which {world_size} processes would group "
+                f"differently; resume with {r} processes, {hint}")
+    problem = regroup_problem(r, k, world_size)
+    return f"{where}: {problem}, {hint}" if problem else None
+
+
+def inspect_resume(path: str, cfg, world_size: int,
+                   model_state) -> tuple[str | None, tuple[int, int] | None]:
+    """``(problem, (R, K))``: why the checkpoint at ``path`` cannot be resumed by the run of
+    ``cfg`` (a :class:`~ddp_lesson.config.TrainConfig`; None when it can), and the layout of
+    the run it continues (None when unreadable).
+
+    Checks, in order: readable and a ddp_lesson checkpoint; the model's tensor names and
+    shapes against ``model_state`` (first mismatch named); the config fields of
+    :data:`RESUME_MUST_MATCH` (first mismatch named); the world size
+    (:func:`world_size_problem`: another one is fine when it divides K x R). Local: reads the
+    file, no collective.
+    """
+    try:
+        ckpt = load_checkpoint(path, map_location="cpu")
+    except (CheckpointError, OSError) as exc:
+        return f"{exc}; move it away or pass --no-resume to start over", None
+    hint = "resume with the same settings, or pass --no-resume to start over"
+    layout = checkpoint_layout(ckpt)
+    mismatch = first_state_mismatch(model_state, strip_module_prefix(ckpt["model"]))
+    if mismatch:
+        return f"checkpoint {path} does not fit this model: {mismatch}; {hint}", layout
+    mismatch = first_config_mismatch(ckpt["config"], asdict(cfg), RESUME_MUST_MATCH)
+    if mismatch:
+        return f"checkpoint {path} does not match this run: {mismatch}; {hint}", layout
+    return world_size_problem(path, cfg, layout, world_size), layout
+
+
+def layout_problem(path: str, layout, world_size: int) -> str | None:
+    """Why ``world_size`` processes cannot take the steps of the checkpoint's ``layout`` (a
+    :class:`~ddp_lesson.layout.DataLayout`: its steps' micro-batches, the epoch's short last
+    step included), or None."""
+    problem = layout.problem_at(world_size)
+    if problem is None:
+        return None
+    return (f"checkpoint {path} cannot resume at {world_size} processes: {problem}, or pass "
+            "--no-resume to start over")
 
 
 # --------------------------------------------------------------------------- random state

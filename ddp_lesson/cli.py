@@ -122,7 +122,8 @@ def train(argv: list[str]) -> int:
     ]
     print("equivalent command: " + shlex.join(["torchrun", *flags, *program]), flush=True)
     # Check the input here, once, before starting processes that would all fail alike.
-    from .config import TrainInputError, preflight
+    from .config import TrainInputError
+    from .train import preflight
 
     try:
         # "auto" defers to DDP_LESSON_BACKEND, as every rank will: check that too

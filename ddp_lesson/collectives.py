@@ -30,7 +30,7 @@ from .core.ring import chunk_bounds, combine_fn, ring_all_reduce, ring_recv_chun
 __all__ = [
     "chunk_bounds", "piece_bounds", "ring_send_chunk", "ring_recv_chunk",
     "ring_all_reduce", "pipelined_ring_all_reduce", "naive_all_reduce", "ring_reduce_scatter",
-    "holdings_line", "fmt_values", "RingState", "simulate_ring_all_reduce",
+    "holdings_line", "format_values", "RingState", "simulate_ring_all_reduce",
     "default_piece_numel",
 ]
 
@@ -284,17 +284,17 @@ def holdings_line(label: str, before, after) -> str:
     a decimal point, others with up to 4 significant digits, so the line is the same on
     every machine. Never synchronises.
     """
-    return f"{label:<15} before {fmt_values(before):<18} after {fmt_values(after)}"
+    return f"{label:<15} before {format_values(before):<18} after {format_values(after)}"
 
 
-def fmt_values(values) -> str:
-    """Numbers as ``holdings_line`` prints them: ``[7, 8]``, ``[0.3333]``, ``-`` for None."""
+def format_values(values) -> str:
+    """``values`` (tensor, list, number or None) as short text: ``[1, 2.5]``, ``-`` for None."""
     if values is None:
         return "-"
     if isinstance(values, torch.Tensor):
         values = values.detach().cpu().reshape(-1).tolist()
     if isinstance(values, (list, tuple)):
-        return "[" + ", ".join(fmt_values(v) for v in values) + "]"
+        return "[" + ", ".join(format_values(v) for v in values) + "]"
     if isinstance(values, float) and values.is_integer():
         return str(int(values))
     if isinstance(values, float):

@@ -1,13 +1,15 @@
 """The training job's configuration: one dataclass, the command line built from it, and the
-checks of input that need no process group.
+numbers that follow from it. Parsing and arithmetic only: no file, folder, dataset or
+checkpoint is touched here (``tests/train/test_config_no_io.py``).
 
 :class:`TrainConfig` has one field per flag of ``python -m ddp_lesson.train`` (a note per
 field becomes the flag's ``--help``); :func:`parse_config` turns a command line into a
 checked config; :func:`derived_values` gives the numbers that follow from it at a world size
-(global batch, steps per epoch, effective learning rate); :func:`preflight` runs, in one
-process and before any rank starts, every check a rank would run at start (flags, data
-folder, at least one step per epoch, a writable ``--out``, a checkpoint this run can resume
-from). Bad input raises :class:`TrainInputError` with a message that names the values.
+(global batch, steps per epoch, effective learning rate). Bad input raises
+:class:`TrainInputError` with a message that names the values. What reads the disk lives
+with what it reads: the data sets in :mod:`ddp_lesson.data` (``load_datasets``), the resume
+plan in :mod:`ddp_lesson.checkpoint` (``inspect_resume``), the output folder and the
+launcher's preflight in :mod:`ddp_lesson.train` (``preflight``).
 
 Nothing here communicates: every function is local to the calling process.
 """
@@ -16,25 +18,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
-import os
 import re
 import sys
-import tempfile
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
-from .checkpoint import (
-    CheckpointError,
-    first_config_mismatch,
-    first_state_mismatch,
-    load_checkpoint,
-    strip_module_prefix,
-)
-from .data import NUM_CLASSES, make_datasets
-from .env import BACKENDS, choose_backend
+from .env import BACKENDS, print0
 from .gradients import LR_RULES, scale_lr
-from .layout import DataLayout, regroup_problem
-from .models import MODELS, build_model
-from .step import AMP_MODES, amp_unavailable
+from .layout import DataLayout
+from .models import MODELS
 
 #: Rules for ``--lr-scaling``: how the learning rate follows the global batch
 #: (:func:`ddp_lesson.gradients.scale_lr`).
@@ -43,16 +34,8 @@ LR_SCALINGS = LR_RULES
 LR_SCHEDULES = ("constant", "poly")
 #: ``--ddp`` choices: torch's DistributedDataParallel or this package's wrappers (ddp.py).
 DDP_WRAPPERS = ("torch", "naive", "bucketed")
-
-#: File name of the checkpoint inside ``--out``.
-CHECKPOINT_FILE = "checkpoint.pt"
-#: Config fields a run must share with the checkpoint it resumes from: they decide the
-#: trajectory (data order, batch composition, model shape, optimiser). Others (``--out``,
-#: ``--workers``, ``--max-steps``, ``--ddp``, ``--backend``, ...) may change between runs.
-RESUME_MUST_MATCH = ("model", "width", "size", "seed", "num_train", "batch_size",
-                     "grad_accum_steps", "drop_last", "sync_bn", "lr", "momentum",
-                     "weight_decay", "lr_scaling", "base_batch", "lr_schedule", "epochs",
-                     "amp", "clip_grad_norm")
+#: ``--amp`` choices: no autocast, autocast to bfloat16, autocast to float16 with a GradScaler.
+AMP_MODES = ("off", "bf16", "fp16")
 
 
 class TrainInputError(Exception):
@@ -184,111 +167,64 @@ class TrainConfig:
 
     def __post_init__(self):
         self.size = tuple(self.size)
-        for ok, message in [*self._data_and_optimizer_checks(), *self._run_checks()]:
+        for ok, message in self._checks():
             if not ok:
                 raise ValueError(message)
 
-    def _data_and_optimizer_checks(self) -> list[tuple[bool, str]]:
-        """(ok, message) pairs for the data, model, optimizer and backend fields."""
-        return [
-            (self.epochs >= 1, f"epochs must be >= 1, got {self.epochs}"),
-            (self.batch_size >= 1, f"batch_size must be >= 1, got {self.batch_size}"),
-            (self.workers >= 0, f"workers must be >= 0, got {self.workers}"),
-            (
-                math.isfinite(self.lr) and self.lr > 0,
-                f"lr must be a finite number > 0, got {self.lr}",
-            ),
-            (0 <= self.momentum < 1, f"momentum must be in [0, 1), got {self.momentum}"),
-            (self.weight_decay >= 0, f"weight_decay must be >= 0, got {self.weight_decay}"),
-            (self.num_train >= 1, f"num_train must be >= 1, got {self.num_train}"),
-            (self.num_val >= 1, f"num_val must be >= 1, got {self.num_val}"),
-            (
-                len(self.size) == 2 and min(self.size) >= 16,
-                f"size must be two numbers H W, each >= 16, got {self.size}",
-            ),
-            (self.model in MODELS, f"model {self.model!r} is not one of {', '.join(MODELS)}"),
-            (self.width >= 1, f"width must be >= 1, got {self.width}"),
-            (
-                self.backend in BACKENDS,
-                f"backend {self.backend!r} is not one of {', '.join(BACKENDS)}",
-            ),
-            (
-                self.grad_accum_steps >= 1,
-                f"grad_accum_steps must be >= 1, got {self.grad_accum_steps}",
-            ),
-            (
-                self.lr_scaling in LR_SCALINGS,
-                f"lr_scaling {self.lr_scaling!r} is not one of {', '.join(LR_SCALINGS)}",
-            ),
-            (self.base_batch >= 1, f"base_batch must be >= 1, got {self.base_batch}"),
-            (
-                self.lr_schedule in LR_SCHEDULES,
-                f"lr_schedule {self.lr_schedule!r} is not one of {', '.join(LR_SCHEDULES)}",
-            ),
-            (self.ddp in DDP_WRAPPERS, f"ddp {self.ddp!r} is not one of {', '.join(DDP_WRAPPERS)}"),
-            (self.amp in AMP_MODES, f"amp {self.amp!r} is not one of {', '.join(AMP_MODES)}"),
-        ]
+    def _checks(self) -> list[tuple[bool, str]]:
+        """(ok, message) pairs, one per rule; a message names the field and the value."""
+        def positive(name, minimum=1):
+            v = getattr(self, name)
+            return v >= minimum, f"{name} must be >= {minimum}, got {v}"
 
-    def _run_checks(self) -> list[tuple[bool, str]]:
-        """(ok, message) pairs for precision, the DDP wrapper, checkpoints and failures."""
+        def one_of(name, choices):
+            v = getattr(self, name)
+            return v in choices, f"{name} {v!r} is not one of {', '.join(choices)}"
+
+        def finite_positive(name, unset_ok=False):
+            v = getattr(self, name)
+            ok = (unset_ok and v is None) or (v is not None and math.isfinite(v) and v > 0)
+            return ok, f"{name} must be a finite number > 0, got {v}"
+
+        clip_ok, _ = finite_positive("clip_grad_norm", unset_ok=True)
         return [
-            (
-                self.clip_grad_norm is None
-                or (math.isfinite(self.clip_grad_norm) and self.clip_grad_norm > 0),
-                f"clip_grad_norm must be a finite number > 0 (leave the flag out for no "
-                f"clipping), got {self.clip_grad_norm}",
-            ),
-            (
-                self.bucket_cap_mb is None
-                or (math.isfinite(self.bucket_cap_mb) and self.bucket_cap_mb > 0),
-                f"bucket_cap_mb must be a finite number > 0, got {self.bucket_cap_mb}",
-            ),
-            (
-                self.ddp != "naive" or self.bucket_cap_mb is None,
-                f"bucket_cap_mb {self.bucket_cap_mb or 0:g} needs --ddp torch or bucketed: "
-                "NaiveDDP has no buckets (it all-reduces each gradient on its own)",
-            ),
-            (
-                self.ddp == "torch" or not self.static_graph,
-                f"static_graph needs --ddp torch: ddp_lesson's {self.ddp} wrapper does not "
-                "implement it",
-            ),
-            (
-                not (self.static_graph and self.grad_accum_steps > 1),
-                f"static_graph with grad_accum_steps {self.grad_accum_steps}: torch's DDP fails "
-                "in its first no_sync() backward (expect_autograd_hooks_ INTERNAL ASSERT, seen "
-                "in torch 2.13); drop --static-graph or use --grad-accum-steps 1",
-            ),
-            (
-                self.ddp == "torch" or not self.gradient_as_bucket_view,
-                f"gradient_as_bucket_view needs --ddp torch: ddp_lesson's {self.ddp} wrapper "
-                "does not implement it",
-            ),
-            (
-                self.checkpoint_every_steps >= 0,
-                f"checkpoint_every_steps must be >= 0, got {self.checkpoint_every_steps}",
-            ),
-            (self.max_steps >= 0, f"max_steps must be >= 0, got {self.max_steps}"),
-            (
-                self.simulate_failure_at_step >= 0,
-                f"simulate_failure_at_step must be >= 0, got {self.simulate_failure_at_step}",
-            ),
-            (self.failure_rank >= 0, f"failure_rank must be >= 0, got {self.failure_rank}"),
-            (
-                not self.simulate_failure_during_save or self.simulate_failure_at_step >= 1,
-                "simulate_failure_during_save needs --simulate-failure-at-step K >= 1",
-            ),
-            (
-                not self.simulate_node_loss or (self.simulate_failure_at_step >= 1
-                                                and not self.simulate_failure_during_save),
-                "simulate_node_loss needs --simulate-failure-at-step K >= 1 (and no "
-                "--simulate-failure-during-save)",
-            ),
+            positive("epochs"), positive("batch_size"), positive("workers", 0),
+            finite_positive("lr"),
+            (0 <= self.momentum < 1, f"momentum must be in [0, 1), got {self.momentum}"),
+            positive("weight_decay", 0), positive("num_train"), positive("num_val"),
+            (len(self.size) == 2 and min(self.size) >= 16,
+             f"size must be two numbers H W, each >= 16, got {self.size}"),
+            one_of("model", MODELS), positive("width"), one_of("backend", BACKENDS),
+            positive("grad_accum_steps"), one_of("lr_scaling", LR_SCALINGS),
+            positive("base_batch"), one_of("lr_schedule", LR_SCHEDULES),
+            one_of("ddp", DDP_WRAPPERS), one_of("amp", AMP_MODES),
+            (clip_ok, f"clip_grad_norm must be a finite number > 0 (leave the flag out for no "
+                      f"clipping), got {self.clip_grad_norm}"),
+            finite_positive("bucket_cap_mb", unset_ok=True),
+            (self.ddp != "naive" or self.bucket_cap_mb is None,
+             f"bucket_cap_mb {self.bucket_cap_mb or 0:g} needs --ddp torch or bucketed: "
+             "NaiveDDP has no buckets (it all-reduces each gradient on its own)"),
+            (self.ddp == "torch" or not self.static_graph,
+             f"static_graph needs --ddp torch: ddp_lesson's {self.ddp} wrapper does not "
+             "implement it"),
+            (not (self.static_graph and self.grad_accum_steps > 1),
+             f"static_graph with grad_accum_steps {self.grad_accum_steps}: torch's DDP fails "
+             "in its first no_sync() backward (expect_autograd_hooks_ INTERNAL ASSERT, seen "
+             "in torch 2.13); drop --static-graph or use --grad-accum-steps 1"),
+            (self.ddp == "torch" or not self.gradient_as_bucket_view,
+             f"gradient_as_bucket_view needs --ddp torch: ddp_lesson's {self.ddp} wrapper "
+             "does not implement it"),
+            positive("checkpoint_every_steps", 0), positive("max_steps", 0),
+            positive("simulate_failure_at_step", 0), positive("failure_rank", 0),
+            (not self.simulate_failure_during_save or self.simulate_failure_at_step >= 1,
+             "simulate_failure_during_save needs --simulate-failure-at-step K >= 1"),
+            (not self.simulate_node_loss or (self.simulate_failure_at_step >= 1
+                                            and not self.simulate_failure_during_save),
+             "simulate_node_loss needs --simulate-failure-at-step K >= 1 (and no "
+             "--simulate-failure-during-save)"),
             (self.timeout_s > 0, f"timeout_s must be > 0, got {self.timeout_s}"),
-            (
-                self.local_rank is None or self.local_rank >= 0,
-                f"local_rank must be >= 0, got {self.local_rank}",
-            ),
+            (self.local_rank is None or self.local_rank >= 0,
+             f"local_rank must be >= 0, got {self.local_rank}"),
         ]
 
 
@@ -297,8 +233,7 @@ class _OneLineParser(argparse.ArgumentParser):
 
     def error(self, message):
         # Under torchrun every rank parses the same flags: only rank 0 reports.
-        if os.environ.get("RANK", "0") in ("", "0"):
-            sys.stderr.write(f"{self.prog}: error: {message} (see --help)\n")
+        print0(f"{self.prog}: error: {message} (see --help)", file=sys.stderr)
         sys.exit(2)
 
 
@@ -454,156 +389,3 @@ def check_steps(cfg: TrainConfig, derived: dict, n: int) -> None:
     raise TrainInputError(
         f"no training steps: {n} training samples on {r} ranks give {spr} per rank, fewer than "
         f"one batch of {b} with --drop-last; use a batch size <= {spr} or no --drop-last")
-
-
-# --------------------------------------------------------------------------- checks of input
-
-def check_amp(cfg: TrainConfig, device_type: str) -> None:
-    """Raise TrainInputError when ``--amp`` cannot run on ``device_type`` (e.g. bf16 on a GPU
-    without bfloat16). Local: no communication."""
-    problem = amp_unavailable(cfg.amp, device_type)
-    if problem:
-        raise TrainInputError(problem)
-
-
-def check_out_writable(out: str) -> str | None:
-    """None when ``out`` can be created and written, else a one-line reason."""
-    try:
-        os.makedirs(out, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=out, prefix=".write-test-"):
-            pass
-    except OSError as exc:
-        return f"--out {out!r} cannot be written: {exc.strerror or exc}"
-    return None
-
-
-def bare_model_state(cfg: TrainConfig):
-    """The ``state_dict`` of a freshly built bare model for ``cfg`` (names and shapes)."""
-    return build_model(cfg.model, num_classes=NUM_CLASSES, width=cfg.width).state_dict()
-
-
-def checkpoint_layout(ckpt: dict) -> tuple[int, int]:
-    """``(R, K)`` of the run whose micro-batches a checkpoint continues: its ``cursor`` entry
-    (a run resumed at another world size keeps its first start's), else (a checkpoint written
-    before there was one) the world size that wrote it and its ``grad_accum_steps``."""
-    cursor = ckpt.get("cursor")
-    if cursor:
-        return int(cursor["world_size"]), int(cursor["grad_accum_steps"])
-    return int(ckpt["world_size"]), int(ckpt["config"]["grad_accum_steps"])
-
-
-def world_size_problem(path: str, cfg: TrainConfig, layout: tuple[int, int],
-                       world_size: int) -> str | None:
-    """Why a checkpoint of the run ``layout = (R, K)`` cannot continue at ``world_size``
-    processes, or None (the same R, or R' dividing K x R without ``--sync-bn``)."""
-    r, k = layout
-    if world_size == r:
-        return None
-    where = f"checkpoint {path} cannot resume at {world_size} processes"
-    hint = "or pass --no-resume to start over"
-    if cfg.sync_bn:
-        return (f"{where}: with --sync-bn BatchNorm's statistics span the micro-batches of "
-                f"the R={r} ranks at the same moment, which {world_size} processes would group "
-                f"differently; resume with {r} processes, {hint}")
-    problem = regroup_problem(r, k, world_size)
-    return f"{where}: {problem}, {hint}" if problem else None
-
-
-def inspect_resume(path: str, cfg: TrainConfig, world_size: int,
-                   model_state) -> tuple[str | None, tuple[int, int] | None]:
-    """``(problem, (R, K))``: why the checkpoint at ``path`` cannot be resumed by this run
-    (None when it can), and the layout of the run it continues (None when unreadable).
-
-    Checks, in order: readable and a ddp_lesson checkpoint; the model's tensor names and
-    shapes (first mismatch named); the config fields of :data:`RESUME_MUST_MATCH` (first
-    mismatch named); the world size (:func:`world_size_problem`: another one is fine when it
-    divides K x R). Local: reads the file, no collective.
-    """
-    try:
-        ckpt = load_checkpoint(path, map_location="cpu")
-    except (CheckpointError, OSError) as exc:
-        return f"{exc}; move it away or pass --no-resume to start over", None
-    hint = "resume with the same settings, or pass --no-resume to start over"
-    layout = checkpoint_layout(ckpt)
-    mismatch = first_state_mismatch(model_state, strip_module_prefix(ckpt["model"]))
-    if mismatch:
-        return f"checkpoint {path} does not fit this model: {mismatch}; {hint}", layout
-    mismatch = first_config_mismatch(ckpt["config"], asdict(cfg), RESUME_MUST_MATCH)
-    if mismatch:
-        return f"checkpoint {path} does not match this run: {mismatch}; {hint}", layout
-    return world_size_problem(path, cfg, layout, world_size), layout
-
-
-def inspect_checkpoint(path: str, cfg: TrainConfig, world_size: int, model_state) -> str | None:
-    """Why the checkpoint at ``path`` cannot be resumed by this run, or None when it can
-    (:func:`inspect_resume` without the layout). Local: reads the file, no collective."""
-    return inspect_resume(path, cfg, world_size, model_state)[0]
-
-
-def layout_problem(path: str, layout: DataLayout, world_size: int) -> str | None:
-    """Why ``world_size`` processes cannot take the steps of the checkpoint's ``layout`` (its
-    steps' micro-batches, the epoch's short last step included), or None."""
-    problem = layout.problem_at(world_size)
-    if problem is None:
-        return None
-    return (f"checkpoint {path} cannot resume at {world_size} processes: {problem}, or pass "
-            "--no-resume to start over")
-
-
-def preflight(argv: list[str] | None, world_size: int,
-              prog: str = "python -m ddp_lesson.train") -> TrainConfig:
-    """Check a trainer command line before starting any process (for launchers such as the CLI).
-
-    Runs, in the calling process and without a process group, the checks every rank would
-    run at start: flags, the data folder, at least one step per epoch, a writable ``--out``,
-    and a checkpoint there that this run can resume from. A launcher that calls it reports
-    bad input in one line instead of starting ``world_size`` processes that all fail.
-
-    Args:
-        argv: the trainer's flags.
-        world_size: the number of processes the job will have.
-        prog: the command the user typed, named in a bad flag's error line.
-
-    Returns:
-        The parsed :class:`TrainConfig`.
-
-    Raises:
-        SystemExit: a bad flag (one line printed by the parser, status 2).
-        TrainInputError: any other bad input (message names the values).
-    """
-    cfg = parse_config(argv, prog)
-    if world_size < 1:
-        raise TrainInputError(f"the job needs at least 1 process, got {world_size}")
-    try:
-        backend, _ = choose_backend(world_size, None if cfg.backend == "auto" else cfg.backend)
-    except ValueError as exc:
-        raise TrainInputError(str(exc)) from None
-    check_amp(cfg, "cuda" if backend == "nccl" else "cpu")
-    train_ds, _ = load_datasets(cfg)
-    check_steps(cfg, derived_values(cfg, world_size, len(train_ds)), len(train_ds))
-    problem = check_out_writable(cfg.out)
-    if problem is None and not cfg.no_resume:
-        path = os.path.join(cfg.out, CHECKPOINT_FILE)
-        if os.path.exists(path):
-            problem, layout = inspect_resume(path, cfg, world_size, bare_model_state(cfg))
-            if problem is None:
-                problem = layout_problem(path, layout_for(cfg, len(train_ds), *layout),
-                                         world_size)
-    if problem:
-        raise TrainInputError(problem)
-    return cfg
-
-
-def load_datasets(cfg: TrainConfig):
-    """``(train, val)`` datasets for ``cfg`` (:func:`ddp_lesson.data.make_datasets`).
-
-    Raises:
-        TrainInputError: a missing or malformed ``--data-root`` folder, or bad sizes.
-    """
-    try:
-        return make_datasets(cfg.num_train, cfg.num_val, cfg.size, cfg.seed,
-                             data_root=cfg.data_root)
-    except (FileNotFoundError, NotADirectoryError, ValueError) as exc:
-        if cfg.data_root is not None:
-            raise TrainInputError(f"--data-root {cfg.data_root!r}: {exc}") from None
-        raise TrainInputError(str(exc)) from None

@@ -40,6 +40,7 @@ import torch
 from cityscapesscripts.helpers import labels as _cs_labels
 from torch.utils.data import Dataset
 
+from .config import TrainInputError
 from .metrics import IGNORE_INDEX  # re-exported: the trainer's labels use the metrics' value
 
 __all__ = [
@@ -717,3 +718,17 @@ def make_datasets(num_train: int | None, num_val: int | None, size: Sequence[int
                 SyntheticCityscapes(num_val, size, seed, split="val"))
     return (CityscapesFolder(data_root, "train", size, max_samples=num_train),
             CityscapesFolder(data_root, "val", size, max_samples=num_val))
+
+
+def load_datasets(cfg) -> tuple[Dataset, Dataset]:
+    """``(train, val)`` for a :class:`~ddp_lesson.config.TrainConfig` (:func:`make_datasets`).
+
+    Raises:
+        TrainInputError: a missing or malformed ``--data-root`` folder (named), or bad sizes.
+    """
+    try:
+        return make_datasets(cfg.num_train, cfg.num_val, cfg.size, cfg.seed,
+                             data_root=cfg.data_root)
+    except (FileNotFoundError, NotADirectoryError, ValueError) as exc:
+        where = "" if cfg.data_root is None else f"--data-root {cfg.data_root!r}: "
+        raise TrainInputError(f"{where}{exc}") from None

@@ -90,9 +90,10 @@ def _load_libc():
         return None
 
 
+#: The C library (``ctypes.CDLL``), or None where it cannot be loaded (not Linux).
 # Loaded here, in the parent: ``die_with_parent`` also runs in a child between fork and exec
 # (``preexec_fn``), where loading a library could deadlock on a lock another thread held.
-_LIBC = _load_libc()
+LIBC = _load_libc()
 
 
 def die_with_parent(parent_pid: int | None = None) -> None:
@@ -106,9 +107,9 @@ def die_with_parent(parent_pid: int | None = None) -> None:
     process is already an orphan and leaves at once. ``parent_pid`` is the expected parent
     (None: only "not reparented to init" is checked). Does nothing outside Linux.
     """
-    if _LIBC is None:
+    if LIBC is None:
         return
-    _LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     ppid = os.getppid()
     if ppid == 1 or (parent_pid is not None and ppid != parent_pid):
         os._exit(1)

@@ -4,82 +4,63 @@ The seed program (DeepLab on Cityscapes with DistributedDataParallel), done righ
 
 One process per rank, started by torchrun; each rank holds a full copy of the model, trains
 on its own shard of every epoch, and DDP averages the gradients with an ``all_reduce`` during
-``backward()``, so every rank takes the same optimizer step. What changed from the seed:
-
-* every hyper-parameter the program reads is declared (the seed read ``args.lr``,
-  ``args.momentum`` and ``args.weight_decay`` that its parser never defined);
-* the local rank comes from torchrun's ``LOCAL_RANK`` variable; the legacy ``--local_rank``
-  flag is still accepted so old command lines keep working, but it is not needed;
-* ``train_sampler.set_epoch(epoch)`` every epoch, so each epoch has a new shuffle (without
-  it the sampler repeats epoch 0's order forever); the DataLoader gets ``shuffle=False``
-  because the sampler does the shuffling;
-* no ``find_unused_parameters=True``: every parameter gets a gradient in every step, and the
-  flag costs an extra traversal of the autograd graph each iteration;
-* ``ignore_index=255``: Cityscapes marks "void" pixels 255, which are not a class and must
-  not be learned (without it the loss raises on label 255, or on CUDA trips a device-side
-  assert);
-* the loss is the mean over the labelled pixels of the whole *global* batch: each rank sums
-  its pixels' losses and divides by the global pixel count (one small all_reduce per step),
-  so R processes compute exactly the gradient one process computes on the concatenated
-  batch, whatever the share of void pixels on each rank (docs/pitfalls.md B5);
-* validation on a sampler that gives each sample to exactly one rank, with the confusion
-  matrix summed over ranks: the mIoU is exact, the same at any world size;
-* backend and device chosen by one rule (:mod:`ddp_lesson.env`): NCCL + one GPU per rank
-  when there are enough GPUs, gloo on CPU otherwise;
-* checkpoints (:mod:`ddp_lesson.checkpoint`): rank 0 writes ``{out}/checkpoint.pt``
-  atomically every ``--checkpoint-every-steps`` steps and at each epoch end; a new run with
-  the same ``--out`` resumes where the last one stopped, mid-epoch too, and ends with the same
-  weights bit for bit as a run that was never interrupted on CPU with gloo (on GPUs within a
-  tolerance: CUDA's atomic adds, docs/gpus.md "Determinism"; the seed had ``--start-epoch``
-  and no checkpoint at all); at another world size R' too: the run keeps its micro-batches
-  (:mod:`ddp_lesson.layout`), each rank taking K' = K x R / R' of them per step, and an R' that
-  cannot share a step is refused (docs/pitfalls.md C8);
-* ``--sync-bn`` (BatchNorm statistics over the global batch, :mod:`ddp_lesson.syncbn` on
-  CPU, torch's ``nn.SyncBatchNorm`` on GPUs), ``--grad-accum-steps`` (``no_sync`` on all but
-  the last micro-batch), ``--lr-scaling`` (the learning rate follows the global batch),
-  ``--ddp`` (torch's wrapper or this package's), ``--bucket-cap-mb``, ``--static-graph`` and
-  ``--gradient-as-bucket-view`` (passed to the wrapper);
-* ``--amp bf16|fp16`` (autocast; fp16 with one GradScaler per process, checkpointed) and
-  ``--clip-grad-norm MAX`` (once per optimizer step, after unscaling; each step's norm before
-  clipping in ``summary.json``), :class:`ddp_lesson.step.Precision`;
-* bad input stops with one line that names the values (``error: ...``), exit status 2, and
-  leaves any checkpoint untouched.
+``backward()``, so every rank takes the same optimizer step. What changed from the seed
+(notebook 06's table; ``notebooks/deep/06_the_seed_repaired.ipynb`` repairs it step by step):
+every hyper-parameter declared; ``LOCAL_RANK`` from torchrun (the legacy ``--local_rank``
+still accepted); ``set_epoch`` every epoch; no ``find_unused_parameters``;
+``ignore_index=255``; the loss averaged over the *global* batch's labelled pixels (one small
+all_reduce per step, docs/pitfalls.md B5); exact validation (each sample on one rank, the
+confusion matrices summed); the backend by one rule (:mod:`ddp_lesson.env`); atomic
+checkpoints and an exact resume, mid-epoch and at another world size R' (the run keeps its
+micro-batches, :mod:`ddp_lesson.layout`, C8; bit for bit on CPU with gloo, on GPUs within a
+tolerance, docs/gpus.md "Determinism"); ``--sync-bn``, ``--grad-accum-steps`` (``no_sync`` on
+all but the last micro-batch), ``--lr-scaling``, ``--ddp torch|naive|bucketed``,
+``--bucket-cap-mb``, ``--static-graph``, ``--gradient-as-bucket-view``, ``--amp bf16|fp16``
+(one GradScaler per process, checkpointed) and ``--clip-grad-norm MAX`` (once per optimizer
+step, after unscaling). Bad input stops with one line that names the values (``error:
+...``), exit status 2, and leaves any checkpoint untouched.
 
 Also runs as a single process, ``python -m ddp_lesson.train``: world size 1, no process
 group, no DDP wrapper, same numbers printed. Rank 0 prints the derived values at start, one
 line per epoch, and writes ``{out}/summary.json`` at the end.
 
-Where the parts live: the flags (:class:`~ddp_lesson.config.TrainConfig`), the derived values
-and the checks of input in :mod:`ddp_lesson.config`; one optimizer step in
-:mod:`ddp_lesson.step`; the exact validation in :func:`ddp_lesson.evaluation.evaluate_exact`.
-This module holds the :class:`Trainer` (data, model, wrapper, checkpoints, the loop) and
-:func:`main`.
+Read top to bottom: one optimizer step (:func:`train_step`: the global-count loss,
+accumulation with ``no_sync``, :class:`Precision` for AMP and clipping), then the
+:class:`Trainer` (data, model, wrapper, checkpoints, evaluation, the loop), then the entry
+(:func:`preflight`, :func:`main`). The flags and the numbers derived from them are in
+:mod:`ddp_lesson.config`; the exact validation in :func:`ddp_lesson.evaluation.evaluate_exact`.
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import math
 import os
 import signal
 import sys
+import tempfile
 import time
 from dataclasses import asdict
 from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from . import env as dist_env
 from .checkpoint import (
+    CHECKPOINT_FILE,
     CHECKPOINT_FORMAT,
     CHECKPOINT_VERSION,
     atomic_write,
     capture_rng_state,
     decide_on_rank0,
+    inspect_resume,
+    layout_problem,
     load_checkpoint,
     restore_rng_state,
     run_on_rank0,
@@ -88,33 +69,324 @@ from .checkpoint import (
     sweep_temporaries,
 )
 from .config import (
-    CHECKPOINT_FILE,
+    AMP_MODES,
     TrainConfig,
     TrainInputError,
-    bare_model_state,
-    check_amp,
-    check_out_writable,
     check_steps,
     derived_values,
-    inspect_resume,
     layout_for,
-    layout_problem,
-    load_datasets,
     parse_config,
 )
-from .data import IGNORE_INDEX, NUM_CLASSES
-from .env import group_active, print0
+from .data import IGNORE_INDEX, NUM_CLASSES, load_datasets
+from .env import all_reduce_sum, group_active, print0, reduce_device
 from .evaluation import evaluate_exact
 from .layout import LayoutBatchSampler
 from .metrics import miou_from_confusion
 from .models import build_model
-from .step import Precision, model_logits, sum_over_ranks, train_step
 from .syncbn import convert_sync_batchnorm
 
-# Only what this module defines; import the flags, the checks and one step from config.py and
-# step.py. Trainer.step calls train_step through this module's globals, so a test can replace
+# Trainer.step calls train_step through this module's globals, so a test can replace
 # ``ddp_lesson.train.train_step`` to simulate a crash.
-__all__ = ["StepRecord", "Trainer", "wrap_model", "main"]
+__all__ = ["Precision", "StepRecord", "Trainer", "accumulate_gradients",
+           "cuda_bf16_native", "main", "model_logits", "preflight", "sum_over_ranks",
+           "train_step", "wrap_model"]
+
+# --------------------------------------------------------------------------- one step
+
+_AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def sum_over_ranks(t: torch.Tensor) -> torch.Tensor:
+    """Sum a CPU tensor over ranks; returns a CPU tensor (a synchronisation point).
+
+    Every rank must call it with a tensor of the same shape and dtype; without a process
+    group it returns a copy.
+    """
+    # NCCL reduces CUDA tensors only; gloo is happy with CPU ones.
+    return all_reduce_sum(t.to(reduce_device())).cpu()
+
+
+def _sum_over_ranks_in_place(t: torch.Tensor) -> torch.Tensor:
+    """Sum ``t`` over ranks; the result stays on ``t``'s device (no read to the host).
+
+    Under NCCL with ``t`` on the rank's GPU and under gloo with ``t`` on the CPU there is no
+    copy at all; without a process group it is a copy. Every rank must call it alike.
+    """
+    where = reduce_device() if group_active() else t.device
+    return all_reduce_sum(t.to(where)).to(t.device)
+
+
+def model_logits(model, images):
+    """``model(images)``, unwrapped when the model returns a dict: ``(B, C, H, W)`` logits."""
+    out = model(images)
+    if isinstance(out, dict):  # torchvision-style segmentation models return {"out": ...}
+        out = out["out"]
+    return out
+
+
+def _phase(timer, name):
+    return timer.phase(name) if timer is not None else contextlib.nullcontext()
+
+
+class Precision:
+    """Mixed precision and gradient clipping for :func:`train_step` (one per process).
+
+    ``amp="bf16"`` / ``"fp16"`` runs each forward under ``torch.autocast(device_type,
+    dtype)``; the loss is computed in float32 from the logits. ``"fp16"`` also needs a
+    ``torch.amp.GradScaler`` (one per process, built here unless one is given): the loss is
+    multiplied by the scale before backward, so small fp16 gradients do not flush to zero;
+    before the optimizer step the gradients are unscaled, checked for inf/NaN, and the step is
+    skipped (and the scale halved) when there are any; after ``growth_interval`` good steps
+    the scale doubles (torch/amp/grad_scaler.py). bf16 has fp32's exponent range: no scaler.
+
+    ``clip_grad_norm > 0`` clips the total L2 norm of the gradients to that value with
+    ``torch.nn.utils.clip_grad_norm_``, after ``scaler.unscale_(optimizer)`` under fp16 (the
+    norm of *scaled* gradients would be compared with the limit otherwise), once per optimizer
+    step: after the last micro-batch's backward, the one that all-reduces, so the norm is the
+    norm of the averaged gradient and the same, bit for bit, on every rank.
+
+    After each step :attr:`grad_norm` holds the total norm before clipping, a 0-d float32
+    tensor on the gradients' device (None when not clipping: read it at a logging boundary,
+    ``float(...)`` waits for the GPU), and :attr:`skipped` whether the scaler skipped the
+    step. Local to the process; the norm needs no communication because the gradients are
+    already all-reduced. Host reads: none per step without fp16; under fp16 torch's
+    ``GradScaler.step`` itself reads the inf/NaN flags to the host (``.item()`` in
+    ``_maybe_opt_step``, torch/amp/grad_scaler.py); :attr:`skipped` comes from an optimizer
+    step post-hook (a fused optimizer's from the scale, read to the host).
+
+    Raises:
+        ValueError: ``amp`` not in :data:`AMP_MODES`, ``clip_grad_norm < 0``, or autocast
+            not available for ``device_type`` and the dtype.
+    """
+
+    def __init__(self, amp: str = "off", device_type: str = "cpu",
+                 clip_grad_norm: float = 0.0, scaler=None):
+        if amp not in AMP_MODES:
+            raise ValueError(f"amp {amp!r} is not one of {', '.join(AMP_MODES)}")
+        if not (math.isfinite(clip_grad_norm) and clip_grad_norm >= 0):
+            raise ValueError(f"clip_grad_norm must be a finite number >= 0, got {clip_grad_norm}")
+        problem = amp_unavailable(amp, device_type)
+        if problem:
+            raise ValueError(problem)
+        self.amp, self.device_type, self.clip_grad_norm = amp, device_type, clip_grad_norm
+        if amp == "fp16" and scaler is None:
+            scaler = torch.amp.GradScaler(device_type)
+        self.scaler = scaler if amp == "fp16" else None
+        self.grad_norm: torch.Tensor | None = None
+        self.skipped = False
+
+    @property
+    def active(self) -> bool:
+        """True when this changes anything (autocast, a scaler or clipping)."""
+        return self.amp != "off" or self.clip_grad_norm > 0
+
+    def autocast(self):
+        """The forward's context: ``torch.autocast`` for bf16/fp16, nothing for off."""
+        if self.amp == "off":
+            return contextlib.nullcontext()
+        return torch.autocast(self.device_type, dtype=_AMP_DTYPES[self.amp])
+
+    def backward(self, loss) -> None:
+        """``loss.backward()``, the loss multiplied by the scaler's scale under fp16."""
+        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+
+    def step(self, optimizer, parameters) -> None:
+        """Unscale (fp16), measure and clip (``clip_grad_norm > 0``), then step the optimizer.
+
+        Under fp16 ``scaler.step`` skips ``optimizer.step()`` when any gradient is inf/NaN
+        and ``scaler.update()`` then halves the scale; :attr:`skipped` says so (read from an
+        optimizer step post-hook: whether ``optimizer.step()`` ran).
+        """
+        self.grad_norm = None
+        if self.scaler is not None and self.clip_grad_norm > 0:
+            self.scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
+        if self.clip_grad_norm > 0:
+            norm = torch.nn.utils.clip_grad_norm_(parameters, self.clip_grad_norm)
+            self.grad_norm = norm.detach()  # on the device: float() would wait for the GPU
+        if self.scaler is None:
+            optimizer.step()
+            self.skipped = False
+            return
+        if getattr(optimizer, "_step_supports_amp_scaling", False):
+            # a fused optimizer skips inside its own step: update() halves the scale exactly
+            # when the step found inf/NaN (backoff 0.5); get_scale() reads it to the host
+            scale_before = self.scaler.get_scale()
+            self.scaler.step(optimizer)
+            self.scaler.update()
+            self.skipped = self.scaler.get_scale() < scale_before
+            return
+        # GradScaler.step calls optimizer.step() only when no gradient is inf/NaN
+        # (_maybe_opt_step, torch/amp/grad_scaler.py); a post-hook sees whether it ran, with
+        # no read of the scale to the host
+        stepped = []
+        hook = optimizer.register_step_post_hook(lambda *_: stepped.append(True))
+        try:
+            self.scaler.step(optimizer)
+        finally:
+            hook.remove()
+        self.scaler.update()
+        self.skipped = not stepped
+
+    def state_dict(self) -> dict | None:
+        """The scaler's state (scale, growth tracker, factors) for a checkpoint; None without."""
+        return self.scaler.state_dict() if self.scaler is not None else None
+
+    def load_state_dict(self, state: dict | None) -> None:
+        """Restore the scaler's state from :meth:`state_dict` (ignored when None)."""
+        if self.scaler is not None and state:
+            self.scaler.load_state_dict(state)
+
+
+def amp_unavailable(amp: str, device_type: str) -> str | None:
+    """Why autocast in ``amp`` cannot run on ``device_type``, or None when it can (local).
+
+    bf16 on CUDA needs a GPU that computes in bfloat16 natively (:func:`cuda_bf16_native`:
+    compute capability 8 and up, Ampere and later). ``torch.cuda.is_bf16_supported()`` with
+    its default ``including_emulation=True`` is not that test: it also answers True when a
+    bfloat16 tensor can merely be created on the device (torch/cuda/__init__.py,
+    ``is_bf16_supported`` and ``_check_bf16_tensor_supported``), which a T4 (7.5) allows, and
+    cuDNN has no bfloat16 convolutions there. On CPU torch 2.13 autocasts to bf16 and fp16
+    (``torch.amp.autocast_mode.is_autocast_available``).
+    """
+    if amp == "off":
+        return None
+    if not torch.amp.autocast_mode.is_autocast_available(device_type):
+        return f"--amp {amp}: autocast is not available on device type {device_type!r}"
+    if amp == "bf16" and device_type == "cuda" and not cuda_bf16_native():
+        return (f"--amp bf16: this GPU ({torch.cuda.get_device_name()}) does not support "
+                "bfloat16; use --amp fp16")
+    return None
+
+
+def cuda_bf16_native() -> bool:
+    """True when the current CUDA device computes in bfloat16 natively (local, no sync).
+
+    ``torch.cuda.is_bf16_supported(including_emulation=False)``: True on ROCm, False without
+    CUDA, else compute capability >= 8 (torch/cuda/__init__.py, ``is_bf16_supported``). An
+    older torch whose ``is_bf16_supported`` takes no ``including_emulation`` raises
+    TypeError: then the same test is made here from ``torch.version.hip`` and the device's
+    compute capability (``torch.cuda.get_device_properties(...).major``).
+    """
+    try:
+        return bool(torch.cuda.is_bf16_supported(including_emulation=False))
+    except TypeError:  # an older torch: no including_emulation argument
+        if torch.version.hip:
+            return True
+        if not torch.cuda.is_available():
+            return False
+        return torch.cuda.get_device_properties(torch.cuda.current_device()).major >= 8
+
+
+# --------------------------------------------------------------------------- one step
+
+def accumulate_gradients(model, micro_batches, compute_loss, timer=None,
+                         backward=None) -> None:
+    """Forward and backward over ``K`` micro-batches, all-reducing gradients only on the last.
+
+    Micro-batches ``0 .. K-2`` run inside ``model.no_sync()`` (when the wrapper has it):
+    their gradients accumulate locally in ``.grad``; the last one runs normally, and its
+    backward all-reduces the accumulated sums (docs/pitfalls.md B4: sync on the *last*
+    micro-batch, or the ranks end with different gradients). Forward *and* backward go inside
+    ``no_sync``: torch's DDP decides during forward whether the next backward syncs.
+
+    Args:
+        model: the (wrapped) model.
+        micro_batches: a list of batches.
+        compute_loss: ``compute_loss(model, batch) -> scalar tensor`` to backpropagate,
+            already scaled (e.g. divided by the global count).
+        timer: optional :class:`~ddp_lesson.bench.scaling.StepTimer` (phases "forward" and
+            "backward").
+        backward: ``backward(loss)`` (default ``loss.backward()``), e.g.
+            :meth:`Precision.backward`, which multiplies by the GradScaler's scale.
+
+    Synchronises in the last backward (DDP's gradient all_reduce).
+    """
+    last = len(micro_batches) - 1
+    for i, batch in enumerate(micro_batches):
+        skip_sync = i < last and hasattr(model, "no_sync")
+        with (model.no_sync() if skip_sync else contextlib.nullcontext()):
+            with _phase(timer, "forward"):
+                loss = compute_loss(model, batch)
+            with _phase(timer, "backward"):
+                if backward is None:
+                    loss.backward()
+                else:
+                    backward(loss)
+
+
+def train_step(model, optimizer, micro_batches, world_size: int, scheduler=None,
+               timer=None, precision: Precision | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One optimizer step on the global batch: mean cross-entropy over its labelled pixels.
+
+    Every rank sums the per-pixel losses of its micro-batches and divides by the number of
+    labelled (not ``IGNORE_INDEX``) pixels in the *global* batch (all micro-batches of all
+    ranks, one all_reduce), times ``world_size`` because DDP then averages over ranks. The
+    gradient is then exactly the single-process gradient of the mean loss over the
+    concatenated batch, whatever the share of void pixels on each rank; a per-rank mean
+    would weight a rank's pixels by its own count instead.
+
+    Args:
+        model: the wrapped model (or a bare one in a single process).
+        optimizer: steps once; gradients are zeroed first.
+        micro_batches: list of ``(images (B, 3, H, W), target (B, H, W))`` on the model's
+            device.
+        world_size: R, the number of ranks DDP averages over.
+        scheduler: stepped once after the optimizer, if given, and only when the optimizer
+            stepped: a step the fp16 GradScaler skipped (inf/NaN gradients) does not consume
+            the schedule, so the first real step runs with the schedule's first value and torch
+            does not warn "Detected call of `lr_scheduler.step()` before `optimizer.step()`"
+            (``LRScheduler.step``, torch/optim/lr_scheduler.py). Accelerate does the same
+            (``AcceleratedScheduler.step`` returns when an optimizer's ``step_was_skipped``,
+            src/accelerate/scheduler.py).
+        timer: optional :class:`~ddp_lesson.bench.scaling.StepTimer` (phases comm, forward,
+            backward, optimizer).
+        precision: optional :class:`Precision`: autocast for the forwards, the GradScaler,
+            clipping after the last (all-reducing) backward; it records the step's gradient
+            norm and whether the step was skipped. None: plain fp32, no clipping.
+
+    Returns:
+        ``(local_loss_sum, local_pixel_count)``: this rank's summed per-pixel loss (a 0-d
+        float64 tensor) and its labelled pixel count (0-d int64), both on the batch's device
+        (sum both over ranks and divide for the global mean; ``float(...)`` reads them).
+
+    Synchronises: one all_reduce of the pixel count, DDP's gradient all_reduce. Reads
+    nothing to the host (no ``.item()``, ``float(tensor)``): on CUDA the step is queued
+    and the CPU runs ahead, the pixel count and the scale stay on the GPU; under fp16 torch's
+    GradScaler reads its inf/NaN flags (see :class:`Precision`). The loss is summed in float32
+    whatever the forward's dtype, and the micro-batches' sums added in order in float64.
+    """
+    if not micro_batches:
+        raise ValueError("train_step needs at least 1 micro-batch, got 0")
+    local_count = sum((t != IGNORE_INDEX).sum() for _, t in micro_batches)
+    with _phase(timer, "comm"):
+        global_count = _sum_over_ranks_in_place(local_count.to(torch.float64))
+    scale = world_size / global_count.clamp(min=1.0)
+    sums = []
+
+    autocast = precision.autocast if precision is not None else contextlib.nullcontext
+
+    def compute_loss(m, batch):
+        images, target = batch
+        with autocast():
+            logits = model_logits(m, images)
+        s = F.cross_entropy(logits.float(), target, ignore_index=IGNORE_INDEX,
+                            reduction="sum")
+        sums.append(s.detach())
+        return s * scale
+
+    optimizer.zero_grad(set_to_none=True)
+    accumulate_gradients(model, micro_batches, compute_loss, timer,
+                         precision.backward if precision is not None else None)
+    with _phase(timer, "optimizer"):
+        if precision is None:
+            optimizer.step()
+        else:
+            precision.step(optimizer, [p for g in optimizer.param_groups for p in g["params"]])
+        if scheduler is not None and not (precision is not None and precision.skipped):
+            scheduler.step()  # a skipped step leaves the schedule where it was
+    return sum(s.double() for s in sums), local_count
+
 
 
 class StepRecord(NamedTuple):
@@ -139,7 +411,8 @@ class StepRecord(NamedTuple):
 
 # --------------------------------------------------------------------------- small helpers
 
-def _set_threads_from_env() -> None:
+def set_threads_from_env() -> None:
+    """Set torch's intra-op threads to ``OMP_NUM_THREADS`` when it is set; never synchronises."""
     # torchrun sets OMP_NUM_THREADS=1 (with a warning) and our launcher does so quietly; make
     # torch's intra-op pool follow it, so N processes on N cores do not oversubscribe them.
     raw = os.environ.get("OMP_NUM_THREADS", "")
@@ -229,7 +502,7 @@ class Trainer:
             and K accumulation steps) and this rank's share of them.
         module: the bare model (what checkpoints hold); model: the wrapped one.
         optimizer, scheduler: SGD and a LambdaLR (constant or poly).
-        precision: the :class:`~ddp_lesson.step.Precision` (``--amp``, the fp16 GradScaler,
+        precision: the :class:`~ddp_lesson.train.Precision` (``--amp``, the fp16 GradScaler,
             ``--clip-grad-norm``), one per process.
         epoch, step_in_epoch, global_step: where training stands (the resume point).
         history: one dict per finished epoch (train_loss, val_miou, ...).
@@ -482,41 +755,21 @@ class Trainer:
                 and self.env.rank == cfg.failure_rank):
             self._simulated_failure("after the step")
 
-    def try_resume(self, validate: bool = True) -> bool:
+    def try_resume(self) -> bool:
         """Resume from ``{out}/checkpoint.pt`` when there is one (and not ``--no-resume``).
 
-        Rank 0 decides whether the file exists and (with ``validate``) can be resumed from,
-        and broadcasts the answer (B14); then every rank loads the file itself, mapped to its
-        own device. Synchronises (a broadcast).
+        Rank 0 decides whether the file exists and broadcasts the answer (B14); then every rank
+        loads the file itself, mapped to its own device. Synchronises (a broadcast). The file
+        was checked before the Trainer was built (:func:`check_out_and_checkpoint`, on rank 0).
 
         Returns:
             True when training state was restored.
 
         Raises:
-            TrainInputError: (every rank) the file is unreadable or does not match this run.
+            TrainInputError: (every rank) the checkpoint's cursor does not match this layout.
         """
-        if self.cfg.no_resume:
-            return False
         path = self.checkpoint_path
-
-        mine = (self.layout.world_size, self.layout.grad_accum_steps)
-
-        def decide():
-            if not os.path.exists(path):
-                return False, None
-            if not validate:
-                return True, None
-            problem, layout = inspect_resume(path, self.cfg, self.env.world_size,
-                                             self.module.state_dict())
-            if problem is None and layout != mine:
-                problem = (f"checkpoint {path} continues a run of R, K = {layout}; this "
-                           f"Trainer was built for {mine}: build it with layout={layout}")
-            return True, problem
-
-        exists, problem = decide_on_rank0(decide)
-        if problem:
-            raise TrainInputError(problem)
-        if not exists:
+        if self.cfg.no_resume or not decide_on_rank0(lambda: os.path.exists(path)):
             return False
         ckpt = load_checkpoint(path, map_location=self.device)
         cursor = ckpt.get("cursor")
@@ -807,26 +1060,101 @@ def _resize_lines(trainer: Trainer) -> list[str]:
             f"{lay.cursor(trainer.step_in_epoch)} of {d['samples_per_epoch']} this epoch"]
 
 
-def _run(cfg: TrainConfig, env, wall_start: float) -> dict:
-    path = os.path.join(cfg.out, CHECKPOINT_FILE)
+def check_amp(cfg: TrainConfig, device_type: str) -> None:
+    """Raise TrainInputError when ``--amp`` cannot run on ``device_type`` (e.g. bf16 on a GPU
+    without bfloat16). Local: no communication."""
+    problem = amp_unavailable(cfg.amp, device_type)
+    if problem:
+        raise TrainInputError(problem)
 
-    def check_out_and_checkpoint():
-        # Before anything is built or printed: a bad --out or checkpoint fails fast.
-        problem, layout = check_out_writable(cfg.out), None
-        sweep_temporaries(path, only_dead=False)  # rank 0, before any write: killed writers' files
-        if problem is None and not cfg.no_resume and os.path.exists(path):
-            problem, layout = inspect_resume(path, cfg, env.world_size, bare_model_state(cfg))
-        # a simulated failure that already happened (its marker is written) needs no rank:
-        # the restart of a job that lost that rank's node runs on without it
-        if (problem is None and cfg.simulate_failure_at_step
-                and cfg.failure_rank >= env.world_size
-                and not os.path.exists(_failure_marker(cfg))):
-            problem = (f"--failure-rank {cfg.failure_rank} is outside [0, "
-                       f"{env.world_size - 1}] (world size {env.world_size})")
-        return problem, layout
+
+def check_out_writable(out: str) -> str | None:
+    """None when ``out`` can be created and written, else a one-line reason."""
+    try:
+        os.makedirs(out, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=out, prefix=".write-test-"):
+            pass
+    except OSError as exc:
+        return f"--out {out!r} cannot be written: {exc.strerror or exc}"
+    return None
+
+
+def bare_model_state(cfg: TrainConfig):
+    """The ``state_dict`` of a freshly built bare model for ``cfg`` (names and shapes)."""
+    return build_model(cfg.model, num_classes=NUM_CLASSES, width=cfg.width).state_dict()
+
+
+def check_out_and_checkpoint(cfg: TrainConfig, world_size: int):
+    """``(problem, (R, K))``: why ``--out`` or the checkpoint there stops this run (None when
+    nothing does), and the layout of the run the checkpoint continues (None without one).
+
+    Checks a writable ``--out``, a checkpoint this run can resume from
+    (:func:`~ddp_lesson.checkpoint.inspect_resume`) and ``--failure-rank`` inside the world
+    size. Local: reads and writes the disk, no collective.
+    """
+    problem, layout = check_out_writable(cfg.out), None
+    path = os.path.join(cfg.out, CHECKPOINT_FILE)
+    if problem is None and not cfg.no_resume and os.path.exists(path):
+        problem, layout = inspect_resume(path, cfg, world_size, bare_model_state(cfg))
+    # a simulated failure that already happened (its marker is written) needs no rank:
+    # the restart of a job that lost that rank's node runs on without it
+    if (problem is None and cfg.simulate_failure_at_step and cfg.failure_rank >= world_size
+            and not os.path.exists(_failure_marker(cfg))):
+        problem = (f"--failure-rank {cfg.failure_rank} is outside [0, "
+                   f"{world_size - 1}] (world size {world_size})")
+    return problem, layout
+
+
+def preflight(argv: list[str] | None, world_size: int,
+              prog: str = "python -m ddp_lesson.train") -> TrainConfig:
+    """Check a trainer command line before starting any process (for launchers such as the CLI).
+
+    Runs, in the calling process and without a process group, the checks every rank would
+    run at start: flags, the backend, ``--amp`` on that device, the data folder, at least one
+    step per epoch, a writable ``--out``, and a checkpoint there that this run can resume
+    from. A launcher that calls it reports bad input in one line instead of starting
+    ``world_size`` processes that all fail.
+
+    Args:
+        argv: the trainer's flags.
+        world_size: the number of processes the job will have.
+        prog: the command the user typed, named in a bad flag's error line.
+
+    Returns:
+        The parsed :class:`~ddp_lesson.config.TrainConfig`.
+
+    Raises:
+        SystemExit: a bad flag (one line printed by the parser, status 2).
+        TrainInputError: any other bad input (message names the values).
+    """
+    cfg = parse_config(argv, prog)
+    if world_size < 1:
+        raise TrainInputError(f"the job needs at least 1 process, got {world_size}")
+    try:
+        backend, _ = dist_env.choose_backend(world_size,
+                                             None if cfg.backend == "auto" else cfg.backend)
+    except ValueError as exc:
+        raise TrainInputError(str(exc)) from None
+    check_amp(cfg, "cuda" if backend == "nccl" else "cpu")
+    n = len(load_datasets(cfg)[0])
+    check_steps(cfg, derived_values(cfg, world_size, n), n)
+    problem, layout = check_out_and_checkpoint(cfg, world_size)
+    if problem is None and layout is not None:
+        problem = layout_problem(os.path.join(cfg.out, CHECKPOINT_FILE),
+                                 layout_for(cfg, n, *layout), world_size)
+    if problem:
+        raise TrainInputError(problem)
+    return cfg
+
+
+def _run(cfg: TrainConfig, env, wall_start: float) -> dict:
+    def check():  # before anything is built or printed: a bad --out or checkpoint fails fast
+        # rank 0, before any write: remove what killed writers left
+        sweep_temporaries(os.path.join(cfg.out, CHECKPOINT_FILE), only_dead=False)
+        return check_out_and_checkpoint(cfg, env.world_size)
 
     # rank 0 decides, all ranks act; layout: (R, K) of the run a checkpoint continues
-    problem, layout = decide_on_rank0(check_out_and_checkpoint)
+    problem, layout = decide_on_rank0(check)
     if problem:
         raise TrainInputError(problem)
     trainer = Trainer(cfg, env, layout=layout)
@@ -838,7 +1166,7 @@ def _run(cfg: TrainConfig, env, wall_start: float) -> dict:
                f"flag is not needed", env=env)
     for line in _start_lines(trainer):
         print0(line, env=env)
-    if trainer.try_resume(validate=False):  # validated above
+    if trainer.try_resume():
         steps = trainer.derived["steps_per_epoch"]
         if trainer.epoch >= cfg.epochs:
             print0(f"resuming from {trainer.checkpoint_path}: all {cfg.epochs} epochs done; "
@@ -884,7 +1212,7 @@ def main(argv: list[str] | None = None) -> dict:
     """
     wall_start = time.perf_counter()
     cfg = parse_config(argv)
-    _set_threads_from_env()
+    set_threads_from_env()
     owns_group = not group_active()
     env = None
     try:

@@ -36,6 +36,7 @@ ddp_lesson.bench.scaling worker '{"batch_per_rank": 8, "steps": 10, ...}'``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -68,6 +69,38 @@ _RESULT_TAG = "BENCH_RESULT "
 
 DEFAULT_OUT = "benchmarks/scaling.csv"
 MODULE = "ddp_lesson.bench.scaling"
+
+
+
+class StepTimer:
+    """Wall-clock seconds per phase of a training step (data, forward, backward, comm, optimizer).
+
+    ``with timer.phase("forward"): ...`` adds the block's duration to that phase. On CUDA
+    pass ``sync=torch.cuda.synchronize`` so that a phase ends when its kernels do, not when
+    they were queued. Local to the process: no communication.
+    """
+
+    def __init__(self, sync=None):
+        self.sync = sync
+        self.totals: dict[str, float] = {}
+        self.counts: dict[str, int] = {}
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        if self.sync:
+            self.sync()
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self.sync:
+                self.sync()
+            self.totals[name] = self.totals.get(name, 0.0) + time.perf_counter() - start
+            self.counts[name] = self.counts.get(name, 0) + 1
+
+    def reset(self) -> None:
+        self.totals.clear()
+        self.counts.clear()
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -114,10 +147,9 @@ def run_worker(spec: dict) -> dict:
 
     from .. import env as dist_env
     from ..config import TrainConfig
-    from ..step import StepTimer
-    from ..train import Trainer, _set_threads_from_env
+    from ..train import Trainer, set_threads_from_env
 
-    _set_threads_from_env()
+    set_threads_from_env()
     env = dist_env.init_distributed(timeout=spec.get("timeout_s", 300), announce=False)
     steps, warmup, b = spec["steps"], spec["warmup"], spec["batch_per_rank"]
     cfg = TrainConfig(epochs=1, batch_size=b, num_train=(steps + warmup) * b * env.world_size,

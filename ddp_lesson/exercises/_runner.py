@@ -196,7 +196,7 @@ def main(argv=None) -> int:
     for index, (exercise_id, fn, lines) in enumerate(
             zip(loaded["exercises"], loaded["candidates"], loaded["sources"])):
         ex = get(exercise_id)
-        for code in core._code_objects(fn):  # so a traceback shows the learner's lines
+        for code in core.code_objects(fn):  # so a traceback shows the learner's lines
             if lines:
                 linecache.cache[code.co_filename] = (sum(map(len, lines)), None, lines,
                                                      code.co_filename)

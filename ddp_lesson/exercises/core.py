@@ -54,7 +54,7 @@ LAUNCH_TIMEOUT_S = 90.0
 CANDIDATE_MARK = "--- ddp_lesson.exercises: candidate {} ---"
 
 
-def _code_objects(fn) -> list:
+def code_objects(fn) -> list:
     """The code objects of a candidate function, or of a candidate class's methods."""
     import inspect
 
@@ -72,7 +72,7 @@ def _source_lines(fn) -> list[str]:
     """
     import linecache
 
-    for code in _code_objects(fn):
+    for code in code_objects(fn):
         lines = linecache.getlines(code.co_filename)
         if lines:
             return lines

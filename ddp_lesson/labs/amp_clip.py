@@ -5,8 +5,8 @@ Shown in ``notebooks/deep/06_scaling_and_mixed_precision.ipynb``, section 2.
     torchrun --standalone --nproc-per-node 2 -m ddp_lesson.labs.amp_clip [--out FILE]
 
 Three scenarios, each a collective (every rank runs them in the same order), on the
-trainer's own step (:func:`ddp_lesson.step.train_step` with a
-:class:`ddp_lesson.step.Precision`) and torch's ``DistributedDataParallel``, with the small
+trainer's own step (:func:`ddp_lesson.train.train_step` with a
+:class:`ddp_lesson.train.Precision`) and torch's ``DistributedDataParallel``, with the small
 ``tiny`` segmentation net on a fixed global batch of synthetic scenes (each rank its slice):
 
 1. :func:`precision_runs`: the same 6 steps in fp32, in bf16 autocast and in fp16 autocast
@@ -42,7 +42,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ddp_lesson.data import NUM_CLASSES, make_datasets
 from ddp_lesson.models import build_model
-from ddp_lesson.step import Precision, sum_over_ranks, train_step
+from ddp_lesson.train import Precision, sum_over_ranks, train_step
 
 __all__ = ["GLOBAL_BATCH", "INJECT_RANK", "INJECT_STEP", "SCALER", "STEPS", "clip_run",
            "main", "precision_runs", "scaler_run"]

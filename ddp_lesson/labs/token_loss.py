@@ -24,7 +24,7 @@ global token count   ``S_j * R / n_global``                      always
 ``n_global`` comes from one ``all_reduce`` of the ranks' counts before the step's backwards;
 the factor ``R`` undoes DDP's division by the world size. The same fix went into trainers in
 2024-26 (huggingface/transformers#34191, huggingface/trl#3231, pytorch/torchtune#1875). The
-trainer's pixel-count loss (:func:`ddp_lesson.step.train_step`) is this rule for pixels.
+trainer's pixel-count loss (:func:`ddp_lesson.train.train_step`) is this rule for pixels.
 
 And the fp16 rule (docs/pitfalls.md B24 for DDP's own averaging): a token-sum gradient times a
 loss scale overflows float16 when summed over ranks before the division by the global count,

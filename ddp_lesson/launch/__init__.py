@@ -30,7 +30,7 @@ rank-ordered output, tracebacks, live status); :mod:`.magic` is the notebook fac
 * live status while it runs: in a notebook one line of plain text (no widget: it reads the
   same after a kernel restart and unexecuted), shown with a display id and rewritten in place;
   it starts and ends as a constant text (:func:`status_text`), so the stored output is
-  deterministic (see :class:`_LiveStatus`);
+  deterministic (see :class:`LiveStatus`);
 * a failing rank raises :class:`TorchrunError`: the rank that failed first and its traceback,
   the ranks that failed after it (peers waiting in a collective) listed as its consequences;
 * a wall-clock timeout (:class:`TorchrunTimeout`) and, on timeout or interrupt

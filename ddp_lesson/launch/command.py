@@ -2,7 +2,7 @@
 
 :func:`torchrun_flags` makes torchrun's flags (the launcher, ``ddp-lesson train`` and the
 persistent ranks of :mod:`ddp_lesson.cluster` use it), :func:`launch_env` the environment
-torchrun and its workers get, :func:`_build_launch` a whole run: one agent command per
+torchrun and its workers get, :func:`build_launch` a whole run: one agent command per
 simulated node, the rendezvous store they meet at, the backend chosen once for every rank.
 """
 from __future__ import annotations
@@ -52,7 +52,7 @@ def torchrun_flags(nproc_per_node: int = 2, nnodes: int = 1, *, max_restarts: in
     Raises:
         ValueError: a count out of range, or several nodes without ``rdzv_endpoint``.
     """
-    _validate(nproc_per_node, nnodes, max_restarts, None)
+    validate_launch(nproc_per_node, nnodes, max_restarts, None)
     if nnodes == 1 and not rdzv_endpoint:
         flags = ["--standalone"]
     else:
@@ -90,7 +90,9 @@ def torchrun_command(target: str, args=(), *, module: bool = False, nproc_per_no
     return shlex.join(["torchrun", *flags, *program])
 
 
-def _validate(nproc_per_node: int, nnodes: int, max_restarts: int, timeout: float | None) -> None:
+def validate_launch(nproc_per_node: int, nnodes: int, max_restarts: int,
+                    timeout: float | None) -> None:
+    """Raise ValueError naming the bad value unless the launch's counts and timeout make sense."""
     if (isinstance(nproc_per_node, bool) or not isinstance(nproc_per_node, int)
             or nproc_per_node < 1):
         raise ValueError(f"nproc_per_node must be an integer >= 1, got {nproc_per_node!r}")
@@ -161,7 +163,7 @@ def launcher_backend(nproc_per_node: int, nnodes: int = 1, backend: str | None =
 
 
 @dataclass
-class _Launch:
+class Launch:
     """A run ready to start: torchrun's commands, their environment and where output goes."""
 
     commands: list[list[str]]
@@ -223,8 +225,8 @@ def _program(target, args, code, module, outdir: Path) -> tuple[list[str], Path 
     return ["-m", "ddp_lesson._worker", str(outdir), kind, what, *map(str, args)], script
 
 
-def _build_launch(target, args, code, module, nproc_per_node, nnodes, max_restarts, backend,
-                  env, cwd, torchrun_args, outdir: Path) -> _Launch:
+def build_launch(target, args, code, module, nproc_per_node, nnodes, max_restarts, backend,
+                  env, cwd, torchrun_args, outdir: Path) -> Launch:
     """Build torchrun's command(s) and environment; choose the backend once, for every rank."""
     program, script = _program(target, args, code, module, outdir)
     base = launch_env(env, backend, nproc_per_node, max_restarts=max_restarts)
@@ -247,6 +249,6 @@ def _build_launch(target, args, code, module, nproc_per_node, nnodes, max_restar
     equivalent = torchrun_command(target if code is None else "cell.py", args,
                                   module=module and code is None, nproc_per_node=nproc_per_node,
                                   nnodes=nnodes, max_restarts=max_restarts, extra=torchrun_args)
-    return _Launch(commands, child_env, cwd, outdir, script, equivalent, *chosen,
+    return Launch(commands, child_env, cwd, outdir, script, equivalent, *chosen,
                    nproc_per_node * nnodes, store)
 

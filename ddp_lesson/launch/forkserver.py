@@ -36,7 +36,7 @@ import sys
 import threading
 from multiprocessing import reduction, spawn
 
-from ..procs import _LIBC, die_with_parent
+from ..procs import LIBC, die_with_parent
 
 #: The switch: ``"0"`` in a run's environment starts its agents fresh (``subprocess.Popen``).
 SWITCH_ENV = "DDP_LESSON_FORKSERVER"
@@ -205,8 +205,8 @@ def _agent(argv, env, cwd, out_fd, umask, affinity, cpu) -> None:
         logging.shutdown()
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
-        if _LIBC is not None:
-            _LIBC.fflush(None)
+        if LIBC is not None:
+            LIBC.fflush(None)
         import resource
 
         used = [resource.getrusage(w) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]

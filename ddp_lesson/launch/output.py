@@ -4,7 +4,7 @@ Each rank's captured stdout and stderr read as a terminal shows them (:func:`ter
 joined in rank order with ``[rank N] `` prefixes and wrapped to :data:`LINE_WIDTH`
 (:func:`format_rank_outputs`); the failing ranks and the traceback to show, read from the
 ranks' records and torchrun's summary; the one-line live status of a notebook cell
-(:class:`_LiveStatus`, :func:`keep_kernel_status_busy`); and the result and error types
+(:class:`LiveStatus`, :func:`keep_kernel_status_busy`); and the result and error types
 that :func:`ddp_lesson.launch.run_torchrun` returns and raises.
 """
 from __future__ import annotations
@@ -233,8 +233,8 @@ def terminal_text(text: str) -> str:
     return "\n".join(lines)
 
 
-def _collect(outdir: Path, script: Path | None = None
-             ) -> tuple[dict[int, str], dict[int, str], dict[int, int], dict[int, int]]:
+def collect_outputs(outdir: Path, script: Path | None = None
+                    ) -> tuple[dict[int, str], dict[int, str], dict[int, int], dict[int, int]]:
     """Each rank's stdout and stderr as a terminal shows them, and the ranks' own failures:
     ``(outputs, errors, exits, times)``, ``exits`` rank -> exit code and ``times`` rank -> the
     failure's ``time.time_ns()`` (:mod:`ddp_lesson._worker` writes ``"CODE TIME_NS"``); a
@@ -267,12 +267,12 @@ def _collect(outdir: Path, script: Path | None = None
 CONSEQUENCE_NS = 10 ** 19
 
 
-def _first_failures(failed: list[int], times: dict[int, int]) -> list[int]:
+def first_failures(failed: list[int], times: dict[int, int]) -> list[int]:
     """``failed`` ordered by when each rank failed, the root cause first.
 
     A rank with a record (``times``: its program raised or exited non-zero) is placed by the
     record's time, ties by rank. A failing rank without one died of a signal (torchrun's
-    summary names it; its own SIGTERMs are not counted, :func:`_failed_ranks`): a peer's
+    summary names it; its own SIGTERMs are not counted, :func:`read_failed_ranks`): a peer's
     failure reaches a rank as an exception in a collective, which is recorded, not as a
     signal, so those ranks come first, in rank order.
     """
@@ -305,8 +305,8 @@ def _failed_rank(launcher_stderr: str, errors: dict[int, str]) -> tuple[int | No
 _FAILURE = re.compile(r"rank\s*:\s*(\d+)[^\n]*\n\s*exitcode\s*:\s*(-?\d+)")
 
 
-def _failed_ranks(launcher_stderr: str, errors: dict[int, str], exits: dict[int, int]
-                  ) -> list[tuple[int, int | None]]:
+def read_failed_ranks(launcher_stderr: str, errors: dict[int, str], exits: dict[int, int]
+                      ) -> list[tuple[int, int | None]]:
     """Every failing rank with its exit code, in rank order (the error names the lowest).
 
     A rank whose own program failed recorded it (``rank{N}.exit``); torchrun's summary adds
@@ -324,7 +324,7 @@ def _failed_ranks(launcher_stderr: str, errors: dict[int, str], exits: dict[int,
     return sorted(failed.items())
 
 
-def _clean_traceback(text: str, script: Path | None, label: str) -> str:
+def clean_traceback(text: str, script: Path | None, label: str) -> str:
     """The rank's traceback without the bootstrap's frames, the cell file shown as ``label``."""
     if script is not None:
         text = text.replace(str(script), label)
@@ -361,7 +361,7 @@ def status_text(nprocs: int) -> str:
     return f"torchrun: {nprocs} process{'es' if nprocs != 1 else ''}"
 
 
-class _LiveStatus:
+class LiveStatus:
     """A one-line live status in a notebook kernel (nothing elsewhere): plain text, no widget.
 
     Shown with ``display(..., display_id=True)`` and rewritten in place with
@@ -492,7 +492,7 @@ def keep_kernel_status_busy(kernel) -> bool:
     return True
 
 
-def _progress_line(outdir: Path, rank: int = 0) -> str:
+def progress_line(outdir: Path, rank: int = 0) -> str:
     """What rank ``rank`` is showing now: a progress bar being redrawn on stderr (tqdm), else
     its last line of stdout. Never stderr's other lines (warnings and their source lines)."""
     err = _read(outdir / f"rank{rank}.err")

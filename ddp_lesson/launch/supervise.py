@@ -20,20 +20,20 @@ from functools import partial
 from pathlib import Path
 
 from ..procs import die_with_parent, folder_pids, kill_pids, reap, release_watchdog, start_watchdog
-from .command import _build_launch, _Launch, _validate
+from .command import Launch, build_launch, validate_launch
 from .forkserver import spawn_agent
 from .output import (
     CELL_LABEL,
+    LiveStatus,
     TorchrunError,
     TorchrunInterrupted,
     TorchrunResult,
     TorchrunTimeout,
-    _clean_traceback,
-    _collect,
-    _failed_ranks,
-    _first_failures,
-    _LiveStatus,
-    _progress_line,
+    clean_traceback,
+    collect_outputs,
+    first_failures,
+    progress_line,
+    read_failed_ranks,
     status_text,
 )
 
@@ -70,7 +70,7 @@ def _terminate(procs: list[subprocess.Popen], outdir: Path) -> None:
 
 
 
-def _start(launch: _Launch, errfiles, ready=None, procs: list | None = None) -> list:
+def _start(launch: Launch, errfiles, ready=None, procs: list | None = None) -> list:
     """Start one torchrun agent per command, each in a process group of its own, dying with us.
 
     Forked from this process's fork server (:mod:`.forkserver`: torch is imported once per
@@ -97,7 +97,7 @@ def _start(launch: _Launch, errfiles, ready=None, procs: list | None = None) -> 
     return procs
 
 
-def _supervise(launch: _Launch, timeout: float | None, status: _LiveStatus, errfiles,
+def _supervise(launch: Launch, timeout: float | None, status: LiveStatus, errfiles,
                cancel: threading.Event | None = None
                ) -> tuple[list[subprocess.Popen], bool, float]:
     """Start the agents and wait for them: ``(procs, timed_out, wall_s)``.
@@ -128,7 +128,7 @@ def _supervise(launch: _Launch, timeout: float | None, status: _LiveStatus, errf
                 _terminate(procs, launch.outdir)
                 return procs, True, time.monotonic() - start
             if status.live:
-                rank0 = _progress_line(launch.outdir)
+                rank0 = progress_line(launch.outdir)
                 status.update(f"{status_text(launch.total)}, at {elapsed:.0f} s"
                               + (f" | rank 0: {rank0}" if rank0 else ""))
             time.sleep(_POLL_S)
@@ -143,7 +143,7 @@ def _supervise(launch: _Launch, timeout: float | None, status: _LiveStatus, errf
     return procs, False, time.monotonic() - start
 
 
-def _collect_result(launch: _Launch, procs, errfiles, wall: float
+def _collect_result(launch: Launch, procs, errfiles, wall: float
                     ) -> tuple[TorchrunResult, dict[int, int], dict[int, int]]:
     """Read what the run left in its folder: every rank's output, torchrun's own log, and
     the exit codes and failure times of the ranks whose own program failed."""
@@ -151,27 +151,27 @@ def _collect_result(launch: _Launch, procs, errfiles, wall: float
     for err in errfiles:
         err.seek(0)
         launcher_stderr += err.read().decode(errors="replace")
-    outputs, errors, exits, times = _collect(launch.outdir, launch.script)
+    outputs, errors, exits, times = collect_outputs(launch.outdir, launch.script)
     returncode = next((p.returncode for p in procs if p.returncode), 0)
     return TorchrunResult(returncode, outputs, errors, launcher_stderr, launch.commands[0],
                           launch.equivalent, launch.backend, launch.reason, wall), exits, times
 
 
-def _failure(launch: _Launch, result: TorchrunResult, exits: dict[int, int],
+def _failure(launch: Launch, result: TorchrunResult, exits: dict[int, int],
              times: dict[int, int] | None = None) -> TorchrunError:
     """The error for a failed run: the rank that failed first (the root cause) with its
     traceback, the ranks that failed after it named as its consequences (see
     :class:`TorchrunError`)."""
-    failed = _failed_ranks(result.launcher_stderr, result.errors, exits)
+    failed = read_failed_ranks(result.launcher_stderr, result.errors, exits)
     result.failed_ranks = [r for r, _ in failed]
     if not failed:
-        tb = _clean_traceback(result.launcher_stderr, launch.script, CELL_LABEL)
+        tb = clean_traceback(result.launcher_stderr, launch.script, CELL_LABEL)
         last = tb.strip().splitlines()[-1] if tb.strip() else ""
         return TorchrunError(f"torchrun failed (exit code {result.returncode})"
                              + (f": {last}" if last else ""), None, result.returncode, tb, result)
     codes = {r: (c if c is not None else result.returncode) for r, c in failed}
     times = times or {}
-    order = _first_failures(list(codes), times)
+    order = first_failures(list(codes), times)
     # ranks without a record (killed by a signal) have no time: several are causes together
     unrecorded = [r for r in order if r not in times]
     causes = unrecorded if len(unrecorded) > 1 else order[:1]
@@ -179,7 +179,7 @@ def _failure(launch: _Launch, result: TorchrunResult, exits: dict[int, int],
     result.failed_rank = rank
     # the traceback: the first failing rank's, else the next failing rank that said why
     said = [r for r in order if result.errors.get(r, "").strip()] or [rank]
-    tb = _clean_traceback(result.errors.get(said[0], ""), launch.script, CELL_LABEL)
+    tb = clean_traceback(result.errors.get(said[0], ""), launch.script, CELL_LABEL)
     last = tb.strip().splitlines()[-1] if tb.strip() else ""
     where = (f"{_ranks_word(causes)} of {launch.total} failed" + (" first" if later else "")
              + f" ({_codes_word(causes, codes)})" + (f": {last}" if last else ""))
@@ -243,13 +243,13 @@ def run_torchrun(target: str | None = None, args=(), *, code: str | None = None,
         raise ValueError("give exactly one of code= or target=")
     if isinstance(args, str):  # "--epochs 1" means what a shell would make of it
         args = shlex.split(args)
-    _validate(nproc_per_node, nnodes, max_restarts, timeout)
+    validate_launch(nproc_per_node, nnodes, max_restarts, timeout)
     outdir = Path(tempfile.mkdtemp(prefix="ddp_lesson_run_"))
     launch = None
     try:
-        launch = _build_launch(target, args, code, module, nproc_per_node, nnodes, max_restarts,
+        launch = build_launch(target, args, code, module, nproc_per_node, nnodes, max_restarts,
                                backend, env, cwd, [str(a) for a in torchrun_args], outdir)
-        status = _LiveStatus(live, launch.total)
+        status = LiveStatus(live, launch.total)
         errfiles = [open(outdir / f"launcher{n}.err", "w+b") for n in range(len(launch.commands))]
         # ends the run and removes its folder if this process dies (a kernel restart, SIGKILL)
         watchdog = start_watchdog(launch.outdir, launch.env)
@@ -313,7 +313,7 @@ def run_torchrun_many(jobs: dict, *, label: str = "torchrun", live: bool | None 
     defaults = inspect.signature(run_torchrun).parameters  # one source for the defaults
     total = sum(kw.get("nproc_per_node", defaults["nproc_per_node"].default)
                 * kw.get("nnodes", defaults["nnodes"].default) for kw in jobs.values())
-    status = _LiveStatus(live, total)
+    status = LiveStatus(live, total)
     threads = [threading.Thread(target=work, args=item, daemon=True) for item in jobs.items()]
     start = time.monotonic()
     for t in threads:

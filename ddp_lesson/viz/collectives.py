@@ -231,9 +231,9 @@ def _numbers(values) -> str:
     """``(1.0, 2.5)`` -> ``"[1, 2.5]"``, in the format of
     :func:`ddp_lesson.collectives.holdings_line`, so the stepper and notebook 03's printed
     holdings show the same numbers alike."""
-    from ..collectives import fmt_values
+    from ..collectives import format_values
 
-    return fmt_values(list(values))
+    return format_values(list(values))
 
 
 def _state_title(state: RingState) -> str:

@@ -3,7 +3,7 @@
 torch's own list of the operations that raise a RuntimeError on CUDA under
 ``torch.use_deterministic_algorithms(True)`` is read from the function's docstring
 (torch/__init__.py). The aten ops one real training step of the series' models runs
-(:func:`ddp_lesson.step.train_step`, forward and backward) are recorded with a dispatch mode, on
+(:func:`ddp_lesson.train.train_step`, forward and backward) are recorded with a dispatch mode, on
 CPU: the ops are the same on CUDA (the 1x1 adaptive pooling becomes ``mean`` on every device,
 aten's AdaptiveAveragePooling.cpp). Each list entry the step uses must be named in the advice
 (docs/gpus.md's "Determinism" section and notebook 07 §1), so a torch that adds an op to its
@@ -21,7 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ddp_lesson.data import IGNORE_INDEX
 from ddp_lesson.models import build_model
-from ddp_lesson.step import train_step
+from ddp_lesson.train import train_step
 
 ROOT = Path(__file__).resolve().parents[2]
 

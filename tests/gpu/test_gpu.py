@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from ddp_lesson.launch import run_torchrun
-from ddp_lesson.step import cuda_bf16_native
+from ddp_lesson.train import cuda_bf16_native
 
 CUDA = torch.cuda.is_available()
 GPUS = torch.cuda.device_count() if CUDA else 0
@@ -222,7 +222,7 @@ def test_checkpoint_loads_onto_each_ranks_own_gpu(tmp_path):
 
 
 def test_step_timer_synchronises_cuda_before_reading_the_clock(monkeypatch):
-    from ddp_lesson.step import StepTimer
+    from ddp_lesson.bench.scaling import StepTimer
 
     stream = torch.cuda.current_stream()
     # Without sync: the block returns while the GPU is still busy (the clock would stop early).

@@ -16,9 +16,9 @@ import pytest
 from ddp_lesson.launch import TorchrunError, run_torchrun, terminal_text
 from ddp_lesson.launch.output import (
     CONSEQUENCE_NS,
-    _collect,
-    _failed_ranks,
-    _first_failures,
+    collect_outputs,
+    first_failures,
+    read_failed_ranks,
 )
 
 pytestmark = pytest.mark.timeout(180)
@@ -191,9 +191,9 @@ def test_a_peer_waiting_in_a_collective_is_a_consequence_not_the_cause(nproc):
 
 def test_the_failure_order_comes_from_the_records_signals_first():
     # recorded failures by time (ties by rank); a rank that died of a signal has no record
-    assert _first_failures([0, 1, 2], {0: 30, 1: 10, 2: 20}) == [1, 2, 0]
-    assert _first_failures([0, 1], {0: 5, 1: 5}) == [0, 1]
-    assert _first_failures([0, 1, 3], {0: 1, 1: 2}) == [3, 0, 1]
+    assert first_failures([0, 1, 2], {0: 30, 1: 10, 2: 20}) == [1, 2, 0]
+    assert first_failures([0, 1], {0: 5, 1: 5}) == [0, 1]
+    assert first_failures([0, 1, 3], {0: 1, 1: 2}) == [3, 0, 1]
 
 
 def test_the_error_names_the_cause_and_never_orders_ranks_without_a_time():
@@ -227,10 +227,10 @@ def test_the_records_give_exit_code_and_time(tmp_path):
     (tmp_path / "rank2.exit").write_text("")         # cut short: code 1
     # an exception that passes on a peer's failure (Rank0Error), recorded a moment earlier
     (tmp_path / "rank3.exit").write_text("1 1700000000000000000 consequence")
-    _, _, exits, times = _collect(tmp_path)
+    _, _, exits, times = collect_outputs(tmp_path)
     assert exits == {0: 3, 1: 1, 2: 1, 3: 1}
     assert times == {0: 1700000000123456789, 3: 1700000000000000000 + CONSEQUENCE_NS}
-    assert _first_failures([0, 3], times) == [0, 3]
+    assert first_failures([0, 3], times) == [0, 3]
 
 
 def test_failing_ranks_from_records_and_torchrun_summary():
@@ -241,8 +241,9 @@ def test_failing_ranks_from_records_and_torchrun_summary():
                "  rank      : 2 (local_rank: 2)\n  exitcode  : 1 (pid: 7)\n")
     # recorded failures in any order come back in rank order; a rank killed by a signal of
     # its own (-9) is added, one ended by torchrun (SIGTERM, -15) is not
-    assert _failed_ranks(summary, {}, {2: 1, 1: 3}) == [(1, 3), (2, 1), (3, -9)]
-    assert _failed_ranks(summary, {2: "Traceback (most recent call last):\nE\n"}, {}) == [(2, 1)]
+    assert read_failed_ranks(summary, {}, {2: 1, 1: 3}) == [(1, 3), (2, 1), (3, -9)]
+    traceback = {2: "Traceback (most recent call last):\nE\n"}
+    assert read_failed_ranks(summary, traceback, {}) == [(2, 1)]
 
 
 # Everything Python does at a normal exit; the cell prints what it saw.
@@ -340,7 +341,7 @@ def test_a_cell_that_prints_warns_and_prints_replays_five_times(tmp_path):
 
 def test_status_reads_as_text_and_shows_progress_not_warnings(tmp_path):
     from ddp_lesson.launch import launcher_backend, status_text
-    from ddp_lesson.launch.output import _progress_line
+    from ddp_lesson.launch.output import progress_line
 
     # the stored text form is a plain line, not Label(value=...)
     assert status_text(2) == "torchrun: 2 processes"
@@ -349,10 +350,10 @@ def test_status_reads_as_text_and_shows_progress_not_warnings(tmp_path):
     (tmp_path / "rank0.out").write_text("epoch 1 step 3/10\n")
     (tmp_path / "rank0.err").write_text(
         "lab.py:7: UserWarning: slow\n  worst = torch.tensor(max(float(x) for x in v))\n")
-    assert _progress_line(tmp_path) == "epoch 1 step 3/10"
+    assert progress_line(tmp_path) == "epoch 1 step 3/10"
     # ... but a progress bar being redrawn on stderr is progress
     (tmp_path / "rank0.err").write_text("\r 10%|#         | 1/10\r 20%|##        | 2/10")
-    assert _progress_line(tmp_path) == "20%|##        | 2/10"
+    assert progress_line(tmp_path) == "20%|##        | 2/10"
     # 2 simulated nodes x 1 process are 2 processes on this host
     assert launcher_backend(1, 2, "gloo")[1] == "2 processes, gloo requested: using gloo on CPU"
 

@@ -58,9 +58,9 @@ def test_join_shadows_only_its_joinables():
     ddp = re.sub(r"\s+", " ", _torch_src("nn/parallel/distributed.py"))
     assert "context manager is not aware of non-DDP collective communication" in ddp
     # the trainer's own collective each step, outside DDP: the global pixel count
-    from ddp_lesson import step
+    from ddp_lesson import train
 
-    src = open(step.__file__).read()
+    src = open(train.__file__).read()
     assert "all_reduce_sum(t.to(reduce_device()))" in src
 
 

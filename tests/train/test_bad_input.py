@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 
-from ddp_lesson import cli, config, step, train
+from ddp_lesson import cli, config, train
 from ddp_lesson.launch import run_torchrun
 
 TINY = ["--epochs", "1", "--num-train", "8", "--num-val", "2", "-b", "4", "--size", "32", "64",
@@ -127,7 +127,7 @@ def test_bf16_where_the_device_cannot_do_it(monkeypatch, capsys, tmp_path):
     assert line == "error: --amp bf16: autocast is not available on device type 'cpu'"
     assert not (tmp_path / "checkpoint.pt").exists()
     with pytest.raises(config.TrainInputError, match="^--amp bf16: autocast is not available"):
-        config.preflight(TINY + ["--amp", "bf16", "--out", str(tmp_path)], world_size=2)
+        train.preflight(TINY + ["--amp", "bf16", "--out", str(tmp_path)], world_size=2)
     # the launcher refuses it before starting any process
     monkeypatch.setattr(cli.subprocess, "Popen", lambda *a, **k: pytest.fail("processes started"))
     assert cli.main(["train", "--nproc-per-node", "2", "--amp", "bf16"]) == 2
@@ -138,9 +138,9 @@ def test_bf16_where_the_device_cannot_do_it(monkeypatch, capsys, tmp_path):
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, **k: "Tesla V100")
     monkeypatch.setattr(torch.amp.autocast_mode, "is_autocast_available", lambda device: True)
-    assert step.amp_unavailable("bf16", "cuda") == ("--amp bf16: this GPU (Tesla V100) does not "
+    assert train.amp_unavailable("bf16", "cuda") == ("--amp bf16: this GPU (Tesla V100) does not "
                                                     "support bfloat16; use --amp fp16")
-    assert step.amp_unavailable("fp16", "cuda") is None
+    assert train.amp_unavailable("fp16", "cuda") is None
 
 
 def test_bf16_guard_refuses_an_emulating_gpu_like_a_t4(monkeypatch):
@@ -155,13 +155,13 @@ def test_bf16_guard_refuses_an_emulating_gpu_like_a_t4(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", t4_is_bf16_supported)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, **k: "Tesla T4")
     monkeypatch.setattr(torch.amp.autocast_mode, "is_autocast_available", lambda device: True)
-    assert step.amp_unavailable("bf16", "cuda") == ("--amp bf16: this GPU (Tesla T4) does not "
+    assert train.amp_unavailable("bf16", "cuda") == ("--amp bf16: this GPU (Tesla T4) does not "
                                                     "support bfloat16; use --amp fp16")
     assert calls == [False]
-    assert step.amp_unavailable("fp16", "cuda") is None
+    assert train.amp_unavailable("fp16", "cuda") is None
     # an A100 (8.0): accepted
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
-    assert step.amp_unavailable("bf16", "cuda") is None
+    assert train.amp_unavailable("bf16", "cuda") is None
 
 
 def test_bf16_guard_on_a_torch_without_including_emulation(monkeypatch):
@@ -179,11 +179,11 @@ def test_bf16_guard_on_a_torch_without_including_emulation(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: Props)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, **k: "Tesla T4")
     monkeypatch.setattr(torch.amp.autocast_mode, "is_autocast_available", lambda device: True)
-    assert step.cuda_bf16_native() is False
-    assert step.amp_unavailable("bf16", "cuda").startswith("--amp bf16: this GPU (Tesla T4)")
+    assert train.cuda_bf16_native() is False
+    assert train.amp_unavailable("bf16", "cuda").startswith("--amp bf16: this GPU (Tesla T4)")
     Props.major = 8
-    assert step.cuda_bf16_native() is True
-    assert step.amp_unavailable("bf16", "cuda") is None
+    assert train.cuda_bf16_native() is True
+    assert train.amp_unavailable("bf16", "cuda") is None
 
 
 def test_flag_errors_come_before_any_process(capsys, monkeypatch):
@@ -268,11 +268,11 @@ def test_epoch_without_steps_is_refused_before_the_run():
     with pytest.raises(config.TrainInputError,
                        match=r"^no training steps: 2 training samples on 3 ranks with "
                              r"--drop-last give each rank 0 samples; use at most 2 ranks"):
-        config.preflight(["--num-train", "2", "--drop-last"], world_size=3)
+        train.preflight(["--num-train", "2", "--drop-last"], world_size=3)
     with pytest.raises(config.TrainInputError,
                        match=r"^no training steps: 10 training samples on 2 ranks give 5 per "
                              r"rank, fewer than one batch of 8 with --drop-last"):
-        config.preflight(["--num-train", "10", "--drop-last", "-b", "8"], world_size=2)
+        train.preflight(["--num-train", "10", "--drop-last", "-b", "8"], world_size=2)
 
 
 # ---- data folder -------------------------------------------------------------------------
@@ -301,7 +301,7 @@ def test_bad_data_root(case, message, tmp_path, capsys):
     line = _fails(TINY + ["--data-root", str(root), "--out", str(tmp_path / "o")], capsys)
     assert line.startswith(message.format(root=root).replace("\\", "")), line
     with pytest.raises(config.TrainInputError):
-        config.preflight(TINY + ["--data-root", str(root), "--out", str(tmp_path / "o")], 2)
+        train.preflight(TINY + ["--data-root", str(root), "--out", str(tmp_path / "o")], 2)
 
 
 # ---- output folder and checkpoints -------------------------------------------------------
@@ -382,9 +382,9 @@ def test_checkpoint_of_another_model_or_config(flags, message, tmp_path, good_ch
     assert line.endswith("resume with the same settings, or pass --no-resume to start over")
     assert path.read_bytes() == before
     with pytest.raises(config.TrainInputError, match="does not"):
-        config.preflight(argv, world_size=1)
+        train.preflight(argv, world_size=1)
     # the checkpoint is fine for the run that wrote it
-    assert config.preflight(TINY + ["--out", str(out)], world_size=1).width == 4
+    assert train.preflight(TINY + ["--out", str(out)], world_size=1).width == 4
 
 
 def test_world_size_of_the_checkpoint(tmp_path, good_checkpoint):
@@ -394,7 +394,7 @@ def test_world_size_of_the_checkpoint(tmp_path, good_checkpoint):
     out.mkdir()
     (out / "checkpoint.pt").write_bytes(good_checkpoint.read_bytes())
     with pytest.raises(config.TrainInputError) as exc:
-        config.preflight(TINY + ["--out", str(out)], world_size=2)
+        train.preflight(TINY + ["--out", str(out)], world_size=2)
     assert str(exc.value) == (
         f"checkpoint {out}/checkpoint.pt cannot resume at 2 processes: a step holds K x R = "
         "1 x 1 = 1 micro-batch (R=1 process, K=1 accumulation step), which R'=2 processes "
@@ -414,15 +414,15 @@ def test_another_world_size_that_divides_k_x_r(tmp_path):
     # 16 samples, B=4, K=2 on 1 process: 4 micro-batches, 2 steps; stopped after the first
     flags = TINY + ["--num-train", "16", "--grad-accum-steps", "2"]
     path = _stopped(tmp_path, flags)
-    assert config.preflight(flags + ["--out", str(tmp_path)], world_size=2).grad_accum_steps == 2
+    assert train.preflight(flags + ["--out", str(tmp_path)], world_size=2).grad_accum_steps == 2
     with pytest.raises(config.TrainInputError, match=r"cannot resume at 3 processes: a step "
                        r"holds K x R = 2 x 1 = 2 micro-batches .* use 1 or 2 processes, or"):
-        config.preflight(flags + ["--out", str(tmp_path)], world_size=3)
+        train.preflight(flags + ["--out", str(tmp_path)], world_size=3)
     # 12 samples: 3 micro-batches, the last step holds 1, which 2 processes cannot share
     short = TINY + ["--num-train", "12", "--grad-accum-steps", "2"]
     _stopped(tmp_path / "short", short)
     with pytest.raises(config.TrainInputError) as exc:
-        config.preflight(short + ["--out", str(tmp_path / "short")], world_size=2)
+        train.preflight(short + ["--out", str(tmp_path / "short")], world_size=2)
     assert str(exc.value) == (
         f"checkpoint {tmp_path}/short/checkpoint.pt cannot resume at 2 processes: the epoch's "
         "last step holds 1 micro-batch (3 per rank and epoch at R=1, K=2), which R'=2 "
@@ -433,7 +433,7 @@ def test_another_world_size_that_divides_k_x_r(tmp_path):
     with pytest.raises(config.TrainInputError, match=r"cannot resume at 2 processes: with "
                        r"--sync-bn BatchNorm's statistics span the micro-batches of the R=1 "
                        r"ranks at the same moment"):
-        config.preflight(sync + ["--out", str(tmp_path / "sync")], world_size=2)
+        train.preflight(sync + ["--out", str(tmp_path / "sync")], world_size=2)
     assert path.exists()
 
 

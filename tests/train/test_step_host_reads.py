@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ddp_lesson.data import IGNORE_INDEX
-from ddp_lesson.step import Precision, train_step
+from ddp_lesson.train import Precision, train_step
 
 HOST_READS = ("item", "tolist", "numpy", "cpu", "__float__", "__int__", "__index__", "__bool__")
 

@@ -131,7 +131,7 @@ g = torch.Generator().manual_seed(2)
 images = torch.randn(2 * R, 3, 16, 24, generator=g)
 target = torch.randint(0, 5, (2 * R, 16, 24), generator=g)
 target[:, :3] = 255  # some void pixels
-from ddp_lesson.step import train_step
+from ddp_lesson.train import train_step
 opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
 train_step(ddp, opt, [(images[2 * r:2 * r + 2], target[2 * r:2 * r + 2])], R)
 ref_opt = torch.optim.SGD(plain_model.parameters(), lr=0.1, momentum=0.9)

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from ddp_lesson.env import init_distributed, cleanup
-from ddp_lesson.step import accumulate_gradients, train_step
+from ddp_lesson.train import accumulate_gradients, train_step
 
 env = init_distributed(timeout=60, announce=False)
 R, r = env.world_size, env.rank
@@ -181,7 +181,7 @@ def test_a_skipped_fp16_step_leaves_the_learning_rate_schedule_where_it_was():
 
     import torch
 
-    from ddp_lesson.step import Precision, train_step
+    from ddp_lesson.train import Precision, train_step
 
     torch.manual_seed(0)
     conv = torch.nn.Conv2d(3, 2, 1)

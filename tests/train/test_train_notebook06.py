@@ -147,3 +147,49 @@ def test_mixed_precision_is_one_launch_of_the_lab():
         "[rank 1]   step 5: own gradient finite False, after all_reduce False; skipped steps [5]"
         in out
     )
+
+
+RESIZE = ROOT / "notebooks" / "deep" / "06_resume_at_another_world_size.ipynb"
+
+
+def test_resize_deep_dive_prints_what_the_layout_computes():
+    """The deep dive's dealt micro-batches and its resumed run's lines, from the package."""
+    from ddp_lesson.config import derived_values, layout_for, parse_config
+    from ddp_lesson.layout import DataLayout, LayoutBatchSampler
+
+    layout = DataLayout(num_samples=16, world_size=2, grad_accum_steps=1, batch_size=2, seed=0)
+
+    def dealt(world_size, rank, start_step=0):
+        sampler = LayoutBatchSampler(layout, world_size, rank)
+        sampler.set_epoch(1)
+        sampler.start_step = start_step
+        return list(sampler)
+
+    out = _output_of("LayoutBatchSampler(layout, world_size, rank)", RESIZE)
+    assert f"R=2, rank 0: {dealt(2, 0)}\nR=2, rank 1: {dealt(2, 1)}\n" in out
+    assert "rank 0 = torch's sampler and loader: True" in out
+    assert f"after 2 steps the cursor is at sample {layout.cursor(2)} of {layout.cursor(4)}" in out
+    assert f"on R'=1, K' = 2 from step 2: {dealt(1, 0, start_step=2)}" in out
+
+    cfg = parse_config(["--num-train", "64", "-b", "4"])
+    lay = layout_for(cfg, 64, 2, 1)
+    d = derived_values(cfg, 1, layout=lay)
+    resumed = _output_of("run_torchrun(", RESIZE)
+    assert (f"batch per rank 4  global batch {d['global_batch']} (= 4 x 1 x "
+            f"{d['grad_accum_steps']} accumulation steps)") in resumed
+    assert f"epoch 1/1, step 5/{d['steps_per_epoch']} (global step 5)" in resumed
+    assert (f"global batch {d['global_batch']} kept; cursor at sample {lay.cursor(5)} of "
+            f"{d['samples_per_epoch']} this epoch") in resumed
+    compared = _output_of("weights bit-identical", RESIZE)
+    steps = d["steps_per_epoch"]
+    assert "weights bit-identical to the uninterrupted 2-process run: True" in compared
+    # BatchNorm counts its forwards: rank 0 of 2 ran 8; 5 on 2 then 3 steps x K'=2 on 1 ran 11
+    assert (f"rank 0 of 2 processes {steps} | 5 on 2, then 3 x 2 on 1: "
+            f"{5 + (steps - 5) * d['grad_accum_steps']}") in compared
+
+
+def test_resize_runs_show_live_progress():
+    cell = next(c for c in _cells(RESIZE) if c.cell_type == "code" and "run_torchrun(" in c.source)
+    assert "live=False" not in cell.source
+    shown = [o for o in cell.outputs if o.get("output_type") == "display_data"]
+    assert [o["data"] for o in shown] == [{"text/plain": "torchrun: 4 processes"}]
