@@ -25,8 +25,9 @@ ALL_REDUCE = "gloo:all_reduce"
 LAUNCH = "c10d::allreduce_"
 
 
-def _union(spans):
-    """Sorted, merged ``(start, end)`` intervals."""
+def merge_spans(spans):
+    """The union of ``(start, end)`` intervals (any one time unit), sorted; overlapping spans
+    become one. Pure; no process group."""
     out: list[list[float]] = []
     for start, end in sorted(spans):
         if out and start <= out[-1][1]:
@@ -88,7 +89,7 @@ def exposed_comm(trace: dict) -> dict[str, float]:
         ValueError: see :func:`timeline`.
     """
     t = timeline(trace)
-    comm, compute = _union(t["all_reduce"]), _union(t["backward"])
+    comm, compute = merge_spans(t["all_reduce"]), merge_spans(t["backward"])
     hidden = sum(max(0.0, min(e, ce) - max(s, cs)) for s, e in comm for cs, ce in compute)
     exposed = _length(comm) - hidden
     step = t["step"][0][1]
@@ -110,12 +111,12 @@ def plot_timeline(trace: dict, ax=None, title: str = ""):
     t = timeline(trace)
     t0 = min(float(e["ts"]) for e in events if e.get("name") == ALL_REDUCE) - t["all_reduce"][0][0]
     threads = sorted({e["tid"] for e in events if e.get("name") == ALL_REDUCE})
-    rows = {"backward": [(s / 1e3, (e - s) / 1e3) for s, e in _union(t["backward"])]}
+    rows = {"backward": [(s / 1e3, (e - s) / 1e3) for s, e in merge_spans(t["backward"])]}
     for i, tid in enumerate(threads):
         rows[f"gloo thread {i + 1}"] = [((float(e["ts"]) - t0) / 1e3, float(e["dur"]) / 1e3)
                                         for e in events
                                         if e.get("name") == ALL_REDUCE and e["tid"] == tid]
-    comm, compute = _union(t["all_reduce"]), _union(t["backward"])
+    comm, compute = merge_spans(t["all_reduce"]), merge_spans(t["backward"])
     cuts = sorted({x for span in comm + compute for x in span})
     rows["exposed"] = [(a / 1e3, (b - a) / 1e3) for a, b in zip(cuts, cuts[1:])
                        if any(s <= a and b <= e for s, e in comm)

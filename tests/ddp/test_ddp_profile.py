@@ -6,7 +6,7 @@ import json
 import pytest
 from notebook_cells import cell_with, stream_text
 
-from ddp_lesson.labs.ddp_profile import _union, exposed_comm, timeline
+from ddp_lesson.labs.ddp_profile import exposed_comm, merge_spans, timeline
 
 NB = "deep/04_profiler_trace.ipynb"
 LINE = "{r}: 8 bucket all-reduces, 8 launched during backward"
@@ -37,7 +37,7 @@ def test_a_profiled_step_on_two_ranks(tmp_path):
         t = timeline(trace)
         e = exposed_comm(trace)
         assert len(t["all_reduce"]) == 8  # 8 layers of 1 MiB, bucket_cap_mb=1
-        assert e["comm_us"] == sum(b - a for a, b in _union(t["all_reduce"]))
+        assert e["comm_us"] == sum(b - a for a, b in merge_spans(t["all_reduce"]))
         assert 0 <= e["exposed_us"] <= e["comm_us"] <= e["step_us"]
         assert e["exposed_share"] == e["exposed_us"] / e["step_us"]
         # every bucket's all-reduce is launched while backward still runs (DDP's hooks)

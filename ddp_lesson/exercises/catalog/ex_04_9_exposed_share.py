@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import random
 
-from ...labs.ddp_profile import ALL_REDUCE, BACKWARD, LAUNCH, _union, exposed_share, timeline
+from ...labs.ddp_profile import ALL_REDUCE, BACKWARD, LAUNCH, exposed_share, merge_spans, timeline
 from ..registry import Exercise, register
 from ..values import as_number, call_case, close, fmt_num, returned
 
@@ -64,8 +64,8 @@ def _shortcuts(trace) -> dict[str, float]:
     """What plausible wrong answers return for ``trace``, each with why it is wrong."""
     t = timeline(trace)
     step = t["step"][0][1]
-    compute = _union(t["backward"])
-    comm = _union(t["all_reduce"])
+    compute = merge_spans(t["backward"])
+    comm = merge_spans(t["all_reduce"])
     total = sum(e - s for s, e in comm)
     exposed = sum(_outside(c, compute) for c in comm)
     return {
@@ -73,7 +73,7 @@ def _shortcuts(trace) -> dict[str, float]:
         "you added the exposed time of each all-reduce: two buckets in flight at once "
         "count once": sum(_outside(c, compute) for c in t["all_reduce"]) / step,
         "you used c10d::allreduce_, the launch on backward's thread, not gloo:all_reduce":
-            sum(_outside(c, compute) for c in _union(t["launch"])) / step,
+            sum(_outside(c, compute) for c in merge_spans(t["launch"])) / step,
         "you counted only the tail after backward: an all-reduce can also be exposed in a "
         "gap between backward's ops":
             max(0.0, max(e for _, e in comm) - max(e for _, e in compute)) / step,
