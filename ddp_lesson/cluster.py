@@ -86,7 +86,7 @@ from pathlib import Path
 
 from .env import BACKEND_ENV, BACKENDS, choose_backend
 from .launch.command import loopback_env, rendezvous_store, torchrun_flags
-from .procs import alive, die_with_parent, reap, release_watchdog, start_watchdog
+from .procs import alive, die_with_parent, kill_pids, reap, release_watchdog, start_watchdog
 
 #: Seconds a ``%%ranks`` cell may run before its verdict (override per cell with ``--timeout``).
 DEFAULT_RUN_TIMEOUT_S = 120.0
@@ -164,10 +164,7 @@ def _end(proc: subprocess.Popen | None, grace_s: float = 5.0) -> None:
     for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
         if proc.returncode is not None:
             break
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            pass
+        kill_pids([proc.pid], sig)  # not reaped yet: the pid is still this child's
         if reap(proc, wait):
             break
     try:  # children it forked into its group (the controller forks one) and left behind
@@ -465,12 +462,7 @@ class Cluster:
             _end(p)
         if self.agents:
             self.exit_codes = [p.returncode for p in self.agents]
-        for pid in self.engine_pids.values():
-            if alive(pid):
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except OSError:
-                    pass
+        kill_pids(pid for pid in self.engine_pids.values() if alive(pid))
         _end(self.controller)
         if self.folder is not None:
             shutil.rmtree(self.folder, ignore_errors=True)

@@ -36,7 +36,6 @@ __all__ = [
     "naive_padded_accuracy",
     "mean_of_rank_accuracies",
     "sharded_exact_accuracy",
-    "all_reduce_sum",
     "exact_accuracy",
     "ExactEval",
     "evaluate_exact",
