@@ -80,6 +80,7 @@ import sys
 import tempfile
 import time
 import uuid
+from contextlib import suppress
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -167,10 +168,8 @@ def _end(proc: subprocess.Popen | None, grace_s: float = 5.0) -> None:
         kill_pids([proc.pid], sig)  # not reaped yet: the pid is still this child's
         if reap(proc, wait):
             break
-    try:  # children it forked into its group (the controller forks one) and left behind
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
+    with suppress(ProcessLookupError, PermissionError):  # children it forked into its group
+        os.killpg(proc.pid, signal.SIGKILL)  # (the controller forks one) and left behind
 
 
 def _engine_main(argv: list[str]) -> None:
@@ -431,32 +430,24 @@ class Cluster:
         """
         if self.folder is None:
             return
+        atexit.unregister(self.stop)
         try:
-            atexit.unregister(self.stop)
-            if (
-                self.client is not None
-                and self.engine_ids
-                and all(p.poll() is None for p in self.agents)
-            ):
-                try:
-                    res = self._execute(_CLEANUP, sorted(self.engine_ids), 15.0)
-                    if res is not None:
+            if (self.client is not None and self.engine_ids
+                    and all(p.poll() is None for p in self.agents)):
+                with suppress(Exception):
+                    if self._execute(_CLEANUP, sorted(self.engine_ids), 15.0) is not None:
                         for eid in self.engine_ids.values():
                             self.client[eid].execute(_EXIT, block=False)
                         for p in self.agents:
                             reap(p, 15.0)
-                except Exception:
-                    pass
         finally:
             self._kill_all()
 
     def _kill_all(self) -> None:
         """End every process this cluster started (SIGTERM, then SIGKILL) and remove the folder."""
         if self.client is not None:
-            try:
+            with suppress(Exception):
                 self.client.close(linger=0)
-            except Exception:
-                pass
             self.client = None
         for p in self.agents:
             _end(p)
@@ -635,10 +626,8 @@ class Cluster:
     def _interrupted(self, ars: dict) -> None:
         running = [r for r, ar in ars.items() if not ar.ready()]
         for r in running:
-            try:
+            with suppress(OSError):
                 os.kill(self.engine_pids[r], signal.SIGINT)
-            except OSError:
-                pass
         deadline = time.monotonic() + INTERRUPT_GRACE_S
         while not all(ar.ready() for ar in ars.values()):
             if time.monotonic() > deadline:
