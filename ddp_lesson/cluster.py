@@ -80,13 +80,14 @@ import sys
 import tempfile
 import time
 import uuid
+from contextlib import suppress
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
 from .env import BACKEND_ENV, BACKENDS, choose_backend
 from .launch.command import loopback_env, rendezvous_store, torchrun_flags
-from .procs import alive, die_with_parent, reap, release_watchdog, start_watchdog
+from .procs import alive, die_with_parent, kill_pids, reap, release_watchdog, start_watchdog
 
 #: Seconds a ``%%ranks`` cell may run before its verdict (override per cell with ``--timeout``).
 DEFAULT_RUN_TIMEOUT_S = 120.0
@@ -149,6 +150,11 @@ class RanksResult:
     failed: dict[int, str] = field(default_factory=dict)
     wall_s: float = 0.0
 
+    def raise_failed(self, world_size: int) -> None:
+        """Raise :class:`RanksError` naming the ranks that raised, if any (state kept)."""
+        if self.failed:
+            raise RanksError(_failure_summary(self.failed, world_size), self.failed, self.outputs)
+
 
 # --------------------------------------------------------------------------- process helpers
 
@@ -159,16 +165,11 @@ def _end(proc: subprocess.Popen | None, grace_s: float = 5.0) -> None:
     for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
         if proc.returncode is not None:
             break
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            pass
+        kill_pids([proc.pid], sig)  # not reaped yet: the pid is still this child's
         if reap(proc, wait):
             break
-    try:  # children it forked into its group (the controller forks one) and left behind
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
+    with suppress(ProcessLookupError, PermissionError):  # children it forked into its group
+        os.killpg(proc.pid, signal.SIGKILL)  # (the controller forks one) and left behind
 
 
 def _engine_main(argv: list[str]) -> None:
@@ -183,14 +184,8 @@ def _engine_main(argv: list[str]) -> None:
     # atomically), dying with torchrun meanwhile.
     import torch.distributed  # noqa: F401  (the first cell's import, done while we wait)
 
-    url_file = next(a.split("=", 1)[1] for a in argv if a.startswith("--file="))
-    while True:
-        try:
-            with open(url_file) as f:
-                if "registration" in json.load(f):
-                    break
-        except (OSError, ValueError):
-            pass
+    url_file = Path(next(a.split("=", 1)[1] for a in argv if a.startswith("--file=")))
+    while "registration" not in (_read_json(url_file) or {}):
         time.sleep(0.05)
     from ipyparallel.engine.app import main
 
@@ -312,14 +307,11 @@ class Cluster:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, env.get("PYTHONPATH")) if p)
         return env
 
-    def _popen(
-        self, cmd: list[str], env: dict, log: Path, pdeathsig: bool = True
-    ) -> subprocess.Popen:
+    def _popen(self, cmd: list[str], env: dict, log: Path) -> subprocess.Popen:
         with open(log, "ab") as out:
             return subprocess.Popen(cmd, env=env, cwd=self.cwd, stdin=subprocess.DEVNULL,
                                     stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                    preexec_fn=partial(die_with_parent, os.getpid())
-                                    if pdeathsig else None)
+                                    preexec_fn=partial(die_with_parent, os.getpid()))
 
     def _log_tail(self, n: int = 30) -> str:
         lines = []
@@ -389,7 +381,7 @@ class Cluster:
         for node, cmd in enumerate(commands):
             self.agents.append(self._popen(cmd, env, self.folder / f"torchrun{node}.log"))
         self._write_pids()
-        self._wait_for(lambda: _complete_json(client_file), deadline,
+        self._wait_for(lambda: _read_json(client_file) is not None, deadline,
                        "the controller's connection files", [self.controller, *self.agents])
         self.timings["controller_ready_s"] = time.monotonic() - t0
         self.client = ipp.Client(url_file=str(client_file), profile_dir=str(profile), timeout=30)
@@ -438,43 +430,30 @@ class Cluster:
         """
         if self.folder is None:
             return
+        atexit.unregister(self.stop)
         try:
-            atexit.unregister(self.stop)
-            if (
-                self.client is not None
-                and self.engine_ids
-                and all(p.poll() is None for p in self.agents)
-            ):
-                try:
-                    res = self._execute(_CLEANUP, sorted(self.engine_ids), 15.0)
-                    if res is not None:
+            if (self.client is not None and self.engine_ids
+                    and all(p.poll() is None for p in self.agents)):
+                with suppress(Exception):
+                    if self._execute(_CLEANUP, sorted(self.engine_ids), 15.0) is not None:
                         for eid in self.engine_ids.values():
                             self.client[eid].execute(_EXIT, block=False)
                         for p in self.agents:
                             reap(p, 15.0)
-                except Exception:
-                    pass
         finally:
             self._kill_all()
 
     def _kill_all(self) -> None:
         """End every process this cluster started (SIGTERM, then SIGKILL) and remove the folder."""
         if self.client is not None:
-            try:
+            with suppress(Exception):
                 self.client.close(linger=0)
-            except Exception:
-                pass
             self.client = None
         for p in self.agents:
             _end(p)
         if self.agents:
             self.exit_codes = [p.returncode for p in self.agents]
-        for pid in self.engine_pids.values():
-            if alive(pid):
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except OSError:
-                    pass
+        kill_pids(pid for pid in self.engine_pids.values() if alive(pid))
         _end(self.controller)
         if self.folder is not None:
             shutil.rmtree(self.folder, ignore_errors=True)
@@ -507,12 +486,14 @@ class Cluster:
             raise ValueError(f"ranks {bad or ranks} outside [0, {self.world_size - 1}]")
         return ranks
 
+    def _submit(self, code: str, ranks: list[int]) -> dict:
+        """Start ``code`` on ``ranks`` without waiting: {rank: AsyncResult}."""
+        return {r: self.client[self.engine_ids[r]].execute(code, silent=False, block=False)
+                for r in ranks}
+
     def _execute(self, code: str, ranks: list[int], timeout: float):
         """Run ``code`` on ``ranks``; {rank: AsyncResult} once all are done, None on timeout."""
-        ars = {
-            r: self.client[self.engine_ids[r]].execute(code, silent=False, block=False)
-            for r in ranks
-        }
+        ars = self._submit(code, ranks)
         deadline = time.monotonic() + timeout
         while not all(ar.ready() for ar in ars.values()):
             if time.monotonic() > deadline:
@@ -529,10 +510,7 @@ class Cluster:
         if timeout <= 0:
             raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
         start = time.monotonic()
-        ars = {
-            r: self.client[self.engine_ids[r]].execute(code, silent=False, block=False)
-            for r in ranks
-        }
+        ars = self._submit(code, ranks)
         deadline, first_failure = start + timeout, None
         try:
             while True:
@@ -594,16 +572,13 @@ class Cluster:
                 stop within :data:`INTERRUPT_GRACE_S`, else restarted).
         """
         result = self.run_detailed(code, ranks, timeout)
-        if result.failed:
-            raise RanksError(_failure_summary(result.failed, len(result.outputs), self.world_size),
-                             result.failed, result.outputs)
+        result.raise_failed(self.world_size)
         return result.outputs
 
     def _hung(self, ars: dict, timeout: float) -> None:
         waiting = [r for r, ar in ars.items() if not ar.ready()]
         done = [r for r in ars if r not in waiting]
-        outputs = {r: _text_output(ar) for r, ar in ars.items()}
-        self.restart()
+        outputs = self._outputs_then_restart(ars)
         raise RanksTimeout(
             f"{_ranks_word(waiting)} still running after {timeout:g} s"
             + (f" ({_ranks_word(done)} finished)" if done else "")
@@ -620,13 +595,12 @@ class Cluster:
         """A rank raised and the others are still running: name it now, restart the cluster."""
         failed = {r: _error_text(ar) for r, ar in ars.items() if _raised(ar)}
         waiting = [r for r, ar in ars.items() if not ar.ready()]
-        outputs = {r: _text_output(ar) for r, ar in ars.items()}
         # the restart takes seconds: say at once what happened (the error follows it)
         print(f"[ranks] {_ranks_word(failed)} raised; {_ranks_word(waiting)} still waiting: "
               "restarting the cluster", file=sys.stderr, flush=True)
-        self.restart()
+        outputs = self._outputs_then_restart(ars)
         raise RanksError(
-            _failure_summary(failed, len(ars), self.world_size, kept=False)
+            _failure_summary(failed, self.world_size, kept=False)
             + f"; {_ranks_word(waiting)} still running after it: "
             f"probably blocked in a collective waiting for {_ranks_word(failed)}. A rank "
             f"blocked in a collective cannot be interrupted, so the cluster was restarted: "
@@ -637,23 +611,23 @@ class Cluster:
             restarted=True,
         )
 
-    def _died(self, ars: dict, rank: int) -> None:
+    def _outputs_then_restart(self, ars: dict) -> dict[int, str]:
+        """What each rank of the cell printed so far; then the cluster is restarted."""
         outputs = {r: _text_output(ar) for r, ar in ars.items()}
         self.restart()
-        raise RanksError(
-            f"rank {rank}'s process died during the cell; the cluster was restarted "
-            f"({self.world_size} fresh ranks, state lost)",
-            {rank: "process died"},
-            outputs,
-        )
+        return outputs
+
+    def _died(self, ars: dict, rank: int) -> None:
+        outputs = self._outputs_then_restart(ars)
+        raise RanksError(f"rank {rank}'s process died during the cell; the cluster was restarted "
+                         f"({self.world_size} fresh ranks, state lost)",
+                         {rank: "process died"}, outputs)
 
     def _interrupted(self, ars: dict) -> None:
         running = [r for r, ar in ars.items() if not ar.ready()]
         for r in running:
-            try:
+            with suppress(OSError):
                 os.kill(self.engine_pids[r], signal.SIGINT)
-            except OSError:
-                pass
         deadline = time.monotonic() + INTERRUPT_GRACE_S
         while not all(ar.ready() for ar in ars.values()):
             if time.monotonic() > deadline:
@@ -670,12 +644,12 @@ class Cluster:
               file=sys.stderr)
 
 
-def _complete_json(path: Path) -> bool:
+def _read_json(path: Path):
+    """``path``'s JSON, or None while it is missing or incomplete (not written atomically)."""
     try:
-        json.loads(path.read_text())
-        return True
+        return json.loads(path.read_text())
     except (OSError, ValueError):
-        return False
+        return None
 
 
 def _text_output(ar) -> str:
@@ -705,8 +679,7 @@ def _ranks_word(ranks) -> str:
     return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
 
 
-def _failure_summary(failed: dict[int, str], ran: int, world_size: int,
-                     kept: bool = True) -> str:
+def _failure_summary(failed: dict[int, str], world_size: int, kept: bool = True) -> str:
     last = {}
     for r, tb in failed.items():
         lines = [ln for ln in tb.strip().splitlines() if ln.strip()]
@@ -809,9 +782,7 @@ def ranks_magic(line: str, cell: str) -> None:
         err = format_rank_outputs({r: t for r, t in result.errors.items() if t.strip()})
         if err:
             print(err, end="", file=sys.stderr)
-    if result.failed:
-        raise RanksError(_failure_summary(result.failed, len(result.outputs), cluster.world_size),
-                         result.failed, result.outputs)
+    result.raise_failed(cluster.world_size)
 
 
 def dist_stop_magic(line: str = "") -> None:

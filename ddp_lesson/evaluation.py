@@ -36,7 +36,6 @@ __all__ = [
     "naive_padded_accuracy",
     "mean_of_rank_accuracies",
     "sharded_exact_accuracy",
-    "all_reduce_sum",
     "exact_accuracy",
     "ExactEval",
     "evaluate_exact",
@@ -45,10 +44,12 @@ __all__ = [
 
 # --------------------------------------------------------------------------- one-process models
 
-def _check_correct(correct: Sequence[bool]) -> list[bool]:
+def _check_correct(correct: Sequence[bool], num_replicas: int) -> list[bool]:
     flags = [bool(c) for c in correct]
     if not flags:
         raise ValueError("correct is empty: there is no sample to evaluate")
+    if num_replicas < 1:
+        raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
     return flags
 
 
@@ -76,7 +77,7 @@ def naive_padded_accuracy(correct: Sequence[bool], num_replicas: int, shuffle: b
     """
     from .sampler import shard_indices
 
-    flags = _check_correct(correct)
+    flags = _check_correct(correct, num_replicas)
     seen = [i for r in range(num_replicas)
             for i in shard_indices(len(flags), num_replicas, r, shuffle, seed, epoch)]
     return sum(flags[i] for i in seen) / len(seen)
@@ -100,9 +101,7 @@ def mean_of_rank_accuracies(correct: Sequence[bool], num_replicas: int) -> float
     Raises:
         ValueError: ``correct`` is empty or ``num_replicas < 1``.
     """
-    flags = _check_correct(correct)
-    if num_replicas < 1:
-        raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
+    flags = _check_correct(correct, num_replicas)
     shards = [range(r, len(flags), num_replicas) for r in range(num_replicas)]
     accs = [sum(flags[i] for i in s) / len(s) for s in shards if len(s)]
     return sum(accs) / len(accs)
@@ -125,9 +124,7 @@ def sharded_exact_accuracy(correct: Sequence[bool], num_replicas: int) -> float:
     Raises:
         ValueError: ``correct`` is empty or ``num_replicas < 1``.
     """
-    flags = _check_correct(correct)
-    if num_replicas < 1:
-        raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
+    flags = _check_correct(correct, num_replicas)
     pairs = [(sum(flags[i] for i in range(r, len(flags), num_replicas)),
               len(range(r, len(flags), num_replicas))) for r in range(num_replicas)]
     return sum(c for c, _ in pairs) / sum(n for _, n in pairs)

@@ -93,11 +93,7 @@ def split_batch(x: torch.Tensor, y: torch.Tensor, world_size: int,
         raise ValueError(f"{len(sizes)} shard sizes for world_size {world_size}")
     if any(s < 0 for s in sizes) or sum(sizes) != n:
         raise ValueError(f"shard sizes {sizes} add up to {sum(sizes)}, the batch has {n}")
-    out, start = [], 0
-    for s in sizes:
-        out.append((x[start:start + s], y[start:start + s]))
-        start += s
-    return out
+    return list(zip(x.split(sizes), y.split(sizes)))
 
 
 def batch_gradient(model: nn.Module, x: torch.Tensor, y: torch.Tensor,

@@ -25,8 +25,6 @@ import math
 
 import torch
 
-from .env import all_reduce_sum
-
 #: Target value that losses and metrics skip (``CrossEntropyLoss(ignore_index=255)``, the
 #: Cityscapes "void" trainId). Owned here, in the lesson core; :mod:`ddp_lesson.data` and the
 #: trainer import it from here, so the metrics never import the trainer's data module.
@@ -108,16 +106,3 @@ def miou_from_confusion(cm: torch.Tensor) -> tuple[float, torch.Tensor, float]:
     pixel_accuracy = float(tp.sum()) / total if total > 0 else math.nan
     return miou, per_class, pixel_accuracy
 
-
-def all_reduce_confusion(cm: torch.Tensor) -> torch.Tensor:
-    """Sum a confusion matrix over all ranks (a synchronisation point on every rank).
-
-    Every rank must call it, the same number of times, with a ``(C, C)`` int64 tensor of the
-    same shape on its own device (CUDA for NCCL). The input is left untouched; the sum is
-    returned on every rank. Without an initialised process group (a single process) it
-    returns a copy, so one code path serves both cases.
-
-    Summing counts, not averaging per-rank scores, is what makes the result exact: see the
-    module docstring.
-    """
-    return all_reduce_sum(cm)

@@ -116,12 +116,8 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         dims = [d for d in range(x.dim()) if d != 1]
         dy = dy.to(acc)
         xmu = x.to(acc) - mean.view(shape)
-        if x.numel():
-            sum_dy = dy.sum(dim=dims)
-            sum_dy_xmu = (dy * xmu).sum(dim=dims)
-        else:
-            sum_dy = torch.zeros(c, dtype=acc, device=x.device)
-            sum_dy_xmu = torch.zeros_like(sum_dy)
+        sum_dy = dy.sum(dim=dims)  # zeros (C,) for an empty batch: it still takes part
+        sum_dy_xmu = (dy * xmu).sum(dim=dims)
         grad_weight = grad_bias = None
         if weight is not None:
             # Local contributions only: DDP's gradient all_reduce combines them across ranks.

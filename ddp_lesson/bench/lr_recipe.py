@@ -40,7 +40,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-from .common import read_rows, save_figure, write_rows
+from .common import figure_target, read_rows, save_figure, write_rows
 
 #: TinyGPT's size for the experiment (``vocab_size`` comes from the corpus).
 MODEL = {"block_size": 32, "n_embd": 32, "n_head": 2, "n_layer": 2}
@@ -229,8 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     if len(args.seeds) < 2:
         p.error(f"--seeds needs at least 2 seeds for a spread, got {len(args.seeds)}")
-    figure = (args.out.rsplit(".", 1)[0] + ".png" if args.figure is None
-              else None if args.figure.lower() == "none" else args.figure)
+    figure = figure_target(args)
     t0 = time.process_time()
     run(args.seeds, args.samples, args.optimizers, args.out, figure)
     print(f"wrote {args.out}" + (f" and {figure}" if figure else ""))

@@ -19,16 +19,17 @@ SINGLE, DDP = HERE / "single.py", HERE / "ddp.py"
 _HUNK = re.compile(r"^@@ -(\d+)(,\d+)? \+(\d+)(,\d+)? @@")
 
 
-def code_lines(path: Path) -> tuple[int, list[str]]:
-    """``(offset, lines)``: the lines of the Python file ``path`` after its module docstring,
-    ``lines[0]`` being line ``offset + 1`` of the file (``offset`` 0 where there is none).
-    The docstring is found with ``ast``, so the file must parse.
+def code_lines(path: Path, text: str | None = None) -> tuple[int, list[str]]:
+    """``(offset, lines)``: the lines of the Python file ``path`` (or of ``text``, its
+    contents) after its module docstring, ``lines[0]`` being line ``offset + 1`` of the file
+    (``offset`` 0 where there is none). The docstring is found with ``ast``, so the file must
+    parse.
 
     Raises:
         OSError: the file cannot be read.
         SyntaxError: it does not parse.
     """
-    lines = path.read_text().splitlines(keepends=True)
+    lines = (path.read_text() if text is None else text).splitlines(keepends=True)
     tree = ast.parse("".join(lines))
     first = tree.body[0] if tree.body else None
     end = 0
@@ -37,17 +38,18 @@ def code_lines(path: Path) -> tuple[int, list[str]]:
     return end, lines[end:]
 
 
-def script_diff(a: Path, b: Path, context: int = 1) -> str:
+def script_diff(a: Path, b: Path, context: int = 1, a_text: str | None = None,
+                b_text: str | None = None) -> str:
     """The unified diff of two Python scripts, ``a`` -> ``b`` (headers ``--- a.name`` and
     ``+++ b.name``), their module docstrings left out (each describes its own file, and they
     differ throughout), with the files' real line numbers and ``context`` lines around each
-    change. Notebook 05's conversion and the seed's repairs (``ddp_lesson.seedfix``) are both
-    shown this way.
+    change; ``a_text``/``b_text``: the scripts' contents, where they are not files. Notebook
+    05's conversion and the seed's repairs (``ddp_lesson.seedfix``) are both shown this way.
 
     Raises:
         OSError, SyntaxError: as :func:`code_lines`.
     """
-    (a_off, a_lines), (b_off, b_lines) = code_lines(a), code_lines(b)
+    (a_off, a_lines), (b_off, b_lines) = code_lines(a, a_text), code_lines(b, b_text)
     out = []
     for line in difflib.unified_diff(a_lines, b_lines, a.name, b.name, n=context):
         m = _HUNK.match(line)

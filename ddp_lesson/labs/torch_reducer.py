@@ -107,7 +107,7 @@ def real_buckets(bucket_cap_mb: float = CAP_MB, iterations: int = 3) -> dict:
     for _ in range(iterations):
         ddp(torch.randn(4, STACK_WIDTH, generator=g)).sum().backward()
         d = ddp._get_ddp_logging_data()
-        ready = d.get("prev_iteration_grad_ready_order_indices")
+        ready = d.get("prev_iteration_grad_ready_order_indices")  # "15, 14, ..." like sizes
         per_iter.append(
             {
                 "bucket_sizes": _parse_sizes(d.get("bucket_sizes")),
@@ -115,7 +115,7 @@ def real_buckets(bucket_cap_mb: float = CAP_MB, iterations: int = 3) -> dict:
                 "rebuilt_per_bucket_param_indices": _parse_indices(
                     d.get("rebuilt_per_bucket_param_indices")
                 ),
-                "grad_ready_order": None if ready is None else [int(v) for v in ready.split(",")],
+                "grad_ready_order": _parse_sizes(ready),
             }
         )
     nbytes = [p.numel() * p.element_size() for p in model.parameters()]
@@ -389,13 +389,11 @@ def comm_hooks_run(steps: int = 20, per_rank: int = 16, lr: float = 0.1) -> list
 
         ddp.register_comm_hook(state, measured)
         opt = torch.optim.SGD(model.parameters(), lr=lr)
-        per_step_bytes, loss_last, losses = [], math.nan, []
+        per_step_bytes, losses = [], []
+        mine = slice(rank * per_rank, (rank + 1) * per_rank)
         for step in range(steps):
             x, y = _regression_batch(step, per_rank * R)
-            xs, ys = (
-                x[rank * per_rank : (rank + 1) * per_rank],
-                y[rank * per_rank : (rank + 1) * per_rank],
-            )
+            xs, ys = x[mine], y[mine]
             errs["num"] = errs["den"] = 0.0
             before = counter.nbytes
             opt.zero_grad()
@@ -406,13 +404,12 @@ def comm_hooks_run(steps: int = 20, per_rank: int = 16, lr: float = 0.1) -> list
             opt.step()
             mean_loss = loss.detach().clone()
             orig_all_reduce(mean_loss)
-            loss_last = mean_loss.item() / R
-            losses.append(loss_last)
+            losses.append(mean_loss.item() / R)
         results.append({"hook": name, "bytes_first": per_step_bytes[0],
                         "bytes_last": per_step_bytes[-1],
                         "grad_bytes": sum(p.numel() * 4 for p in model.parameters()),
                         "rel_error_last": math.sqrt(errs["num"] / errs["den"]),
-                        "loss_first": losses[0], "loss_last": loss_last})
+                        "loss_first": losses[0], "loss_last": losses[-1]})
         del ddp
     return results
 

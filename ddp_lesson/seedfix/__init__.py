@@ -1,9 +1,12 @@
 """The seed program re-created with its defects, then repaired one defect at a time.
 
 ``seed_v0.py`` is the series' seed (docs/seed.md) written again, small enough to run in seconds
-on a CPU, every defect kept; ``seed_v1.py`` ... ``seed_v10.py`` each repair one more, in the
-order a run meets them (:data:`STEPS`). Every version is a real file, and a step's diff is
-computed from its two files (:func:`step_diff`), so the deep dive that shows the diffs
+on a CPU, every defect kept; ``seed_v1`` ... ``seed_v10`` each repair one more, in the order a
+run meets them (:data:`STEPS`). ``seed_v0.py`` and the repaired program ``seed_v10.py`` are
+files; ``seed_v1`` ... ``seed_v9`` are ``seed_v0`` with the first repairs of :data:`REPAIRS`
+applied (:func:`source`), imported and run like the files (``python -m
+ddp_lesson.seedfix.seed_v5``, tracebacks with their lines). A step's diff is computed from its
+two versions (:func:`step_diff`), so the deep dive that shows the diffs
 (``notebooks/deep/06_the_seed_repaired.ipynb``) cannot drift from the code. :mod:`.run` runs a
 version under torchrun and says in one line how it ended. The versions are plain torch: they
 import only the package's synthetic data and model (``data``, ``models``).
@@ -16,7 +19,10 @@ Example::
 from __future__ import annotations
 
 import importlib
+import importlib.abc
+import importlib.util
 import re
+import sys
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
@@ -96,8 +102,115 @@ STEPS = (
 )
 
 
+#: Steps 1 to 9 as a unified diff writes them, each under ``@@ seed_vN`` and its further
+#: hunks under ``@@``: context lines (`` ``; an empty line is a blank one), removed (``-``),
+#: added (``+``); each hunk's old lines occur once in the version before. Step 10 is
+#: ``seed_v9`` -> the file ``seed_v10.py``.
+REPAIRS = """\
+@@ seed_v1
+ from torch.nn.parallel import DistributedDataParallel
++from torch.utils.data import Sampler
+@@ seed_v2
+ import math
+-import warnings
+@@
+ from ddp_lesson.models import build_model
+-
+-warnings.filterwarnings("ignore")
+@@ seed_v3
+ import math
++import os
++from datetime import timedelta
+@@
+
+-    dist.init_process_group(backend="nccl")
+-    print(f"Use GPU: {args.local_rank} for training")
++    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
++    if gpus >= int(os.environ["LOCAL_WORLD_SIZE"]):  # a GPU for every process on this machine
++        device = torch.device("cuda", args.local_rank)
++        torch.cuda.set_device(device)
++        dist.init_process_group("nccl", timeout=timedelta(seconds=60), device_id=device)
++    else:
++        device = torch.device("cpu")
++        dist.init_process_group("gloo", timeout=timedelta(seconds=60))
++    print(f"local rank {args.local_rank}, device {device}")
+@@
+     model = build_model("deeplab", width=8)
+-    torch.cuda.set_device(args.local_rank)
+-    model = model.cuda()
+-    model = DistributedDataParallel(model, device_ids=[args.local_rank],
++    model = model.to(device)
++    ids = [args.local_rank] if device.type == "cuda" else None
++    model = DistributedDataParallel(model, device_ids=ids,
+@@
+                                     find_unused_parameters=True)
+-    criterion = nn.CrossEntropyLoss().cuda()
++    criterion = nn.CrossEntropyLoss().to(device)
+@@
+         train_dataset, batch_size=args.batch_size, shuffle=False, num_workers=args.workers,
+-        pin_memory=True, sampler=train_sampler)
++        pin_memory=device.type == "cuda", sampler=train_sampler)
+@@
+         for images, targets in train_loader:
+-            images = images.cuda(non_blocking=True)
+-            targets = targets.cuda(non_blocking=True)
++            images = images.to(device, non_blocking=True)
++            targets = targets.to(device, non_blocking=True)
+@@ seed_v4
+                         help="samples per process and step")
++    parser.add_argument("--lr", default=0.05, type=float, help="learning rate")
++    parser.add_argument("--momentum", default=0.9, type=float, help="SGD momentum")
++    parser.add_argument("--weight-decay", default=1e-4, type=float, help="L2 penalty")
+@@ seed_v5
+
+-        def __len__(self):
+-            return self.num_samples
++    def __len__(self):
++        return self.num_samples
+@@ seed_v6
+                                     find_unused_parameters=True)
+-    criterion = nn.CrossEntropyLoss().to(device)
++    criterion = nn.CrossEntropyLoss(ignore_index=255).to(device)
+@@ seed_v7
+     parser.add_argument("--weight-decay", default=1e-4, type=float, help="L2 penalty")
+-    parser.add_argument("--local_rank", default=0, type=int, help="this process's GPU")
+@@
+     args = parser.parse_args(argv)
++    local_rank = int(os.environ["LOCAL_RANK"])  # torchrun sets it for every process
+@@
+     if gpus >= int(os.environ["LOCAL_WORLD_SIZE"]):  # a GPU for every process on this machine
+-        device = torch.device("cuda", args.local_rank)
++        device = torch.device("cuda", local_rank)
+@@
+         dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+-    print(f"local rank {args.local_rank}, device {device}")
++    print(f"local rank {local_rank}, device {device}")
+@@
+     model = model.to(device)
+-    ids = [args.local_rank] if device.type == "cuda" else None
++    ids = [local_rank] if device.type == "cuda" else None
+@@ seed_v8
+     for epoch in range(args.start_epoch, args.epochs):
++        train_sampler.set_epoch(epoch)  # this epoch's order: seed + epoch
+@@ seed_v9
+     ids = [local_rank] if device.type == "cuda" else None
+-    model = DistributedDataParallel(model, device_ids=ids,
+-                                    find_unused_parameters=True)
++    model = DistributedDataParallel(model, device_ids=ids)
+"""
+#: How each version's docstring ends its sentence "``seed_v{N-1}`` with ...".
+_WITH = {1: " ``Sampler`` imported.", 2: '\n``warnings.filterwarnings("ignore")`` removed.',
+         3: " the backend and device chosen per\nmachine (gloo on CPU, NCCL with a GPU per "
+            "process), with a timeout.",
+         4: " ``--lr``, ``--momentum`` and\n``--weight-decay`` declared.",
+         5: " ``__len__`` moved out of\n``__iter__``.", 6: " ``ignore_index=255`` in the loss.",
+         7: " the local rank read from torchrun's\n``LOCAL_RANK``.",
+         8: " ``set_epoch`` called every epoch.", 9: " ``find_unused_parameters=True``\nremoved."}
+
+
 def path(version: str) -> Path:
-    """The file of ``version`` (``"seed_v0"`` ... ``"seed_v10"``).
+    """The file of ``version`` (``"seed_v0"`` ... ``"seed_v10"``): where its code says it is
+    (tracebacks, ``__file__``), a real file for ``seed_v0`` and ``seed_v10``.
 
     Raises:
         ValueError: ``version`` is not one of :data:`VERSIONS`.
@@ -108,15 +221,62 @@ def path(version: str) -> Path:
 
 
 def source(version: str) -> str:
-    """The whole text of ``version``'s file."""
-    return path(version).read_text()
+    """The whole text of ``version``: its file, or ``seed_v0``'s code with the repairs of
+    :data:`REPAIRS` up to its own applied, under a docstring of its own.
+
+    Raises:
+        ValueError: ``version`` is unknown.
+    """
+    if path(version).is_file():
+        return path(version).read_text()
+    number = VERSIONS.index(version)
+    code = "".join(code_lines(VERSIONS[number - 1])[1])
+    step = REPAIRS.split(f"@@ {version}\n")[1].split("\n@@ seed_v")[0].rstrip("\n")
+    for hunk in step.split("\n@@\n"):
+        lines = hunk.split("\n")
+        old = "".join(line[1:] + "\n" for line in lines if line[:1] in " -" or not line)
+        new = "".join(line[1:] + "\n" for line in lines if line[:1] in " +" or not line)
+        assert code.count(old) == 1, (version, old)
+        code = code.replace(old, new)
+    return (f'"""torchrun --standalone --nproc-per-node 2 -m {__name__}.{version}\n\n'
+            f"The seed program after {number} of its {FINAL} repairs: ``{VERSIONS[number - 1]}`` "
+            f"with{_WITH[number]}\n\n``ddp_lesson.seedfix.step_diff({number})`` prints the "
+            "change; ``ddp_lesson.seedfix.STEPS`` lists the\nrepairs in the order a run meets "
+            f'the defects.\n"""\n{code}')
 
 
 def code_lines(version: str) -> tuple[int, list[str]]:
     """``(offset, lines)``: ``version``'s lines after its module docstring, ``lines[0]`` being
     line ``offset + 1`` of the file (:func:`ddp_lesson.convert.code_lines`). The docstring is
     left out of the diffs: it describes each version and differs throughout."""
-    return convert.code_lines(path(version))
+    return convert.code_lines(path(version), source(version))
+
+
+class _Versions(importlib.abc.MetaPathFinder):
+    """Imports ``seed_v1`` ... ``seed_v9`` from :func:`source` (after the files are looked
+    for): the ``import`` statement, ``python -m`` and :mod:`runpy` find them, and tracebacks
+    read their lines through the loader's ``get_source``."""
+
+    def find_spec(self, fullname, target_path=None, target=None):
+        package, _, version = fullname.rpartition(".")
+        if package == __name__ and version in VERSIONS:
+            return importlib.util.spec_from_file_location(fullname, path(version),
+                                                          loader=_Loader(version))
+        return None
+
+
+class _Loader(importlib.abc.SourceLoader):
+    def __init__(self, version: str):
+        self.version = version
+
+    def get_filename(self, fullname):
+        return str(path(self.version))
+
+    def get_data(self, filename):
+        return source(self.version).encode()
+
+
+sys.meta_path.append(_Versions())
 
 
 def step_diff(number: int, context: int = 1) -> str:
@@ -129,7 +289,8 @@ def step_diff(number: int, context: int = 1) -> str:
     """
     if not 1 <= number <= FINAL:
         raise ValueError(f"step {number} does not exist: the steps are 1 ... {FINAL}")
-    return convert.script_diff(path(VERSIONS[number - 1]), path(VERSIONS[number]), context)
+    a, b = VERSIONS[number - 1], VERSIONS[number]
+    return convert.script_diff(path(a), path(b), context, source(a), source(b))
 
 
 def changed_lines(number: int) -> list[str]:

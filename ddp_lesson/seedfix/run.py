@@ -30,6 +30,7 @@ import sys
 import tempfile
 import traceback
 
+from ..env import group_active
 from . import last_own_frame, path
 
 #: A warning line as Python (``file.py:12: UserWarning: ...``) or torch's C++ code
@@ -114,13 +115,6 @@ def _ending(exc: BaseException | None, err: str, version: str) -> str:
     return f"crashed{where}: {type(exc).__name__}: {message}"
 
 
-def _close_group() -> None:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
-
-
 def run_version(version: str, argv=()) -> str:
     """Run ``version`` as ``python -m ddp_lesson.seedfix.<version> *argv`` in this process;
     print its warnings and its ending (module docstring) and return the ending.
@@ -140,8 +134,10 @@ def run_version(version: str, argv=()) -> str:
         finally:
             sys.argv = saved_argv
             sys.stdout.flush()
-            if exc is not None:
-                _close_group()
+            if exc is not None and group_active():  # the group the program left open
+                import torch.distributed as dist
+
+                dist.destroy_process_group()
     if exc is not None and not isinstance(exc, SystemExit):
         traceback.print_exception(exc, file=sys.stderr)  # as `python -m` would print it
         sys.stderr.flush()

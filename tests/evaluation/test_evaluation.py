@@ -15,9 +15,9 @@ import pytest
 import torch
 from torch.utils.data import DistributedSampler as TorchSampler
 
+from ddp_lesson.env import all_reduce_sum
 from ddp_lesson.evaluation import (
     ExactEval,
-    all_reduce_sum,
     evaluate_exact,
     exact_accuracy,
     mean_of_rank_accuracies,

@@ -9,7 +9,8 @@ import textwrap
 import pytest
 import torch
 
-from ddp_lesson.metrics import all_reduce_confusion, confusion_matrix, miou_from_confusion
+from ddp_lesson.env import all_reduce_sum
+from ddp_lesson.metrics import confusion_matrix, miou_from_confusion
 
 # A 2x3 "image", 3 classes, one void pixel (255) that the model labelled 0.
 #   target  0 0 1      pred  0 1 1
@@ -104,7 +105,7 @@ def test_errors_show_numbers():
 
 def test_all_reduce_without_group_is_a_copy():
     cm = torch.tensor(CM)
-    out = all_reduce_confusion(cm)
+    out = all_reduce_sum(cm)
     assert torch.equal(out, cm) and out is not cm
 
 
@@ -117,7 +118,8 @@ SCRIPT = textwrap.dedent('''
     import torch
     import torch.distributed as dist
     from torch.utils.data import DataLoader
-    from ddp_lesson.metrics import all_reduce_confusion, confusion_matrix, miou_from_confusion
+    from ddp_lesson.env import all_reduce_sum
+    from ddp_lesson.metrics import confusion_matrix, miou_from_confusion
     from ddp_lesson.sampler import DistributedEvalSampler, DistributedSampler
 
     C, N = 5, 7
@@ -138,12 +140,12 @@ SCRIPT = textwrap.dedent('''
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     local, seen = shard_cm(DistributedEvalSampler(dataset, num_replicas=world, rank=rank))
-    total = all_reduce_confusion(local)
+    total = all_reduce_sum(local)
     all_seen = [None] * world
     dist.all_gather_object(all_seen, seen)
     # torch's padded sampler, for contrast: it repeats samples to even out the shards.
     from torch.utils.data.distributed import DistributedSampler as TorchSampler
-    padded = all_reduce_confusion(shard_cm(TorchSampler(dataset, world, rank, shuffle=False))[0])
+    padded = all_reduce_sum(shard_cm(TorchSampler(dataset, world, rank, shuffle=False))[0])
     if rank == 0:
         single = confusion_matrix(preds, targets, C)
         json.dump({"world": world, "total": total.tolist(), "single": single.tolist(),

@@ -44,6 +44,8 @@ from pathlib import Path
 
 import pytest
 
+from ddp_lesson import seedfix
+
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "ddp_lesson"
 
@@ -387,6 +389,8 @@ def _pins_gloo(source: str) -> bool:
 
 
 PROGRAMS = ([(str(p.relative_to(ROOT)), p.read_text(encoding="utf-8")) for p in _package_files()]
+            + [(f"ddp_lesson/seedfix/{v}.py", seedfix.source(v)) for v in seedfix.VERSIONS
+               if not seedfix.path(v).is_file()]  # seed_v1 ... seed_v9: made from seed_v0
             + list(_notebook_programs()) + list(_doc_programs()))
 
 

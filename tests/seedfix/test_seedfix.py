@@ -68,12 +68,15 @@ def torch_order(rank: int, epoch: int, n: int = NUM_SAMPLES, world: int = WORLD)
 
 # ----------------------------------------------------------------------------- the steps
 
-def test_every_version_is_a_file_that_starts_with_its_command():
+def test_every_version_starts_with_its_command_and_imports_from_where_it_says():
     assert VERSIONS == tuple(f"seed_v{k}" for k in range(FINAL + 1))
     assert [s.number for s in STEPS] == list(range(1, FINAL + 1))
     for version in VERSIONS:
         assert source(version).startswith(
             f'"""torchrun --standalone --nproc-per-node 2 -m ddp_lesson.seedfix.{version}\n')
+    for version in VERSIONS[1:]:  # seed_v0 stops at its class statement
+        assert module(version).__file__ == str(path(version))  # a file or made from REPAIRS
+    assert [v for v in VERSIONS if path(v).is_file()] == ["seed_v0", "seed_v10"]
     with pytest.raises(ValueError, match="unknown version 'seed_v11'"):
         path("seed_v11")
     for number in (0, FINAL + 1):
