@@ -27,25 +27,36 @@ html_show_sourcelink = False
 html_sidebars = {"**": ["navigation.html", "searchbox.html"]}
 
 
-def _jupyterlab_anchors(app, doctree):
+from docutils.transforms import Transform  # noqa: E402
+
+
+class _JupyterLabAnchors(Transform):
     """Give each heading the anchor JupyterLab gives it (its text, spaces as '-': the links the
     notebooks and docs write, ``00_setup.ipynb#3-·-What-torchrun-tells-each-process``) and make
-    the raw ``<a id="B5"></a>`` anchors of docs/pitfalls.md known to MyST's link resolver."""
-    import re
+    the raw ``<a id="ranks"></a>`` anchors of the notebooks and docs/pitfalls.md known to MyST's
+    link resolver. A transform just before MyST's own ``ResolveAnchorIds`` (priority 879), so a
+    link within the same page (``[…](#ranks)``) finds them too, not only a link from another page
+    (which reads the same slugs from the environment later)."""
 
-    from docutils import nodes
+    default_priority = 878
 
-    slugs = app.env.metadata[app.env.docname].setdefault("myst_slugs", {})
-    for section in doctree.findall(nodes.section):
-        title = section[0].astext().strip()
-        anchor = title.replace(" ", "-")
-        if anchor not in section["ids"]:
-            section["ids"].append(anchor)
-        slugs.setdefault(anchor, (0, anchor, title))
-    for raw in doctree.findall(nodes.raw):
-        for anchor in re.findall(r'<a (?:id|name)="([^"]+)"', raw.astext()):
-            slugs.setdefault(anchor, (0, anchor, anchor))
+    def apply(self, **kwargs):
+        import re
+
+        from docutils import nodes
+        env = self.document.settings.env
+        slugs = env.metadata[env.docname].setdefault("myst_slugs", {})
+        self.document.myst_slugs = slugs
+        for section in self.document.findall(nodes.section):
+            title = section[0].astext().strip()
+            anchor = title.replace(" ", "-")
+            if anchor not in section["ids"]:
+                section["ids"].append(anchor)
+            slugs.setdefault(anchor, (0, anchor, title))
+        for raw in self.document.findall(nodes.raw):
+            for anchor in re.findall(r'<a (?:id|name)="([^"]+)"', raw.astext()):
+                slugs.setdefault(anchor, (0, anchor, anchor))
 
 
 def setup(app):
-    app.connect("doctree-read", _jupyterlab_anchors)
+    app.add_transform(_JupyterLabAnchors)
