@@ -15,6 +15,7 @@ the command and the flag as the user typed them; help screens are plain text (:f
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import subprocess
 import sys
@@ -127,16 +128,35 @@ def train(argv: list[str]) -> int:
 
     try:
         # "auto" defers to DDP_LESSON_BACKEND, as every rank will: check that too
-        choose_backend(opts.nproc_per_node, backend)
+        chosen, _ = choose_backend(opts.nproc_per_node, backend)
         preflight(program[2:], world_size=opts.nproc_per_node * opts.nnodes,
                   prog="ddp-lesson train")
     except (TrainInputError, ValueError) as exc:
         print(f"ddp-lesson train: error: {exc}", file=sys.stderr)
         return 2
+    warning = oversubscription_warning(opts.nproc_per_node, os.cpu_count() or 1)
+    if warning and chosen == "gloo":
+        print(f"ddp-lesson train: warning: {warning}", file=sys.stderr, flush=True)
     env = launch_env(None, backend, opts.nproc_per_node, announced=False,
                      max_restarts=opts.max_restarts)
     cmd = [sys.executable, "-m", "torch.distributed.run", *flags, *program]
     return _run_forwarding_signals(cmd, env)
+
+
+def oversubscription_warning(nproc_per_node: int, cpu_cores: int) -> str | None:
+    """One line when ``nproc_per_node`` CPU processes (gloo) outnumber this node's ``cpu_cores``,
+    else None. torchrun starts them all the same; the line says what the learner will see: each
+    process gets a share of a core, so every step waits on the slowest one. Pure; no process group.
+
+    >>> oversubscription_warning(16, 2)
+    '16 processes on 2 CPU cores: each gets 1/8 of a core, every step waits on the slowest'
+    """
+    if nproc_per_node <= cpu_cores:
+        return None
+    share = nproc_per_node / cpu_cores
+    share_text = f"1/{share:g}" if share == int(share) else f"about 1/{share:.1f}"
+    return (f"{nproc_per_node} processes on {cpu_cores} CPU cores: each gets {share_text} of a "
+            "core, every step waits on the slowest")
 
 
 def _run_forwarding_signals(cmd: list[str], env: dict) -> int:

@@ -525,3 +525,31 @@ def test_a_failed_summary_write_on_rank_0_raises_on_every_rank(tmp_path):
     # rank 0's exception, its first 160 characters
     assert r1.startswith(f"Rank0Error: rank 0 failed to write {out / 'summary.json'}: {r0[:120]}")
     assert r1.endswith(" (raised on rank 1 too, so that no rank waits for it)")
+
+
+@pytest.mark.parametrize("nproc, cores, expected", [
+    (2, 2, None),
+    (1, 8, None),
+    (16, 2, "16 processes on 2 CPU cores: each gets 1/8 of a core, every step waits on the "
+            "slowest"),
+    (3, 2, "3 processes on 2 CPU cores: each gets about 1/1.5 of a core, every step waits on the "
+           "slowest"),
+])
+def test_more_cpu_processes_than_cores_gets_one_warning_line(nproc, cores, expected):
+    assert cli.oversubscription_warning(nproc, cores) == expected
+
+
+def test_cli_warns_once_before_starting_more_gloo_processes_than_cores(capsys, monkeypatch):
+    """16 gloo processes on 2 cores: torchrun still starts (the run is legal), after one warning
+    line naming both numbers; nothing is said on a GPU node's NCCL run (not checked here)."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(cli.os, "cpu_count", lambda: 2)
+    started = []
+    monkeypatch.setattr(cli, "_run_forwarding_signals", lambda cmd, env: started.append(cmd) or 0)
+    assert cli.main(["train", "--nproc-per-node", "16", *TINY]) == 0
+    err = capsys.readouterr().err
+    assert err.splitlines() == ["ddp-lesson train: warning: 16 processes on 2 CPU cores: each gets "
+                                "1/8 of a core, every step waits on the slowest"]
+    assert started and "--nproc-per-node" in started[0]
