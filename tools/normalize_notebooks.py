@@ -24,6 +24,7 @@ tests/notebooks/test_stored_notebooks.py fails when a stored notebook differs fr
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -47,11 +48,26 @@ def expected_metadata() -> dict:
     }
 
 
+def as_javascript_writes(value):
+    """``value`` with every whole float made an int: JupyterLab saves a notebook through
+    ``JSON.stringify``, which writes the widget state's 1.0 (a FloatSlider's value, as Python's
+    ``json`` wrote it) as 1."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, dict):
+        return {k: as_javascript_writes(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [as_javascript_writes(v) for v in value]
+    return value
+
+
 def normalized(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
     """``nb`` with its metadata set to what JupyterLab writes (a copy; cells untouched)."""
     out = nbformat.from_dict(nb)  # deep copy
     for key, value in expected_metadata().items():
         out.metadata[key] = nbformat.from_dict(value)
+    if "widgets" in out.metadata:
+        out.metadata["widgets"] = nbformat.from_dict(as_javascript_writes(out.metadata["widgets"]))
     return out
 
 
@@ -71,6 +87,10 @@ def differences(path: Path) -> list[str]:
     if (nb.nbformat, nb.nbformat_minor) < (4, 5):
         problems.append(f"{path.name}: nbformat {nb.nbformat}.{nb.nbformat_minor}; JupyterLab "
                         f"writes 4.5 with cell ids")
+    widgets = nb.metadata.get("widgets")
+    if widgets is not None and json.dumps(as_javascript_writes(widgets)) != json.dumps(widgets):
+        problems.append(f"{path.name}: metadata.widgets holds whole floats (1.0) that JupyterLab "
+                        f"writes as ints (1)")
     missing = [i for i, c in enumerate(nb.cells) if not c.get("id")]
     if missing:
         problems.append(f"{path.name}: cells {missing} have no id")
