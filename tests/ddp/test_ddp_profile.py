@@ -20,6 +20,9 @@ def test_the_deep_dive_prints_the_buckets_and_the_first_attempt_is_refused():
     run = stream_text(NB, "%torchrun --nproc-per-node 2 -m ddp_lesson.labs.ddp_profile")
     for r in (0, 1):
         assert f"[rank {r}] rank " + LINE.format(r=r) in run
+    core = stream_text(NB, "ddp_profile --ddp core")  # the series' BucketedDDP, same buckets
+    for r in (0, 1):
+        assert f"[rank {r}] rank " + LINE.format(r=r) in core
     assert "rank 0: {'backward': " in stream_text(NB, "t = timeline(traces[0])")
     assert "'all_reduce': 8, 'launch': 8}" in stream_text(NB, "t = timeline(traces[0])")
     outputs = cell_with(NB, 'check("04.9", exposed_share)').outputs
