@@ -8,9 +8,8 @@ two warm-up steps, then one profiled step (forward, backward, optimizer step). E
 its Chrome trace (Perfetto, chrome://tracing) to ``OUT/trace_rank<r>.json`` and prints one
 line of facts that do not depend on timing. :func:`timeline` reads a trace's events back,
 :func:`exposed_comm` computes the communication that backward did not hide. ``--ddp core``
-profiles the series' ``BucketedDDP`` instead, with a ``commsim.Recorder`` attached, and also
-writes the step's record to ``OUT/record_rank<r>.json``: :func:`compare_with_recorder` sets the
-two measures of exposed communication side by side.
+profiles the series' ``BucketedDDP`` with a ``commsim.Recorder`` and writes its record of the
+step to ``OUT/record_rank<r>.json`` for :func:`compare_with_recorder`.
 """
 from __future__ import annotations
 
@@ -105,53 +104,42 @@ def exposed_share(trace: dict) -> float:
     return exposed_comm(trace)["exposed_share"]
 
 
-#: How closely (ms) the recorder's exposed time must match the trace's once the trace has
-#: explained the difference (``idle_ms``, ``late_ms``): what is left is the few microseconds
-#: between autograd's last function and the recorder's callbacks, and rare preemption there.
+#: How closely (ms) the recorder must match the trace once the trace has explained their
+#: difference: what is left is the microseconds between autograd's end and the recorder's calls.
 AGREE_MS = 1.0
 
 
 def compare_with_recorder(trace: dict, record) -> dict[str, float]:
-    """One step's exposed communication as the trace shows it (:func:`exposed_comm`) and as
-    the series' recorder measured it (``StepRecord.exposed_s``), with what the trace says about
-    their difference. The recorder's clock is the thread that ran backward: from autograd's
-    end to the averages in ``.grad``. The trace's is gloo's threads: an all-reduce ends when
-    gloo finished it, not when ``wait()`` returned on the backward thread.
-
-    Args:
-        trace: one rank's Chrome trace of the step; record: that rank's ``commsim.StepRecord``
-            of the same step (or its ``to_dict()``).
+    """One step's exposed communication read off one rank's trace (:func:`exposed_comm`) and
+    as the series' recorder measured it (``commsim.StepRecord.exposed_s``, or its dict), on the
+    thread that ran backward: from autograd's end to the averages in ``.grad``.
 
     Returns:
-        ``{"trace_ms", "recorder_ms", "idle_ms": exposed all-reduce time before backward's
-        last compute (the trace counts it, the recorder not), "late_ms": from the end of the
-        last all-reduce (or of backward) to ``Optimizer.step`` on the backward thread, or its
-        last event (waking from ``wait()``, copying into ``.grad``: the recorder counts it,
-        the trace not), "agree": 1.0 if recorder_ms is trace_ms - idle_ms + late_ms within
-        AGREE_MS, else 0.0}``. Local, no communication.
-
-    Raises:
-        ValueError: see :func:`timeline`.
+        ``{"trace_ms", "recorder_ms", "idle_ms": exposed time before backward's last compute
+        (the trace counts it, the recorder not), "late_ms": from the last all-reduce's (or
+        backward's) end to ``Optimizer.step`` on backward's thread, or its last event (waking
+        from ``wait()``, copying into ``.grad``: the recorder counts it, the trace not),
+        "agree": 1.0 if recorder_ms = trace_ms - idle_ms + late_ms within AGREE_MS, else 0.0}``.
+        Local, no communication. Raises ValueError as :func:`timeline`.
     """
     from ddp_lesson.commsim import StepRecord
 
     rec = record if isinstance(record, StepRecord) else StepRecord.from_dict(record)
     t, events = timeline(trace), [e for e in trace["traceEvents"] if e.get("ph") == "X"]
     trace_us = exposed_comm(trace)["exposed_us"]
-    after = max(s for _, s in t["backward"])  # backward's last compute, in timeline's time
+    after = max(end for _, end in t["backward"])  # backward's last compute, timeline's time
     idle = trace_us - _length([(max(s, after), e) for s, e in merge_spans(t["all_reduce"])
                                if e > after])
     tid = next(e["tid"] for e in events if e["name"].startswith(BACKWARD))
-    ends = {n: max(float(e["ts"]) + float(e["dur"]) for e in events if e["name"].startswith(n))
-            for n in (BACKWARD, ALL_REDUCE)}
     thread = [e for e in events if e["tid"] == tid]  # backward's thread; its next work: step
     sync = min([float(e["ts"]) for e in thread if e["name"].startswith("Optimizer.step")],
                default=max(float(e["ts"]) + float(e["dur"]) for e in thread))
-    late = max(0.0, sync - max(ends.values()))
+    late = max(0.0, sync - max(float(e["ts"]) + float(e["dur"]) for e in events
+                               if e["name"].startswith((BACKWARD, ALL_REDUCE))))
     out = {"trace_ms": trace_us / 1e3, "recorder_ms": rec.exposed_s * 1e3,
            "idle_ms": idle / 1e3, "late_ms": late / 1e3}
-    predicted = out["trace_ms"] - out["idle_ms"] + out["late_ms"]
-    return out | {"agree": float(abs(out["recorder_ms"] - predicted) <= AGREE_MS)}
+    gap = out["recorder_ms"] - (out["trace_ms"] - out["idle_ms"] + out["late_ms"])
+    return out | {"agree": float(abs(gap) <= AGREE_MS)}
 
 
 def plot_timeline(trace: dict, ax=None, title: str = ""):
