@@ -105,8 +105,11 @@ def exposed_share(trace: dict) -> float:
 
 
 #: How closely (ms) the recorder must match the trace once the trace has explained their
-#: difference: what is left is the microseconds between autograd's end and the recorder's calls.
+#: difference: what is left is the microseconds between the marks and the recorder's readings.
 AGREE_MS = 1.0
+#: The marks ``--ddp core`` puts in the trace where the recorder reads its clock at backward's
+#: end and when the averages are in ``.grad`` (``record_function``).
+MARKS = ("Recorder.backward_end", "Recorder.finish")
 
 
 def compare_with_recorder(trace: dict, record) -> dict[str, float]:
@@ -115,27 +118,32 @@ def compare_with_recorder(trace: dict, record) -> dict[str, float]:
     thread that ran backward: from autograd's end to the averages in ``.grad``.
 
     Returns:
-        ``{"trace_ms", "recorder_ms", "idle_ms": exposed time before backward's last compute
-        (the trace counts it, the recorder not), "late_ms": from the last all-reduce's (or
-        backward's) end to ``Optimizer.step`` on backward's thread, or its last event (waking
-        from ``wait()``, copying into ``.grad``: the recorder counts it, the trace not),
+        ``{"trace_ms", "recorder_ms", "idle_ms": exposed time before backward's end (the trace
+        counts it, the recorder not), "late_ms": from the last all-reduce's (or backward's) end
+        to the recorder's finish (waking from ``wait()``, copying into ``.grad``: the recorder
+        counts it, the trace not),
         "agree": 1.0 if recorder_ms = trace_ms - idle_ms + late_ms within AGREE_MS, else 0.0}``.
-        Local, no communication. Raises ValueError as :func:`timeline`.
+        Backward's end and the finish are the :data:`MARKS` if the trace has them, else its
+        last compute and ``Optimizer.step`` (or the thread's last event). Local, no
+        communication. Raises ValueError as :func:`timeline`.
     """
     from ddp_lesson.commsim import StepRecord
 
     rec = record if isinstance(record, StepRecord) else StepRecord.from_dict(record)
     t, events = timeline(trace), [e for e in trace["traceEvents"] if e.get("ph") == "X"]
     trace_us = exposed_comm(trace)["exposed_us"]
-    after = max(end for _, end in t["backward"])  # backward's last compute, timeline's time
-    idle = trace_us - _length([(max(s, after), e) for s, e in merge_spans(t["all_reduce"])
-                               if e > after])
+    end = {n: max(float(e["ts"]) + float(e["dur"]) for e in events if e["name"].startswith(n))
+           for n in (BACKWARD, ALL_REDUCE)}
+    shift = end[BACKWARD] - max(e for _, e in t["backward"])  # the trace's time of timeline's 0
     tid = next(e["tid"] for e in events if e["name"].startswith(BACKWARD))
     thread = [e for e in events if e["tid"] == tid]  # backward's thread; its next work: step
-    sync = min([float(e["ts"]) for e in thread if e["name"].startswith("Optimizer.step")],
-               default=max(float(e["ts"]) + float(e["dur"]) for e in thread))
-    late = max(0.0, sync - max(float(e["ts"]) + float(e["dur"]) for e in events
-                               if e["name"].startswith((BACKWARD, ALL_REDUCE))))
+    marks = {e["name"]: float(e["ts"]) for e in thread if e["name"] in MARKS}
+    begin = marks.get(MARKS[0], end[BACKWARD])
+    sync = marks.get(MARKS[1], min([float(e["ts"]) for e in thread if e["name"].startswith(
+        "Optimizer.step")], default=max(float(e["ts"]) + float(e["dur"]) for e in thread)))
+    idle = trace_us - _length([(max(s, begin - shift), e) for s, e in merge_spans(t["all_reduce"])
+                               if e > begin - shift])
+    late = max(0.0, sync - max(begin, end[ALL_REDUCE]))
     out = {"trace_ms": trace_us / 1e3, "recorder_ms": rec.exposed_s * 1e3,
            "idle_ms": idle / 1e3, "late_ms": late / 1e3}
     gap = out["recorder_ms"] - (out["trace_ms"] - out["idle_ms"] + out["late_ms"])
@@ -178,7 +186,7 @@ def main(argv=None) -> None:
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity, profile, record_function
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True)
@@ -199,7 +207,16 @@ def main(argv=None) -> None:
         from ddp_lesson.commsim import Recorder
         from ddp_lesson.core.bucketed_ddp import BucketedDDP
 
-        ddp = BucketedDDP(model, bucket_cap_mb=args.bucket_cap_mb, recorder=Recorder())
+        class Marked(Recorder):  # the recorder's two readings, marked in the trace
+            def backward_end(self):
+                with record_function(MARKS[0]):
+                    super().backward_end()
+
+            def finish(self):
+                with record_function(MARKS[1]):
+                    super().finish()
+
+        ddp = BucketedDDP(model, bucket_cap_mb=args.bucket_cap_mb, recorder=Marked())
     else:
         ddp = DDP(model, bucket_cap_mb=args.bucket_cap_mb)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
