@@ -7,7 +7,9 @@ A stack of ``--layers`` square ``Linear`` layers (``--width``), DDP with ``--buc
 two warm-up steps, then one profiled step (forward, backward, optimizer step). Each rank writes
 its Chrome trace (Perfetto, chrome://tracing) to ``OUT/trace_rank<r>.json`` and prints one
 line of facts that do not depend on timing. :func:`timeline` reads a trace's events back,
-:func:`exposed_comm` computes the communication that backward did not hide.
+:func:`exposed_comm` computes the communication that backward did not hide. ``--ddp core``
+profiles the series' ``BucketedDDP`` with a ``commsim.Recorder`` and writes its record of the
+step to ``OUT/record_rank<r>.json`` for :func:`compare_with_recorder`.
 """
 from __future__ import annotations
 
@@ -102,6 +104,52 @@ def exposed_share(trace: dict) -> float:
     return exposed_comm(trace)["exposed_share"]
 
 
+#: How closely (ms) the recorder must match the trace once the trace has explained their
+#: difference: what is left is the microseconds between the marks and the recorder's readings.
+AGREE_MS = 1.0
+#: The marks ``--ddp core`` puts in the trace where the recorder reads its clock at backward's
+#: end and when the averages are in ``.grad`` (``record_function``).
+MARKS = ("Recorder.backward_end", "Recorder.finish")
+
+
+def compare_with_recorder(trace: dict, record) -> dict[str, float]:
+    """One step's exposed communication read off one rank's trace (:func:`exposed_comm`) and
+    as the series' recorder measured it (``commsim.StepRecord.exposed_s``, or its dict), on the
+    thread that ran backward: from autograd's end to the averages in ``.grad``.
+
+    Returns:
+        ``{"trace_ms", "recorder_ms", "idle_ms": exposed time before backward's end (the trace
+        counts it, the recorder not), "late_ms": from the last all-reduce's (or backward's) end
+        to the recorder's finish (waking from ``wait()``, copying into ``.grad``: the recorder
+        counts it, the trace not),
+        "agree": 1.0 if recorder_ms = trace_ms - idle_ms + late_ms within AGREE_MS, else 0.0}``.
+        Backward's end and the finish are the :data:`MARKS` if the trace has them, else its
+        last compute and ``Optimizer.step`` (or the thread's last event). Local, no
+        communication. Raises ValueError as :func:`timeline`.
+    """
+    from ddp_lesson.commsim import StepRecord
+
+    rec = record if isinstance(record, StepRecord) else StepRecord.from_dict(record)
+    t, events = timeline(trace), [e for e in trace["traceEvents"] if e.get("ph") == "X"]
+    trace_us = exposed_comm(trace)["exposed_us"]
+    end = {n: max(float(e["ts"]) + float(e["dur"]) for e in events if e["name"].startswith(n))
+           for n in (BACKWARD, ALL_REDUCE)}
+    shift = end[BACKWARD] - max(e for _, e in t["backward"])  # the trace's time of timeline's 0
+    tid = next(e["tid"] for e in events if e["name"].startswith(BACKWARD))
+    thread = [e for e in events if e["tid"] == tid]  # backward's thread; its next work: step
+    marks = {e["name"]: float(e["ts"]) for e in thread if e["name"] in MARKS}
+    begin = marks.get(MARKS[0], end[BACKWARD])
+    sync = marks.get(MARKS[1], min([float(e["ts"]) for e in thread if e["name"].startswith(
+        "Optimizer.step")], default=max(float(e["ts"]) + float(e["dur"]) for e in thread)))
+    idle = trace_us - _length([(max(s, begin - shift), e) for s, e in merge_spans(t["all_reduce"])
+                               if e > begin - shift])
+    late = max(0.0, sync - max(begin, end[ALL_REDUCE]))
+    out = {"trace_ms": trace_us / 1e3, "recorder_ms": rec.exposed_s * 1e3,
+           "idle_ms": idle / 1e3, "late_ms": late / 1e3}
+    gap = out["recorder_ms"] - (out["trace_ms"] - out["idle_ms"] + out["late_ms"])
+    return out | {"agree": float(abs(gap) <= AGREE_MS)}
+
+
 def plot_timeline(trace: dict, ax=None, title: str = ""):
     """Draw one rank's step from its trace: backward's compute on one row, the all-reduces on
     one row per gloo thread, the exposed stretches in red below. Returns the matplotlib axes."""
@@ -138,7 +186,7 @@ def main(argv=None) -> None:
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity, profile, record_function
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True)
@@ -146,6 +194,8 @@ def main(argv=None) -> None:
     p.add_argument("--width", type=int, default=512)
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--bucket-cap-mb", type=float, default=1.0)
+    p.add_argument("--ddp", choices=("torch", "core"), default="torch",
+                   help="torch's DDP, or the series' BucketedDDP with a Recorder")
     args = p.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     dist.init_process_group("gloo")
@@ -153,7 +203,22 @@ def main(argv=None) -> None:
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(args.width, args.width)
                                   for _ in range(args.layers)])
-    ddp = DDP(model, bucket_cap_mb=args.bucket_cap_mb)
+    if args.ddp == "core":
+        from ddp_lesson.commsim import Recorder
+        from ddp_lesson.core.bucketed_ddp import BucketedDDP
+
+        class Marked(Recorder):  # the recorder's two readings, marked in the trace
+            def backward_end(self):
+                with record_function(MARKS[0]):
+                    super().backward_end()
+
+            def finish(self):
+                with record_function(MARKS[1]):
+                    super().finish()
+
+        ddp = BucketedDDP(model, bucket_cap_mb=args.bucket_cap_mb, recorder=Marked())
+    else:
+        ddp = DDP(model, bucket_cap_mb=args.bucket_cap_mb)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
     x = torch.randn(args.batch, args.width, generator=torch.Generator().manual_seed(rank))
 
@@ -168,6 +233,9 @@ def main(argv=None) -> None:
         step()
     path = f"{args.out}/trace_rank{rank}.json"
     prof.export_chrome_trace(path)
+    if args.ddp == "core":
+        with open(f"{args.out}/record_rank{rank}.json", "w") as fh:
+            json.dump(ddp.recorder.steps[-1].to_dict(), fh)
     with open(path) as fh:
         t = timeline(json.load(fh))
     backward_end = max(e for _, e in t["backward"])
