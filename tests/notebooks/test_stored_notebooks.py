@@ -19,10 +19,10 @@ The Markdown ``**`` slip has its own test: tests/notebooks/test_notebook_markdow
 from __future__ import annotations
 
 import base64
-import importlib.util
 import re
 import shlex
 import struct
+import sys
 from pathlib import Path
 
 import nbformat
@@ -42,11 +42,12 @@ RICH = ("text/html", "image/png", "image/jpeg", "image/svg+xml", "text/markdown"
 
 
 def _tool():
-    spec = importlib.util.spec_from_file_location("normalize_notebooks",
-                                                  ROOT / "tools" / "normalize_notebooks.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """``tools/normalize_notebooks.py``, imported as the other tools' tests import theirs."""
+    if str(ROOT / "tools") not in sys.path:
+        sys.path.insert(0, str(ROOT / "tools"))
+    import normalize_notebooks
+
+    return normalize_notebooks
 
 
 def _code_outputs(nb):
