@@ -346,6 +346,15 @@ HARDWARE = {
 }
 
 
+def _as_raw(registered):
+    """A formula from torch's ``flop_registry`` (already turned into one that takes tensors),
+    marked so that ``FlopCounterMode(custom_mapping=...)`` does not wrap it a second time."""
+    def formula(*args, out_val=None, **kwargs):
+        return registered(*args, out_val=out_val, **kwargs)
+    formula._get_raw = True
+    return formula
+
+
 def flops_per_sample(model, inputs: tuple) -> tuple[float, float]:
     """Forward and backward FLOPs per sample, counted by torch's ``FlopCounterMode``.
 
@@ -362,12 +371,24 @@ def flops_per_sample(model, inputs: tuple) -> tuple[float, float]:
     Returns:
         ``(forward, backward)`` FLOPs per sample. Leaves gradients in ``model``.
     """
-    from torch.utils.flop_counter import FlopCounterMode  # torch/utils/flop_counter.py
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
-    with FlopCounterMode(display=False) as fwd:
+    # torch 2.15 counts scaled_dot_product_attention's CPU kernels with the formulas of its GPU
+    # kernels (torch/utils/flop_counter.py, sdpa_flop and sdpa_backward_flop); 2.13 and 2.14
+    # have no formula for them and count no attention on a CPU. Lend them the GPU kernels' own,
+    # so every torch in the range gives the same count.
+    aten = torch.ops.aten
+    lend = {aten._scaled_dot_product_flash_attention_for_cpu:
+            aten._scaled_dot_product_flash_attention,
+            aten._scaled_dot_product_flash_attention_for_cpu_backward:
+            aten._scaled_dot_product_flash_attention_backward}
+    mapping = {cpu: _as_raw(flop_registry[gpu]) for cpu, gpu in lend.items()
+               if cpu not in flop_registry}
+    with FlopCounterMode(display=False, custom_mapping=mapping) as fwd:
         out = model(*inputs)
     out = out if not isinstance(out, (tuple, list)) else out[0]
-    with FlopCounterMode(display=False) as bwd:
+    with FlopCounterMode(display=False, custom_mapping=mapping) as bwd:
         out.sum().backward()
     n = inputs[0].shape[0]
     return fwd.get_total_flops() / n, bwd.get_total_flops() / n

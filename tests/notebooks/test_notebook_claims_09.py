@@ -123,12 +123,13 @@ def test_the_deep_dives_lab_run():
 def test_the_lab_prints_the_package_numbers_and_consistent_timings():
     lab_cell(NB, LAB)
     b, gflops = _lab_lines(NB, 8)
-    # the prose: "a sequence or two"; a GPU computes ~1e5 times faster, NVLink ~1e3 times
-    assert 0.5 <= b <= 3
-    assert 10**4.5 < HARDWARE["h100"].flops_per_s / (gflops * 1e9) < 10**5.5
+    # the prose: "a few sequences"; a GPU computes 1e4 to 1e5 times faster, NVLink ~1e3 times
+    # (measured lines: they vary with the CPU and its load, so the prose says a range)
+    assert 0.5 <= b <= 10
+    assert 10**4 < HARDWARE["h100"].flops_per_s / (gflops * 1e9) < 10**5.5
     prose = _prose()
-    assert "backward of a sequence or two already outlasts" in prose
-    assert "A GPU computes about 10⁵ times faster" in prose
+    assert "backward of a few sequences already outlasts" in prose
+    assert "A GPU computes 10⁴ to 10⁵ times faster" in prose
 
 
 def test_alpha_beta_prediction_and_the_widget(tiny):
@@ -148,7 +149,9 @@ def test_alpha_beta_prediction_and_the_widget(tiny):
     out = cell_with(NB, "roofline_calculator(model").outputs[0]["data"]["text/plain"]
     assert out == ("roofline calculator (run the notebook to change it)\n"
                    + roofline_report(model, "t4x2", batch_per_gpu=64, inputs=(x,)))
-    assert "132.1 sequences per GPU" in stream_text(NB, 'for key, R in (("h100", 8)')
+    _, _, _, bwd, _ = tiny
+    expected = compute_bound_batch(bwd, grad, HARDWARE["h100"], 8)
+    assert f"{expected:7.1f} sequences per GPU" in stream_text(NB, 'for key, R in (("h100", 8)')
     assert "the same model needs about a hundred sequences" in _prose()
 
 
