@@ -32,7 +32,7 @@ from .models import MODELS
 LR_SCALINGS = LR_RULES
 #: ``--lr-schedule`` choices: constant, or DeepLab's "poly" decay ``(1 - step/total)**0.9``.
 LR_SCHEDULES = ("constant", "poly")
-#: ``--ddp`` choices: torch's DistributedDataParallel or this package's wrappers (ddp.py).
+#: ``--ddp`` choices: torch's DistributedDataParallel or the cores of ``ddp_lesson/core/``.
 DDP_WRAPPERS = ("torch", "naive", "bucketed")
 #: ``--amp`` choices: no autocast, autocast to bfloat16, autocast to float16 with a GradScaler.
 AMP_MODES = ("off", "bf16", "fp16")
@@ -115,7 +115,7 @@ class TrainConfig:
         "torch's nn.SyncBatchNorm on GPUs", action="store_true"))
     ddp: str = field(default="torch", metadata=_note(
         "data-parallel wrapper: torch = DistributedDataParallel, naive / bucketed = "
-        "ddp_lesson.ddp.NaiveDDP / BucketedDDP", choices=DDP_WRAPPERS))
+        "notebook 04's ddp_lesson.core NaiveDDP / BucketedDDP", choices=DDP_WRAPPERS))
     amp: str = field(default="off", metadata=_note(
         "mixed precision: off = float32; bf16 = forward under torch.autocast in bfloat16; "
         "fp16 = autocast in float16 with one torch.amp.GradScaler per process (its state is "
