@@ -9,10 +9,11 @@ DeepLab-style model (``ddp_lesson.models.build_model("deeplab", width=W)``) on t
 batch with every variant, from the same seed:
 
 * without a link: ``torch`` (``DistributedDataParallel`` with its defaults), ``naive``
-  (:class:`~ddp_lesson.ddp.NaiveDDP`), ``bucketed`` (:class:`~ddp_lesson.ddp.BucketedDDP`,
-  torch's default buckets unless ``--bucket-cap-mb``: a 1 MiB first bucket, then
-  25 MiB; the stored ``benchmarks/ddp.csv`` was measured with ``--bucket-cap-mb 25``, one
-  bucket, as its ``bucket_cap_mb`` column says);
+  (:class:`~ddp_lesson.core.naive_ddp.NaiveDDP`), ``bucketed``
+  (:class:`~ddp_lesson.core.bucketed_ddp.BucketedDDP`, torch's default buckets unless
+  ``--bucket-cap-mb``: a 1 MiB first bucket, then 25 MiB; the stored ``benchmarks/ddp.csv`` was
+  measured with ``--bucket-cap-mb 25``, one bucket, as its ``bucket_cap_mb`` column says, and
+  with the drop-in wrappers the package had until commit 0a30d30, not the cores);
 * under a :class:`~ddp_lesson.commsim.SimulatedLink` (default α = 0.5 ms, 100 MB/s): ``torch``
   (the link as a DDP communication hook), ``naive``, ``bucketed`` with overlap and
   ``bucketed`` without overlap (both with ``--link-bucket-cap-mb``, several buckets);
@@ -133,7 +134,8 @@ def _make_variant(variant: str, link: bool, opts, env, device) -> dict:
     from torch.nn.parallel import DistributedDataParallel
 
     from ..commsim import Recorder, SimulatedLink
-    from ..ddp import BucketedDDP, NaiveDDP
+    from ..core.bucketed_ddp import BucketedDDP
+    from ..core.naive_ddp import NaiveDDP
     from ..models import build_model
 
     torch.manual_seed(0)
@@ -184,8 +186,8 @@ def _exposed(run: dict, R: int) -> dict:
     """Exposed ms per step (min/median/max), its share and the model's prediction, from the
     recorder of every rank. A collective: every rank calls it for the same runs."""
     from ..commsim import gather_records, job_exposed_s, job_exposed_share
+    from ..core.bucketed_ddp import BucketedDDP
     from ..cost_model import predict_overlap
-    from ..ddp import BucketedDDP
 
     ddp, link = run["ddp"], run["ddp"].comm_hook
     everyone = gather_records(run["rec"])
