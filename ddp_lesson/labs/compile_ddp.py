@@ -49,8 +49,8 @@ from torch._dynamo.utils import counters
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
-from ddp_lesson.core.naive_ddp import sum_all_reduce
-from ddp_lesson.ddp import BucketedDDP, NaiveDDP
+from ddp_lesson.core.bucketed_ddp import BucketedDDP
+from ddp_lesson.core.naive_ddp import NaiveDDP, sum_all_reduce
 
 __all__ = [
     "BAD_CAP_MB", "CAPS_MB", "CountingBackend", "DIMS", "LoopStack", "Stack", "Timeline",

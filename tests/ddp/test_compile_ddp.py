@@ -286,6 +286,12 @@ def test_stored_graph_break_counts():
     assert lines[8] == "DDP(nn.Sequential): 0 dynamo graphs, 0 parts (nothing compiled)"
 
 
+def test_the_lab_compiles_the_cores():
+    from ddp_lesson.core import bucketed_ddp, naive_ddp
+
+    assert (cd.NaiveDDP, cd.BucketedDDP) == (naive_ddp.NaiveDDP, bucketed_ddp.BucketedDDP)
+
+
 def test_stored_wrappers_compile_whole_and_lose_overlap():
     lines = _lines('report(res, ["wrappers"])')
     params = [p.numel() * p.element_size() for p in cd.Stack().parameters()]
