@@ -122,12 +122,15 @@ def test_trainer_one_epoch_on_cuda_with_amp_fp16_saves_the_scaler(tmp_path):
 
 
 @pytest.mark.slow
-def test_bucketed_ddp_equals_torch_ddp_on_cuda():
+def test_naive_and_bucketed_ddp_cores_equal_torch_ddp_on_cuda():
+    """NaiveDDP and BucketedDDP (``ddp_lesson.core``, what ``--ddp naive|bucketed`` run) under
+    NCCL: their hooks and end-of-backward callback on CUDA streams give torch's DDP's weights."""
     code = _code("""
         import json, torch, torch.distributed as dist
         import torch.nn.functional as F
         from torch.nn.parallel import DistributedDataParallel
-        from ddp_lesson.ddp import BucketedDDP
+        from ddp_lesson.core.bucketed_ddp import BucketedDDP
+        from ddp_lesson.core.naive_ddp import NaiveDDP
         from ddp_lesson.env import cleanup, init_distributed
         from ddp_lesson.models import build_model
         torch.backends.cudnn.deterministic = True
@@ -149,11 +152,15 @@ def test_bucketed_ddp_equals_torch_ddp_on_cuda():
                 F.cross_entropy(ddp(xs), ys).backward()
                 opt.step()
             return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-        ours = run(lambda m: BucketedDDP(m, bucket_cap_mb=0.05))
         theirs = run(lambda m: DistributedDataParallel(m, device_ids=[env.local_rank]))
-        diff = (ours - theirs).abs().max()
-        dist.all_reduce(diff, op=dist.ReduceOp.MAX)
-        print(json.dumps({"device": str(ours.device), "max_diff": diff.item()}))
+        out = {}
+        for name, wrap in (("bucketed", lambda m: BucketedDDP(m, bucket_cap_mb=0.05)),
+                           ("naive", NaiveDDP)):
+            ours = run(wrap)
+            diff = (ours - theirs).abs().max()
+            dist.all_reduce(diff, op=dist.ReduceOp.MAX)
+            out[name] = diff.item()
+        print(json.dumps({"device": str(theirs.device), "max_diff": out}))
         cleanup()
     """)
     result = run_torchrun(code=code, nproc_per_node=NPROC, backend="nccl", timeout=240,
@@ -161,7 +168,8 @@ def test_bucketed_ddp_equals_torch_ddp_on_cuda():
     for rank in range(NPROC):
         (rec,) = _json_lines(result, rank)
         assert rec["device"] == f"cuda:{rank}"
-        assert rec["max_diff"] < 1e-5
+        assert set(rec["max_diff"]) == {"bucketed", "naive"}
+        assert all(d < 1e-5 for d in rec["max_diff"].values()), rec["max_diff"]
 
 
 @pytest.mark.slow
