@@ -981,29 +981,25 @@ def wrap_model(module, kind: str, env, device, bucket_cap_mb: float | None = Non
                static_graph: bool = False, gradient_as_bucket_view: bool = False):
     """Wrap ``module`` for data parallelism: torch's DDP, or notebook 04's NaiveDDP/BucketedDDP.
 
-    No wrapper without a process group (a single plain process). ``naive`` and ``bucketed``
-    are the cores ``ddp_lesson.core.naive_ddp`` / ``bucketed_ddp``, the classes notebook 04
-    prints. For torch's DDP, ``device_ids`` only on CUDA (one GPU per process); no
-    ``find_unused_parameters``: every parameter gets a gradient each step. ``bucket_cap_mb`` goes
-    to torch's DDP and to BucketedDDP (NaiveDDP has no buckets); None leaves torch's default (a
-    1 MiB bucket for the first layers, 25 MiB for the others: ``_BucketCapacityConfig`` in torch
-    2.13's ``torch/nn/parallel/distributed.py``; an explicit 25 drops the small bucket);
-    ``static_graph`` and ``gradient_as_bucket_view`` to torch's DDP only
+    No wrapper without a process group. ``naive``/``bucketed`` are the cores
+    (``ddp_lesson/core/``). torch's DDP gets ``device_ids`` only on CUDA, no
+    ``find_unused_parameters`` (every parameter gets a gradient each step). ``bucket_cap_mb``
+    goes to torch's DDP and BucketedDDP; None keeps torch's default (1 MiB for the first bucket,
+    25 for the others: ``_BucketCapacityConfig`` in torch 2.13's
+    ``torch/nn/parallel/distributed.py``; an explicit 25 drops the small bucket).
+    ``static_graph`` and ``gradient_as_bucket_view`` go to torch's DDP only
     (:class:`~ddp_lesson.config.TrainConfig` refuses them with the cores).
 
-    What the trainer uses of a wrapper, the cores have: ``no_sync()`` and ``.module``. Buffers:
-    torch's DDP broadcasts rank 0's before every training forward (``_sync_buffers``,
-    ``authoritative_rank = 0`` without ``Join``), the cores at construction only. The trainer
-    needs no more: a training forward normalises with its batch's statistics and only updates
-    BatchNorm's running ones, so the parameters do not depend on the buffers; rank 0's buffers
-    take the same values under both (a broadcast from rank 0 leaves rank 0's as they are), and
-    they are what the trainer keeps: ``validate`` broadcasts them first and rank 0 writes the
-    checkpoint. On CUDA under NCCL the cores' end-of-backward callback runs on the streams
-    current when backward was called, after those have waited for the gradients' streams
-    (``caller_current_streams_`` in torch 2.13's ``include/torch/csrc/autograd/graph_task.h``),
-    and ``work.wait()`` makes that stream wait for NCCL's (``WorkNCCL::synchronize``,
-    ``ProcessGroupNCCL.hpp``). Synchronises: every wrapper broadcasts rank 0's parameters and
-    buffers at construction.
+    The cores have what the trainer uses: ``no_sync()``, ``.module``. Buffers: torch's DDP
+    broadcasts rank 0's before every training forward (``_sync_buffers``: authoritative rank 0
+    without ``Join``), the cores at construction only. That is enough here: a training forward
+    normalises with its batch's statistics, so the parameters do not depend on the buffers, and
+    rank 0's buffers, which ``validate`` broadcasts first and rank 0 checkpoints, take the same
+    values under both. CUDA: the cores' end-of-backward callback runs on the streams current at
+    ``backward()``, after they waited for the gradients' streams (``caller_current_streams_``,
+    torch 2.13's ``include/torch/csrc/autograd/graph_task.h``); ``work.wait()`` makes that
+    stream wait for NCCL's (``WorkNCCL::synchronize``, ``ProcessGroupNCCL.hpp``).
+    Synchronises: every wrapper broadcasts rank 0's parameters and buffers at construction.
     """
     from .core.bucketed_ddp import BucketedDDP
     from .core.naive_ddp import NaiveDDP

@@ -567,29 +567,6 @@ def report_wrappers(res: dict) -> list[str]:
 
 def report_breaks(res: dict) -> list[str]:
     """What a graph break costs, in counts."""
-    return _break_lines(res)
-
-
-#: The report's sections, in order; each needs the parts of :func:`run` it names.
-SECTIONS = {"model": report_model, "split": report_split, "gradients": report_gradients,
-            "breaks": report_breaks, "wrappers": report_wrappers}
-
-
-def report(res: dict, sections=None) -> list[str]:
-    """Rank 0's lines: facts and counts, the same on every machine, each at most 91
-    characters (``[rank 0] `` makes 100). ``sections``: names of :data:`SECTIONS` (None: each
-    one whose results ``res`` holds)."""
-    if sections is None:
-        sections = [k for k in SECTIONS if k in ("model", "gradients") or k in res]
-    return [line for name in sections for line in SECTIONS[name](res)]
-
-
-def load(path) -> dict:
-    """The results :func:`main` wrote with ``--out``."""
-    return json.loads(Path(path).read_text())
-
-
-def _break_lines(res: dict) -> list[str]:
     b = res["breaks"]
     base = next(r for r in res.get("split", [b["loop"]]) if "graph_breaks" in r)
     own = sum(n for reason, n in base["graph_breaks"].items() if reason != DELIBERATE)
@@ -610,6 +587,25 @@ def _break_lines(res: dict) -> list[str]:
         f"DDP(nn.Sequential): {_n(seq['dynamo_graphs'], 'dynamo graph')}, "
         f"{_n(seq['parts'], 'part')} (nothing compiled)",
     ]
+
+
+#: The report's sections, in order; each needs the parts of :func:`run` it names.
+SECTIONS = {"model": report_model, "split": report_split, "gradients": report_gradients,
+            "breaks": report_breaks, "wrappers": report_wrappers}
+
+
+def report(res: dict, sections=None) -> list[str]:
+    """Rank 0's lines: facts and counts, the same on every machine, each at most 91
+    characters (``[rank 0] `` makes 100). ``sections``: names of :data:`SECTIONS` (None: each
+    one whose results ``res`` holds)."""
+    if sections is None:
+        sections = [k for k in SECTIONS if k in ("model", "gradients") or k in res]
+    return [line for name in sections for line in SECTIONS[name](res)]
+
+
+def load(path) -> dict:
+    """The results :func:`main` wrote with ``--out``."""
+    return json.loads(Path(path).read_text())
 
 
 def _number(text: str) -> float | int:
