@@ -56,7 +56,7 @@ def test_naive_and_bucketed_train_what_torchs_ddp_trains(tmp_path):
     script = tmp_path / "wrap.py"
     script.write_text(SCRIPT)
     # 16 samples on 2 ranks, 2 per micro-batch, 2 micro-batches per step: 2 steps per epoch
-    base = ["--epochs", "2", "--num-train", "16", "--num-val", "4", "-b", "2", "--size", "32",
+    base = ["--epochs", "1", "--num-train", "16", "--num-val", "4", "-b", "2", "--size", "32",
             "64", "--width", "4", "--grad-accum-steps", "2"]
     result = run_torchrun(str(script), [json.dumps(base)], nproc_per_node=2, timeout=200,
                           live=False, backend="gloo", cwd=tmp_path)
