@@ -13,19 +13,14 @@ layer's gradients are ready, when DDP sends each bucket (a comm hook that logs, 
 default all-reduce). Rank 0 prints facts (counts and that order, the same on every machine);
 ``--out`` writes every number as JSON.
 
-What torch 2.13 does (``torch/_dynamo/backends/distributed.py``, ``DDPOptimizer``, and
-``torch/_dynamo/convert_frame.py``): while a frame runs inside the forward of a torch
-``DistributedDataParallel`` and ``torch._dynamo.config.optimize_ddp`` is True (the default,
-"ddp_optimizer"), dynamo hands each graph to ``DDPOptimizer.compile_fn`` instead of the
-backend. It walks the graph's nodes from the last to the first, adding the bytes of the
-parameters each node uses (``untyped_storage().nbytes()``) to the open bucket; at a node where
-the open bucket holds at least the cap (the first bucket: at least ``first_bucket_cap``) and
-one of its nodes feeds a node outside it, it starts a new bucket. Each bucket becomes a
-subgraph (``fx.passes.split_module``), compiled by the user's backend on its own; the caps are
-``bucket_bytes_cap=ddp_module.bucket_bytes_cap`` (DDP's ``bucket_cap_mb``, default 25 MiB)
-and, since ``convert_frame`` passes no first cap, ``torch.distributed._DEFAULT_FIRST_BUCKET_BYTES``
-(1 MiB) whatever ``bucket_cap_mb`` is; the constructor asserts ``first_bucket_cap <=
-bucket_bytes_cap``, so a cap under 1 MiB fails the compile with an ``AssertionError``.
+What torch 2.13 does (``torch/_dynamo/backends/distributed.py``, ``DDPOptimizer``;
+``torch/_dynamo/convert_frame.py``): a frame run inside a torch ``DistributedDataParallel``'s
+forward, with ``torch._dynamo.config.optimize_ddp`` True (the default), goes to
+``DDPOptimizer.compile_fn``, which cuts the graph into one subgraph per bucket (the rule:
+:func:`predict_parts`) and compiles each with the user's backend; the caps are DDP's
+``bucket_bytes_cap`` and, whatever ``bucket_cap_mb`` is, a 1 MiB first cap
+(``torch.distributed._DEFAULT_FIRST_BUCKET_BYTES``), asserted ``<= bucket_bytes_cap``: a cap
+under 1 MiB fails the compile with an ``AssertionError``.
 
 Run on its own, ``main`` joins a gloo group on any machine (``init_distributed(backend="gloo")``):
 its tensors and models are CPU tensors, which NCCL refuses ("Tensors must be CUDA and dense",
