@@ -104,3 +104,39 @@ def test_timeline_and_sweep_figures():
     ]
     assert any(c.get_gid() == "measured" for c in fig.axes[0].collections)
     plt.close(fig)
+
+
+@pytest.mark.slow
+def test_the_benchmark_times_the_cores(world_of_one):
+    """Each variant is the class notebook 04 prints, with the link, recorder and overlap asked."""
+    import types
+
+    import torch
+
+    from ddp_lesson.bench.ddp import VARIANTS, _make_variant, _worker_parser
+    from ddp_lesson.commsim import Recorder, SimulatedLink
+    from ddp_lesson.core.bucketed_ddp import BucketedDDP
+    from ddp_lesson.core.naive_ddp import NaiveDDP, sum_all_reduce
+
+    opts = _worker_parser().parse_args(["--width", "4", "--link-bucket-cap-mb", "0.01"])
+    env = types.SimpleNamespace(local_rank=0)
+    got = {}
+    for variant, link in VARIANTS:
+        run = _make_variant(variant, link, opts, env, torch.device("cpu"))
+        ddp = run["ddp"]
+        got[variant, link] = (type(ddp).__name__, getattr(ddp, "overlap", None),
+                              type(run["rec"]).__name__, run["cap"])
+        if variant != "torch":
+            assert type(ddp) in (NaiveDDP, BucketedDDP)
+            assert (ddp.comm_hook is sum_all_reduce) == (not link)
+            assert isinstance(ddp.comm_hook, SimulatedLink) == link
+            assert isinstance(run["rec"], Recorder) == link and ddp.recorder is run["rec"]
+    assert got == {
+        ("torch", False): ("DistributedDataParallel", None, "NoneType", None),
+        ("bucketed", False): ("BucketedDDP", True, "NoneType", None),
+        ("naive", False): ("NaiveDDP", None, "NoneType", None),
+        ("torch", True): ("DistributedDataParallel", None, "NoneType", None),
+        ("bucketed", True): ("BucketedDDP", True, "Recorder", 0.01),
+        ("bucketed-no-overlap", True): ("BucketedDDP", False, "Recorder", 0.01),
+        ("naive", True): ("NaiveDDP", None, "Recorder", None),
+    }
