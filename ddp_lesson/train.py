@@ -996,9 +996,10 @@ def wrap_model(module, kind: str, env, device, bucket_cap_mb: float | None = Non
     normalises with its batch's statistics, so the parameters do not depend on the buffers, and
     rank 0's buffers, which ``validate`` broadcasts first and rank 0 checkpoints, take the same
     values under both. CUDA: the cores' end-of-backward callback runs on the streams current at
-    ``backward()``, after they waited for the gradients' streams (``caller_current_streams_``,
-    torch 2.13's ``include/torch/csrc/autograd/graph_task.h``); ``work.wait()`` makes that
-    stream wait for NCCL's (``WorkNCCL::synchronize``, ``ProcessGroupNCCL.hpp``).
+    ``backward()``, after they waited for the gradients' streams (``GraphTask::
+    exec_post_processing`` in torch's ``torch/csrc/autograd/engine.cpp``; 2.13's
+    ``graph_task.h``, ``caller_current_streams_``); ``work.wait()`` makes that stream wait for
+    NCCL's (``WorkNCCL::synchronize``, ``ProcessGroupNCCL.hpp``).
     Synchronises: every wrapper broadcasts rank 0's parameters and buffers at construction.
     """
     from .core.bucketed_ddp import BucketedDDP
