@@ -8,6 +8,7 @@ One torchrun launch (gloo, 20 s process-group timeout) runs every scenario of th
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 CORES = ("core naive", "core bucketed")
 NAMES = {"core naive": "NaiveDDP", "core bucketed": "BucketedDDP"}
 PROGRAM = Path(__file__).resolve().parents[1] / "programs" / "ddp_edge_cases.py"
+DEEP_DIVE = Path(__file__).resolve().parents[2] / "notebooks/deep/04_ddp_edge_cases.ipynb"
 
 
 @pytest.fixture(scope="module")
@@ -176,3 +178,34 @@ def test_b33_two_forwards_one_backward_with_a_buffer(lab):
         assert core0 == torch0, v               # rank 0: the same gradients and statistics
         assert core1[:10] == torch1[:10], v     # rank 1: the same gradients, its own statistics
         assert core1[10:] not in (torch1[10:], core0[10:]), v
+
+
+def test_the_deep_dive_states_the_numbers_of_this_run(lab):
+    import nbformat
+
+    nb = nbformat.read(DEEP_DIVE, as_version=4)
+    text = re.sub(r"\s+", " ", " ".join(c.source for c in nb.cells if c.cell_type == "markdown"))
+
+    def nums(values):
+        return ", ".join(f"{v:g}" if v % 1 else f"{v:.1f}" for v in values)
+
+    r0, r1 = _both(lab, "uneven_inputs", "torch divide_by_initial_world_size=True")
+    r0_false = lab["uneven_inputs"][0]["torch divide_by_initial_world_size=False"]
+    assert (f"rank 0's gradients are {nums(r0)} (the default `divide_by_initial_world_size=True`"
+            f": the joined rank counts as a zero) or {nums(r0_false)} with `False`; rank 1's "
+            f"are {nums(r1)}.") in text
+    assert f"rank 1 holds {lab['buffers_reassigned'][1]['torch broadcast_buffers=True'][0]:g} " \
+        "after 3 steps" in text
+    assert f"(rank 1: {lab['buffers_reassigned'][1]['torch broadcast_buffers=False'][0]:g})" in text
+    assert f"its own copy ({lab['buffers_reassigned'][1]['core naive'][0]:.1f})" in text
+    u0, u1 = _both(lab, "unfrozen_after_wrapping", "torch unfrozen")
+    assert f"leave {u0[0]:.1f} on rank 0 and {u1[0]:.1f} on rank 1" in text
+    assert f"the next backwards average ({lab['skipped_backward'][0]['torch'][0]:g})" in text
+    t0, t1 = _both(lab, "several_backwards", "torch")
+    core = lab["several_backwards"][0]["core naive"]
+    assert (f"give {', '.join(f'{v:g}' for v in core)} on both ranks with the cores, and "
+            f"{', '.join(f'{v:g}' for v in t0)} vs {', '.join(f'{v:g}' for v in t1)} with torch"
+            ) in text
+    a, b, _ = lab["unused_with_no_sync"][0]["torch"]
+    assert f"`a` gets {a:.1f} and `b` {b:.1f} on both ranks" in text
+    assert f"Two fp16 gradients of 40000 average to {lab['fp16_sum'][0]['torch'][0]:g}" in text

@@ -34,7 +34,7 @@ def run(env, fixed: bool) -> None:
     model = DistributedDataParallel(torch.nn.Linear(4, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
 
-    def loop():
+    def loop(model):
         for x in batches:
             opt.zero_grad()
             model(x).square().mean().backward()  # all_reduce of the gradients
@@ -42,14 +42,14 @@ def run(env, fixed: bool) -> None:
 
     if fixed:
         with Join([model]):  # finished ranks shadow the others' all_reduces
-            loop()
+            loop(model)
         w = model.module.weight.detach().clone()
         same = [torch.zeros_like(w) for _ in range(env.world_size)]
         dist.all_gather(same, w)
         equal = all(torch.equal(s, same[0]) for s in same)
         print(f"rank {env.rank}: done; weights equal on all ranks: {equal}")
     else:
-        loop()  # BUG: the rank with more batches waits in its extra backward
+        loop(model)  # BUG: the rank with more batches waits in its extra backward
         print(f"rank {env.rank}: done with my batches")
     dist.barrier()
     del model  # freed while the group lives
