@@ -117,7 +117,7 @@ def test_notebook_04_cells_construct_the_core_classes():
 
 def test_the_cores_carry_the_labs_seam_and_the_learners_checks():
     # the seam the labs need (a comm hook and a recorder) and the argument checks are the
-    # cores' own, so the drop-in layer adds neither
+    # cores' own: no layer on top adds them
     from ddp_lesson.core.bucketed_ddp import BucketedDDP
     from ddp_lesson.core.naive_ddp import NaiveDDP
 
