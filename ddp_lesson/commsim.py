@@ -5,7 +5,7 @@ benefit. :class:`SimulatedLink` lays an α-β network over the real all-reduce (
 right; waiting takes the modelled time), so a bucket issued during backward is hidden behind
 computation and one issued after backward is exposed, as on a real network. A
 :class:`Recorder` attached to a wrapper (the cores ``ddp_lesson.core.naive_ddp.NaiveDDP`` /
-``BucketedDDP``, or the drop-ins built on them) notes when each gradient was ready and each
+``BucketedDDP``) notes when each gradient was ready and each
 all-reduce ran, per rank, as :class:`StepRecord` and :class:`CommEvent`; :func:`job_exposed_s` and
 :func:`job_exposed_share` say how much communication nobody's computation hid, and
 :func:`gather_records` brings every rank's records to every rank.

@@ -3,7 +3,8 @@
 Every module here holds one algorithm in its plainest correct form (NaiveDDP, BucketedDDP, and
 their siblings), imports only torch and other ``ddp_lesson.core`` modules, and stays within 300
 lines including its docstrings, so a reader meets the algorithm itself and no machinery around
-it. The labs, the notebooks and the exercises' references run these classes (a comm hook and a
-recorder are the labs' seam); the trainer's drop-in layer (``ddp_lesson.ddp``: torch's
-signature, ``Join``, cross-rank checks) builds on them. Tests compare each core with torch's.
+it. The labs, the notebooks, the exercises' references and the trainer's ``--ddp
+naive|bucketed`` run these classes (a comm hook and a recorder are the labs' seam); torch's
+signature, ``Join`` and the rest are torch's DDP's (``--ddp torch``). Tests compare each core
+with torch's.
 """

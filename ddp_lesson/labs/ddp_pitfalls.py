@@ -2,10 +2,10 @@
 
     torchrun --standalone --nproc-per-node 2 -m ddp_lesson.labs.ddp_pitfalls
 
-Each function is one scenario and works with the package's wrappers (the cores of
-:mod:`ddp_lesson.core` or the drop-ins of :mod:`ddp_lesson.ddp`) or torch's
+Each function is one scenario and works with the cores of :mod:`ddp_lesson.core` or torch's
 ``DistributedDataParallel`` (``wrapper`` argument), so a notebook cell and a test can run the
-same thing and compare with torch.
+same thing and compare with torch. :func:`walk_autograd_graph` is what
+``find_unused_parameters=True`` does after each forward (deep dive 04 · edge cases).
 Every function is a collective: call it on every rank, in the same order. Modules and inputs
 are built on the CPU (the same numbers on any machine) and moved to the device the default group
 reduces on (:func:`ddp_lesson.env.reduce_device`: ``cuda:LOCAL_RANK`` under NCCL, which refuses
@@ -23,14 +23,14 @@ from torch import nn
 
 from ddp_lesson.cli import plain
 from ddp_lesson.commsim import Recorder
-from ddp_lesson.core import naive_ddp as core_naive_ddp
-from ddp_lesson.ddp import BucketedDDP, NaiveDDP
+from ddp_lesson.core.bucketed_ddp import BucketedDDP
+from ddp_lesson.core.naive_ddp import NaiveDDP
 from ddp_lesson.env import reduce_device
 from ddp_lesson.labs.ddp_toys import IN_FEATURES, TwoLayer
 
 __all__ = ["Scalar", "MICRO_GRADS", "no_sync_accumulation", "unused_parameters",
            "loss_reduction", "broadcast_at_construction", "ReentrantHead",
-           "reentrant_checkpoint_on_input", "main"]
+           "reentrant_checkpoint_on_input", "walk_autograd_graph", "main"]
 
 #: B4's local micro-batch gradients: rank -> [micro-batch 0, micro-batch 1].
 MICRO_GRADS = {0: [1.0, 3.0], 1: [1.0, 6.0]}
@@ -48,15 +48,48 @@ class Scalar(nn.Module):
 
 
 def _ours(wrapper) -> bool:
-    """The package's wrappers: the cores and the drop-ins built on them (they take a recorder)."""
-    return isinstance(wrapper, type) and issubclass(wrapper, core_naive_ddp.NaiveDDP)
+    """The cores (they take a recorder; they send zeros for a missing gradient, no flag)."""
+    return isinstance(wrapper, type) and issubclass(wrapper, NaiveDDP)
 
 
-def _wrap(wrapper, module, **kwargs):
+def _wrap(wrapper, module, recorder=None, find_unused_parameters: bool = False):
     if _ours(wrapper):
-        return wrapper(module, **kwargs)
-    kwargs.pop("recorder", None)
-    return wrapper(module, **kwargs)
+        return wrapper(module, recorder=recorder)
+    return wrapper(module, find_unused_parameters=find_unused_parameters)
+
+
+def _find_tensors(obj) -> list[torch.Tensor]:
+    """Tensors inside a (nested) tuple/list/dict output."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (list, tuple)):
+        return [t for o in obj for t in _find_tensors(o)]
+    if isinstance(obj, dict):
+        return [t for o in obj.values() for t in _find_tensors(o)]
+    return []
+
+
+def walk_autograd_graph(outputs) -> tuple[int, set[int]]:
+    """Walk the autograd graph back from ``outputs``: ``(nodes visited, ids of leaves reached)``.
+
+    Follows ``grad_fn.next_functions`` from every tensor in ``outputs`` (nested
+    tuples/lists/dicts searched); a leaf is an ``AccumulateGrad`` node whose ``.variable`` is
+    the parameter, so ``id(p) in leaves`` says whether ``p`` took part in ``outputs``. torch's
+    DDP with ``find_unused_parameters=True`` does this walk after every forward, in C++
+    (``Reducer::search_unused_parameters`` in ``reducer.cpp``). No synchronisation.
+    """
+    stack = [t.grad_fn for t in _find_tensors(outputs) if t.grad_fn is not None]
+    seen, found = set(), set()
+    while stack:
+        fn = stack.pop()
+        if fn in seen:
+            continue
+        seen.add(fn)
+        variable = getattr(fn, "variable", None)
+        if variable is not None:
+            found.add(id(variable))
+        stack.extend(nxt for nxt, _ in fn.next_functions if nxt is not None)
+    return len(seen), found
 
 
 def no_sync_accumulation(wrapper=BucketedDDP, order: str = "correct") -> tuple[float, int | None]:
@@ -108,7 +141,9 @@ def unused_parameters(wrapper=BucketedDDP, find_unused_parameters: bool = False,
     Returns:
         ``("error", message)`` when an iteration raised RuntimeError (then it stops), else
         ``("grads", {name: grad or None})`` after the last iteration (the averaged gradients
-        of the last iteration; ``zero_grad(set_to_none=True)`` before each).
+        of the last iteration; ``zero_grad(set_to_none=True)`` before each). The cores ignore
+        ``find_unused_parameters``: a rank without a gradient sends zeros, so a parameter
+        unused everywhere ends with a zero ``.grad`` (torch's DDP: None).
     """
     rank = dist.get_rank()
     torch.manual_seed(0)
@@ -219,9 +254,8 @@ def reentrant_checkpoint_on_input(wrapper=BucketedDDP) -> dict[str, bool]:
 
     Returns:
         ``{"averaged": every .grad equals the mean (|Δ| < 1e-6), "rank_local": every .grad
-        equals this rank's own gradient}``. torch 2.13's DDP, NaiveDDP and BucketedDDP all
-        average (``averaged`` True, ``rank_local`` False; docs/pitfalls.md B20, the run in
-        deep dive 04 · drop-in edge cases). Synchronises (all-reduces and gathers).
+        equals this rank's own gradient}`` (docs/pitfalls.md B20, the run in deep dive 04 ·
+        edge cases). Synchronises (all-reduces and gathers).
     """
     rank, world = dist.get_rank(), dist.get_world_size()
     g = torch.Generator().manual_seed(100 + rank)
@@ -254,7 +288,8 @@ def main(argv=None) -> None:
             dist.all_gather_object(grads, grad)
             print0(f"{name} B4 {order}: w.grad per rank {grads}, synchronised backwards {syncs}")
         kind, value = unused_parameters(wrapper, False, b_on_ranks=(0,))
-        print0(f"{name} B1 without find_unused_parameters: {kind}: {value}")
+        print0(f"{name} B1, b on rank 0 only: b.weight.grad[0, 0] = "
+               f"{value['b.weight'][0, 0].item()}")
         print0(f"{name} B5 grads: {loss_reduction(wrapper)}")
         print0(f"{name} B8: largest |value| after wrapping, same weights after 3 steps: "
                f"{broadcast_at_construction(wrapper)}")

@@ -2,8 +2,8 @@
 
 Each core module is printed whole by its notebook (``inspect.getsource(module)``), so it must
 stay readable in one sitting: at most 300 lines including docstrings, importing only torch,
-the standard library and other ``ddp_lesson.core`` modules, never the hardened layers on top
-(``ddp_lesson.ddp`` and its siblings) nor display code: read from the source, no process
+the standard library and other ``ddp_lesson.core`` modules, never the layers on top
+(``ddp_lesson.collectives`` and its siblings) nor display code: read from the source, no process
 group. One launch of 2 gloo ranks then checks when the cores communicate: the bucketed core's
 first all-reduce leaves from a gradient hook while backward still runs, the naive core's only
 after backward, and neither sends anything inside ``no_sync()``. The cores' numbers are
@@ -38,7 +38,7 @@ def _imports(path: Path) -> list[tuple[str, int]]:
 def _allowed(name: str, level: int) -> bool:
     if level == 1:  # ``from .naive_ddp import ...``: a sibling inside ddp_lesson.core
         return True
-    if level > 1:   # ``from ..ddp import ...`` leaves the core
+    if level > 1:   # ``from ..collectives import ...`` leaves the core
         return False
     top = name.split(".")[0]
     if name == "ddp_lesson.core" or name.startswith("ddp_lesson.core."):
@@ -65,8 +65,8 @@ def test_core_file_imports_only_torch_stdlib_and_the_core(path):
 
 
 def test_import_rule_refuses_the_hardened_layer_and_display():
-    assert not _allowed("ddp_lesson.ddp", 0)
-    assert not _allowed("ddp", 2)
+    assert not _allowed("ddp_lesson.collectives", 0)
+    assert not _allowed("collectives", 2)
     assert not _allowed("matplotlib.pyplot", 0)
     assert not _allowed("ipywidgets", 0)
     assert _allowed("torch.distributed", 0) and _allowed("contextlib", 0)
@@ -117,7 +117,7 @@ def test_notebook_04_cells_construct_the_core_classes():
 
 def test_the_cores_carry_the_labs_seam_and_the_learners_checks():
     # the seam the labs need (a comm hook and a recorder) and the argument checks are the
-    # cores' own, so the drop-in layer adds neither
+    # cores' own: no layer on top adds them
     from ddp_lesson.core.bucketed_ddp import BucketedDDP
     from ddp_lesson.core.naive_ddp import NaiveDDP
 
@@ -130,22 +130,6 @@ def test_the_cores_carry_the_labs_seam_and_the_learners_checks():
     if not dist.is_initialized():
         with pytest.raises(RuntimeError, match="NaiveDDP needs a process group"):
             NaiveDDP(None)
-
-
-def test_the_drop_in_layer_stays_a_layer_and_does_not_grow():
-    # issue 42: the cores carry the seam and the checks; ddp.py holds only what torch's
-    # signature, Join and the cross-rank checks need (1,272 lines before; a ratchet, not a goal)
-    n = len((CORE.parent / "ddp.py").read_text().splitlines())
-    assert n <= 1000, f"ddp_lesson/ddp.py has {n} lines"
-
-
-def test_drop_ins_are_layers_on_the_cores():
-    from ddp_lesson import ddp
-    from ddp_lesson.core import bucketed_ddp, naive_ddp
-
-    assert issubclass(ddp.NaiveDDP, naive_ddp.NaiveDDP)
-    assert issubclass(ddp.BucketedDDP, bucketed_ddp.BucketedDDP)
-    assert ddp.assign_buckets is bucketed_ddp.assign_buckets and ddp.MB == bucketed_ddp.MB
 
 
 OVERLAP_WORKER = textwrap.dedent("""

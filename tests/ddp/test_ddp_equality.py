@@ -1,15 +1,14 @@
 """NaiveDDP and BucketedDDP train exactly like torch's DDP and like one process on the global batch.
 
-One torchrun launch per world size (2 and 3, gloo). In it every rank trains, from the same
-seed and data, with torch's ``DistributedDataParallel``, and with both the teaching cores
-(``ddp_lesson.core.naive_ddp.NaiveDDP``, ``ddp_lesson.core.bucketed_ddp.BucketedDDP``) and
-the drop-ins built on them (``ddp_lesson.ddp.NaiveDDP`` / ``BucketedDDP``), the bucketed ones
-with caps that force 1, 2 and one-bucket-per-parameter, on four toy models (a frozen layer, a
-tied weight, an unused branch with ``find_unused_parameters=True`` for the drop-ins, a
-BatchNorm buffer) for 10 SGD-with-momentum steps, and on the DeepLab-style model for 3 steps;
-plus gradient accumulation over 4 micro-batches with ``no_sync``. Each rank saves its final
-parameters and its bucket counts, next to torch's bucket counts for the same caps; this
-process recomputes everything on one process and compares.
+One torchrun launch per world size (2 and 3, gloo). In it every rank trains, from the same seed
+and data, with torch's ``DistributedDataParallel``, and with both the teaching cores
+(``ddp_lesson.core.naive_ddp.NaiveDDP``, ``ddp_lesson.core.bucketed_ddp.BucketedDDP``), the
+bucketed one with caps that force 1, 2 and one-bucket-per-parameter, on four toy models (a
+frozen layer, a tied weight, an unused branch with ``find_unused_parameters=True`` for torch,
+zeros sent by the cores, a BatchNorm buffer) for 10 SGD-with-momentum steps, and on the DeepLab-
+style model for 3 steps; plus gradient accumulation over 4 micro-batches with ``no_sync``. Each
+rank saves its final parameters and its bucket counts, next to torch's bucket counts for the
+same caps; this process recomputes everything on one process and compares.
 
 The single-process baseline: mean cross-entropy over the global batch. With BatchNorm, a
 data-parallel forward normalises each rank's slice with that slice's statistics, and the
@@ -36,10 +35,9 @@ STEPS, PER_RANK, LR, MOMENTUM = 10, 2, 0.1, 0.9
 DEEPLAB_STEPS, DEEPLAB_SIZE, DEEPLAB_WIDTH = 3, (32, 48), 8
 ACC_STEPS, ACC_MICRO = 3, 4
 RTOL, ATOL = 1e-5, 1e-6
-DROPINS = ("naive", "bucketed-1", "bucketed-2", "bucketed-many")
-CORES = tuple(f"core-{v}" for v in DROPINS)
-VARIANTS = ("torch", *DROPINS, *CORES)
-NO_SYNC_VARIANTS = ("torch", "naive", "bucketed-2", "core-naive", "core-bucketed-2")
+CORES = ("core-naive", "core-bucketed-1", "core-bucketed-2", "core-bucketed-many")
+VARIANTS = ("torch", *CORES)
+NO_SYNC_VARIANTS = ("torch", "core-naive", "core-bucketed-2")
 CAPS = ("bucketed-1", "bucketed-2", "bucketed-many")
 
 WORKER = textwrap.dedent(f"""
@@ -47,8 +45,8 @@ WORKER = textwrap.dedent(f"""
     import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel as DDP
     from ddp_lesson.env import init_distributed, cleanup
-    from ddp_lesson.ddp import NaiveDDP, BucketedDDP, MB
     from ddp_lesson.core import naive_ddp, bucketed_ddp
+    from ddp_lesson.core.buckets import MB
     from ddp_lesson.labs.ddp_toys import TOYS, toy_batch, shard
     from ddp_lesson.models import build_model
 
@@ -64,14 +62,9 @@ WORKER = textwrap.dedent(f"""
     def wrap(variant, model, unused):
         if variant == "torch":
             return DDP(model, find_unused_parameters=unused)
-        if variant == "naive":
-            return NaiveDDP(model, find_unused_parameters=unused)
-        if variant == "core-naive":  # the core has no find_unused_parameters: zeros instead
+        if variant == "core-naive":  # the cores have no find_unused_parameters: zeros instead
             return naive_ddp.NaiveDDP(model)
-        if variant.startswith("core-"):
-            return bucketed_ddp.BucketedDDP(model, bucket_cap_mb=cap_of(variant[5:], model))
-        return BucketedDDP(model, bucket_cap_mb=cap_of(variant, model),
-                           find_unused_parameters=unused)
+        return bucketed_ddp.BucketedDDP(model, bucket_cap_mb=cap_of(variant[5:], model))
 
     def torch_buckets(make, batch, variant):
         # torch's Reducer rebuilds its buckets with the cap after the first iteration (not
@@ -219,8 +212,7 @@ def test_bucket_caps_force_one_two_and_many_buckets(runs):
     for name, (cls, _) in TOYS.items():
         trainable = sum(p.requires_grad for p in cls().parameters())
         got = {v: per_rank[0][(name, v)]["buckets"] for v in VARIANTS}
-        assert got == {"torch": None, "naive": None, "bucketed-1": 1, "bucketed-2": 2,
-                       "bucketed-many": trainable, "core-naive": None, "core-bucketed-1": 1,
+        assert got == {"torch": None, "core-naive": None, "core-bucketed-1": 1,
                        "core-bucketed-2": 2, "core-bucketed-many": trainable}, name
 
 
@@ -232,7 +224,6 @@ def test_core_bucket_counts_equal_torch_for_the_same_cap(runs):
         for v in CAPS:
             theirs = per_rank[0][(name, "torch-buckets", v)]
             assert per_rank[0][(name, f"core-{v}")]["buckets"] == theirs, (name, v)
-            assert per_rank[0][(name, v)]["buckets"] == theirs, (name, v)
 
 
 def test_frozen_param_untouched_and_unused_branch_keeps_its_init(runs):

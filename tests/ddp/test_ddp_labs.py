@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 from notebook_cells import lab_cell, stream_text
 
-from ddp_lesson.ddp import MB
+from ddp_lesson.core.buckets import MB
 from ddp_lesson.labs.ddp_overlap import SWEEP_CAPS_MB
 from ddp_lesson.labs.ddp_toys import TOYS
 from ddp_lesson.launch import format_rank_outputs, run_torchrun

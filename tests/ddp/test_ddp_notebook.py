@@ -14,9 +14,10 @@ import torch.distributed as dist
 
 from ddp_lesson.commsim import SimulatedLink
 from ddp_lesson.core.bucketed_ddp import bucket_size_limits
+from ddp_lesson.core.buckets import MB
 from ddp_lesson.cost_model import predict_bucket_sweep
-from ddp_lesson.ddp import MB, walk_autograd_graph
 from ddp_lesson.labs.ddp_overlap import SWEEP_CAPS_MB
+from ddp_lesson.labs.ddp_pitfalls import walk_autograd_graph
 from ddp_lesson.labs.ddp_toys import UnusedToy
 from ddp_lesson.models import build_model
 

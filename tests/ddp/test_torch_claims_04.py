@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[2]
 TORCH = Path(torch.__file__).parent
 REDUCER_HPP = TORCH / "include/torch/csrc/distributed/c10d/reducer.hpp"
 INSIDE = "notebooks/deep/04_inside_torchs_ddp.ipynb"
-DROPIN = "notebooks/deep/04_ddp_dropin_edge_cases.ipynb"
+EDGE = "notebooks/deep/04_ddp_edge_cases.ipynb"
 
 
 def _markdown(path: str) -> str:
@@ -45,7 +45,6 @@ from torch.nn.parallel import DistributedDataParallel
 dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
 from ddp_lesson.labs.torch_reducer import _parse_sizes
 from ddp_lesson.models import build_model
-from ddp_lesson.ddp import BucketedDDP, NaiveDDP
 
 def deeplab(**kwargs):
     torch.manual_seed(0)
@@ -67,14 +66,6 @@ def warned(make):
 out = {"default": deeplab(), "find_unused": deeplab(find_unused_parameters=True)}
 _, out["torch_warns"] = warned(lambda: DistributedDataParallel(nn.BatchNorm1d(2),
                                                                broadcast_buffers=False))
-for cls in (NaiveDDP, BucketedDDP):
-    rows = {}
-    for name, kw in (("broadcast_buffers=False", {"broadcast_buffers": False}),
-                     ("forward_sync_buffers=False", {"forward_sync_buffers": False}),
-                     ("default", {})):
-        ddp, w = warned(lambda kw=kw: cls(nn.BatchNorm1d(2), **kw))
-        rows[name] = [ddp.broadcast_buffers, ddp._init_sync_buffers, w]
-    out[cls.__name__] = rows
 print(json.dumps(out), flush=True)
 import os
 os._exit(0)   # no teardown of the group: the process ends
@@ -83,7 +74,7 @@ os._exit(0)   # no teardown of the group: the process ends
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """What torch's DDP and the wrappers did, in a 1-process gloo group of a child process."""
+    """What torch's DDP did, in a 1-process gloo group of a child process."""
     import json
     import subprocess
     import sys
@@ -144,14 +135,7 @@ def test_claim5_broadcast_buffers_deprecated_forward_sync_buffers_still_syncs_at
     forward = src[src.index("if forward_sync_buffers is not None:\n            self."):]
     assert forward.split("else:")[0].strip().endswith("init_sync_buffers = True")
     assert any("broadcast_buffers" in w for w in runs["torch_warns"])
-    for cls in ("NaiveDDP", "BucketedDDP"):
-        rows = runs[cls]
-        flag, init_sync, warned = rows["broadcast_buffers=False"]
-        assert (flag, init_sync) == (False, False), cls
-        assert any("broadcast_buffers" in w for w in warned), cls
-        assert rows["forward_sync_buffers=False"] == [False, True, []], cls  # no warning
-        assert rows["default"] == [True, True, []], cls
-    text = _markdown(DROPIN)
+    text = _markdown(EDGE)
     assert "In torch 2.13 `broadcast_buffers` is deprecated" in text
     assert "construction still broadcasts rank 0's buffers" in text
 
@@ -190,10 +174,10 @@ def test_claim13_reducer_copies_each_gradient_when_its_hook_fires():
 
 def test_claim16_reentrant_checkpoint_on_input_averaged_by_all_three():
     """The deep dive's run (replayed by nbval): torch 2.13's DDP averages this pattern, as the
-    wrappers do, on both ranks; the row B20 of docs/pitfalls.md says the same."""
+    cores do, on both ranks; the row B20 of docs/pitfalls.md says the same."""
     from notebook_cells import stream_text
 
-    stored = stream_text("deep/04_ddp_dropin_edge_cases.ipynb", "reentrant_checkpoint_on_input")
+    stored = stream_text("deep/04_ddp_edge_cases.ipynb", "reentrant_checkpoint_on_input")
     lines = [line for line in stored.splitlines() if line.startswith("[rank")]
     want = [f"[rank {r}] {name}: averaged True, rank-local False"
             for r in (0, 1) for name in ("DistributedDataParallel", "NaiveDDP", "BucketedDDP")]
@@ -205,20 +189,59 @@ def test_claim16_reentrant_checkpoint_on_input_averaged_by_all_three():
 
 def test_claim17_buffer_broadcast_hidden_from_autograd_as_torch():
     """torch's buffer sync before a forward keeps the buffers' version counters, so a second
-    forward does not break the first one's backward (B33); the wrappers do the same."""
-    from ddp_lesson.ddp import _DropIn
-
+    forward does not break the first one's backward (B33); torch averages only the first of
+    several backwards (B32; the numbers: tests/ddp/test_ddp_edge_cases.py)."""
     src = inspect.getsource(DistributedDataParallel._sync_buffers)
     assert "torch.autograd._unsafe_preserve_version_counter(" in src
     assert "self._sync_module_buffers(authoritative_rank)" in src.split(
         "_unsafe_preserve_version_counter(")[1]
-    assert "torch.autograd._unsafe_preserve_version_counter(" in inspect.getsource(
-        _DropIn._broadcast_buffers)
-    text = _markdown(DROPIN)
-    assert "Every backward after a synchronised forward averages, where torch's DDP averages the "\
-        "first only" in text
-    assert "the buffer broadcast before a second forward is hidden from autograd as in torch" \
-        in text
+    text = _markdown(EDGE)
+    assert ("In the cores every backward after a synchronised forward averages, where torch's "
+            "DDP averages the first only") in text
+    assert ("torch hides the buffer broadcast before a second forward from autograd "
+            "(`_unsafe_preserve_version_counter` in `_sync_buffers`)") in text
+
+
+def test_claim18_edge_cases_cite_torchs_own_functions():
+    """The deep dive's torch rules, read in torch 2.13's source: the shape check across ranks
+    at construction, Joinable with divide_by_initial_world_size=True by default, frozen
+    parameters left out and shared ones deduplicated when the reducer's list is built."""
+    init = inspect.getsource(DistributedDataParallel.__init__)
+    assert "_verify_param_shape_across_processes(self.process_group, parameters)" in init
+    from torch.distributed.algorithms import Joinable
+
+    assert issubclass(DistributedDataParallel, Joinable)
+    join = inspect.signature(DistributedDataParallel.join).parameters
+    assert join["divide_by_initial_world_size"].default is True
+    build = inspect.getsource(DistributedDataParallel._build_params_for_reducer)
+    assert "if param.requires_grad" in build and "if p not in memo" in build
+    assert "void search_unused_parameters(" in REDUCER_HPP.read_text()
+    text = _markdown(EDGE)
+    for phrase in ("compares the parameters' shapes (`_verify_param_shape_across_processes`)",
+                   "torch's DDP is `Joinable` (its `join_hook`)",
+                   "the default `divide_by_initial_world_size=True`",
+                   "`_build_params_for_reducer` keeps `param.requires_grad` ones",
+                   "torch deduplicates shared parameters too",
+                   "(`Reducer::search_unused_parameters`)"):
+        assert phrase in text, phrase
+
+
+def test_claim19_unused_parameter_run_torch_with_the_flag_the_core_without():
+    """The deep dive's unused-parameter cell (replayed by nbval): b used on rank 0 only is
+    averaged with rank 1's zeros (2.0 / 2) by torch's DDP with find_unused_parameters and by the
+    bucketed core without it; unused everywhere, torch leaves None and the core zeros."""
+    from notebook_cells import stream_text
+
+    stored = stream_text("deep/04_ddp_edge_cases.ipynb", "unused_parameters(wrapper")
+    lines = [line for line in stored.splitlines() if line.startswith("[rank")]
+    assert lines == [
+        "[rank 0] DistributedDataParallel, find_unused_parameters=True:",
+        "[rank 0]   b on rank 0 only: b.weight.grad[0, 0] = 1.0",
+        "[rank 0]   b unused everywhere: b.weight.grad is None",
+        "[rank 0] BucketedDDP, find_unused_parameters=False:",
+        "[rank 0]   b on rank 0 only: b.weight.grad[0, 0] = 1.0",
+        "[rank 0]   b unused everywhere: b.weight.grad max |g| = 0.0",
+        "[rank 0] rank 0's own gradient was 2.0: rank 1 sent zeros for b"]
 
 
 def test_claim_bucketed_ddp_builds_torchs_rebuilt_buckets():
@@ -238,8 +261,8 @@ def test_claim_bucketed_ddp_builds_torchs_rebuilt_buckets():
     text = _markdown(INSIDE)
     assert ("makes the same four buckets, and so does our `BucketedDDP` from its first "
             "iteration") in text
-    assert ("filled from index 0 and reversed: [15], [11–14], [7–10], [3–6], [0–2], and so does "
-            "`BucketedDDP(find_unused_parameters=True)`") in text
+    assert ("filled from index 0 and reversed: [15], [11–14], [7–10], [3–6], [0–2] (the cores "
+            "take no `find_unused_parameters`") in text
     assert ("rebuilds its buckets once, before the second forward (with `static_graph`, the "
             "third)") in text
     from ddp_lesson.viz.ddp import REDUCER_MAP

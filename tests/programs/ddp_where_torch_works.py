@@ -1,12 +1,13 @@
-"""NaiveDDP and BucketedDDP where torch's DDP works: passes that differentiate through the
-model for something other than the parameters, and what the bucketed path leaves out.
+"""The cores NaiveDDP and BucketedDDP where torch's DDP works: passes that differentiate
+through the model for something other than the parameters, and what the bucketed core leaves
+out.
 
     torchrun --standalone --nproc-per-node R tests/programs/ddp_where_torch_works.py
 
 World size 2 or 3, gloo. Each scenario prints one JSON line per rank:
 ``{"scenario": ..., "rank": r, "<variant> <case>": value}`` where a value is the flat list
 of every parameter's ``.grad`` after the case (``None`` for a missing one), or
-``["error", type, message]``. tests/ddp/test_ddp_where_torch_works.py compares each wrapper
+``["error", type, message]``. tests/ddp/test_ddp_where_torch_works.py compares each core
 with torch's ``DistributedDataParallel`` on the same inputs (docs/pitfalls.md B40-B41).
 """
 from __future__ import annotations
@@ -19,14 +20,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from ddp_lesson.core.bucketed_ddp import BucketedDDP as CoreBucketed
-from ddp_lesson.core.naive_ddp import NaiveDDP as CoreNaive
-from ddp_lesson.ddp import BucketedDDP, NaiveDDP
+from ddp_lesson.core.bucketed_ddp import BucketedDDP
+from ddp_lesson.core.naive_ddp import NaiveDDP
 
-DROP_INS = {"torch": DistributedDataParallel, "naive": NaiveDDP, "bucketed": BucketedDDP}
-VARIANTS = {**DROP_INS, "core_naive": CoreNaive, "core_bucketed": CoreBucketed,
-            **{f"{v}+unused": (lambda m, cls=cls: cls(m, find_unused_parameters=True))
-               for v, cls in DROP_INS.items()}}
+WRAPPERS = {"torch": DistributedDataParallel, "naive": NaiveDDP, "bucketed": BucketedDDP}
+VARIANTS = {**WRAPPERS, "torch+unused": (
+    lambda m: DistributedDataParallel(m, find_unused_parameters=True))}
 
 
 def _try(fn):
@@ -175,7 +174,7 @@ class Mixed(nn.Module):
 
 
 def features(rank, world):
-    """Features the bucketed path may leave out: refused at construction, or as torch."""
+    """Sparse gradients, complex parameters, channels_last and two dtypes: what each does."""
     out = {}
     idx = torch.tensor([rank, rank + 1, 5])
 
@@ -184,31 +183,17 @@ def features(rank, world):
         ddp = cls(model)
         ddp(idx).backward()
         return _grads(model)
-    for v in DROP_INS:
-        out[f"{v} sparse"] = _try(lambda v=v: sparse(DROP_INS[v]))
+    for v in WRAPPERS:
+        out[f"{v} sparse"] = _try(lambda v=v: sparse(WRAPPERS[v]))
         dist.barrier()
-
-    # find_unused_parameters=True, the embedding used on rank 0 only: torch's DDP fails on
-    # the other ranks ("Expected sparse gradient to be defined") and rank 0 waits; NaiveDDP
-    # sends an empty sparse tensor for it. Reference: rank 0's local gradient / R.
-    def sparse_unused():
-        model = SparseModel()
-        ddp = NaiveDDP(model, find_unused_parameters=True)
-        ddp(idx if rank == 0 else None).backward()
-        return _grads(model)
-    out["naive sparse_unused"] = _try(sparse_unused)
-    plain = SparseModel()
-    plain(torch.tensor([0, 1, 5])).backward()
-    out["reference sparse_unused"] = [g / world for g in _grads(plain)[:18]]
-    dist.barrier()
 
     def functional_sparse(cls):
         model = FunctionalSparse()
         ddp = cls(model)
         ddp(idx).backward()
         return _grads(model)
-    for v in DROP_INS:
-        out[f"{v} functional_sparse"] = _try(lambda v=v: functional_sparse(DROP_INS[v]))
+    for v in WRAPPERS:
+        out[f"{v} functional_sparse"] = _try(lambda v=v: functional_sparse(WRAPPERS[v]))
         dist.barrier()
 
     g = torch.Generator().manual_seed(200 + rank)
@@ -221,7 +206,7 @@ def features(rank, world):
         "mixed_dtypes": (Mixed, torch.randn(4, 3, generator=g)),
     }
     for case, (build, x) in builders.items():
-        for v, cls in DROP_INS.items():
+        for v, cls in WRAPPERS.items():
             def step(cls=cls, build=build, x=x):
                 model = build()
                 ddp = cls(model)  # kept: torch's reducer goes with its DDP object

@@ -24,7 +24,7 @@ MAX_FUNCTION_LOC = 80
 LAYERS = {
     "teaching core": ["core"],
     "runtime": ["env", "procs", "launch", "_worker", "cluster", "doctor"],
-    "lesson core": ["sampler", "layout", "collectives", "ddp", "zero", "syncbn", "gradients",
+    "lesson core": ["sampler", "layout", "collectives", "zero", "syncbn", "gradients",
                     "flight", "evaluation", "metrics", "memory", "checkpoint", "commsim",
                     "cost_model"],
     "trainer": ["config", "train", "data", "models", "gpt"],
@@ -243,7 +243,7 @@ def test_no_citation_outside_the_repository():
 
 # ----------------------------------------------------------------------------- teaching cores
 # The five ideas the notebooks print whole, one short file each (docs/architecture.md). A core
-# imports only other cores: the hardened drop-ins and the display layer build on the cores,
+# imports only other cores: the lesson-core layers and the display layer build on the cores,
 # never the reverse, so a printed core is all a reader needs to follow it.
 
 CORE_FILES = ["core/sampler.py", "core/ring.py", "core/naive_ddp.py", "core/bucketed_ddp.py",
@@ -327,7 +327,7 @@ def lesson_modules() -> list[str]:
 
 def test_no_display_code_in_a_lesson_file():
     lessons = lesson_modules()
-    assert {"sampler", "collectives", "ddp", "zero"} <= set(lessons)
+    assert {"sampler", "collectives", "zero"} <= set(lessons)
     found = {f"ddp_lesson.{m}": hits for m in lessons
              if (hits := display_code(MODULES[m].read_text()))}
     assert found == {}

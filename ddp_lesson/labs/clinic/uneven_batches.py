@@ -12,9 +12,9 @@ Inputs Using the Join Context Manager" tutorial): a rank that finished shadows t
 collectives of the others with zero gradients until every rank is done. Also fine: give every
 rank the same number of batches (``DistributedSampler`` pads, ``drop_last`` trims).
 
-``--fixed`` runs the loop under ``Join`` twice: first with the lesson's own
-:class:`ddp_lesson.ddp.BucketedDDP` (a ``Joinable`` like torch's DDP), then with torch's
-``DistributedDataParallel``; each prints whether the weights ended equal on every rank.
+``--fixed`` runs the loop under ``Join`` with torch's ``DistributedDataParallel`` (a
+``Joinable``: ``join_hook`` in ``torch/nn/parallel/distributed.py``) and prints whether the
+weights ended equal on every rank. The cores of notebook 04 are not ``Joinable``.
 """
 from __future__ import annotations
 
@@ -26,42 +26,30 @@ def run(env, fixed: bool) -> None:
     from torch.distributed.algorithms import Join
     from torch.nn.parallel import DistributedDataParallel
 
-    from ...ddp import BucketedDDP
-
     gen = torch.Generator().manual_seed(env.rank)
     batches = [torch.randn(2, 4, generator=gen) for _ in range(3 + env.rank)]  # 3 vs 4
     print(f"rank {env.rank}: {len(batches)} batches")
 
-    def build(wrapper):
-        torch.manual_seed(0)
-        model = wrapper(torch.nn.Linear(4, 1))
-        return model, torch.optim.SGD(model.parameters(), lr=0.1)
+    torch.manual_seed(0)
+    model = DistributedDataParallel(torch.nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
 
-    def loop(model, opt):
+    def loop(model):
         for x in batches:
             opt.zero_grad()
             model(x).square().mean().backward()  # all_reduce of the gradients
             opt.step()
 
-    def weights_equal(model) -> bool:
+    if fixed:
+        with Join([model]):  # finished ranks shadow the others' all_reduces
+            loop(model)
         w = model.module.weight.detach().clone()
         same = [torch.zeros_like(w) for _ in range(env.world_size)]
         dist.all_gather(same, w)
-        return all(torch.equal(s, same[0]) for s in same)
-
-    if fixed:
-        ours, opt = build(BucketedDDP)
-        with Join([ours]):  # our wrapper is Joinable too
-            loop(ours, opt)
-        print(f"rank {env.rank}: BucketedDDP under Join: weights equal on all ranks: "
-              f"{weights_equal(ours)}")
-        model, opt = build(DistributedDataParallel)
-        with Join([model]):  # finished ranks shadow the others' all_reduces
-            loop(model, opt)
-        print(f"rank {env.rank}: done; weights equal on all ranks: {weights_equal(model)}")
+        equal = all(torch.equal(s, same[0]) for s in same)
+        print(f"rank {env.rank}: done; weights equal on all ranks: {equal}")
     else:
-        model, opt = build(DistributedDataParallel)
-        loop(model, opt)  # BUG: the rank with more batches waits in its extra backward
+        loop(model)  # BUG: the rank with more batches waits in its extra backward
         print(f"rank {env.rank}: done with my batches")
     dist.barrier()
     del model  # freed while the group lives

@@ -1,12 +1,13 @@
-"""NaiveDDP and BucketedDDP as drop-ins for torch's DDP on cases from public bug reports.
+"""DDP's edge cases from public bug reports: torch's DDP, and the cores of notebook 04.
 
-    torchrun --standalone --nproc-per-node 2 tests/programs/ddp_dropin.py [SCENARIO ...]
+    torchrun --standalone --nproc-per-node 2 tests/programs/ddp_edge_cases.py [SCENARIO ...]
 
-Each scenario runs the same inputs through torch's ``DistributedDataParallel`` (where torch
-is the reference: it neither hangs nor breaks the process group) and through both wrappers,
-and prints one JSON line per scenario and rank: ``{"scenario": ..., "rank": r, ...}`` where
-each wrapper's entry is a number list, or ``["error", type, message]``. World size 2, gloo;
-tests/ddp/test_ddp_dropin.py reads the lines and asserts the values.
+Each scenario runs the same inputs through torch's ``DistributedDataParallel`` (where it
+neither hangs nor breaks the process group) and through the cores ``NaiveDDP`` and
+``BucketedDDP`` of ``ddp_lesson/core/`` where they take the case, and prints one JSON line
+per scenario and rank: ``{"scenario": ..., "rank": r, ...}`` where each entry is a number
+list, or ``["error", type, message]``. World size 2, gloo; tests/ddp/test_ddp_edge_cases.py
+reads the lines and asserts the values (docs/pitfalls.md B15-B24, B31-B33).
 """
 from __future__ import annotations
 
@@ -21,10 +22,11 @@ from torch.distributed.algorithms import Join
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
 
-from ddp_lesson.ddp import BucketedDDP, NaiveDDP
+from ddp_lesson.core.bucketed_ddp import BucketedDDP
+from ddp_lesson.core.naive_ddp import NaiveDDP
 
-WRAPPERS = {"torch": DistributedDataParallel, "naive": NaiveDDP, "bucketed": BucketedDDP}
-OURS = ("naive", "bucketed")
+CORES = {"core naive": NaiveDDP, "core bucketed": BucketedDDP}
+WRAPPERS = {"torch": DistributedDataParallel, **CORES}
 
 
 def _scalar(bias: bool = False) -> nn.Linear:
@@ -42,10 +44,10 @@ def _try(fn):
 
 
 def different_models(rank):
-    """Case 1: rank 0 and rank 1 wrap different models."""
+    """Case 1: rank 0 and rank 1 wrap different models (the cores' check; torch's DDP raises
+    on the differing rank only, and the other waits)."""
     out = {}
-    for v in OURS:
-        cls = WRAPPERS[v]
+    for v, cls in CORES.items():
         out[v + " out_features"] = _try(
             lambda cls=cls: cls(nn.Linear(4, 3 if rank == 0 else 2)) and [])
         out[v + " transposed"] = _try(  # weight (3, 4) vs (4, 3): equal element counts
@@ -75,17 +77,18 @@ class BufferEMA(nn.Module):
 
 
 def buffers_reassigned(rank):
-    """Case 3: 3 steps, x = rank + 2; rank 0's buffer is broadcast before each forward."""
+    """Case 3: 3 steps, x = rank + 2; torch broadcasts rank 0's buffer before each forward
+    (``broadcast_buffers=True``), the cores at construction only."""
     out = {}
     for v, cls in WRAPPERS.items():
-        for bb in (True, False):
+        for bb in (True, False) if v == "torch" else (None,):
             m = BufferEMA()
             with torch.no_grad():
                 m.buf.fill_(3.0 + 10 * rank)  # differs per rank: shows what init broadcasts
-            ddp = cls(m, broadcast_buffers=bb)
+            ddp = cls(m) if bb is None else cls(m, broadcast_buffers=bb)
             for _ in range(3):
                 ddp(torch.full((2,), float(rank + 2))).backward()
-            out[f"{v} broadcast_buffers={bb}"] = [round(m.buf.item(), 6)]
+            out[v if bb is None else f"{v} broadcast_buffers={bb}"] = [round(m.buf.item(), 6)]
     return out
 
 
@@ -102,8 +105,9 @@ class TwoLayer(nn.Module):
 
 
 def unfrozen_after_wrapping(rank):
-    """Case 4: net[0].weight frozen, wrapped, unfrozen (and, for the wrappers: a parameter
-    added after wrapping; one frozen after wrapping); x = 1 on rank 0, 3 on rank 1."""
+    """Case 4: net[0].weight frozen, wrapped, unfrozen; a parameter added after wrapping; one
+    frozen after wrapping; x = 1 on rank 0, 3 on rank 1. Each entry: the changed parameter's
+    gradient."""
     out = {}
     x = torch.full((1, 1), 1.0 if rank == 0 else 3.0)
     for v, cls in WRAPPERS.items():
@@ -116,16 +120,16 @@ def unfrozen_after_wrapping(rank):
             ddp(x).backward()
             return [m.net[0].weight.grad.item()]
         out[v + " unfrozen"] = _try(step)
-        if v != "torch":
-            m = TwoLayer()
-            ddp = cls(m)
-            m.extra = nn.Parameter(torch.ones(1))
-            out[v + " added"] = _try(lambda ddp=ddp: ddp(x).backward() or [])
-            # the opposite: frozen after wrapping (ShiqiYu/OpenGait#230)
-            m = TwoLayer()
-            ddp = cls(m)
-            m.net[0].weight.requires_grad_(False)
-            out[v + " frozen"] = _try(lambda ddp=ddp: ddp(x).backward() or [])
+        m = TwoLayer()
+        ddp = cls(m)
+        m.extra = nn.Parameter(torch.ones(1))
+        out[v + " added"] = _try(lambda ddp=ddp, m=m: ddp(x).backward() or [m.extra.grad.item()])
+        # the opposite: frozen after wrapping (ShiqiYu/OpenGait#230); its .grad (None: none)
+        m = TwoLayer()
+        ddp = cls(m)
+        m.net[0].weight.requires_grad_(False)
+        out[v + " frozen"] = _try(lambda ddp=ddp, m=m: ddp(x).backward() or [
+            None if m.net[0].weight.grad is None else m.net[0].weight.grad.item()])
     return out
 
 
@@ -141,14 +145,14 @@ class AB(nn.Module):
 
 
 def unused_with_no_sync(rank):
-    """Case 5: a only inside no_sync (x = 2, 4), then b synchronised (x = 4, 6)."""
+    """Case 5: a only inside no_sync (x = 2, 4), then b synchronised (x = 4, 6); torch with
+    find_unused_parameters=True (without it torch fails an iteration later or hangs), the
+    cores without a flag."""
     out = {}
     for v, cls in WRAPPERS.items():
-        for flag in (True, False):
-            if v == "torch" and not flag:
-                continue  # torch fails an iteration later or hangs; not a reference
+        for flag in (True,) if v == "torch" else (None,):
             m = AB()
-            ddp = cls(m, find_unused_parameters=flag)
+            ddp = cls(m) if flag is None else cls(m, find_unused_parameters=flag)
 
             def run(ddp=ddp, m=m):
                 with warnings.catch_warnings(record=True) as caught:
@@ -158,7 +162,7 @@ def unused_with_no_sync(rank):
                     ddp(torch.full((1, 1), 4.0 + 2 * rank), "b").backward()
                 advice = sum("leave it False" in str(w.message) for w in caught)
                 return [m.a.weight.grad.item(), m.b.weight.grad.item(), advice]
-            out[f"{v} find_unused={flag}"] = _try(run)
+            out[v] = _try(run)
     return out
 
 
@@ -192,27 +196,18 @@ def reentrant_checkpoint(rank):
 
 def device_ids(rank):
     """Case 7: torch's signature on CPU: None accepted, a device list refused."""
-    out = {}
-    for v, cls in WRAPPERS.items():
-        out[v + " None"] = _try(lambda cls=cls: cls(nn.Linear(2, 1), device_ids=None,
-                                            output_device=None) and [])
-        out[v + " [0]"] = _try(lambda cls=cls: cls(nn.Linear(2, 1), device_ids=[0]) and [])
-    for v in OURS:
-        out[v + " gradient_as_bucket_view"] = _try(
-            lambda v=v: WRAPPERS[v](nn.Linear(2, 1), gradient_as_bucket_view=True) and [])
-        out[v + " static_graph"] = _try(
-            lambda v=v: WRAPPERS[v](nn.Linear(2, 1), static_graph=True) and [])
-        out[v + " register_comm_hook"] = _try(
-            lambda v=v: WRAPPERS[v](nn.Linear(2, 1)).register_comm_hook(None, None) and [])
-    out["naive bucket_cap_mb"] = _try(lambda: NaiveDDP(nn.Linear(2, 1), bucket_cap_mb=25) and [])
-    return out
+    cls = DistributedDataParallel
+    return {"torch None": _try(lambda: cls(nn.Linear(2, 1), device_ids=None,
+                                           output_device=None) and []),
+            "torch [0]": _try(lambda: cls(nn.Linear(2, 1), device_ids=[0]) and [])}
 
 
 def uneven_inputs(rank):
-    """Case 2: w = 1, loss = model(x).sum(); rank 0 has x = 1, 2, 6 and rank 1 has 3, 4."""
+    """Case 2: w = 1, loss = model(x).sum(); rank 0 has x = 1, 2, 6 and rank 1 has 3, 4; torch's
+    DDP under Join (the cores are not Joinable)."""
     out = {}
     inputs = [1.0, 2.0, 6.0] if rank == 0 else [3.0, 4.0]
-    for v, cls in WRAPPERS.items():
+    for v, cls in {"torch": DistributedDataParallel}.items():
         for divide in (True, False):
             m = _scalar()
             ddp = cls(m)
@@ -227,17 +222,22 @@ def uneven_inputs(rank):
 
 
 def skipped_backward(rank):
-    """Rank 0 runs one forward without backward, then both train: steps would be mixed."""
+    """Rank 0 runs one forward without backward, then both train 2 steps on x = rank + 1
+    (a model without buffers): the gradient after each step."""
     out = {}
-    for v in OURS:
+    for v, cls in WRAPPERS.items():
         m = _scalar()
-        ddp = WRAPPERS[v](m)
+        ddp = cls(m)
 
         def run(ddp=ddp, m=m):
             if rank == 0:
                 ddp(torch.ones(1, 1))  # forgotten backward
-            ddp(torch.ones(1, 1)).sum().backward()
-            return [m.weight.grad.item()]
+            grads = []
+            for _ in range(2):
+                m.weight.grad = None
+                ddp(torch.full((1, 1), float(rank + 1))).sum().backward()
+                grads.append(m.weight.grad.item())
+            return grads
         out[v] = _try(run)
     return out
 
@@ -318,12 +318,6 @@ def zero_optimizer(rank):
     return out
 
 
-def _cores():
-    from ddp_lesson.core.bucketed_ddp import BucketedDDP as CoreBucketed
-    from ddp_lesson.core.naive_ddp import NaiveDDP as CoreNaive
-    return {"core naive": CoreNaive, "core bucketed": CoreBucketed}
-
-
 def _backwards(cls, rank, no_sync_first=False, **kwargs):
     """w = 1; three forwards on x = 1, 2, 3 (rank 0) or 5, 6, 7 (rank 1), each output summed,
     then three backwards (retain_graph=True on the first two): .grad after each.
@@ -344,7 +338,7 @@ def _backwards(cls, rank, no_sync_first=False, **kwargs):
 def several_backwards(rank):
     """B32: several forwards, then several backwards (pytorch/pytorch#47260)."""
     out = {}
-    for v, cls in {**WRAPPERS, **_cores()}.items():
+    for v, cls in WRAPPERS.items():
         out[v] = _backwards(cls, rank)
         # a forward under no_grad between a forward and its backward (x = 1 or 5, then 2 or 6)
         m = _scalar()
@@ -354,26 +348,25 @@ def several_backwards(rank):
             ddp(torch.full((1, 1), 2.0 + 4 * rank))
         loss.backward()
         out[v + " no_grad forward between"] = [m.weight.grad.item()]
-    for v in ("torch", *OURS):
-        out[v + " find_unused"] = _try(
-            lambda v=v: _backwards(WRAPPERS[v], rank, find_unused_parameters=True))
-        out[v + " no_sync first"] = _backwards(WRAPPERS[v], rank, no_sync_first=True)
-    for v in OURS:
-        for flag in (True, False):
-            # forward "ab" on x = 1 or 5, forward "a" on x = 2 or 6; then both backwards
-            m = AB()
-            ddp = WRAPPERS[v](m, find_unused_parameters=flag)
+    out["torch find_unused"] = _try(
+        lambda: _backwards(DistributedDataParallel, rank, find_unused_parameters=True))
+    for v, cls in WRAPPERS.items():
+        out[v + " no_sync first"] = _backwards(cls, rank, no_sync_first=True)
+    for v, cls in CORES.items():
+        # forward "ab" on x = 1 or 5, forward "a" on x = 2 or 6; then both backwards
+        m = AB()
+        ddp = cls(m)
 
-            def run(ddp=ddp, m=m):
-                o1 = ddp(torch.full((1, 1), 1.0 + 4 * rank), "ab")
-                o2 = ddp(torch.full((1, 1), 2.0 + 4 * rank), "a")
-                grads = []
-                for o in (o1, o2):
-                    o.backward()
-                    grads.append([None if p.grad is None else p.grad.item()
-                                  for p in (m.a.weight, m.b.weight)])
-                return grads
-            out[f"{v} ab then a, find_unused={flag}"] = _try(run)
+        def run(ddp=ddp, m=m):
+            o1 = ddp(torch.full((1, 1), 1.0 + 4 * rank), "ab")
+            o2 = ddp(torch.full((1, 1), 2.0 + 4 * rank), "a")
+            grads = []
+            for o in (o1, o2):
+                o.backward()
+                grads.append([None if p.grad is None else p.grad.item()
+                              for p in (m.a.weight, m.b.weight)])
+            return grads
+        out[f"{v} ab then a"] = _try(run)
     return out
 
 
@@ -394,7 +387,7 @@ def two_forwards_buffer(rank):
     #175024). Scaled: x = 1 (rank 0), 2 (rank 1). BatchNorm (training): two different batches
     per rank, loss weighted by position; every gradient and the running statistics."""
     out = {}
-    for v, cls in {**WRAPPERS, **_cores()}.items():
+    for v, cls in WRAPPERS.items():
         m = Scaled()
         ddp = cls(m)
 
@@ -420,38 +413,10 @@ def two_forwards_buffer(rank):
     return out
 
 
-def several_backwards_join(rank):
-    """B32 with uneven inputs under Join: each step two forwards, then two backwards; w = 1,
-    a buffer (scale 1) broadcast; rank 0 steps (1, 2), (3, 4), rank 1 one step (5, 6).
-    Each entry: [the gradient after each step] and, if one was raised, the error."""
-    out = {}
-    steps = [(1.0, 2.0), (3.0, 4.0)] if rank == 0 else [(5.0, 6.0)]
-    for v in OURS:
-        for divide in (True, False):
-            m = Scaled(1.0)
-            ddp = WRAPPERS[v](m)
-            grads: list = []
-            try:
-                with Join([ddp], divide_by_initial_world_size=divide):
-                    for x1, x2 in steps:
-                        m.lin.weight.grad = None
-                        o1 = ddp(torch.full((1, 1), x1)).sum()
-                        o2 = ddp(torch.full((1, 1), x2)).sum()
-                        o1.backward(retain_graph=True)
-                        o2.backward()
-                        grads.append(m.lin.weight.grad.item())
-            except RuntimeError as e:
-                grads = [grads, ["error", type(e).__name__, str(e)]]
-            else:
-                grads = [grads]
-            out[f"{v} divide_by_initial_world_size={divide}"] = grads
-    return out
-
-
 SCENARIOS = {f.__name__: f for f in (zero_optimizer,
     different_models, uneven_inputs, buffers_reassigned, unfrozen_after_wrapping,
     unused_with_no_sync, reentrant_checkpoint, device_ids, skipped_backward, fp16_sum,
-    several_backwards, two_forwards_buffer, several_backwards_join)}
+    several_backwards, two_forwards_buffer)}
 
 
 def main(argv=None) -> None:
