@@ -270,8 +270,6 @@ def _loopback_store(env: DistEnv, timeout: datetime.timedelta):
     from this machine only. Not used when torchrun shares its store with the workers
     (``TORCHELASTIC_USE_AGENT_STORE``) or ``MASTER_PORT`` is missing.
     """
-    import socket
-
     import torch.distributed as dist
 
     environ = os.environ
@@ -282,16 +280,29 @@ def _loopback_store(env: DistEnv, timeout: datetime.timedelta):
     port = int(environ["MASTER_PORT"])
     if env.rank != 0:
         return dist.TCPStore("127.0.0.1", port, env.world_size, is_master=False, timeout=timeout)
+    return loopback_store_server(port, world_size=env.world_size, timeout=timeout)
+
+
+def loopback_store_server(port: int = 0, **tcpstore_kwargs):
+    """A ``TCPStore`` server listening on 127.0.0.1 only (``port`` 0: the kernel picks one,
+    ``store.port`` says which); the keyword arguments go to ``TCPStore``.
+
+    torch's server binds every interface unless handed a listening socket
+    (``master_listen_fd``). ``SO_REUSEADDR``: the launcher's agent keeps a worker's
+    ``MASTER_PORT`` bound, never listening, until this bind (:mod:`ddp_lesson.launch.agent`);
+    Linux lets a second ``SO_REUSEADDR`` socket bind it and listen.
+    """
+    import socket
+
+    import torch.distributed as dist
+
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    # SO_REUSEADDR: under the package's launcher the agent keeps MASTER_PORT bound (never
-    # listening) until this bind, so no other process is given it in between
-    # (ddp_lesson.launch.agent); Linux lets a second SO_REUSEADDR socket bind it and listen
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", port))
     sock.listen(128)
     # the store owns the socket from here (detach: Python must not close its descriptor)
-    return dist.TCPStore("127.0.0.1", port, env.world_size, is_master=True, timeout=timeout,
-                         master_listen_fd=sock.detach())
+    return dist.TCPStore("127.0.0.1", sock.getsockname()[1], is_master=True,
+                         master_listen_fd=sock.detach(), **tcpstore_kwargs)
 
 
 def cleanup() -> None:

@@ -22,6 +22,7 @@ from ..env import (
     LAUNCHER_REASON_ENV,
     LOCAL_RUN_ENV,
     choose_backend,
+    loopback_store_server,
 )
 
 
@@ -161,7 +162,6 @@ def launcher_backend(nproc_per_node: int, nnodes: int = 1, backend: str | None =
     return choose_backend(nproc_per_node * nnodes, requested or "auto")
 
 
-
 @dataclass
 class Launch:
     """A run ready to start: torchrun's commands, their environment and where output goes."""
@@ -179,29 +179,16 @@ class Launch:
 
 
 def rendezvous_store():
-    """A TCPStore server on 127.0.0.1 for torchrun's agents: ``(store, "127.0.0.1:PORT")``.
-
-    torch's TCPStore server binds every interface, but accepts a listening socket from the
-    caller (``master_listen_fd``); one bound to 127.0.0.1 keeps the rendezvous on this machine.
-    """
-    import torch.distributed as dist
-
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(128)
-    port = sock.getsockname()[1]
-    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
-                          master_listen_fd=sock.detach(), multi_tenant=True)
-    return store, f"127.0.0.1:{port}"
+    """A TCPStore server on 127.0.0.1 for torchrun's agents: ``(store, "127.0.0.1:PORT")``
+    (:func:`ddp_lesson.env.loopback_store_server`)."""
+    store = loopback_store_server(0, wait_for_workers=False, multi_tenant=True)
+    return store, f"127.0.0.1:{store.port}"
 
 
 def loopback_env(env: dict) -> dict:
-    """Variables that keep a run whose ranks are all on this machine off the network.
-
-    Rank 0's store binds 127.0.0.1 (``DDP_LESSON_ALL_RANKS_LOCAL``, read by
-    :func:`ddp_lesson.env.init_distributed`), and gloo's own connections use the loopback
-    interface (``GLOO_SOCKET_IFNAME=lo``; gloo otherwise listens on the address the host name
-    resolves to). A value you set yourself is kept.
+    """Variables that keep a run whose ranks are all on this machine off the network: rank 0's
+    store on 127.0.0.1 (``DDP_LESSON_ALL_RANKS_LOCAL``, :func:`ddp_lesson.env.init_distributed`)
+    and gloo on ``GLOO_SOCKET_IFNAME=lo`` (else the host name's address), unless set already.
     """
     extra = {LOCAL_RUN_ENV: "1"}
     if "GLOO_SOCKET_IFNAME" not in env and "lo" in {n for _, n in socket.if_nameindex()}:
