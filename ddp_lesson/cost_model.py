@@ -3,22 +3,15 @@
 Sending a message of ``n`` bytes costs ``α + n β``: ``α`` the latency (seconds per message),
 ``β`` seconds per byte (one over the link's bandwidth). From it:
 
-* the time of an all-reduce done three ways, naive (through rank 0), tree and ring
-  (:func:`naive_allreduce_time`, :func:`tree_allreduce_time`, :func:`ring_allreduce_time`), and
-  the bytes each rank sends in the ring (:func:`ring_bytes_sent_per_rank`);
-* algorithm and bus bandwidth (:func:`algbw`, :func:`busbw`, :func:`bus_factor`), the numbers
-  benchmarks report, and a least-squares fit of α and β to measured times
-  (:func:`fit_alpha_beta`);
-* DDP's overlap on a serial link: when each bucket's all-reduce runs and how much of it is
-  exposed after backward (:func:`predict_overlap`, :func:`model_ready_times`,
-  :func:`predict_bucket_sweep`);
-* the roofline of data parallelism on real hardware (:class:`Hardware`, :data:`HARDWARE`):
-  FLOPs per sample counted by torch (:func:`flops_per_sample`), the per-GPU batch above which
-  backward hides the gradient all-reduce (:func:`compute_bound_batch`), a step's predicted
-  scaling efficiency (:func:`predict_step`) and a calculator that prints all of it for the
-  learner's own model (:func:`roofline_report`).
+* an all-reduce's time naive (through rank 0), tree and ring, and the ring's bytes per rank;
+* algorithm and bus bandwidth, as benchmarks report them, and a fit of α and β to timings;
+* DDP's overlap on a serial link: when each bucket's all-reduce runs, how much is exposed;
+* data parallelism's roofline on real hardware (:class:`Hardware`): FLOPs per sample counted
+  by torch, the per-GPU batch above which backward hides the all-reduce, a step's predicted
+  efficiency, and :func:`roofline_report`, the calculator for the learner's own model.
 
-Pure arithmetic: nothing here needs a process group or communicates.
+Pure arithmetic: nothing here needs a process group or communicates (but FLOP counting runs
+the model once).
 
 Sources
 -------
@@ -55,7 +48,6 @@ __all__ = [
 
 
 # ----------------------------------------------------------------------------- all-reduce cost
-
 
 
 def _check_cost_args(
@@ -127,23 +119,16 @@ def algbw(nbytes: float, seconds: float) -> float:
 
 
 def busbw(algbw_bytes_per_s: float, world_size: int) -> float:
-    """Bus bandwidth in bytes/s: ``algbw · 2(R-1)/R`` (nccl-tests PERFORMANCE.md).
-
-    The rate at which each rank's link actually moved data in a bandwidth-optimal all-reduce,
-    so it can be compared with the link's own speed (and across world sizes).
-    """
+    """Bus bandwidth in bytes/s, ``algbw · 2(R-1)/R`` (nccl-tests PERFORMANCE.md): what each
+    rank's link moved in a bandwidth-optimal all-reduce, comparable with the link's speed."""
     return algbw_bytes_per_s * bus_factor(world_size)
 
 
 def fit_alpha_beta(nbytes, seconds) -> tuple[float, float]:
     """Least-squares fit of ``seconds ≈ α + nbytes · β`` (relative errors, α clipped at 0).
 
-    Args:
-        nbytes: message sizes in bytes (at least two different sizes).
-        seconds: measured time of one message of each size.
-
-    Returns:
-        ``(alpha_s, beta_s_per_byte)``.
+    ``nbytes``: message sizes in bytes (two distinct at least); ``seconds``: one time each.
+    Returns ``(alpha_s, beta_s_per_byte)``.
 
     Raises:
         ValueError: fewer than two distinct sizes or mismatched lengths.
@@ -181,18 +166,11 @@ def predict_overlap(bucket_nbytes: Sequence[float], bucket_ready_s: Sequence[flo
                     bandwidth_bytes_per_s: float, overlap: bool = True) -> dict:
     """When each bucket's all-reduce runs on a serial α-β link, and how much is exposed.
 
-    Bucket ``i`` starts at ``max(ready_i, end_{i-1})`` (with ``overlap=False``: no earlier
-    than ``backward_s``) and takes :func:`ring_allreduce_time` (what
-    ``ddp_lesson.commsim.SimulatedLink`` charges). Exposed communication is
-    ``max(0, end_last - backward_s)``. Pure arithmetic, no process group.
-
-    Args:
-        bucket_nbytes: bytes of each bucket, in launch order.
-        bucket_ready_s: when each bucket's last gradient is ready (seconds since backward began).
-        backward_s: when backward finishes.
-        world_size: R.
-        latency_s, bandwidth_bytes_per_s: the link (α and 1/β).
-        overlap: issue buckets when ready (True) or after backward (False).
+    Bucket ``i`` (``bucket_nbytes``, in launch order) starts at ``max(ready_i, end_{i-1})``
+    (``overlap=False``: no earlier than ``backward_s``) and takes :func:`ring_allreduce_time`
+    (what ``ddp_lesson.commsim.SimulatedLink`` charges); exposed: ``max(0, end_last -
+    backward_s)``. ``bucket_ready_s``: seconds since backward began when each bucket's last
+    gradient is ready; ``latency_s``, ``bandwidth_bytes_per_s``: α and 1/β.
 
     Returns:
         ``{"start": [...], "end": [...], "comm_s": total busy time of the link,
@@ -217,17 +195,10 @@ def predict_overlap(bucket_nbytes: Sequence[float], bucket_ready_s: Sequence[flo
 def model_ready_times(param_nbytes: Sequence[float], backward_s: float) -> list[float]:
     """A simple model of when backward produces each gradient: at a steady rate per byte.
 
-    Gradients arrive in reverse registration order; parameter ``i`` is ready when backward
-    has produced all bytes of parameters ``i..P-1``. (Real layers cost compute in proportion
-    to their parameters *times* their feature-map size, so early, high-resolution layers are
-    slower than this model says; the notebook's measured timeline shows the difference.)
-
-    Args:
-        param_nbytes: bytes per parameter, registration order.
-        backward_s: duration of backward.
-
-    Returns:
-        Ready time of each parameter, registration order.
+    Gradients arrive in reverse registration order: parameter ``i`` (``param_nbytes``, in
+    registration order) is ready once backward (``backward_s`` long) produced the bytes of
+    ``i..P-1``. Returns each one's ready time. (Real layers cost parameters *times* feature-map
+    size: early, high-resolution layers are slower; the notebook's measured timeline shows it.)
     """
     total = float(sum(param_nbytes)) or 1.0
     ready, done = [0.0] * len(param_nbytes), 0.0
