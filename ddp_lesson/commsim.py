@@ -183,8 +183,7 @@ class StepRecord:
         return min(1.0, self.exposed_s / comm) if comm > 0 else 0.0
 
     def to_dict(self) -> dict:
-        """Plain data (JSON-able)."""
-        return asdict(self)
+        return asdict(self)  # plain, JSON-able data
 
     @classmethod
     def from_dict(cls, d: dict) -> StepRecord:

@@ -249,18 +249,11 @@ def predict_bucket_sweep(param_nbytes: Sequence[float], caps_mb: Sequence[float]
 
 @dataclass(frozen=True)
 class Hardware:
-    """A kind of GPU and its links: what a DDP step's roofline needs. Bandwidths are per
-    direction (what nccl-tests' bus bandwidth can at most reach), in bytes/s.
-
-    Attributes:
-        name: what the preset is.
-        flops_per_s: dense peak FLOP/s of one GPU at the training precision.
-        gpus_per_node: GPUs joined by the in-node link.
-        gpu_bytes_per_s: one GPU's in-node link (NVLink, PCIe).
-        node_bytes_per_s: the network out of one node (all its NICs); 0 when the preset is one
-            node.
-        source: where the numbers come from.
-    """
+    """A kind of GPU and its links, for a DDP step's roofline: one GPU's dense peak
+    ``flops_per_s`` at the training precision, ``gpus_per_node`` joined by a link of
+    ``gpu_bytes_per_s`` per GPU (NVLink, PCIe), ``node_bytes_per_s`` out of a node (all NICs; 0:
+    one node), and the ``source``. Bandwidths in bytes/s per direction (the most nccl-tests' bus
+    bandwidth can reach)."""
 
     name: str
     flops_per_s: float
@@ -329,15 +322,10 @@ def _as_raw(registered):
 def flops_per_sample(model, inputs: tuple) -> tuple[float, float]:
     """Forward and backward FLOPs per sample, counted by torch's ``FlopCounterMode``.
 
-    Runs ``model(*inputs)`` once and backward from the sum of its first tensor output (the
-    sum's gradient costs no counted FLOPs). torch counts matrix products and convolutions
-    (``FlopCounterMode``'s registry: mm, bmm, addmm, convolution, attention), not element-wise
-    ops. Backward is about twice forward: a weight and an input gradient per product (the
-    first layer has no input gradient).
-
-    Args:
-        model: an ``nn.Module``.
-        inputs: its positional arguments; the first one's dim 0 is the batch.
+    Runs ``model(*inputs)`` (the first input's dim 0 the batch) once and backward from the sum
+    of its first tensor output. torch counts matrix products, convolutions and attention
+    (``FlopCounterMode``'s registry), not element-wise ops; backward is about twice forward
+    (a weight and an input gradient per product).
 
     Returns:
         ``(forward, backward)`` FLOPs per sample. Leaves gradients in ``model``.
@@ -417,16 +405,13 @@ def roofline_report(model, hardware: Hardware | str = "h100", world_sizes=(2, 8,
     """The calculator: compute-bound batch and predicted efficiency for a model on hardware.
 
     Args:
-        model: an ``nn.Module`` (with ``inputs``: FLOPs counted by :func:`flops_per_sample`;
-            without: ``2P`` forward and ``4P`` backward per token, Kaplan et al. 2020) or a
-            parameter count.
+        model: an ``nn.Module`` (with ``inputs``, an example batch: FLOPs counted by
+            :func:`flops_per_sample`; without: ``2P`` forward and ``4P`` backward per token,
+            Kaplan et al. 2020, times ``tokens_per_sample``) or a parameter count.
         hardware: a :data:`HARDWARE` key or a :class:`Hardware`.
-        world_sizes: GPU counts to predict (those the hardware cannot hold are skipped).
-        batch_per_gpu: samples per GPU per step for the efficiency lines.
-        inputs: an example batch for ``model`` (positional arguments).
-        tokens_per_sample: tokens per sample when FLOPs come from the parameter count.
-        grad_bytes_per_param: 4 (fp32 parameters, also under autocast) or 2 (bf16 parameters).
-        mfu: share of peak FLOP/s reached.
+        world_sizes: GPU counts to predict (a count the hardware cannot hold gets a line).
+        grad_bytes_per_param: 4 (fp32 parameters, also under autocast) or 2 (bf16).
+        batch_per_gpu, mfu: samples per GPU per step (efficiency), share of peak FLOP/s.
 
     Returns:
         Short lines, one fact each. Nothing communicates.
