@@ -71,7 +71,8 @@ from functools import partial
 from pathlib import Path
 
 from .env import BACKEND_ENV, BACKENDS, choose_backend
-from .launch.command import loopback_env, rendezvous_store, torchrun_flags
+from .launch.command import loopback_env, rendezvous_store, torchrun_flags, validate_launch
+from .launch.output import ranks_word
 from .procs import alive, die_with_parent, kill_pids, reap, release_watchdog, start_watchdog
 
 #: Seconds a ``%%ranks`` cell may run before its verdict (override per cell with ``--timeout``).
@@ -210,11 +211,7 @@ class Cluster:
 
     def __init__(self, nproc_per_node: int = 2, nnodes: int = 1, backend: str | None = None,
                  timeout: float = DEFAULT_START_TIMEOUT_S, cwd=None, env: dict | None = None):
-        for name, value in (("nproc_per_node", nproc_per_node), ("nnodes", nnodes)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        if timeout is None or timeout <= 0:
-            raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
+        validate_launch(nproc_per_node, nnodes, 0, timeout)  # the launcher's own checks
         if backend is not None and backend.lower() not in BACKENDS:
             raise ValueError(f"backend {backend!r} is not one of {', '.join(BACKENDS)}")
         self.nproc_per_node, self.nnodes = nproc_per_node, nnodes
@@ -539,8 +536,8 @@ class Cluster:
         done = [r for r in ars if r not in waiting]
         outputs = self._outputs_then_restart(ars)
         raise RanksTimeout(
-            f"{_ranks_word(waiting)} still running after {timeout:g} s"
-            + (f" ({_ranks_word(done)} finished)" if done else "")
+            f"{ranks_word(waiting)} still running after {timeout:g} s"
+            + (f" ({ranks_word(done)} finished)" if done else "")
             + ": probably waiting in a collective that other ranks never reached. "
             "A rank blocked in "
             f"a collective cannot be interrupted, so the cluster was restarted: {self.world_size} "
@@ -555,13 +552,13 @@ class Cluster:
         failed = {r: _error_text(ar) for r, ar in ars.items() if _raised(ar)}
         waiting = [r for r, ar in ars.items() if not ar.ready()]
         # the restart takes seconds: say at once what happened (the error follows it)
-        print(f"[ranks] {_ranks_word(failed)} raised; {_ranks_word(waiting)} still waiting: "
+        print(f"[ranks] {ranks_word(failed)} raised; {ranks_word(waiting)} still waiting: "
               "restarting the cluster", file=sys.stderr, flush=True)
         outputs = self._outputs_then_restart(ars)
         raise RanksError(
             _failure_summary(failed, self.world_size, kept=False)
-            + f"; {_ranks_word(waiting)} still running after it: "
-            f"probably blocked in a collective waiting for {_ranks_word(failed)}. A rank "
+            + f"; {ranks_word(waiting)} still running after it: "
+            f"probably blocked in a collective waiting for {ranks_word(failed)}. A rank "
             f"blocked in a collective cannot be interrupted, so the cluster was restarted: "
             f"{self.world_size} fresh ranks, state lost",
             failed,
@@ -592,14 +589,14 @@ class Cluster:
             if time.monotonic() > deadline:
                 self.restart()
                 print(
-                    f"[ranks] {_ranks_word([r for r, a in ars.items() if not a.ready()])} did "
+                    f"[ranks] {ranks_word([r for r, a in ars.items() if not a.ready()])} did "
                     f"not stop within {INTERRUPT_GRACE_S:g} s of the interrupt: cluster restarted "
                     "(state lost)",
                     file=sys.stderr,
                 )
                 return
             time.sleep(_POLL_S)
-        print(f"[ranks] interrupted {_ranks_word(running)}; the cluster keeps its state",
+        print(f"[ranks] interrupted {ranks_word(running)}; the cluster keeps its state",
               file=sys.stderr)
 
 
@@ -633,11 +630,6 @@ def _error_text(ar) -> str:
     return _ANSI.sub("", err.traceback or f"{err.ename}: {err.evalue}")
 
 
-def _ranks_word(ranks) -> str:
-    ranks = sorted(ranks)
-    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
-
-
 def _failure_summary(failed: dict[int, str], world_size: int, kept: bool = True) -> str:
     last = {}
     for r, tb in failed.items():
@@ -645,7 +637,7 @@ def _failure_summary(failed: dict[int, str], world_size: int, kept: bool = True)
         last[r] = lines[-1].strip() if lines else "error"
     ranks = sorted(failed)
     detail = "; ".join(f"rank {r}: {last[r]}" for r in ranks)
-    return (f"{_ranks_word(ranks)} of {world_size} failed ({detail})"
+    return (f"{ranks_word(ranks)} of {world_size} failed ({detail})"
             + ("; the ranks keep their state" if kept else ""))
 
 

@@ -185,6 +185,12 @@ def format_rank_outputs(outputs: dict[int, str], ranks=None) -> str:
     return "\n".join(lines) + ("\n" if lines else "")
 
 
+def ranks_word(ranks) -> str:
+    """``"rank 2"`` or ``"ranks 0, 3"`` (sorted): how failure messages name ranks."""
+    ranks = sorted(ranks)
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+
+
 def _read(path: Path) -> str:
     """The file's text as written: ``\\r`` kept (no newline translation), bad bytes replaced."""
     try:

@@ -33,6 +33,7 @@ from .output import (
     collect_outputs,
     first_failures,
     progress_line,
+    ranks_word,
     read_failed_ranks,
     status_text,
 )
@@ -170,10 +171,10 @@ def _failure(launch: Launch, result: TorchrunResult, exits: dict[int, int],
     said = [r for r in order if result.errors.get(r, "").strip()] or [rank]
     tb = clean_traceback(result.errors.get(said[0], ""), launch.script, CELL_LABEL)
     last = tb.strip().splitlines()[-1] if tb.strip() else ""
-    where = (f"{_ranks_word(causes)} of {launch.total} failed" + (" first" if later else "")
+    where = (f"{ranks_word(causes)} of {launch.total} failed" + (" first" if later else "")
              + f" ({_codes_word(causes, codes)})" + (f": {last}" if last else ""))
     if later:
-        where += (f"; {_ranks_word(later)} failed after "
+        where += (f"; {ranks_word(later)} failed after "
                   f"{'it' if len(causes) == 1 else 'them'} ({_codes_word(later, codes)})")
     return TorchrunError(where, rank, codes[rank], tb, result, consequences=later)
 
@@ -181,11 +182,6 @@ def _failure(launch: Launch, result: TorchrunResult, exits: dict[int, int],
 def _codes_word(ranks: list[int], codes: dict[int, int]) -> str:
     return (f"exit code{'s' if len(ranks) > 1 else ''} "
             + ", ".join(str(codes[r]) for r in ranks))
-
-
-def _ranks_word(ranks: list[int]) -> str:
-    return (f"rank {ranks[0]}" if len(ranks) == 1
-            else "ranks " + ", ".join(str(r) for r in ranks))
 
 
 def run_torchrun(target: str | None = None, args=(), *, code: str | None = None,
