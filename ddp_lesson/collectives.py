@@ -289,15 +289,10 @@ def format_values(values) -> str:
 
 @dataclass(frozen=True)
 class RingState:
-    """Every rank's chunks after ``step`` steps of the ring (step 0: before anything moved).
-
-    Attributes:
-        step: steps done, ``0 .. 2(R-1)``.
-        phase: ``"start"``, ``"reduce-scatter"``, ``"all-gather"``.
-        values: ``values[rank][chunk]`` — the numbers that rank holds for that chunk.
-        contributors: ``contributors[rank][chunk]`` — the ranks whose inputs are summed in it.
-        moves: the messages of this step, ``(src, dst, chunk)``.
-    """
+    """Every rank's chunks after ``step`` (``0 .. 2(R-1)``) steps of the ring, in ``phase``
+    ``"start"``, ``"reduce-scatter"`` or ``"all-gather"``: ``values[rank][chunk]`` the numbers
+    held, ``contributors[rank][chunk]`` the ranks summed in them, ``moves`` the step's messages
+    ``(src, dst, chunk)``."""
 
     step: int
     phase: str

@@ -21,13 +21,11 @@ stage      what is partitioned          bytes per rank
 3 (P_all)  + parameters                 ``(2 + 2 + K) Psi / N``
 =========  ===========================  =====================================
 
-The paper's example, 7.5B parameters on 64 ranks: 120 GB, 31.4 GB, 16.6 GB and 1.88 GB
-per rank, where GB means 1e9 bytes (:data:`GB`). Activations come on top: every rank keeps
-those of its own micro-batch whatever the stage (each rank runs the whole model on its own
-inputs), measured here by :func:`saved_activation_bytes`. The decision rule,
-:func:`per_rank_bytes` ``<= M``: model states at the stage plus activations fit in a GPU of M
-bytes. Temporary buffers and fragmentation are not counted. Pure arithmetic, no process group,
-except the measurements at the end (local).
+The paper's example, 7.5B parameters on 64 ranks: 120 GB, 31.4 GB, 16.6 GB and 1.88 GB per
+rank (GB = 1e9 bytes). Each rank also keeps its own micro-batch's activations at every stage
+(:func:`saved_activation_bytes` measures them); the decision rule: :func:`per_rank_bytes`
+``<= M`` fits a GPU of M bytes (temporary buffers and fragmentation not counted). Pure
+arithmetic, no process group, but for the local measurements at the end.
 """
 from __future__ import annotations
 

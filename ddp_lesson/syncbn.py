@@ -47,13 +47,8 @@ def _group_size(process_group) -> int:
 
 
 class _SyncBatchNormFunction(torch.autograd.Function):
-    """Training-mode batch norm with statistics all-reduced over ``process_group``.
-
-    ``forward(x, weight, bias, eps, process_group)``: ``x`` is ``(N, C, *)``; returns
-    ``(y, mean, var_biased, count)`` where ``mean``/``var_biased`` are the global per-channel
-    statistics ``(C,)`` float64 and ``count`` the global number of values per channel. Only
-    ``y`` carries a gradient.
-    """
+    """Training-mode batch norm with statistics all-reduced over ``process_group``: see
+    :func:`sync_batch_norm`; only ``y`` carries a gradient."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, eps, process_group):
