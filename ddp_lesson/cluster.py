@@ -292,15 +292,12 @@ class Cluster:
         return "\n".join(lines[-n:])
 
     def start(self) -> Cluster:
-        """Start controller and engines, join the process group on every engine (synchronises).
-
-        Returns:
-            self, with ``backend`` and ``reason`` set (``reason`` is one line saying why).
+        """Start controller and engines, join the process group on every engine (synchronises);
+        returns self, ``backend`` and ``reason`` (one line) set.
 
         Raises:
             ValueError: the backend cannot be used (e.g. nccl with fewer GPUs than processes).
-            RuntimeError: the cluster did not come up within ``timeout`` s (with the logs' tail);
-                every process started is ended first.
+            RuntimeError: not up within ``timeout`` s (with the logs' tail; all ended first).
         """
         if self.running:
             return self
@@ -326,9 +323,8 @@ class Cluster:
         self.controller = self._popen(
             [sys.executable, "-m", "ipyparallel.controller", "--ip=127.0.0.1", "--usethreads",
              f"--profile-dir={profile}", "--log-level=WARN",
-             # An engine's registration completes at the controller's next heartbeat: beat
-             # every 0.5 s rather than 3 s (start-up), and allow 60 missed beats (30 s, as
-             # the default 10 x 3 s) before an engine counts as dead on a loaded machine.
+             # registration completes at the next heartbeat: every 0.5 s, not 3 s; 60 missed
+             # beats (30 s, as the default 10 x 3 s) before an engine counts as dead
              "--HeartMonitor.period=500", "--HeartMonitor.max_heartmonitor_misses=60"],
             env, self.folder / "controller.log")
         self._write_pids()
@@ -339,9 +335,7 @@ class Cluster:
         )
         engine = ["-m", "ddp_lesson.cluster", "engine", f"--file={engine_file}",
                   f"--profile-dir={profile}", "--IPEngine.enable_nanny=False", "--log-level=WARN"]
-        # torchrun's agents as run_torchrun starts them (ddp_lesson.launch.command): they meet
-        # at a rendezvous store hosted here on 127.0.0.1, and node 0's agent hosts the
-        # workers' store on loopback too (ddp_lesson.launch.agent)
+        # torchrun's agents as run_torchrun starts them (ddp_lesson.launch.command)
         self.store, endpoint = rendezvous_store()
         common = dict(rdzv_endpoint=endpoint, rdzv_id=uuid.uuid4().hex[:8],
                       rdzv_conf="is_host=false", local_addr="127.0.0.1")
@@ -435,8 +429,8 @@ class Cluster:
         return self.start()
 
     def status(self) -> dict:
-        """``{"running", "world_size", "nnodes", "nproc_per_node", "backend", "alive"}`` (alive:
-        rank -> engine process alive)."""
+        """``{"running", "world_size", "nnodes", "nproc_per_node", "backend", "alive"}``,
+        ``alive``: rank -> engine process alive."""
         return {"running": self.running, "world_size": self.world_size, "nnodes": self.nnodes,
                 "nproc_per_node": self.nproc_per_node, "backend": self.backend,
                 "alive": {r: alive(pid) for r, pid in sorted(self.engine_pids.items())}}

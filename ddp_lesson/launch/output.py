@@ -442,8 +442,8 @@ def keep_kernel_status_busy(kernel) -> bool:
 
 
 def progress_line(outdir: Path, rank: int = 0) -> str:
-    """What rank ``rank`` is showing now: a progress bar being redrawn on stderr (tqdm), else
-    its last line of stdout. Never stderr's other lines (warnings and their source lines)."""
+    """What rank ``rank`` shows now: a progress bar redrawn on stderr (tqdm), else its last
+    line of stdout (never stderr's other lines: warnings)."""
     err = _read(outdir / f"rank{rank}.err")
     tail = err.rsplit("\n", 1)[-1]
     if "\r" in tail and terminal_text(tail).strip():

@@ -259,14 +259,12 @@ def run_torchrun_many(jobs: dict, *, label: str = "torchrun", live: bool | None 
     ``live`` forced off); one live line, ``label`` its first word (``"hang clinic: 3 of 7 runs
     finished, 4 s"``), ends as :func:`status_text` of all their processes.
 
-    Returns:
-        ``{label: TorchrunResult}`` in the order of ``jobs``.
+    Returns ``{label: TorchrunResult}`` in the order of ``jobs``.
 
     Raises:
         ValueError: no job, or a job's bad arguments.
-        TorchrunError / TorchrunTimeout: the first job (in ``jobs`` order) that raised one,
-            once every job has ended.
-        TorchrunInterrupted: a ``KeyboardInterrupt``; every process of every job is ended first.
+        TorchrunError / TorchrunTimeout: the first job's (in ``jobs`` order), once all ended.
+        TorchrunInterrupted: a ``KeyboardInterrupt``, every process of every job ended first.
     """
     if not jobs:
         raise ValueError("run_torchrun_many needs at least one job, got none")
