@@ -164,17 +164,10 @@ class DeepLabV3Mini(nn.Module):
 
 
 class TinyConvNet(nn.Module):
-    """A very small segmentation net for quick lessons: three conv-BN-ReLU and a classifier.
-
-    Two stride-2 convs (output stride 4), one 3x3 conv with dilation 2, a 1x1 classifier and
-    a bilinear upsample: 3.4 M multiply-adds per 64x128 image against :class:`DeepLabV3Mini`'s
-    47 M, and 5.5 k parameters against 287 k (defaults). Every parameter is used in every
-    forward pass.
-
-    Args:
-        num_classes: output channels.
-        width: channels of the hidden layers.
-        in_channels: input channels.
+    """A very small segmentation net for quick lessons: two stride-2 conv-BN-ReLU (output
+    stride 4), one with dilation 2, a 1x1 classifier and a bilinear upsample; 3.4 M
+    multiply-adds per 64x128 image against :class:`DeepLabV3Mini`'s 47 M, 5.5 k parameters
+    against 287 k (defaults), each used in every forward pass. ``width``: hidden channels.
 
     Raises:
         ValueError: if an argument is not an int >= 1.
