@@ -214,15 +214,11 @@ def predict_bucket_sweep(param_nbytes: Sequence[float], caps_mb: Sequence[float]
     """The cost model's exposed communication for each bucket cap (and for NaiveDDP).
 
     Buckets from :func:`~ddp_lesson.core.bucketed_ddp.ddp_buckets` (torch's after its rebuild,
-    those ``BucketedDDP`` builds; an explicit cap for every bucket), ready times from
-    :func:`model_ready_times`, link schedule from :func:`predict_overlap`. Small buckets start early
-    but pay α many times; big buckets pay α rarely but the last one starts only when backward ends:
-    the exposed time has a minimum in between.
-
-    Args:
-        param_nbytes: bytes per trainable parameter, registration order.
-        caps_mb: bucket caps to try (MiB).
-        backward_s, world_size, latency_s, bandwidth_bytes_per_s: as :func:`predict_overlap`.
+    with the cap ``caps_mb`` MiB for every bucket) of ``param_nbytes`` (trainable parameters,
+    registration order), ready times from :func:`model_ready_times`, the link schedule from
+    :func:`predict_overlap` (the other arguments are its). Small buckets start early but pay α
+    many times, big ones rarely but the last starts only when backward ends: the exposed time
+    has a minimum in between.
 
     Returns:
         One dict per cap: ``{"cap_mb", "buckets", "exposed_s", "comm_s", "step_s"}``; and a
@@ -360,11 +356,8 @@ def compute_bound_batch(backward_flops_per_sample: float, grad_bytes: float, har
     ``b* = T_allreduce · C · mfu / F_backward``: with overlap, a bigger batch hides the
     all-reduce entirely (the scaling book's ``B/X > C/W``, per sample instead of per token).
 
-    Args:
-        backward_flops_per_sample: FLOPs of backward per sample.
-        grad_bytes: bytes all-reduced each step (parameters x bytes per gradient).
-        hardware, world_size: as :meth:`Hardware.allreduce_s`.
-        mfu: the share of peak FLOP/s the model reaches (1.0: the book's assumption).
+    ``grad_bytes``: bytes all-reduced each step; ``hardware``, ``world_size``: as
+    :meth:`Hardware.allreduce_s`; ``mfu``: the share of peak FLOP/s reached (1.0: the book's).
 
     Raises:
         ValueError: non-positive FLOPs or ``mfu`` outside (0, 1].
