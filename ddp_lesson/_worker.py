@@ -3,38 +3,23 @@
 torchrun starts ``python -u -m ddp_lesson._worker OUTDIR (--module NAME | --script PATH) ARGS...``
 once per rank. Before running the real target this:
 
-1. sends the rank's stdout and stderr (file descriptors 1 and 2, so C++ and child-process
-   output too) to ``OUTDIR/rank{RANK}.out`` / ``.err``, line-buffered, so the launcher can show
-   each rank's output grouped in rank order and follow progress live;
-2. appends its pid to ``OUTDIR/rank{RANK}.pid`` (every restart's) and asks Linux to kill it if
-   torchrun dies (``PR_SET_PDEATHSIG``): torchrun starts every worker in a session of its own,
-   so without this a SIGKILL to the launcher alone would leave orphans. The pid is also the
-   id of the worker's process group, which the launcher's watchdog kills
-   (:func:`ddp_lesson.procs.watch`), so processes the rank started die too;
-3. when the target fails, writes ``OUTDIR/rank{RANK}.exit`` (its exit code and the moment,
-   ``time.time_ns()``) before anything else, so the launcher knows every rank whose own program
-   failed, not only the one torchrun noticed first, and which failed first: a peer's failure
-   reaches a rank waiting in a collective only once the failed rank's process has ended
-   ("Connection closed by peer" on gloo), after its record was written. An exception that
-   itself says it passes on a peer's failure (``is_consequence = True``: the package's
-   ``Rank0Error``) is marked so (`` consequence``), since it may be recorded a moment before
-   the failure it reports.
+1. sends fds 1 and 2 (C++ and child processes too) to ``OUTDIR/rank{RANK}.out`` / ``.err``,
+   line-buffered, for the launcher's rank-ordered output and live progress;
+2. appends its pid (also its process group's id, which the watchdog kills:
+   :func:`ddp_lesson.procs.watch`) to ``OUTDIR/rank{RANK}.pid`` and dies with torchrun
+   (``PR_SET_PDEATHSIG``: torchrun gives every worker a session of its own);
+3. when the target fails, first writes ``OUTDIR/rank{RANK}.exit`` (exit code,
+   ``time.time_ns()``), so the launcher knows every failed rank and which failed first (a peer
+   waiting in a collective fails only once the failed rank's process ended, after its record);
+   an exception with ``is_consequence = True`` (``Rank0Error``) is marked `` consequence``.
 
-Then it runs the target as ``__main__``, as ``python -m NAME`` / ``python PATH`` would: in a
-module installed as ``sys.modules["__main__"]`` for good (atexit handlers and pickling see it),
-with ``sys.path[0]`` the script's folder (a script) or the working directory (a module).
-
-When the target finishes normally the process ends as Python's own shutdown does, in its order:
-non-daemon threads are joined and executors finish their queued work (``threading._shutdown``),
-``atexit`` handlers run, then every open file (not only stdout/stderr) is flushed; then it
-leaves with ``os._exit``: skipping the interpreter's teardown avoids a known gloo abort (a DDP
-reducer still holding a process group whose worker threads are torn down at exit, "terminate
-called without an active exception", pytorch/pytorch#179291), seen here in about one run in
-twenty, after all output was printed. The one difference left: ``__del__`` methods of objects
-still alive at exit are not called (Python does not promise them either: "It is not guaranteed
-that __del__() methods are called for objects that still exist when the interpreter exits",
-Python's data model). Failures exit as usual, with their traceback.
-Kept free of heavy imports: it runs before torch is imported.
+Then it runs the target as ``python -m NAME`` / ``python PATH`` would, in a ``__main__`` module
+kept in ``sys.modules`` (atexit handlers, pickling). A successful run ends in the order of
+Python's shutdown (threads joined, executors drained, ``atexit``, every open file flushed), then
+``os._exit``: the interpreter's teardown can make gloo abort ("terminate called without an active
+exception", pytorch/pytorch#179291; about one run in twenty here). Only ``__del__`` of objects
+alive at exit is skipped, which Python does not promise either (its data model). Failures exit as
+usual. Kept free of heavy imports: it runs before torch is imported.
 """
 from __future__ import annotations
 

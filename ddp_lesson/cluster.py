@@ -1,22 +1,15 @@
 """Persistent ranks for notebooks: ipyparallel engines launched by torchrun, and ``%%ranks`` cells.
 
-A ``%%torchrun`` cell is a script: a fresh job that runs and forgets. For exploring (build a model
-on every rank in one cell, run backward in the next, look at ``p.grad`` on each rank, all-reduce,
-look again) the ranks must keep their state between cells. This module starts:
-
-* an ipyparallel controller on 127.0.0.1 (``python -m ipyparallel.controller``, schedulers in
-  threads, profile and connection files in a private temporary folder);
-* ``nnodes`` torchrun agents (``python -m ddp_lesson.launch.agent``: torchrun, with flags from
-  :func:`ddp_lesson.launch.torchrun_flags` and stores on 127.0.0.1, as ``run_torchrun``'s), each
-  starting ``nproc_per_node`` ipyparallel engines (``-m ddp_lesson.cluster engine
-  --file=<the controller's engine connection file>``, a thin bootstrap around
-  ``python -m ipyparallel.engine``), so every engine has exactly the environment a rank of a
-  real job has (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``...);
-
-then joins the process group once on every engine with :func:`ddp_lesson.env.init_distributed`
-(the series' backend rule: NCCL on ``cuda:LOCAL_RANK`` when each local rank has a GPU, gloo on
-CPU otherwise). Each engine's namespace starts with ``torch``, ``dist`` (``torch.distributed``),
-``env`` (its :class:`~ddp_lesson.env.DistEnv`), ``rank``, ``local_rank`` and ``world_size``.
+A ``%%torchrun`` cell is a fresh job that runs and forgets; for exploring (a model on every rank
+in one cell, backward in the next, ``p.grad`` on each rank, all-reduce, look again) the ranks
+keep their state between cells. This module starts an ipyparallel controller on 127.0.0.1
+(schedulers in threads, files in a private temporary folder) and ``nnodes`` torchrun agents
+(``python -m ddp_lesson.launch.agent``, flags and loopback stores as ``run_torchrun``'s), each
+starting ``nproc_per_node`` ipyparallel engines (``-m ddp_lesson.cluster engine``), so every
+engine has a real rank's environment (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``...). Each joins
+the process group once (:func:`ddp_lesson.env.init_distributed`, the series' backend rule);
+its namespace starts with ``torch``, ``dist``, ``env`` (its :class:`~ddp_lesson.env.DistEnv`),
+``rank``, ``local_rank`` and ``world_size``.
 
 Notebook face (``%load_ext ddp_lesson``)::
 
@@ -29,37 +22,29 @@ Notebook face (``%load_ext ddp_lesson``)::
 Python face: ``with Cluster(nproc_per_node=2) as c: c.run("print(rank)")``
 -> ``{0: "0\\n", 1: "1\\n"}``.
 
-Output: during every cell, file descriptors 1 and 2 are captured together with ``sys.stdout``
-and ``sys.stderr`` (:func:`ddp_lesson.launch.fdcapture.capture_cells`, installed on each engine
-at start), so what bypasses Python (``os.write(1, ...)``, ``os.system``, a subprocess) comes in
-program order with the prints, one stream for stdout and one for stderr, each drained to its
-last byte before the cell returns (docs/pitfalls.md C11).
+Output: during every cell, fds 1 and 2 are captured with ``sys.stdout``/``sys.stderr``
+(:func:`ddp_lesson.launch.fdcapture.capture_cells`), so ``os.write(1, ...)``, ``os.system`` and
+subprocesses come in program order with the prints, drained before the cell returns
+(docs/pitfalls.md C11).
 
 Failures and hangs:
 
-* a rank that raises makes the cell raise :class:`RanksError`, naming the failed ranks in rank
-  order with each one's traceback; the ranks stay usable (their state is kept);
-* a rank that raises while others are still running is shown at once, not at the timeout: if
-  the others have not finished within :data:`PEER_FAILURE_GRACE_S` they are taken to be blocked
-  in a collective that waits for the failed rank (its engine stays alive, so gloo sees no
-  closed connection and they would wait until the process group's timeout). The cell raises
-  :class:`RanksError` naming the failed rank with its traceback and the waiting ranks, and the
-  cluster is restarted as after a timeout (state lost; the exception says so);
-* a cell that outlives its timeout (typically a collective that some rank never reaches) raises
-  :class:`RanksTimeout` naming the ranks still running. A rank blocked inside a collective cannot
-  be interrupted from Python and its process group is then out of step, so the cluster is
-  **restarted cleanly**: every process is ended and a fresh cluster of the same shape started
-  (the ranks' state is lost; the exception says so);
-* interrupting the kernel sends SIGINT to the ranks still running; if they all come back within
-  a few seconds the cluster stays as it was, otherwise it is restarted as after a timeout.
+* a rank that raises makes the cell raise :class:`RanksError` (failed ranks in rank order, with
+  tracebacks); the ranks keep their state;
+* if the others are still running :data:`PEER_FAILURE_GRACE_S` after it, they are taken to be
+  blocked in a collective waiting for it (its engine lives on, so gloo sees no closed
+  connection): :class:`RanksError` at once, naming them, and a restart as after a timeout;
+* a cell that outlives its timeout raises :class:`RanksTimeout` naming the ranks still running;
+  a rank blocked in a collective cannot be interrupted from Python, so the cluster is
+  **restarted cleanly** (every process ended, a fresh one of the same shape, state lost);
+* a kernel interrupt sends SIGINT to the running ranks; if they come back within
+  :data:`INTERRUPT_GRACE_S` the cluster is kept, else restarted.
 
-No process outlives its owner (the helpers are :mod:`ddp_lesson.procs`'): the controller and
-torchrun get ``PR_SET_PDEATHSIG`` (killed when the thread that started them dies), every engine
-gets it against its torchrun agent, and a small watchdog (own session, no PDEATHSIG, reading a
-pipe only the owner writes) notices when the owner is gone (SIGKILL included), kills whatever is
-left by pid and removes the private temporary folder. ``stop()`` is clean: the process
-group is destroyed (barrier, then ``destroy_process_group``) before the engines leave with exit
-status 0, then the controller is stopped and the folder removed.
+No process outlives its owner (:mod:`ddp_lesson.procs`): controller and torchrun get
+``PR_SET_PDEATHSIG``, every engine against its agent, and a watchdog (own session, reading a pipe
+only the owner writes) kills what is left and removes the folder when the owner dies (SIGKILL
+included). ``stop()`` destroys the process group (barrier, ``destroy_process_group``) before the
+engines exit with status 0, then stops the controller and removes the folder.
 
 Benchmark: ``python -m ddp_lesson.bench.cluster`` writes ``benchmarks/cluster.csv``.
 Sources: ipyparallel (https://ipyparallel.readthedocs.io), torchrun
@@ -86,7 +71,8 @@ from functools import partial
 from pathlib import Path
 
 from .env import BACKEND_ENV, BACKENDS, choose_backend
-from .launch.command import loopback_env, rendezvous_store, torchrun_flags
+from .launch.command import loopback_env, rendezvous_store, torchrun_flags, validate_launch
+from .launch.output import ranks_word
 from .procs import alive, die_with_parent, kill_pids, reap, release_watchdog, start_watchdog
 
 #: Seconds a ``%%ranks`` cell may run before its verdict (override per cell with ``--timeout``).
@@ -107,10 +93,8 @@ _TMP_PREFIX = "ddp_lesson_cluster_"
 
 
 class RanksError(RuntimeError):
-    """One or more ranks raised. ``failed`` (rank -> traceback text), ``outputs``
-    (rank -> stdout); ``waiting``: ranks still running when it was raised (blocked in a
-    collective that waits for a failed rank), ``restarted``: True when the cluster was
-    restarted because of them (state lost)."""
+    """One or more ranks raised: ``failed`` (rank -> traceback), ``outputs`` (rank -> stdout),
+    ``waiting`` (ranks still running, blocked waiting for a failed one), ``restarted``."""
 
     def __init__(self, message: str, failed: dict[int, str], outputs: dict[int, str],
                  waiting: list[int] | None = None, restarted: bool = False):
@@ -128,8 +112,8 @@ class RanksError(RuntimeError):
 
 
 class RanksTimeout(TimeoutError):
-    """A cell outlived its timeout. ``waiting``: ranks still running; ``restarted``: True when the
-    cluster was restarted (state lost); ``outputs``: what each rank printed so far."""
+    """A cell outlived its timeout: ``waiting`` (ranks still running), ``outputs`` (printed so
+    far), ``restarted`` (state lost)."""
 
     def __init__(self, message: str, waiting: list[int], outputs: dict[int, str], restarted: bool):
         super().__init__(message)
@@ -173,15 +157,10 @@ def _end(proc: subprocess.Popen | None, grace_s: float = 5.0) -> None:
 
 
 def _engine_main(argv: list[str]) -> None:
-    """``python -m ddp_lesson.cluster engine ARGS``: an ipyparallel engine that dies with torchrun.
-
-    torchrun starts each worker in a session of its own, so a SIGKILL to torchrun alone would
-    orphan the engines; ``PR_SET_PDEATHSIG`` makes the kernel kill the engine instead.
-    """
+    """``python -m ddp_lesson.cluster engine ARGS``: an ipyparallel engine that dies with
+    torchrun (``PR_SET_PDEATHSIG``: torchrun puts each worker in a session of its own)."""
     die_with_parent()  # leaves at once if torchrun died before this line
-    # torchrun starts while the controller is still coming up (the two start-ups overlap):
-    # wait until the controller's engine connection file is complete JSON (it is not written
-    # atomically), dying with torchrun meanwhile.
+    # the controller is still coming up: wait for its engine file to be complete JSON
     import torch.distributed  # noqa: F401  (the first cell's import, done while we wait)
 
     url_file = Path(next(a.split("=", 1)[1] for a in argv if a.startswith("--file=")))
@@ -217,18 +196,14 @@ _EXIT = "import os, sys\nsys.stdout.flush(); sys.stderr.flush()\nos._exit(0)\n"
 
 class Cluster:
     """``world_size = nnodes * nproc_per_node`` persistent ranks: ipyparallel engines under
-    torchrun.
+    torchrun. A context manager, or :meth:`start` and :meth:`stop`; not thread-safe.
 
     Args:
         nproc_per_node: engines per simulated node (torchrun's ``--nproc-per-node``), >= 1.
-        nnodes: torchrun agents started on this host, joined by c10d rendezvous on 127.0.0.1
-            (as separate machines would be), >= 1.
+        nnodes: torchrun agents on this host, joined by c10d rendezvous on 127.0.0.1, >= 1.
         backend: ``"auto"``, ``"gloo"``, ``"nccl"``; None reads ``DDP_LESSON_BACKEND``, else auto.
         timeout: seconds :meth:`start` may take (controller, engines, process group), > 0.
-        cwd: the engines' working directory (default: this process's).
-        env: base environment for the engines (default: this process's).
-
-    Use as a context manager, or call :meth:`start` and :meth:`stop`. Not thread-safe.
+        cwd, env: the engines' working directory and base environment (default: this process's).
 
     Raises:
         ValueError: bad sizes or backend, named with their values.
@@ -236,11 +211,7 @@ class Cluster:
 
     def __init__(self, nproc_per_node: int = 2, nnodes: int = 1, backend: str | None = None,
                  timeout: float = DEFAULT_START_TIMEOUT_S, cwd=None, env: dict | None = None):
-        for name, value in (("nproc_per_node", nproc_per_node), ("nnodes", nnodes)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        if timeout is None or timeout <= 0:
-            raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
+        validate_launch(nproc_per_node, nnodes, 0, timeout)  # the launcher's own checks
         if backend is not None and backend.lower() not in BACKENDS:
             raise ValueError(f"backend {backend!r} is not one of {', '.join(BACKENDS)}")
         self.nproc_per_node, self.nnodes = nproc_per_node, nnodes
@@ -321,15 +292,12 @@ class Cluster:
         return "\n".join(lines[-n:])
 
     def start(self) -> Cluster:
-        """Start controller and engines, join the process group on every engine (synchronises).
-
-        Returns:
-            self, with ``backend`` and ``reason`` set (``reason`` is one line saying why).
+        """Start controller and engines, join the process group on every engine (synchronises);
+        returns self, ``backend`` and ``reason`` (one line) set.
 
         Raises:
             ValueError: the backend cannot be used (e.g. nccl with fewer GPUs than processes).
-            RuntimeError: the cluster did not come up within ``timeout`` s (with the logs' tail);
-                every process started is ended first.
+            RuntimeError: not up within ``timeout`` s (with the logs' tail; all ended first).
         """
         if self.running:
             return self
@@ -355,9 +323,8 @@ class Cluster:
         self.controller = self._popen(
             [sys.executable, "-m", "ipyparallel.controller", "--ip=127.0.0.1", "--usethreads",
              f"--profile-dir={profile}", "--log-level=WARN",
-             # An engine's registration completes at the controller's next heartbeat: beat
-             # every 0.5 s rather than 3 s (start-up), and allow 60 missed beats (30 s, as
-             # the default 10 x 3 s) before an engine counts as dead on a loaded machine.
+             # registration completes at the next heartbeat: every 0.5 s, not 3 s; 60 missed
+             # beats (30 s, as the default 10 x 3 s) before an engine counts as dead
              "--HeartMonitor.period=500", "--HeartMonitor.max_heartmonitor_misses=60"],
             env, self.folder / "controller.log")
         self._write_pids()
@@ -368,9 +335,7 @@ class Cluster:
         )
         engine = ["-m", "ddp_lesson.cluster", "engine", f"--file={engine_file}",
                   f"--profile-dir={profile}", "--IPEngine.enable_nanny=False", "--log-level=WARN"]
-        # torchrun's agents as run_torchrun starts them (ddp_lesson.launch.command): they meet
-        # at a rendezvous store hosted here on 127.0.0.1, and node 0's agent hosts the
-        # workers' store on loopback too (ddp_lesson.launch.agent)
+        # torchrun's agents as run_torchrun starts them (ddp_lesson.launch.command)
         self.store, endpoint = rendezvous_store()
         common = dict(rdzv_endpoint=endpoint, rdzv_id=uuid.uuid4().hex[:8],
                       rdzv_conf="is_host=false", local_addr="127.0.0.1")
@@ -422,12 +387,9 @@ class Cluster:
             time.sleep(0.05)
 
     def stop(self) -> None:
-        """Destroy the process group on every rank, stop engines and controller, remove the folder.
-
-        Clean path: ``cleanup()`` (barrier + ``destroy_process_group``) on every engine, then the
-        engines exit with status 0, torchrun exits 0, the controller is stopped. Anything still
-        alive after that (a rank stuck in a collective) is killed. Idempotent; never raises.
-        """
+        """Destroy the process group on every rank (``cleanup()``), let the engines and torchrun
+        exit 0, stop the controller, remove the folder; kill what is still alive (a rank stuck in
+        a collective). Idempotent; never raises."""
         if self.folder is None:
             return
         atexit.unregister(self.stop)
@@ -467,8 +429,8 @@ class Cluster:
         return self.start()
 
     def status(self) -> dict:
-        """``{"running", "world_size", "nnodes", "nproc_per_node", "backend", "alive"}`` (alive:
-        rank -> engine process alive)."""
+        """``{"running", "world_size", "nnodes", "nproc_per_node", "backend", "alive"}``,
+        ``alive``: rank -> engine process alive."""
         return {"running": self.running, "world_size": self.world_size, "nnodes": self.nnodes,
                 "nproc_per_node": self.nproc_per_node, "backend": self.backend,
                 "alive": {r: alive(pid) for r, pid in sorted(self.engine_pids.items())}}
@@ -542,34 +504,22 @@ class Cluster:
         return result
 
     def run(self, code: str, ranks=None, timeout: float | None = None) -> dict[int, str]:
-        """Run ``code`` (IPython cell source) on ``ranks`` (all by default); state is kept.
-
-        Each rank runs the code in its own namespace, where the previous cells' names live
-        (``rank``, ``world_size``, ``env``, ``torch``, ``dist`` from the start). Collectives
-        synchronise the ranks that call them, as in any job; selecting some ranks for a cell with
-        a collective hangs the others' peers until the timeout.
-
-        Args:
-            code: source text.
-            ranks: an int, an iterable of ints, or None (every rank).
-            timeout: seconds before the verdict (default :data:`DEFAULT_RUN_TIMEOUT_S`).
+        """Run ``code`` (IPython cell source) on ``ranks`` (an int, ints, or None: all), each in
+        its namespace from the previous cells; collectives synchronise the ranks that call them
+        (a cell with a collective on some ranks only hangs until the timeout).
 
         Returns:
-            ``{rank: output}`` in rank order: what the rank printed, then the value of the last
-            expression (if any) as IPython would show it.
+            ``{rank: output}`` in rank order: what the rank printed, then the last expression's
+            value as IPython would show it.
 
         Raises:
-            ValueError: a rank outside ``[0, world_size)``, or a bad timeout.
-            RanksError: a rank raised (failed ranks named in rank order, their tracebacks
-                attached); the ranks stay usable. If other ranks are still running
-                :data:`PEER_FAILURE_GRACE_S` after the first one raised, they are blocked in a
-                collective waiting for it (or the timeout comes first): raised then, naming
-                them, after restarting the cluster (``restarted``, state lost; one line on
-                stderr says so before the restart, which takes seconds).
-            RanksTimeout: some ranks were still running after ``timeout`` s; the cluster has been
-                restarted (state lost).
-            KeyboardInterrupt: re-raised after interrupting the running ranks (cluster kept if they
-                stop within :data:`INTERRUPT_GRACE_S`, else restarted).
+            ValueError: a rank outside ``[0, world_size)``, or a timeout <= 0.
+            RanksError: a rank raised (state kept); or, with the others still running
+                :data:`PEER_FAILURE_GRACE_S` later, naming them after a restart (one line on
+                stderr says so first).
+            RanksTimeout: ranks still running after ``timeout`` s (default
+                :data:`DEFAULT_RUN_TIMEOUT_S`); restarted.
+            KeyboardInterrupt: after interrupting the running ranks (see the module docstring).
         """
         result = self.run_detailed(code, ranks, timeout)
         result.raise_failed(self.world_size)
@@ -580,8 +530,8 @@ class Cluster:
         done = [r for r in ars if r not in waiting]
         outputs = self._outputs_then_restart(ars)
         raise RanksTimeout(
-            f"{_ranks_word(waiting)} still running after {timeout:g} s"
-            + (f" ({_ranks_word(done)} finished)" if done else "")
+            f"{ranks_word(waiting)} still running after {timeout:g} s"
+            + (f" ({ranks_word(done)} finished)" if done else "")
             + ": probably waiting in a collective that other ranks never reached. "
             "A rank blocked in "
             f"a collective cannot be interrupted, so the cluster was restarted: {self.world_size} "
@@ -596,13 +546,13 @@ class Cluster:
         failed = {r: _error_text(ar) for r, ar in ars.items() if _raised(ar)}
         waiting = [r for r, ar in ars.items() if not ar.ready()]
         # the restart takes seconds: say at once what happened (the error follows it)
-        print(f"[ranks] {_ranks_word(failed)} raised; {_ranks_word(waiting)} still waiting: "
+        print(f"[ranks] {ranks_word(failed)} raised; {ranks_word(waiting)} still waiting: "
               "restarting the cluster", file=sys.stderr, flush=True)
         outputs = self._outputs_then_restart(ars)
         raise RanksError(
             _failure_summary(failed, self.world_size, kept=False)
-            + f"; {_ranks_word(waiting)} still running after it: "
-            f"probably blocked in a collective waiting for {_ranks_word(failed)}. A rank "
+            + f"; {ranks_word(waiting)} still running after it: "
+            f"probably blocked in a collective waiting for {ranks_word(failed)}. A rank "
             f"blocked in a collective cannot be interrupted, so the cluster was restarted: "
             f"{self.world_size} fresh ranks, state lost",
             failed,
@@ -633,14 +583,14 @@ class Cluster:
             if time.monotonic() > deadline:
                 self.restart()
                 print(
-                    f"[ranks] {_ranks_word([r for r, a in ars.items() if not a.ready()])} did "
+                    f"[ranks] {ranks_word([r for r, a in ars.items() if not a.ready()])} did "
                     f"not stop within {INTERRUPT_GRACE_S:g} s of the interrupt: cluster restarted "
                     "(state lost)",
                     file=sys.stderr,
                 )
                 return
             time.sleep(_POLL_S)
-        print(f"[ranks] interrupted {_ranks_word(running)}; the cluster keeps its state",
+        print(f"[ranks] interrupted {ranks_word(running)}; the cluster keeps its state",
               file=sys.stderr)
 
 
@@ -674,11 +624,6 @@ def _error_text(ar) -> str:
     return _ANSI.sub("", err.traceback or f"{err.ename}: {err.evalue}")
 
 
-def _ranks_word(ranks) -> str:
-    ranks = sorted(ranks)
-    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
-
-
 def _failure_summary(failed: dict[int, str], world_size: int, kept: bool = True) -> str:
     last = {}
     for r, tb in failed.items():
@@ -686,7 +631,7 @@ def _failure_summary(failed: dict[int, str], world_size: int, kept: bool = True)
         last[r] = lines[-1].strip() if lines else "error"
     ranks = sorted(failed)
     detail = "; ".join(f"rank {r}: {last[r]}" for r in ranks)
-    return (f"{_ranks_word(ranks)} of {world_size} failed ({detail})"
+    return (f"{ranks_word(ranks)} of {world_size} failed ({detail})"
             + ("; the ranks keep their state" if kept else ""))
 
 
@@ -710,11 +655,8 @@ def _parser(prog: str) -> argparse.ArgumentParser:
 
 
 def dist_start_magic(line: str) -> None:
-    """``%dist_start --nproc-per-node N [--nnodes M] [--backend auto|gloo|nccl] [--timeout S]``.
-
-    Starts the persistent ranks (stopping any running ones first) and prints one line: ranks,
-    backend and why. ``--timeout``: seconds the start may take (default 120).
-    """
+    """``%dist_start --nproc-per-node N [--nnodes M] [--backend auto|gloo|nccl] [--timeout S]``:
+    (re)start the persistent ranks; prints one line: ranks, backend and why."""
     global _CURRENT
     p = _parser("%dist_start")
     p.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=2)
@@ -744,13 +686,8 @@ def _parse(p: argparse.ArgumentParser, line: str):
 def ranks_magic(line: str, cell: str) -> None:
     """``%%ranks [--rank R | --ranks 0,2] [--timeout S] [--show-stderr]``: the cell on the ranks.
 
-    Output of each rank in rank order, each line tagged ``[rank N]``: its stdout, prints and
-    writes to fd 1 (``os.system``, subprocesses) in program order; with ``--show-stderr`` its
-    stderr after it (fd 2, in order too). A failing rank raises
-    :class:`RanksError` (ranks stay usable), at once, with a restart, when the other ranks are
-    still running :data:`PEER_FAILURE_GRACE_S` later (blocked in a collective, waiting for it);
-    a cell outliving ``--timeout`` (default 120 s) raises :class:`RanksTimeout` naming the
-    waiting ranks, after restarting the cluster.
+    Each rank's output in rank order, lines tagged ``[rank N]`` (fd 1 in program order with the
+    prints; ``--show-stderr``: fd 2 after it). Failures and timeouts as :meth:`Cluster.run`.
     """
     from .launch import format_rank_outputs
 

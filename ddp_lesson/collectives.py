@@ -94,11 +94,9 @@ def _tag(step: int, piece: int = 0, pieces_per_step: int = 1) -> int:
 
 def ring_reduce_scatter(tensor: torch.Tensor, op=dist.ReduceOp.SUM,
                         group=None) -> tuple[int, int]:
-    """The ring's first half: :func:`ring_all_reduce` with ``all_gather=False``, in place.
-
-    Returns ``(start, stop)``, the flat range of the chunk this rank now holds reduced,
-    chunk ``(rank + 1) mod R``; the other chunks are left partly reduced. ``dist.reduce_scatter``
-    gives rank ``r`` chunk ``r`` instead: a relabelling of the same result. A collective.
+    """The ring's first half (:func:`ring_all_reduce` with ``all_gather=False``), in place; a
+    collective. Returns the flat ``(start, stop)`` of the chunk this rank holds reduced, chunk
+    ``(rank + 1) mod R`` (``dist.reduce_scatter`` gives rank ``r`` chunk ``r``: a relabelling).
 
     Raises:
         ValueError: a non-contiguous ``tensor``; otherwise as :func:`ring_all_reduce`.
@@ -118,12 +116,8 @@ MIN_PIECE_NUMEL = 64 * 1024
 
 
 def default_piece_numel(numel: int, world_size: int) -> int:
-    """The pipelined ring's piece size for a tensor of ``numel`` elements on ``world_size`` ranks.
-
-    ``max(ceil(chunk / 4), 65536)`` with ``chunk = ceil(numel / world_size)``: four pieces per
-    chunk for large tensors, whole chunks for small ones. Depends only on its arguments, so
-    every rank computes the same value.
-    """
+    """The pipelined ring's piece size (elements), the same on every rank:
+    ``max(ceil(chunk / 4), 65536)``, ``chunk = ceil(numel / world_size)``."""
     chunk = -(-numel // max(world_size, 1))
     return max(-(-chunk // DEFAULT_PIECES_PER_CHUNK), MIN_PIECE_NUMEL, 1)
 
@@ -132,24 +126,18 @@ def pipelined_ring_all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=
                               piece_numel: int | None = None) -> torch.Tensor:
     """Ring all-reduce with every chunk cut into pieces that flow round the ring independently.
 
-    Same schedule and result as :func:`ring_all_reduce`, but a piece is forwarded to the right
-    neighbour as soon as it has arrived and been reduced, instead of waiting for the whole
-    chunk. Receiving piece k+1, adding piece k and sending piece k-1 then happen at the same
-    time, and the next step's first piece leaves before this step's last piece has arrived:
-    the ring behaves like a pipeline, the trick NCCL (slices/steps) and gloo (segments) use.
-    The next step's receives are posted before this step's pieces are waited for, so data
-    never waits for a receive to be posted. Each rank keeps two chunk-sized receive buffers
-    (double buffering), reused between calls.
+    Same schedule as :func:`ring_all_reduce`, but a piece is forwarded as soon as it has been
+    received and reduced: receiving piece k+1, adding k and sending k-1 overlap, as NCCL's
+    slices and gloo's segments do. The next step's receives are posted before this step's
+    pieces are waited for; two chunk-sized receive buffers per rank, reused between calls.
 
     Args:
         tensor, op, group: as for :func:`ring_all_reduce`.
-        piece_numel: elements per piece (identical on every rank); None:
-            :func:`default_piece_numel`. Small pieces overlap better but pay the per-message
-            latency more often.
+        piece_numel: elements per piece (the same on every rank); None:
+            :func:`default_piece_numel`. Small pieces overlap better, pay latency more often.
 
     Returns:
-        ``tensor``, reduced in place (bit-identical to :func:`ring_all_reduce` for integers,
-        and for floats too: the additions happen in the same order).
+        ``tensor``, reduced in place, bit-identical to :func:`ring_all_reduce` (same order).
 
     Raises:
         as :func:`ring_all_reduce`; ValueError for ``piece_numel < 1``.
@@ -234,11 +222,8 @@ def pipelined_ring_all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=
 
 
 def naive_all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None) -> torch.Tensor:
-    """All-reduce by gathering every tensor to rank 0, reducing there, and sending the result back.
-
-    The textbook baseline: rank 0 receives R-1 whole tensors and sends R-1 whole tensors, so
-    its link carries ``2(R-1) · n`` elements, while every other link idles most of the time —
-    compare the ring's ``2(R-1)/R · n`` per rank. Built from ``isend``/``irecv``.
+    """All-reduce through rank 0 (``isend``/``irecv``): it receives and sends R-1 whole
+    tensors, ``2(R-1) · n`` elements on its link against the ring's ``2(R-1)/R · n`` per rank.
 
     Args, Returns, Raises: as :func:`ring_all_reduce`. Rank 0 reduces the contributions in
     rank order 0, 1, ..., R-1.
@@ -278,17 +263,14 @@ def _finish_avg_(flat: torch.Tensor, op, world_size: int) -> None:
 
 
 def holdings_line(label: str, before, after) -> str:
-    """One line of a "who holds what" picture: ``"broadcast    before [0, 0]  after [10, 11]"``.
-
-    ``before``/``after`` are tensors, lists or None (nothing held). Whole numbers print without
-    a decimal point, others with up to 4 significant digits, so the line is the same on
-    every machine. Never synchronises.
-    """
+    """One line of a "who holds what" picture: ``"broadcast    before [0, 0]  after [10, 11]"``
+    (tensors, lists or None; :func:`format_values`). Never synchronises."""
     return f"{label:<15} before {format_values(before):<18} after {format_values(after)}"
 
 
 def format_values(values) -> str:
-    """``values`` (tensor, list, number or None) as short text: ``[1, 2.5]``, ``-`` for None."""
+    """``values`` (tensor, list, number or None) as text the same on every machine: ``[1, 2.5]``
+    (whole numbers without a point, others to 4 significant digits), ``-`` for None."""
     if values is None:
         return "-"
     if isinstance(values, torch.Tensor):
@@ -307,15 +289,10 @@ def format_values(values) -> str:
 
 @dataclass(frozen=True)
 class RingState:
-    """Every rank's chunks after ``step`` steps of the ring (step 0: before anything moved).
-
-    Attributes:
-        step: steps done, ``0 .. 2(R-1)``.
-        phase: ``"start"``, ``"reduce-scatter"``, ``"all-gather"``.
-        values: ``values[rank][chunk]`` — the numbers that rank holds for that chunk.
-        contributors: ``contributors[rank][chunk]`` — the ranks whose inputs are summed in it.
-        moves: the messages of this step, ``(src, dst, chunk)``.
-    """
+    """Every rank's chunks after ``step`` (``0 .. 2(R-1)``) steps of the ring, in ``phase``
+    ``"start"``, ``"reduce-scatter"`` or ``"all-gather"``: ``values[rank][chunk]`` the numbers
+    held, ``contributors[rank][chunk]`` the ranks summed in them, ``moves`` the step's messages
+    ``(src, dst, chunk)``."""
 
     step: int
     phase: str
@@ -336,14 +313,12 @@ def _default_values(world_size: int) -> list[list[float]]:
 def simulate_ring_all_reduce(world_size: int = 3, values=None) -> list[RingState]:
     """Play the ring sum all-reduce in pure Python and return the state after every step.
 
-    Args:
-        world_size: R >= 1.
-        values: ``values[rank]`` = that rank's list of numbers (same length on every rank);
-            default: rank r holds ``[1, 2, ..., R] · 10^r``.
+    ``values[rank]``: that rank's numbers (same length on every rank); default: rank r holds
+    ``[1, 2, ..., R] · 10^r``.
 
     Returns:
-        ``2(R-1) + 1`` :class:`RingState` objects (step 0 = inputs). In the last one every
-        rank holds every chunk's full sum, contributed by all ranks.
+        ``2(R-1) + 1`` :class:`RingState` objects (step 0 = inputs; the last: every rank holds
+        every chunk's full sum).
 
     Raises:
         ValueError: ``world_size < 1`` or ``values`` of the wrong shape.

@@ -1,17 +1,13 @@
 """A simulated network and a recorder for data-parallel wrappers: what overlap buys, measured.
 
-On a CPU machine the loopback all-reduce is nearly free, so buckets and overlap would show no
-benefit. :class:`SimulatedLink` lays an α-β network over the real all-reduce (the numbers stay
-right; waiting takes the modelled time), so a bucket issued during backward is hidden behind
-computation and one issued after backward is exposed, as on a real network. A
-:class:`Recorder` attached to a wrapper (the cores ``ddp_lesson.core.naive_ddp.NaiveDDP`` /
-``BucketedDDP``) notes when each gradient was ready and each
-all-reduce ran, per rank, as :class:`StepRecord` and :class:`CommEvent`; :func:`job_exposed_s` and
-:func:`job_exposed_share` say how much communication nobody's computation hid, and
-:func:`gather_records` brings every rank's records to every rank.
-
-None of this changes a number the wrappers compute; it is instrumentation: the cores only
-call a recorder's six methods (``begin`` ... ``finish``) when one is given.
+On a CPU machine the loopback all-reduce is nearly free, so overlap would show no benefit.
+:class:`SimulatedLink` lays an α-β network over the real all-reduce (numbers right, waits
+modelled): a bucket issued during backward hides behind computation, one issued after it is
+exposed. A :class:`Recorder` given to a wrapper (``ddp_lesson.core``'s ``NaiveDDP`` /
+``BucketedDDP``) notes per rank when each gradient was ready and each all-reduce ran
+(:class:`StepRecord`, :class:`CommEvent`); :func:`job_exposed_s` and :func:`job_exposed_share`
+say how much communication nobody's computation hid; :func:`gather_records` brings every
+rank's records to every rank. Instrumentation only: no number the wrappers compute changes.
 
 Source: the α-β model of R. Thakur, R. Rabenseifner, W. Gropp, "Optimization of collective
 communication operations in MPICH", IJHPCA 2005.
@@ -58,20 +54,16 @@ class _LinkWork:
 class SimulatedLink:
     """A network with latency α and bandwidth 1/β, laid over the real (nearly free) all-reduce.
 
-    Each all-reduce is given the time the α-β model gives a ring all-reduce of ``n`` bytes on
-    ``R`` ranks (:func:`ddp_lesson.cost_model.ring_allreduce_time`)::
+    Each all-reduce takes the ring's modelled time on ``R`` ranks
+    (:func:`ddp_lesson.cost_model.ring_allreduce_time`)::
 
         T(n) = 2 (R-1) α + 2 (R-1)/R · n / bandwidth
 
-    and the link carries one all-reduce at a time: a message starts when it is issued or
-    when the previous one has finished, whichever is later. The real all-reduce runs as
-    usual (so the numbers are right); waiting on the returned handle additionally sleeps
-    until the modelled finish time. Because the model runs on a clock while backward keeps
-    computing, an all-reduce issued early (a bucket) is hidden behind backward, exactly as
-    on a real network; one issued after backward (NaiveDDP) is all exposed.
-
-    Use it as a wrapper's ``comm_hook`` (``BucketedDDP(model, comm_hook=link)``), or with
-    torch's DDP: ``ddp.register_comm_hook(link, SimulatedLink.torch_hook)``.
+    one at a time: a message starts when issued or when the previous one ends, whichever is
+    later. The real all-reduce runs as usual; waiting on the handle also sleeps until the
+    modelled finish, while backward keeps computing. A wrapper's ``comm_hook``
+    (``BucketedDDP(model, comm_hook=link)``), or torch's DDP's
+    (``ddp.register_comm_hook(link, SimulatedLink.torch_hook)``).
 
     Args:
         latency_s: α, seconds per message step (>= 0).
@@ -79,9 +71,6 @@ class SimulatedLink:
 
     Raises:
         ValueError: a negative latency or a non-positive bandwidth.
-
-    Source: the α-β model of R. Thakur, R. Rabenseifner, W. Gropp, "Optimization of collective
-    communication operations in MPICH", IJHPCA 2005.
     """
 
     def __init__(self, latency_s: float, bandwidth_bytes_per_s: float):
@@ -122,13 +111,9 @@ class SimulatedLink:
 
     @staticmethod
     def torch_hook(state, bucket):  # no annotations: torch checks them against its own types
-        """A DDP communication hook for ``torch.nn.parallel.DistributedDataParallel``.
-
-        ``ddp.register_comm_hook(link, SimulatedLink.torch_hook)``: averages the bucket like
-        torch's ``allreduce_hook`` (divide by R, all-reduce SUM, on the default process group) and
-        completes the future no earlier than the link's modelled finish time. The wait runs
-        in the callback of the all-reduce's future, on gloo's thread, not in backward.
-        """
+        """torch DDP's comm hook: averages the bucket like ``allreduce_hook`` (divide by R,
+        all-reduce SUM, default group); the future completes no earlier than the modelled
+        finish (the wait runs in the future's callback, on gloo's thread, not in backward)."""
         tensor = bucket.buffer()
         group = dist.group.WORLD
         world_size = dist.get_world_size(group)
@@ -147,19 +132,10 @@ class SimulatedLink:
 
 @dataclass
 class CommEvent:
-    """One all-reduce issued by a wrapper (a bucket, or one parameter for NaiveDDP).
-
-    Times are seconds since the step's forward returned, on this rank's clock.
-
-    Attributes:
-        index: bucket index (NaiveDDP: parameter index).
-        nbytes: bytes all-reduced.
-        params: names of the parameters in it.
-        issued_s: when the wrapper issued it.
-        start_s: when it started: ``issued_s``, or later on a :class:`SimulatedLink` that was
-            still busy with the previous message.
-        end_s: when it finished (the real completion, or the simulated link's finish if later).
-    """
+    """One all-reduce issued by a wrapper: bucket ``index`` (NaiveDDP: parameter index),
+    ``nbytes``, parameter names. Times in seconds since forward returned, this rank's clock:
+    ``issued_s``; ``start_s`` (later on a busy :class:`SimulatedLink`); ``end_s`` (the real
+    completion, or the link's modelled finish if later)."""
 
     index: int
     nbytes: int
@@ -171,19 +147,15 @@ class CommEvent:
 
 @dataclass
 class StepRecord:
-    """What one rank did in one synchronised backward pass.
+    """What one rank did in one synchronised backward pass (``step``: 0-based).
 
     Attributes:
-        rank: this process's rank.
-        step: 0-based count of synchronised steps seen by the recorder.
-        grad_ready_s: parameter name -> seconds (since forward returned) when its gradient
-            was accumulated.
+        grad_ready_s: parameter name -> when its gradient was accumulated.
         comm: the all-reduces, in issue order.
-        backward_end_s: when autograd finished computing (the final callback started).
+        backward_end_s: when autograd finished (the final callback started).
         sync_end_s: when ``backward()`` was about to return with averaged gradients.
-        t0_s: ``time.perf_counter()`` when forward returned: the origin of the other times.
-            A monotonic clock, comparable between processes of one machine (Linux
-            ``CLOCK_MONOTONIC``), which lets a figure align the ranks' timelines.
+        t0_s: ``time.perf_counter()`` when forward returned, the origin of the other times
+            (seconds); ``CLOCK_MONOTONIC`` on Linux, so ranks on one machine align.
     """
 
     rank: int
@@ -211,8 +183,7 @@ class StepRecord:
         return min(1.0, self.exposed_s / comm) if comm > 0 else 0.0
 
     def to_dict(self) -> dict:
-        """Plain data (JSON-able)."""
-        return asdict(self)
+        return asdict(self)  # plain, JSON-able data
 
     @classmethod
     def from_dict(cls, d: dict) -> StepRecord:
@@ -223,17 +194,10 @@ class StepRecord:
 
 
 class Recorder:
-    """Collects a :class:`StepRecord` per synchronised backward pass of a wrapper.
-
-    Attach with ``BucketedDDP(..., recorder=Recorder())`` or ``ddp.recorder = Recorder()``.
-    Recording costs a few ``time.perf_counter()`` calls per parameter; it changes no number.
-    The wrapper calls, per synchronised step: :meth:`begin` (forward), :meth:`grad_ready` (each
-    hook), :meth:`comm_start` / :meth:`comm_end` (each message), :meth:`backward_end`,
-    :meth:`finish`.
-
-    Attributes:
-        steps: the records, oldest first.
-    """
+    """Collects a :class:`StepRecord` per synchronised backward pass of a wrapper
+    (``BucketedDDP(..., recorder=Recorder())``) into ``steps``, oldest first. The wrapper calls
+    per step :meth:`begin` (forward), :meth:`grad_ready` (each hook), :meth:`comm_start` /
+    :meth:`comm_end` (each message), :meth:`backward_end`, :meth:`finish`."""
 
     def __init__(self):
         self.steps: list[StepRecord] = []
@@ -319,13 +283,9 @@ def union_length(intervals: Sequence[tuple[float, float]]) -> float:
 
 
 def job_exposed_s(records: Sequence[StepRecord]) -> float:
-    """Exposed communication of one step of the whole job (one record per rank).
-
-    From the moment the *last* rank finished backward to the moment the last rank had its
-    averaged gradients: the communication nobody's computation hid. A rank that finished
-    backward early and waits for a slow peer is waiting for the straggler, not for the
-    network, and this measure does not count it (a per-rank ``exposed_s`` does). Uses each
-    record's ``t0_s``, so the ranks must share a clock (processes of one machine).
+    """Exposed communication of one step of the job (one record per rank): from the *last*
+    rank's end of backward to the last rank's averaged gradients. Waiting for a straggler is
+    not counted (a per-rank ``exposed_s`` counts it). The ranks must share a clock (``t0_s``).
     """
     last_backward = max(r.t0_s + r.backward_end_s for r in records)
     last_sync = max(r.t0_s + r.sync_end_s for r in records)

@@ -3,22 +3,15 @@
 Sending a message of ``n`` bytes costs ``α + n β``: ``α`` the latency (seconds per message),
 ``β`` seconds per byte (one over the link's bandwidth). From it:
 
-* the time of an all-reduce done three ways, naive (through rank 0), tree and ring
-  (:func:`naive_allreduce_time`, :func:`tree_allreduce_time`, :func:`ring_allreduce_time`), and
-  the bytes each rank sends in the ring (:func:`ring_bytes_sent_per_rank`);
-* algorithm and bus bandwidth (:func:`algbw`, :func:`busbw`, :func:`bus_factor`), the numbers
-  benchmarks report, and a least-squares fit of α and β to measured times
-  (:func:`fit_alpha_beta`);
-* DDP's overlap on a serial link: when each bucket's all-reduce runs and how much of it is
-  exposed after backward (:func:`predict_overlap`, :func:`model_ready_times`,
-  :func:`predict_bucket_sweep`);
-* the roofline of data parallelism on real hardware (:class:`Hardware`, :data:`HARDWARE`):
-  FLOPs per sample counted by torch (:func:`flops_per_sample`), the per-GPU batch above which
-  backward hides the gradient all-reduce (:func:`compute_bound_batch`), a step's predicted
-  scaling efficiency (:func:`predict_step`) and a calculator that prints all of it for the
-  learner's own model (:func:`roofline_report`).
+* an all-reduce's time naive (through rank 0), tree and ring, and the ring's bytes per rank;
+* algorithm and bus bandwidth, as benchmarks report them, and a fit of α and β to timings;
+* DDP's overlap on a serial link: when each bucket's all-reduce runs, how much is exposed;
+* data parallelism's roofline on real hardware (:class:`Hardware`): FLOPs per sample counted
+  by torch, the per-GPU batch above which backward hides the all-reduce, a step's predicted
+  efficiency, and :func:`roofline_report`, the calculator for the learner's own model.
 
-Pure arithmetic: nothing here needs a process group or communicates.
+Pure arithmetic: nothing here needs a process group or communicates (but FLOP counting runs
+the model once).
 
 Sources
 -------
@@ -55,7 +48,6 @@ __all__ = [
 
 
 # ----------------------------------------------------------------------------- all-reduce cost
-
 
 
 def _check_cost_args(
@@ -127,23 +119,16 @@ def algbw(nbytes: float, seconds: float) -> float:
 
 
 def busbw(algbw_bytes_per_s: float, world_size: int) -> float:
-    """Bus bandwidth in bytes/s: ``algbw · 2(R-1)/R`` (nccl-tests PERFORMANCE.md).
-
-    The rate at which each rank's link actually moved data in a bandwidth-optimal all-reduce,
-    so it can be compared with the link's own speed (and across world sizes).
-    """
+    """Bus bandwidth in bytes/s, ``algbw · 2(R-1)/R`` (nccl-tests PERFORMANCE.md): what each
+    rank's link moved in a bandwidth-optimal all-reduce, comparable with the link's speed."""
     return algbw_bytes_per_s * bus_factor(world_size)
 
 
 def fit_alpha_beta(nbytes, seconds) -> tuple[float, float]:
     """Least-squares fit of ``seconds ≈ α + nbytes · β`` (relative errors, α clipped at 0).
 
-    Args:
-        nbytes: message sizes in bytes (at least two different sizes).
-        seconds: measured time of one message of each size.
-
-    Returns:
-        ``(alpha_s, beta_s_per_byte)``.
+    ``nbytes``: message sizes in bytes (two distinct at least); ``seconds``: one time each.
+    Returns ``(alpha_s, beta_s_per_byte)``.
 
     Raises:
         ValueError: fewer than two distinct sizes or mismatched lengths.
@@ -181,18 +166,11 @@ def predict_overlap(bucket_nbytes: Sequence[float], bucket_ready_s: Sequence[flo
                     bandwidth_bytes_per_s: float, overlap: bool = True) -> dict:
     """When each bucket's all-reduce runs on a serial α-β link, and how much is exposed.
 
-    Bucket ``i`` starts at ``max(ready_i, end_{i-1})`` (with ``overlap=False``: no earlier
-    than ``backward_s``) and takes :func:`ring_allreduce_time` (what
-    ``ddp_lesson.commsim.SimulatedLink`` charges). Exposed communication is
-    ``max(0, end_last - backward_s)``. Pure arithmetic, no process group.
-
-    Args:
-        bucket_nbytes: bytes of each bucket, in launch order.
-        bucket_ready_s: when each bucket's last gradient is ready (seconds since backward began).
-        backward_s: when backward finishes.
-        world_size: R.
-        latency_s, bandwidth_bytes_per_s: the link (α and 1/β).
-        overlap: issue buckets when ready (True) or after backward (False).
+    Bucket ``i`` (``bucket_nbytes``, in launch order) starts at ``max(ready_i, end_{i-1})``
+    (``overlap=False``: no earlier than ``backward_s``) and takes :func:`ring_allreduce_time`
+    (what ``ddp_lesson.commsim.SimulatedLink`` charges); exposed: ``max(0, end_last -
+    backward_s)``. ``bucket_ready_s``: seconds since backward began when each bucket's last
+    gradient is ready; ``latency_s``, ``bandwidth_bytes_per_s``: α and 1/β.
 
     Returns:
         ``{"start": [...], "end": [...], "comm_s": total busy time of the link,
@@ -217,17 +195,10 @@ def predict_overlap(bucket_nbytes: Sequence[float], bucket_ready_s: Sequence[flo
 def model_ready_times(param_nbytes: Sequence[float], backward_s: float) -> list[float]:
     """A simple model of when backward produces each gradient: at a steady rate per byte.
 
-    Gradients arrive in reverse registration order; parameter ``i`` is ready when backward
-    has produced all bytes of parameters ``i..P-1``. (Real layers cost compute in proportion
-    to their parameters *times* their feature-map size, so early, high-resolution layers are
-    slower than this model says; the notebook's measured timeline shows the difference.)
-
-    Args:
-        param_nbytes: bytes per parameter, registration order.
-        backward_s: duration of backward.
-
-    Returns:
-        Ready time of each parameter, registration order.
+    Gradients arrive in reverse registration order: parameter ``i`` (``param_nbytes``, in
+    registration order) is ready once backward (``backward_s`` long) produced the bytes of
+    ``i..P-1``. Returns each one's ready time. (Real layers cost parameters *times* feature-map
+    size: early, high-resolution layers are slower; the notebook's measured timeline shows it.)
     """
     total = float(sum(param_nbytes)) or 1.0
     ready, done = [0.0] * len(param_nbytes), 0.0
@@ -243,15 +214,11 @@ def predict_bucket_sweep(param_nbytes: Sequence[float], caps_mb: Sequence[float]
     """The cost model's exposed communication for each bucket cap (and for NaiveDDP).
 
     Buckets from :func:`~ddp_lesson.core.bucketed_ddp.ddp_buckets` (torch's after its rebuild,
-    those ``BucketedDDP`` builds; an explicit cap for every bucket), ready times from
-    :func:`model_ready_times`, link schedule from :func:`predict_overlap`. Small buckets start early
-    but pay α many times; big buckets pay α rarely but the last one starts only when backward ends:
-    the exposed time has a minimum in between.
-
-    Args:
-        param_nbytes: bytes per trainable parameter, registration order.
-        caps_mb: bucket caps to try (MiB).
-        backward_s, world_size, latency_s, bandwidth_bytes_per_s: as :func:`predict_overlap`.
+    with the cap ``caps_mb`` MiB for every bucket) of ``param_nbytes`` (trainable parameters,
+    registration order), ready times from :func:`model_ready_times`, the link schedule from
+    :func:`predict_overlap` (the other arguments are its). Small buckets start early but pay α
+    many times, big ones rarely but the last starts only when backward ends: the exposed time
+    has a minimum in between.
 
     Returns:
         One dict per cap: ``{"cap_mb", "buckets", "exposed_s", "comm_s", "step_s"}``; and a
@@ -278,18 +245,11 @@ def predict_bucket_sweep(param_nbytes: Sequence[float], caps_mb: Sequence[float]
 
 @dataclass(frozen=True)
 class Hardware:
-    """A kind of GPU and its links: what a DDP step's roofline needs. Bandwidths are per
-    direction (what nccl-tests' bus bandwidth can at most reach), in bytes/s.
-
-    Attributes:
-        name: what the preset is.
-        flops_per_s: dense peak FLOP/s of one GPU at the training precision.
-        gpus_per_node: GPUs joined by the in-node link.
-        gpu_bytes_per_s: one GPU's in-node link (NVLink, PCIe).
-        node_bytes_per_s: the network out of one node (all its NICs); 0 when the preset is one
-            node.
-        source: where the numbers come from.
-    """
+    """A kind of GPU and its links, for a DDP step's roofline: one GPU's dense peak
+    ``flops_per_s`` at the training precision, ``gpus_per_node`` joined by a link of
+    ``gpu_bytes_per_s`` per GPU (NVLink, PCIe), ``node_bytes_per_s`` out of a node (all NICs; 0:
+    one node), and the ``source``. Bandwidths in bytes/s per direction (the most nccl-tests' bus
+    bandwidth can reach)."""
 
     name: str
     flops_per_s: float
@@ -358,15 +318,10 @@ def _as_raw(registered):
 def flops_per_sample(model, inputs: tuple) -> tuple[float, float]:
     """Forward and backward FLOPs per sample, counted by torch's ``FlopCounterMode``.
 
-    Runs ``model(*inputs)`` once and backward from the sum of its first tensor output (the
-    sum's gradient costs no counted FLOPs). torch counts matrix products and convolutions
-    (``FlopCounterMode``'s registry: mm, bmm, addmm, convolution, attention), not element-wise
-    ops. Backward is about twice forward: a weight and an input gradient per product (the
-    first layer has no input gradient).
-
-    Args:
-        model: an ``nn.Module``.
-        inputs: its positional arguments; the first one's dim 0 is the batch.
+    Runs ``model(*inputs)`` (the first input's dim 0 the batch) once and backward from the sum
+    of its first tensor output. torch counts matrix products, convolutions and attention
+    (``FlopCounterMode``'s registry), not element-wise ops; backward is about twice forward
+    (a weight and an input gradient per product).
 
     Returns:
         ``(forward, backward)`` FLOPs per sample. Leaves gradients in ``model``.
@@ -401,11 +356,8 @@ def compute_bound_batch(backward_flops_per_sample: float, grad_bytes: float, har
     ``b* = T_allreduce · C · mfu / F_backward``: with overlap, a bigger batch hides the
     all-reduce entirely (the scaling book's ``B/X > C/W``, per sample instead of per token).
 
-    Args:
-        backward_flops_per_sample: FLOPs of backward per sample.
-        grad_bytes: bytes all-reduced each step (parameters x bytes per gradient).
-        hardware, world_size: as :meth:`Hardware.allreduce_s`.
-        mfu: the share of peak FLOP/s the model reaches (1.0: the book's assumption).
+    ``grad_bytes``: bytes all-reduced each step; ``hardware``, ``world_size``: as
+    :meth:`Hardware.allreduce_s`; ``mfu``: the share of peak FLOP/s reached (1.0: the book's).
 
     Raises:
         ValueError: non-positive FLOPs or ``mfu`` outside (0, 1].
@@ -446,16 +398,13 @@ def roofline_report(model, hardware: Hardware | str = "h100", world_sizes=(2, 8,
     """The calculator: compute-bound batch and predicted efficiency for a model on hardware.
 
     Args:
-        model: an ``nn.Module`` (with ``inputs``: FLOPs counted by :func:`flops_per_sample`;
-            without: ``2P`` forward and ``4P`` backward per token, Kaplan et al. 2020) or a
-            parameter count.
+        model: an ``nn.Module`` (with ``inputs``, an example batch: FLOPs counted by
+            :func:`flops_per_sample`; without: ``2P`` forward and ``4P`` backward per token,
+            Kaplan et al. 2020, times ``tokens_per_sample``) or a parameter count.
         hardware: a :data:`HARDWARE` key or a :class:`Hardware`.
-        world_sizes: GPU counts to predict (those the hardware cannot hold are skipped).
-        batch_per_gpu: samples per GPU per step for the efficiency lines.
-        inputs: an example batch for ``model`` (positional arguments).
-        tokens_per_sample: tokens per sample when FLOPs come from the parameter count.
-        grad_bytes_per_param: 4 (fp32 parameters, also under autocast) or 2 (bf16 parameters).
-        mfu: share of peak FLOP/s reached.
+        world_sizes: GPU counts to predict (a count the hardware cannot hold gets a line).
+        grad_bytes_per_param: 4 (fp32 parameters, also under autocast) or 2 (bf16).
+        batch_per_gpu, mfu: samples per GPU per step (efficiency), share of peak FLOP/s.
 
     Returns:
         Short lines, one fact each. Nothing communicates.

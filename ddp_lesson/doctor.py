@@ -52,9 +52,8 @@ from pathlib import Path
 
 from .env import BACKENDS, choose_backend
 
-#: Below this, ``/dev/shm`` is reported as too small (bytes). NCCL's shared-memory transport
-#: allocates a few MiB per peer and channel, and each DataLoader worker queues whole batches
-#: there; 512 MiB leaves room for a few workers of image batches, Docker's default 64 MiB does not.
+#: Below this (bytes) ``/dev/shm`` is too small: NCCL's transport takes a few MiB per peer and
+#: channel, DataLoader workers queue whole batches there (Docker's default: 64 MiB).
 MIN_SHM_BYTES = 512 * 2**20
 #: The variables that choose the network interface, and who reads them.
 IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "TP_SOCKET_IFNAME")
@@ -62,15 +61,8 @@ IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "TP_SOCKET_IFNAME")
 
 @dataclass(frozen=True)
 class Finding:
-    """One check's result.
-
-    Attributes:
-        check: the check's name (``"port"``, ``"shm"``, ...).
-        ok: False for a problem.
-        symptom: what the learner would see (a problem), or what was checked (ok).
-        cause: why (a problem only).
-        fix: what to do (a problem only).
-    """
+    """One check's result: its name (``"port"``), ``ok`` (False: a problem), the ``symptom``
+    the learner would see (or what was checked), and for a problem its ``cause`` and ``fix``."""
 
     check: str
     ok: bool
@@ -94,11 +86,8 @@ def _gpu_count() -> int:
 
 def check_backend(nproc_per_node: int, backend: str = "auto",
                   gpu_count: int | None = None) -> Finding:
-    """Processes requested vs GPUs visible, and the backend the series' rule picks.
-
-    A problem when NCCL is requested with fewer GPUs than processes (ranks would share GPU 0),
-    or when ``auto`` falls back to gloo although GPUs are present (training would run on the CPU).
-    """
+    """Processes requested vs GPUs visible, and the backend the series' rule picks: a problem
+    when NCCL has fewer GPUs than processes, or ``auto`` falls back to gloo beside GPUs."""
     gpus = _gpu_count() if gpu_count is None else gpu_count
     try:
         chosen, reason = choose_backend(nproc_per_node, backend, cuda_device_count=gpus)
@@ -266,12 +255,8 @@ _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
 def parse_topology(text: str) -> dict[tuple[int, int], str]:
-    """``nvidia-smi topo -m``'s GPU matrix: ``{(i, j): code}`` for every pair ``i < j``.
-
-    The header row names the columns (``GPU0 GPU1 ... CPU Affinity ...``); each ``GPU<i>``
-    row gives the path to every GPU column (``X`` for itself). NIC rows and the legend are
-    skipped; terminal escapes (newer nvidia-smi underlines the header) are removed.
-    """
+    """``nvidia-smi topo -m``'s GPU matrix: ``{(i, j): code}`` for every pair ``i < j`` (NIC
+    rows, the legend and terminal escapes skipped)."""
     gpus: list[int] = []
     pairs: dict[tuple[int, int], str] = {}
     for raw in text.splitlines():

@@ -11,11 +11,10 @@ each one its place through environment variables:
 ``MASTER_ADDR``/``MASTER_PORT``  where the rendezvous store listens
 =================  ==========================================================
 
-This module reads them into a :class:`DistEnv`, chooses the backend and device with one rule
-(NCCL on ``cuda:{local_rank}`` when every local rank can have a GPU of its own, gloo on CPU
-otherwise), and wraps ``init_process_group`` / ``destroy_process_group`` with an explicit
-timeout and a safe teardown. Source: the torchrun documentation,
-https://pytorch.org/docs/stable/elastic/run.html ("Environment variables").
+This module reads them into a :class:`DistEnv`, chooses backend and device with one rule (NCCL
+on ``cuda:{local_rank}`` when every local rank can have a GPU of its own, else gloo on CPU), and
+wraps ``init_process_group`` / ``destroy_process_group`` with an explicit timeout and a safe
+teardown. Source: https://pytorch.org/docs/stable/elastic/run.html ("Environment variables").
 """
 from __future__ import annotations
 
@@ -29,11 +28,10 @@ from dataclasses import dataclass
 BACKEND_ENV = "DDP_LESSON_BACKEND"
 BACKENDS = ("auto", "gloo", "nccl")
 #: Set by the launcher (:mod:`ddp_lesson.launch`) once it printed the backend choice, so that
-#: :func:`init_distributed` does not print it again on rank 0.
+#: :func:`init_distributed` does not print it again.
 ANNOUNCED_ENV = "DDP_LESSON_LAUNCHER_ANNOUNCED"
-#: The backend the launcher chose and printed, and its one-line reason: every rank uses that
-#: choice (unless its own code asks for another backend explicitly), so what the launcher
-#: printed is what runs.
+#: The backend the launcher chose and printed, and why: every rank uses it unless its own
+#: code asks for another.
 LAUNCHER_BACKEND_ENV = "DDP_LESSON_LAUNCHER_BACKEND"
 LAUNCHER_REASON_ENV = "DDP_LESSON_LAUNCHER_REASON"
 #: Set by the launcher when every rank of the run is on this machine: rank 0's store then
@@ -43,17 +41,9 @@ LOCAL_RUN_ENV = "DDP_LESSON_ALL_RANKS_LOCAL"
 
 @dataclass(frozen=True)
 class DistEnv:
-    """One process's place in the job, as torchrun describes it.
-
-    Attributes:
-        rank: global rank in ``[0, world_size)``.
-        local_rank: rank on this node in ``[0, local_world_size)``; selects the GPU.
-        world_size: number of processes in the job (``num_replicas`` for a sampler).
-        local_world_size: number of processes on this node.
-        backend: ``"nccl"`` or ``"gloo"``.
-        device: ``"cuda:{local_rank}"`` or ``"cpu"``.
-        reason: one line saying why this backend was chosen.
-    """
+    """One process's place in the job, as torchrun describes it (the table above):
+    ``backend`` ``"nccl"`` or ``"gloo"``, ``device`` ``"cuda:{local_rank}"`` or ``"cpu"``,
+    ``reason`` one line saying why."""
 
     rank: int
     local_rank: int
@@ -86,17 +76,11 @@ def _int_env(name: str, default: int, environ) -> int:
 
 def choose_backend(local_world_size: int, requested: str | None = None,
                    cuda_device_count: int | None = None) -> tuple[str, str]:
-    """Choose the collective backend for ``local_world_size`` processes on this node.
+    """Choose the collective backend for ``local_world_size`` (>= 1) processes on this node.
 
-    Rule: NCCL when CUDA is available and every local rank can have a GPU of its own
-    (``cuda_device_count >= local_world_size``); gloo on CPU otherwise. NCCL needs one GPU
-    per process, gloo runs anywhere. An explicit ``requested`` backend (argument, else the
-    ``DDP_LESSON_BACKEND`` variable) wins over the rule.
-
-    Args:
-        local_world_size: processes on this node (>= 1).
-        requested: ``"auto"``, ``"gloo"``, ``"nccl"`` or None (read ``DDP_LESSON_BACKEND``).
-        cuda_device_count: GPUs visible; None asks torch.
+    NCCL (one GPU per process) when every local rank can have a visible GPU of its own
+    (``cuda_device_count``, None asks torch), else gloo on CPU. ``requested`` (``"auto"``,
+    ``"gloo"``, ``"nccl"``; None reads ``DDP_LESSON_BACKEND``) wins over the rule.
 
     Returns:
         ``(backend, reason)``, where reason is one line for the log, e.g.
@@ -133,15 +117,10 @@ def choose_backend(local_world_size: int, requested: str | None = None,
 
 
 def read_env(backend: str | None = None, environ=None) -> DistEnv:
-    """Read this process's :class:`DistEnv` from torchrun's variables.
+    """Read this process's :class:`DistEnv` from torchrun's variables (none: rank 0 of 1).
 
-    Outside torchrun (no variables set) it describes a single process: rank 0 of 1.
-
-    Args:
-        backend: ``"auto"``/``"gloo"``/``"nccl"`` or None: the choice the launcher made and
-            printed (``DDP_LESSON_LAUNCHER_BACKEND``, set by :mod:`ddp_lesson.launch`), else
-            ``DDP_LESSON_BACKEND``, else auto.
-        environ: mapping to read instead of ``os.environ`` (tests).
+    ``backend`` None: the launcher's printed choice (``DDP_LESSON_LAUNCHER_BACKEND``), else
+    ``DDP_LESSON_BACKEND``, else auto. ``environ``: read instead of ``os.environ`` (tests).
 
     Raises:
         ValueError: a variable is not an integer, or the ranks are inconsistent
@@ -175,14 +154,12 @@ def read_env(backend: str | None = None, environ=None) -> DistEnv:
 
 
 def resolve_local_rank(argv: list[str] | None = None, environ=None) -> int:
-    """The local rank, from the ``LOCAL_RANK`` variable or the legacy command-line flag.
+    """The local rank, from ``LOCAL_RANK`` (preferred) or the legacy flag.
 
-    ``torch.distributed.launch`` used to pass ``--local_rank=N`` (``--local-rank=N`` since
-    PyTorch 2.0); torchrun passes no flag and sets ``LOCAL_RANK`` instead. Scripts written
-    for the old launcher (like the seed's) read only the flag and silently get its default
-    under torchrun. This accepts both spellings and prefers the variable when both are set
-    (docs/pitfalls.md C1: ``--local-rank=1`` -> 1, ``--local_rank=1`` -> 1, ``LOCAL_RANK=3`` -> 3,
-    nothing -> 0).
+    ``torch.distributed.launch`` passed ``--local_rank=N`` (``--local-rank=N`` since PyTorch
+    2.0); torchrun sets only ``LOCAL_RANK``, so a script reading the flag (the seed's) silently
+    gets its default. Both spellings are accepted (docs/pitfalls.md C1: ``--local-rank=1`` -> 1,
+    ``--local_rank=1`` -> 1, ``LOCAL_RANK=3`` -> 3, nothing -> 0).
     """
     environ = os.environ if environ is None else environ
     parser = argparse.ArgumentParser(add_help=False)
@@ -202,11 +179,8 @@ def print0(*args, env: DistEnv | None = None, **kwargs) -> None:
 
 
 def group_active() -> bool:
-    """True when a default process group is initialised (``torch.distributed`` is up).
-
-    The one test of "is a process group up?" for the package's runtime layer. Local: no
-    communication.
-    """
+    """True when a default process group is initialised (the package's one test of it).
+    Local: no communication."""
     import torch.distributed as dist
 
     return dist.is_available() and dist.is_initialized()
@@ -227,19 +201,12 @@ def reduce_device():
 
 
 def all_reduce_sum(values):
-    """Sum a tensor over all ranks; every rank gets the total (a synchronisation point).
+    """A new tensor (same shape, dtype, device): ``values`` summed over all ranks; every rank
+    gets the total (synchronises ranks).
 
-    Every rank must call it, the same number of times, with a tensor of the same shape and
-    dtype on the device :func:`reduce_device` names (CUDA under NCCL). The input is left
-    untouched. Without an initialised process group, or with world size 1, it returns a
-    copy, so one code path serves both. Integer dtypes add exactly and in any order, so a
-    sum of counts is the same at every world size.
-
-    Args:
-        values: a tensor of any shape.
-
-    Returns:
-        A new tensor, same shape, dtype and device: the element-wise sum over ranks.
+    Every rank calls it alike, with the same shape and dtype on :func:`reduce_device`'s device.
+    Without a process group, or at world size 1: a copy. Integer sums are exact in any order,
+    so a sum of counts is the same at every world size.
     """
     import torch.distributed as dist
 
@@ -253,22 +220,17 @@ def init_distributed(timeout: float = 60.0, backend: str | None = None,
                      announce: bool | None = None) -> DistEnv:
     """Join the job's process group (a synchronisation point: returns once every rank joined).
 
-    Reads :func:`read_env`, sets the CUDA device for NCCL, and calls
-    ``torch.distributed.init_process_group`` with an explicit ``timeout`` so a missing peer
-    or a mismatched collective fails with an error instead of hanging for torch's default (30
-    min; 10 for NCCL; torch 2.13). Outside torchrun with world size 1 no group is created.
-
-    When every rank is on this machine (``LOCAL_WORLD_SIZE == WORLD_SIZE``, or the launcher
-    says so), rank 0's TCPStore listens on 127.0.0.1 only instead of every interface (torch's
-    default for ``env://``): the store is unauthenticated, and nothing off this machine needs
-    it. See :func:`_loopback_store`.
+    Reads :func:`read_env`, sets the CUDA device for NCCL, and calls ``init_process_group``
+    with ``timeout`` (seconds any collective may wait for its peers) so a missing peer or a
+    mismatched collective raises instead of hanging for torch's default (30 min; 10 for NCCL;
+    torch 2.13). Outside torchrun with world size 1 no group is created. When every rank is on
+    this machine, rank 0's unauthenticated TCPStore listens on 127.0.0.1 only, not on every
+    interface (:func:`_loopback_store`).
 
     Args:
-        timeout: seconds any collective may wait for its peers before raising.
         backend: see :func:`choose_backend`.
-        announce: rank 0 prints the backend choice and why. None: yes, unless the
-            ``%%torchrun`` launcher already printed it (it sets
-            ``DDP_LESSON_LAUNCHER_ANNOUNCED``).
+        announce: rank 0 prints the backend choice and why. None: unless the launcher
+            already printed it (``DDP_LESSON_LAUNCHER_ANNOUNCED``).
 
     Returns:
         This process's :class:`DistEnv`.
@@ -303,15 +265,11 @@ def init_distributed(timeout: float = 60.0, backend: str | None = None,
 def _loopback_store(env: DistEnv, timeout: datetime.timedelta):
     """The job's TCPStore on 127.0.0.1 when every rank is local; None otherwise.
 
-    ``env://`` makes rank 0 start a TCPStore server that binds every interface (IPv4 and
-    IPv6) on ``MASTER_PORT``. torch lets the caller hand the server a listening socket
-    instead (``TCPStore(..., master_listen_fd=fd)``); bound to 127.0.0.1 it is reachable from
-    this machine only. The other ranks connect to 127.0.0.1. Not used when torchrun shares its
-    own store with the workers (``TORCHELASTIC_USE_AGENT_STORE``) or the variables are
-    missing: then ``init_process_group`` does as usual.
+    ``env://`` makes rank 0's TCPStore bind every interface on ``MASTER_PORT``; handed a
+    socket listening on 127.0.0.1 (``TCPStore(..., master_listen_fd=fd)``) it is reachable
+    from this machine only. Not used when torchrun shares its store with the workers
+    (``TORCHELASTIC_USE_AGENT_STORE``) or ``MASTER_PORT`` is missing.
     """
-    import socket
-
     import torch.distributed as dist
 
     environ = os.environ
@@ -322,25 +280,37 @@ def _loopback_store(env: DistEnv, timeout: datetime.timedelta):
     port = int(environ["MASTER_PORT"])
     if env.rank != 0:
         return dist.TCPStore("127.0.0.1", port, env.world_size, is_master=False, timeout=timeout)
+    return loopback_store_server(port, world_size=env.world_size, timeout=timeout)
+
+
+def loopback_store_server(port: int = 0, **tcpstore_kwargs):
+    """A ``TCPStore`` server listening on 127.0.0.1 only (``port`` 0: the kernel picks one,
+    ``store.port`` says which); the keyword arguments go to ``TCPStore``.
+
+    torch's server binds every interface unless handed a listening socket
+    (``master_listen_fd``). ``SO_REUSEADDR``: the launcher's agent keeps a worker's
+    ``MASTER_PORT`` bound, never listening, until this bind (:mod:`ddp_lesson.launch.agent`);
+    Linux lets a second ``SO_REUSEADDR`` socket bind it and listen.
+    """
+    import socket
+
+    import torch.distributed as dist
+
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    # SO_REUSEADDR: under the package's launcher the agent keeps MASTER_PORT bound (never
-    # listening) until this bind, so no other process is given it in between
-    # (ddp_lesson.launch.agent); Linux lets a second SO_REUSEADDR socket bind it and listen
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", port))
     sock.listen(128)
     # the store owns the socket from here (detach: Python must not close its descriptor)
-    return dist.TCPStore("127.0.0.1", port, env.world_size, is_master=True, timeout=timeout,
-                         master_listen_fd=sock.detach())
+    return dist.TCPStore("127.0.0.1", sock.getsockname()[1], is_master=True,
+                         master_listen_fd=sock.detach(), **tcpstore_kwargs)
 
 
 def cleanup() -> None:
     """Leave the process group: a barrier, then ``destroy_process_group`` (synchronises ranks).
 
-    The barrier matters on gloo: a rank that tears down while a peer is still finishing a
-    collective can make that peer abort ("Connection closed by peer"). Waiting for everyone
-    first makes teardown safe. Does nothing when no group exists. Drop your own references to
-    DDP wrappers before calling it (``del model``), so they are freed while the group lives.
+    On gloo a rank that tears down while a peer still finishes a collective can make it abort
+    ("Connection closed by peer"): the barrier prevents it. Nothing without a group. Drop your
+    DDP wrappers first (``del model``), so they are freed while the group lives.
     """
     import gc
 
@@ -360,9 +330,8 @@ def cleanup() -> None:
 def barrier() -> None:
     """Wait until every rank of the default process group reaches this call (synchronises ranks).
 
-    On NCCL the barrier names this rank's GPU (``device_ids``): without it NCCL guesses the
-    device from the rank and warns, and can hang when the guess is wrong. Does nothing when no
-    process group exists (a single process).
+    On NCCL it names this rank's GPU (``device_ids``): else NCCL guesses it from the rank,
+    warns, and can hang on a wrong guess. Nothing without a process group.
     """
     import torch.distributed as dist
 

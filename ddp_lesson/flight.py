@@ -2,22 +2,18 @@
 
     python -m ddp_lesson.flight DIR [--prefix trace_]
 
-torch's flight recorder keeps, in every rank, a ring buffer of the collectives that rank issued
-(sequence id, op, tensor sizes and dtypes, the Python stack that called it, and whether it
-completed). torch 2.13 records on gloo as well as NCCL, with the buffer size variable
-(``TORCH_FR_BUFFER_SIZE``) left unset: ``torch._C._distributed_c10d._dump_fr_trace()`` returns
-the pickled record (``{"version", "pg_config", "pg_status", "entries", ...}``). Each rank of a
-hung or failed job writes its record to ``DIR/<prefix><rank>`` (:func:`write_trace` does that;
-NCCL's watchdog does it itself under ``TORCH_NCCL_DUMP_ON_TIMEOUT=1``, to the prefix
-``TORCH_FR_DUMP_TEMP_FILE``, older name ``TORCH_NCCL_DEBUG_INFO_TEMP_FILE``: both names are in
-torch 2.13's and 2.14.1's ``libtorch_cpu.so``), and this module reads the
-files back and prints, for every rank, its last completed and first unfinished collective, then
-one verdict line naming the rank and collective that diverged.
-
-torch has its own analyzer, ``python -m torch.distributed.flight_recorder.fr_trace DIR``; on the
-gloo dumps of torch 2.13 it stops with ``KeyError: ('0', 0)`` (its ``pg_config`` is keyed by the
-group's description, ``''`` for the default group, the entries by its name ``'0'``:
-``tests/collectives/test_flight.py`` shows it). This reader needs no such match.
+torch's flight recorder keeps, in every rank, a ring buffer of the collectives it issued
+(sequence id, op, tensor sizes and dtypes, the calling Python stack, completed or not); torch
+2.13 records on gloo as well as NCCL (``TORCH_FR_BUFFER_SIZE`` unset), and
+``torch._C._distributed_c10d._dump_fr_trace()`` returns the pickled record (``{"version",
+"pg_config", "pg_status", "entries", ...}``). Each rank writes it to ``DIR/<prefix><rank>``
+(:func:`write_trace`; NCCL's watchdog itself under ``TORCH_NCCL_DUMP_ON_TIMEOUT=1``, to the
+prefix ``TORCH_FR_DUMP_TEMP_FILE``, older name ``TORCH_NCCL_DEBUG_INFO_TEMP_FILE``, both in
+torch 2.13's and 2.14.1's ``libtorch_cpu.so``); this module prints each rank's last completed
+and first unfinished collective, then one verdict line naming the rank and collective that
+diverged. torch's own ``python -m torch.distributed.flight_recorder.fr_trace DIR`` stops on
+torch 2.13's gloo dumps with ``KeyError: ('0', 0)`` (``pg_config`` keyed by the group's
+description ``''``, entries by its name ``'0'``: ``tests/collectives/test_flight.py``).
 """
 from __future__ import annotations
 
@@ -37,17 +33,10 @@ _RANK_FILE = re.compile(r"^(?P<prefix>.*?)(?P<rank>\d+)$")
 
 @dataclass(frozen=True)
 class Collective:
-    """One recorded collective of one rank.
-
-    Attributes:
-        seq: the collective's sequence id in its process group (1, 2, ...): the same
-            collective has the same id on every rank of the group.
-        op: the op, e.g. ``"all_reduce"`` (torch's ``profiling_name`` without ``gloo:``/``nccl:``).
-        sizes: the input tensors' shapes.
-        dtypes: their dtypes as torch records them (``"Float"``).
-        caller: ``file:line`` of the first frame outside torch (the program's call), or ``"?"``
-            (a record without stacks; :meth:`text` then leaves it out).
-    """
+    """One recorded collective of one rank: ``seq`` its sequence id in the group (1, 2, ...,
+    the same on every rank), ``op`` (``"all_reduce"``: torch's ``profiling_name`` without
+    ``gloo:``), input ``sizes`` and ``dtypes`` (``"Float"``), ``caller`` the first frame outside
+    torch as ``file:line`` (``"?"``: recorded without stacks)."""
 
     seq: int
     op: str
@@ -72,14 +61,8 @@ class Collective:
 
 @dataclass(frozen=True)
 class RankLedger:
-    """One rank's place in one process group, read from its dump.
-
-    Attributes:
-        rank: the global rank (from the file name).
-        group: the process group's name (``"0"`` for the default group).
-        last_completed: the last collective that completed on this rank, or None.
-        first_unfinished: the first one issued and not completed, or None.
-    """
+    """One rank's place in process group ``group`` (``"0"``: the default), from its dump:
+    the last collective completed and the first issued and not completed (or None)."""
 
     rank: int
     group: str
@@ -96,12 +79,11 @@ class RankLedger:
 
 def write_trace(directory: str | os.PathLike, rank: int, prefix: str = "trace_",
                 stacks: bool = True) -> Path:
-    """Write this rank's flight record to ``directory/<prefix><rank>`` and return the path.
+    """Write this rank's flight record to ``directory/<prefix><rank>``; returns the path.
 
-    Local, no communication: safe to call while a collective hangs, or after it failed (then
-    the failed collective reads as completed: see :func:`verdict`). ``stacks=False`` leaves out
-    the callers' stacks: a process's first dump with stacks imports ``torch._dynamo`` to
-    symbolise them, a few CPU-seconds (measured in torch 2.13), later dumps are immediate.
+    Local, no communication: safe while a collective hangs or after it failed (then it reads
+    as completed: :func:`verdict`). ``stacks=False`` leaves the callers' stacks out: a process's
+    first dump with stacks imports ``torch._dynamo``, a few CPU-seconds (torch 2.13).
     """
     from torch._C._distributed_c10d import _dump_fr_trace
 
@@ -116,12 +98,9 @@ def write_trace(directory: str | os.PathLike, rank: int, prefix: str = "trace_",
 
 def dump_when_stuck(directory: str | os.PathLike, rank: int, after_s: float,
                     prefix: str = "trace_", stacks: bool = True):
-    """Start a thread that writes this rank's record after ``after_s`` seconds unless told not
-    to, so the dump shows the job as it hangs (the stuck collective still unfinished).
-
-    Returns ``(ok, thread)``: set the ``threading.Event`` ``ok`` once the step went well and
-    nothing is written; join ``thread`` before the process exits, or the dump is cut short.
-    """
+    """A thread that writes this rank's record after ``after_s`` seconds (the hang, its
+    collective unfinished) unless the ``threading.Event`` returned first is set. Returns
+    ``(ok, thread)``; join ``thread`` before the process exits, or the dump is cut short."""
     import threading
 
     ok = threading.Event()
@@ -136,40 +115,28 @@ def dump_when_stuck(directory: str | os.PathLike, rank: int, after_s: float,
 
 
 class HangWatch:
-    """A thread that writes this rank's flight record while the rank hangs, so the record shows
-    the stuck collective still unfinished: the record of a hung job taken *during* the hang.
+    """A thread that writes this rank's flight record *during* a hang, the stuck collective
+    still unfinished.
 
-    Every ``poll_s`` seconds the thread reads the rank's record without stacks (local, cheap).
-    Once the same collective of the default group has been issued and not completed for
-    ``stuck_s`` seconds, it writes the record (:func:`write_trace`), before the group's timeout
-    fails that collective and torch retires it as completed (:func:`verdict`). A collective
-    that was only slow (a peer late on a busy machine) and then completes makes that record
-    stale once the rank issues a later one: the thread writes again if the rank gets stuck later,
-    and :meth:`finish` writes the
-    final state of a rank that ended without error (it went on past the collective the others
-    wait in) or whose record is stale or missing (it failed at once). So every rank leaves one
-    record, and what it shows depends on where the rank stopped, not on the machine's speed.
+    Every ``poll_s`` seconds it reads the record without stacks (local, cheap); once one
+    collective of the default group has stayed issued and not completed for ``stuck_s``
+    seconds (keep it under the group's timeout), it writes the record (:func:`write_trace`)
+    before the timeout fails the collective and torch retires it as completed. A collective
+    that was only slow makes that record stale once a later one is issued (the thread writes
+    again on a later hang), and :meth:`finish` writes the final state of a rank that ended
+    without error or whose record is stale or missing: what a record shows depends on where
+    the rank stopped, not on the machine's speed.
 
-    One race is the job's, not the thread's: a rank that fails outside a collective and exits
-    at once closes its connections, and a peer that then enters a collective with it fails at
-    once too (gloo's "Connection closed by peer"), before it was stuck long enough to be
-    recorded: its record shows that collective completed (a failed collective is retired as
-    completed), or torchrun stops the peer first and it leaves no record at all. Which of the
-    three a peer gets depends on how far behind it runs. :meth:`finish` therefore marks the
-    record final (``<prefix><rank>.final``, holding the launch's id), and a failed rank that
-    calls ``finish(failed=True, world_size=...)`` waits there (:meth:`wait_for_peers`) before
-    it exits: its connections stay open until every rank's record is final, so a peer stuck
-    in a collective with it is recorded stuck, whatever the load (the clinic's
-    ``model_mismatch`` on a loaded machine had both outcomes).
+    The job's own race: a rank that fails outside a collective and exits closes its
+    connections, and a peer entering a collective with it then fails at once (gloo's
+    "Connection closed by peer") before being recorded stuck, or is stopped by torchrun with no
+    record. So :meth:`finish` marks the record final (``<prefix><rank>.final``, holding the
+    launch's id), and ``finish(failed=True, world_size=...)`` waits (:meth:`wait_for_peers`)
+    until every rank's record is final before the failed rank exits (the clinic's
+    ``model_mismatch`` on a loaded machine had both outcomes before).
 
-    Args:
-        directory: where ``<prefix><rank>`` is written.
-        rank: the global rank, for the file name.
-        stuck_s: seconds one collective must stay unfinished; keep it under the group's
-            timeout.
-        stacks: record the callers' stacks (file:line). The first dump with stacks of a
-            process imports ``torch._dynamo``, a few CPU-seconds: it is done here, at the start,
-            so the dump of the hang itself is quick.
+    ``stacks``: record the callers' ``file:line``; the slow first dump with stacks (it imports
+    ``torch._dynamo``) is done at construction, so the hang's dump is quick.
     """
 
     def __init__(self, directory: str | os.PathLike, rank: int, stuck_s: float,
@@ -189,10 +156,8 @@ class HangWatch:
         self._thread.start()
 
     def _status(self) -> tuple[int, int]:
-        """``(last issued, last completed)`` sequence ids of the default group, now; a record
-        written while stuck becomes stale once the rank has issued a later collective (it was
-        only slow; a failed collective is retired as completed too, so completion says
-        nothing)."""
+        """``(last issued, last completed)`` sequence ids of the default group, now; marks a
+        record written while stuck stale once a later collective was issued."""
         from torch._C._distributed_c10d import _dump_fr_trace
 
         dump = pickle.loads(_dump_fr_trace(includeStackTraces=False))
@@ -218,17 +183,13 @@ class HangWatch:
 
     def finish(self, failed: bool = False, world_size: int | None = None,
                timeout_s: float = 60.0) -> Path:
-        """Stop watching and return the record's file. Call it before the process group is
-        destroyed. ``failed``: the rank raised; a record written while it was stuck is kept
-        (a write now would show the failed collective as completed). Otherwise, or when no
-        current record was written, the record is written now. Then the record is marked
-        final (``<prefix><rank>.final``, read by :meth:`wait_for_peers`).
+        """Stop watching, write the record unless ``failed`` with a current stuck record (a
+        write now would show the failed collective completed), mark it final, and return its
+        file. Call it before the process group is destroyed.
 
-        A failed rank that gives ``world_size`` then waits (:meth:`wait_for_peers`, at most
-        ``timeout_s`` seconds) until every rank's record is final, so that leaving does not
-        fail a peer's collective before the peer was recorded stuck in it (the class
-        docstring). Without ``world_size`` nothing waits: a rank that failed before any peer
-        could enter a collective with it (its join failed) has nobody to wait for."""
+        ``failed`` with ``world_size``: then wait (:meth:`wait_for_peers`, at most
+        ``timeout_s`` s) until every rank's record is final (the class docstring); without
+        ``world_size`` (the join failed: no peer to wait for) nothing waits."""
         self._done.set()
         self._thread.join()
         self._status()  # the rank's final count: did it go on after the record was written?
@@ -244,15 +205,10 @@ class HangWatch:
         return self.written
 
     def settle(self, timeout_s: float = 3.0, poll_s: float = 0.02) -> bool:
-        """Wait until every collective this rank issued is marked completed in its record, at
-        most ``timeout_s`` seconds; returns whether they all were.
-
-        torch marks a collective completed a moment after the call returned, from the work's
-        own thread, so a record written at once can show a collective that returned as
-        unfinished (a failed rank's record showed its barrier unfinished, 1 of 2 loaded suite
-        runs). :meth:`finish` calls it before writing: the main thread is then inside no
-        collective, so only an asynchronous one that is really pending (``async_op=True``, a
-        DDP bucket) keeps it waiting the whole ``timeout_s``.
+        """Wait (at most ``timeout_s`` s) until every collective this rank issued is marked
+        completed; returns whether they all were. torch marks one completed a moment after the
+        call returned, from the work's thread (a failed rank's record showed its barrier
+        unfinished, 1 of 2 loaded runs); only a really pending ``async_op`` waits it out.
         """
         import time
 
@@ -270,17 +226,12 @@ class HangWatch:
         return Path(directory) / f"{prefix}{rank}.final"
 
     def wait_for_peers(self, world_size: int, timeout_s: float, poll_s: float = 0.05) -> list[int]:
-        """After :meth:`finish`: wait until every rank ``0 .. world_size - 1`` of this launch
-        has marked its record final, polling the marks every ``poll_s`` seconds; a mark left by
-        an earlier launch in the same folder (another launch id) does not count.
-
-        ``finish(failed=True, world_size=...)`` calls it (see the class docstring). It synchronises
-        ranks through the folder, not the process group: no collective, so it cannot hang on
-        the failure; ``timeout_s`` bounds it (a peer stuck outside any collective).
+        """Wait until every rank ``0 .. world_size - 1`` of this launch (an earlier launch's
+        mark does not count) has marked its record final, at most ``timeout_s`` s. Synchronises
+        the ranks through the folder, no collective, so it cannot hang on the failure.
 
         Returns:
-            the ranks whose record was still not final after ``timeout_s`` seconds (sorted;
-            empty when every rank's is).
+            the ranks whose record was still not final (sorted; empty when all are).
         """
         import time
 
@@ -357,13 +308,9 @@ def _issued(dump: dict, group: str) -> list[Collective]:
 
 
 def completed_through(dump: dict, group: str = "0") -> int:
-    """The sequence id through which ``group``'s collectives completed in one rank's record.
-
-    The larger of the group's ``last_completed_collective`` and the last id whose entry is
-    ``retired`` (torch retires an entry when its work completes, or fails). The status alone
-    can lag: a gloo record (torch 2.13) held ``last_completed_collective`` 2 with all three
-    entries retired, written after the rank had seen 3 (1 of 4 runs of tests/collectives/
-    test_flight.py); read alone, it showed a job that went well as hung in #3. -1: none.
+    """The sequence id through which ``group``'s collectives completed in one rank's record
+    (-1: none): the larger of ``last_completed_collective`` and the last ``retired`` entry's
+    id (the status alone lags: a gloo record held 2 with all three entries retired, torch 2.13).
     """
     status = dump.get("pg_status", {}).get(group, {})
     retired = [int(e["collective_seq_id"]) for e in _group_entries(dump, group)
@@ -417,12 +364,10 @@ def first_divergence(dumps: dict[int, dict], group: str = "0"):
 def verdict(dumps: dict[int, dict], group: str = "0") -> str:
     """One line: which rank and which collective diverged, from every rank's record.
 
-    The first sequence id that some rank never issued, or that ranks issued with different
-    ops, shapes or dtypes, is the divergence. The ranks' records are compared id by id rather
-    than by completion state, because completion is recorded after the fact: a collective that
-    failed (a timeout, a peer gone) is retired as completed once the error is raised, and one
-    that succeeded reads as unfinished for a moment after the call returned (both seen on gloo,
-    torch 2.13). So "every rank waits" means something only in a dump taken during a hang.
+    The divergence is the first sequence id some rank never issued, or issued with other ops,
+    shapes or dtypes: ids, not completion, which is recorded after the fact (a failed
+    collective reads as completed, one that returned reads unfinished for a moment: gloo, torch
+    2.13). "Every rank waits" means something only in a dump taken during a hang.
     """
     rows = ledgers(dumps, group)
     if not any(group in d.get("pg_status", {}) for d in dumps.values()):

@@ -23,15 +23,8 @@ __all__ = ["GPTConfig", "TinyGPT", "CharCorpus", "load_corpus", "get_batch", "to
 
 @dataclass(frozen=True)
 class GPTConfig:
-    """TinyGPT's size.
-
-    Attributes:
-        vocab_size: V, number of token ids.
-        block_size: longest context T the position embedding covers.
-        n_embd: C, the width of the residual stream.
-        n_head: attention heads (must divide ``n_embd``).
-        n_layer: transformer blocks.
-    """
+    """TinyGPT's size: ``vocab_size`` V, ``block_size`` (the longest context T), ``n_embd`` C
+    (the residual stream's width), ``n_head`` (divides ``n_embd``), ``n_layer`` blocks."""
 
     vocab_size: int = 103
     block_size: int = 32
@@ -82,16 +75,13 @@ class Block(nn.Module):
 
 
 class TinyGPT(nn.Module):
-    """A GPT-2-style decoder-only language model, small enough for CPU lessons.
+    """A GPT-2-style decoder-only language model, small enough for CPU lessons (``cfg``, or
+    :class:`GPTConfig`'s fields as keywords).
 
-    Args:
-        cfg: a :class:`GPTConfig` (or pass its fields as keywords).
-
-    ``forward(idx, targets=None)``: ``idx`` is ``(B, T)`` int64 token ids with
-    ``T <= block_size``; returns ``(logits, loss)`` with logits ``(B, T, V)`` and loss the
-    mean next-token cross-entropy over ``B * T`` positions (None without ``targets``, which is
-    ``(B, T)``). Weights are initialised as in GPT-2 (normal, std 0.02) from torch's global
-    generator, so ``torch.manual_seed`` before construction makes every rank's copy equal.
+    ``forward(idx, targets=None)``: ``(B, T)`` int64 ids, ``T <= block_size`` (ValueError
+    otherwise) -> ``(logits, loss)``, logits ``(B, T, V)``, loss the mean next-token
+    cross-entropy against ``(B, T)`` ``targets`` (None without). GPT-2's init (normal, std
+    0.02) from torch's global generator: seed it first and every rank's copy is equal.
     """
 
     def __init__(self, cfg: GPTConfig | None = None, **kwargs):
@@ -133,13 +123,8 @@ class TinyGPT(nn.Module):
 
 @dataclass
 class CharCorpus:
-    """A character-level corpus.
-
-    Attributes:
-        text: the whole text.
-        chars: the vocabulary, sorted unique characters (id i is ``chars[i]``).
-        data: ``(len(text),)`` int64 token ids.
-    """
+    """A character-level corpus: ``text``, its vocabulary ``chars`` (sorted unique characters,
+    id i is ``chars[i]``) and ``data``, ``(len(text),)`` int64 ids."""
 
     text: str
     chars: list[str]
@@ -160,11 +145,8 @@ class CharCorpus:
 
 
 def load_corpus(text: str | None = None) -> CharCorpus:
-    """The :mod:`pydoc_data.topics` documentation as a :class:`CharCorpus` (or ``text``'s).
-
-    Topics are joined with newlines in sorted key order; the vocabulary is the sorted set of
-    characters. Deterministic: no download, no randomness.
-    """
+    """The :mod:`pydoc_data.topics` documentation (or ``text``) as a :class:`CharCorpus`:
+    topics joined with newlines in sorted key order. Deterministic, no download."""
     if text is None:
         from pydoc_data.topics import topics
 
@@ -179,11 +161,8 @@ def get_batch(data: torch.Tensor, batch_size: int, block_size: int,
               generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``batch_size`` random windows of ``data``: inputs ``x`` and next-token targets ``y``.
 
-    Args:
-        data: ``(N,)`` int64 token ids, ``N > block_size``.
-        batch_size: B.
-        block_size: T.
-        generator: seeds the window starts (same generator state -> same batch on every rank).
+    ``data``: ``(N,)`` int64 ids, ``N > block_size``; ``generator`` draws the window starts
+    (the same state gives the same batch on every rank).
 
     Returns:
         ``(x, y)``, both ``(B, T)`` int64; ``y[:, t] == x[:, t + 1]`` inside the window.
@@ -203,10 +182,8 @@ def tokens_per_step(micro_batch: int, block_size: int, world_size: int,
                     grad_accum_steps: int = 1) -> int:
     """Global batch in tokens: sequences per rank x tokens per sequence x ranks x accumulation.
 
-    Language models state their batch in tokens (GPT-3: 3.2M tokens for the 175B model,
-    Brown et al. 2020, Table 2.1) because a sequence of 2048 tokens carries 2048 next-token
-    predictions. Every data-parallel rank adds ``micro_batch * block_size`` tokens per micro
-    step. Raises ValueError for a count below 1.
+    Language models state batches in tokens (GPT-3 175B: 3.2M, Brown et al. 2020, Table 2.1):
+    a sequence of T tokens carries T next-token predictions. ValueError for a count below 1.
     """
     for name, v in (("micro_batch", micro_batch), ("block_size", block_size),
                     ("world_size", world_size), ("grad_accum_steps", grad_accum_steps)):

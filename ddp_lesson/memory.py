@@ -21,13 +21,11 @@ stage      what is partitioned          bytes per rank
 3 (P_all)  + parameters                 ``(2 + 2 + K) Psi / N``
 =========  ===========================  =====================================
 
-The paper's example, 7.5B parameters on 64 ranks: 120 GB, 31.4 GB, 16.6 GB and 1.88 GB
-per rank, where GB means 1e9 bytes (:data:`GB`). Activations come on top: every rank keeps
-those of its own micro-batch whatever the stage (each rank runs the whole model on its own
-inputs), measured here by :func:`saved_activation_bytes`. The decision rule,
-:func:`per_rank_bytes` ``<= M``: model states at the stage plus activations fit in a GPU of M
-bytes. Temporary buffers and fragmentation are not counted. Pure arithmetic, no process group,
-except the measurements at the end (local).
+The paper's example, 7.5B parameters on 64 ranks: 120 GB, 31.4 GB, 16.6 GB and 1.88 GB per
+rank (GB = 1e9 bytes). Each rank also keeps its own micro-batch's activations at every stage
+(:func:`saved_activation_bytes` measures them); the decision rule: :func:`per_rank_bytes`
+``<= M`` fits a GPU of M bytes (temporary buffers and fragmentation not counted). Pure
+arithmetic, no process group, but for the local measurements at the end.
 """
 from __future__ import annotations
 
@@ -48,13 +46,8 @@ STAGE_NAMES = {0: "DDP", 1: "ZeRO-1 (P_os)", 2: "ZeRO-2 (P_os+g)", 3: "ZeRO-3 (P
 
 @dataclass(frozen=True)
 class MemoryBreakdown:
-    """Model-state bytes one rank holds.
-
-    Attributes:
-        params_bytes: the 16-bit parameters (all of them, or this rank's shard at stage 3).
-        grads_bytes: the 16-bit gradients (sharded from stage 2).
-        optimizer_bytes: master weights + Adam moments (sharded from stage 1).
-    """
+    """Model-state bytes one rank holds: 16-bit parameters (sharded at stage 3), 16-bit
+    gradients (from stage 2), master weights and Adam moments (from stage 1)."""
 
     params_bytes: float
     grads_bytes: float
@@ -81,19 +74,13 @@ def memory_per_rank(num_params: float, world_size: int, stage: int, param_bytes:
                     grad_bytes: float = 2, optimizer_bytes: float = 12) -> MemoryBreakdown:
     """Model-state memory of one rank, in bytes (ZeRO paper, Section 3.1 and Figure 1).
 
-    Args:
-        num_params: number of parameters ``Psi`` of the whole model.
-        world_size: data-parallel ranks ``N`` sharing the states.
-        stage: 0 (plain DDP), 1 (optimizer states partitioned), 2 (+ gradients), 3 (+ parameters).
-        param_bytes: bytes per parameter copy used in forward/backward (2 for fp16/bf16).
-        grad_bytes: bytes per gradient element (2 for fp16/bf16).
-        optimizer_bytes: ``K``, bytes of optimizer state per parameter (12 for
-            mixed-precision Adam: fp32 master weight, momentum and variance).
+    ``num_params`` ``Psi`` of the whole model over ``world_size`` ``N`` ranks at ``stage`` (the
+    table above); bytes per parameter of its forward copy and gradient (2: fp16/bf16) and of
+    optimizer state (``K`` = 12 for mixed-precision Adam).
 
     Returns:
-        A :class:`MemoryBreakdown`; ``.total_bytes`` is the figure the paper reports. Exact
-        division (no rounding to whole parameters): for ``N`` not dividing ``Psi``, real shards
-        differ by at most one element per tensor.
+        A :class:`MemoryBreakdown`; ``.total_bytes`` is the paper's figure (exact division:
+        real shards differ by at most one element per tensor).
 
     Raises:
         ValueError: ``num_params < 0``, ``world_size < 1`` or an unknown stage.
@@ -111,15 +98,11 @@ def memory_per_rank(num_params: float, world_size: int, stage: int, param_bytes:
 def max_params_per_memory(memory_bytes: float, world_size: int, stage: int,
                           param_bytes: float = 2, grad_bytes: float = 2,
                           optimizer_bytes: float = 12) -> float:
-    """Largest ``Psi`` whose model states fit in ``memory_bytes`` per rank (activations ignored).
-
-    The inverse of :func:`memory_per_rank`: ``memory_bytes / (bytes per parameter per rank)``.
-    E.g. 80e9 bytes with DDP: 80e9 / 16 = 5e9 parameters.
-    """
+    """Largest ``Psi`` whose model states fit in ``memory_bytes`` per rank (activations
+    ignored), :func:`memory_per_rank` inverted: 80e9 bytes with DDP: 80e9 / 16 = 5e9."""
     per_param = memory_per_rank(1, world_size, stage, param_bytes, grad_bytes,
                                 optimizer_bytes).total_bytes
     return memory_bytes / per_param
-
 
 
 def per_rank_bytes(num_params: float, activation_bytes: float, world_size: int, stage: int,
@@ -181,11 +164,9 @@ def optimizer_state_bytes(optimizer) -> int:
 def saved_activation_bytes(forward, params=()) -> tuple[int, object]:
     """Run ``forward()`` and measure the bytes autograd saves for backward meanwhile.
 
-    Every tensor saved for backward passes ``torch.autograd.graph.saved_tensors_hooks``'s pack
-    hook; each storage is counted once (views share it), the storages of ``params`` (the
-    model's parameters, which are not activations) not at all. With
-    :func:`checkpoint_blocks`, a checkpointed block's insides are not saved but recomputed in
-    backward. Returns ``(bytes, forward's result)``: call backward on the result, or drop it.
+    Each storage passing ``torch.autograd.graph.saved_tensors_hooks``'s pack hook counts once
+    (views share it), those of ``params`` (not activations) not at all; a block under
+    :func:`checkpoint_blocks` saves only its input. Returns ``(bytes, forward's result)``.
     Local; CPU or GPU.
     """
     import torch

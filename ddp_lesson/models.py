@@ -9,24 +9,19 @@ Semantic Image Segmentation", arXiv:1706.05587) at a size a 2-core CPU trains in
 a strided conv backbone that stops at output stride 8 and keeps its receptive field growing
 with *atrous* (dilated) convolutions instead of further striding; an ASPP head (a 1x1 conv,
 three 3x3 atrous convs and image-level pooling, side by side, then a 1x1 projection); a 1x1
-classifier; and a bilinear upsample back to the input size. torchvision's
-``deeplabv3_resnet50`` is the full-size version of the same design.
+classifier; and a bilinear upsample back to the input size (torchvision's
+``deeplabv3_resnet50`` is the full-size design).
 
-Two facts matter when the model is wrapped in ``DistributedDataParallel``:
+Under ``DistributedDataParallel``:
 
-* **Every parameter takes part in every forward pass.** DDP's reducer then sees a gradient
-  for every parameter each step, so ``find_unused_parameters`` stays ``False`` (its default).
-  The seed script passed ``find_unused_parameters=True`` without a reason; that makes DDP
-  walk the autograd graph after every forward to look for parameters that did not take part,
-  which costs time and hides nothing here. ``tests/models/test_models.py`` checks that every
-  parameter receives a gradient.
-* **BatchNorm normalises with the statistics of the batch it sees, and under DDP each rank
-  sees only its own slice** of the global batch. With 4 ranks of 2 images each, every
-  BatchNorm layer uses 2-image statistics, not 8-image ones, so DDP is *not* bit-for-bit
-  the same as one process on the global batch. ``torch.nn.SyncBatchNorm.convert_sync_batchnorm
-  (model)`` all-reduces the statistics across ranks (one more collective per BatchNorm layer
-  per step) when that matters. The running mean/var are buffers, not parameters: DDP does not
-  average them, it broadcasts rank 0's copy before each forward (``broadcast_buffers=True``).
+* **Every parameter takes part in every forward pass**, so ``find_unused_parameters`` stays
+  ``False``; ``True`` (the seed script's) makes DDP walk the autograd graph after every
+  forward for nothing (``tests/models/test_models.py`` checks every parameter gets a gradient).
+* **BatchNorm normalises with the batch it sees: under DDP each rank's own slice.** With 4
+  ranks of 2 images, 2-image statistics, so DDP is *not* bit-for-bit one process on the global
+  batch; ``torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)`` all-reduces the statistics
+  (one collective per BatchNorm layer per step). The running mean/var are buffers: DDP
+  broadcasts rank 0's copy before each forward (``broadcast_buffers=True``), never averages.
 """
 from __future__ import annotations
 
@@ -55,20 +50,11 @@ def _check_input(x: torch.Tensor, in_channels: int) -> None:
 
 def conv_bn_relu(in_channels: int, out_channels: int, kernel_size: int = 3, stride: int = 1,
                  dilation: int = 1) -> nn.Sequential:
-    """Conv2d -> BatchNorm2d -> ReLU, padded so that stride 1 keeps the spatial size.
+    """Conv2d (no bias: BatchNorm's beta plays it) -> BatchNorm2d -> ReLU, padded so that
+    stride 1 keeps the size: ``(B, in, H, W) -> (B, out, H', W')``.
 
-    The conv has no bias: the BatchNorm right after subtracts the per-channel mean, which
-    would cancel a bias, and its own ``bias`` (beta) plays that role.
-
-    Args:
-        in_channels: input channels.
-        out_channels: output channels.
-        kernel_size: odd kernel size.
-        stride: 2 halves H and W (rounding up), 1 keeps them.
-        dilation: atrous rate; a 3x3 kernel with rate r sees a (2r+1)x(2r+1) window.
-
-    Returns:
-        The three layers as an ``nn.Sequential``: ``(B, in, H, W) -> (B, out, H', W')``.
+    ``kernel_size`` odd; ``stride`` 2 halves H and W (rounding up); ``dilation``: the atrous
+    rate (a 3x3 kernel with rate r sees a (2r+1)x(2r+1) window).
     """
     padding = dilation * (kernel_size - 1) // 2
     return nn.Sequential(
@@ -82,23 +68,13 @@ def conv_bn_relu(in_channels: int, out_channels: int, kernel_size: int = 3, stri
 class ASPP(nn.Module):
     """Atrous Spatial Pyramid Pooling, the DeepLabV3 head (arXiv:1706.05587, section 3.3).
 
-    Five branches look at the same feature map at different scales and are concatenated:
-    a 1x1 conv, one 3x3 conv per atrous rate, and image-level pooling (global average,
-    1x1 conv, broadcast back to every position). A 1x1 conv-BN-ReLU projects the
-    concatenation to ``out_channels``.
+    Branches concatenated, then a 1x1 conv-BN-ReLU to ``out_channels``: a 1x1 conv, one 3x3
+    conv per rate in ``atrous_rates``, and image-level pooling (global average, 1x1 conv,
+    broadcast back). The pooling branch has no BatchNorm: on its 1x1 map one image per rank
+    would give BatchNorm a single value per channel (torchvision's ASPPPooling fails there).
+    DeepLabV3's dropout is left out so that runs compare step for step.
 
-    The pooling branch has a conv with bias and no BatchNorm: its map is 1x1, so with one
-    image per rank BatchNorm would see a single value per channel and fail in training
-    (torchvision's ASPPPooling has that limitation). DeepLabV3's dropout after the
-    projection is left out so that runs stay comparable step for step.
-
-    Args:
-        in_channels: channels of the input feature map.
-        out_channels: channels of each branch and of the output.
-        atrous_rates: one dilation per 3x3 branch.
-
-    Shapes:
-        ``(B, in_channels, h, w) -> (B, out_channels, h, w)``.
+    Shapes: ``(B, in_channels, h, w) -> (B, out_channels, h, w)``.
     """
 
     def __init__(self, in_channels: int, out_channels: int, atrous_rates: Sequence[int]):
@@ -140,13 +116,9 @@ class DeepLabV3Mini(nn.Module):
     head      1x1 classifier, bilinear upsample               classes   64x128
     ========  ==============================================  ========  =========
 
-    The default rates (2, 3, 4) are DeepLabV3's (6, 12, 18) for its 33x33 map (513 crop,
-    output stride 16) scaled to this net's 8x16 map of a 64x128 image: rates that reach past
-    the map's edge only read padding, which is why the image-pooling branch exists.
-
-    Every parameter is used in every forward pass, so ``DistributedDataParallel`` needs no
-    ``find_unused_parameters=True``; BatchNorm uses per-rank batch statistics under DDP
-    unless converted to ``SyncBatchNorm`` (see the module docstring).
+    The default rates (2, 3, 4) are DeepLabV3's (6, 12, 18) for its 33x33 map scaled to this
+    net's 8x16 map of a 64x128 image (a rate past the map's edge reads only padding). Under
+    DDP: see the module docstring.
 
     Args:
         num_classes: output channels (19 for Cityscapes trainIds).
@@ -181,13 +153,7 @@ class DeepLabV3Mini(nn.Module):
         _init_weights(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Per-pixel class logits.
-
-        Args:
-            x: float tensor ``(B, in_channels, H, W)``, normalised image.
-
-        Returns:
-            ``(B, num_classes, H, W)`` logits (not probabilities).
+        """Normalised images ``(B, in_channels, H, W)`` -> logits ``(B, num_classes, H, W)``.
 
         Raises:
             ValueError: if ``x`` is not ``(B, in_channels, H, W)``.
@@ -198,17 +164,10 @@ class DeepLabV3Mini(nn.Module):
 
 
 class TinyConvNet(nn.Module):
-    """A very small segmentation net for quick lessons: three conv-BN-ReLU and a classifier.
-
-    Two stride-2 convs (output stride 4), one 3x3 conv with dilation 2, a 1x1 classifier and
-    a bilinear upsample: 3.4 M multiply-adds per 64x128 image against :class:`DeepLabV3Mini`'s
-    47 M, and 5.5 k parameters against 287 k (defaults). Every parameter is used in every
-    forward pass.
-
-    Args:
-        num_classes: output channels.
-        width: channels of the hidden layers.
-        in_channels: input channels.
+    """A very small segmentation net for quick lessons: two stride-2 conv-BN-ReLU (output
+    stride 4), one with dilation 2, a 1x1 classifier and a bilinear upsample; 3.4 M
+    multiply-adds per 64x128 image against :class:`DeepLabV3Mini`'s 47 M, 5.5 k parameters
+    against 287 k (defaults), each used in every forward pass. ``width``: hidden channels.
 
     Raises:
         ValueError: if an argument is not an int >= 1.
@@ -241,13 +200,9 @@ class TinyConvNet(nn.Module):
 
 
 def _init_weights(model: nn.Module) -> None:
-    """He (Kaiming) init for convs, identity BatchNorm, zero biases, a near-zero classifier.
-
-    The classifier starts with tiny weights so that the first logits are almost equal and
-    the first loss is close to ``ln(num_classes)`` (2.94 for 19 classes): a value to check a
-    run against. Deterministic under ``torch.manual_seed``, which is how every rank starts
-    from the same weights (DDP's constructor broadcasts rank 0's copy anyway).
-    """
+    """He (Kaiming) init for convs, identity BatchNorm, zero biases, a near-zero classifier
+    (the first loss is then close to ``ln(num_classes)``, 2.94 for 19 classes).
+    Deterministic under ``torch.manual_seed``."""
     for m in model.modules():
         if isinstance(m, nn.Conv2d):
             nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
@@ -264,16 +219,8 @@ MODELS: dict[str, type[nn.Module]] = {"deeplab": DeepLabV3Mini, "tiny": TinyConv
 
 
 def build_model(name: str = "deeplab", num_classes: int = 19, **kwargs) -> nn.Module:
-    """Build a model by name.
-
-    Args:
-        name: a key of :data:`MODELS`: ``"deeplab"`` (:class:`DeepLabV3Mini`) or ``"tiny"``
-            (:class:`TinyConvNet`).
-        num_classes: output channels.
-        **kwargs: passed to the model's constructor (``width``, ``in_channels``, ...).
-
-    Returns:
-        The model, freshly initialised from torch's global RNG (seed it first).
+    """The model :data:`MODELS` names (``"deeplab"``, ``"tiny"``), initialised from torch's
+    global RNG (seed it first); ``kwargs`` go to its constructor (``width``, ...).
 
     Raises:
         ValueError: for an unknown name (lists the known ones) or a bad size argument.
@@ -284,16 +231,7 @@ def build_model(name: str = "deeplab", num_classes: int = 19, **kwargs) -> nn.Mo
 
 
 def count_parameters(model: nn.Module, trainable_only: bool = False) -> int:
-    """Number of scalar parameters (BatchNorm running statistics are buffers, not counted).
-
-    Under DDP this is what every step all-reduces: ``4 * count_parameters(model)`` bytes of
-    float32 gradients per rank.
-
-    Args:
-        model: any module.
-        trainable_only: count only parameters with ``requires_grad=True``.
-
-    Returns:
-        The total number of elements.
-    """
+    """Number of scalar parameters (``requires_grad`` ones with ``trainable_only``); buffers
+    such as BatchNorm's running statistics are not counted. Under DDP every step all-reduces
+    ``4 * count_parameters(model)`` bytes of float32 gradients per rank."""
     return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable_only)

@@ -29,13 +29,8 @@ PR_SET_PDEATHSIG = 1
 
 
 def alive(pid: int) -> bool:
-    """True when process ``pid`` exists on this machine and is not a zombie.
-
-    ``kill(pid, 0)`` (sends nothing): no such process is dead; ``EPERM`` (another user's) is
-    alive. Then a zombie, which still answers ``kill``, counts as dead. Where ``/proc`` cannot
-    be read for the pid (not Linux, or the pid just exited) the ``kill`` answer stands.
-    Non-positive pids name process groups, not a process: False.
-    """
+    """True when process ``pid`` exists on this machine and is not a zombie (module docstring);
+    where ``/proc`` cannot tell, ``kill(pid, 0)``'s answer. Non-positive pids: False."""
     if pid <= 0:
         return False
     try:
@@ -54,12 +49,9 @@ def alive(pid: int) -> bool:
 
 
 def reap(proc: subprocess.Popen, seconds: float) -> bool:
-    """Wait up to ``seconds`` for ``proc`` to exit; True once it has been reaped.
-
-    Uses ``os.waitpid`` directly, not ``Popen.wait``: an interrupt that lands inside
-    ``Popen.poll`` can leave Popen's internal wait lock held, and a later ``Popen.wait()``
-    then blocks forever. Sets ``proc.returncode`` as Popen would.
-    """
+    """Wait up to ``seconds`` for ``proc`` to exit; True once it has been reaped (its
+    ``returncode`` set). ``os.waitpid``, not ``Popen.wait``: an interrupt inside ``Popen.poll``
+    can leave Popen's wait lock held, and a later ``Popen.wait()`` blocks forever."""
     wait_exit = getattr(proc, "wait_exit", None)
     if wait_exit is not None:  # a forked agent (ddp_lesson.launch.forkserver)
         return wait_exit(seconds)
@@ -99,13 +91,10 @@ LIBC = _load_libc()
 def die_with_parent(parent_pid: int | None = None) -> None:
     """Ask Linux to SIGKILL this process when its parent dies (``PR_SET_PDEATHSIG``).
 
-    Used in a child before it execs (``preexec_fn=partial(die_with_parent, os.getpid())``: the
-    launcher's torchrun, the cluster's controller and agents) and at the start of a process
-    torchrun started (every worker, every engine), so that nothing outlives the process that
-    started it; torchrun puts each worker in a session of its own, so a signal to a group
-    would not reach them. The parent may have died between fork and ``prctl``: then this
-    process is already an orphan and leaves at once. ``parent_pid`` is the expected parent
-    (None: only "not reparented to init" is checked). Does nothing outside Linux.
+    In a child before exec (``preexec_fn=partial(die_with_parent, os.getpid())``) and first
+    thing in every worker and engine (torchrun gives each a session of its own, out of reach
+    of a group's signal). A parent already gone (not ``parent_pid``, or init when None): this
+    process leaves at once. Does nothing outside Linux.
     """
     if LIBC is None:
         return

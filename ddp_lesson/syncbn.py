@@ -1,37 +1,25 @@
 """SyncBatchNorm from scratch: BatchNorm statistics over the global batch, on CPU/gloo too.
 
-Why: BatchNorm normalises each channel with the mean and variance of the batch it sees. Under
-data parallelism each rank sees only its own slice of the global batch, so plain BatchNorm
-uses per-rank statistics (2 images out of 8, say), and its running mean/var drift apart
-between ranks. SyncBatchNorm computes the statistics of the *global* batch: it is then the
-same function as BatchNorm on the concatenated batch on one process (docs/pitfalls.md B11).
+Under data parallelism plain BatchNorm normalises with each rank's slice of the batch (2 images
+of 8, say) and the ranks' running mean/var drift apart; SyncBatchNorm uses the *global* batch's
+statistics, the same function as BatchNorm on the whole batch in one process
+(docs/pitfalls.md B11). torch's ``nn.SyncBatchNorm`` runs on GPUs only ("SyncBatchNorm expected
+input tensor to be on GPU"); this one on any device, with plain ``all_reduce`` calls:
 
-torch's ``nn.SyncBatchNorm`` does this on GPUs only ("SyncBatchNorm expected input tensor to
-be on GPU"), so this module rebuilds it for any device, with plain ``all_reduce`` calls:
+* **forward** (training): per channel, each rank's sum, sum of squares and count (from a stable
+  local ``var_mean``) in one float64 all_reduce of ``3 x C`` numbers; normalise with the global
+  mean and biased variance (ranks may hold different sample counts). Running stats take the
+  global mean and *unbiased* variance, as ``nn.BatchNorm*d``: identical on every rank.
+* **backward**: the input gradient depends on the whole batch through ``sum(dy)`` and
+  ``sum(dy * (x - mean))``, all-reduced (``2 x C``); weight and bias gradients stay local
+  (DDP's all_reduce averages them).
 
-* **forward** (training): each rank computes, per channel, the sum of its values, their sum
-  of squares and its count (from a numerically stable local ``var_mean``), all-reduces the
-  three (one float64 all_reduce of ``3 x C`` numbers), and normalises with the global mean
-  and biased variance. Ranks may hold different numbers of samples (the count is reduced
-  too). Running stats are updated with the global mean and *unbiased* variance, as
-  ``nn.BatchNorm*d`` does, so they are identical on every rank.
-* **backward**: the gradient of a normalised value depends on the whole batch through the
-  mean and the variance, via two per-channel sums: ``sum(dy)`` and ``sum(dy * (x - mean))``.
-  Each rank computes its local sums and all-reduces them (one more all_reduce of ``2 x C``),
-  then forms its own slice of the input gradient. The weight and bias gradients stay local:
-  DDP's gradient all_reduce averages them like any other parameter's.
-
-Every BatchNorm layer therefore adds two collectives per training step, one in forward and one
-in backward: a synchronisation point per layer, which is the price of exact statistics.
-In eval mode nothing is communicated, as in torch's ``nn.SyncBatchNorm`` (``need_sync`` is
-False outside training): the running stats normalise, or, with ``track_running_stats=False``,
-the local batch's own statistics.
-
-:func:`convert_sync_batchnorm` replaces every ``BatchNorm1d/2d/3d`` in a model, nested ones
-included, keeping the weights and running statistics (like
-``torch.nn.SyncBatchNorm.convert_sync_batchnorm``). Convert *before* wrapping the model in
-DDP (the wrapper registers its hooks on the parameters it finds at construction; NVIDIA/apex
-#109) and after moving it to its device.
+So two collectives per BatchNorm layer per training step, each a synchronisation point. In eval
+nothing is communicated (torch's ``need_sync`` is False outside training): the running stats
+normalise, or with ``track_running_stats=False`` the local batch's own statistics.
+:func:`convert_sync_batchnorm` replaces every ``BatchNorm1d/2d/3d`` (as
+``torch.nn.SyncBatchNorm.convert_sync_batchnorm``): after moving the model to its device,
+*before* wrapping it in DDP (hooks go on the parameters found at construction; NVIDIA/apex #109).
 
 Sources: Ioffe & Szegedy, "Batch Normalization" (arXiv:1502.03167), section 3 (forward and
 backward formulas); torch's ``torch/nn/modules/_functions.py`` (``SyncBatchNorm`` autograd
@@ -59,22 +47,16 @@ def _group_size(process_group) -> int:
 
 
 class _SyncBatchNormFunction(torch.autograd.Function):
-    """Training-mode batch norm with statistics all-reduced over ``process_group``.
-
-    ``forward(x, weight, bias, eps, process_group)``: ``x`` is ``(N, C, *)``; returns
-    ``(y, mean, var_biased, count)`` where ``mean``/``var_biased`` are the global per-channel
-    statistics ``(C,)`` float64 and ``count`` the global number of values per channel. Only
-    ``y`` carries a gradient.
-    """
+    """Training-mode batch norm with statistics all-reduced over ``process_group``: see
+    :func:`sync_batch_norm`; only ``y`` carries a gradient."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, eps, process_group):
         c = x.shape[1]
         dims = [d for d in range(x.dim()) if d != 1]
         n_local = x.numel() // c if c else 0
-        # Low-precision inputs (bf16, fp16) are normalised in float32 and the result cast back
-        # to the input's dtype: torch's batch norm returns the input's dtype, also with fp32
-        # parameters (the --sync-bn --amp bf16 path), and computes in float internally.
+        # bf16/fp16 inputs are normalised in float32 and cast back, as torch's batch norm does
+        # (also with fp32 parameters: the --sync-bn --amp bf16 path)
         acc = torch.promote_types(x.dtype, torch.float32)
         xa = x.to(acc)
         if n_local > 0:
@@ -142,18 +124,14 @@ class _SyncBatchNormFunction(torch.autograd.Function):
 
 
 def sync_batch_norm(x: torch.Tensor, weight, bias, eps: float = 1e-5, process_group=None):
-    """Batch norm of ``x`` with statistics of the global batch (training mode).
-
-    Args:
-        x: ``(N, C, *)`` float tensor; ``N`` may differ between ranks (even be 0 on some).
-        weight, bias: ``(C,)`` affine parameters, or both None.
-        eps: added to the variance before the square root.
-        process_group: the ranks to reduce over (None: the default group).
+    """Batch norm of ``x`` ``(N, C, *)`` with the global batch's statistics (training mode);
+    ``N`` may differ between ranks, even be 0. ``weight``, ``bias``: ``(C,)`` or both None;
+    ``process_group`` None: the default group.
 
     Returns:
-        ``(y, mean, var, count)``: ``y`` like ``x`` (its dtype too, as torch's batch norm:
-        bf16 in, bf16 out, computed in float32); the global per-channel ``mean`` and
-        biased ``var`` as ``(C,)`` float64; ``count`` = global values per channel (0-dim).
+        ``(y, mean, var, count)``: ``y`` like ``x`` (its dtype too, computed in float32); the
+        global per-channel ``mean`` and biased ``var``, ``(C,)`` float64; ``count``, global
+        values per channel (0-dim).
 
     Synchronises: one all_reduce in forward and one in backward, on every rank of the group.
     """
@@ -163,25 +141,13 @@ def sync_batch_norm(x: torch.Tensor, weight, bias, eps: float = 1e-5, process_gr
 class SyncBatchNorm(_BatchNorm):
     """BatchNorm over the global batch of all ranks, for any device and backend (gloo too).
 
-    Same constructor, parameters, buffers and ``state_dict`` keys as ``nn.BatchNorm2d`` (a
-    checkpoint of one loads into the other) and the same formulas as
-    ``torch.nn.SyncBatchNorm``. Accepts ``(N, C)``, ``(N, C, L)``, ``(N, C, H, W)`` and
-    ``(N, C, D, H, W)`` inputs.
+    Constructor, parameters, buffers and ``state_dict`` keys as ``nn.BatchNorm2d`` (their
+    checkpoints load into each other), formulas as ``torch.nn.SyncBatchNorm``; inputs ``(N, C)``,
+    ``(N, C, L)``, ``(N, C, H, W)``, ``(N, C, D, H, W)``; ``process_group`` None: all ranks.
 
-    Training mode with more than one rank: global statistics, two all_reduce calls per step
-    (see the module docstring); every rank of ``process_group`` must call forward and
-    backward the same number of times. Eval mode, or a single process: exactly
-    ``F.batch_norm`` of the local batch, no communication, so ranks may run different
-    numbers of evaluation batches; in eval with ``track_running_stats=False`` the local
-    batch's own statistics normalise it (torch's ``nn.SyncBatchNorm.forward`` rule,
-    ``need_sync`` only in training).
-
-    Args:
-        num_features: C.
-        eps, momentum, affine, track_running_stats: as ``nn.BatchNorm2d``
-            (``momentum=None``: cumulative moving average).
-        process_group: ranks whose batches form the global batch (None: all ranks).
-        device, dtype: where to create parameters and buffers.
+    Training with more than one rank: two all_reduce calls per step, so every rank of the group
+    calls forward and backward equally often. Eval, or one process: exactly ``F.batch_norm`` of
+    the local batch, no communication (ranks may run different numbers of evaluation batches).
     """
 
     def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1,
@@ -240,24 +206,16 @@ class SyncBatchNorm(_BatchNorm):
 
 
 def convert_sync_batchnorm(module: nn.Module, process_group=None) -> nn.Module:
-    """Replace every ``BatchNorm1d/2d/3d`` in ``module`` (nested ones too) by
-    :class:`SyncBatchNorm`.
+    """Replace every ``BatchNorm1d/2d/3d`` in ``module`` (nested ones too; synchronising ones
+    left alone) by :class:`SyncBatchNorm` with ``process_group``. Call it after moving the
+    model to its device and before wrapping it in DDP.
 
-    The new layers *share* the old layers' weight and bias parameters (as torch's converter
-    does) and copy their running mean, running var and batch counter, so a converted model
-    computes the same as the original in eval mode and loads the same ``state_dict``.
-    ``training`` flags, ``requires_grad`` and devices are kept. Layers that already
-    synchronise (this class, ``nn.SyncBatchNorm``) are left alone.
-
-    Call it after moving the model to its device and before wrapping it in DDP.
-
-    Args:
-        module: a model, or a single BatchNorm layer.
-        process_group: passed to every new layer (None: all ranks).
+    The new layers *share* the weight and bias (as torch's converter) and take the running
+    statistics and batch counter: same eval output, same ``state_dict``; ``training`` flags,
+    ``requires_grad`` and devices kept.
 
     Returns:
-        ``module`` with its layers replaced in place, or the new layer when ``module``
-        itself is a BatchNorm.
+        ``module``, changed in place, or the new layer when ``module`` is a BatchNorm.
     """
     out = module
     if isinstance(module, _BatchNorm) and not isinstance(module, (SyncBatchNorm,

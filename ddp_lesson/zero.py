@@ -29,12 +29,10 @@ def _sharded_entries(optimizer: Zero1Optimizer) -> dict:
 
 
 def dcp_save(path, model: torch.nn.Module, optimizer: Zero1Optimizer) -> None:
-    """Save ``model`` (replicated: written once) and this rank's optimizer shard to the
-    directory ``path`` with ``torch.distributed.checkpoint.save``.
-
-    A collective: every rank of the optimizer's group calls it (DCP plans the write together
-    and rank 0 writes the metadata). Pass the bare model, not its DDP wrapper (keys without
-    ``module.``). Each rank writes only the parameters' state it owns.
+    """Save ``model`` (replicated: written once) and this rank's optimizer shard to the folder
+    ``path`` with ``torch.distributed.checkpoint.save``. A collective: every rank of the
+    optimizer's group calls it (DCP plans together, rank 0 writes the metadata). Pass the bare
+    model, not its DDP wrapper (keys without ``module.``).
     """
     import torch.distributed.checkpoint as dcp
 

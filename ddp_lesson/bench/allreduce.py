@@ -4,39 +4,25 @@
     ddp-lesson bench allreduce --nprocs 2 --sizes-kib 256,4096 --out runs/bench/allreduce.csv
     torchrun --standalone --nproc-per-node 2 -m ddp_lesson.bench.allreduce worker --sizes-kib 1024
 
-``ddp-lesson bench allreduce`` launches one torchrun job per process count. In each job every
-size is timed for:
+One torchrun job per process count; in each, every size is timed for:
 
-* ``gloo``       — ``dist.all_reduce`` (the library: a C++ ring with segmented pipelining);
-* ``ring``       — :func:`ddp_lesson.collectives.ring_all_reduce` (whole chunks per step);
-* ``pipelined``  — :func:`ddp_lesson.collectives.pipelined_ring_all_reduce`;
-* ``naive``      — :func:`ddp_lesson.collectives.naive_all_reduce` (only with ``--methods``);
-* ``nccl``       — ``dist.all_reduce`` on CUDA tensors (``cuda:LOCAL_RANK``), in a job run with
-  ``--backend nccl`` and only there (``--methods nccl``): the other methods build CPU tensors,
-  which NCCL refuses. Its clock reads follow ``torch.cuda.synchronize()``: a CUDA collective
-  may return before the GPU has run it (torch's docs/source/distributed.rst, "Synchronous and
-  asynchronous collective operations"). ``python tools/gpucheck.py`` uses it;
-* ``sendrecv``   — ranks 0 and 1 exchange a message of that size in both directions at once
-  (``isend`` + ``irecv``); the other ranks wait. Its bandwidth (bytes per direction per
-  second) is the link's limit that bus bandwidth is compared with;
-* ``shift``      — every rank sends that size to its right neighbour while receiving from its
-  left one, all at once: one ring step's traffic without the arithmetic. With more
-  processes than cores it is lower than ``sendrecv``, because all links share the CPUs.
+* ``gloo``       — ``dist.all_reduce`` (a C++ ring with segmented pipelining);
+* ``ring``, ``pipelined``, ``naive`` (only with ``--methods``) — :mod:`ddp_lesson.collectives`'
+  ``ring_all_reduce``, ``pipelined_ring_all_reduce``, ``naive_all_reduce``;
+* ``nccl``       — ``dist.all_reduce`` on ``cuda:LOCAL_RANK`` tensors, alone in a ``--backend
+  nccl`` job (NCCL refuses the others' CPU tensors; ``python tools/gpucheck.py`` uses it);
+* ``sendrecv``   — ranks 0 and 1 swap a message of that size at once (``isend`` + ``irecv``),
+  the others wait: the link's bandwidth per direction, which bus bandwidth is compared with;
+* ``shift``      — every rank sends right while receiving from the left: one ring step without
+  the arithmetic (below ``sendrecv`` with more processes than cores: links share the CPUs).
 
-Timing: float32 tensors of zeros (no overflow, no denormals), SUM, one warm-up call, then
-``--repeats`` rounds; in each round every method runs one timed loop of ``iters`` calls
-(enough calls to move ``--budget-mib``), started after a barrier and timed on the slowest
-rank. Methods are interleaved so load from other programs hits them alike. Each row keeps the
-minimum, median and maximum over the rounds of the seconds per call (``seconds`` is the
-median) and of the bandwidths derived from them: algbw = bytes / time, busbw = algbw ·
-2(R-1)/R (nccl-tests doc/PERFORMANCE.md). Figure:
-:func:`ddp_lesson.viz.collectives.allreduce_bandwidth_figure`.
-
-Every tensor lives on the device the group reduces on (``ddp_lesson.env.reduce_device``: the
-rank's GPU under ``--backend nccl``, which refuses CPU tensors, else the CPU); the ``gloo`` row
-is then NCCL's ``dist.all_reduce``.
-On a 2-core machine 4 processes are oversubscribed (two processes per core): that run shows
-what the algorithms do when compute and communication compete for the CPU, not a network.
+Timing: float32 zeros (no overflow, no denormals), SUM, one warm-up call, then ``--repeats``
+rounds, methods interleaved (load hits them alike); each a loop of ``iters`` calls moving
+``--budget-mib``, after a barrier, timed on the slowest rank (after ``torch.cuda.synchronize()``
+on a GPU). Rows keep min, median (``seconds``) and max per call and of algbw = bytes / time and
+busbw = algbw · 2(R-1)/R (nccl-tests doc/PERFORMANCE.md). Figure:
+:func:`ddp_lesson.viz.collectives.allreduce_bandwidth_figure`. 4 processes on 2 cores show
+compute and communication competing for the CPU, not a network.
 """
 from __future__ import annotations
 
@@ -92,9 +78,9 @@ def _timed(fn, iters: int, device=None) -> float:
     """Seconds per call of one loop of ``iters`` calls, as seen by the slowest rank.
 
     On a CUDA ``device`` the clock is read after ``torch.cuda.synchronize()`` (a CUDA
-    collective may return before it completes: torch's docs/source/distributed.rst,
-    "Synchronous and asynchronous collective operations"), and the time travels as a tensor on
-    that device (NCCL refuses CPU tensors: "Tensors must be CUDA and dense", ProcessGroupNCCL).
+    collective may return before it ran: torch's docs/source/distributed.rst, "Synchronous and
+    asynchronous collective operations"); the time is all-reduced on that device (NCCL refuses
+    CPU tensors: "Tensors must be CUDA and dense", ProcessGroupNCCL).
     """
     import torch
     import torch.distributed as dist
@@ -270,12 +256,10 @@ _RATIOS = (("pipelined_vs_gloo", "pipelined", "gloo", "algbw_GBps"),
 def ratios(rows: list[dict], lo_bytes: int = 16 * 2**20, hi_bytes: int = 64 * 2**20) -> dict:
     """Ratios of median bandwidths per process count, over sizes in ``[lo_bytes, hi_bytes]``.
 
-    Returns ``{nprocs: {"pipelined_vs_gloo": min over sizes of algbw(pipelined)/algbw(gloo),
-    "ring_vs_gloo", "pipelined_vs_ring": likewise, "busbw_vs_sendrecv": min of busbw(pipelined)
-    / sendrecv bandwidth at the same size, "busbw_vs_shift": the same against the all-ranks
-    shift, "gloo_busbw_vs_sendrecv": gloo's busbw / sendrecv}}``; a key is missing when its
-    methods were not measured. Whether a ratio is more than noise is for
-    :func:`ddp_lesson.bench.claims.compare`, which reads the min and max.
+    Returns ``{nprocs: {key: min over sizes of num / den}}`` for :data:`_RATIOS`' keys (e.g.
+    ``"pipelined_vs_gloo"``: algbw(pipelined) / algbw(gloo); ``"busbw_vs_sendrecv"``:
+    busbw(pipelined) / the sendrecv bandwidth), a key missing when its methods were not
+    measured. Whether a ratio beats the noise: :func:`ddp_lesson.bench.claims.compare`.
     """
     out: dict[int, dict] = {}
     by = {(r["nprocs"], r["method"], r["size_bytes"]): r for r in rows}

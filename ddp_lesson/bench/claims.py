@@ -1,22 +1,14 @@
 """What the prose says about the stored benchmarks, each claim checked against the CSVs.
 
-A benchmark row keeps the minimum, median and maximum over its repeats. Two measurements are
-told apart only when their min..max intervals do not overlap; otherwise the difference is
-**within noise**, whatever the medians say. :func:`compare` is that rule, and :data:`CLAIMS`
-lists every comparison that the README, notebook 03's deep dive
-(``notebooks/deep/03_collective_costs.ipynb``) and ``docs/benchmarks.md`` state (and the ones
-notebooks 04 and 06 should state), with the verdict the prose uses. ``tests/
-test_bench_claims.py`` classifies each claim against ``benchmarks/*.csv`` and finds its sentence
-in the file that makes it, so re-measuring a benchmark makes any claim that no longer holds fail.
-
-Words: for rates (bandwidth, steps/s, samples/s, a ratio of rates) ``faster``/``slower``; for
-times (exposed communication) ``less``/``more``; for losses ``lower``/``higher``; ``within
-noise`` when the intervals overlap.
-
-The learning-rate recipe's experiment (``benchmarks/lr_recipe.csv``, :mod:`ddp_lesson.bench.
-lr_recipe`) follows the same rule with seeds in place of repeats: a row's interval is the min..max
-of the final evaluation loss over its seeds (its middle value is the mean), and its claims are
-stated in notebook 01's deep dive, ``docs/benchmarks.md`` and ``docs/cheatsheet.md``.
+Two measurements (min, median, max over repeats) are told apart only when their min..max
+intervals do not overlap, else the difference is **within noise** (:func:`compare`).
+:data:`CLAIMS` lists every comparison the README, the deep dives of notebooks 01 and 03,
+``docs/benchmarks.md`` and ``docs/cheatsheet.md`` state (and notebooks 04 and 06 should), with
+the prose's verdict; ``tests/bench/test_bench_claims.py`` checks each against
+``benchmarks/*.csv`` and finds its sentence, so a re-measured benchmark fails a claim that no
+longer holds. Words: rates ``faster``/``slower``, times ``less``/``more``, losses
+``lower``/``higher``. ``benchmarks/lr_recipe.csv`` has seeds for repeats (its middle value the
+mean).
 """
 from __future__ import annotations
 

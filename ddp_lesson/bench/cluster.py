@@ -62,14 +62,9 @@ def _cluster_samples(repeats: int, starts: int):
 
 
 def bench(repeats: int = 30, starts: int = 3, out="benchmarks/cluster.csv") -> list[dict]:
-    """Cluster start at 2 ranks, a trivial ``%%ranks`` round trip, and a one-shot torchrun cell.
-
-    Rows: ``what, repeats, median_s, min_s, max_s, cpu_s, cpus, load_avg_1min``. ``cpu_s`` is the
-    median CPU time of every process involved (this one and all it started, summed), which the
-    machine's load does not inflate as it does wall time: for a start row, a start plus its stop.
-    The start's phases (controller ready, engines registered, process group formed) get rows of
-    their own.
-    """
+    """Cluster start at 2 ranks (and its phases), a trivial ``%%ranks`` round trip, and a
+    one-shot torchrun cell. ``cpu_s``: the median CPU time of every process involved, which the
+    load does not inflate as it does wall time (a start row: a start and its stop)."""
     start_s, start_cpu, trip_s, phases = _cluster_samples(repeats, starts)
     rows = [_row("cluster_start_2_ranks", start_s, start_cpu)]
     rows += [_row(f"start_phase_{k}", v) for k, v in phases.items()]

@@ -1,14 +1,9 @@
 """What the three benchmarks share: the flags, the one CSV writer/reader, spreads, figures.
 
-Every benchmark (``ddp-lesson bench allreduce|ddp|scaling``) takes the same launcher flags
-(:func:`add_common_flags`): ``--nprocs`` (one torchrun job per count, ``2,4`` or ``2 4``),
-``--repeats``, ``--out`` (the CSV), ``--figure`` (default: the CSV's name with ``.png``;
-``none`` skips it), ``--backend`` and ``--timeout``. Every row keeps the minimum, median and
-maximum over its repeats (:func:`spread`), so a reader can tell a difference from noise
-(:func:`ddp_lesson.bench.claims.compare`).
-
-This module imports nothing else from the package at import time: the benchmark modules
-import it, never the other way round (no import circle).
+Every benchmark (``ddp-lesson bench allreduce|ddp|scaling``) takes :func:`add_common_flags`;
+every row keeps min, median and max over its repeats (:func:`spread`), so a difference can be
+told from noise (:func:`ddp_lesson.bench.claims.compare`). Imports nothing else from the
+package at import time: the benchmark modules import it, never the other way round.
 """
 from __future__ import annotations
 
@@ -110,11 +105,9 @@ def write_figure(make, rows, opts) -> str | None:
 
 def main_or_worker(argv, worker, prog: str, description: str, add_arguments, run,
                    check=None) -> int:
-    """The ``main`` of a benchmark module: ``worker ARGS`` runs one rank's part (under
-    torchrun, launched by the benchmark itself); anything else parses the benchmark's flags
-    (``add_arguments``), refuses bad values with ``check(opts)`` (its ValueError becomes
-    ``prog: error: ...``, status 2) and calls ``run(opts)``. ``argv`` None means
-    ``sys.argv[1:]``."""
+    """A benchmark module's ``main``: ``worker ARGS`` runs one rank's part under torchrun;
+    else parse ``add_arguments``' flags, ``check(opts)`` (ValueError: ``prog: error: ...``,
+    status 2), ``run(opts)``. ``argv`` None: ``sys.argv[1:]``."""
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["worker"]:
         worker(argv[1:])
@@ -144,11 +137,8 @@ def load_avg() -> float:
 
 
 def write_rows(rows: list[dict], path, fields, float_digits: int | None = 4) -> None:
-    """Write ``rows`` as CSV with the columns ``fields``, creating the folder.
-
-    The benchmarks' one CSV writer. ``float_digits``: round floats to that many significant
-    digits (None: write them as they are). Missing keys and None are written as empty cells.
-    """
+    """The benchmarks' one CSV writer: ``rows`` with the columns ``fields`` (missing and None:
+    empty cells), floats to ``float_digits`` significant digits (None: as they are)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w", newline="") as f:

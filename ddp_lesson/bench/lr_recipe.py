@@ -3,33 +3,24 @@
     python -m ddp_lesson.bench.lr_recipe              # benchmarks/lr_recipe.csv and .png
     python -m ddp_lesson.bench.lr_recipe --seeds 0 1 2 3 --out runs/lr.csv --figure none
 
-The question: a learning rate was tuned at a base global batch B; the job now runs at 4B (more
-ranks, or more accumulation). Which learning rate? Each optimizer (Adam, and SGD with momentum
-as the trainer uses it) trains TinyGPT (:mod:`ddp_lesson.gpt`) on the same number of samples
-at both batches, so 4B takes a quarter of the steps:
+A learning rate was tuned at a base global batch B; the job now runs at 4B. Which learning
+rate? Adam and the trainer's SGD with momentum train TinyGPT (:mod:`ddp_lesson.gpt`) on the
+same number of samples at both batches (4B: a quarter of the steps):
 
-* at B: the base learning rate and half and twice it (is the base near the best at B?);
-* at 4B: the base learning rate unchanged (``none``), times 2 (``sqrt``: sqrt(4B / B)) and
-  times 4 (``linear``), each with the warm-up, and ``linear`` without it.
+* at B: the base learning rate, half and twice it (is the base near the best at B?);
+* at 4B: the base rate (``none``), times 2 (``sqrt``) and times 4 (``linear``), with warm-up,
+  and ``linear`` without it.
 
-The scaled rates come from :func:`ddp_lesson.gradients.scale_lr`, the package's one rule; the
-schedule is :func:`ddp_lesson.gradients.warmup_cosine` with the warm-up over the first
-:data:`WARMUP_FRACTION` of the samples (so 4B warms up over a quarter of the steps), then a
-cosine decay to :data:`FLOOR` of the peak. Each configuration runs once per seed (the seed
-draws the initial weights and the training windows); the CSV keeps the mean, the sample
-standard deviation, the min and the max of the final evaluation loss over the seeds, and each
-seed's value.
+Rates from :func:`ddp_lesson.gradients.scale_lr`, schedule
+:func:`ddp_lesson.gradients.warmup_cosine` (warm-up over :data:`WARMUP_FRACTION` of the
+samples, cosine decay to :data:`FLOOR` of the peak). One run per seed (initial weights and
+windows); the CSV keeps the mean, sample standard deviation, min, max and each seed's final
+evaluation loss: mean next-token cross-entropy (nats per token) on :data:`EVAL_WINDOWS` fixed
+windows of the corpus's last tenth, which no training window touches.
 
-**One process, the global batch in one piece.** DDP's averaged gradient over R ranks (and K
-accumulated micro-batches) equals one process's gradient on the global batch (notebook 01,
-``tests/ddp``'s equality tests), so what the learning rate does is a property of the global
-batch, not of how many processes make it. This runs it on one process, one thread: no
-communication, the same numbers.
-
-The evaluation loss: the mean next-token cross-entropy (nats per token) on
-:data:`EVAL_WINDOWS` fixed windows of the corpus's last tenth, which no training window
-touches. Losses are comparable between the rows of one run of the script, not between
-machines' floating-point rounding to the last digit.
+**One process, the global batch in one piece**: DDP's averaged gradient over R ranks equals
+one process's on the global batch (notebook 01, ``tests/ddp``'s equality tests), so the
+learning rate's effect is the global batch's. One thread: no communication, the same numbers.
 """
 from __future__ import annotations
 

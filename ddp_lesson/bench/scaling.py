@@ -3,35 +3,23 @@
     ddp-lesson bench scaling                      # also: python -m ddp_lesson.bench.scaling
     ddp-lesson bench scaling --nprocs 1,2 --repeats 5 --figure none
 
-The scaling study: how much faster does the main job train with 1, 2 and 4 processes, and
-where does the time go when it is not R times faster?
+How much faster does the main job train on R processes, and where does the time go? For each
+R the trainer (:class:`ddp_lesson.train.Trainer`) runs a fixed number of steps under torchrun:
 
-For each process count R the trainer (:class:`ddp_lesson.train.Trainer`, the main job's
-model, data and step) runs a fixed number of optimizer steps under torchrun, in two regimes:
+* **weak scaling**: fixed per-rank batch (``--batch-size``), the global batch grows with R;
+* **strong scaling**: fixed global batch (``--global-batch``), split over R ranks;
 
-* **weak scaling**: the per-rank batch stays fixed (``--batch-size``), so the global batch
-  grows with R. Ideal: R times the samples per second. Efficiency
-  ``= samples_per_s(R) / (R x samples_per_s(1))``.
-* **strong scaling**: the global batch stays fixed (``--global-batch``), split over R ranks.
-  Ideal: R times faster per step. Efficiency, the same formula (speed-up / R).
+efficiency ``= samples_per_s(R) / (R x samples_per_s(1))`` for both. Each step's phases, on
+rank 0 (``time.perf_counter``): **data**, **forward** and **backward** (the same micro-batches
+through the bare model: compute alone), **exposed comm** (the wrapped step's forward + backward
+beyond the bare compute, plus the pixel-count all_reduce), **optimizer**, **other**. Each
+configuration runs ``--repeats`` times; the CSV keeps median, min and max samples/s and the
+1-minute load average (other programs on the cores are the main noise). One thread per process
+by default: R > cores processes share cores.
 
-Each step is split into phases, measured on rank 0 with ``time.perf_counter``: **data**
-(drawing and collating the micro-batches), **forward** and **backward** (the compute alone:
-the same micro-batches through the bare model, without the DDP wrapper), **exposed comm**
-(what the wrapped step's forward + backward took beyond the bare compute, plus the per-step
-pixel-count all_reduce: communication that did not overlap with computation), **optimizer**
-(SGD step), and **other** (the rest). Every configuration is repeated ``--repeats`` times;
-the CSV keeps the median and the min/max of samples/s, so the noise is visible, and the
-machine's 1-minute load average when each run started (other programs on the same cores are
-the main source of that noise).
-
-One thread per process (``OMP_NUM_THREADS=1``) by default: on a machine with C cores, R <= C
-processes each get a core, and R > C processes share them (expect the efficiency to drop).
-
-Writes ``benchmarks/scaling.csv`` and ``benchmarks/scaling.png`` (:func:`ddp_lesson.viz.training.
-scaling_figure`; ``--figure none`` skips it). Timings are not tests: they depend on the machine
-and its load. One run on a rank: ``torchrun --standalone --nproc-per-node 2 -m
-ddp_lesson.bench.scaling worker '{"batch_per_rank": 8, "steps": 10, ...}'``.
+Writes ``benchmarks/scaling.csv`` and ``.png`` (:func:`ddp_lesson.viz.training.scaling_figure`).
+Timings depend on the machine and its load: they are not tests. One rank's run:
+``torchrun --standalone --nproc-per-node 2 -m ddp_lesson.bench.scaling worker '{...}'``.
 """
 from __future__ import annotations
 
@@ -49,6 +37,7 @@ from .common import (
     at_least,
     check_common,
     load_avg,
+    main_or_worker,
     parse_counts,
     read_rows,
     spread,
@@ -65,20 +54,13 @@ CSV_COLUMNS = ("mode", "nprocs", "batch_per_rank", "global_batch", "steps", "rep
 #: The phases of a step, in the order they happen.
 PHASES = ("data", "forward", "backward", "comm_exposed", "optimizer", "other")
 _RESULT_TAG = "BENCH_RESULT "
-
-
 DEFAULT_OUT = "benchmarks/scaling.csv"
 MODULE = "ddp_lesson.bench.scaling"
 
 
-
 class StepTimer:
-    """Wall-clock seconds per phase of a training step (data, forward, backward, comm, optimizer).
-
-    ``with timer.phase("forward"): ...`` adds the block's duration to that phase. On CUDA
-    pass ``sync=torch.cuda.synchronize`` so that a phase ends when its kernels do, not when
-    they were queued. Local to the process: no communication.
-    """
+    """Wall-clock seconds per phase of a training step: ``with timer.phase("forward"): ...``.
+    On CUDA pass ``sync=torch.cuda.synchronize`` so a phase ends when its kernels do. Local."""
 
     def __init__(self, sync=None):
         self.sync = sync
@@ -162,9 +144,7 @@ def run_worker(spec: dict) -> dict:
     timer = StepTimer(sync)
     bare = StepTimer(sync)
     batches = trainer.batches(0)
-    # The machine's load when this run started: other programs competing for the cores are
-    # the main source of noise in these timings.
-    load = load_avg()
+    load = load_avg()  # other programs on the cores: the timings' main noise
     start = None
     for i in range(warmup + steps):
         if i == warmup:
@@ -212,11 +192,8 @@ def run_worker(spec: dict) -> dict:
 # --------------------------------------------------------------------------- aggregation
 
 def efficiency(samples_per_s: float, nprocs: int, samples_per_s_one: float) -> float:
-    """Scaling efficiency ``samples_per_s / (nprocs x samples_per_s_one)`` (1.0 = ideal).
-
-    For weak scaling (fixed per-rank batch) this is throughput over R x the 1-process
-    throughput; for strong scaling (fixed global batch) it is the speed-up over R. Both
-    reduce to the same ratio of samples per second.
+    """Scaling efficiency ``samples_per_s / (nprocs x samples_per_s_one)`` (1.0 = ideal): weak
+    scaling's throughput ratio and strong scaling's speed-up over R alike.
 
     Raises:
         ValueError: ``nprocs < 1`` or a non-positive baseline.
@@ -228,13 +205,9 @@ def efficiency(samples_per_s: float, nprocs: int, samples_per_s_one: float) -> f
 
 
 def aggregate(runs: list[dict]) -> list[dict]:
-    """Rows of the CSV from repeated worker results (one dict per run, with ``mode``).
-
-    For each (mode, nprocs): the median samples/s over repeats and its min/max, the spread
-    ``(max - min) / median`` in percent, the median seconds of each phase, the efficiency
-    against the same mode's 1-process median, and ``efficiency_best`` from the fastest
-    repeat of each (the least disturbed by other programs).
-    """
+    """CSV rows from the runs' results (with ``mode``): per (mode, nprocs) the median, min and
+    max samples/s, ``spread_pct`` (``(max - min) / median``), median phase seconds, efficiency
+    against the 1-process median, ``efficiency_best`` from each side's fastest repeat."""
     groups: dict[tuple, list[dict]] = {}
     for r in runs:
         groups.setdefault((r["mode"], r["nprocs"]), []).append(r)
@@ -260,8 +233,7 @@ def aggregate(runs: list[dict]) -> list[dict]:
         base = next((r for r in rows if r["mode"] == row["mode"] and r["nprocs"] == 1), None)
         row["efficiency"] = (efficiency(row["samples_per_s"], row["nprocs"],
                                         base["samples_per_s"]) if base else float("nan"))
-        # Best of the repeats against the best 1-process run: the least disturbed runs, what
-        # a quiet machine would approach (timeit's "take the minimum" rule).
+        # the least disturbed runs, what a quiet machine would approach (timeit's rule)
         row["efficiency_best"] = (efficiency(row["samples_per_s_max"], row["nprocs"],
                                              base["samples_per_s_max"]) if base else float("nan"))
     return rows
@@ -361,22 +333,17 @@ def run(args) -> int:
     return 0
 
 
+def worker(argv: list[str]) -> None:
+    """One timed run on this rank (``worker SPEC``, under torchrun); rank 0 prints the result."""
+    result = run_worker(json.loads(argv[0]))
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(_RESULT_TAG + json.dumps(result), flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
-    """``python -m ddp_lesson.bench.scaling worker SPEC`` (one timed run on this rank, under
-    torchrun), or the study with :func:`add_arguments`' flags."""
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["worker"]:
-        result = run_worker(json.loads(argv[1]))
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(_RESULT_TAG + json.dumps(result), flush=True)
-        return 0
-    p = _parser()
-    args = p.parse_args(argv)
-    try:
-        check(args)
-    except ValueError as exc:
-        p.error(str(exc))
-    return run(args)
+    """``python -m ddp_lesson.bench.scaling worker SPEC`` under torchrun, or the study."""
+    return main_or_worker(argv, worker, "ddp-lesson bench scaling", __doc__.split("\n")[0],
+                          add_arguments, run, check)
 
 
 if __name__ == "__main__":

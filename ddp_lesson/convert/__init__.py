@@ -20,10 +20,8 @@ _HUNK = re.compile(r"^@@ -(\d+)(,\d+)? \+(\d+)(,\d+)? @@")
 
 
 def code_lines(path: Path, text: str | None = None) -> tuple[int, list[str]]:
-    """``(offset, lines)``: the lines of the Python file ``path`` (or of ``text``, its
-    contents) after its module docstring, ``lines[0]`` being line ``offset + 1`` of the file
-    (``offset`` 0 where there is none). The docstring is found with ``ast``, so the file must
-    parse.
+    """``(offset, lines)``: the lines of the Python file ``path`` (or of ``text``) after its
+    module docstring (found with ``ast``), ``lines[0]`` being line ``offset + 1``.
 
     Raises:
         OSError: the file cannot be read.
@@ -40,11 +38,9 @@ def code_lines(path: Path, text: str | None = None) -> tuple[int, list[str]]:
 
 def script_diff(a: Path, b: Path, context: int = 1, a_text: str | None = None,
                 b_text: str | None = None) -> str:
-    """The unified diff of two Python scripts, ``a`` -> ``b`` (headers ``--- a.name`` and
-    ``+++ b.name``), their module docstrings left out (each describes its own file, and they
-    differ throughout), with the files' real line numbers and ``context`` lines around each
-    change; ``a_text``/``b_text``: the scripts' contents, where they are not files. Notebook
-    05's conversion and the seed's repairs (``ddp_lesson.seedfix``) are both shown this way.
+    """The unified diff of two Python scripts ``a`` -> ``b`` (or of ``a_text``/``b_text``),
+    module docstrings left out, with the files' real line numbers and ``context`` lines
+    (notebook 05's conversion, the seed's repairs in ``ddp_lesson.seedfix``).
 
     Raises:
         OSError, SyntaxError: as :func:`code_lines`.
@@ -61,8 +57,7 @@ def script_diff(a: Path, b: Path, context: int = 1, a_text: str | None = None,
 
 
 def conversion_hunks(single: Path = SINGLE, ddp: Path = DDP) -> list[str]:
-    """The hunks of :func:`script_diff` ``(single, ddp, context=0)``, each a string of its
-    header and its ``-``/``+`` lines.
+    """The hunks of :func:`script_diff` ``(single, ddp, context=0)``, each one string.
 
     Raises:
         OSError: a file cannot be read.
@@ -76,10 +71,7 @@ def conversion_hunks(single: Path = SINGLE, ddp: Path = DDP) -> list[str]:
 
 
 class ConversionDiff:
-    """The conversion's hunks, shown a few at a time with :meth:`show`, so that prose can
-    explain each right below it; :meth:`unshown` says what no :meth:`show` has printed yet.
-
-    Example::
+    """The conversion's hunks, shown a few at a time so that prose can explain each::
 
         diff = ConversionDiff()
         diff.show("DistributedSampler", "set_epoch")   # every hunk naming either
@@ -97,12 +89,10 @@ class ConversionDiff:
         return minus, plus
 
     def show(self, *needles: str) -> None:
-        """Print every hunk whose text contains one of ``needles`` (in file order), and mark
-        it shown.
+        """Print (and mark shown) every hunk containing one of ``needles``, in file order.
 
         Raises:
-            LookupError: no hunk contains any of ``needles`` (the files changed under the
-                prose that explains them).
+            LookupError: no hunk contains any (the files changed under their prose).
         """
         picked = [i for i, h in enumerate(self.hunks) if any(n in h for n in needles)]
         if not picked:

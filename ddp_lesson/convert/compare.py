@@ -1,35 +1,14 @@
 """``ddp-lesson compare SINGLE.py DDP.py``: does a conversion to DDP train the same weights?
 
-Runs the one-process script once (``python SINGLE.py ARGS``) and the DDP script under torchrun
-(``--nproc-per-node N``, through the package's launcher, :func:`ddp_lesson.launch.run_torchrun`)
-on the same arguments, then compares the two final sets of weights tensor by tensor.
-
-**The contract.** Each run gets a fresh folder of its own. Its path is in the environment
-variable ``DDP_LESSON_OUT``, and ``{out}`` in the script arguments is replaced by it. By its
-end the script writes its final weights into that folder, in the file ``--weights`` names
-(default ``weights.pt``): ``torch.save(model.state_dict(), path)``, or a dict with the
-state_dict under ``"model"`` (a checkpoint). The DDP script writes it on rank 0, the
-unwrapped model's (``model.module.state_dict()``; a leading ``module.`` or ``_orig_mod.`` in
-the keys is ignored). The package's own pair already writes ``--out/checkpoint.pt``::
-
-    ddp-lesson compare ddp_lesson/convert/single.py ddp_lesson/convert/ddp.py \\
-        --weights checkpoint.pt -- --out {out}
-
-**What to pin.** Equal weights need the same arithmetic: the same global batches in the same
-order (no shuffle, or the single script draws the permutation the ``DistributedSampler``
-draws: ``torch.randperm(n, generator=g)`` with ``g.manual_seed(seed + epoch)``, torch's
-``DistributedSampler.__iter__``), the global batch of the single script equal to the per-rank
-batch x R, a dataset size that R divides (else the sampler pads), the same initial weights,
-and no randomness inside the step (dropout ``p=0`` for the check, or the data augmentation off):
-a dropout mask drawn on R ranks is not the mask drawn on one.
-
-**Tolerance.** DDP sums the ranks' gradients in another order than one process sums the
-batch's, so float32 results differ in the last bits, and the differences grow with the steps.
-A tensor counts as the same when ``max |w_ddp - w_single| <= tol x (1 + max |w_single|)``.
-A wrong conversion (a forgotten ``set_epoch``, a loss divided by R again, a missing sampler)
-differs by far more than rounding.
-
-Exit status: 0 the same weights, 1 different, 2 bad input or a run that failed.
+Runs the one-process script (``python SINGLE.py ARGS``) and the DDP script under torchrun
+(:func:`ddp_lesson.launch.run_torchrun`) on the same arguments, then compares the two final sets
+of weights tensor by tensor. The contract, what to pin and the tolerance: :data:`EPILOG`
+(``ddp-lesson compare --help``). Where the single script draws the ``DistributedSampler``'s
+permutation, it is ``torch.randperm(n, generator=g)`` with ``g.manual_seed(seed + epoch)``
+(torch's ``DistributedSampler.__iter__``); a dropout mask drawn on R ranks is not the one drawn
+on one, and DDP's float32 sums differ from one process's in the last bits, growing with the
+steps, while a wrong conversion (a forgotten ``set_epoch``, a loss divided by R again) differs
+by far more. Keys' leading ``module.`` or ``_orig_mod.`` are ignored.
 """
 from __future__ import annotations
 
@@ -52,12 +31,9 @@ class CompareError(Exception):
 
 @dataclass
 class Comparison:
-    """The weights of two runs compared tensor by tensor.
-
-    ``rows``: ``(name, max |Δ|, max |w_single|, same)`` per tensor, in the single run's order;
-    ``missing``/``extra``: names only in the single run's / only in the DDP run's weights;
-    ``shapes``: names whose shapes differ.
-    """
+    """Two runs' weights compared: ``rows`` ``(name, max |Δ|, max |w_single|, same)`` in the
+    single run's order; names only in the single run's (``missing``), only in the DDP run's
+    (``extra``), or whose ``shapes`` differ."""
 
     tol: float
     rows: list = field(default_factory=list)
@@ -181,10 +157,8 @@ def run_ddp(script: Path, args: list[str], out: Path, nproc_per_node: int,
 def compare_scripts(single: Path, ddp: Path, args=(), *, nproc_per_node: int = 2,
                     weights: str = "weights.pt", tol: float = DEFAULT_TOL,
                     timeout: float = DEFAULT_TIMEOUT_S) -> Comparison:
-    """Run ``single`` on one process and ``ddp`` on ``nproc_per_node`` (torchrun), each with
-    its own folder (the contract above), and compare the weights they wrote.
-
-    Starts 1 + ``nproc_per_node`` processes, one after the other, and removes the folders.
+    """Run ``single`` on one process, then ``ddp`` on ``nproc_per_node`` (torchrun), each in a
+    folder of its own (:data:`EPILOG`), removed after, and compare the weights they wrote.
 
     Raises:
         CompareError: a missing script, a bad count or tolerance, a run that failed or

@@ -1,47 +1,28 @@
 """Launch real multi-process runs with torchrun, from a notebook cell or from Python.
 
-Two faces of one launcher:
+``run_torchrun(...)`` for scripts and tests; the ``%%torchrun`` cell magic (``%load_ext
+ddp_lesson``) and its line form ``%torchrun --nproc-per-node 2 -m ddp_lesson.train`` for
+notebooks. Both start the real torchrun (``python -m torch.distributed.run``) in a subprocess.
+A run is built (:mod:`.command`, the one place torchrun's flags are made), supervised
+(:mod:`.supervise`) and shown (:mod:`.output`); :mod:`.magic` is the notebook face, :mod:`.agent`
+the torchrun agent every run starts. Around torchrun the launcher adds:
 
-* ``run_torchrun(...)`` for scripts and tests;
-* the ``%%torchrun`` cell magic (``%load_ext ddp_lesson``) for notebooks, and its line form
-  ``%torchrun --nproc-per-node 2 -m ddp_lesson.train --epochs 1``.
-
-Both start the real launcher, ``python -m torch.distributed.run`` (torchrun), in a subprocess;
-nothing here spawns workers by hand. A run is built (:mod:`.command`: torchrun's flags from
-:func:`torchrun_flags`, the one place they are made, and the environment), supervised
-(:mod:`.supervise`: start, watchdog, timeout, terminate, reap), and shown (:mod:`.output`:
-rank-ordered output, tracebacks, live status); :mod:`.magic` is the notebook face, and
-:mod:`.agent` the torchrun agent every run starts. What the launcher adds around torchrun:
-
-* a free rendezvous port on 127.0.0.1: the agents' c10d rendezvous store is hosted here, on a
-  socket bound to loopback (torchrun's own would listen on every interface), so two launches
-  at once never collide and nothing listens beyond this machine; rank 0's store and gloo are
-  kept on loopback too (see :mod:`.agent`, :func:`.command.loopback_env`,
-  :func:`ddp_lesson.env.init_distributed`);
-* one backend/device choice, made with :func:`ddp_lesson.env.choose_backend` for every
-  process on this host, printed once and used by every rank (``DDP_LESSON_LAUNCHER_BACKEND``);
-* ``OMP_NUM_THREADS`` set explicitly (cores / processes) when you have not set it, which is
-  what silences torchrun's starred OMP banner (docs/pitfalls.md);
-* each rank's stdout captured to a file of its own and shown grouped in rank order after the
-  run, as a terminal would show it (a progress bar redrawn with ``\\r`` keeps its final state)
-  and wrapped to 100 characters with the ``[rank N] `` prefix, so a deterministic program gives
-  a deterministic cell output (nbval replays it); stderr is shown when a rank fails (or with
+* the agents' rendezvous store hosted here on a free 127.0.0.1 port (torchrun's own listens on
+  every interface); rank 0's store and gloo stay on loopback too (:mod:`.agent`,
+  :func:`.command.loopback_env`, :func:`ddp_lesson.env.init_distributed`);
+* one backend choice (:func:`ddp_lesson.env.choose_backend`), printed once, used by every rank;
+* ``OMP_NUM_THREADS`` (cores / processes) when unset, which silences torchrun's OMP banner;
+* each rank's stdout in a file of its own, shown in rank order as a terminal would (``\\r``
+  redraws keep their final state), wrapped to 100 characters with ``[rank N] `` prefixes, so
+  a deterministic program gives a deterministic cell output; stderr when a rank fails (or
   ``--show-stderr``), the cell's file named ``<torchrun cell>``;
-* live status while it runs: in a notebook one line of plain text (no widget: it reads the
-  same after a kernel restart and unexecuted), shown with a display id and rewritten in place;
-  it starts and ends as a constant text (:func:`status_text`), so the stored output is
-  deterministic (see :class:`LiveStatus`);
-* a failing rank raises :class:`TorchrunError`: the rank that failed first and its traceback,
-  the ranks that failed after it (peers waiting in a collective) listed as its consequences;
-* a wall-clock timeout (:class:`TorchrunTimeout`) and, on timeout or interrupt
-  (:class:`TorchrunInterrupted`, one line in a notebook), every process ended: torchrun gets
-  SIGTERM (it forwards it to its workers and waits up to 30 s, as plain torchrun), then SIGKILL,
-  then every process group of the run is killed
-  (torchrun puts each worker in its own session, so killing the launcher's process group alone
-  would orphan them and whatever they started);
-* if this process dies outright (a kernel restart, SIGKILL), a watchdog process ends the run
-  and removes its folder (:func:`ddp_lesson.procs.watch`); torchrun's own log folder lives in the
-  run's folder, so ``$TMPDIR`` is left as it was.
+* a plain-text live status line that starts and ends as a constant (:class:`LiveStatus`);
+* :class:`TorchrunError` naming the rank that failed first, later failures as consequences;
+* a timeout (:class:`TorchrunTimeout`) and interrupts (:class:`TorchrunInterrupted`) ending
+  every process: SIGTERM to torchrun (its workers get 30 s, as under plain torchrun), SIGKILL,
+  then every process group of the run (each worker has a session of its own);
+* a watchdog that ends the run and removes its folder if this process dies outright
+  (:func:`ddp_lesson.procs.watch`); torchrun's log folder lives in the run's folder.
 
 Source: torchrun's documentation, https://pytorch.org/docs/stable/elastic/run.html.
 """

@@ -18,7 +18,7 @@ with ``DDP_LESSON_ALL_RANKS_LOCAL=1``); anything else runs exactly as ``torchrun
   runs). Here the port stays bound by the agent (``SO_REUSEADDR``, never listening) until the
   next round chooses another: Linux gives a bound port to no ``connect()`` and no
   ``bind(port 0)``, while rank 0, which binds it with ``SO_REUSEADDR``
-  (:func:`ddp_lesson.env._loopback_store`), can still bind it and listen.
+  (:func:`ddp_lesson.env.loopback_store_server`), can still bind it and listen.
 
 Where torch's names moved (another torch version), the agent runs unchanged.
 Sources: torch 2.13, ``torch/distributed/elastic/rendezvous/api.py``
@@ -31,7 +31,7 @@ from __future__ import annotations
 import os
 import socket
 
-from ..env import LOCAL_RUN_ENV
+from .. import env
 
 _held: list[socket.socket] = []  # the port of the current round, kept bound
 
@@ -60,23 +60,14 @@ def loopback_store_server(handler, master_addr, master_port):
     ``TCPStore``, ``multi_tenant``); ``master_port`` 0 (what torch passes) lets the kernel
     choose the port of the listening socket itself.
     """
-    import torch.distributed as dist
-
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", master_port))
-    sock.listen(128)
-    port = sock.getsockname()[1]
-    # the store owns the socket from here (detach: Python must not close its descriptor)
-    return dist.TCPStore("127.0.0.1", port, is_master=True, multi_tenant=True,
-                         wait_for_workers=False, master_listen_fd=sock.detach())
+    return env.loopback_store_server(master_port, multi_tenant=True, wait_for_workers=False)
 
 
 def install(environ=None) -> bool:
     """Put :func:`held_port` and :func:`loopback_store_server` in torch's rendezvous, when every
     process of the run is local (``DDP_LESSON_ALL_RANKS_LOCAL=1`` in ``environ``, default this
     process's). Returns whether it did (False also when torch's names are not there)."""
-    if (os.environ if environ is None else environ).get(LOCAL_RUN_ENV) != "1":
+    if (os.environ if environ is None else environ).get(env.LOCAL_RUN_ENV) != "1":
         return False
     from torch.distributed.elastic.rendezvous import api, dynamic_rendezvous
 

@@ -22,6 +22,7 @@ from ..env import (
     LAUNCHER_REASON_ENV,
     LOCAL_RUN_ENV,
     choose_backend,
+    loopback_store_server,
 )
 
 
@@ -110,15 +111,12 @@ def launch_env(base, backend: str | None, nprocs_here: int, announced: bool = Tr
 
     Args:
         base: environment to start from (None: this process's).
-        backend: an explicit ``"gloo"``/``"nccl"``/``"auto"`` passed on to every rank as
-            ``DDP_LESSON_BACKEND``; None leaves the variable as it is.
+        backend: passed on to every rank as ``DDP_LESSON_BACKEND`` (None: left as it is).
         nprocs_here: processes per node, for ``OMP_NUM_THREADS``.
-        announced: tell the workers the launcher printed the backend choice already.
-        chosen: ``(backend, reason)`` the launcher chose and printed; every rank then uses
-            it (``DDP_LESSON_LAUNCHER_BACKEND``/``_REASON``) instead of choosing again.
-        max_restarts: the run's ``--max-restarts``. A run that can restart (> 0, or None: not
-            known) gets ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` unless ``base`` sets it; a
-            run that cannot (0) keeps torchrun's shared store.
+        announced: the launcher printed the backend choice already.
+        chosen: ``(backend, reason)`` the launcher chose and printed, for every rank.
+        max_restarts: a run that can restart (> 0, or None: not known) gets
+            ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` unless ``base`` sets it.
     """
     env = dict(os.environ if base is None else base)
     if backend is not None:
@@ -131,16 +129,13 @@ def launch_env(base, backend: str | None, nprocs_here: int, announced: bool = Tr
         # Set explicitly: torchrun otherwise prints its starred banner and picks 1 anyway.
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nprocs_here))
     if max_restarts is None or max_restarts > 0:
-        # By default torchrun >= 2.4 keeps one workers' TCP store across restarts, and on
-        # torch 2.13 + gloo the restarted workers then often fail in init_process_group with
-        # "Gloo connectFullMesh failed ... Connection refused": the shared store still holds
-        # the dead attempt's keys, which carry no restart count (pitfall C7 in
-        # docs/pitfalls.md; pytorch/pytorch#135712, reported for NCCL). A fresh store per
-        # rendezvous round removes them: tests/launch/test_elastic.py's restarts recover with it.
-        # A run that cannot restart keeps the shared store: the agent starts it before any
-        # worker, on a port it holds (no other process can take it before rank 0 binds it),
-        # and with every rank a client a rank that never joins makes every other rank wait
-        # for its key, whatever the load (the clinic's missing_rank).
+        # torchrun >= 2.4 keeps one workers' TCP store across restarts; on torch 2.13 + gloo
+        # restarted workers then often fail ("Gloo connectFullMesh failed ... Connection
+        # refused": the dead attempt's keys carry no restart count; pitfall C7,
+        # pytorch/pytorch#135712). A fresh store per round fixes it (tests/launch/
+        # test_elastic.py). A run that cannot restart keeps the shared store: started by the
+        # agent on a port it holds, every rank a client, so a rank that never joins makes the
+        # others wait for its key, whatever the load (the clinic's missing_rank).
         env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     # Let the workers import this package even when it is not installed (a plain checkout).
     pkg_root = str(Path(__file__).resolve().parents[2])
@@ -161,7 +156,6 @@ def launcher_backend(nproc_per_node: int, nnodes: int = 1, backend: str | None =
     return choose_backend(nproc_per_node * nnodes, requested or "auto")
 
 
-
 @dataclass
 class Launch:
     """A run ready to start: torchrun's commands, their environment and where output goes."""
@@ -179,29 +173,16 @@ class Launch:
 
 
 def rendezvous_store():
-    """A TCPStore server on 127.0.0.1 for torchrun's agents: ``(store, "127.0.0.1:PORT")``.
-
-    torch's TCPStore server binds every interface, but accepts a listening socket from the
-    caller (``master_listen_fd``); one bound to 127.0.0.1 keeps the rendezvous on this machine.
-    """
-    import torch.distributed as dist
-
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(128)
-    port = sock.getsockname()[1]
-    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
-                          master_listen_fd=sock.detach(), multi_tenant=True)
-    return store, f"127.0.0.1:{port}"
+    """A TCPStore server on 127.0.0.1 for torchrun's agents: ``(store, "127.0.0.1:PORT")``
+    (:func:`ddp_lesson.env.loopback_store_server`)."""
+    store = loopback_store_server(0, wait_for_workers=False, multi_tenant=True)
+    return store, f"127.0.0.1:{store.port}"
 
 
 def loopback_env(env: dict) -> dict:
-    """Variables that keep a run whose ranks are all on this machine off the network.
-
-    Rank 0's store binds 127.0.0.1 (``DDP_LESSON_ALL_RANKS_LOCAL``, read by
-    :func:`ddp_lesson.env.init_distributed`), and gloo's own connections use the loopback
-    interface (``GLOO_SOCKET_IFNAME=lo``; gloo otherwise listens on the address the host name
-    resolves to). A value you set yourself is kept.
+    """Variables that keep a run whose ranks are all on this machine off the network: rank 0's
+    store on 127.0.0.1 (``DDP_LESSON_ALL_RANKS_LOCAL``, :func:`ddp_lesson.env.init_distributed`)
+    and gloo on ``GLOO_SOCKET_IFNAME=lo`` (else the host name's address), unless set already.
     """
     extra = {LOCAL_RUN_ENV: "1"}
     if "GLOO_SOCKET_IFNAME" not in env and "lo" in {n for _, n in socket.if_nameindex()}:

@@ -1,25 +1,19 @@
 """A ``%%ranks`` cell's output in program order: file descriptors 1 and 2 captured per cell.
 
-An ipyparallel engine is an ipykernel kernel: ``sys.stdout`` is an ``OutStream`` that sends
-Python's prints to the client. What bypasses Python (``os.write(1, ...)``, ``os.system``, a
-subprocess, C code) writes to file descriptor 1 itself. ipykernel's ``watchfd`` points fd 1 at a
-pipe read by a thread of its own, which adds what it reads to the same ``OutStream`` *when that
-thread gets to it*: after later prints (out of order), or after the execute reply (the tail of
-the cell lost, or shown with the next cell); and under pytest ipykernel turns ``watchfd`` off, so
-fd 1 goes to the engine's log (https://github.com/ipython/ipykernel/issues/110,
+On an ipyparallel engine (an ipykernel kernel) ``sys.stdout`` is an ``OutStream`` sending prints
+to the client, while ``os.write(1, ...)``, ``os.system``, subprocesses and C code write to fd 1.
+ipykernel's ``watchfd`` thread adds fd 1's output to the ``OutStream`` *when it gets to it*:
+after later prints, or after the execute reply (the cell's tail lost or shown with the next);
+under pytest ``watchfd`` is off and fd 1 goes to the engine's log
+(https://github.com/ipython/ipykernel/issues/110,
 https://github.com/ipython/ipyparallel/issues/401; pitfall C11).
 
-:func:`capture_cells` makes each cell write one stream per descriptor: for the cell's duration fd
-1 and ``sys.stdout`` write to one pipe (prints unbuffered, straight to fd 1, as ``python -u``
-does), fd 2 and ``sys.stderr`` to another, so whatever writes there (the engine's Python, its C
-code, its children) lands in the order it was written. One thread per pipe forwards what comes
-out to the ``OutStream`` the cell replaced, as it comes (a rank stuck in a collective still shows
-what it printed). After the cell, fds and ``sys`` streams are restored and each pipe drained to
-its last byte before the cell's result is sent. stdout and stderr stay separate streams, each
-in order (as under ``%%torchrun``); how they interleave with each other is not kept. C stdio's
-buffer (``printf``) is flushed at the cell's end, so its text stays in its cell. A process the
-cell left running in the background keeps its pipe: what it writes after its cell returned
-goes to that finished cell and is not shown.
+:func:`capture_cells`: during a cell fd 1 and an unbuffered ``sys.stdout`` (as ``python -u``)
+write to one pipe, fd 2 and ``sys.stderr`` to another, each forwarded as it comes by a thread to
+the ``OutStream`` it replaced (a rank stuck in a collective still shows its prints); after the
+cell both are restored and each pipe drained before the cell's result is sent. Each stream in
+order, their interleaving not kept (as under ``%%torchrun``); C stdio is flushed at the cell's
+end. A background process the cell left keeps its pipe: its later output is not shown.
 """
 from __future__ import annotations
 

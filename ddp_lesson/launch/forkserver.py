@@ -1,28 +1,21 @@
 """torchrun's agents forked from the standard library's fork server: torch imported once per
 launching process, not once per run.
 
-Every run starts one torchrun agent per node (``python -m ddp_lesson.launch.agent``). A fresh
-agent spends most of its CPU importing torch (about 1.5 CPU-s) before it starts a worker. So
-the first launch of a process (a notebook kernel, a test worker) starts ``multiprocessing``'s
-fork server with torch's launcher preloaded (``set_forkserver_preload``), and each agent is a
-``Process`` forked from it: the same program (``ddp_lesson.launch.agent.main``) with the run's
-environment, working directory, umask, CPU affinity and output descriptor (sent with the
-request: ``multiprocessing.reduction.DupFd``), in a process group of its own, killed by Linux
-when the server dies (``PR_SET_PDEATHSIG``); the server ends when the launching process does
-(``multiprocessing/forkserver.py``: its ``alive`` pipe closes).
+A fresh torchrun agent (``python -m ddp_lesson.launch.agent``) spends about 1.5 CPU-s importing
+torch. So the first launch of a process starts ``multiprocessing``'s fork server with torch's
+launcher preloaded (``set_forkserver_preload``), and each agent is a ``Process`` forked from it,
+given the run's environment, folder, umask, CPU affinity and output descriptor
+(``multiprocessing.reduction.DupFd``), in a process group of its own, dying with the server
+(``PR_SET_PDEATHSIG``), which ends with the launching process (``multiprocessing/forkserver.py``:
+its ``alive`` pipe closes).
 
-What a fresh process reads from its environment before ``main`` runs, the child sets again:
-``os.environ``, ``sys.path`` from the run's ``PYTHONPATH`` and working directory, unbuffered
-stdout under ``PYTHONUNBUFFERED``, the level of torch's ``torch.distributed`` loggers from
-``LOGLEVEL`` (read at import: ``torch/distributed/elastic/utils/logging.py``). What is read only
-at ``import torch`` or at the interpreter's start (:data:`IMPORT_TIME`) cannot be set again: a
-run whose value differs from the server's gets a fresh agent. The agent exits as an interpreter
-does: threads joined, ``atexit`` run, Python's and C's output flushed, death by SIGINT after an
-interrupt.
-
-``DDP_LESSON_FORKSERVER=0`` in the run's environment turns it off (a fresh agent per run), and
-so does any failure to fork: :func:`spawn_agent` returns None and the caller starts the agent
-itself. Linux only.
+The child sets again what a fresh process reads before ``main``: ``os.environ``, ``sys.path``
+(``PYTHONPATH``, folder), unbuffered stdout (``PYTHONUNBUFFERED``), the ``torch.distributed``
+loggers' level (``LOGLEVEL``, read at import: ``torch/distributed/elastic/utils/logging.py``).
+A run whose :data:`IMPORT_TIME` variables differ from the server's gets a fresh agent. The
+agent exits as an interpreter does (threads joined, ``atexit``, output flushed, SIGINT death
+after an interrupt). ``DDP_LESSON_FORKSERVER=0`` or a failed fork: :func:`spawn_agent` returns
+None and the caller starts a fresh agent. Linux only.
 """
 from __future__ import annotations
 
@@ -113,19 +106,14 @@ class _Fd:
 
 def spawn_agent(cmd: list[str], env: dict, cwd, out_fd: int, ready=None
                 ) -> ForkedAgent | None:
-    """Start the torchrun agent ``cmd`` forked from this process's fork server, or say it cannot.
-
-    ``cmd`` must be ``[sys.executable, "-m", "ddp_lesson.launch.agent", *argv]``; its output
-    (stdout and stderr) goes to ``out_fd``, its input is ``/dev/null``; ``cwd`` None is this
-    process's current directory. The first call starts the server (it imports torch: about
-    1.5 CPU-s, once per launching process) and waits for it. ``ready`` (optional) False gives
-    up before forking (a cancelled or timed-out run).
+    """Start the torchrun agent ``cmd`` (``[sys.executable, "-m", "ddp_lesson.launch.agent",
+    *argv]``) forked from the fork server (started, importing torch, on the first call),
+    stdout and stderr to ``out_fd``, stdin ``/dev/null``; ``cwd`` None: this one's.
 
     Returns:
-        A :class:`ForkedAgent`, or None: not Linux, another command, ``DDP_LESSON_FORKSERVER=0``
-        in ``env``, a variable of :data:`IMPORT_TIME` that differs from the server's, a ``cwd``
-        that is not a folder (the caller's own start reports it), ``ready`` said False, or a
-        failed fork. The caller then starts the agent itself (or ends the run).
+        A :class:`ForkedAgent`, or None: not Linux, another command, ``DDP_LESSON_FORKSERVER=0``,
+        an :data:`IMPORT_TIME` variable unlike the server's, ``cwd`` not a folder, ``ready()``
+        False (a cancelled or timed-out run), or a failed fork.
     """
     if (not sys.platform.startswith("linux") or cmd[:3] != _AGENT_ARGV0
             or env.get(SWITCH_ENV, os.environ.get(SWITCH_ENV)) == "0"

@@ -103,12 +103,7 @@ def torchrun_magic(line: str, cell: str | None = None):
                               nproc_per_node=opts.nproc_per_node, nnodes=opts.nnodes,
                               max_restarts=opts.max_restarts, timeout=opts.timeout,
                               backend=opts.backend)
-    except TorchrunError as e:
-        out = format_rank_outputs(e.result.outputs, ranks)
-        if out:
-            print(out, end="")
-        raise
-    except TorchrunTimeout as e:
+    except (TorchrunError, TorchrunTimeout) as e:  # what the ranks printed, then the error
         out = format_rank_outputs(e.result.outputs, ranks)
         if out:
             print(out, end="")

@@ -25,20 +25,15 @@ class TorchrunError(RuntimeError):
 
     Attributes:
         rank: the rank that failed first (the root cause), None when no rank is known.
-        exitcode: its exit code.
-        traceback: its traceback (the cell named ``<torchrun cell>``).
-        consequences: the ranks that failed after it, in rank order: a rank waiting in a
-            collective fails when its peer's process ends ("Connection closed by peer" on
-            gloo), so their errors follow from ``rank``'s and are never reported as the cause.
-        result: the :class:`TorchrunResult` (every rank's output and stderr).
+        exitcode, traceback: its exit code and traceback (the cell named ``<torchrun cell>``).
+        consequences: the ranks that failed after it, in rank order (a rank waiting in a
+            collective fails when its peer's process ends: "Connection closed by peer").
+        result: the :class:`TorchrunResult`.
 
-    Which rank failed first is read from the ranks' own records (``rank{N}.exit``, written by
-    :mod:`ddp_lesson._worker` with ``time.time_ns()`` as the exception leaves the rank's
-    program), not from torchrun's summary: torchrun's "Root Cause (first observed failure)"
-    is the failure with the smallest timestamp (``ChildFailedError.get_first_failure`` in
-    ``torch/distributed/elastic/multiprocessing/errors/__init__.py``), and those timestamps
-    are whole seconds (``int(time.time())`` in ``ProcessFailure`` and ``error_handler.py``),
-    so a cause and its consequence a few milliseconds later tie.
+    The first failure is read from the ranks' records (``rank{N}.exit``, ``time.time_ns()``,
+    :mod:`ddp_lesson._worker`), not torchrun's "Root Cause": its timestamps are whole seconds
+    (``int(time.time())`` in ``ProcessFailure``, ``ChildFailedError.get_first_failure``,
+    ``torch/distributed/elastic/multiprocessing/errors/``), so cause and consequence tie.
     """
 
     def __init__(self, message: str, rank: int | None, exitcode: int, traceback: str,
@@ -75,11 +70,8 @@ _TORCH_PREFIX = re.compile(r"^\[rank\d+\]: ?", re.M)
 
 
 class TorchrunInterrupted(KeyboardInterrupt):
-    """The run was interrupted (Ctrl-C, the notebook's stop button); every process was ended.
-
-    A ``KeyboardInterrupt``, so a run-all stops here; in a notebook it shows as one line,
-    not a traceback through the launcher.
-    """
+    """The run was interrupted (Ctrl-C, the stop button); every process was ended. A
+    ``KeyboardInterrupt`` (a run-all stops), shown in a notebook as one line."""
 
     MESSAGE = "torchrun interrupted: every process it started was ended"
 
@@ -105,21 +97,10 @@ class TorchrunTimeout(subprocess.TimeoutExpired):
 
 @dataclass
 class TorchrunResult:
-    """What a run left behind.
-
-    Attributes:
-        returncode: torchrun's exit status (0 when every rank succeeded).
-        outputs: global rank -> that rank's stdout (all restarts, in order).
-        errors: global rank -> that rank's stderr.
-        launcher_stderr: torchrun's own stderr (its log lines and failure summary).
-        command: the command actually run.
-        torchrun_command: the equivalent command to type in a terminal.
-        backend, backend_reason: the launcher's backend choice and why.
-        wall_s: seconds from start to exit.
-        failed_rank: the rank that failed first, the root cause (None when all succeeded):
-            see :class:`TorchrunError`.
-        failed_ranks: every failing rank, in rank order.
-    """
+    """What a run left behind: torchrun's ``returncode``; ``outputs`` and ``errors``, global
+    rank -> stdout / stderr (all restarts); ``launcher_stderr`` (torchrun's log and summary);
+    the ``command`` run and the ``torchrun_command`` to type; the backend and why; ``wall_s``;
+    ``failed_rank`` (the root cause, :class:`TorchrunError`) and every ``failed_ranks``."""
 
     returncode: int
     outputs: dict[int, str]
@@ -149,14 +130,10 @@ LINE_WIDTH = 100
 
 
 def _fit(line: str, prefix: str, width: int = LINE_WIDTH) -> list[str]:
-    """``prefix + line``, broken at spaces so each piece fits ``width``; the pieces after the
-    first are indented by ``len(prefix)`` spaces and carry no ``[rank N]`` prefix, so a long
-    line never reads as two prints of the rank.
-
-    The break drops exactly one space, the last of its run, so a continuation starts with a
-    character (which tells it from a cell's own indented lines) and
-    :func:`join_continuations` restores the line as printed. A single word longer than the
-    room left is not broken (it would stop being searchable or copyable).
+    """``prefix + line`` broken at spaces to fit ``width``; later pieces are indented by
+    ``len(prefix)`` without a prefix (never two prints of the rank). A break drops one space,
+    the last of its run, so a continuation starts with a character and
+    :func:`join_continuations` restores the line; a word longer than the room is not broken.
     """
     room = width - len(prefix)
     pieces, rest = [], line
@@ -208,6 +185,12 @@ def format_rank_outputs(outputs: dict[int, str], ranks=None) -> str:
     return "\n".join(lines) + ("\n" if lines else "")
 
 
+def ranks_word(ranks) -> str:
+    """``"rank 2"`` or ``"ranks 0, 3"`` (sorted): how failure messages name ranks."""
+    ranks = sorted(ranks)
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+
+
 def _read(path: Path) -> str:
     """The file's text as written: ``\\r`` kept (no newline translation), bad bytes replaced."""
     try:
@@ -235,14 +218,10 @@ def terminal_text(text: str) -> str:
 
 def collect_outputs(outdir: Path, script: Path | None = None
                     ) -> tuple[dict[int, str], dict[int, str], dict[int, int], dict[int, int]]:
-    """Each rank's stdout and stderr as a terminal shows them, and the ranks' own failures:
-    ``(outputs, errors, exits, times)``, ``exits`` rank -> exit code and ``times`` rank -> the
-    failure's ``time.time_ns()`` (:mod:`ddp_lesson._worker` writes ``"CODE TIME_NS"``); a
-    failure marked `` consequence`` (its exception passes on a peer's failure) gets
-    :data:`CONSEQUENCE_NS` added to its time, so it comes after every unmarked one.
-
-    The cell's temporary file is named ``<torchrun cell>`` (tracebacks, warnings), so
-    nothing shown depends on where the run's folder was.
+    """``(outputs, errors, exits, times)``: each rank's stdout and stderr as a terminal shows
+    them (``script`` named ``<torchrun cell>``), and its own failure record
+    (:mod:`ddp_lesson._worker` writes ``"CODE TIME_NS"``): exit code and ``time.time_ns()``,
+    plus :data:`CONSEQUENCE_NS` when marked `` consequence`` (it passes on a peer's failure).
     """
     def text(p: Path) -> str:
         t = terminal_text(_read(p))
@@ -268,13 +247,9 @@ CONSEQUENCE_NS = 10 ** 19
 
 
 def first_failures(failed: list[int], times: dict[int, int]) -> list[int]:
-    """``failed`` ordered by when each rank failed, the root cause first.
-
-    A rank with a record (``times``: its program raised or exited non-zero) is placed by the
-    record's time, ties by rank. A failing rank without one died of a signal (torchrun's
-    summary names it; its own SIGTERMs are not counted, :func:`read_failed_ranks`): a peer's
-    failure reaches a rank as an exception in a collective, which is recorded, not as a
-    signal, so those ranks come first, in rank order.
+    """``failed`` ordered by when each rank failed, the root cause first: ranks without a
+    record (``times``) died of a signal, which no peer's failure causes, so they come first;
+    the others by their record's time, ties by rank.
     """
     unrecorded = [r for r in sorted(failed) if r not in times]
     recorded = sorted((r for r in failed if r in times), key=lambda r: (times[r], r))
@@ -286,11 +261,8 @@ _ROOT_CAUSE = re.compile(r"Root Cause.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+
 
 
 def _failed_rank(launcher_stderr: str, errors: dict[int, str]) -> tuple[int | None, int | None]:
-    """The rank to show: torchrun's first observed failure, unless that rank said nothing.
-
-    When every rank exits on the same bad input, often only rank 0 prints why; torchrun may
-    still name another rank as the first failure. Show one that left a traceback or message.
-    """
+    """The rank to show: torchrun's first observed failure, unless that rank said nothing
+    (every rank exits on the same bad input, only rank 0 says why): then one that did."""
     m = _ROOT_CAUSE.search(launcher_stderr)
     root = (int(m.group(1)), int(m.group(2))) if m else (None, None)
     if root[0] is not None and errors.get(root[0], "").strip():
@@ -307,12 +279,9 @@ _FAILURE = re.compile(r"rank\s*:\s*(\d+)[^\n]*\n\s*exitcode\s*:\s*(-?\d+)")
 
 def read_failed_ranks(launcher_stderr: str, errors: dict[int, str], exits: dict[int, int]
                       ) -> list[tuple[int, int | None]]:
-    """Every failing rank with its exit code, in rank order (the error names the lowest).
-
-    A rank whose own program failed recorded it (``rank{N}.exit``); torchrun's summary adds
-    ranks that died without a word (a signal), but not the ones torchrun itself ended
-    (SIGTERM) because a peer failed first. Without records: torchrun's choice (see
-    :func:`_failed_rank`).
+    """Every failing rank with its exit code, in rank order: the ranks' records
+    (``rank{N}.exit``), plus those torchrun's summary names dead of a signal other than its
+    own SIGTERM; without records, :func:`_failed_rank`'s choice.
     """
     failed = dict(exits)
     for rank, code in _FAILURE.findall(launcher_stderr):
@@ -352,33 +321,20 @@ def clean_traceback(text: str, script: Path | None, label: str) -> str:
 
 
 def status_text(nprocs: int) -> str:
-    """The live status's constant text form, e.g. ``"torchrun: 2 processes"``.
-
-    The status line's first and last text: what a stored notebook shows (also on GitHub),
-    plain text that reads as well after the run as before it. nbval keeps a line's first
-    form and nbclient stores its last, so both are this one and replays stay exact.
-    """
+    """The live status's first and last text, e.g. ``"torchrun: 2 processes"``: nbval keeps a
+    line's first form and nbclient stores its last, so replays stay exact."""
     return f"torchrun: {nprocs} process{'es' if nprocs != 1 else ''}"
 
 
 class LiveStatus:
     """A one-line live status in a notebook kernel (nothing elsewhere): plain text, no widget.
 
-    Shown with ``display(..., display_id=True)`` and rewritten in place with
-    ``update_display_data`` messages: JupyterLab (and VS Code, nbclient) apply them live, and
-    since there is no widget and no comm, nothing in the page depends on the kernel staying
-    alive -- after a kernel restart the line stays readable text (a widget's view showed a
-    broken-link icon), and an unexecuted notebook shows the text as stored
-    (also on GitHub).
-
-    Replays: nbval 0.11 keeps the first ``display_data`` of a cell and ignores updates, while
-    nbclient (``jupyter nbconvert --execute``) stores the last update. So the line starts and
-    ends with the same constant text, :func:`status_text` (``"torchrun: 2 processes"``), and
-    only the updates in between carry the elapsed seconds and rank 0's progress; the stored
-    output is deterministic. One line per cell: several launches from one cell (a loop of
-    ``run_torchrun`` calls) update the same line, which ends as the cell's first launch began.
-
-    It also keeps the kernel reported busy while the cell runs (:func:`keep_kernel_status_busy`).
+    ``display(..., display_id=True)`` rewritten with ``update_display_data``: no widget and no
+    comm, so after a kernel restart (or on GitHub) the line stays readable text. nbval 0.11
+    keeps a cell's first ``display_data``, nbclient its last update: the line starts and ends
+    as :func:`status_text`, only the updates between carry seconds and rank 0's progress. One
+    line per cell (several launches update it). Keeps the kernel reported busy meanwhile
+    (:func:`keep_kernel_status_busy`).
     """
 
     _per_cell: dict = {}  # the cell's execute request -> (display handle, its constant text)
@@ -432,22 +388,15 @@ def _request_id(message) -> str | None:
 
 def keep_kernel_status_busy(kernel) -> bool:
     """Make ``kernel`` (an ipykernel Kernel) say "busy" again after each "idle" it publishes
-    for another request while a cell runs; installed once per kernel, kept for its lifetime.
+    for another request while a cell runs; installed once per kernel.
 
-    Why: a front end shows the kernel's last ``status`` message. ipykernel answers requests
-    on the control channel on a thread of their own, each with a busy/idle pair on IOPub, even
-    while a cell runs (ipython/ipykernel#799). JupyterLab ignores the pairs of a few request
-    types (jupyter_server's ``untracked_message_types``: debug, kernel_info, comm_info...) but
-    not those of the subshell probe it sends when it connects to a kernel
-    (``create_subshell_request``, ``delete_subshell_request``): when a fresh kernel's first
-    cell has already started, that "idle" arrives last, and the page read "Idle" for the whole
-    of a long first ``%%torchrun`` cell (seen in the page's websocket traffic; a later run is
-    not affected: the probe is sent once).
-
-    Every status goes through ``Kernel._publish_status``; this wraps it on the instance: it
-    tracks the execute requests being run (their own busy ... idle) and, when an "idle" for
-    any other request is published while one runs, publishes "busy" for that execute request
-    right after it. Installing it inside a cell says "busy" for that cell at once.
+    A front end shows the kernel's last ``status``. ipykernel answers control requests on a
+    thread of their own with busy/idle pairs even while a cell runs (ipython/ipykernel#799);
+    JupyterLab ignores the pairs of jupyter_server's ``untracked_message_types`` but not those
+    of its subshell probe on connect (``create_subshell_request``), so the page read "Idle"
+    through a long first ``%%torchrun`` cell (seen in its websocket traffic). This wraps
+    ``Kernel._publish_status`` on the instance: it tracks the running execute requests and
+    publishes "busy" for the current one after any other request's "idle".
 
     Returns:
         True when the kernel is guarded (now or before), False when it cannot be (no
@@ -493,8 +442,8 @@ def keep_kernel_status_busy(kernel) -> bool:
 
 
 def progress_line(outdir: Path, rank: int = 0) -> str:
-    """What rank ``rank`` is showing now: a progress bar being redrawn on stderr (tqdm), else
-    its last line of stdout. Never stderr's other lines (warnings and their source lines)."""
+    """What rank ``rank`` shows now: a progress bar redrawn on stderr (tqdm), else its last
+    line of stdout (never stderr's other lines: warnings)."""
     err = _read(outdir / f"rank{rank}.err")
     tail = err.rsplit("\n", 1)[-1]
     if "\r" in tail and terminal_text(tail).strip():

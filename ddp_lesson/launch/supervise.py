@@ -33,6 +33,7 @@ from .output import (
     collect_outputs,
     first_failures,
     progress_line,
+    ranks_word,
     read_failed_ranks,
     status_text,
 )
@@ -40,12 +41,10 @@ from .output import (
 DEFAULT_TIMEOUT_S = 300.0
 
 _POLL_S = 0.25
-#: How long the agents get after SIGTERM before SIGKILL (seconds). torchrun's agent answers
-#: SIGTERM by sending SIGTERM to its workers and waiting up to 30 s before SIGKILL
-#: (``LocalElasticAgent._shutdown(timeout=30)`` in torch/distributed/elastic/agent/server/
-#: local_elastic_agent.py): a rank's SIGTERM handler (a preemption checkpoint, say) gets that
-#: long under plain torchrun, so it gets it here too, plus a few seconds for the agent to exit.
-#: Ranks without a handler die at once, so an interrupt or a timeout is not slower for them.
+#: Seconds the agents get after SIGTERM before SIGKILL: torchrun's agent gives its workers 30 s
+#: (``LocalElasticAgent._shutdown(timeout=30)``, torch/distributed/elastic/agent/server/
+#: local_elastic_agent.py) for a SIGTERM handler (a preemption checkpoint), plus a few seconds
+#: for the agent; ranks without a handler die at once.
 _TERM_GRACE_S = 35.0
 
 
@@ -69,16 +68,11 @@ def _terminate(procs: list[subprocess.Popen], outdir: Path) -> None:
     kill_pids(folder_pids(str(outdir)))
 
 
-
 def _start(launch: Launch, errfiles, ready=None, procs: list | None = None) -> list:
-    """Start one torchrun agent per command, each in a process group of its own, dying with us.
-
-    Forked from this process's fork server (:mod:`.forkserver`: torch is imported once per
-    launching process, not once per agent), else started fresh: ``subprocess.Popen`` in a
-    session of its own. Either way ``pid`` is also the agent's process group. ``ready()``
-    False (the run was cancelled or timed out while the server started) stops starting: fewer
-    agents than commands come back. Each agent is appended to ``procs`` (if given) as it
-    starts, so that an interrupt during a later start leaves the caller every started one.
+    """Start one torchrun agent per command, each in a process group of its own, dying with us:
+    forked from the fork server (:mod:`.forkserver`, torch imported once), else ``Popen`` in a
+    session of its own. ``ready()`` False (cancelled, timed out) stops starting: fewer agents
+    come back. Each is appended to ``procs`` as it starts (an interrupt leaves the caller all).
     """
     procs = [] if procs is None else procs
     linux = sys.platform.startswith("linux")
@@ -100,12 +94,9 @@ def _start(launch: Launch, errfiles, ready=None, procs: list | None = None) -> l
 def _supervise(launch: Launch, timeout: float | None, status: LiveStatus, errfiles,
                cancel: threading.Event | None = None
                ) -> tuple[list[subprocess.Popen], bool, float]:
-    """Start the agents and wait for them: ``(procs, timed_out, wall_s)``.
-
-    Live status every ``_POLL_S``; on timeout, interrupt (or ``cancel`` set by another
-    thread: :func:`run_torchrun_many`) or any other exception every process is ended (the
-    exception is re-raised; a timeout is reported through ``timed_out``).
-    """
+    """Start the agents and wait for them: ``(procs, timed_out, wall_s)``. On timeout,
+    interrupt, ``cancel`` (:func:`run_torchrun_many`) or any exception every process is ended
+    (the exception re-raised)."""
     start = time.monotonic()
     procs = []
 
@@ -159,9 +150,8 @@ def _collect_result(launch: Launch, procs, errfiles, wall: float
 
 def _failure(launch: Launch, result: TorchrunResult, exits: dict[int, int],
              times: dict[int, int] | None = None) -> TorchrunError:
-    """The error for a failed run: the rank that failed first (the root cause) with its
-    traceback, the ranks that failed after it named as its consequences (see
-    :class:`TorchrunError`)."""
+    """The error for a failed run: the root cause with its traceback, later failures as its
+    consequences (:class:`TorchrunError`)."""
     failed = read_failed_ranks(result.launcher_stderr, result.errors, exits)
     result.failed_ranks = [r for r, _ in failed]
     if not failed:
@@ -181,10 +171,10 @@ def _failure(launch: Launch, result: TorchrunResult, exits: dict[int, int],
     said = [r for r in order if result.errors.get(r, "").strip()] or [rank]
     tb = clean_traceback(result.errors.get(said[0], ""), launch.script, CELL_LABEL)
     last = tb.strip().splitlines()[-1] if tb.strip() else ""
-    where = (f"{_ranks_word(causes)} of {launch.total} failed" + (" first" if later else "")
+    where = (f"{ranks_word(causes)} of {launch.total} failed" + (" first" if later else "")
              + f" ({_codes_word(causes, codes)})" + (f": {last}" if last else ""))
     if later:
-        where += (f"; {_ranks_word(later)} failed after "
+        where += (f"; {ranks_word(later)} failed after "
                   f"{'it' if len(causes) == 1 else 'them'} ({_codes_word(later, codes)})")
     return TorchrunError(where, rank, codes[rank], tb, result, consequences=later)
 
@@ -192,11 +182,6 @@ def _failure(launch: Launch, result: TorchrunResult, exits: dict[int, int],
 def _codes_word(ranks: list[int], codes: dict[int, int]) -> str:
     return (f"exit code{'s' if len(ranks) > 1 else ''} "
             + ", ".join(str(codes[r]) for r in ranks))
-
-
-def _ranks_word(ranks: list[int]) -> str:
-    return (f"rank {ranks[0]}" if len(ranks) == 1
-            else "ranks " + ", ".join(str(r) for r in ranks))
 
 
 def run_torchrun(target: str | None = None, args=(), *, code: str | None = None,
@@ -207,26 +192,17 @@ def run_torchrun(target: str | None = None, args=(), *, code: str | None = None,
                  torchrun_args=(), _cancel: threading.Event | None = None) -> TorchrunResult:
     """Run a program on ``nnodes * nproc_per_node`` processes with torchrun, collect each output.
 
-    Give exactly one of ``code`` (source text, run as a script: what ``%%torchrun`` does),
-    ``target`` with ``module=True`` (like ``torchrun -m NAME``) or ``target`` as a script path.
-    With ``nnodes > 1`` it starts that many torchrun agents on this host, one per simulated
-    node, joined by c10d rendezvous on 127.0.0.1 (as separate machines would be).
+    Exactly one of ``code`` (source run as a script, as ``%%torchrun``), ``target`` with
+    ``module=True`` (``torchrun -m NAME``) or ``target`` a script path, with ``args``. With
+    ``nnodes > 1``, that many torchrun agents here, joined by c10d rendezvous on 127.0.0.1.
 
     Args:
-        target: module name or script path.
-        args: the program's command-line arguments.
-        code: Python source to run on every rank instead of ``target``.
-        module: ``target`` is a module name.
-        nproc_per_node: processes per node (torchrun's ``--nproc-per-node``).
-        nnodes: number of torchrun agents (simulated nodes) to start here.
-        max_restarts: torchrun's ``--max-restarts``.
+        nproc_per_node, max_restarts: torchrun's ``--nproc-per-node``, ``--max-restarts``.
         timeout: wall-clock seconds for the whole run; None waits forever (not advised).
-        backend: ``"auto"``, ``"gloo"``, ``"nccl"``; None reads ``DDP_LESSON_BACKEND``. The
-            launcher chooses once and every rank uses that choice.
-        env: environment for the run (default: this process's).
-        cwd: working directory of the workers.
-        live: the live status line (plain text) in a notebook kernel: None (default) or True
-            show it there, False never. Outside a kernel there is none.
+        backend: ``"auto"``, ``"gloo"``, ``"nccl"``; None reads ``DDP_LESSON_BACKEND``: chosen
+            once, used by every rank.
+        env, cwd: the workers' environment and folder (default: this process's).
+        live: the live status line in a notebook kernel (None or True; False: never).
         check: raise :class:`TorchrunError` when a rank fails.
         torchrun_args: further torchrun flags, passed through unchanged.
 
@@ -278,27 +254,17 @@ def run_torchrun_many(jobs: dict, *, label: str = "torchrun", live: bool | None 
                       ) -> dict:
     """Start several :func:`run_torchrun` jobs at once and wait for all of them.
 
-    Each job runs in a thread of its own with its own rendezvous store, ports and folder; they
-    share only the machine. Started together, jobs that mostly wait (for a timeout, a
-    rendezvous, a torch import on a spare core) take about as long as the slowest one, not the
-    sum. Results are deterministic in content and come back in the order of ``jobs``, not of
-    finishing. In a notebook one live status line counts the finished jobs and ends as
-    :func:`status_text` of all their processes (what a stored notebook holds).
+    Each job has a thread, rendezvous store, ports and folder of its own: jobs that mostly wait
+    take about as long as the slowest. ``jobs``: ``{label: kwargs of run_torchrun}`` (their
+    ``live`` forced off); one live line, ``label`` its first word (``"hang clinic: 3 of 7 runs
+    finished, 4 s"``), ends as :func:`status_text` of all their processes.
 
-    Args:
-        jobs: ``{label: kwargs of run_torchrun}`` (``live`` is forced off for each job: the
-            line here speaks for all).
-        label: the first word of the live line (``"hang clinic: 3 of 7 runs finished, 4 s"``).
-        live: as for :func:`run_torchrun`.
-
-    Returns:
-        ``{label: TorchrunResult}`` in the order of ``jobs``.
+    Returns ``{label: TorchrunResult}`` in the order of ``jobs``.
 
     Raises:
         ValueError: no job, or a job's bad arguments.
-        TorchrunError / TorchrunTimeout: the first job (in ``jobs`` order) that raised one,
-            once every job has ended.
-        TorchrunInterrupted: a ``KeyboardInterrupt``; every process of every job is ended first.
+        TorchrunError / TorchrunTimeout: the first job's (in ``jobs`` order), once all ended.
+        TorchrunInterrupted: a ``KeyboardInterrupt``, every process of every job ended first.
     """
     if not jobs:
         raise ValueError("run_torchrun_many needs at least one job, got none")
