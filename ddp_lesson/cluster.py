@@ -211,6 +211,8 @@ class Cluster:
 
     def __init__(self, nproc_per_node: int = 2, nnodes: int = 1, backend: str | None = None,
                  timeout: float = DEFAULT_START_TIMEOUT_S, cwd=None, env: dict | None = None):
+        if timeout is None:  # the launcher allows no timeout; a cluster's start needs one
+            raise ValueError("timeout must be > 0 seconds, got None")
         validate_launch(nproc_per_node, nnodes, 0, timeout)  # the launcher's own checks
         if backend is not None and backend.lower() not in BACKENDS:
             raise ValueError(f"backend {backend!r} is not one of {', '.join(BACKENDS)}")

@@ -93,6 +93,8 @@ def test_bad_arguments_are_named_without_starting_anything():
         Cluster(backend="mpi")
     with pytest.raises(ValueError, match="timeout must be > 0 seconds, got -1"):
         Cluster(timeout=-1)
+    with pytest.raises(ValueError, match="timeout must be > 0 seconds, got None"):
+        Cluster(timeout=None)
     with pytest.raises(RuntimeError, match="not running"):
         Cluster().run("print(1)")
     cl._CURRENT = None
