@@ -8,6 +8,7 @@ errors; :func:`size_mismatch` reads gloo's line for a message larger than its bu
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import re
@@ -22,20 +23,13 @@ def _library_roots() -> tuple[str, ...]:
     (torch, cloudpickle, IPython...) and this package; lower-case, '/'-separated."""
     import sysconfig
 
-    roots = set()
-    for key in ("stdlib", "platstdlib", "purelib", "platlib"):
-        path = sysconfig.get_paths().get(key)
-        if path:
-            roots.add(path)
+    roots = [sysconfig.get_paths().get(k) for k in ("stdlib", "platstdlib", "purelib", "platlib")]
     for mod in ("torch", "cloudpickle", "numpy"):
-        try:
-            m = __import__(mod)
-            roots.add(os.path.dirname(os.path.dirname(m.__file__)))
-        except Exception:
-            pass
-    roots.add(str(Path(__file__).resolve().parent.parent))  # ddp_lesson/
+        with contextlib.suppress(Exception):
+            roots.append(os.path.dirname(os.path.dirname(__import__(mod).__file__)))
+    roots.append(str(Path(__file__).resolve().parent.parent))  # ddp_lesson/
     return tuple(sorted({os.path.realpath(r).replace(os.sep, "/").lower().rstrip("/") + "/"
-                         for r in roots}))
+                         for r in roots if r}))
 
 
 def is_library_frame(filename: str) -> bool:
@@ -56,15 +50,10 @@ def is_library_frame(filename: str) -> bool:
 def error_record(exc: BaseException) -> dict:
     """A picklable summary of an exception raised by a candidate: type, message (every line)
     and the innermost frame of the learner's own code (library frames are skipped)."""
-    frames = traceback.extract_tb(exc.__traceback__)
-    where = ""
-    for fr in reversed(frames):
-        if is_library_frame(fr.filename):
-            continue
-        where = f"line {fr.lineno} ({fr.line.strip() if fr.line else fr.name})"
-        break
-    message = str(exc).strip()
-    return {"error": type(exc).__name__, "message": message[:2000], "where": where}
+    where = next((f"line {fr.lineno} ({fr.line.strip() if fr.line else fr.name})"
+                  for fr in reversed(traceback.extract_tb(exc.__traceback__))
+                  if not is_library_frame(fr.filename)), "")
+    return {"error": type(exc).__name__, "message": str(exc).strip()[:2000], "where": where}
 
 
 def format_error(rec: dict) -> str:
@@ -99,10 +88,8 @@ def is_timeout_error(rec: dict) -> bool:
 
 
 def first_error(results: dict[int, Any]) -> tuple[int, dict] | None:
-    """The rank and error record of the most telling failure among ``results``.
-
-    A rank whose own code raised is preferred over ranks that merely timed out waiting for it.
-    """
+    """The rank and error record of the most telling failure among ``results``: a rank whose
+    own code raised before ranks that merely timed out waiting for it."""
     errors = [
         (r, res) for r, res in sorted(results.items()) if isinstance(res, dict) and "error" in res
     ]

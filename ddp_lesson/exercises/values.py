@@ -33,11 +33,7 @@ def case_timeout_s() -> float:
 def call_case(fn, args: tuple, case: str):
     """``fn(*args)`` with a time limit: :class:`CaseTimeout` naming ``case`` after
     :func:`case_timeout_s` seconds, so an endless loop ends in a verdict, not a frozen cell.
-
-    The limit is a ``SIGALRM`` timer, which interrupts Python code (a notebook kernel runs
-    cells in its main thread); off the main thread, or where there is no such timer
-    (Windows), the call runs without a limit.
-    """
+    The limit is a ``SIGALRM`` timer (main thread only, not on Windows; else no limit)."""
     import signal
     import threading
 
@@ -103,7 +99,7 @@ def as_whole(value) -> int:
 
 def fmt_num(x: float, digits: int = 4) -> str:
     """A float rounded for a verdict: 4 significant digits, no float noise."""
-    if isinstance(x, (int,)) and not isinstance(x, bool):
+    if isinstance(x, int) and not isinstance(x, bool):
         return str(x)
     if x != x:
         return "nan"
@@ -121,6 +117,13 @@ def fmt_list(values, digits: int = 4, limit: int = 8) -> str:
     vals = [fmt_num(v, digits) for v in list(values)[:limit]]
     more = ", ..." if len(list(values)) > limit else ""
     return "[" + ", ".join(vals) + more + "]"
+
+
+def divided_by(got, mean, world_size: int, ks=range(1, 9), **tol) -> int | None:
+    """The constant k (not the world size R) for which ``got`` is R x ``mean`` / k: a sum
+    over the R ranks divided by k; None when none fits (``tol``: :func:`close`'s)."""
+    R = world_size
+    return next((k for k in ks if k != R and close(got, [R * v / k for v in mean], **tol)), None)
 
 
 def close(a, b, rtol: float = 1e-5, atol: float = 1e-6) -> bool:

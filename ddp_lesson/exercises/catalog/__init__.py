@@ -1,15 +1,9 @@
-"""Every checkable exercise of notebooks 00-09, one module each, named by id and topic.
+"""Every checkable exercise of notebooks 00-09, one module each, named by id and topic;
+importing this package registers them all in :data:`ddp_lesson.exercises.registry.REGISTRY`.
 
-Each module holds one exercise's inputs, how a rank runs the candidate (``_rank``) or how a
-local one is called (``_run``), the judge that turns the first difference from the reference
-into a sentence a learner can act on, and its :func:`~ddp_lesson.exercises.registry.register`
-call with the task text. Importing this package registers them all in
-:data:`ddp_lesson.exercises.registry.REGISTRY`.
-
-The judges compare with the package (``ddp_lesson.sampler``, ``ddp_lesson.gradients``, ...),
-computed in this process. The inputs each rank uses are deterministic functions of its rank,
-so a judge recomputes them instead of shipping them; every varied input comes from a fixed
-seed (``random.Random(k)``), so a verdict is the same on every run and every machine.
+Each module holds its inputs, how a rank runs the candidate (``_rank``) or a local one is
+called (``_run``), the judge (comparing with the package, computed here) and its ``register``
+call. Inputs are functions of the rank and of fixed seeds, so a verdict is the same anywhere.
 """
 from . import (  # noqa: F401  (imported to register)
     ex_00_3_local_rank,

@@ -1,8 +1,5 @@
-"""Exercise 02.3: check that every rank has the same seed and epoch, raising on every rank.
-
-Run at 3 and 2 processes with agreeing and disagreeing (seed, epoch) pairs; a raised
-message must name the ranks that differ from rank 0.
-"""
+"""Exercise 02.3: check that every rank has the same seed and epoch, raising on every rank
+with a message naming the ranks that differ from rank 0; at 3 and 2 processes."""
 from __future__ import annotations
 
 import re

@@ -1,8 +1,5 @@
-"""Exercise 02.4: the exact global accuracy from per-rank counts, at 3 and 2 processes.
-
-The shards are the unpadded interleaved ones of ``DistributedEvalSampler``; one case leaves a
-rank with no sample at all.
-"""
+"""Exercise 02.4: the exact global accuracy from per-rank counts of the unpadded interleaved
+shards of ``DistributedEvalSampler``, at 3 and 2 processes (one case leaves a rank empty)."""
 from __future__ import annotations
 
 from .. import solutions as S

@@ -1,9 +1,5 @@
-"""Exercise 06.4: the learning rate for a global batch (linear, sqrt or no scaling).
-
-Checked in this process, on fixed and seeded settings.
-
-The expected values come from :func:`ddp_lesson.gradients.scale_lr`, the trainer's own rule.
-"""
+"""Exercise 06.4: the learning rate for a global batch (linear, sqrt or no scaling), checked
+here against :func:`ddp_lesson.gradients.scale_lr`, the trainer's own rule."""
 from __future__ import annotations
 
 import math

@@ -1,11 +1,8 @@
 """Exercise 06.5: the global-count loss, equal to one process on the global batch.
 
-Each rank holds K micro-batches of padded token targets (``-100`` ignored) whose valid counts
-differ by rank and by micro-batch. It computes every micro-batch's summed cross-entropy ``s_j``
-and count ``n_j`` on a tiny linear model (the same weights on every rank), hands them to the
-candidate, backpropagates the loss it returns, and averages the gradients over the ranks as
-DDP does (divide by R, SUM). The judge compares with one process's mean over every valid token
-of the global batch and names the normalisation the candidate's gradient matches.
+Each rank hands the candidate K micro-batches' summed token cross-entropies and valid counts
+(``-100`` padding, counts differing by rank and micro-batch), backpropagates the loss it
+returns and averages the gradients as DDP does; the judge names the normalisation they match.
 """
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
 """Exercise 08.4: all-gather uneven flat shards with one collective, at 3 and 2 processes.
 
-The shards are int64, float32 and bfloat16 (a pad buffer of another dtype than the shard's
-changes what is returned, or rounds it); the judge checks the values, the shape and the
-dtype returned. Every call of a ``torch.distributed`` communication function is recorded while
-the candidate runs, so the judge checks that one all-gather did it.
+int64, float32 and bfloat16 shards (a pad buffer of another dtype changes or rounds what is
+returned); every ``torch.distributed`` call is recorded, so the judge checks one all-gather did it.
 """
 from __future__ import annotations
 
