@@ -18,7 +18,6 @@ import contextlib
 import os
 import pickle
 import re
-import shutil
 import tempfile
 from pathlib import Path
 
@@ -169,8 +168,9 @@ def _launch(items: list) -> tuple[int, list[list[str]]]:
     timeout_s = collective_timeout_s()
     launch_size = max(ex.world_size for ex, _ in items)
     limit_s = LAUNCH_TIMEOUT_S + sum(candidate_allowance_s(ex, timeout_s) for ex, _ in items[1:])
-    tmp = Path(tempfile.mkdtemp(prefix="ddp_lesson_check_"))
-    try:
+    with tempfile.TemporaryDirectory(prefix="ddp_lesson_check_",
+                                     ignore_cleanup_errors=True) as name:
+        tmp = Path(name)
         payload = tmp / "candidates.pkl"
         payload.write_bytes(_pickle_candidates([fn for _, fn in items],
                                                [ex.id for ex, _ in items]))
@@ -203,8 +203,6 @@ def _launch(items: list) -> tuple[int, list[list[str]]]:
                         timed_out)
             problems_all.append(judge_candidate(ex, records, *args, timeout_s, limit_s))
         return last + 1, problems_all
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 _MARK_RE = re.compile(re.escape(CANDIDATE_MARK).replace(r"\{\}", r"(\d+)"))

@@ -3,9 +3,9 @@
 Spoilers, kept out of the notebooks on purpose: try the exercise first, then compare.
 Each is small and written the way the lesson explains it. Where the lesson's idea has a
 teaching core, the reference *is* that core (02.1: :mod:`ddp_lesson.core.sampler`, 03.6:
-:mod:`ddp_lesson.core.ring`, 04.3, 04.4 and 08.5: the DDP and ZeRO-1 cores), not a second
-copy (``ddp_lesson.sampler`` and ``ddp_lesson.collectives`` re-export the sampler and the ring
-and add helpers around them). ``ddp_lesson.exercises.reference(ID)`` returns the one for an id.
+:mod:`ddp_lesson.core.ring`, 04.3, 04.4 and 08.5: the DDP and ZeRO-1 cores), and where torch
+has it, torch's (04.2: its ``fp16_compress_hook``), not a second copy.
+``ddp_lesson.exercises.reference(ID)`` returns the one for an id.
 """
 from __future__ import annotations
 
@@ -13,6 +13,13 @@ import math
 
 import torch
 import torch.distributed as dist
+
+# 04.2's reference: torch's own hook (default_hooks._compress_hook: the bucket cast to float16
+# and divided by the group's size, state None meaning the default group, SUM-all-reduced
+# asynchronously, the future's value copied back into the float32 bucket)
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import (
+    fp16_compress_hook as fp16_compress_hook,
+)
 
 from ..core.bucketed_ddp import BucketedDDP as BucketedDDP  # 04.4's reference
 from ..core.naive_ddp import NaiveDDP as NaiveDDP  # 04.3's reference
@@ -75,26 +82,6 @@ def tree_beats_ring_below(alpha_s: float, beta_s_per_byte: float, world_size: in
     if latency_saved <= 0:
         return 0.0
     return latency_saved / extra_per_byte
-
-
-def fp16_compress_hook(state, bucket):
-    """04.2: a comm hook for torch's DDP (``register_comm_hook(state, hook)``): float16 sent.
-
-    ``state`` is the process group (None: the default group), as for torch's own
-    ``fp16_compress_hook``. With a hook registered, torch's Reducer does not divide: the hook
-    divides by the group's size, before the SUM (float16 overflows at 65,504), and returns
-    a ``torch.futures.Future`` that completes with the averaged bucket.
-    """
-    group = state if state is not None else dist.group.WORLD
-    buffer = bucket.buffer()                               # flat float32 gradients
-    half = buffer.to(torch.float16).div_(group.size())     # compress, then pre-divide
-    fut = dist.all_reduce(half, group=group, async_op=True).get_future()
-
-    def decompress(fut):
-        buffer.copy_(fut.value()[0])                       # the value is a list of tensors
-        return buffer
-
-    return fut.then(decompress)
 
 
 def global_count_loss(sums: list, counts: list) -> torch.Tensor:

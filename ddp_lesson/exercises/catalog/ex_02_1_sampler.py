@@ -6,6 +6,7 @@ and 1, its ``len``, a second pass, a fresh sampler at a later epoch, and sampler
 """
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
 
 from ...sampler import contiguous_shard_indices, num_samples_per_rank, padded_order, shard_indices
@@ -67,19 +68,19 @@ def _indices(sampler) -> list[int]:
 def _rank(cls, rank, world_size):
     out = []
     for n, shuffle, drop_last, seed in _SETTINGS:
+        def make(R, r, n=n, shuffle=shuffle, drop_last=drop_last, seed=seed):
+            return cls(_Items(n), num_replicas=R, rank=r, shuffle=shuffle, seed=seed,
+                       drop_last=drop_last)
+
         rec = {}
         try:
-            sampler = cls(_Items(n), num_replicas=world_size, rank=rank, shuffle=shuffle,
-                          seed=seed, drop_last=drop_last)
+            sampler = make(world_size, rank)
         except Exception as exc:
             out.append({"construct": error_record(exc)})
             continue
-        try:  # the sampler this process builds for its neighbour must match the neighbour's
-            other = cls(_Items(n), num_replicas=world_size, rank=(rank + 1) % world_size,
-                        shuffle=shuffle, seed=seed, drop_last=drop_last)
-            rec["next"] = _indices(other)
-        except Exception:
-            pass
+        # the sampler this process builds for its neighbour must match the neighbour's
+        with contextlib.suppress(Exception):
+            rec["next"] = _indices(make(world_size, (rank + 1) % world_size))
         for epoch in _EPOCHS:
             if epoch:
                 if not hasattr(sampler, "set_epoch"):
@@ -98,19 +99,18 @@ def _rank(cls, rank, world_size):
             rec["len"] = len(sampler)
         except Exception as exc:
             rec["len_error"] = error_record(exc)
-        rec["extra"] = _extra(cls, sampler, rank, world_size, n, shuffle, drop_last, seed)
+        rec["extra"] = _extra(make, sampler, rank, world_size)
         out.append(rec)
     return out
 
 
-def _extra(cls, sampler, rank, world_size, n, shuffle, drop_last, seed) -> dict:
+def _extra(make, sampler, rank, world_size) -> dict:
     """What the shortcuts a fixed sequence of calls would miss give: a second pass in the
-    same epoch, a fresh sampler given a later epoch first, other world sizes. On an error,
-    ``"error"`` is its record and ``"error_in"`` says which of these raised."""
-    def orders(make, epoch=None):
-        s = make()
-        if epoch is not None:
-            s.set_epoch(epoch)
+    same epoch, a fresh sampler given a later epoch first, other world sizes (``make(R, r)``
+    builds a sampler). On an error, ``"error"`` is its record, ``"error_in"`` what raised."""
+    def orders(R, r, epoch):
+        s = make(R, r)
+        s.set_epoch(epoch)
         return _indices(s), len(s)
 
     extra = {}
@@ -118,16 +118,12 @@ def _extra(cls, sampler, rank, world_size, n, shuffle, drop_last, seed) -> dict:
         extra["error_in"] = "a second pass in epoch 1 (no set_epoch between)"
         extra["again"] = _indices(sampler)
         extra["error_in"] = f"a fresh sampler given set_epoch({_FRESH_EPOCH})"
-        extra["fresh"] = orders(lambda: cls(_Items(n), num_replicas=world_size, rank=rank,
-                                            shuffle=shuffle, seed=seed, drop_last=drop_last),
-                                _FRESH_EPOCH)[0]
+        extra["fresh"] = orders(world_size, rank, _FRESH_EPOCH)[0]
         for R in _OTHER_R:
             for r in range(R):
                 extra["error_in"] = (f"the sampler built with num_replicas={R}, rank={r} "
                                      "(given set_epoch(2))")
-                extra[R, r] = orders(lambda R=R, r=r: cls(_Items(n), num_replicas=R, rank=r,
-                                                          shuffle=shuffle, seed=seed,
-                                                          drop_last=drop_last), 2)
+                extra[R, r] = orders(R, r, 2)
         del extra["error_in"]
     except Exception as exc:
         extra["error"] = error_record(exc)

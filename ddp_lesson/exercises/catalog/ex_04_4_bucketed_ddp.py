@@ -67,24 +67,15 @@ def _rank(cls, rank, world_size):
     return [_run_cap(cls, cap, rank, world_size) for cap in _CAPS]
 
 
-def _sizes(buckets):
-    return [sum(_NUMELS[i] for i in b) for b in buckets]
-
-
-def _expected_sizes(cap):
-    """torch's buckets after its rebuild: filled from the last parameter, launched so."""
-    return _sizes(ddp_buckets([4 * n for n in _NUMELS], cap / MB))
-
-
-def _forward_sizes(cap):
-    """Buckets filled and launched in forward (registration) order (a learner's slip)."""
-    return _sizes(assign_buckets([4 * n for n in _NUMELS], cap))
-
-
-def _construction_sizes(cap):
-    """Filled in registration order, launched reversed: torch's construction-time buckets,
-    which it keeps only with find_unused_parameters=True."""
-    return _sizes(assign_buckets([4 * n for n in _NUMELS], cap)[::-1])
+def _bucket_sizes(cap) -> tuple[list, list, list]:
+    """Elements per message, in launch order: torch's buckets after its rebuild (filled from
+    the last parameter); filled and launched in forward order (a learner's slip); filled in
+    forward order, launched reversed (torch's at construction, kept only with
+    find_unused_parameters=True)."""
+    nbytes = [4 * n for n in _NUMELS]
+    orders = (ddp_buckets(nbytes, cap / MB), assign_buckets(nbytes, cap),
+              assign_buckets(nbytes, cap)[::-1])
+    return tuple([sum(_NUMELS[i] for i in b) for b in buckets] for buckets in orders)
 
 
 def _messages_problem(cap, r, bw) -> str | None:
@@ -96,16 +87,16 @@ def _messages_problem(cap, r, bw) -> str | None:
                     f"{len(sizes)} message(s); no_sync() must skip communication (.grad only "
                     "accumulates, the next synchronised backward averages the sum).")
         return None
-    want = _expected_sizes(cap)
+    want, forward, construction = _bucket_sizes(cap)
     if not sizes:
         return (f"{where}: the weights are right, but the checker saw no dist.all_reduce call "
                 "in this backward. Call it as dist.all_reduce (import torch.distributed as "
                 "dist), asynchronously, once per bucket, so that it can be recorded.")
-    if sizes == _forward_sizes(cap) and sizes != want:
+    if sizes == forward and sizes != want:
         return (f"{where}: all-reduced messages of {fmt_list(sizes)} elements: buckets sent "
                 f"in forward order; sent in reverse order (backward makes the last layer's "
                 f"gradients first), they are {fmt_list(want)}.")
-    if sizes == _construction_sizes(cap) and sizes != want:
+    if sizes == construction and sizes != want:
         return (f"{where}: all-reduced messages of {fmt_list(sizes)} elements: buckets filled "
                 f"in registration order, sent last first: torch's buckets at construction, "
                 f"kept only with find_unused_parameters=True; by default torch rebuilds them "

@@ -190,22 +190,18 @@ def _draw(rng: random.Random, kind: str, trap: str):
     if "point-to-point" in traps:
         why.append("send/recv entries (is_p2p) differ between the ranks by nature: leave them "
                    "out")
-    want_op = (odd or sig[s])[0] if kind != "missing" else op
+    odd = odd or sig[s]  # for "missing": what the others issued
     what = {"missing": f"rank {guilty} never issues #{s}",
             "op": f"rank {guilty} issues #{s} as another op",
             "shape": f"rank {guilty} issues #{s} with another shape",
             "dtype": f"rank {guilty} issues #{s} with another dtype"}[kind]
-    if kind == "dtype":
-        why.insert(0, f"same op and shape everywhere: the dtypes ({odd[2]} against {dtype}) "
-                      "differ")
-    if kind == "shape":
-        why.insert(0, f"same op everywhere: the shapes ({list(odd[1])} against {list(size)}) "
-                      "differ")
-    if kind == "op":
-        why.insert(0, f"rank {guilty}'s #{s} is {odd[0]}, the others' {op}")
-    if kind == "missing":
-        why.insert(0, f"rank {guilty} never issued #{s}; the others wait in it")
-    return what, (dumps, (guilty, s, want_op), "; ".join(why))
+    why.insert(0, {"dtype": f"same op and shape everywhere: the dtypes ({odd[2]} against "
+                            f"{dtype}) differ",
+                   "shape": f"same op everywhere: the shapes ({list(odd[1])} against "
+                            f"{list(size)}) differ",
+                   "op": f"rank {guilty}'s #{s} is {odd[0]}, the others' {op}",
+                   "missing": f"rank {guilty} never issued #{s}; the others wait in it"}[kind])
+    return what, (dumps, (guilty, s, odd[0]), "; ".join(why))
 
 
 def _answer(value):

@@ -126,22 +126,16 @@ def _judge_method(results) -> list[str]:
     return []
 
 
-register(
-    Exercise(
-        "08.4",
-        "all_gather uneven flat shards",
-        task="Write gather_flat(shard, total_numel) -> Tensor: the ranks hold the pieces of a flat "
-        "tensor of total_numel elements split by torch.tensor_split (the first ranks one "
-        "element longer); return the whole tensor, of the shard's dtype, on every rank with "
-        "one all-gather (dist.all_gather, or all_gather_into_tensor).",
-        signature="fn(shard: Tensor (n_r,), total_numel: int) -> Tensor (total_numel,)"
-        "   # a collective",
-        reference=S.gather_flat,
-        kind="distributed",
-        world_sizes=(3, 2),
-        run_rank=_rank,
-        judge=_judge,
-        checked="3 and 2 processes (torchrun, gloo), 10, 9, 2, 1 and 17 int64 elements, 10 "
-        "float32 and 7 bfloat16; the values, dtype and shape returned; one all-gather per call",
-    )
-)
+register(Exercise(
+    "08.4", "all_gather uneven flat shards",
+    task="Write gather_flat(shard, total_numel) -> Tensor: the ranks hold the pieces of a flat "
+         "tensor of total_numel elements split by torch.tensor_split (the first ranks one "
+         "element longer); return the whole tensor, of the shard's dtype, on every rank with "
+         "one all-gather (dist.all_gather, or all_gather_into_tensor).",
+    signature="fn(shard: Tensor (n_r,), total_numel: int) -> Tensor (total_numel,)"
+              "   # a collective",
+    reference=S.gather_flat, kind="distributed", world_sizes=(3, 2),
+    run_rank=_rank, judge=_judge,
+    checked="3 and 2 processes (torchrun, gloo), 10, 9, 2, 1 and 17 int64 elements, 10 "
+            "float32 and 7 bfloat16; the values, dtype and shape returned; one all-gather "
+            "per call"))
