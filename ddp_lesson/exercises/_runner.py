@@ -165,8 +165,8 @@ def main(argv=None) -> int:
     import torch.distributed as dist
 
     from . import core
-    from .errors import error_record
     from .registry import StopCandidate, get
+    from .values import error_record
 
     payload, outdir, timeout_s = (argv or sys.argv[1:])[:3]
     timeout_s = float(timeout_s)

@@ -21,10 +21,9 @@ import re
 import tempfile
 from pathlib import Path
 
-from .errors import error_record, format_error
 from .failures import judge_candidate
 from .registry import Exercise, Verdict, get
-from .values import CaseTimeout, WrongReturn
+from .values import CaseTimeout, WrongReturn, error_record, format_error
 
 #: Seconds a collective may wait inside a checker's worker before it raises
 #: (``DDP_LESSON_CHECK_TIMEOUT_S`` overrides it when a check starts; the tests use a shorter one).

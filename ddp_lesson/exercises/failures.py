@@ -8,9 +8,8 @@ process for a message larger than its buffer.
 """
 from __future__ import annotations
 
-from .errors import first_error, format_error, is_timeout_error, size_mismatch
 from .registry import Exercise
-from .values import ranks_text
+from .values import first_error, format_error, is_timeout_error, ranks_text, size_mismatch
 
 
 def judge_candidate(ex: Exercise, records: dict, errors: dict | None, finished: bool,

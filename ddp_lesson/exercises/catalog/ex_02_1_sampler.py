@@ -11,9 +11,8 @@ from collections import Counter
 
 from ...sampler import contiguous_shard_indices, num_samples_per_rank, padded_order, shard_indices
 from .. import solutions as S
-from ..errors import error_record, format_error
 from ..registry import Exercise, register
-from ..values import ranks_text, shown
+from ..values import error_record, format_error, ranks_text, shown
 
 # (N, shuffle, drop_last, seed): simple settings first, so the first problem reported is the
 # most basic one.

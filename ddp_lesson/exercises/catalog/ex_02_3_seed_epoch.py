@@ -5,9 +5,8 @@ from __future__ import annotations
 import re
 
 from .. import solutions as S
-from ..errors import error_record, format_error, is_timeout_error
 from ..registry import Exercise, StopCandidate, register
-from ..values import ranks_text
+from ..values import error_record, format_error, is_timeout_error, ranks_text
 
 # world size -> [(seeds per rank, epochs per rank, must it raise, ranks to name)]: the ranks
 # to name are those whose (seed, epoch) differs from rank 0's. Two world sizes, so that a

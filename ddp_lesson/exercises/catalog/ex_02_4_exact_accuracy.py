@@ -3,9 +3,8 @@ shards of ``DistributedEvalSampler``, at 3 and 2 processes (one case leaves a ra
 from __future__ import annotations
 
 from .. import solutions as S
-from ..errors import error_record, first_error, format_error
 from ..registry import Exercise, StopCandidate, register
-from ..values import close, fmt_num, returned
+from ..values import close, error_record, first_error, fmt_num, format_error, returned
 
 _CASES = [(7, {6}), (10, {0, 3, 5}), (11, {1, 2, 4, 10}), (2, set())]
 
