@@ -4,7 +4,8 @@ Spoilers, kept out of the notebooks on purpose: try the exercise first, then com
 Each is small and written the way the lesson explains it. Where the lesson's idea has a
 teaching core, the reference *is* that core (02.1: :mod:`ddp_lesson.core.sampler`, 03.6:
 :mod:`ddp_lesson.core.ring`, 04.3, 04.4 and 08.5: the DDP and ZeRO-1 cores), and where torch
-has it, torch's (04.2: its ``fp16_compress_hook``), not a second copy.
+has it, torch's (04.2: its ``fp16_compress_hook``), and where the package has it, the
+package's (02.4: :func:`ddp_lesson.evaluation.exact_accuracy`), not a second copy.
 ``ddp_lesson.exercises.reference(ID)`` returns the one for an id.
 """
 from __future__ import annotations
@@ -27,6 +28,7 @@ from ..core.naive_ddp import all_reduce_mean_
 from ..core.ring import ring_all_reduce as ring_all_reduce  # 03.6's reference
 from ..core.sampler import DistributedSampler as DistributedSampler  # 02.1's reference
 from ..core.zero1 import Zero1Optimizer as Zero1Optimizer  # 08.5's reference
+from ..evaluation import exact_accuracy as exact_accuracy  # 02.4's reference
 
 
 def local_rank_from_rank(rank: int, nproc_per_node: int) -> int:
@@ -62,13 +64,6 @@ def check_same_seed_epoch(seed: int, epoch: int) -> None:
     if len(set(pairs)) > 1:
         shown = ", ".join(f"rank {r}: seed {s} epoch {e}" for r, (s, e) in enumerate(pairs))
         raise RuntimeError(f"ranks disagree on the sampler's (seed, epoch): {shown}")
-
-
-def exact_accuracy(correct: int, count: int) -> float:
-    """02.4: Global accuracy from this rank's counts: all-reduce (correct, count), then divide."""
-    pair = torch.tensor([correct, count], dtype=torch.int64)
-    dist.all_reduce(pair)
-    return pair[0].item() / pair[1].item()
 
 
 def tree_beats_ring_below(alpha_s: float, beta_s_per_byte: float, world_size: int) -> float:
