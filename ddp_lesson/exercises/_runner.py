@@ -3,21 +3,18 @@
     torchrun --nproc-per-node R -m ddp_lesson.exercises._runner CANDIDATES.pkl OUTDIR TIMEOUT_S
 
 Each rank joins a gloo group with a short timeout (TIMEOUT_S seconds), loads the cloudpickled
-candidates (each with the id of its exercise: one launch may judge several exercises that
-start R processes) and runs each one's ``run_rank`` at each of its exercise's world sizes (R is
-the largest; for a smaller size W the default group is rebuilt on ranks 0..W-1 through a
-FileStore in OUTDIR, and the other ranks sit that size out). After each run it rewrites
-``OUTDIR/result{RANK}.pkl`` with all it has (one ``{W: result}`` per candidate), so a later
-hang or crash loses nothing already judged; before each candidate it writes
+candidates (each with its exercise's id) and runs each one's ``run_rank`` at each of its
+exercise's world sizes (for a size W below R the default group is rebuilt on ranks 0..W-1
+through a FileStore in OUTDIR). After each run it rewrites ``OUTDIR/result{RANK}.pkl`` with
+all it has (one ``{W: result}`` per candidate); before each candidate it writes
 :data:`~ddp_lesson.exercises.core.CANDIDATE_MARK` to stderr, so the checker reads a rank's last
 words from the candidate it died in.
 
-After each world size the ranks agree through marker files (the group may be broken) on how it
-went. All clean: the next run uses the same group. A candidate raised or timed out on some rank
-but every rank came back: every rank leaves the group and the next candidate starts in a fresh
-one (nothing the failed one left pending can reach it). A rank did not come back in time, or a
-candidate left a thread of its own running: the launch ends, each rank that came back exiting
-with status 3 so that torchrun ends the others; the checker runs the rest in a fresh launch.
+After each world size the ranks agree through marker files on how it went. All clean: the
+next run uses the same group. A candidate failed on some rank but every rank came back: the
+next starts in a fresh group. A rank did not come back in time, or a candidate left a thread
+running: each rank that came back exits with status 3 (torchrun ends the others) and the
+checker runs the rest in a fresh launch.
 """
 from __future__ import annotations
 

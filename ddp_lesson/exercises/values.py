@@ -112,11 +112,7 @@ def fmt_num(x: float, digits: int = 4) -> str:
     """A float rounded for a verdict: 4 significant digits, no float noise."""
     if isinstance(x, int) and not isinstance(x, bool):
         return str(x)
-    if x != x:
-        return "nan"
-    if x == 0:
-        return "0"
-    return f"{x:.{digits}g}"
+    return "0" if x == 0 else f"{x:.{digits}g}"  # -0.0 too
 
 
 def ranks_text(ranks) -> str:

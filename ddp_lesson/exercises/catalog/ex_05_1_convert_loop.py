@@ -79,8 +79,9 @@ def _floats(value):
 
 
 def _rank(fn, rank, world_size):
+    from unittest import mock
+
     saves = []
-    real_save = torch.save
 
     def recording_save(obj, f, *args, **kwargs):
         if isinstance(obj, dict) and all(isinstance(v, torch.Tensor) for v in obj.values()):
@@ -92,11 +93,8 @@ def _rank(fn, rank, world_size):
     model.register_forward_pre_hook(
         lambda _m, args: batches.append(int(args[0].shape[0]) if args and hasattr(
             args[0], "shape") and args[0].dim() else -1))
-    torch.save = recording_save
-    try:
+    with mock.patch.object(torch, "save", recording_save):
         returned = fn(model, data, EPOCHS, BATCH, LR, PATH)
-    finally:
-        torch.save = real_save
     return {"losses": _floats(returned) if returned is not None else None,
             "returned": type(returned).__name__, "seen": data.seen, "batches": batches,
             "weights": _flat(model.parameters()), "saves": saves}

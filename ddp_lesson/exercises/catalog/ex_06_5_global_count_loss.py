@@ -65,17 +65,11 @@ def _rank(fn, rank, world_size):
     return out
 
 
-def _grads_of_sums(case, R, k):
-    """grads[r][j]: the gradient of micro-batch j's summed loss on rank r."""
-    grads = []
-    for r in range(R):
-        row = []
-        for j in range(k):
-            model = _model()
-            _sum_loss(model, *_micro(case, r, j)).backward()
-            row.append(_flat_grad(model))
-        grads.append(row)
-    return grads
+def _grad_of_sum(case, r, j):
+    """The gradient of rank r's micro-batch j's summed loss."""
+    model = _model()
+    _sum_loss(model, *_micro(case, r, j)).backward()
+    return _flat_grad(model)
 
 
 def _normalisations(case, R, k):
@@ -90,7 +84,7 @@ def _normalisations(case, R, k):
         "global count, not times R": lambda r, j: 1 / n_global,
         "global count averaged over the ranks": lambda r, j: R * R / n_global,
     }
-    grads = _grads_of_sums(case, R, k)
+    grads = [[_grad_of_sum(case, r, j) for j in range(k)] for r in range(R)]
     return counts, {name: sum(c(r, j) * grads[r][j] for r in range(R) for j in range(k)) / R
                     for name, c in coef.items()}
 
