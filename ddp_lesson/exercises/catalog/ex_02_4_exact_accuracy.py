@@ -31,11 +31,11 @@ def _judge(results) -> list[str]:
     for i, (n, wrong) in enumerate(_CASES):
         want = (n - len(wrong)) / n
         counts = [_counts(n, wrong, r, R) for r in range(R)]
+        split = f"N={n} split {', '.join(str(k) for _, k in counts)} over {R} ranks"
         err = first_error({r: results[r][i] for r in range(R) if len(results[r]) > i})
         if err is not None:
             r, rec = err
-            msg = (f"N={n} split {', '.join(str(k) for _, k in counts)} over {R} ranks: rank {r} "
-                   f"raised {format_error(rec)}")
+            msg = f"{split}: rank {r} raised {format_error(rec)}"
             if counts[r][1] == 0:
                 msg += (f". Rank {r}'s shard is empty (count 0): divide once, after the "
                         "all-reduce")
@@ -45,15 +45,13 @@ def _judge(results) -> list[str]:
             if close(got, want, 1e-6, 1e-9):  # float32 arithmetic is fine
                 continue
             shards = ", ".join(f"{c}/{k}" for c, k in counts)
-            msg = (f"N={n} split {', '.join(str(k) for _, k in counts)} over {R} ranks (correct/"
-                   f"count: {shards}): rank {r} returned {fmt_num(got)}, the exact accuracy is "
-                   f"{fmt_num(want)}")
+            msg = (f"{split} (correct/count: {shards}): rank {r} returned {fmt_num(got)}, the "
+                   f"exact accuracy is {fmt_num(want)}")
             rank_means = [c / k for c, k in counts if k]
             if rank_means and close(got, sum(rank_means) / len(rank_means), 1e-6, 1e-9):
-                msg += (
-                    ": yours is the mean of the ranks' accuracies, which over-weights the "
-                    "shorter shards. All-reduce the correct and count numbers, then divide once"
-                )
+                msg += (": yours is the mean of the ranks' accuracies, which over-weights the "
+                        "shorter shards. All-reduce the correct and count numbers, then divide "
+                        "once")
             elif counts[r][1] and close(got, counts[r][0] / counts[r][1], 1e-6, 1e-9):
                 msg += ": yours is this rank's own accuracy; nothing was all-reduced"
             return [msg + "."]

@@ -164,12 +164,8 @@ def _judge(results) -> list[str]:
         for r in range(R):
             rec = results[r][i]
             got = rec["tensor"]
-            ok = (
-                (got == [int(v) for v in want])
-                if dtype == "int64"
-                else close(got, want, 1e-5, 1e-5)
-            )
-            if ok:
+            if (got == [int(v) for v in want] if dtype == "int64"
+                    else close(got, want, 1e-5, 1e-5)):
                 continue
             if rec["returned"] is not None and close(rec["returned"], want, 1e-5, 1e-5):
                 return [f"{case}: the returned tensor holds the sum but rank {r}'s input tensor "

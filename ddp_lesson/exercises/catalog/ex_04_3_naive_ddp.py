@@ -29,14 +29,8 @@ def _rank(cls, rank, world_size):
     return {"values": values, "all_reduces": per_backward}
 
 
-def _gradients() -> int:
-    """How many gradients a backward of TiedNet makes: its trainable parameters (the tied
-    weight once)."""
-    return sum(p.requires_grad for p in TiedNet().parameters())
-
-
 def _count_problem(results) -> str | None:
-    n = _gradients()
+    n = sum(p.requires_grad for p in TiedNet().parameters())  # gradients: the tied weight once
     for r in sorted(results):
         counts = results[r]["all_reduces"]
         for step, k in enumerate(counts, 1):

@@ -96,9 +96,8 @@ def _judge(results) -> list[str]:
                         "sizes: pad every shard to the longest, gather, then trim each piece to "
                         "its rank's size")
             elif sorted(got) == sorted(want):
-                msg += (
-                    ": the right elements in the wrong order; concatenate the pieces in rank order"
-                )
+                msg += (": the right elements in the wrong order; concatenate the pieces in "
+                        "rank order")
             return [msg + "."]
     return _judge_method(results)
 
