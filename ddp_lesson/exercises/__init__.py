@@ -1,23 +1,19 @@
 """Auto-checked exercises: ``check("02.1", MySampler)`` judges your code against the package's.
 
-Every notebook ends with exercises; the ones you can code have an id ``"NN.K"`` (notebook NN,
-exercise K) and a checker::
+The exercises you can code have an id ``"NN.K"`` (notebook NN, exercise K) and a checker::
 
     from ddp_lesson.exercises import check, describe
     describe("02.1")            # the task and the call the checker makes
     check("02.1", MySampler)    # PASSED, or NOT YET with what went wrong on which rank
 
-Distributed exercises run your function or class on several real processes through
-torchrun (gloo on CPU, whatever the hardware; a few seconds each), so a collective that
-hangs or a rank that raises ends in a verdict naming the rank, not a frozen notebook.
-The reference solutions live in :mod:`ddp_lesson.exercises.solutions` (spoilers);
-``reference("02.1")`` returns one. Each exercise's checker is a module of its own in
-:mod:`ddp_lesson.exercises.catalog` (``catalog/ex_02_1_sampler.py``, ...).
+Distributed exercises run your code on several real processes through torchrun (gloo on CPU,
+a few seconds each): a collective that hangs or a rank that raises ends in a verdict naming the
+rank. ``reference("02.1")`` returns a reference solution (:mod:`.solutions`, spoilers); each
+checker is a module of :mod:`.catalog` (``catalog/ex_02_1_sampler.py``, ...).
 """
 from __future__ import annotations
 
-# the catalogue registers every exercise in registry.REGISTRY when imported; importing it here
-# (rather than from registry.get) keeps the registry free of an import of its own exercises
+# importing the catalogue registers every exercise (here, so the registry never imports it)
 from . import catalog  # noqa: F401
 from .core import run_candidates
 from .registry import REGISTRY, Exercise, Verdict, get
@@ -31,11 +27,8 @@ def exercise_ids(notebook: str | None = None) -> list[str]:
 
 
 def describe(exercise_id: str) -> str:
-    """The exercise's task, the call its checker makes, and what it runs, as text.
-
-    Raises:
-        KeyError: an unknown id (the message lists the known ones).
-    """
+    """The exercise's task, the call its checker makes, and what it runs, as text; KeyError
+    (listing the known ids) for an unknown id."""
     ex = get(exercise_id)
     where = "runs" if ex.kind == "distributed" else "runs in this process"
     kind = "class" if isinstance(ex.reference, type) else "function"
@@ -52,24 +45,18 @@ def reference(exercise_id: str):
 
 
 def check(exercise_id: str, candidate) -> Verdict:
-    """Run ``candidate`` as exercise ``exercise_id`` asks and judge it against the reference.
+    """Run ``candidate`` as exercise ``exercise_id`` (``"NN.K"``) asks and judge it against
+    the reference; a :class:`Verdict`, truthy when passed, whose text says what went wrong where.
 
-    Args:
-        exercise_id: ``"NN.K"``, e.g. ``"02.1"``; see :func:`exercise_ids`.
-        candidate: your function (or class, for a sampler). For distributed exercises it is
-            sent by value to each worker (cloudpickle), so define what it needs inside it or
-            import it at the top of its own body; globals of the notebook go along by value.
-
-    Returns:
-        A :class:`Verdict`: truthy when passed; its text says what went wrong where.
+    A distributed exercise's ``candidate`` (function or class) is sent by value to each
+    worker (cloudpickle, the notebook's globals with it): import what it needs in its body.
 
     Raises:
         KeyError: unknown ``exercise_id``.
         TypeError: ``candidate`` is not callable.
 
     Synchronisation: none here. A distributed checker starts and ends its own torchrun job
-    of ``world_size`` processes (about 5 s on a laptop CPU); do not call it from inside a
-    ``%%torchrun`` cell.
+    (about 5 s on a laptop CPU); do not call it from inside a ``%%torchrun`` cell.
     """
     if not callable(candidate):
         raise TypeError(f"check({exercise_id!r}, ...) needs your function or class, got "

@@ -2,26 +2,19 @@
 
     torchrun --nproc-per-node R -m ddp_lesson.exercises._runner CANDIDATES.pkl OUTDIR TIMEOUT_S
 
-Each rank joins a gloo process group with a short timeout (TIMEOUT_S seconds), loads the
-candidates (cloudpickled: a learner's function travels by value, with the id of the exercise
-it is for: one launch may judge several exercises that start R processes), runs each one's
-exercise's ``run_rank`` on it, at each of that exercise's world sizes (R is the largest; for
-a smaller size W the default process group is rebuilt on ranks 0..W-1 through a FileStore
-in OUTDIR, and the other ranks sit that size out), and after each run rewrites
-``OUTDIR/result{RANK}.pkl`` with everything it has so far (one ``{W: result}`` per
-candidate), so that a later hang or crash loses nothing already judged. Before each
-candidate every rank writes :data:`~ddp_lesson.exercises.core.CANDIDATE_MARK` to its stderr,
-so that the checker reads a rank's last words from the candidate it died in.
+Each rank joins a gloo group with a short timeout (TIMEOUT_S seconds), loads the cloudpickled
+candidates (each with its exercise's id) and runs each one's ``run_rank`` at each of its
+exercise's world sizes (for a size W below R the default group is rebuilt on ranks 0..W-1
+through a FileStore in OUTDIR). After each run it rewrites ``OUTDIR/result{RANK}.pkl`` with
+all it has (one ``{W: result}`` per candidate); before each candidate it writes
+:data:`~ddp_lesson.exercises.core.CANDIDATE_MARK` to stderr, so the checker reads a rank's last
+words from the candidate it died in.
 
-After each world size the ranks agree, through marker files (the process group may be broken
-by now), on how it went. All clean: the next size or candidate runs in the same group. A
-candidate raised (or timed out waiting) on some rank but every rank came back from it: its
-collectives may have left the group out of step, so every rank leaves that group and the next
-candidate starts in a fresh one (a new FileStore, new connections; nothing the failed
-candidate left pending can reach it). A rank did not come back within the wait (still busy,
-or gone: ``os._exit``, a process gloo aborted), or a candidate left a thread of its own
-running: the launch ends, each rank that came back exiting with status 3 so that torchrun
-ends any rank still busy; the checker judges the candidates after it in a fresh launch.
+After each world size the ranks agree through marker files on how it went. All clean: the
+next run uses the same group. A candidate failed on some rank but every rank came back: the
+next starts in a fresh group. A rank did not come back in time, or a candidate left a thread
+running: each rank that came back exits with status 3 (torchrun ends the others) and the
+checker runs the rest in a fresh launch.
 """
 from __future__ import annotations
 
@@ -34,33 +27,38 @@ from contextlib import contextmanager
 from pathlib import Path
 
 
-def _agree(outdir: Path, name: str, rank: int, world_size: int, state: str, threads: bool,
-           wait_s: float) -> tuple[str, bool]:
-    """A barrier through files (the process group may be broken by now): every rank of the
-    launch writes ``agree{name}.{rank}`` with its ``state`` (``"ok"``, or ``"failed"``: the
-    candidate raised or timed out here) and whether the candidate left a thread of its own
-    running on it, then waits up to ``wait_s`` seconds for every rank's mark.
-
-    Returns ``(outcome, threads)``: ``"ok"`` when every rank is ok, ``"failed"`` when every
-    rank came back and some failed, ``"gone"`` when a rank did not come back in time (still
-    busy in the candidate, or gone); and whether any rank has a candidate's thread left."""
-    (outdir / f"agree{name}.{rank}").write_text(state + (" thread" if threads else ""))
-    marks = [outdir / f"agree{name}.{r}" for r in range(world_size)]
+def _wait_for(paths: list, wait_s: float, poll_s: float = 0.05) -> list[str] | None:
+    """The texts of ``paths`` once every one is written (not empty), polled for up to
+    ``wait_s`` seconds; None when some did not come in time."""
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:
-        texts = [m.read_text() if m.exists() else "" for m in marks]
-        # Wait for every rank's mark even after a "failed": leaving early makes torchrun end
-        # ranks that are about to record their own outcome (say, a timeout naming their line).
+        texts = [p.read_text() if p.exists() else "" for p in paths]
         if all(texts):
-            ok = all(t.split()[0] == "ok" for t in texts)
-            return "ok" if ok else "failed", any(" thread" in t for t in texts)
-        time.sleep(0.05)
-    return "gone", False
+            return texts
+        time.sleep(poll_s)
+    return None
+
+
+def _agree(outdir: Path, name: str, rank: int, world_size: int, state: str, threads: bool,
+           wait_s: float) -> tuple[str, bool]:
+    """A barrier through files: every rank writes ``agree{name}.{rank}`` with its ``state``
+    (``"ok"``, or ``"failed"``: the candidate raised or timed out here) and whether the
+    candidate left a thread of its own running, then waits up to ``wait_s`` s for every mark.
+
+    Returns ``("ok" | "failed" | "gone", threads)``: every rank ok, every rank came back and
+    some failed, or a rank did not come back in time; and whether any has a thread left."""
+    (outdir / f"agree{name}.{rank}").write_text(state + (" thread" if threads else ""))
+    # Wait for every rank's mark even after a "failed": leaving early makes torchrun end ranks
+    # that are about to record their own outcome (say, a timeout naming their line).
+    texts = _wait_for([outdir / f"agree{name}.{r}" for r in range(world_size)], wait_s)
+    if texts is None:
+        return "gone", False
+    ok = all(t.split()[0] == "ok" for t in texts)
+    return "ok" if ok else "failed", any(" thread" in t for t in texts)
 
 
 def _leave_group(wait_s: float) -> bool:
-    """Destroy every process group of this rank (a failed candidate's group may be out of
-    step). Bounded: True when that took less than ``wait_s`` seconds."""
+    """Destroy this rank's process groups; True when that took less than ``wait_s`` s."""
     import threading
 
     import torch.distributed as dist
@@ -82,52 +80,39 @@ def _own_threads() -> set:
 
 
 def _join(outdir: Path, timeout_s: float):
-    """Wait until every rank has started, then join the gloo group with the short timeout.
-
-    Start-up is not the candidate's fault: on a loaded machine the ranks finish importing
-    torch seconds apart. So they first meet through marker files (the checker runs on one
-    machine; up to a minute), and only then join the group, whose ``timeout_s`` applies to
-    every collective and point-to-point wait that follows (gloo fixes a group's timeout for
-    send/recv when the group is made, so it cannot be shortened after a patient join).
-    """
+    """Meet every rank through marker files (up to a minute: on a loaded machine the ranks
+    finish importing torch seconds apart, not the candidate's fault), then join the gloo group
+    with the short timeout (gloo fixes a group's send/recv timeout when it is made)."""
     from ..env import init_distributed
 
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    (outdir / f"arrived.{rank}").write_text("")
-    deadline = time.monotonic() + 60.0
-    while time.monotonic() < deadline:
-        if all((outdir / f"arrived.{r}").exists() for r in range(world_size)):
-            break
-        time.sleep(0.05)
+    (outdir / f"arrived.{rank}").write_text("here")
+    _wait_for([outdir / f"arrived.{r}" for r in range(world_size)], 60.0)
     env = init_distributed(timeout=timeout_s, backend="gloo", announce=False)
     _formed()
     return env
 
 
 def _formed() -> None:
-    """A barrier right after a group is made: a rank returns from gloo's connectFullMesh once
-    its own connections are up, while a peer may still be connecting to a third rank; a rank
-    that left the group at once (a first world size smaller than the launch's) closed its end
-    under that peer ("Gloo connectFullMesh failed ... Connection closed by peer", seen on a
-    loaded machine). After the barrier every rank has returned from making the group."""
+    """A barrier right after a group is made: a rank returns from gloo's connectFullMesh while
+    a peer may still be connecting, and one that left at once (a first world size below the
+    launch's) closed its end under it ("Connection closed by peer", seen on a loaded machine)."""
     import torch.distributed as dist
 
     dist.barrier()
 
 
 def _save(out: Path, results: list) -> None:
-    """Write ``results`` atomically: torchrun may end this process at any moment (a peer
-    exited with an error), and a half-written file would hide what was already judged."""
+    """Write ``results`` atomically: torchrun may end this process at any moment."""
     tmp = out.with_suffix(".tmp")
     tmp.write_bytes(pickle.dumps(results))
     os.replace(tmp, out)
 
 
 def _regroup(outdir: Path, tag: str, rank: int, world_size: int, timeout_s: float) -> bool:
-    """Make the default process group ranks 0..world_size-1 of this launch (a fresh gloo
-    group with the short timeout, met through a FileStore), after leaving the current one.
-    Returns whether this rank is in the new group; exits (status 3, ending the launch) when
-    leaving the current group does not finish within a collective timeout and a margin."""
+    """Leave the current group and make ranks 0..world_size-1 a fresh gloo one (short timeout,
+    met through a FileStore); whether this rank is in it. Exits (status 3, ending the launch)
+    when leaving takes longer than a collective timeout and a margin."""
     import datetime
 
     import torch.distributed as dist
@@ -137,12 +122,9 @@ def _regroup(outdir: Path, tag: str, rank: int, world_size: int, timeout_s: floa
         os._exit(3)
     if rank >= world_size:
         return False
-    (outdir / f"arrived.{tag}.{rank}").write_text("")
-    deadline = time.monotonic() + 60.0  # a peer may still be busy in the previous size
-    while time.monotonic() < deadline:
-        if all((outdir / f"arrived.{tag}.{r}").exists() for r in range(world_size)):
-            break
-        time.sleep(0.02)
+    (outdir / f"arrived.{tag}.{rank}").write_text("here")
+    # a peer may still be busy in the previous size
+    _wait_for([outdir / f"arrived.{tag}.{r}" for r in range(world_size)], 60.0, 0.02)
     store = dist.FileStore(str(outdir / f"store.{tag}"), world_size)
     # the store's own wait (a lazy connection to a peer, e.g. one outside the group) gets the
     # short timeout too; a FileStore's default is 300 s
@@ -161,10 +143,8 @@ _SIZE_VARIABLES = ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "ROLE_WORLD_SIZE")
 
 @contextmanager
 def _environment_of(size: int):
-    """Within the block, the environment says what a torchrun of ``size`` processes on one
-    machine would say (torchrun set it for the launch's largest size): a candidate reading
-    ``os.environ["WORLD_SIZE"]`` instead of ``dist.get_world_size()`` is right at every size.
-    The launch's values come back afterwards."""
+    """Within the block the environment says what a torchrun of ``size`` processes would say,
+    so a candidate reading ``os.environ["WORLD_SIZE"]`` is right at every size."""
     saved = {k: os.environ.get(k) for k in _SIZE_VARIABLES}
     try:
         for k in _SIZE_VARIABLES:
@@ -182,8 +162,8 @@ def main(argv=None) -> int:
     import torch.distributed as dist
 
     from . import core
-    from .errors import error_record
     from .registry import StopCandidate, get
+    from .values import error_record
 
     payload, outdir, timeout_s = (argv or sys.argv[1:])[:3]
     timeout_s = float(timeout_s)

@@ -1,41 +1,29 @@
 """Running candidates: :func:`run_candidates` and :func:`run_pairs`, behind
-:func:`ddp_lesson.exercises.check`.
+:func:`ddp_lesson.exercises.check` (what an exercise is lives in :mod:`.registry`).
 
-What an exercise is lives in :mod:`.registry`; this module runs candidates and collects the
-verdicts.
-
-Two kinds:
-
-* ``local``: the candidate is a plain function (index arithmetic, a cost model); the checker
-  calls it in this process on a table of cases.
-* ``distributed``: the candidate calls collectives. The checker serialises it with
-  ``cloudpickle`` (so a function or class typed into a notebook cell travels by value), starts
-  ``world_size`` real processes with :func:`ddp_lesson.launch.run_torchrun` (gloo on CPU,
-  whatever the hardware: the exercises use CPU tensors), and each rank runs the candidate
-  on its own inputs and writes what it got to a file of its own. The judge then compares
-  every rank with the reference. A candidate that raises, or waits in a collective the
-  others never join, ends with a verdict that says which rank and why: each worker's process
-  group has a short timeout and the whole launch a wall-clock limit. An exercise may name
-  several world sizes (``Exercise.world_sizes``); they run in the same launch, so that a
-  constant standing in for ``dist.get_world_size()`` fails at one of them.
-
-Local candidates run case by case under a time limit
-(:func:`~ddp_lesson.exercises.values.call_case`). The shortcuts each checker is built to catch
-are listed in ``docs/exercises.md``.
+A ``local`` candidate is called in this process on a table of cases, each under a time limit
+(:func:`~ddp_lesson.exercises.values.call_case`). A ``distributed`` one is cloudpickled (a
+function typed into a notebook cell travels by value) and run by ``world_size`` real processes
+(:func:`ddp_lesson.launch.run_torchrun`, gloo on CPU); each rank writes what it got to a file
+of its own and the judge compares every rank with the reference. A rank that raises, or waits
+in a collective the others never join, ends in a verdict naming it: each worker's group has a
+short timeout and the launch a wall-clock limit. An exercise's world sizes
+(``Exercise.world_sizes``) run in the same launch, so that a constant standing in for
+``dist.get_world_size()`` fails at one of them. ``docs/exercises.md`` lists the shortcuts
+each checker catches.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import re
-import shutil
 import tempfile
 from pathlib import Path
 
-from .errors import error_record, format_error
 from .failures import judge_candidate
 from .registry import Exercise, Verdict, get
-from .values import CaseTimeout, WrongReturn
+from .values import CaseTimeout, WrongReturn, error_record, format_error
 
 #: Seconds a collective may wait inside a checker's worker before it raises
 #: (``DDP_LESSON_CHECK_TIMEOUT_S`` overrides it when a check starts; the tests use a shorter one).
@@ -45,6 +33,8 @@ COLLECTIVE_TIMEOUT_S = 10.0
 def collective_timeout_s() -> float:
     """The per-collective timeout a check starts its workers with, in seconds."""
     return float(os.environ.get("DDP_LESSON_CHECK_TIMEOUT_S", COLLECTIVE_TIMEOUT_S))
+
+
 #: Wall-clock seconds one checker launch of one candidate may take (start-up of R processes
 #: included); each further candidate in the launch adds :func:`candidate_allowance_s`.
 LAUNCH_TIMEOUT_S = 90.0
@@ -64,12 +54,9 @@ def code_objects(fn) -> list:
 
 
 def _source_lines(fn) -> list[str]:
-    """Source lines of the file (notebook cell, test file) a candidate was written in.
-
-    cloudpickle renames the file of code it sends by value, so the workers register these
-    lines under the new name (``linecache``): a traceback from the candidate then shows the
-    learner's line, not just its number.
-    """
+    """Source lines of the file (notebook cell, test file) a candidate was written in: the
+    workers register them under the name cloudpickle gives the code (``linecache``), so a
+    traceback shows the learner's line, not just its number."""
     import linecache
 
     for code in code_objects(fn):
@@ -87,16 +74,12 @@ def _pickle_candidates(candidates: list, exercise_ids: list[str]) -> bytes:
     import cloudpickle
 
     for fn in candidates:
-        mod = getattr(fn, "__module__", None)
-        if mod == "__main__" or mod is None:
-            continue
-        if mod and mod != "__main__" and not mod.startswith("ddp_lesson") and mod in sys.modules:
-            module = sys.modules[mod]
-            if getattr(module, "__file__", None) and "site-packages" not in module.__file__:
-                try:
-                    cloudpickle.register_pickle_by_value(module)
-                except ValueError:
-                    pass
+        name = getattr(fn, "__module__", None) or "__main__"
+        module = sys.modules.get(name)
+        if (name != "__main__" and not name.startswith("ddp_lesson") and module is not None
+                and "site-packages" not in (getattr(module, "__file__", None) or "site-packages")):
+            with contextlib.suppress(ValueError):
+                cloudpickle.register_pickle_by_value(module)
     try:
         return cloudpickle.dumps({"exercises": list(exercise_ids), "candidates": candidates,
                                   "sources": [_source_lines(fn) for fn in candidates]})
@@ -110,18 +93,14 @@ def _pickle_candidates(candidates: list, exercise_ids: list[str]) -> bytes:
 def run_candidates(exercise_id: str, candidates: list) -> list[Verdict]:
     """Judge several candidates for one exercise; one verdict each, in order.
 
-    Local exercises call each candidate here. Distributed ones run as many candidates as
-    possible in one torchrun launch. A candidate that raises or waits in vain on some rank
-    (a collective timeout) is judged from what each rank recorded, and when every rank came
-    back from it the next candidate runs in a fresh process group of the same launch. A
-    candidate that a rank does not come back from (it exits, loops, or gloo aborts the
-    process on a size mismatch) ends its launch, and the ones after it get a fresh launch: put
-    such candidates last. Each verdict is built from its own candidate's records; what the
-    launch as a whole left (stderr, exit codes, the wall clock) is read only for the
-    candidate the launch stopped in.
+    Distributed ones share one torchrun launch while they can: after a candidate that raised
+    or timed out on some rank, but that every rank came back from, the next runs in a fresh
+    process group of the same launch; one that a rank does not come back from (it exits,
+    loops, gloo aborts it on a size mismatch) ends the launch, and the rest get a fresh one
+    (put such candidates last). What the launch as a whole left (stderr, exit codes, the wall
+    clock) is read only for the candidate it stopped in.
 
-    Synchronisation: none in this process; each launch is a separate job of
-    ``world_size`` processes.
+    Synchronisation: none in this process; each launch is a separate job.
     """
     get(exercise_id)  # an unknown id is refused even with no candidates
     return run_pairs([(exercise_id, fn) for fn in candidates])
@@ -129,13 +108,8 @@ def run_candidates(exercise_id: str, candidates: list) -> list[Verdict]:
 
 def run_pairs(pairs: list) -> list[Verdict]:
     """Judge ``(exercise id, candidate)`` pairs, of one exercise or several; one verdict each,
-    in the order given.
-
-    Each is judged as :func:`run_candidates` judges it, and distributed candidates of
-    exercises that start the same number of processes (``Exercise.world_size``, the largest
-    of their world sizes) share launches, in the order given: a test suite judges many
-    exercises' candidates in a few launches. Put the candidates that end a launch (a rank
-    exits, a size mismatch) last among those of their number of processes.
+    in the order given, as :func:`run_candidates` does. Distributed candidates of exercises
+    that start as many processes (``Exercise.world_size``) share launches, in that order.
 
     Raises:
         KeyError: an unknown exercise id.
@@ -183,21 +157,19 @@ def candidate_allowance_s(ex: Exercise, timeout_s: float) -> float:
 
 
 def _launch(items: list) -> tuple[int, list[list[str]]]:
-    """One torchrun launch over ``items`` (``(exercise, candidate)`` pairs whose exercises
-    start the same number of processes); returns (how many got a verdict, their problems).
-
-    The launch reached a candidate when some rank saved a record of it. It survived every
-    reached candidate but the last (a rank starts the next one only once every rank came back
-    from this one), so the launch's own evidence (stderr, the wall clock) is read for the last
-    one only; the candidates after it were never run and are left to a fresh launch.
-    """
+    """One torchrun launch over ``items`` (``(exercise, candidate)`` pairs that start as many
+    processes); returns (how many got a verdict, their problems). The launch survived every
+    candidate some rank recorded but the last (a rank starts the next one only once every rank
+    came back), so its stderr and wall clock are read for that last one only; those after it
+    are left to a fresh launch."""
     from ..launch import TorchrunTimeout, run_torchrun
 
     timeout_s = collective_timeout_s()
     launch_size = max(ex.world_size for ex, _ in items)
     limit_s = LAUNCH_TIMEOUT_S + sum(candidate_allowance_s(ex, timeout_s) for ex, _ in items[1:])
-    tmp = Path(tempfile.mkdtemp(prefix="ddp_lesson_check_"))
-    try:
+    with tempfile.TemporaryDirectory(prefix="ddp_lesson_check_",
+                                     ignore_cleanup_errors=True) as name:
+        tmp = Path(name)
         payload = tmp / "candidates.pkl"
         payload.write_bytes(_pickle_candidates([fn for _, fn in items],
                                                [ex.id for ex, _ in items]))
@@ -212,10 +184,9 @@ def _launch(items: list) -> tuple[int, list[list[str]]]:
         per_rank = {}
         for r in range(launch_size):
             f = tmp / f"result{r}.pkl"
-            try:  # written atomically by the worker; a missing file is a rank that died early
-                per_rank[r] = pickle.loads(f.read_bytes()) if f.exists() else []
-            except (EOFError, pickle.UnpicklingError):
-                per_rank[r] = []
+            per_rank[r] = []  # written atomically by the worker; none: a rank that died early
+            with contextlib.suppress(FileNotFoundError, EOFError, pickle.UnpicklingError):
+                per_rank[r] = pickle.loads(f.read_bytes())
         # Where the launch stopped: the last candidate some rank began (its mark on stderr;
         # a rank gloo aborted may have recorded nothing of it) or recorded; the first
         # candidate gets a verdict even when no rank did either.
@@ -225,15 +196,12 @@ def _launch(items: list) -> tuple[int, list[list[str]]]:
         for i, (ex, _) in enumerate(items[:last + 1]):
             records = {r: rs[i] for r, rs in per_rank.items() if len(rs) > i}
             if i < last:  # survived: every rank came back from it; its records say it all
-                problems = judge_candidate(ex, records, {}, True, False, timeout_s, limit_s)
+                args = ({}, True, False)
             else:  # where the launch stopped
-                problems = judge_candidate(ex, records,
-                                            None if result is None else _last_words(result),
-                                            result is not None, timed_out, timeout_s, limit_s)
-            problems_all.append(problems)
+                args = (None if result is None else _last_words(result), result is not None,
+                        timed_out)
+            problems_all.append(judge_candidate(ex, records, *args, timeout_s, limit_s))
         return last + 1, problems_all
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 _MARK_RE = re.compile(re.escape(CANDIDATE_MARK).replace(r"\{\}", r"(\d+)"))
@@ -248,8 +216,7 @@ def _last_started(result) -> int:
 
 
 def _last_words(result) -> dict[int, str]:
-    """Each rank's stderr from the start of the last candidate it began (the launch's
-    earlier candidates may have left lines there that say nothing about how it ended)."""
+    """Each rank's stderr from the mark of the last candidate it began on."""
     prefix = CANDIDATE_MARK.split("{}")[0]
     out = {}
     for r, text in result.errors.items():

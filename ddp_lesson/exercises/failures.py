@@ -8,9 +8,8 @@ process for a message larger than its buffer.
 """
 from __future__ import annotations
 
-from .errors import first_error, format_error, is_timeout_error, size_mismatch
 from .registry import Exercise
-from .values import ranks_text
+from .values import first_error, format_error, is_timeout_error, ranks_text, size_mismatch
 
 
 def judge_candidate(ex: Exercise, records: dict, errors: dict | None, finished: bool,
@@ -37,43 +36,35 @@ def _judge_size(ex: Exercise, W: int, results: dict, errors: dict | None, finish
     survived past this candidate; ``timed_out``: the wall clock ended it in this candidate.
     """
     prefix = f"with {W} processes: " if len(ex.sizes()) > 1 and W != ex.sizes()[0] else ""
-    mismatch = _mismatch_problem(errors, W)
-    if len(results) == W:
-        err = first_error(results)
-        if err is None:
-            return [prefix + p for p in ex.judge(results)], False
-        r, rec = err
-        if mismatch:
-            return [prefix + mismatch], True
-        if is_timeout_error(rec):
-            return [prefix + _waiting_problem(results, timeout_s)], True
-        return [prefix + _error_problem(r, rec, timeout_s)], True
-    # Some rank never finished this candidate: it exited, was still running when the
-    # job was ended, or waited for ever.
-    missing = sorted(set(range(W)) - set(results))
     err = first_error(results)
+    if len(results) == W and err is None:
+        return [prefix + p for p in ex.judge(results)], False
+    # Some rank raised, waited in vain, or never finished (it exited, was still running when
+    # the job was ended, or waited for ever).
+    missing = sorted(set(range(W)) - set(results))
+    who = ", ".join(map(str, missing))
+    mismatch = _mismatch_problem(errors, W)
     if mismatch:
-        return [prefix + mismatch], True
-    if err is not None and not is_timeout_error(err[1]):
-        r, rec = err
-        return [prefix + _error_problem(r, rec, timeout_s)], True
-    if err is not None:
-        who = ", ".join(map(str, missing))
+        problem = mismatch
+    elif err is not None and not is_timeout_error(err[1]):
+        problem = _error_problem(*err)
+    elif not missing:
+        problem = _waiting_problem(results, timeout_s)
+    elif err is not None:
         why = _crash_reason(errors, missing) if finished else "still running"
-        return [prefix +
-                f"rank(s) {who} did not finish your function: {why}. The other ranks waited "
-                f"for {'it' if len(missing) == 1 else 'them'} in a collective and gave up "
-                f"after the checker's {timeout_s:g} s timeout. Does your function exit "
-                "(sys.exit, os._exit), loop for a long time, or do slow work on some ranks "
-                "only? (For slow but correct code, set DDP_LESSON_CHECK_TIMEOUT_S higher.)"], True
-    if timed_out:
-        return [prefix +
-                f"the run did not finish within {limit_s:.0f} s: rank(s) "
-                f"{', '.join(map(str, missing))} still waiting. A rank waits for ever for a "
-                "message nobody sends: a blocking send/recv in the same order on every rank "
-                "(isend/irecv avoid it), or a collective one rank skips."], True
-    why = _crash_reason(errors, missing)
-    return [prefix + f"rank(s) {', '.join(map(str, missing))} died before finishing: {why}"], True
+        problem = (f"rank(s) {who} did not finish your function: {why}. The other ranks waited "
+                   f"for {'it' if len(missing) == 1 else 'them'} in a collective and gave up "
+                   f"after the checker's {timeout_s:g} s timeout. Does your function exit "
+                   "(sys.exit, os._exit), loop for a long time, or do slow work on some ranks "
+                   "only? (For slow but correct code, set DDP_LESSON_CHECK_TIMEOUT_S higher.)")
+    elif timed_out:
+        problem = (f"the run did not finish within {limit_s:.0f} s: rank(s) {who} still "
+                   "waiting. A rank waits for ever for a message nobody sends: a blocking "
+                   "send/recv in the same order on every rank (isend/irecv avoid it), or a "
+                   "collective one rank skips.")
+    else:
+        problem = f"rank(s) {who} died before finishing: {_crash_reason(errors, missing)}"
+    return [prefix + problem], True
 
 
 def _mismatch_problem(errors: dict | None, world_size: int) -> str | None:
@@ -128,9 +119,7 @@ def _waiting_problem(results: dict, timeout_s: float) -> str:
                    "higher.)")
 
 
-def _error_problem(rank: int, rec: dict, timeout_s: float) -> str:
+def _error_problem(rank: int, rec: dict) -> str:
     if rec["error"] == "WrongReturn":
         return f"rank {rank}: {rec['message']}."
-    if not is_timeout_error(rec):
-        return f"rank {rank} raised {format_error(rec)}"
-    return _waiting_problem({rank: rec}, timeout_s)
+    return f"rank {rank} raised {format_error(rec)}"

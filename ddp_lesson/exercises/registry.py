@@ -1,9 +1,7 @@
 """What an exercise is: :class:`Exercise`, the :class:`Verdict` a check returns, and the registry.
 
-An :class:`Exercise` is one task from a notebook's Exercises section that a learner can code.
-It knows its reference solution (in :mod:`ddp_lesson.exercises.solutions`), how to run a
-candidate, and how to judge what came back, in words a learner can act on. Each exercise's
-module in :mod:`ddp_lesson.exercises.catalog` builds one and calls :func:`register`;
+Each module of :mod:`ddp_lesson.exercises.catalog` builds one :class:`Exercise` (its reference
+solution, how to run a candidate, how to judge what came back) and calls :func:`register`;
 :func:`get` finds it by id.
 """
 from __future__ import annotations
@@ -17,19 +15,9 @@ from typing import Any
 
 @dataclass
 class Verdict:
-    """What :func:`~ddp_lesson.exercises.check` found.
-
-    Attributes:
-        exercise: the exercise id, e.g. ``"02.1"``.
-        title: the exercise's short title.
-        passed: True when every case matched the reference.
-        problems: what went wrong, the most telling first (empty when passed); the text
-            shows the first only.
-        checked: one line saying what was run (world sizes, cases).
-
-    ``bool(verdict)`` is ``passed``; ``print(verdict)`` or the notebook's display shows the
-    text: a first line with the outcome, then the first problem and a hint.
-    """
+    """What :func:`~ddp_lesson.exercises.check` found: the exercise id and title, whether
+    every case matched the reference (``bool(verdict)``), the problems (most telling first;
+    the text shows the first only) and the "checked:" line saying what was run."""
 
     exercise: str
     title: str
@@ -56,8 +44,8 @@ class Verdict:
     __repr__ = __str__
 
     def wrapped(self, width: int = 100) -> str:
-        """The text of ``str(verdict)`` with every line wrapped at spaces to ``width`` characters
-        (continuations indented), so a notebook's output area never breaks a word."""
+        """``str(verdict)`` wrapped at spaces to ``width`` characters (continuations indented),
+        so a notebook's output area never breaks a word."""
         out = []
         for line in str(self).split("\n"):
             indent = " " * (len(line) - len(line.lstrip(" ")))
@@ -75,26 +63,20 @@ class Exercise:
 
     Attributes:
         id: ``"NN.K"``: notebook NN, exercise K of its Exercises list.
-        title: a few words.
-        task: what to write, with the signature, in a sentence or three.
+        title, task: a few words; what to write, with the signature.
         signature: the call the checker makes, e.g. ``"fn(grad, count) -> Tensor"``.
         reference: the package's solution (a function or class).
         kind: ``"local"`` or ``"distributed"``.
-        world_size: processes a distributed checker starts.
-        world_sizes: for a distributed checker, the world sizes a candidate is run at, judged
-            in this order (default: ``(world_size,)``). The launch starts ``max(world_sizes)``
-            processes and rebuilds the default process group for each size, so a constant
-            standing in for ``dist.get_world_size()`` fails at one of them.
+        world_size: processes a distributed checker starts (``max(world_sizes)``).
+        world_sizes: the world sizes a distributed candidate runs at, in judging order
+            (default ``(world_size,)``); the default group is rebuilt for each.
         run_local: ``run_local(fn) -> list[str]`` problems (local exercises).
-        run_rank: ``run_rank(fn, rank, world_size) -> result`` (distributed; runs in a worker;
-            returns something picklable).
+        run_rank: ``run_rank(fn, rank, world_size) -> result`` (picklable; in a worker).
         judge: ``judge(results_by_rank) -> list[str]`` problems (distributed).
         checked: the "checked:" line of the verdict.
 
-    A distributed candidate that raises on any rank stops at that world size, and the next
-    candidate runs in a fresh process group (its collectives may have left the ranks out of
-    step); a ``run_rank`` that catches a case's error itself raises :class:`StopCandidate` to
-    the same effect.
+    A distributed candidate that raises on any rank (or whose ``run_rank`` raises
+    :class:`StopCandidate`) stops at that world size; the next runs in a fresh process group.
     """
 
     id: str
@@ -109,7 +91,6 @@ class Exercise:
     run_rank: Callable | None = None
     judge: Callable | None = None
     checked: str = ""
-
 
     def sizes(self) -> tuple:
         """The world sizes a candidate runs at, in judging order."""
@@ -145,8 +126,7 @@ def get(exercise_id: str) -> Exercise:
 
 class StopCandidate(Exception):
     """Raised by a ``run_rank`` that caught a case's error itself: ``result`` is what it has,
-    and the candidate stops there; the next one runs in a fresh process group (the ranks may
-    be out of step in this one)."""
+    and the candidate stops there (the ranks may be out of step)."""
 
     def __init__(self, result):
         super().__init__("stop after this candidate")

@@ -3,9 +3,10 @@
 Spoilers, kept out of the notebooks on purpose: try the exercise first, then compare.
 Each is small and written the way the lesson explains it. Where the lesson's idea has a
 teaching core, the reference *is* that core (02.1: :mod:`ddp_lesson.core.sampler`, 03.6:
-:mod:`ddp_lesson.core.ring`, 04.3, 04.4 and 08.5: the DDP and ZeRO-1 cores), not a second
-copy (``ddp_lesson.sampler`` and ``ddp_lesson.collectives`` re-export the sampler and the ring
-and add helpers around them). ``ddp_lesson.exercises.reference(ID)`` returns the one for an id.
+:mod:`ddp_lesson.core.ring`, 04.3, 04.4 and 08.5: the DDP and ZeRO-1 cores), and where torch
+has it, torch's (04.2: its ``fp16_compress_hook``), and where the package has it, the
+package's (02.4: :func:`ddp_lesson.evaluation.exact_accuracy`), not a second copy.
+``ddp_lesson.exercises.reference(ID)`` returns the one for an id.
 """
 from __future__ import annotations
 
@@ -14,32 +15,37 @@ import math
 import torch
 import torch.distributed as dist
 
+# 04.2's reference: torch's own hook (default_hooks._compress_hook: the bucket cast to float16
+# and divided by the group's size, state None meaning the default group, SUM-all-reduced
+# asynchronously, the future's value copied back into the float32 bucket)
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import (
+    fp16_compress_hook as fp16_compress_hook,
+)
+
 from ..core.bucketed_ddp import BucketedDDP as BucketedDDP  # 04.4's reference
 from ..core.naive_ddp import NaiveDDP as NaiveDDP  # 04.3's reference
 from ..core.naive_ddp import all_reduce_mean_
 from ..core.ring import ring_all_reduce as ring_all_reduce  # 03.6's reference
 from ..core.sampler import DistributedSampler as DistributedSampler  # 02.1's reference
 from ..core.zero1 import Zero1Optimizer as Zero1Optimizer  # 08.5's reference
+from ..evaluation import exact_accuracy as exact_accuracy  # 02.4's reference
 
 
-# 00.3 -------------------------------------------------------------------------------
 def local_rank_from_rank(rank: int, nproc_per_node: int) -> int:
-    """GPU index of global ``rank`` when every node runs ``nproc_per_node`` processes."""
+    """00.3: GPU index of global ``rank`` when every node runs ``nproc_per_node`` processes."""
     return rank % nproc_per_node
 
 
-# 01.4 -------------------------------------------------------------------------------
 def weighted_average_gradient(grad: torch.Tensor, count: int) -> torch.Tensor:
-    """Σ n_r g_r / Σ n_r over the ranks; every rank returns the same tensor. A collective."""
+    """01.4: Σ n_r g_r / Σ n_r over the ranks; every rank returns the same tensor. A collective."""
     pair = torch.cat([grad.detach().double().reshape(-1) * count,
                       torch.tensor([float(count)], dtype=torch.float64)])
     dist.all_reduce(pair)  # one message: the weighted sum and the total count
     return (pair[:-1] / pair[-1]).to(grad.dtype).reshape(grad.shape)
 
 
-# 01.5 -------------------------------------------------------------------------------
 def average_gradients(model: torch.nn.Module) -> None:
-    """After ``loss.backward()``: replace every ``.grad`` by its mean over the ranks.
+    """01.5: After ``loss.backward()``: replace every ``.grad`` by its mean over the ranks.
 
     Each gradient is divided by the world size, then SUM-all-reduced: the package's one
     averaging rule (:func:`ddp_lesson.core.naive_ddp.all_reduce_mean_`, torch's DDP order).
@@ -49,13 +55,8 @@ def average_gradients(model: torch.nn.Module) -> None:
             all_reduce_mean_(p.grad)
 
 
-# 02.1 -------------------------------------------------------------------------------
-# The teaching core itself (ddp_lesson/core/sampler.py, imported above): permute with
-# seed + epoch, pad or cut to a multiple of R, deal out strided. No second copy here.
-
-# 02.3 -------------------------------------------------------------------------------
 def check_same_seed_epoch(seed: int, epoch: int) -> None:
-    """Raise on every rank, naming the ranks, unless all ranks have the same (seed, epoch)."""
+    """02.3: Raise on every rank, naming the ranks, unless all ranks have the same (seed, epoch)."""
     mine = torch.tensor([seed, epoch], dtype=torch.int64)
     everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(everyone, mine)
@@ -65,17 +66,8 @@ def check_same_seed_epoch(seed: int, epoch: int) -> None:
         raise RuntimeError(f"ranks disagree on the sampler's (seed, epoch): {shown}")
 
 
-# 02.4 -------------------------------------------------------------------------------
-def exact_accuracy(correct: int, count: int) -> float:
-    """Global accuracy from this rank's counts: all-reduce (correct, count), then divide."""
-    pair = torch.tensor([correct, count], dtype=torch.int64)
-    dist.all_reduce(pair)
-    return pair[0].item() / pair[1].item()
-
-
-# 03.3 -------------------------------------------------------------------------------
 def tree_beats_ring_below(alpha_s: float, beta_s_per_byte: float, world_size: int) -> float:
-    """Message size (bytes) below which the tree all-reduce is faster than the ring; 0 if never.
+    """03.3: bytes below which the tree all-reduce beats the ring; 0 if never.
 
     tree 2L(α + nβ) < ring 2(R-1)α + 2(R-1)/R·nβ, with L = ⌈log2 R⌉, solved for n.
     """
@@ -87,48 +79,8 @@ def tree_beats_ring_below(alpha_s: float, beta_s_per_byte: float, world_size: in
     return latency_saved / extra_per_byte
 
 
-# 03.6 -------------------------------------------------------------------------------
-# The teaching core itself (ddp_lesson/core/ring.py, imported above): ring_all_reduce(tensor)
-# is an in-place SUM on a ring, reduce-scatter then all-gather, with send chunk
-# (rank - step) % R and receive chunk (rank - step - 1) % R at every step.
-
-
-# 04.2 -------------------------------------------------------------------------------
-def fp16_compress_hook(state, bucket):
-    """A comm hook for torch's DDP (``ddp.register_comm_hook(state, hook)``): float16 on the wire.
-
-    ``state`` is the process group (None: the default group), as for torch's own
-    ``fp16_compress_hook``. With a hook registered, torch's Reducer does not divide: the hook
-    divides by the group's size, before the SUM (float16 overflows at 65,504), and returns
-    a ``torch.futures.Future`` that completes with the averaged bucket.
-    """
-    group = state if state is not None else dist.group.WORLD
-    buffer = bucket.buffer()                               # flat float32 gradients
-    half = buffer.to(torch.float16).div_(group.size())     # compress, then pre-divide
-    fut = dist.all_reduce(half, group=group, async_op=True).get_future()
-
-    def decompress(fut):
-        buffer.copy_(fut.value()[0])                       # the value is a list of tensors
-        return buffer
-
-    return fut.then(decompress)
-
-
-# 04.3 -------------------------------------------------------------------------------
-# The teaching core itself (ddp_lesson/core/naive_ddp.py, imported above): broadcast at
-# construction, one divide-then-SUM all-reduce per gradient in a callback queued for the end
-# of backward.
-
-# 04.4 -------------------------------------------------------------------------------
-# The teaching core itself (ddp_lesson/core/bucketed_ddp.py, imported above): torch's
-# buckets after its rebuild (filled from the last parameter, closed at the cap),
-# launched asynchronously from the gradient hooks in bucket order, waited for in the
-# end-of-backward callback; no_sync() launches nothing.
-
-
-# 06.5 -------------------------------------------------------------------------------
 def global_count_loss(sums: list, counts: list) -> torch.Tensor:
-    """The step's loss: every micro-batch's token sum times R over the global valid count.
+    """06.5: The step's loss: every micro-batch's token sum times R over the global valid count.
 
     The global count comes from one all_reduce of this rank's count; the rule is the token-loss
     lab's ``normalised("global token count", ...)`` (:mod:`ddp_lesson.labs.token_loss`), whose
@@ -143,24 +95,21 @@ def global_count_loss(sums: list, counts: list) -> torch.Tensor:
                for s, n in zip(sums, counts))
 
 
-# 06.4 -------------------------------------------------------------------------------
 def effective_lr(base_lr: float, base_batch: int, per_rank_batch: int, world_size: int,
                  grad_accum_steps: int = 1, rule: str = "linear") -> float:
-    """The learning rate for the global batch per_rank_batch × world_size × grad_accum_steps."""
+    """06.4: the learning rate for the global batch per_rank_batch × R × grad_accum_steps."""
     ratio = per_rank_batch * world_size * grad_accum_steps / base_batch
     return {"linear": base_lr * ratio, "sqrt": base_lr * math.sqrt(ratio), "none": base_lr}[rule]
 
 
-# 07.5 -------------------------------------------------------------------------------
 def global_rank(node_rank: int, local_rank: int, nproc_per_node: int) -> int:
-    """torchrun's global RANK of process ``local_rank`` on node ``node_rank``."""
+    """07.5: torchrun's global RANK of process ``local_rank`` on node ``node_rank``."""
     return node_rank * nproc_per_node + local_rank
 
 
-# 07.6 -------------------------------------------------------------------------------
 def stuck_rank(dumps: dict) -> tuple[int, int, str] | None:
-    """(rank, sequence id, op) of the collective that diverged in the default group, from every
-    rank's flight record (:func:`ddp_lesson.flight.first_divergence`): a rank that never
+    """07.6: (rank, sequence id, op) of the collective that diverged in the default group,
+    from every rank's flight record (:func:`ddp_lesson.flight.first_divergence`): a rank that never
     issued it, else the rank whose op, shape or dtype is the minority's. None: all match."""
     from collections import Counter
 
@@ -177,26 +126,23 @@ def stuck_rank(dumps: dict) -> tuple[int, int, str] | None:
     return rank, seq, have[rank].op
 
 
-# 08.1 -------------------------------------------------------------------------------
 def min_ranks_zero3(num_params: float, gpu_bytes: float) -> int:
-    """Fewest ranks on which ZeRO-3's 16 bytes/parameter (mixed-precision Adam) fit in
+    """08.1: Fewest ranks on which ZeRO-3's 16 bytes/parameter (mixed-precision Adam) fit in
     ``gpu_bytes``."""
     return max(1, math.ceil(16 * num_params / gpu_bytes))
 
 
-# 08.6 -------------------------------------------------------------------------------
 def bytes_per_rank(num_params: float, activation_bytes: float, world_size: int,
                    stage: int) -> float:
-    """Mixed-precision Adam's 2 + 2 + 12 bytes per parameter, each piece divided by the
+    """08.6: Mixed-precision Adam's 2 + 2 + 12 bytes per parameter, each piece divided by the
     world size from its stage on, plus this rank's activations (never divided)."""
     p, g, o, R = 2 * num_params, 2 * num_params, 12 * num_params, world_size
     return ((p / R if stage >= 3 else p) + (g / R if stage >= 2 else g)
             + (o / R if stage >= 1 else o) + activation_bytes)
 
 
-# 08.4 -------------------------------------------------------------------------------
 def gather_flat(shard: torch.Tensor, total_numel: int) -> torch.Tensor:
-    """Rebuild the flat tensor split by ``tensor_split`` over the ranks, with one all_gather."""
+    """08.4: the flat tensor split by ``tensor_split`` over the ranks, by one all_gather."""
     world = dist.get_world_size()
     sizes = [t.numel() for t in torch.tensor_split(torch.empty(total_numel), world)]
     padded = torch.zeros(max(sizes), dtype=shard.dtype)
@@ -206,14 +152,8 @@ def gather_flat(shard: torch.Tensor, total_numel: int) -> torch.Tensor:
     return torch.cat([p[:n] for p, n in zip(pieces, sizes)])
 
 
-# 08.5 -------------------------------------------------------------------------------
-# The teaching core itself (ddp_lesson/core/zero1.py, imported above): Zero1Optimizer(params,
-# optimizer_class, **defaults) averages the gradients, steps its shard, broadcasts from owners.
-
-
-# 05.1 -------------------------------------------------------------------------------
 def train_ddp(model, dataset, epochs, batch_size, lr, checkpoint_path):
-    """The DDP version of notebook 05's ``train_single``: each rank trains on its share,
+    """05.1: The DDP version of notebook 05's ``train_single``: each rank trains on its share,
     ``batch_size`` per rank; returns each epoch's mean loss over all ranks. A collective."""
     from torch.nn.parallel import DistributedDataParallel as DDP
     from torch.utils.data import DataLoader, DistributedSampler

@@ -31,8 +31,8 @@ LAYERS = {
     "display": ["viz", "widgets"],
     "programs": ["labs", "bench", "convert", "seedfix", "cli", ""],  # "" = __init__
     # what runs and judges a candidate, knowing no exercise: it never imports the catalogue
-    "exercise machinery": ["exercises.registry", "exercises.values", "exercises.errors",
-                           "exercises.failures", "exercises.core", "exercises._runner"],
+    "exercise machinery": ["exercises.registry", "exercises.values", "exercises.failures",
+                           "exercises.core", "exercises._runner"],
     # the package (check, describe), catalog/ (one module per exercise), the solutions
     "exercises": ["exercises"],
 }

@@ -1,37 +1,14 @@
-"""Every checkable exercise of notebooks 00-09, one module each, named by id and topic.
+"""Every checkable exercise of notebooks 00-09, one module each, named by id and topic
+(``ex_NN_K_<topic>.py``); importing this package imports them all, and each registers itself
+in :data:`ddp_lesson.exercises.registry.REGISTRY`.
 
-Each module holds one exercise's inputs, how a rank runs the candidate (``_rank``) or how a
-local one is called (``_run``), the judge that turns the first difference from the reference
-into a sentence a learner can act on, and its :func:`~ddp_lesson.exercises.registry.register`
-call with the task text. Importing this package registers them all in
-:data:`ddp_lesson.exercises.registry.REGISTRY`.
-
-The judges compare with the package (``ddp_lesson.sampler``, ``ddp_lesson.gradients``, ...),
-computed in this process. The inputs each rank uses are deterministic functions of its rank,
-so a judge recomputes them instead of shipping them; every varied input comes from a fixed
-seed (``random.Random(k)``), so a verdict is the same on every run and every machine.
+Each module holds its inputs, how a rank runs the candidate (``_rank``) or a local one is
+called (``_run``), the judge (comparing with the package, computed here) and its ``register``
+call. Inputs are functions of the rank and of fixed seeds, so a verdict is the same anywhere.
 """
-from . import (  # noqa: F401  (imported to register)
-    ex_00_3_local_rank,
-    ex_01_4_weighted_average,
-    ex_01_5_average_gradients,
-    ex_02_1_sampler,
-    ex_02_3_seed_epoch,
-    ex_02_4_exact_accuracy,
-    ex_03_3_tree_vs_ring,
-    ex_03_6_ring_all_reduce,
-    ex_04_2_fp16_hook,
-    ex_04_3_naive_ddp,
-    ex_04_4_bucketed_ddp,
-    ex_04_9_exposed_share,
-    ex_05_1_convert_loop,
-    ex_06_4_effective_lr,
-    ex_06_5_global_count_loss,
-    ex_07_5_global_rank,
-    ex_07_6_stuck_rank,
-    ex_08_1_zero3_ranks,
-    ex_08_4_gather_shards,
-    ex_08_5_zero1,
-    ex_08_6_fits_per_rank,
-    ex_09_1_compute_bound_batch,
-)
+import importlib
+import pkgutil
+
+for _module in pkgutil.iter_modules(__path__):
+    if _module.name.startswith("ex_"):
+        importlib.import_module(f"{__name__}.{_module.name}")

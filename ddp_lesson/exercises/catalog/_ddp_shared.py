@@ -1,10 +1,7 @@
-"""What the DDP-building checkers (04.3 naive DDP, 04.4 bucketed DDP) share: the toy models,
-the data each rank gets, one process's SGD trajectory on the global batch, and the first value
-in which a rank's trajectory differs from it.
-
-Every rank builds its model from a seed of its own (``SEED + rank``), so only a broadcast at
-construction makes the copies equal; the reference starts from rank 0's (``SEED``). Every
-step's global batch comes from a fixed seed, ``B`` samples per rank, so the judge rebuilds it.
+"""What 04.3 (naive DDP) and 04.4 (bucketed DDP) share: the toy models, each rank's data,
+one process's SGD trajectory on the global batch, and the first value a rank's differs in.
+Rank r builds its model from ``SEED + r`` (only a broadcast makes the copies equal); each
+step's global batch comes from a fixed seed, ``B`` samples per rank.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """What several exercises' checkers share: standing in for ``torch.distributed`` functions
 while a candidate runs (03.6 refuses torch's collectives and records point-to-point messages;
-08.4 records every communication call)."""
+04.2, 04.3 and 04.4 record the all-reduces; 08.4 every communication call)."""
 from __future__ import annotations
 
 from contextlib import contextmanager
@@ -24,3 +24,19 @@ def dist_patched(patches: dict):
     finally:
         for mod, name, f in saved:
             setattr(mod, name, f)
+
+
+def spy(name: str, before):
+    """``torch.distributed.<name>`` that first calls ``before(*args, **kwargs)`` (which may
+    raise); when that returns a function, it is applied to what the call returned."""
+    import torch.distributed.distributed_c10d as c10d
+
+    original = getattr(c10d, name)
+
+    def spied(*args, **kwargs):
+        after = before(*args, **kwargs)
+        result = original(*args, **kwargs)
+        return after(result) if after else result
+
+    spied.__name__ = name
+    return spied

@@ -1,9 +1,4 @@
-"""Exercise 00.3: the GPU index (LOCAL_RANK) of a global rank (checked in this process).
-
-The checker calls ``fn(rank, nproc_per_node)`` for every rank of 16 layouts: the stored ones,
-sizes that are not powers of two (``rank & (nproc - 1)`` is right only for those), one node,
-and draws from a fixed seed.
-"""
+"""Exercise 00.3: the GPU index (LOCAL_RANK) of a global rank, checked in this process."""
 from __future__ import annotations
 
 import random

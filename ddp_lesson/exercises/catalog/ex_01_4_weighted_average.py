@@ -1,9 +1,6 @@
-"""Exercise 01.4: the gradient average weighted by unequal shard sizes, at 3 and 2 processes.
-
-Every rank passes its own mean-loss gradient and sample count; the judge recomputes the
-weighted average with :func:`ddp_lesson.gradients.weighted_average` and names the usual
-wrong answers (the plain mean, the sum, a constant total) when the values show one.
-"""
+"""Exercise 01.4: the gradient average weighted by unequal shard sizes, at 3 and 2 processes,
+against :func:`ddp_lesson.gradients.weighted_average`; the usual wrong answers (the plain mean,
+the sum, a constant total) are named when the values show one."""
 from __future__ import annotations
 
 import torch

@@ -1,15 +1,12 @@
-"""Exercise 01.5: average every parameter's gradient over the ranks after backward.
-
-Run at 2 and 3 processes on the toy MLP with 4 samples per rank; the judge compares every
-rank's gradients with one process's on the whole batch.
-"""
+"""Exercise 01.5: average every parameter's gradient over the ranks after backward, at 2 and
+3 processes on the toy MLP, against one process on the whole batch."""
 from __future__ import annotations
 
 import torch
 
 from .. import solutions as S
 from ..registry import Exercise, register
-from ..values import close, fmt_list
+from ..values import close, divided_by, fmt_list
 
 
 def _toy(world_size):
@@ -30,19 +27,18 @@ def _rank(fn, rank, world_size):
             for n, p in model.named_parameters()}
 
 
+def _by_name(model, flat) -> dict[str, list[float]]:
+    sizes = [p.numel() for p in model.parameters()]
+    return {n: g.tolist() for (n, _), g in zip(model.named_parameters(), flat.split(sizes))}
+
+
 def _judge(results) -> list[str]:
-    from ...gradients import split_batch
+    from ...gradients import batch_gradient, shard_gradients
 
     R = len(results)
     model, x, y = _toy(R)
-    model.zero_grad()
-    torch.nn.functional.mse_loss(model(x), y).backward()
-    want = {n: p.grad.reshape(-1).tolist() for n, p in model.named_parameters()}
-    local = []
-    for xs, ys in split_batch(x, y, R):
-        model.zero_grad()
-        torch.nn.functional.mse_loss(model(xs), ys).backward()
-        local.append({n: p.grad.reshape(-1).tolist() for n, p in model.named_parameters()})
+    want = _by_name(model, batch_gradient(model, x, y))
+    local = [_by_name(model, g) for g in shard_gradients(model, x, y, R)]
     for r in range(R):
         for name, w in want.items():
             got = results[r][name]
@@ -55,8 +51,7 @@ def _judge(results) -> list[str]:
             if close(got, [R * v for v in w]):
                 msg += (f": {R}x too big. all_reduce gives the SUM over the ranks; divide by "
                         f"world_size ({R})")
-            elif any(close(got, [R * v / k for v in w]) for k in range(1, 9) if k != R):
-                k = next(k for k in range(1, 9) if k != R and close(got, [R * v / k for v in w]))
+            elif (k := divided_by(got, w, R)) is not None:
                 msg += (f": the sum over the {R} ranks divided by {k}. Divide by "
                         "dist.get_world_size(), not a constant: the checker runs at more than "
                         "one world size")

@@ -1,22 +1,18 @@
 """Exercise 02.1: a DistributedSampler index-for-index equal to torch's, at 3 and 2 processes.
 
-Each rank builds the candidate for its own rank (and one for its neighbour's) on 10 settings
-of N, shuffle, drop_last and seed, and records what it yields in epochs 0 and 1, its
-``len``, a second pass, a fresh sampler given a later epoch, and samplers for
-``num_replicas`` 2 and 5 built in one process. The judge compares each with
-:func:`ddp_lesson.sampler.shard_indices` and names the setting (N, R, shuffle, drop_last)
-and the ranks' index lists where they differ; a hint guesses no cause the lists do not
-show.
+Each rank records what its sampler (and its neighbour's) yields on 10 settings in epochs 0
+and 1, its ``len``, a second pass, a fresh sampler at a later epoch, and samplers for other
+``num_replicas``; the judge compares with :func:`ddp_lesson.sampler.shard_indices`.
 """
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
 
 from ...sampler import contiguous_shard_indices, num_samples_per_rank, padded_order, shard_indices
 from .. import solutions as S
-from ..errors import error_record, format_error
 from ..registry import Exercise, register
-from ..values import ranks_text, shown
+from ..values import error_record, format_error, ranks_text, shown
 
 # (N, shuffle, drop_last, seed): simple settings first, so the first problem reported is the
 # most basic one.
@@ -71,19 +67,19 @@ def _indices(sampler) -> list[int]:
 def _rank(cls, rank, world_size):
     out = []
     for n, shuffle, drop_last, seed in _SETTINGS:
+        def make(R, r, n=n, shuffle=shuffle, drop_last=drop_last, seed=seed):
+            return cls(_Items(n), num_replicas=R, rank=r, shuffle=shuffle, seed=seed,
+                       drop_last=drop_last)
+
         rec = {}
         try:
-            sampler = cls(_Items(n), num_replicas=world_size, rank=rank, shuffle=shuffle,
-                          seed=seed, drop_last=drop_last)
+            sampler = make(world_size, rank)
         except Exception as exc:
             out.append({"construct": error_record(exc)})
             continue
-        try:  # the sampler this process builds for its neighbour must match the neighbour's
-            other = cls(_Items(n), num_replicas=world_size, rank=(rank + 1) % world_size,
-                        shuffle=shuffle, seed=seed, drop_last=drop_last)
-            rec["next"] = _indices(other)
-        except Exception:
-            pass
+        # the sampler this process builds for its neighbour must match the neighbour's
+        with contextlib.suppress(Exception):
+            rec["next"] = _indices(make(world_size, (rank + 1) % world_size))
         for epoch in _EPOCHS:
             if epoch:
                 if not hasattr(sampler, "set_epoch"):
@@ -102,19 +98,18 @@ def _rank(cls, rank, world_size):
             rec["len"] = len(sampler)
         except Exception as exc:
             rec["len_error"] = error_record(exc)
-        rec["extra"] = _extra(cls, sampler, rank, world_size, n, shuffle, drop_last, seed)
+        rec["extra"] = _extra(make, sampler, rank, world_size)
         out.append(rec)
     return out
 
 
-def _extra(cls, sampler, rank, world_size, n, shuffle, drop_last, seed) -> dict:
+def _extra(make, sampler, rank, world_size) -> dict:
     """What the shortcuts a fixed sequence of calls would miss give: a second pass in the
-    same epoch, a fresh sampler given a later epoch first, other world sizes. On an error,
-    ``"error"`` is its record and ``"error_in"`` says which of these raised."""
-    def orders(make, epoch=None):
-        s = make()
-        if epoch is not None:
-            s.set_epoch(epoch)
+    same epoch, a fresh sampler given a later epoch first, other world sizes (``make(R, r)``
+    builds a sampler). On an error, ``"error"`` is its record, ``"error_in"`` what raised."""
+    def orders(R, r, epoch):
+        s = make(R, r)
+        s.set_epoch(epoch)
         return _indices(s), len(s)
 
     extra = {}
@@ -122,16 +117,12 @@ def _extra(cls, sampler, rank, world_size, n, shuffle, drop_last, seed) -> dict:
         extra["error_in"] = "a second pass in epoch 1 (no set_epoch between)"
         extra["again"] = _indices(sampler)
         extra["error_in"] = f"a fresh sampler given set_epoch({_FRESH_EPOCH})"
-        extra["fresh"] = orders(lambda: cls(_Items(n), num_replicas=world_size, rank=rank,
-                                            shuffle=shuffle, seed=seed, drop_last=drop_last),
-                                _FRESH_EPOCH)[0]
+        extra["fresh"] = orders(world_size, rank, _FRESH_EPOCH)[0]
         for R in _OTHER_R:
             for r in range(R):
                 extra["error_in"] = (f"the sampler built with num_replicas={R}, rank={r} "
                                      "(given set_epoch(2))")
-                extra[R, r] = orders(lambda R=R, r=r: cls(_Items(n), num_replicas=R, rank=r,
-                                                          shuffle=shuffle, seed=seed,
-                                                          drop_last=drop_last), 2)
+                extra[R, r] = orders(R, r, 2)
         del extra["error_in"]
     except Exception as exc:
         extra["error"] = error_record(exc)
@@ -224,83 +215,74 @@ def _padding_sentence(n, R, shuffle, drop_last, seed, epoch) -> str:
             f"the padded {'index is' if len(pad) == 1 else 'indices are'} {which}")
 
 
+def _basic_problem(recs, n, R, shuffle, drop_last, seed) -> str | None:
+    """The first problem of one setting short of the checks in :func:`_judge_extra`."""
+    setting = _describe(n, R, shuffle, drop_last, seed)
+    for r, rec in enumerate(recs):
+        if "construct" in rec:
+            return (f"{setting}: cls(dataset, num_replicas={R}, rank={r}, shuffle={shuffle}, "
+                    f"seed={seed}, drop_last={drop_last}) raised "
+                    f"{format_error(rec['construct'])}. Keep torch's signature.")
+        if "not_index" in rec:
+            return (f"{setting}: rank {r}'s sampler yielded {rec['not_index']}, not an "
+                    "index: a sampler yields indices i into the dataset (whole numbers "
+                    "0 to N-1); the DataLoader reads dataset[i] itself. (The checker's "
+                    "dataset item i is ('sample', i).)")
+        failed = next((rec[f"iter{e}"] for e in _EPOCHS if f"iter{e}" in rec), None)
+        if failed is not None:
+            problem = f"{setting}: iterating rank {r}'s sampler raised {format_error(failed)}"
+            if 0 < n < R and not drop_last:
+                per = num_samples_per_rank(n, R, False)
+                problem += (f". Here N={n} is below R={R}: to give every rank {per} "
+                            f"{'index' if per == 1 else 'indices'}, the order must wrap "
+                            "round more than once (case A7)")
+            return problem
+        if rec.get("no_set_epoch"):
+            return ("the sampler has no set_epoch(epoch) method: without it every epoch "
+                    "repeats the same order (case A1)")
+        if "len_error" in rec:
+            problem = (f"len(sampler) raised {format_error(rec['len_error'])}: a DataLoader "
+                       "and progress bars need __len__")
+            if "has no len()" in rec["len_error"]["message"]:
+                problem += (", and this class defines none (the seed's __len__ was "
+                            "indented into __iter__, so its class had none either)")
+            return problem
+    problem = _judge_epochs(recs, n, R, shuffle, drop_last, seed)
+    if problem:
+        return problem
+    per = num_samples_per_rank(n, R, drop_last)
+    for r, rec in enumerate(recs):
+        if rec["len"] != per:
+            return (f"{setting}: rank {r} yields {per} indices but len(sampler) "
+                    f"says {rec['len']}; the DataLoader and progress bars trust "
+                    "__len__, so it must equal num_samples")
+        nxt = (r + 1) % R
+        if "next" in rec and rec["next"] != recs[nxt][0]:
+            problem = (f"{setting}: the sampler built with rank={nxt} in process {r} "
+                       f"gives {rec['next']}, but rank {nxt}'s own gives {recs[nxt][0]}")
+            if rec["next"] == recs[r][0]:  # process r's own list: the group's rank
+                return problem + (f"; that is process {r}'s own list: use the rank and "
+                                  "num_replicas arguments (as torch does), not the process "
+                                  "group's")
+            return problem + (": the indices must follow the rank and num_replicas "
+                              "arguments only, as torch's")
+    return None
+
+
 def _judge(results) -> list[str]:
     R = len(results)
-    problems = []
-    for k, (n, shuffle, drop_last, seed) in enumerate(_SETTINGS):
-        recs = [results[r][k] for r in range(R)]
-        setting = _describe(n, R, shuffle, drop_last, seed)
-        problem = None
-        for r, rec in enumerate(recs):
-            if "construct" in rec:
-                problem = (
-                    f"{setting}: cls(dataset, num_replicas={R}, rank={r}, shuffle={shuffle}, "
-                    f"seed={seed}, drop_last={drop_last}) raised "
-                    f"{format_error(rec['construct'])}. Keep torch's signature."
-                )
-                break
-            if "not_index" in rec:
-                problem = (f"{setting}: rank {r}'s sampler yielded {rec['not_index']}, not an "
-                           "index: a sampler yields indices i into the dataset (whole numbers "
-                           "0 to N-1); the DataLoader reads dataset[i] itself. (The checker's "
-                           "dataset item i is ('sample', i).)")
-                break
-            for epoch in _EPOCHS:
-                if f"iter{epoch}" in rec:
-                    problem = (f"{setting}: iterating rank {r}'s sampler raised "
-                               f"{format_error(rec[f'iter{epoch}'])}")
-                    if 0 < n < R and not drop_last:
-                        per = num_samples_per_rank(n, R, False)
-                        problem += (f". Here N={n} is below R={R}: to give every rank {per} "
-                                    f"{'index' if per == 1 else 'indices'}, the order must wrap "
-                                    "round more than once (case A7)")
-                    break
-            if problem:
-                break
-            if rec.get("no_set_epoch"):
-                problem = ("the sampler has no set_epoch(epoch) method: without it every epoch "
-                           "repeats the same order (case A1)")
-                break
-            if "len_error" in rec:
-                problem = (f"len(sampler) raised {format_error(rec['len_error'])}: a DataLoader "
-                           "and progress bars need __len__")
-                if "has no len()" in rec["len_error"]["message"]:
-                    problem += (", and this class defines none (the seed's __len__ was "
-                                "indented into __iter__, so its class had none either)")
-                break
-        if problem is None:
-            problem = _judge_epochs(recs, n, R, shuffle, drop_last, seed)
-        if problem is None:
-            per = num_samples_per_rank(n, R, drop_last)
-            for r, rec in enumerate(recs):
-                if rec["len"] != per:
-                    problem = (f"{setting}: rank {r} yields {per} indices but len(sampler) "
-                               f"says {rec['len']}; the DataLoader and progress bars trust "
-                               "__len__, so it must equal num_samples")
-                    break
-                nxt = (r + 1) % R
-                if "next" in rec and rec["next"] != recs[nxt][0]:
-                    problem = (f"{setting}: the sampler built with rank={nxt} in process {r} "
-                               f"gives {rec['next']}, but rank {nxt}'s own gives {recs[nxt][0]}")
-                    if rec["next"] == recs[r][0]:  # process r's own list: the group's rank
-                        problem += (f"; that is process {r}'s own list: use the rank and "
-                                    "num_replicas arguments (as torch does), not the process "
-                                    "group's")
-                    else:
-                        problem += (": the indices must follow the rank and num_replicas "
-                                    "arguments only, as torch's")
-                    break
-        if problem:
-            problems.append(problem)
-    if not problems:  # the basic checks pass: now the shortcuts they would miss
-        for k, (n, shuffle, drop_last, seed) in enumerate(_SETTINGS):
-            problem = _judge_extra([results[r][k] for r in range(R)], n, shuffle,
-                                   drop_last, seed)
-            if problem:
-                return [problem]
+    recs = [[results[r][k] for r in range(R)] for k in range(len(_SETTINGS))]
+    problems = [p for k, setting in enumerate(_SETTINGS)
+                if (p := _basic_problem(recs[k], setting[0], R, *setting[1:]))]
     if len(problems) > 1:
         problems[0] += f" ({len(problems)} of {len(_SETTINGS)} settings fail)"
-    return problems[:1]
+    if problems:
+        return problems[:1]
+    for k, setting in enumerate(_SETTINGS):  # the basic checks pass: the shortcuts they miss
+        problem = _judge_extra(recs[k], *setting)
+        if problem:
+            return [problem]
+    return []
 
 
 def _agreed_order(got, n, drop_last):

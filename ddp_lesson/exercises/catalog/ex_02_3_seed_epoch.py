@@ -1,16 +1,12 @@
-"""Exercise 02.3: check that every rank has the same seed and epoch, raising on every rank.
-
-Run at 3 and 2 processes with agreeing and disagreeing (seed, epoch) pairs; a raised
-message must name the ranks that differ from rank 0.
-"""
+"""Exercise 02.3: check that every rank has the same seed and epoch, raising on every rank
+with a message naming the ranks that differ from rank 0; at 3 and 2 processes."""
 from __future__ import annotations
 
 import re
 
 from .. import solutions as S
-from ..errors import error_record, format_error, is_timeout_error
 from ..registry import Exercise, StopCandidate, register
-from ..values import ranks_text
+from ..values import error_record, format_error, is_timeout_error, ranks_text
 
 # world size -> [(seeds per rank, epochs per rank, must it raise, ranks to name)]: the ranks
 # to name are those whose (seed, epoch) differs from rank 0's. Two world sizes, so that a

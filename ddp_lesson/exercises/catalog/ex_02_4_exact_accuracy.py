@@ -1,14 +1,10 @@
-"""Exercise 02.4: the exact global accuracy from per-rank counts, at 3 and 2 processes.
-
-The shards are the unpadded interleaved ones of ``DistributedEvalSampler``; one case leaves a
-rank with no sample at all.
-"""
+"""Exercise 02.4: the exact global accuracy from per-rank counts of the unpadded interleaved
+shards of ``DistributedEvalSampler``, at 3 and 2 processes (one case leaves a rank empty)."""
 from __future__ import annotations
 
 from .. import solutions as S
-from ..errors import error_record, first_error, format_error
 from ..registry import Exercise, StopCandidate, register
-from ..values import close, fmt_num, returned
+from ..values import close, error_record, first_error, fmt_num, format_error, returned
 
 _CASES = [(7, {6}), (10, {0, 3, 5}), (11, {1, 2, 4, 10}), (2, set())]
 
@@ -35,11 +31,11 @@ def _judge(results) -> list[str]:
     for i, (n, wrong) in enumerate(_CASES):
         want = (n - len(wrong)) / n
         counts = [_counts(n, wrong, r, R) for r in range(R)]
+        split = f"N={n} split {', '.join(str(k) for _, k in counts)} over {R} ranks"
         err = first_error({r: results[r][i] for r in range(R) if len(results[r]) > i})
         if err is not None:
             r, rec = err
-            msg = (f"N={n} split {', '.join(str(k) for _, k in counts)} over {R} ranks: rank {r} "
-                   f"raised {format_error(rec)}")
+            msg = f"{split}: rank {r} raised {format_error(rec)}"
             if counts[r][1] == 0:
                 msg += (f". Rank {r}'s shard is empty (count 0): divide once, after the "
                         "all-reduce")
@@ -49,15 +45,13 @@ def _judge(results) -> list[str]:
             if close(got, want, 1e-6, 1e-9):  # float32 arithmetic is fine
                 continue
             shards = ", ".join(f"{c}/{k}" for c, k in counts)
-            msg = (f"N={n} split {', '.join(str(k) for _, k in counts)} over {R} ranks (correct/"
-                   f"count: {shards}): rank {r} returned {fmt_num(got)}, the exact accuracy is "
-                   f"{fmt_num(want)}")
+            msg = (f"{split} (correct/count: {shards}): rank {r} returned {fmt_num(got)}, the "
+                   f"exact accuracy is {fmt_num(want)}")
             rank_means = [c / k for c, k in counts if k]
             if rank_means and close(got, sum(rank_means) / len(rank_means), 1e-6, 1e-9):
-                msg += (
-                    ": yours is the mean of the ranks' accuracies, which over-weights the "
-                    "shorter shards. All-reduce the correct and count numbers, then divide once"
-                )
+                msg += (": yours is the mean of the ranks' accuracies, which over-weights the "
+                        "shorter shards. All-reduce the correct and count numbers, then divide "
+                        "once")
             elif counts[r][1] and close(got, counts[r][0] / counts[r][1], 1e-6, 1e-9):
                 msg += ": yours is this rank's own accuracy; nothing was all-reduced"
             return [msg + "."]

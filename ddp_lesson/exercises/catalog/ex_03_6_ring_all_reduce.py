@@ -1,9 +1,8 @@
 """Exercise 03.6: a ring all-reduce built from isend/irecv, at 4 and 3 processes.
 
-While the candidate runs, torch's collectives are refused and every point-to-point message
-is recorded, so the judge checks the method (neighbours only, 2(R-1) chunks) as well as the
-values. Each rank's integer input carries a digit of its own, so a wrong element says which
-ranks it summed.
+torch's collectives are refused and every point-to-point message recorded, so the method
+(neighbours only, 2(R-1) chunks) is judged as well as the values; each rank's integer input
+carries a digit of its own, so a wrong element says which ranks it summed.
 """
 from __future__ import annotations
 
@@ -14,7 +13,7 @@ import torch
 from .. import solutions as S
 from ..registry import Exercise, register
 from ..values import close, fmt_list, ranks_text
-from ._shared import dist_patched
+from ._shared import dist_patched, spy
 
 # (dtype, shape): an integer tensor has a digit per rank, so a wrong element says which
 # ranks it summed; sizes below, at and above the world size.
@@ -55,7 +54,6 @@ def _call_recording_p2p(fn, tensor):
     """``fn(tensor)`` with torch's collectives refused and every point-to-point message
     recorded: returns (what fn returned, [("send"|"recv", peer, numel), ...])."""
     import torch.distributed as dist
-    import torch.distributed.distributed_c10d as c10d
 
     messages = []
 
@@ -66,10 +64,10 @@ def _call_recording_p2p(fn, tensor):
                 "(or send / recv) only: that is the exercise")
         return refused
 
-    def record(name, f):
+    def record(name):
         kind, which = ("send", "dst") if "send" in name else ("recv", "src")
 
-        def recorded(*args, **kwargs):
+        def check(*args, **kwargs):
             t = args[0] if args else kwargs.get("tensor")
             peer, world = _peer(args, kwargs, which), dist.get_world_size()
             me = dist.get_rank()
@@ -80,11 +78,8 @@ def _call_recording_p2p(fn, tensor):
                                  "rank, so the ring's order is left to chance. Name the "
                                  f"previous rank, src=(rank - 1) % R ({(me - 1) % world} here)")
             if peer == me:
-                # isend's docstring allows dst == rank (distributed_c10d.isend: "Unlike send,
-                # which is blocking, isend allows src == dst rank"), but on gloo the send
-                # raises "[enforce fail at gloo/transport/tcp/pair.cc:801] ... Pair is not
-                # connected" (torch 2.13, 3 processes: a run of isend(t, rank).wait()); either
-                # way it is not a ring's message
+                # distributed_c10d.isend allows src == dst, but on gloo it raises "Pair is not
+                # connected" (torch 2.13, a run of isend(t, rank).wait()): not a ring's message
                 raise ValueError(f"dist.{name} on rank {me} with {which}={me}, its own rank: a "
                                  f"rank cannot {kind} to itself. A ring's neighbours are "
                                  f"(rank + 1) % R and (rank - 1) % R ({(me + 1) % world} and "
@@ -95,13 +90,11 @@ def _call_recording_p2p(fn, tensor):
                                  f"(0 to {world - 1}): a ring's neighbours are (rank + 1) % R "
                                  "and (rank - 1) % R, with R = dist.get_world_size()")
             messages.append((kind, peer, int(t.numel()) if hasattr(t, "numel") else -1))
-            return f(*args, **kwargs)
-        recorded.__name__ = name
-        return recorded
+
+        return spy(name, check)
 
     patches = {name: refuse(name) for name in _BUILT_IN if hasattr(dist, name)}
-    patches.update({name: record(name, getattr(c10d, name))
-                    for name in ("isend", "irecv", "send", "recv")})
+    patches.update({name: record(name) for name in ("isend", "irecv", "send", "recv")})
     with dist_patched(patches):
         return fn(tensor), messages
 
@@ -111,9 +104,7 @@ def _rank(fn, rank, world_size):
     for dtype, shape in _CASES:
         t = _input(dtype, shape, rank)
         back, messages = _call_recording_p2p(fn, t)
-        ret = None
-        if isinstance(back, torch.Tensor):
-            ret = back.reshape(-1).tolist()
+        ret = back.reshape(-1).tolist() if isinstance(back, torch.Tensor) else None
         out.append({"tensor": t.reshape(-1).tolist(), "returned": ret, "shape": list(t.shape),
                     "messages": messages})
     return out
@@ -173,12 +164,8 @@ def _judge(results) -> list[str]:
         for r in range(R):
             rec = results[r][i]
             got = rec["tensor"]
-            ok = (
-                (got == [int(v) for v in want])
-                if dtype == "int64"
-                else close(got, want, 1e-5, 1e-5)
-            )
-            if ok:
+            if (got == [int(v) for v in want] if dtype == "int64"
+                    else close(got, want, 1e-5, 1e-5)):
                 continue
             if rec["returned"] is not None and close(rec["returned"], want, 1e-5, 1e-5):
                 return [f"{case}: the returned tensor holds the sum but rank {r}'s input tensor "

@@ -1,8 +1,6 @@
-"""Exercise 04.2: a float16-compressing comm hook for torch's DistributedDataParallel.
-
-The hook runs inside torch's own DDP (several buckets) at 3 and 2 ranks, over the whole group
-and over a group of one rank each; the judge compares the gradients with one process's on the
-global batch within float16 rounding and reads what the hook all-reduced and returned.
+"""Exercise 04.2: a float16-compressing comm hook for torch's DistributedDataParallel, run at
+3 and 2 ranks over the whole group and over a group of one rank each, against one process on
+the global batch within float16 rounding; the judge reads what the hook all-reduced and returned.
 """
 from __future__ import annotations
 
@@ -10,7 +8,8 @@ import torch
 
 from .. import solutions as S
 from ..registry import Exercise, register
-from ..values import close, fmt_list
+from ..values import close, divided_by, fmt_list
+from ._shared import dist_patched, spy
 
 _BUCKET_MB = 40 / 2 ** 20  # a few parameters per bucket: several buckets after the rebuild
 
@@ -26,20 +25,12 @@ def _describe_value(v) -> str:
 
 def _checked_hook(fn, log: dict):
     """Wrap the learner's hook: note what it all-reduces and returns, keep DDP running."""
-    import torch.distributed as dist
+    def note(tensor, *args, **kwargs):
+        log["dtypes"].add(str(tensor.dtype).replace("torch.", ""))
 
     def hook(state, bucket):  # the parameter must be named `bucket`: torch checks it by name
-        orig = dist.all_reduce
-
-        def recording(tensor, *args, **kwargs):
-            log["dtypes"].add(str(tensor.dtype).replace("torch.", ""))
-            return orig(tensor, *args, **kwargs)
-
-        dist.all_reduce = recording
-        try:
+        with dist_patched({"all_reduce": spy("all_reduce", note)}):
             result = fn(state, bucket)
-        finally:
-            dist.all_reduce = orig
         buffer = bucket.buffer()
         if not isinstance(result, torch._C.Future):  # torch.futures.Future and the raw one
             log["returned"].add(type(result).__name__)
@@ -130,8 +121,7 @@ def _judge(results) -> list[str]:
     if close(got, [v / R for v in want], **tol):
         return [f"at world size {R} the gradients are 1/{R} of the average: they were divided "
                 "twice. torch's DDP leaves the division to the hook; divide once."]
-    k = next((k for k in range(2, 9) if k != R and close(got, [R * v / k for v in want], **tol)),
-             None)
+    k = divided_by(got, want, R, range(2, 9), **tol)
     if k is not None:
         return [f"at world size {R} the gradients are {R}/{k} of the average: your hook divided "
                 f"the sum over the {R} ranks by {k}. Divide by the size of the group the hook "

@@ -1,57 +1,36 @@
-"""Exercise 04.3: a naive DDP wrapper, checked against one process on the global batch.
+"""Exercise 04.3: a naive DDP wrapper against one process on the global batch.
 
-Each rank wraps a model built from a seed of its own (only a broadcast at construction makes
-the copies equal) that has a frozen parameter, a tied weight and a buffer, trains it four SGD
-steps on its shard of each global batch, and records every parameter and buffer after
-construction and after each step, and how many ``dist.all_reduce`` calls each backward made;
-the judge replays one process on the global batch and names the step, the rank, the
-parameter and the first value that differs, then counts the all-reduces (one per gradient).
+Each rank wraps a differently seeded :class:`~._ddp_shared.TiedNet` (a frozen parameter, a tied
+weight, a buffer) and trains 4 SGD steps; the judge names the first value that differs
+(:func:`~._ddp_shared.trajectory_problem`), then counts each backward's all-reduces.
 """
 from __future__ import annotations
 
 from .. import solutions as S
 from ..registry import Exercise, register
 from ._ddp_shared import SEED, TiedNet, build, train_rank, trajectory_problem
-from ._shared import dist_patched
+from ._shared import dist_patched, spy
 
 _PLAN = (1, 1, 1, 1)  # four steps of one micro-batch each
 
 
-def _counting_all_reduce(calls: list):
-    import torch.distributed.distributed_c10d as c10d
-
-    original = c10d.all_reduce
-
-    def all_reduce(*args, **kwargs):
-        calls[0] += 1
-        return original(*args, **kwargs)
-
-    return all_reduce
-
-
 def _rank(cls, rank, world_size):
     model = build(TiedNet, SEED + rank)  # a seed of its own: only a broadcast makes them equal
-    calls, per_backward = [0], []
+    calls, per_backward = [], []
 
     def on_backward(step, micro, synced):
-        per_backward.append(calls[0])
-        calls[0] = 0
+        per_backward.append(len(calls))
+        calls.clear()
 
-    with dist_patched({"all_reduce": _counting_all_reduce(calls)}):
+    with dist_patched({"all_reduce": spy("all_reduce", lambda *a, **k: calls.append(a))}):
         wrapped = cls(model)
-        calls[0] = 0  # what construction all-reduced is not a backward's
+        calls.clear()  # what construction all-reduced is not a backward's
         values = train_rank(wrapped, model, TiedNet, _PLAN, rank, world_size, on_backward)
     return {"values": values, "all_reduces": per_backward}
 
 
-def _gradients() -> int:
-    """How many gradients a backward of TiedNet makes: its trainable parameters (the tied
-    weight once)."""
-    return sum(p.requires_grad for p in TiedNet().parameters())
-
-
 def _count_problem(results) -> str | None:
-    n = _gradients()
+    n = sum(p.requires_grad for p in TiedNet().parameters())  # gradients: the tied weight once
     for r in sorted(results):
         counts = results[r]["all_reduces"]
         for step, k in enumerate(counts, 1):

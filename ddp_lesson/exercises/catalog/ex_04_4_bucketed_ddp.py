@@ -1,14 +1,9 @@
 """Exercise 04.4: overlapped, bucketed DDP with ``no_sync()``: the weights and the overlap.
 
-Each rank wraps a 3-layer MLP (six parameters of different sizes) at four bucket caps and
-trains it three steps, the last one accumulating two micro-batches (the first inside
-``no_sync()``). While it runs, every ``dist.all_reduce`` is recorded (its size, whether it was
-asynchronous, when its ``wait()`` came) in one timeline with the moment each parameter's
-gradient became final (the checker's own post-accumulate hooks, registered after the
-candidate's). The judge checks the weights against one process on the global batch, then the
-messages each backward sent against the buckets the cap gives, then the overlap: the first
-bucket's all-reduce issued, asynchronously, before the last gradient was ready, and no wait
-before it.
+Each rank trains a :class:`~._ddp_shared.ChainNet` at four bucket caps, 3 steps (the last with
+a micro-batch inside ``no_sync()``), every ``dist.all_reduce`` recorded (size, async, its
+``wait()``) in one timeline with the moment each gradient became final. The judge checks the
+weights, the messages against torch's buckets, then the overlap.
 """
 from __future__ import annotations
 
@@ -17,7 +12,7 @@ from .. import solutions as S
 from ..registry import Exercise, register
 from ..values import fmt_list
 from ._ddp_shared import SEED, ChainNet, build, train_rank, trajectory_problem
-from ._shared import dist_patched
+from ._shared import dist_patched, spy
 
 _PLAN = (1, 1, 2)                 # the last step: two micro-batches, the first in no_sync()
 _CAPS = (0, 40, 100, 1 << 20)     # bytes: a bucket per parameter, three, two, one
@@ -43,18 +38,13 @@ class _Work:
 
 
 def _recorded_all_reduce(events):
-    import torch.distributed.distributed_c10d as c10d
-
-    original = c10d.all_reduce
-
-    def all_reduce(tensor, *args, **kwargs):
+    def launch(tensor, *args, **kwargs):
         async_op = kwargs.get("async_op", args[2] if len(args) > 2 else False)
         k = sum(e[0] == "launch" for e in events)
         events.append(("launch", tensor.numel(), bool(async_op)))
-        work = original(tensor, *args, **kwargs)
-        return _Work(work, events, k) if async_op and work is not None else work
+        return lambda work: _Work(work, events, k) if async_op and work is not None else work
 
-    return all_reduce
+    return spy("all_reduce", launch)
 
 
 def _run_cap(cls, cap, rank, world_size):
@@ -77,24 +67,15 @@ def _rank(cls, rank, world_size):
     return [_run_cap(cls, cap, rank, world_size) for cap in _CAPS]
 
 
-def _sizes(buckets):
-    return [sum(_NUMELS[i] for i in b) for b in buckets]
-
-
-def _expected_sizes(cap):
-    """torch's buckets after its rebuild: filled from the last parameter, launched so."""
-    return _sizes(ddp_buckets([4 * n for n in _NUMELS], cap / MB))
-
-
-def _forward_sizes(cap):
-    """Buckets filled and launched in forward (registration) order (a learner's slip)."""
-    return _sizes(assign_buckets([4 * n for n in _NUMELS], cap))
-
-
-def _construction_sizes(cap):
-    """Filled in registration order, launched reversed: torch's construction-time buckets,
-    which it keeps only with find_unused_parameters=True."""
-    return _sizes(assign_buckets([4 * n for n in _NUMELS], cap)[::-1])
+def _bucket_sizes(cap) -> tuple[list, list, list]:
+    """Elements per message, in launch order: torch's buckets after its rebuild (filled from
+    the last parameter); filled and launched in forward order (a learner's slip); filled in
+    forward order, launched reversed (torch's at construction, kept only with
+    find_unused_parameters=True)."""
+    nbytes = [4 * n for n in _NUMELS]
+    orders = (ddp_buckets(nbytes, cap / MB), assign_buckets(nbytes, cap),
+              assign_buckets(nbytes, cap)[::-1])
+    return tuple([sum(_NUMELS[i] for i in b) for b in buckets] for buckets in orders)
 
 
 def _messages_problem(cap, r, bw) -> str | None:
@@ -106,16 +87,16 @@ def _messages_problem(cap, r, bw) -> str | None:
                     f"{len(sizes)} message(s); no_sync() must skip communication (.grad only "
                     "accumulates, the next synchronised backward averages the sum).")
         return None
-    want = _expected_sizes(cap)
+    want, forward, construction = _bucket_sizes(cap)
     if not sizes:
         return (f"{where}: the weights are right, but the checker saw no dist.all_reduce call "
                 "in this backward. Call it as dist.all_reduce (import torch.distributed as "
                 "dist), asynchronously, once per bucket, so that it can be recorded.")
-    if sizes == _forward_sizes(cap) and sizes != want:
+    if sizes == forward and sizes != want:
         return (f"{where}: all-reduced messages of {fmt_list(sizes)} elements: buckets sent "
                 f"in forward order; sent in reverse order (backward makes the last layer's "
                 f"gradients first), they are {fmt_list(want)}.")
-    if sizes == _construction_sizes(cap) and sizes != want:
+    if sizes == construction and sizes != want:
         return (f"{where}: all-reduced messages of {fmt_list(sizes)} elements: buckets filled "
                 f"in registration order, sent last first: torch's buckets at construction, "
                 f"kept only with find_unused_parameters=True; by default torch rebuilds them "

@@ -1,11 +1,9 @@
-"""Exercise 04.9: read the exposed share of communication off a DDP step's profiler trace.
+"""Exercise 04.9: the exposed share of communication, read off one rank's profiler trace.
 
-The candidate gets one rank's Chrome trace (the dict ``torch.profiler``'s
-``export_chrome_trace`` writes, as :func:`ddp_lesson.labs.ddp_profile.timeline` reads it) and
-returns the share of the step during which a bucket all-reduce (``gloo:all_reduce``, on gloo's
-threads) runs while no backward compute (``autograd::engine::evaluate_function: ...``) does.
-Traces built here, each with a trap that a plausible shortcut falls into, then :data:`DRAWN`
-drawn from a fixed seed; a verdict names the shortcut an answer matches.
+The candidate gets a Chrome trace dict (as :func:`ddp_lesson.labs.ddp_profile.timeline` reads
+it) and returns the share of the step during which a ``gloo:all_reduce`` runs while no backward
+op does. Hand-built traces, each with a trap a plausible shortcut falls into, then
+:data:`DRAWN` drawn from a fixed seed; a verdict names the shortcut an answer matches.
 """
 from __future__ import annotations
 

@@ -1,14 +1,10 @@
 """Exercise 05.1: convert a single-process training loop to DistributedDataParallel.
 
-The learner's function runs on 3 and 2 ranks (gloo, CPU) with the toy MLP and a dataset that
-notes every index each rank reads, and a forward pre-hook on the model notes each batch's
-size; ``torch.save`` is replaced, while it runs, by a recorder that notes which ranks saved
-what (and writes no file). The judge compares with one process on the global batch
-(:func:`train_single`, the loop the learner converts) and names the first missing piece it
-finds: no sampler, no ``set_epoch``, a per-rank batch cut by the world size, weights not
-averaged, a learning rate scaled (or gradients divided) by the world size, a loss not reduced,
-a checkpoint saved by every rank (or with DDP's ``module.`` keys). A collective only some
-ranks reach ends in the machinery's verdict naming the rank that waited.
+The candidate runs on 3 and 2 ranks with the toy MLP, a dataset noting every index it reads, a
+hook noting each batch's size, and ``torch.save`` recording who saved what (no file). The judge
+compares with one process on the global batch (:func:`train_single`) and names the first
+missing piece: the sampler, set_epoch, the per-rank batch, averaging, the learning rate, the
+loss reduction, the checkpoint.
 """
 from __future__ import annotations
 
@@ -16,7 +12,7 @@ import torch
 
 from .. import solutions as S
 from ..registry import Exercise, register
-from ..values import close, fmt_list, fmt_num, ranks_text
+from ..values import close, divided_by, fmt_list, fmt_num, ranks_text
 
 #: BATCH: per rank; the global batch is BATCH x R. N = 24 gives every rank whole batches at 2
 #: and 3 ranks (12 or 8 samples each).
@@ -83,8 +79,9 @@ def _floats(value):
 
 
 def _rank(fn, rank, world_size):
+    from unittest import mock
+
     saves = []
-    real_save = torch.save
 
     def recording_save(obj, f, *args, **kwargs):
         if isinstance(obj, dict) and all(isinstance(v, torch.Tensor) for v in obj.values()):
@@ -96,11 +93,8 @@ def _rank(fn, rank, world_size):
     model.register_forward_pre_hook(
         lambda _m, args: batches.append(int(args[0].shape[0]) if args and hasattr(
             args[0], "shape") and args[0].dim() else -1))
-    torch.save = recording_save
-    try:
+    with mock.patch.object(torch, "save", recording_save):
         returned = fn(model, data, EPOCHS, BATCH, LR, PATH)
-    finally:
-        torch.save = real_save
     return {"losses": _floats(returned) if returned is not None else None,
             "returned": type(returned).__name__, "seen": data.seen, "batches": batches,
             "weights": _flat(model.parameters()), "saves": saves}
@@ -235,8 +229,7 @@ def _loss_problem(results, ref) -> str | None:
         msg = (f"rank {r} returned epoch losses {fmt_list(got)}; the global mean over the "
                f"{len(results)} ranks is {fmt_list(ref['losses'])}")
         R = len(results)
-        by = next((k for k in range(1, 9) if k != R and close(
-            got, [v * R / k for v in ref["losses"]], rtol=1e-4, atol=1e-6)), None)
+        by = divided_by(got, ref["losses"], R, rtol=1e-4, atol=1e-6)
         if close(got, ref["local"][r], rtol=1e-4, atol=1e-6):
             msg += (f": that is rank {r}'s own shard only, a loss logged from one rank, not "
                     "reduced. Sum the loss over the epoch, all_reduce the sum and the step "

@@ -1,9 +1,5 @@
-"""Exercise 06.4: the learning rate for a global batch (linear, sqrt or no scaling).
-
-Checked in this process, on fixed and seeded settings.
-
-The expected values come from :func:`ddp_lesson.gradients.scale_lr`, the trainer's own rule.
-"""
+"""Exercise 06.4: the learning rate for a global batch (linear, sqrt or no scaling), checked
+here against :func:`ddp_lesson.gradients.scale_lr`, the trainer's own rule."""
 from __future__ import annotations
 
 import math
@@ -63,19 +59,13 @@ _RULES = {"linear": "linear: base_lr x global batch / base_batch",
           "none": "none: base_lr unchanged"}
 
 
-register(
-    Exercise(
-        "06.4",
-        "the learning rate for a global batch",
-        task="Write effective_lr(base_lr, base_batch, per_rank_batch, world_size, "
-        "grad_accum_steps, rule) -> float: the learning rate the trainer uses "
-        "(--lr-scaling linear, sqrt or none) "
-        "when base_lr was tuned at base_batch.",
-        signature="fn(base_lr, base_batch, per_rank_batch, world_size, grad_accum_steps, rule)"
-        " -> float",
-        reference=S.effective_lr,
-        run_local=_run,
-        checked="7 settings (linear, sqrt, none; with and without accumulation), then 12 drawn "
-        "from a fixed seed",
-    )
-)
+register(Exercise(
+    "06.4", "the learning rate for a global batch",
+    task="Write effective_lr(base_lr, base_batch, per_rank_batch, world_size, "
+         "grad_accum_steps, rule) -> float: the learning rate the trainer uses "
+         "(--lr-scaling linear, sqrt or none) when base_lr was tuned at base_batch.",
+    signature="fn(base_lr, base_batch, per_rank_batch, world_size, grad_accum_steps, rule)"
+              " -> float",
+    reference=S.effective_lr, run_local=_run,
+    checked="7 settings (linear, sqrt, none; with and without accumulation), then 12 drawn "
+            "from a fixed seed"))

@@ -1,11 +1,8 @@
 """Exercise 06.5: the global-count loss, equal to one process on the global batch.
 
-Each rank holds K micro-batches of padded token targets (``-100`` ignored) whose valid counts
-differ by rank and by micro-batch. It computes every micro-batch's summed cross-entropy ``s_j``
-and count ``n_j`` on a tiny linear model (the same weights on every rank), hands them to the
-candidate, backpropagates the loss it returns, and averages the gradients over the ranks as
-DDP does (divide by R, SUM). The judge compares with one process's mean over every valid token
-of the global batch and names the normalisation the candidate's gradient matches.
+Each rank hands the candidate K micro-batches' summed token cross-entropies and valid counts
+(``-100`` padding, counts differing by rank and micro-batch), backpropagates the loss it
+returns and averages the gradients as DDP does; the judge names the normalisation they match.
 """
 from __future__ import annotations
 
@@ -68,17 +65,11 @@ def _rank(fn, rank, world_size):
     return out
 
 
-def _grads_of_sums(case, R, k):
-    """grads[r][j]: the gradient of micro-batch j's summed loss on rank r."""
-    grads = []
-    for r in range(R):
-        row = []
-        for j in range(k):
-            model = _model()
-            _sum_loss(model, *_micro(case, r, j)).backward()
-            row.append(_flat_grad(model))
-        grads.append(row)
-    return grads
+def _grad_of_sum(case, r, j):
+    """The gradient of rank r's micro-batch j's summed loss."""
+    model = _model()
+    _sum_loss(model, *_micro(case, r, j)).backward()
+    return _flat_grad(model)
 
 
 def _normalisations(case, R, k):
@@ -93,7 +84,7 @@ def _normalisations(case, R, k):
         "global count, not times R": lambda r, j: 1 / n_global,
         "global count averaged over the ranks": lambda r, j: R * R / n_global,
     }
-    grads = _grads_of_sums(case, R, k)
+    grads = [[_grad_of_sum(case, r, j) for j in range(k)] for r in range(R)]
     return counts, {name: sum(c(r, j) * grads[r][j] for r in range(R) for j in range(k)) / R
                     for name, c in coef.items()}
 

@@ -1,7 +1,4 @@
-"""Exercise 07.5: the global RANK torchrun gives from node rank and local rank.
-
-Checked in this process, on every process of fixed and seeded layouts.
-"""
+"""Exercise 07.5: the global RANK torchrun gives from node rank and local rank (checked here)."""
 from __future__ import annotations
 
 import random

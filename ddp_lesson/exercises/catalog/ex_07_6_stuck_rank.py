@@ -1,18 +1,9 @@
 """Exercise 07.6: find the stuck rank in the flight-recorder records of a hung job.
 
-Hangs in the format torch 2.13's flight recorder dumps on gloo (what
-:func:`ddp_lesson.flight.load_dumps` returns: ``{rank: dump}``, each dump with ``pg_config``,
-``pg_status`` and ``entries``): seven built by hand, each with a trap a plausible shortcut
-falls into (completion states that tie, ring buffers that dropped different old entries,
-shapes that differ where the ops agree, subgroups with sequence ids of their own,
-point-to-point entries, a failed collective retired as completed), then :data:`DRAWN` hangs
-drawn on each check from a family (:func:`drawn_hangs`: 2 to 6 ranks, the divergence a
-missing collective or another op, shape or dtype, at a drawn sequence id on a drawn rank, with
-the traps above and a ``last_completed_collective`` that lags, as
-:func:`ddp_lesson.flight.completed_through` says it can), so a table of answers does not pass.
-The seed of a check is drawn anew each time (``DDP_LESSON_CHECK_SEED`` fixes it) and a
-verdict names it with the hang, so a failure is reproducible. The candidate must name the rank
-and the collective (sequence id and op) that diverged.
+Hangs in the format torch 2.13's flight recorder dumps on gloo (as
+:func:`ddp_lesson.flight.load_dumps` returns them): seven built by hand, each with a trap a
+shortcut falls into, then :data:`DRAWN` drawn anew each check (:func:`drawn_hangs`), so a table
+of answers does not pass; ``DDP_LESSON_CHECK_SEED`` fixes the seed, which a verdict names.
 """
 from __future__ import annotations
 
@@ -199,22 +190,18 @@ def _draw(rng: random.Random, kind: str, trap: str):
     if "point-to-point" in traps:
         why.append("send/recv entries (is_p2p) differ between the ranks by nature: leave them "
                    "out")
-    want_op = (odd or sig[s])[0] if kind != "missing" else op
+    odd = odd or sig[s]  # for "missing": what the others issued
     what = {"missing": f"rank {guilty} never issues #{s}",
             "op": f"rank {guilty} issues #{s} as another op",
             "shape": f"rank {guilty} issues #{s} with another shape",
             "dtype": f"rank {guilty} issues #{s} with another dtype"}[kind]
-    if kind == "dtype":
-        why.insert(0, f"same op and shape everywhere: the dtypes ({odd[2]} against {dtype}) "
-                      "differ")
-    if kind == "shape":
-        why.insert(0, f"same op everywhere: the shapes ({list(odd[1])} against {list(size)}) "
-                      "differ")
-    if kind == "op":
-        why.insert(0, f"rank {guilty}'s #{s} is {odd[0]}, the others' {op}")
-    if kind == "missing":
-        why.insert(0, f"rank {guilty} never issued #{s}; the others wait in it")
-    return what, (dumps, (guilty, s, want_op), "; ".join(why))
+    why.insert(0, {"dtype": f"same op and shape everywhere: the dtypes ({odd[2]} against "
+                            f"{dtype}) differ",
+                   "shape": f"same op everywhere: the shapes ({list(odd[1])} against "
+                            f"{list(size)}) differ",
+                   "op": f"rank {guilty}'s #{s} is {odd[0]}, the others' {op}",
+                   "missing": f"rank {guilty} never issued #{s}; the others wait in it"}[kind])
+    return what, (dumps, (guilty, s, odd[0]), "; ".join(why))
 
 
 def _answer(value):

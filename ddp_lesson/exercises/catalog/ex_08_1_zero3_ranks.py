@@ -1,7 +1,5 @@
-"""Exercise 08.1: the fewest ranks on which ZeRO-3 fits a model's states (checked in this process).
-
-The judge's explanation uses :func:`ddp_lesson.memory.memory_per_rank`.
-"""
+"""Exercise 08.1: the fewest ranks on which ZeRO-3 fits a model's states (checked here; the
+explanation uses :func:`ddp_lesson.memory.memory_per_rank`)."""
 from __future__ import annotations
 
 import random

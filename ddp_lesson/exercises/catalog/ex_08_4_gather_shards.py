@@ -1,9 +1,7 @@
 """Exercise 08.4: all-gather uneven flat shards with one collective, at 3 and 2 processes.
 
-The shards are int64, float32 and bfloat16 (a pad buffer of another dtype than the shard's
-changes what is returned, or rounds it); the judge checks the values, the shape and the
-dtype returned. Every call of a ``torch.distributed`` communication function is recorded while
-the candidate runs, so the judge checks that one all-gather did it.
+int64, float32 and bfloat16 shards (a pad buffer of another dtype changes or rounds what is
+returned); every ``torch.distributed`` call is recorded, so the judge checks one all-gather did it.
 """
 from __future__ import annotations
 
@@ -98,9 +96,8 @@ def _judge(results) -> list[str]:
                         "sizes: pad every shard to the longest, gather, then trim each piece to "
                         "its rank's size")
             elif sorted(got) == sorted(want):
-                msg += (
-                    ": the right elements in the wrong order; concatenate the pieces in rank order"
-                )
+                msg += (": the right elements in the wrong order; concatenate the pieces in "
+                        "rank order")
             return [msg + "."]
     return _judge_method(results)
 
@@ -128,22 +125,16 @@ def _judge_method(results) -> list[str]:
     return []
 
 
-register(
-    Exercise(
-        "08.4",
-        "all_gather uneven flat shards",
-        task="Write gather_flat(shard, total_numel) -> Tensor: the ranks hold the pieces of a flat "
-        "tensor of total_numel elements split by torch.tensor_split (the first ranks one "
-        "element longer); return the whole tensor, of the shard's dtype, on every rank with "
-        "one all-gather (dist.all_gather, or all_gather_into_tensor).",
-        signature="fn(shard: Tensor (n_r,), total_numel: int) -> Tensor (total_numel,)"
-        "   # a collective",
-        reference=S.gather_flat,
-        kind="distributed",
-        world_sizes=(3, 2),
-        run_rank=_rank,
-        judge=_judge,
-        checked="3 and 2 processes (torchrun, gloo), 10, 9, 2, 1 and 17 int64 elements, 10 "
-        "float32 and 7 bfloat16; the values, dtype and shape returned; one all-gather per call",
-    )
-)
+register(Exercise(
+    "08.4", "all_gather uneven flat shards",
+    task="Write gather_flat(shard, total_numel) -> Tensor: the ranks hold the pieces of a flat "
+         "tensor of total_numel elements split by torch.tensor_split (the first ranks one "
+         "element longer); return the whole tensor, of the shard's dtype, on every rank with "
+         "one all-gather (dist.all_gather, or all_gather_into_tensor).",
+    signature="fn(shard: Tensor (n_r,), total_numel: int) -> Tensor (total_numel,)"
+              "   # a collective",
+    reference=S.gather_flat, kind="distributed", world_sizes=(3, 2),
+    run_rank=_rank, judge=_judge,
+    checked="3 and 2 processes (torchrun, gloo), 10, 9, 2, 1 and 17 int64 elements, 10 "
+            "float32 and 7 bfloat16; the values, dtype and shape returned; one all-gather "
+            "per call"))

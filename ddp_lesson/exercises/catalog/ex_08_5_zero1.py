@@ -1,11 +1,6 @@
-"""Exercise 08.5: a ZeRO-1 sharded optimizer step against unsharded AdamW.
-
-Each rank builds the candidate over six parameters of different sizes (the same values on
-every rank) with ``optimizer_class`` a recording subclass of ``torch.optim.AdamW``, gives each
-parameter a gradient of its own for four steps, and calls ``step()``. The judge replays
-unsharded AdamW on the mean gradient, names the step, rank, parameter and first differing
-value, then reads which parameters each rank's AdamW instances hold state for: every
-parameter on exactly one rank, no rank holding them all.
+"""Exercise 08.5: a ZeRO-1 sharded optimizer step against unsharded AdamW on the mean
+gradient, over six parameters for four steps; then the optimizer state each rank's AdamW
+instances hold (``optimizer_class`` is a recording subclass): every parameter on one rank.
 """
 from __future__ import annotations
 
@@ -14,6 +9,7 @@ import torch
 from .. import solutions as S
 from ..registry import Exercise, register
 from ..values import fmt_num
+from ._ddp_shared import first_difference, matches
 
 _SHAPES = ((6, 4), (4,), (3, 5), (5,), (8,), (2, 2))
 _STEPS = 4
@@ -78,22 +74,17 @@ def _unsharded(R, scale=1.0):
     return out
 
 
-def _first_diff(got, want):
-    import math
-
-    for step, (g, w) in enumerate(zip(got, want)):
-        for i, (gs, ws) in enumerate(zip(g, w)):
-            for k, (a, b) in enumerate(zip(gs, ws)):
-                if not math.isclose(a, b, rel_tol=1e-4, abs_tol=1e-6):
-                    return step, i, k, a, b
-    return None
+def _by_index(steps) -> list[dict]:
+    """Each step's parameters as ``{index: values}``, as :func:`first_difference` reads them."""
+    return [dict(enumerate(step)) for step in steps]
 
 
 def _values_problem(results) -> str | None:
     R = len(results)
     want = _unsharded(R)
     for r in range(R):
-        diff = _first_diff(results[r]["steps"], want)
+        got = _by_index(results[r]["steps"])
+        diff = first_difference(got, _by_index(want))
         if diff is None:
             continue
         step, i, k, a, b = diff
@@ -103,10 +94,10 @@ def _values_problem(results) -> str | None:
         if abs(a - before[k]) < 1e-9:
             return text + (": that is its value before the step. The rank that owns it updated "
                            "it; broadcast every parameter from its owner after the step.")
-        if _first_diff(results[r]["steps"][:step + 1], _unsharded(R, R)[:step + 1]) is None:
+        if matches(got, _by_index(_unsharded(R, R)), step):
             return text + (f": the gradients were summed over the ranks, not averaged "
                            f"(divide by the world size, {R}).")
-        if _first_diff(results[r]["steps"][:step + 1], _unsharded(R, 1 / R)[:step + 1]) is None:
+        if matches(got, _by_index(_unsharded(R, 1 / R)), step):
             return text + ": the gradients were divided by the world size twice."
         return text + (". Average the gradients over the ranks before the update, build the "
                        "local optimizer with the hyperparameters given (**defaults), and "

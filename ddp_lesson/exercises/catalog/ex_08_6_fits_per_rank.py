@@ -1,9 +1,6 @@
-"""Exercise 08.6: the decision rule, bytes one GPU needs at each ZeRO stage (checked here).
-
-The judge compares with :func:`ddp_lesson.memory.per_rank_bytes` and names the likely slip:
-Adam's two moments forgotten, the activations divided by the world size or left out, or a
-stage that shards the wrong pieces.
-"""
+"""Exercise 08.6: bytes one GPU needs at each ZeRO stage (checked here) against
+:func:`ddp_lesson.memory.per_rank_bytes`, naming the likely slip: Adam's moments forgotten, the
+activations divided or left out, another stage's figure."""
 from __future__ import annotations
 
 import random

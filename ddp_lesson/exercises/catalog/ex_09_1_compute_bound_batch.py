@@ -1,8 +1,6 @@
-"""Exercise 09.1: the per-GPU batch (in tokens) above which backward hides the all-reduce.
-
-The judge names the usual slips by the ratio of the answer to the reference: the ring's
-2(R-1)/R left out or taken as 2, gigabits read as gigabytes, 4-byte gradients for bf16.
-"""
+"""Exercise 09.1: the per-GPU batch (in tokens) above which backward hides the all-reduce;
+a miss is named by its ratio to the reference (the ring's 2(R-1)/R left out or taken as 2,
+gigabits read as gigabytes, 4-byte gradients for bf16, 6P FLOPs)."""
 from __future__ import annotations
 
 import random
