@@ -37,6 +37,7 @@ from __future__ import annotations
 import os
 import random
 import re
+import tempfile
 import zipfile
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
@@ -70,6 +71,7 @@ __all__ = [
     "first_config_mismatch",
     "capture_rng_state",
     "restore_rng_state",
+    "resume_plan",
 ]
 
 #: Value of the ``"format"`` entry that marks a file as this package's checkpoint.
@@ -649,6 +651,28 @@ def inspect_resume(path: str, cfg, world_size: int,
     if mismatch:
         return f"checkpoint {path} does not match this run: {mismatch}; {hint}", layout
     return world_size_problem(path, cfg, layout, world_size), layout
+
+
+def resume_plan(cfg, world_size: int,
+                model_state: Callable[[], Mapping]) -> tuple[str | None, tuple[int, int] | None]:
+    """``(problem, (R, K))``: why ``cfg.out`` or the checkpoint there stops the run of ``cfg``
+    at ``world_size`` (None when nothing does), and the layout of the run the checkpoint
+    continues (None without one).
+
+    ``--out`` must be creatable and writable; unless ``cfg.no_resume``, a checkpoint there
+    must pass :func:`inspect_resume` against ``model_state()`` (a fresh bare model's
+    ``state_dict``, built only when there is a file). Local: reads and writes the disk.
+    """
+    try:
+        os.makedirs(cfg.out, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=cfg.out, prefix=".write-test-"):
+            pass
+    except OSError as exc:
+        return f"--out {cfg.out!r} cannot be written: {exc.strerror or exc}", None
+    path = os.path.join(cfg.out, CHECKPOINT_FILE)
+    if cfg.no_resume or not os.path.exists(path):
+        return None, None
+    return inspect_resume(path, cfg, world_size, model_state())
 
 
 def layout_problem(path: str, layout, world_size: int) -> str | None:

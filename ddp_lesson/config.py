@@ -7,9 +7,9 @@ field becomes the flag's ``--help``); :func:`parse_config` turns a command line 
 checked config; :func:`derived_values` gives the numbers that follow from it at a world size
 (global batch, steps per epoch, effective learning rate). Bad input raises
 :class:`TrainInputError` with a message that names the values. What reads the disk lives
-with what it reads: the data sets in :mod:`ddp_lesson.data` (``load_datasets``), the resume
-plan in :mod:`ddp_lesson.checkpoint` (``inspect_resume``), the output folder and the
-launcher's preflight in :mod:`ddp_lesson.train` (``preflight``).
+with what it reads: the data sets in :mod:`ddp_lesson.data` (``load_datasets``), the output
+folder and the resume plan in :mod:`ddp_lesson.checkpoint` (``resume_plan``), the launcher's
+preflight in :mod:`ddp_lesson.cli` (``preflight``).
 
 Nothing here communicates: every function is local to the calling process.
 """
