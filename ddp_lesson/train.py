@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import json
 import math
 import os
 import signal
@@ -45,7 +44,6 @@ from .checkpoint import (
     CHECKPOINT_FILE,
     CHECKPOINT_FORMAT,
     CHECKPOINT_VERSION,
-    atomic_write,
     capture_rng_state,
     decide_on_rank0,
     layout_problem,
@@ -72,6 +70,14 @@ from .evaluation import evaluate_exact
 from .layout import LayoutBatchSampler
 from .metrics import miou_from_confusion
 from .models import build_model
+from .report import (
+    epoch_line,
+    epoch_stats,
+    resume_lines,
+    run_summary,
+    start_lines,
+    write_json_atomic,
+)
 from .syncbn import convert_sync_batchnorm
 
 # Trainer.step calls train_step through this module's globals, so a test can replace
@@ -368,47 +374,9 @@ def _sync_buffers(module) -> None:
             dist.broadcast(buf, src=0)
 
 
-def _json_safe(obj):
-    """``obj`` with every NaN/inf float replaced by None (JSON has no such numbers)."""
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {k: _json_safe(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_json_safe(v) for v in obj)
-    return obj
-
-
-def _write_json_atomic(path: str, obj: dict) -> None:
-    """Write ``obj`` as JSON, atomically (NaN/inf as null: a diverged run gets its summary)."""
-    def write(fh):
-        json.dump(_json_safe(obj), fh, indent=2, allow_nan=False)
-        fh.write("\n")
-
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    atomic_write(path, write, binary=False)
-
-
 def failure_marker(cfg: TrainConfig) -> str:
     """``{out}/simulated_failure_step{K}.done``, written just before the simulated kill."""
     return os.path.join(cfg.out, f"simulated_failure_step{cfg.simulate_failure_at_step}.done")
-
-
-def _step_stats(rows: list, cfg: TrainConfig) -> dict:
-    """An epoch's history figures beyond the loss: ``grad_norm_mean``/``grad_norm_max`` (finite
-    norms only, None without any) and ``clipped_steps`` with ``--clip-grad-norm``;
-    ``skipped_steps`` with ``--amp fp16``."""
-    stats = {}
-    if cfg.clip_grad_norm is not None:
-        norms = [
-            r.grad_norm for r in rows if r.grad_norm is not None and math.isfinite(r.grad_norm)
-        ]
-        stats["grad_norm_mean"] = sum(norms) / len(norms) if norms else None
-        stats["grad_norm_max"] = max(norms) if norms else None
-        stats["clipped_steps"] = sum(n > cfg.clip_grad_norm for n in norms)
-    if cfg.amp == "fp16":
-        stats["skipped_steps"] = sum(bool(r.skipped) for r in rows)
-    return stats
 
 
 # --------------------------------------------------------------------------- the trainer
@@ -774,74 +742,13 @@ class Trainer:
             train_loss = (sum(r.loss_sum for r in rows)
                           / max(sum(r.pixel_count for r in rows), 1.0))
             miou, pixel_acc = self.validate()
-            entry = {"epoch": epoch + 1, "train_loss": train_loss, "val_miou": miou,
-                     "val_pixel_accuracy": pixel_acc, **_step_stats(rows, cfg)}
-            self.history.append(entry)
-            extra = ""
-            if entry.get("grad_norm_max") is not None:
-                extra += (f"  grad_norm mean {entry['grad_norm_mean']:.4g} "
-                          f"max {entry['grad_norm_max']:.4g}")
-            if cfg.amp == "fp16":
-                extra += f"  skipped {entry['skipped_steps']}"
-            print0(f"epoch {epoch + 1}/{cfg.epochs}  train_loss {train_loss:.4f}  "
-                   f"val_mIoU {miou:.4f}  pixel_acc {pixel_acc:.4f}" + extra, env=env)
+            self.history.append({"epoch": epoch + 1, "train_loss": train_loss, "val_miou": miou,
+                                 "val_pixel_accuracy": pixel_acc, **epoch_stats(rows, cfg)})
+            print0(epoch_line(self.history[-1], cfg), env=env)
             self.epoch, self.step_in_epoch = epoch + 1, 0
             self.save()
         return {"train_seconds": train_seconds, "train_samples": train_samples,
                 "stopped": stopped}
-
-    # ---- the run's record
-    def summary(self, facts: dict, wall_start: float) -> dict:
-        """The run's ``summary.json`` content, built on every rank (no communication).
-
-        ``facts`` is what :meth:`fit` returned; ``wall_start`` the job's start
-        (``time.perf_counter()``). Non-finite numbers (a diverged run) are None, and
-        ``diverged`` says so.
-        """
-        cfg, env, d = self.cfg, self.env, self.derived
-        last = self.history[-1] if self.history else {}
-        return _json_safe({
-            "world_size": env.world_size,
-            "backend": env.backend,
-            "backend_reason": env.reason,
-            "device": self.device.type,
-            "epochs": cfg.epochs,
-            "batch_size": cfg.batch_size,
-            "global_batch": d["global_batch"],
-            "grad_accum_steps": d["grad_accum_steps"],  # this run's K' (per rank and step)
-            # the micro-batches' layout: R, K of the run that started training
-            "layout": {"world_size": self.layout.world_size,
-                       "grad_accum_steps": self.layout.grad_accum_steps},
-            "steps_per_epoch": d["steps_per_epoch"],
-            "samples_per_epoch": d["samples_per_epoch"],
-            "effective_lr": d["effective_lr"],
-            "global_step": self.global_step,
-            "stopped_early": facts["stopped"],
-            "resumed_from": self.resumed_from,
-            "final_train_loss": last.get("train_loss"),
-            "diverged": not math.isfinite(last.get("train_loss", 0.0)),
-            "val_miou": last.get("val_miou"),
-            "val_pixel_accuracy": last.get("val_pixel_accuracy"),
-            "per_class_iou": (self.per_class_iou.tolist()
-                              if self.per_class_iou is not None else None),
-            "history": self.history,
-            "step_losses": [r.loss_sum / r.pixel_count if r.pixel_count > 0 else None
-                            for r in self.step_log],
-            # each step's gradient norm before clipping (None without --clip-grad-norm)
-            "grad_norms": [r.grad_norm for r in self.step_log],
-            # --amp fp16: the steps the GradScaler skipped (1-based global steps), final scale
-            "skipped_steps": [r.epoch * d["steps_per_epoch"] + r.step_in_epoch + 1
-                              for r in self.step_log if r.skipped],
-            "amp_scale": (self.precision.scaler.get_scale()
-                          if self.precision.scaler is not None else None),
-            "samples_per_s": (facts["train_samples"] / facts["train_seconds"]
-                              if facts["train_seconds"] > 0 else None),
-            "wall_s": time.perf_counter() - wall_start,
-            "checkpoint": self.checkpoint_path,
-            "config": asdict(cfg),
-            "torch": str(torch.__version__),
-        })
-
 
 def wrap_model(module, kind: str, env, device, bucket_cap_mb: float | None = None,
                static_graph: bool = False, gradient_as_bucket_view: bool = False):
@@ -883,62 +790,6 @@ def wrap_model(module, kind: str, env, device, bucket_cap_mb: float | None = Non
 
 # --------------------------------------------------------------------------- entry point
 
-def _start_lines(trainer: Trainer) -> list[str]:
-    """Rank 0's start lines: one fact each, under 100 characters with the [rank 0] prefix."""
-    cfg, env, d = trainer.cfg, trainer.env, trainer.derived
-    k = d["grad_accum_steps"]
-    made_of = f"{cfg.batch_size} x {env.world_size}" + (f" x {k} accumulation steps"
-                                                         if k > 1 else "")
-    extras = [f"ddp {cfg.ddp}" if env.distributed else "no DDP wrapper (1 process)"]
-    if cfg.sync_bn:
-        extras.append("sync-bn")
-    if env.distributed and cfg.ddp != "naive" and cfg.bucket_cap_mb is not None:
-        extras.append(f"bucket-cap-mb {cfg.bucket_cap_mb:g}")
-    extras += [flag for flag, on in (("static-graph", cfg.static_graph),
-                                     ("gradient-as-bucket-view", cfg.gradient_as_bucket_view))
-               if on and env.distributed]
-    if cfg.amp != "off":
-        extras.append(f"amp {cfg.amp}" + (" (GradScaler)" if cfg.amp == "fp16" else ""))
-    if cfg.clip_grad_norm is not None:
-        extras.append(f"clip-grad-norm {cfg.clip_grad_norm:g}")
-    lines = [
-        f"world_size {env.world_size}  backend {env.backend}  device {trainer.device.type}",
-        f"backend choice: {env.reason}",
-        f"batch per rank {cfg.batch_size}  global batch {d['global_batch']} (= {made_of})",
-        f"steps per epoch {d['steps_per_epoch']}  samples per epoch {d['samples_per_epoch']} "
-        f"({d['samples_per_rank']} per rank)",
-        f"lr {d['effective_lr']:.6g} (--lr {cfg.lr:g} at base global batch {cfg.base_batch}, "
-        f"--lr-scaling {cfg.lr_scaling})",
-        f"schedule {cfg.lr_schedule}  " + "  ".join(extras),
-    ]
-    if cfg.local_rank is not None:
-        # Same rule as env.resolve_local_rank: the LOCAL_RANK variable wins over the flag.
-        resolved = dist_env.resolve_local_rank([f"--local-rank={cfg.local_rank}"])
-        lines.insert(0, f"note: --local_rank={cfg.local_rank} is the legacy "
-                        "torch.distributed.launch flag; torchrun sets LOCAL_RANK (rank 0 uses "
-                        f"local rank {resolved}), so the flag is not needed")
-    return lines
-
-
-def _resume_lines(trainer: Trainer) -> list[str]:
-    """What a resumed run continues, and what a run resumed at another world size keeps."""
-    cfg, lay, d = trainer.cfg, trainer.layout, trainer.derived
-    steps, where = d["steps_per_epoch"], f"resuming from {trainer.checkpoint_path}"
-    if trainer.epoch >= cfg.epochs:
-        lines = [f"{where}: all {cfg.epochs} epochs done; nothing left to train (--no-resume "
-                 "starts over)"]
-    else:
-        lines = [f"{where}: epoch {trainer.epoch + 1}/{cfg.epochs}, step "
-                 f"{trainer.step_in_epoch}/{steps} (global step {trainer.global_step})"]
-    if lay.world_size != trainer.env.world_size:
-        lines += [f"world size {lay.world_size} -> {trainer.env.world_size}: the same "
-                  f"micro-batches of {lay.batch_size}, {d['grad_accum_steps']} per rank and "
-                  f"step (was {lay.grad_accum_steps})",
-                  f"global batch {d['global_batch']} kept; cursor at sample "
-                  f"{lay.cursor(trainer.step_in_epoch)} of {d['samples_per_epoch']} this epoch"]
-    return lines
-
-
 def check_amp(cfg: TrainConfig, device_type: str) -> None:
     """Raise TrainInputError when ``--amp`` cannot run on ``device_type`` (local)."""
     problem = amp_unavailable(cfg.amp, device_type)
@@ -972,17 +823,17 @@ def _run(cfg: TrainConfig, env, wall_start: float) -> dict:
     if problem:
         raise TrainInputError(problem)
     trainer = Trainer(cfg, env, layout=layout)
-    for line in _start_lines(trainer):
+    for line in start_lines(trainer):
         print0(line, env=env)
-    for line in _resume_lines(trainer) if trainer.try_resume() else []:
+    for line in resume_lines(trainer) if trainer.try_resume() else []:
         print0(line, env=env)
     facts = trainer.fit()
     if trainer.per_class_iou is None and trainer.history and not facts["stopped"]:
         trainer.validate()  # a finished run resumed: evaluate once more for the summary
-    summary = trainer.summary(facts, wall_start)
+    summary = run_summary(trainer, facts, wall_start)
     path = os.path.join(cfg.out, "summary.json")
     # rank 0 writes; every rank returns once it is on disk, or raises if the write failed
-    run_on_rank0(lambda: _write_json_atomic(path, summary), f"write {path}")
+    run_on_rank0(lambda: write_json_atomic(path, summary), f"write {path}")
     print0(f"wrote {path}", env=env)
     return summary
 
