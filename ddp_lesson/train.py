@@ -1,24 +1,20 @@
 """torchrun --standalone --nproc-per-node 2 -m ddp_lesson.train --epochs 6
 
-The seed program (DeepLab on Cityscapes with DistributedDataParallel), done right: one process
-per rank, each holding a full model, training on its shard of every epoch, DDP averaging the
-gradients with an ``all_reduce`` during ``backward()``. What changed from the seed (notebook
-06's table; ``notebooks/deep/06_the_seed_repaired.ipynb`` step by step): every hyper-parameter
-declared; ``LOCAL_RANK`` from torchrun (``--local_rank`` still accepted); ``set_epoch`` every
-epoch; no ``find_unused_parameters``; ``ignore_index=255``; the loss averaged over the *global*
-batch's labelled pixels (docs/pitfalls.md B5); exact validation; the backend by one rule
-(:mod:`ddp_lesson.env`); atomic checkpoints and an exact resume, mid-epoch and at another world
-size (:mod:`ddp_lesson.layout`, C8; bit for bit on CPU with gloo, docs/gpus.md "Determinism");
-``--sync-bn``, ``--grad-accum-steps`` (``no_sync``), ``--lr-scaling``, ``--ddp``,
-``--bucket-cap-mb``, ``--static-graph``, ``--gradient-as-bucket-view``, ``--amp bf16|fp16`` and
-``--clip-grad-norm``. Bad input stops with one line ``error: ...`` naming the values, exit
-status 2, any checkpoint untouched. ``python -m ddp_lesson.train`` runs one plain process (no
-process group, no wrapper, same lines printed).
+The seed program (DeepLab on Cityscapes with DistributedDataParallel) done right: one process
+per rank, each with a full model, training on its shard of every epoch, DDP averaging the
+gradients in ``backward()``. What changed from the seed is notebook 06's table (and
+``notebooks/deep/06_the_seed_repaired.ipynb``, step by step): every hyper-parameter declared,
+``LOCAL_RANK`` from torchrun, ``set_epoch``, ``ignore_index=255``, the loss over the *global*
+batch's labelled pixels (docs/pitfalls.md B5), exact validation, one backend rule, atomic
+checkpoints and an exact resume (mid-epoch, at another world size: :mod:`ddp_lesson.layout`),
+accumulation with ``no_sync``, SyncBN, AMP and clipping. Bad input stops with one line
+``error: ...`` naming the values (exit status 2, any checkpoint untouched). ``python -m
+ddp_lesson.train`` runs one plain process: no process group, no wrapper, the same lines.
 
 Read top to bottom: one optimizer step (:func:`train_step`, :class:`Precision`), the
 :class:`Trainer` (data, model, checkpoints, evaluation, :meth:`Trainer.fit`), the entry
-(:func:`main`). Flags and derived numbers: :mod:`ddp_lesson.config`; the launcher's preflight:
-:func:`ddp_lesson.cli.preflight`.
+(:func:`main`). Flags: :mod:`ddp_lesson.config`; printed lines and ``summary.json``:
+:mod:`ddp_lesson.report`; the launcher's preflight: :func:`ddp_lesson.cli.preflight`.
 """
 from __future__ import annotations
 
@@ -26,7 +22,6 @@ import contextlib
 import gc
 import math
 import os
-import signal
 import sys
 import time
 from dataclasses import asdict
@@ -40,6 +35,7 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from . import env as dist_env
+from . import faults
 from .checkpoint import (
     CHECKPOINT_FILE,
     CHECKPOINT_FORMAT,
@@ -92,11 +88,8 @@ _AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def _sum_over_ranks_in_place(t: torch.Tensor) -> torch.Tensor:
-    """Sum ``t`` over ranks; the result stays on ``t``'s device (no read to the host).
-
-    No copy under NCCL with ``t`` on the rank's GPU, nor under gloo with ``t`` on the CPU;
-    without a process group a copy. Every rank must call it alike (a synchronisation point).
-    """
+    """Sum ``t`` over ranks, the result on ``t``'s device: no read to the host, no copy when
+    ``t`` is where the backend reduces (synchronises; every rank alike)."""
     where = reduce_device() if group_active() else t.device
     return all_reduce_sum(t.to(where)).to(t.device)
 
@@ -121,20 +114,15 @@ def _phase(timer, name):
 class Precision:
     """Mixed precision and gradient clipping for :func:`train_step` (one per process, local).
 
-    ``amp="bf16"``/``"fp16"`` runs each forward under ``torch.autocast(device_type, dtype)``;
-    the loss is computed in float32. ``"fp16"`` adds a ``torch.amp.GradScaler``: the loss is
-    scaled before backward so small fp16 gradients do not flush to zero; before the step the
-    gradients are unscaled and checked, a step with inf/NaN is skipped and the scale halved,
-    and after ``growth_interval`` good steps it doubles (torch/amp/grad_scaler.py). bf16 has
-    fp32's exponent range: no scaler.
-
-    ``clip_grad_norm > 0`` clips the total L2 norm with ``torch.nn.utils.clip_grad_norm_``
-    once per optimizer step, after the last (all-reducing) backward and, under fp16, after
-    ``scaler.unscale_``: the norm of the averaged gradient, the same bit for bit on every rank.
-    After each step :attr:`grad_norm` holds it before clipping (a 0-d float32 tensor on the
-    gradients' device, None without clipping) and :attr:`skipped` whether the scaler skipped
-    the step. Host reads: none without fp16; under fp16 ``GradScaler.step`` reads its inf/NaN
-    flags (``_maybe_opt_step``).
+    ``amp="bf16"``/``"fp16"`` runs each forward under ``torch.autocast``; the loss is computed
+    in float32. ``"fp16"`` adds a ``torch.amp.GradScaler`` (bf16 has fp32's exponent range):
+    the loss is scaled before backward so small gradients do not flush to zero, a step with
+    inf/NaN gradients is skipped and the scale halved (torch/amp/grad_scaler.py, whose
+    ``_maybe_opt_step`` reads the inf/NaN flags to the host). ``clip_grad_norm > 0`` clips the
+    total L2 norm once per step, after the last (all-reducing) backward and ``unscale_``: the
+    averaged gradient's norm, the same bit for bit on every rank. After each step
+    :attr:`grad_norm` holds it before clipping (a 0-d tensor on the gradients' device; None
+    without clipping) and :attr:`skipped` whether the scaler skipped the step.
 
     Raises:
         ValueError: ``amp`` not in :data:`AMP_MODES`, ``clip_grad_norm < 0``, or autocast
@@ -233,11 +221,10 @@ def amp_unavailable(amp: str, device_type: str) -> str | None:
 def cuda_bf16_native() -> bool:
     """True when the current CUDA device computes in bfloat16 natively (local, no sync).
 
-    ``torch.cuda.is_bf16_supported(including_emulation=False)``: True on ROCm, False without
-    CUDA, else compute capability >= 8 (torch/cuda/__init__.py). Its default
-    ``including_emulation=True`` also says True where bfloat16 tensors can merely be created
-    (a T4, 7.5, where cuDNN has no bfloat16 convolutions). A torch whose
-    ``is_bf16_supported`` takes no argument raises TypeError: the same test is made here.
+    ``torch.cuda.is_bf16_supported(including_emulation=False)`` (torch/cuda/__init__.py): True
+    on ROCm, False without CUDA, else compute capability >= 8; the default ``True`` also says
+    True where a bfloat16 tensor can merely be created (``_check_bf16_tensor_supported``: a T4,
+    7.5). A torch without that argument raises TypeError: the same test is made here.
     """
     try:
         return bool(torch.cuda.is_bf16_supported(including_emulation=False))
@@ -253,13 +240,11 @@ def accumulate_gradients(model, micro_batches, compute_loss, timer=None,
                          backward=None) -> None:
     """Forward and backward over ``K`` micro-batches, all-reducing gradients only on the last.
 
-    Micro-batches ``0 .. K-2`` run forward *and* backward inside ``model.no_sync()`` (when the
-    wrapper has it; torch's DDP decides in forward whether the next backward syncs), so their
-    gradients accumulate locally; the last one's backward all-reduces the sums (docs/pitfalls.md
-    B4). ``compute_loss(model, batch)`` returns the scalar to backpropagate, already scaled;
-    ``backward(loss)`` defaults to ``loss.backward()`` (:meth:`Precision.backward` scales it);
-    ``timer``: an optional :class:`~ddp_lesson.bench.scaling.StepTimer` (phases "forward",
-    "backward"). Synchronises in the last backward.
+    Micro-batches ``0 .. K-2`` run forward *and* backward inside ``model.no_sync()`` (torch's
+    DDP decides in forward whether the next backward syncs): their gradients accumulate
+    locally, the last backward all-reduces the sums (docs/pitfalls.md B4). ``compute_loss(model,
+    batch)`` returns the scaled loss; ``backward(loss)`` defaults to ``loss.backward()``;
+    ``timer``: an optional StepTimer. Synchronises in the last backward.
     """
     last = len(micro_batches) - 1
     for i, batch in enumerate(micro_batches):
@@ -281,27 +266,20 @@ def train_step(model, optimizer, micro_batches, world_size: int, scheduler=None,
 
     Each rank sums its micro-batches' per-pixel losses and divides by the labelled (not
     ``IGNORE_INDEX``) pixels of the *global* batch (one all_reduce), times ``world_size``
-    because DDP then averages: the gradient is exactly the single-process gradient of the
-    mean over the concatenated batch, whatever each rank's share of void pixels.
-
-    Args:
-        model: the wrapped model (or a bare one in a single process).
-        optimizer: zeroed, then stepped once.
-        micro_batches: ``(images (B, 3, H, W), target (B, H, W))`` pairs on the model's device.
-        world_size: R, the number of ranks DDP averages over.
-        scheduler: stepped after the optimizer, only when it stepped: a step the fp16
-            GradScaler skipped does not consume the schedule (torch warns otherwise,
-            ``LRScheduler.step``; Accelerate's ``AcceleratedScheduler.step`` does the same).
-        timer: optional StepTimer (phases comm, forward, backward, optimizer).
-        precision: optional :class:`Precision` (autocast, GradScaler, clipping); None: fp32.
+    because DDP then averages: exactly the single-process gradient of the mean over the
+    concatenated batch, whatever each rank's share of void pixels. ``micro_batches``:
+    ``(images (B, 3, H, W), target (B, H, W))`` pairs on the model's device; ``scheduler``
+    steps only when the optimizer did (a step the fp16 GradScaler skipped does not consume
+    the schedule: ``LRScheduler.step`` warns otherwise; Accelerate's
+    ``AcceleratedScheduler.step`` does the same); ``timer``: an optional StepTimer (phases
+    comm, forward, backward, optimizer); ``precision``: a :class:`Precision`, None for fp32.
 
     Returns:
-        ``(local_loss_sum, local_pixel_count)``: this rank's summed loss (0-d float64) and
-        labelled pixel count (0-d int64) on the batch's device; sum both over ranks and divide
-        for the global mean.
+        ``(local_loss_sum, local_pixel_count)``: this rank's summed loss (0-d float64, summed
+        in float32 per micro-batch) and labelled pixel count (0-d int64) on the batch's device.
 
     Synchronises: the pixel count's all_reduce and DDP's. Reads nothing to the host (under
-    fp16 the GradScaler reads its flags). Losses are summed in float32, micro-batches in float64.
+    fp16 the GradScaler reads its flags).
     """
     if not micro_batches:
         raise ValueError("train_step needs at least 1 micro-batch, got 0")
@@ -352,53 +330,20 @@ class StepRecord(NamedTuple):
     skipped: bool = False
 
 
-# --------------------------------------------------------------------------- small helpers
-
-def set_threads_from_env() -> None:
-    """Set torch's intra-op threads to ``OMP_NUM_THREADS`` when it is set; never synchronises."""
-    # torchrun sets OMP_NUM_THREADS=1 (with a warning) and our launcher does so quietly; make
-    # torch's intra-op pool follow it, so N processes on N cores do not oversubscribe them.
-    raw = os.environ.get("OMP_NUM_THREADS", "")
-    if raw.isdigit() and int(raw) >= 1:
-        torch.set_num_threads(int(raw))
-
-
-def _sync_buffers(module) -> None:
-    """Give every rank rank 0's buffers (BatchNorm running stats) before evaluating.
-
-    DDP broadcasts them at the start of each training forward, but the last step updates them
-    after that, locally: without this the ranks would evaluate models one step apart.
-    """
-    if group_active() and dist.get_world_size() > 1:
-        for buf in module.buffers():
-            dist.broadcast(buf, src=0)
-
-
-def failure_marker(cfg: TrainConfig) -> str:
-    """``{out}/simulated_failure_step{K}.done``, written just before the simulated kill."""
-    return os.path.join(cfg.out, f"simulated_failure_step{cfg.simulate_failure_at_step}.done")
-
-
 # --------------------------------------------------------------------------- the trainer
 
 class Trainer:
-    """Everything one rank needs to train: data, model, wrapper, optimizer, schedule, state.
+    """Everything one rank needs to train, built on every rank after ``init_distributed``.
 
-    Built on every rank (after ``init_distributed``); :meth:`fit` runs the epochs with
-    checkpoints and evaluation; benchmarks and tests drive single steps (:meth:`batches`,
-    :meth:`step`). ``layout=(R, K)``: the ranks and accumulation steps of the run a checkpoint
-    continues, when not this one's.
-
-    Attributes:
-        cfg, env, device, derived: the config, this rank's DistEnv, torch device, and
-            :func:`~ddp_lesson.config.derived_values`.
-        layout, batch_sampler: the run's micro-batches (:class:`~ddp_lesson.layout.DataLayout`)
-            and this rank's share of them.
-        module, model: the bare model (what checkpoints hold) and the wrapped one.
-        optimizer, scheduler, precision: SGD, a LambdaLR (constant or poly), a :class:`Precision`.
-        epoch, step_in_epoch, global_step: where training stands (the resume point).
-        history: one dict per finished epoch (train_loss, val_miou, ...).
-        step_log: one :class:`StepRecord` per optimizer step, summed over ranks.
+    :meth:`fit` runs the epochs; benchmarks and tests drive single steps (:meth:`batches`,
+    :meth:`step`). ``layout=(R, K)``: ranks and accumulation steps of the run a checkpoint
+    continues, when not this one's. Attributes: ``cfg``, ``env``, ``device``, ``derived``
+    (:func:`~ddp_lesson.config.derived_values`); ``layout`` (the run's micro-batches,
+    :class:`~ddp_lesson.layout.DataLayout`) and ``batch_sampler`` (this rank's share);
+    ``module`` (bare, what checkpoints hold) and ``model`` (wrapped); ``optimizer`` (SGD),
+    ``scheduler`` (LambdaLR), ``precision``; ``epoch``, ``step_in_epoch``, ``global_step``
+    (the resume point); ``history`` (one dict per epoch); ``step_log`` (one
+    :class:`StepRecord` per step, summed over ranks).
 
     Raises:
         TrainInputError: bad data folder, zero steps per epoch, ``--amp`` unavailable, an
@@ -442,13 +387,9 @@ class Trainer:
                                          lr=self.derived["effective_lr"],
                                          momentum=cfg.momentum, weight_decay=cfg.weight_decay)
         total = cfg.epochs * self.derived["steps_per_epoch"]
-        if cfg.lr_schedule == "poly":
-            def factor(step, total=total):
-                return max(0.0, 1.0 - step / total) ** 0.9
-        else:
-            def factor(step):
-                return 1.0
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, factor)
+        poly = cfg.lr_schedule == "poly"  # DeepLab's (1 - step/total)**0.9, else constant
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda step: max(0.0, 1.0 - step / total) ** 0.9 if poly else 1.0)
         self.precision = Precision(cfg.amp, self.device.type, cfg.clip_grad_norm or 0.0)
         self.epoch, self.step_in_epoch, self.global_step = 0, 0, 0
         self.history: list[dict] = []
@@ -465,13 +406,9 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         module = build_model(cfg.model, num_classes=NUM_CLASSES, width=cfg.width)
         module = module.to(self.device)
-        if cfg.sync_bn:
-            # After moving to the device, before wrapping (the wrapper must see the final
-            # layers): docs/pitfalls.md B11.
-            if self.device.type == "cuda":
-                module = torch.nn.SyncBatchNorm.convert_sync_batchnorm(module)
-            else:
-                module = convert_sync_batchnorm(module)
+        if cfg.sync_bn:  # after .to(device), before wrapping: docs/pitfalls.md B11
+            module = (torch.nn.SyncBatchNorm.convert_sync_batchnorm
+                      if self.device.type == "cuda" else convert_sync_batchnorm)(module)
         return module, wrap_model(module, cfg.ddp, self.env, self.device, cfg.bucket_cap_mb,
                                   cfg.static_graph, cfg.gradient_as_bucket_view)
 
@@ -528,14 +465,11 @@ class Trainer:
     def checkpoint_state(self, rng_states) -> dict:
         """The checkpoint for the current position (built on rank 0; no communication).
 
-        ``model`` is the bare module's state_dict (no ``module.`` prefix, B12); ``epoch`` the
-        epoch in progress (0-based; ``epochs`` when done) and ``step_in_epoch`` its steps
-        taken; ``cursor`` the samples of the epoch's padded permutation read and the layout
-        (R, K, B) of the run that started training (:mod:`ddp_lesson.layout`); ``rng`` every
-        rank's generators in rank order (``rng_states``, from
-        :func:`~ddp_lesson.checkpoint.capture_rng_state`); ``world_size`` the processes that
-        wrote it; ``scaler`` the fp16 GradScaler's state (None without). Plain types only:
-        ``torch.load(weights_only=True)`` reads it.
+        ``model``: the bare module's state_dict (B12); ``epoch``: the epoch in progress
+        (``epochs`` when done), ``step_in_epoch`` its steps taken; ``cursor``: the samples of
+        its padded permutation read and the layout (R, K, B) of the run that started training;
+        ``rng``: every rank's generators (``rng_states``, in rank order); ``scaler``: the fp16
+        GradScaler's state. Plain types only: ``torch.load(weights_only=True)`` reads it.
         """
         lay = self.layout
         return {
@@ -570,10 +504,7 @@ class Trainer:
             dist.all_gather_object(states, rng)  # every rank's generators, for exact resume
         else:
             states = [rng]
-        hook = None
-        if (self.cfg.simulate_failure_during_save and self.env.is_main
-                and self.global_step >= self.cfg.simulate_failure_at_step):
-            hook = lambda tmp: self._simulated_failure("during the checkpoint write")  # noqa: E731
+        hook = faults.during_save(self.cfg, self.env.rank, self.global_step)
         try:
             # the state is built on rank 0 inside the protocol: an error there reaches every rank
             save_checkpoint(None, self.checkpoint_path, before_replace=hook,
@@ -581,34 +512,10 @@ class Trainer:
         except OSError as exc:
             raise TrainInputError(str(exc)) from None
 
-    def _simulated_failure(self, where: str) -> None:
-        """SIGKILL this process (``--simulate-failure-at-step``), once per ``--out``.
-
-        The marker (:func:`failure_marker`) is fsync'ed before the kill, so a restarted job
-        runs on. SIGKILL, not an exception: no ``finally``, no atexit, as when the OOM killer
-        or a lost machine ends a worker; ``--simulate-node-loss`` kills the torchrun agent too.
-        """
-        marker = failure_marker(self.cfg)
-        if os.path.exists(marker):
-            return
-        with open(marker, "w") as fh:
-            fh.write(f"rank {self.env.rank} killed {where} at global step {self.global_step}\n")
-            fh.flush()
-            os.fsync(fh.fileno())
-        if self.cfg.simulate_node_loss:  # the whole node: its torchrun agent (our parent) too
-            print(f"simulated failure: rank {self.env.rank} kills its torchrun agent and itself "
-                  f"(SIGKILL) {where} at global step {self.global_step}: node lost", flush=True)
-            os.kill(os.getppid(), signal.SIGKILL)
-        else:
-            print(f"simulated failure: rank {self.env.rank} kills itself (SIGKILL) {where} at "
-                  f"global step {self.global_step}", flush=True)
-        os.kill(os.getpid(), signal.SIGKILL)
-
     def try_resume(self) -> bool:
-        """Resume from ``{out}/checkpoint.pt`` when there is one (and not ``--no-resume``).
-
-        Rank 0 decides whether the file exists and broadcasts the answer (B14); every rank then
-        loads it, mapped to its own device. Synchronises. Returns True when state was restored.
+        """Resume from ``{out}/checkpoint.pt`` if there is one (and not ``--no-resume``); True
+        when state was restored. Rank 0 decides whether the file exists (B14); every rank then
+        loads it, mapped to its own device. Synchronises.
 
         Raises:
             TrainInputError: (every rank) the checkpoint's cursor does not match this layout.
@@ -665,9 +572,13 @@ class Trainer:
     # ---- evaluation
     def validate(self) -> tuple[float, float]:
         """Exact mIoU and pixel accuracy over the whole validation set (synchronises)."""
-        # Evaluate the bare module: DDP's forward may sync buffers, a collective, and ranks
-        # hold different numbers of validation batches.
-        _sync_buffers(self.module)
+        # Rank 0's BatchNorm statistics everywhere: DDP broadcasts them at each training
+        # forward, but the last step updated them after that, on each rank alone.
+        if group_active() and dist.get_world_size() > 1:
+            for buf in self.module.buffers():
+                dist.broadcast(buf, src=0)
+        # The bare module: DDP's forward may sync buffers, a collective, and ranks hold
+        # different numbers of validation batches.
         self.module.eval()
 
         def predict(images):
@@ -724,10 +635,7 @@ class Trainer:
                 if (cfg.checkpoint_every_steps and not last_of_epoch
                         and self.global_step % cfg.checkpoint_every_steps == 0):
                     self.save()
-                if (cfg.simulate_failure_at_step and not cfg.simulate_failure_during_save
-                        and self.global_step == cfg.simulate_failure_at_step
-                        and env.rank == cfg.failure_rank):
-                    self._simulated_failure("after the step")
+                faults.after_step(cfg, env.rank, self.global_step)
             train_seconds += time.perf_counter() - start
             bar.close()
             if stopped:
@@ -790,6 +698,15 @@ def wrap_model(module, kind: str, env, device, bucket_cap_mb: float | None = Non
 
 # --------------------------------------------------------------------------- entry point
 
+def set_threads_from_env() -> None:
+    """Set torch's intra-op threads to ``OMP_NUM_THREADS`` when it is set; never synchronises."""
+    # torchrun sets OMP_NUM_THREADS=1 (with a warning) and our launcher does so quietly; make
+    # torch's intra-op pool follow it, so N processes on N cores do not oversubscribe them.
+    raw = os.environ.get("OMP_NUM_THREADS", "")
+    if raw.isdigit() and int(raw) >= 1:
+        torch.set_num_threads(int(raw))
+
+
 def check_amp(cfg: TrainConfig, device_type: str) -> None:
     """Raise TrainInputError when ``--amp`` cannot run on ``device_type`` (local)."""
     problem = amp_unavailable(cfg.amp, device_type)
@@ -803,13 +720,7 @@ def check_start(cfg: TrainConfig, world_size: int):
     (None without one): :func:`~ddp_lesson.checkpoint.resume_plan`. Local: disk only."""
     problem, layout = resume_plan(cfg, world_size, lambda: build_model(
         cfg.model, num_classes=NUM_CLASSES, width=cfg.width).state_dict())
-    # a simulated failure that already happened (its marker is written) needs no rank:
-    # the restart of a job that lost that rank's node runs on without it
-    if (problem is None and cfg.simulate_failure_at_step and cfg.failure_rank >= world_size
-            and not os.path.exists(failure_marker(cfg))):
-        problem = (f"--failure-rank {cfg.failure_rank} is outside [0, "
-                   f"{world_size - 1}] (world size {world_size})")
-    return problem, layout
+    return problem or faults.failure_rank_problem(cfg, world_size), layout
 
 
 def _run(cfg: TrainConfig, env, wall_start: float) -> dict:
@@ -850,15 +761,13 @@ def _fail(exc: BaseException, env, owns_group: bool):
 
 
 def main(argv: list[str] | None = None) -> dict:
-    """Run the training job (every rank runs this). Returns the summary dict on every rank.
+    """Run the training job on every rank; returns the summary dict on every rank.
 
-    Joins the process group unless the caller already did (then leaves it as found).
-    Synchronises at init, at every step (pixel count and gradient all_reduce), at every
-    checkpoint, after each epoch (loss and confusion-matrix reductions) and at cleanup.
+    Joins the process group unless the caller did (then leaves it as found). Synchronises at
+    init, every step, every checkpoint, after each epoch and at cleanup.
 
     Raises:
-        SystemExit: status 2 for bad input, after one line ``error: ...`` on rank 0's
-            stderr (flags, backend, data folder, checkpoint, output folder, zero steps).
+        SystemExit: status 2 for bad input, after one line ``error: ...`` on rank 0's stderr.
     """
     wall_start = time.perf_counter()
     cfg = parse_config(argv)
