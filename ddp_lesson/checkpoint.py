@@ -1,42 +1,33 @@
 """Checkpoints that survive interruptions: atomic save, safe multi-rank load, exact resume.
 
-Three things go wrong with checkpoints under data parallelism, and this module answers each:
+Three things go wrong with checkpoints under data parallelism:
 
-* **A half-written file.** A run killed while ``torch.save`` writes leaves a truncated file,
-  and the previous good checkpoint is already gone if it was written in place.
-  :func:`save_atomic` writes a temporary file in the same folder, flushes it, ``fsync`` s it
-  to disk, then ``os.replace`` s it over the old one: the rename is atomic on POSIX, so the
-  path always holds either the old complete checkpoint or the new complete one. A writer
-  killed before the rename leaves its temporary file behind; :func:`sweep_temporaries`
-  removes such files (the trainer's rank 0 at start, every good save afterwards).
-* **A race between ranks** (docs/pitfalls.md B14). If rank 0 writes while the other ranks read
-  straight away, they may see no file, or half of one. :func:`save_checkpoint` has rank 0
-  write (atomically) while the others wait; rank 0 then broadcasts whether the write worked
-  and every rank meets at a barrier, so after the call every rank may read the file; whatever
-  fails on rank 0 raises on every rank at once (:func:`run_on_rank0`).
-  Decisions such as "is there a checkpoint to resume from?" are made on rank 0 and
-  broadcast (:func:`decide_on_rank0`), never taken separately by each rank: ranks that
-  disagree would enter different collectives and deadlock.
-* **Keys with a ``module.`` prefix** (docs/pitfalls.md B12). ``DistributedDataParallel`` keeps
-  the model as ``.module``, so its ``state_dict`` names every tensor ``module.<name>``, which a
-  bare model refuses to load. Save the unwrapped model (:func:`unwrap`); when a file has
-  the prefix anyway, :func:`strip_module_prefix` removes it (once, at the start of a key).
+* **A half-written file.** :func:`atomic_write` writes a temporary file in the same folder,
+  fsyncs it, then ``os.replace`` s it over the old one (atomic on POSIX): the path always
+  holds a complete checkpoint, old or new. :func:`sweep_temporaries` removes what killed
+  writers left.
+* **A race between ranks** (docs/pitfalls.md B14). :func:`save_checkpoint` has rank 0 write
+  while the others wait, then tells every rank whether it worked; decisions such as "is there
+  a checkpoint?" are taken on rank 0 and shared (:func:`decide_on_rank0`), never by each rank
+  alone (ranks that disagree deadlock in different collectives).
+* **Keys with a ``module.`` prefix** (docs/pitfalls.md B12): save the unwrapped model
+  (:func:`unwrap`); :func:`strip_module_prefix` removes the prefix from a file that has it.
 
-Loading maps every tensor to the rank's own device (``map_location``), never all to the
-device that saved it (GPU 0), and uses ``torch.load(weights_only=True)``: a checkpoint is
-data, and loading one should not run code. :func:`capture_rng_state` /
-:func:`restore_rng_state` carry the random generators (torch, CUDA, numpy, Python) across a
-restart, stored as plain tensors and lists so that ``weights_only`` accepts them.
+Loading maps tensors to the rank's own device, never all to the one that saved them, with
+``torch.load(weights_only=True)`` (a checkpoint is data; loading it should run no code);
+:func:`capture_rng_state` / :func:`restore_rng_state` carry the random generators across a
+restart as plain tensors and lists. :func:`resume_plan` says whether a run may resume.
 
-Sources: POSIX ``rename(2)`` (atomic replacement); PyTorch's "Saving and loading models"
-tutorial and ``torch.nn.modules.utils.consume_prefix_in_state_dict_if_present``
-(pytorch/pytorch PR #53224).
+Sources: POSIX ``rename(2)``; PyTorch's "Saving and loading models" tutorial and
+``torch.nn.modules.utils.consume_prefix_in_state_dict_if_present`` (pytorch/pytorch PR #53224).
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import re
+import tempfile
 import zipfile
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
@@ -70,6 +61,7 @@ __all__ = [
     "first_config_mismatch",
     "capture_rng_state",
     "restore_rng_state",
+    "resume_plan",
 ]
 
 #: Value of the ``"format"`` entry that marks a file as this package's checkpoint.
@@ -83,18 +75,16 @@ REQUIRED_KEYS = ("format", "version", "model", "optimizer", "scheduler", "epoch"
 
 
 class CheckpointError(ValueError):
-    """A file that cannot be resumed from: unreadable, truncated, not a checkpoint, or made for
-    another model or configuration. The message names the file and the first problem."""
+    """A file that cannot be resumed from (unreadable, truncated, not a checkpoint, another
+    model or configuration); the message names the file and the first problem.
+    """
 
 
 class Rank0Error(RuntimeError):
-    """Raised on the other ranks when rank 0's part of a rank-0-only step (:func:`run_on_rank0`:
-    a checkpoint write, a check, a summary) raised: the message names the step and rank 0's
-    exception (type and first line). Rank 0 itself raises its own exception.
-
-    ``is_consequence = True``: the launcher never names a rank that failed with it as the
-    cause of a failed run (:mod:`ddp_lesson._worker` marks its record), though it may be
-    raised a moment before rank 0's own exception leaves rank 0's program."""
+    """Raised on the other ranks when rank 0's part of :func:`run_on_rank0` raised; names the
+    step and rank 0's exception (rank 0 raises its own). ``is_consequence``: the launcher never
+    names a rank that failed with it as the cause of a failed run (:mod:`ddp_lesson._worker`).
+    """
 
     is_consequence = True
 
@@ -102,21 +92,12 @@ class Rank0Error(RuntimeError):
 # --------------------------------------------------------------------------- prefixes (B12)
 
 def strip_module_prefix(state_dict: Mapping[str, Any], prefix: str = "module.") -> OrderedDict:
-    """A copy of ``state_dict`` with ``prefix`` removed from the start of every key that has it.
+    """A copy of ``state_dict`` with ``prefix`` removed once from the start of every key.
 
-    Removes it once: ``'module.module.weight'`` becomes ``'module.weight'`` (a doubly wrapped
-    model needs two calls), and ``'submodule.weight'`` is left alone (the prefix must start the
-    key). Keys without the prefix are kept as they are. The ``_metadata`` that
-    ``load_state_dict`` reads (per-module versions) is renamed the same way. Like torch's
-    ``consume_prefix_in_state_dict_if_present``, but returns a new dict.
-
-    Args:
-        state_dict: name -> tensor, e.g. ``ddp_model.state_dict()``.
-        prefix: the prefix to remove, ``"module."`` for DDP.
-
-    Returns:
-        An ``OrderedDict`` in the same order, e.g. ``['module.weight', 'module.bias']`` ->
-        ``['weight', 'bias']``.
+    ``'module.module.weight'`` becomes ``'module.weight'``, ``'submodule.weight'`` stays (the
+    prefix must start the key); the ``_metadata`` that ``load_state_dict`` reads is renamed the
+    same way. Like torch's ``consume_prefix_in_state_dict_if_present``, but returns a new
+    ``OrderedDict`` in the same order.
     """
     out = OrderedDict((k[len(prefix):] if k.startswith(prefix) else k, v)
                       for k, v in state_dict.items())
@@ -136,10 +117,8 @@ def strip_module_prefix(state_dict: Mapping[str, Any], prefix: str = "module.") 
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The bare model inside a data-parallel wrapper (anything with a ``.module``), else itself.
-
-    Save ``unwrap(model).state_dict()``: its keys carry no ``module.`` prefix and it loads
-    into a plain model, with or without DDP around it.
+    """The bare model inside data-parallel wrappers (anything with a ``.module``), else itself:
+    ``unwrap(model).state_dict()`` has no ``module.`` prefix.
     """
     while isinstance(getattr(model, "module", None), torch.nn.Module):
         model = model.module
@@ -150,41 +129,26 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
 
 def _fsync_dir(folder: str) -> None:
     """Make the rename itself durable (best effort: not every file system allows it)."""
-    try:
+    with contextlib.suppress(OSError):
         fd = os.open(folder or ".", os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def atomic_write(path: str, write: Callable[[Any], None], *, binary: bool = True,
                  before_replace: Callable[[str], None] | None = None) -> str:
-    """Write a file so that ``path`` is never seen half-written: temporary file, fsync, rename.
+    """Write ``path`` so that it is never seen half-written: temporary file, fsync, rename.
 
-    ``write(fh)`` fills ``path.tmp.<pid>`` in the same folder (a rename is atomic only within
-    one file system); the file is flushed and ``fsync`` ed, then ``os.replace`` d over ``path``
-    and the folder is synced. Until the rename, a previous file at ``path`` stays complete and
-    valid; if anything fails, the temporary file is removed and ``path`` is untouched. Local to
-    the calling process: no synchronisation.
-
-    Args:
-        path: the destination file; its folder must exist.
-        write: called with the open temporary file (``"wb"`` or, with ``binary=False``, ``"w"``).
-        binary: open the temporary file in binary mode.
-        before_replace: called with the temporary file's path once it is complete on disk,
-            just before the rename: the window in which a crash leaves the old file in place.
-
-    Returns:
-        ``path``.
+    ``write(fh)`` fills ``path.tmp.<pid>`` in the same folder (``"wb"``, or ``"w"`` with
+    ``binary=False``), which is then fsync'ed and ``os.replace`` d over ``path``, and the folder
+    synced. ``before_replace(tmp)`` runs just before the rename, the window in which a crash
+    leaves the old file in place. Local: no synchronisation. Returns ``path``.
 
     Raises:
-        OSError: the folder is not writable, the disk is full, ... (``path`` untouched);
-        whatever ``write`` raises (likewise).
+        OSError: the folder is not writable, the disk is full, ...; or whatever ``write``
+            raises. Either way the temporary file is removed and ``path`` is untouched.
     """
     folder = os.path.dirname(os.path.abspath(path))
     tmp = f"{path}.tmp.{os.getpid()}"
@@ -206,81 +170,39 @@ def atomic_write(path: str, write: Callable[[Any], None], *, binary: bool = True
     return path
 
 
-def _temporary_pid(name: str, base: str) -> int | None:
-    """The writer's pid when ``name`` is ``{base}.tmp.<pid>`` (what :func:`atomic_write` makes)."""
-    prefix = f"{base}.tmp."
-    if not name.startswith(prefix) or not name[len(prefix):].isdigit():
-        return None
-    return int(name[len(prefix):])
-
-
 def sweep_temporaries(path: str, *, only_dead: bool = True) -> list[str]:
-    """Remove the temporary files an interrupted :func:`atomic_write` left next to ``path``.
+    """Remove the ``{basename(path)}.tmp.<pid>`` files that killed writers left next to ``path``.
 
-    A process killed (SIGKILL, OOM killer, a lost node) between creating ``{path}.tmp.<pid>``
-    and the rename leaves that file behind, nearly a whole checkpoint, for good; nothing ever
-    reads it. This removes files named exactly ``{basename(path)}.tmp.<digits>`` in the folder
-    of ``path`` (no other file, not another checkpoint's), except this process's own:
-
-    * ``only_dead=True`` (the default, safe at any time): only those whose writer ``<pid>`` is
-      not alive on this machine (:func:`ddp_lesson.procs.alive`: a zombie is not, another
-      user's process is). A live writer's temporary file is left alone: deleting it
-      would make that writer's rename fail. :func:`save_atomic` sweeps this way after each
-      good save.
-    * ``only_dead=False``: every one, whatever its pid. For the job's only writer (rank 0)
-      before it writes anything, when no writer of this checkpoint can be running: the pid
-      check cannot see a writer on another machine of a shared file system, and a pid may
-      have been reused by an unrelated process. Two jobs writing the same checkpoint at once
-      is not supported in any case (each would replace the other's file).
-
-    Local, no synchronisation; a file that vanishes meanwhile, or cannot be removed, is
-    skipped (a sweep never fails the run).
-
-    Args:
-        path: the checkpoint path (need not exist; nor need its folder).
-        only_dead: keep the temporary files of writers that are alive.
-
-    Returns:
-        The removed files' names (not paths), sorted.
+    A process killed between creating the temporary file and the rename leaves it for good. This
+    process's own is kept; with ``only_dead=True`` (safe at any time) so is every one whose
+    writer is alive (:func:`ddp_lesson.procs.alive`). ``only_dead=False`` removes the others too:
+    for the job's only writer before it writes, since the pid check cannot see a writer on
+    another machine of a shared file system. A file that cannot be removed is skipped. Local.
+    Returns the removed names, sorted.
     """
     folder = os.path.dirname(os.path.abspath(path))
-    base = os.path.basename(path)
+    prefix = f"{os.path.basename(path)}.tmp."  # what atomic_write makes: {base}.tmp.<pid>
     try:
         names = os.listdir(folder)
     except OSError:
         return []
     removed = []
     for name in sorted(names):
-        pid = _temporary_pid(name, base)
-        if pid is None or pid == os.getpid() or (only_dead and alive(pid)):
+        pid = name[len(prefix):]
+        if (not name.startswith(prefix) or not pid.isdigit() or int(pid) == os.getpid()
+                or (only_dead and alive(int(pid)))):
             continue
-        try:
+        with contextlib.suppress(OSError):
             os.remove(os.path.join(folder, name))
-        except OSError:
-            continue
-        removed.append(name)
+            removed.append(name)
     return removed
 
 
 def save_atomic(obj: Any, path: str, before_replace: Callable[[str], None] | None = None) -> str:
-    """Write ``obj`` with ``torch.save`` so that ``path`` is never seen half-written.
-
-    :func:`atomic_write` with ``torch.save``: a previous file at ``path`` stays complete and
-    valid until the new one is on disk. After the rename, the temporary files that killed
-    writers left (``{path}.tmp.<pid>`` whose pid is not alive) are removed
-    (:func:`sweep_temporaries`). Local to the calling process: no synchronisation
-    (see :func:`save_checkpoint` for the multi-rank protocol).
-
-    Args:
-        obj: what to save (tensors, dicts, lists, numbers, strings).
-        path: the destination file; its folder must exist.
-        before_replace: called with the temporary file's path once it is complete on disk,
-            just before the rename: the window in which a crash leaves the old file in place
-            (the fault injector ``--simulate-failure-during-save`` of ``ddp_lesson.train``
-            kills the process there).
-
-    Returns:
-        ``path``.
+    """``torch.save(obj)`` to ``path`` with :func:`atomic_write`, then sweep the temporary files
+    of dead writers (:func:`sweep_temporaries`). Local (:func:`save_checkpoint` is the multi-rank
+    protocol); ``before_replace`` as in :func:`atomic_write` (``--simulate-failure-during-save``
+    kills the process there). Returns ``path``.
 
     Raises:
         OSError: the folder is not writable, the disk is full, ... (``path`` untouched).
@@ -304,21 +226,15 @@ _answers = 0  # how many rank-0 answers this process took part in: the store key
 def _from_rank0(compute: Callable[[], Any], what: str, timeout_s: float) -> Any:
     """``compute()`` on rank 0, its (picklable) result on every rank, through the store.
 
-    The other ranks wait in ``store.wait`` with ``timeout_s`` of their own instead of in a
-    collective, whose timeout (the process group's, seconds in the lessons) would fire while rank
-    0 is still busy: gloo then fails with "Timed out waiting ... for recv" on one rank and
-    "Connection closed by peer" on the other, naming neither the save nor the timeout
-    (mosaicml/llm-foundry PR #733; meta-pytorch/torchtune#2093). Every rank calls it the same
-    number of times, so the key's number agrees across ranks.
-
-    Whatever ``compute()`` raises on rank 0 (or a result that cannot be pickled) is answered
-    too, before rank 0 re-raises it: the others raise :class:`Rank0Error` at once instead of
-    waiting ``timeout_s`` for an answer that never comes.
+    The other ranks wait in ``store.wait`` for ``timeout_s``, not in a collective whose timeout
+    (the group's, seconds in the lessons) would fire while rank 0 is busy: gloo then fails with
+    "Timed out waiting ... for recv" and "Connection closed by peer", naming neither the save nor
+    the timeout (mosaicml/llm-foundry PR #733; meta-pytorch/torchtune#2093). An exception on rank
+    0 is answered too, so the others raise at once. Every rank calls it the same number of times.
 
     Raises:
-        TimeoutError: rank 0 did not answer within ``timeout_s`` (raised on the waiting ranks,
-            naming ``what`` and the timeout).
-        Rank0Error: ``compute()`` raised on rank 0 (on the other ranks; rank 0 raises its own).
+        TimeoutError: rank 0 did not answer within ``timeout_s`` (on the waiting ranks).
+        Rank0Error: ``compute()`` raised on rank 0 (on the others; rank 0 raises its own).
     """
     import datetime
     import pickle
@@ -361,27 +277,14 @@ def run_on_rank0(compute: Callable[[], Any], what: str,
                  timeout_s: float = RANK0_WAIT_S) -> Any:
     """Run ``compute()`` on rank 0 only; every rank returns its result, or raises if it raised.
 
-    For rank-0-only work that the other ranks must wait for (write a file, check a folder):
-    the other ranks wait up to ``timeout_s`` through the process group's store, not in a
-    collective, and an exception on rank 0 reaches them at once (:class:`Rank0Error`) instead
-    of leaving them in a barrier until the group's timeout, or for ever in a process that
-    lives on (persistent ranks, a caller that catches the error). Without a process group of
-    more than one rank it is just ``compute()``.
-
-    Synchronises all ranks (the others wait for rank 0's answer). Call it on every rank, the
-    same number of times.
-
-    Args:
-        compute: a function of no arguments returning a picklable value (called on rank 0).
-        what: the step, for the messages ("write summary.json").
-        timeout_s: how long the other ranks wait for rank 0 (seconds).
-
-    Returns:
-        Rank 0's result, on every rank.
+    For rank-0-only work the others must wait for (write a file, check a folder): they wait up
+    to ``timeout_s`` through the store (:func:`_from_rank0`), and an exception on rank 0 reaches
+    them at once. Without a group of more than one rank it is ``compute()``. Synchronises; call
+    it on every rank, the same number of times. ``what`` names the step in messages.
 
     Raises:
-        Whatever ``compute()`` raised (on rank 0); :class:`Rank0Error` naming it (on the
-        others); TimeoutError: rank 0 took longer than ``timeout_s`` (on the others).
+        Whatever ``compute()`` raised (on rank 0); :class:`Rank0Error` naming it and
+        TimeoutError after ``timeout_s`` (on the others).
     """
     if not _distributed():
         return compute()
@@ -389,26 +292,9 @@ def run_on_rank0(compute: Callable[[], Any], what: str,
 
 
 def decide_on_rank0(decide: Callable[[], Any], timeout_s: float = RANK0_WAIT_S) -> Any:
-    """Run ``decide()`` on rank 0 only and give its result to every rank.
-
-    For questions whose answer must be the same everywhere ("does the checkpoint exist?",
-    "is it valid?"): if each rank looked for itself, a slow shared file system could answer
-    differently on different ranks, and the ranks would then take different paths and
-    deadlock in mismatched collectives (KempnerInstitute/KempnerForge#49). The other ranks wait
-    up to ``timeout_s`` for the answer, through the process group's store rather than a
-    collective (reading a large checkpoint may outlast the group's timeout). Without a process
-    group of more than one rank it is just ``decide()``.
-
-    Args:
-        decide: a function of no arguments returning a picklable value.
-        timeout_s: how long the other ranks wait for rank 0 (seconds).
-
-    Returns:
-        Rank 0's result, on every rank.
-
-    Raises:
-        TimeoutError: rank 0 took longer than ``timeout_s`` (on the other ranks).
-        Rank0Error: ``decide()`` raised on rank 0 (on the other ranks; rank 0 raises its own).
+    """:func:`run_on_rank0` for a question whose answer must be the same on every rank ("does the
+    checkpoint exist?"): a slow shared file system could answer each rank differently, and ranks
+    on different paths deadlock in mismatched collectives (KempnerInstitute/KempnerForge#49).
     """
     return run_on_rank0(decide, "check the checkpoint", timeout_s)
 
@@ -419,28 +305,18 @@ def save_checkpoint(obj: Any, path: str,
                     build: Callable[[], Any] | None = None) -> str:
     """Rank 0 writes ``obj`` atomically to ``path``; every rank returns once the file is complete.
 
-    The B14 protocol: rank 0 calls :func:`save_atomic` while the other ranks wait; rank 0 then
-    tells every rank whether the write succeeded. After the call any rank may
-    ``torch.load(path)`` safely, and a failed write raises on *every* rank (so no rank waits
-    forever for a peer that gave up). The others wait up to ``timeout_s`` through the process
-    group's store, not in a collective: a write slower than the group's timeout (a large model,
-    a slow file system) is waited for, and one slower than ``timeout_s`` is named. Call it on
-    every rank, with the same ``path``; ``obj`` matters on rank 0 only (others may pass None).
-    Or pass ``build`` (a function of no arguments returning what to save) and ``obj=None``:
-    it is called on rank 0 inside the protocol, so an error while building the state reaches
-    every rank too.
-    Without a process group it is :func:`save_atomic`. Whatever fails, the previous file at
-    ``path`` stays complete and valid (:func:`atomic_write`).
-
-    Synchronises all ranks (they wait for rank 0's write, then meet at a barrier).
-    ``before_replace`` is passed on to
-    :func:`save_atomic` (rank 0 only).
+    The B14 protocol: rank 0 runs :func:`save_atomic` (``before_replace`` there) while the others
+    wait up to ``timeout_s`` through the store (a write slower than the group's timeout is waited
+    for); then every rank meets at a barrier, after which any may ``torch.load(path)``. Call it
+    on every rank with the same ``path``; ``obj`` matters on rank 0 only, or pass ``build`` (no
+    arguments, returns what to save) to build it on rank 0 inside the protocol. Without a process
+    group it is :func:`save_atomic`. Whatever fails, the previous file stays complete.
+    Synchronises all ranks.
 
     Raises:
-        OSError: rank 0 could not write (raised on every rank, with rank 0's message).
-        Rank0Error: anything else failed on rank 0 (a state that cannot be pickled, an error
-            building it): rank 0 raises its own exception, the others this, naming it, at once.
-        TimeoutError: rank 0's write took longer than ``timeout_s`` (on the other ranks).
+        OSError: rank 0 could not write (on every rank, with rank 0's message).
+        Rank0Error: anything else failed on rank 0 (on the others; rank 0 raises its own).
+        TimeoutError: rank 0's write took longer than ``timeout_s`` (on the others).
     """
     if not _distributed():
         return save_atomic(obj if build is None else build(), path, before_replace)
@@ -470,16 +346,11 @@ def _first_line(exc: BaseException, limit: int = 160) -> str:
 
 
 def default_map_location(environ=None) -> str:
-    """This rank's device, where a checkpoint's tensors should land: ``cuda:LOCAL_RANK`` or cpu.
+    """This rank's device for a checkpoint's tensors: ``cuda:LOCAL_RANK`` or cpu (local).
 
-    ``"cuda:{LOCAL_RANK}"`` when CUDA is available, ``LOCAL_RANK`` is set (torchrun sets it)
-    and that GPU exists; otherwise ``"cpu"``. Why not leave it to ``torch.load``: with
-    ``map_location=None`` each tensor goes back to the device it was saved from, so a file
-    rank 0 saved from ``cuda:0`` puts every rank's copy on GPU 0 (memory on GPU 0 for every
-    rank, and a device mismatch at the first step). Local, no synchronisation.
-
-    Args:
-        environ: the environment to read ``LOCAL_RANK`` from (default ``os.environ``).
+    ``"cuda:{LOCAL_RANK}"`` when CUDA is available, ``LOCAL_RANK`` (from ``environ``, default
+    ``os.environ``) is set and that GPU exists, else ``"cpu"``. ``map_location=None`` would put
+    every rank's copy of a file saved from ``cuda:0`` on GPU 0.
     """
     environ = os.environ if environ is None else environ
     local_rank = str(environ.get("LOCAL_RANK", "")).strip()
@@ -490,25 +361,15 @@ def default_map_location(environ=None) -> str:
 
 
 def load_checkpoint(path: str, map_location=None) -> dict:
-    """Read and check a checkpoint written by :func:`save_checkpoint`.
+    """Read and check a checkpoint written by :func:`save_checkpoint` (local: each rank reads it).
 
-    Args:
-        path: the file.
-        map_location: where tensors go (anything ``torch.load`` accepts: ``"cpu"``,
-            ``"cuda:1"``, a ``torch.device``, a dict or a function). None (the default) means
-            this rank's device, :func:`default_map_location` (``cuda:LOCAL_RANK`` or cpu):
-            ``torch.load`` is never called with ``map_location=None``, which would put every
-            rank's copy of a file saved on GPU 0 on GPU 0.
-
-    Returns:
-        The checkpoint dict (holds every key of :data:`REQUIRED_KEYS`).
+    ``map_location``: anything ``torch.load`` accepts; None means :func:`default_map_location`.
+    Returns the checkpoint dict, holding every key of :data:`REQUIRED_KEYS`.
 
     Raises:
         FileNotFoundError: no file at ``path``.
-        CheckpointError: the file is truncated, not a torch file, or not one of this
-            package's checkpoints (names the file and the problem in one line).
-
-    No synchronisation: each rank reads the file itself (after the writer's barrier).
+        CheckpointError: truncated, not a torch file, or not one of this package's checkpoints
+            (one line naming the file and the problem).
     """
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no checkpoint at {path}")
@@ -545,12 +406,9 @@ def first_state_mismatch(expected: Mapping[str, torch.Tensor],
                          saved: Mapping[str, torch.Tensor]) -> str | None:
     """The first difference between a model's ``state_dict`` and a saved one, or None.
 
-    Checks, in the model's key order: a key the file lacks, then a shape that differs; then
-    a key the model does not have. Keys are compared as given (strip prefixes first).
-
-    Returns:
-        e.g. ``"'backbone.0.0.weight' has shape (16, 3, 3, 3) in the checkpoint but
-        (8, 3, 3, 3) in the model"``, ``"the checkpoint lacks 'classifier.bias'"``, or None.
+    In the model's key order: a key the file lacks, a shape that differs; then a key the model
+    does not have (keys compared as given), e.g. ``"'backbone.0.0.weight' has shape
+    (16, 3, 3, 3) in the checkpoint but (8, 3, 3, 3) in the model"``.
     """
     for key, tensor in expected.items():
         if key not in saved:
@@ -567,13 +425,9 @@ def first_state_mismatch(expected: Mapping[str, torch.Tensor],
 
 def first_config_mismatch(saved: Mapping[str, Any], current: Mapping[str, Any],
                           keys) -> str | None:
-    """The first of ``keys`` whose value differs between two configs, as one phrase, or None.
-
-    Lists and tuples compare equal when their items do (a JSON round trip turns one into
-    the other).
-
-    Returns:
-        e.g. ``"batch_size=4 in the checkpoint but batch_size=8 in this run"``.
+    """The first of ``keys`` whose value differs between two configs, as a phrase, or None:
+    ``"batch_size=4 in the checkpoint but batch_size=8 in this run"``. Lists equal tuples with
+    the same items (a JSON round trip turns one into the other).
     """
     def norm(v):
         return list(v) if isinstance(v, (list, tuple)) else v
@@ -599,9 +453,9 @@ RESUME_MUST_MATCH = ("model", "width", "size", "seed", "num_train", "batch_size"
 
 
 def checkpoint_layout(ckpt: dict) -> tuple[int, int]:
-    """``(R, K)`` of the run whose micro-batches a checkpoint continues: its ``cursor`` entry
-    (a run resumed at another world size keeps its first start's), else (a checkpoint written
-    before there was one) the world size that wrote it and its ``grad_accum_steps``."""
+    """``(R, K)`` of the run whose micro-batches a checkpoint continues: its ``cursor``, else
+    (older files) the world size that wrote it and its ``grad_accum_steps``.
+    """
     cursor = ckpt.get("cursor")
     if cursor:
         return int(cursor["world_size"]), int(cursor["grad_accum_steps"])
@@ -626,15 +480,12 @@ def world_size_problem(path: str, cfg, layout: tuple[int, int], world_size: int)
 
 def inspect_resume(path: str, cfg, world_size: int,
                    model_state) -> tuple[str | None, tuple[int, int] | None]:
-    """``(problem, (R, K))``: why the checkpoint at ``path`` cannot be resumed by the run of
-    ``cfg`` (a :class:`~ddp_lesson.config.TrainConfig`; None when it can), and the layout of
-    the run it continues (None when unreadable).
+    """``(problem, (R, K))``: why the run of ``cfg`` cannot resume the checkpoint at ``path`` (None
+    when it can), and the layout of the run it continues (None when unreadable).
 
-    Checks, in order: readable and a ddp_lesson checkpoint; the model's tensor names and
-    shapes against ``model_state`` (first mismatch named); the config fields of
-    :data:`RESUME_MUST_MATCH` (first mismatch named); the world size
-    (:func:`world_size_problem`: another one is fine when it divides K x R). Local: reads the
-    file, no collective.
+    Checks, in order: readable and a ddp_lesson checkpoint; tensor names and shapes against
+    ``model_state``; the fields of :data:`RESUME_MUST_MATCH`; the world size
+    (:func:`world_size_problem`). The first problem is named. Local: reads the file.
     """
     try:
         ckpt = load_checkpoint(path, map_location="cpu")
@@ -651,6 +502,28 @@ def inspect_resume(path: str, cfg, world_size: int,
     return world_size_problem(path, cfg, layout, world_size), layout
 
 
+def resume_plan(cfg, world_size: int,
+                model_state: Callable[[], Mapping]) -> tuple[str | None, tuple[int, int] | None]:
+    """``(problem, (R, K))``: why ``cfg.out`` or the checkpoint there stops the run of ``cfg``
+    at ``world_size`` (None when nothing does), and the layout of the run the checkpoint
+    continues (None without one).
+
+    ``--out`` must be creatable and writable; unless ``cfg.no_resume``, a checkpoint there
+    must pass :func:`inspect_resume` against ``model_state()`` (a fresh bare model's
+    ``state_dict``, built only when there is a file). Local: reads and writes the disk.
+    """
+    try:
+        os.makedirs(cfg.out, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=cfg.out, prefix=".write-test-"):
+            pass
+    except OSError as exc:
+        return f"--out {cfg.out!r} cannot be written: {exc.strerror or exc}", None
+    path = os.path.join(cfg.out, CHECKPOINT_FILE)
+    if cfg.no_resume or not os.path.exists(path):
+        return None, None
+    return inspect_resume(path, cfg, world_size, model_state())
+
+
 def layout_problem(path: str, layout, world_size: int) -> str | None:
     """Why ``world_size`` processes cannot take the steps of the checkpoint's ``layout`` (a
     :class:`~ddp_lesson.layout.DataLayout`: its steps' micro-batches, the epoch's short last
@@ -665,10 +538,8 @@ def layout_problem(path: str, layout, world_size: int) -> str | None:
 # --------------------------------------------------------------------------- random state
 
 def capture_rng_state() -> dict:
-    """This process's random generators: torch (CPU), CUDA (every device), numpy, Python.
-
-    Stored as tensors, lists and numbers only, so ``torch.load(weights_only=True)`` reads it.
-    Local, no synchronisation (gather it across ranks if ranks differ).
+    """This process's generators (torch CPU, every CUDA device, numpy, Python) as tensors, lists
+    and numbers, which ``torch.load(weights_only=True)`` reads. Local.
     """
     kind, keys, pos, has_gauss, cached = np.random.get_state()
     version, internal, gauss_next = random.getstate()

@@ -102,6 +102,43 @@ def torchrun_argv(opts: argparse.Namespace) -> list[str]:
                           node_rank=opts.node_rank)
 
 
+def preflight(argv: list[str] | None, world_size: int, prog: str = "ddp-lesson train"):
+    """Check a trainer command line before starting ``world_size`` processes that would all
+    fail alike; returns the parsed :class:`~ddp_lesson.config.TrainConfig`.
+
+    Runs here, without a process group, what every rank checks at start: the flags, the
+    backend, ``--amp`` on that device, the data folder, at least one step per epoch, a
+    writable ``--out`` and a checkpoint there this run can resume from
+    (:func:`ddp_lesson.train.check_start`). ``prog`` is named in a bad flag's error line.
+
+    Raises:
+        SystemExit: a bad flag (one line printed by the parser, status 2).
+        TrainInputError: any other bad input (the message names the values).
+    """
+    from .checkpoint import CHECKPOINT_FILE, layout_problem
+    from .config import TrainInputError, check_steps, derived_values, layout_for, parse_config
+    from .data import load_datasets
+    from .train import check_amp, check_start
+
+    cfg = parse_config(argv, prog)
+    if world_size < 1:
+        raise TrainInputError(f"the job needs at least 1 process, got {world_size}")
+    try:
+        backend, _ = choose_backend(world_size, None if cfg.backend == "auto" else cfg.backend)
+    except ValueError as exc:
+        raise TrainInputError(str(exc)) from None
+    check_amp(cfg, "cuda" if backend == "nccl" else "cpu")
+    n = len(load_datasets(cfg)[0])
+    check_steps(cfg, derived_values(cfg, world_size, n), n)
+    problem, layout = check_start(cfg, world_size)
+    if problem is None and layout is not None:
+        problem = layout_problem(os.path.join(cfg.out, CHECKPOINT_FILE),
+                                 layout_for(cfg, n, *layout), world_size)
+    if problem:
+        raise TrainInputError(problem)
+    return cfg
+
+
 def train(argv: list[str]) -> int:
     """Run the trainer under torchrun; returns torchrun's exit status."""
     import shlex
@@ -122,15 +159,12 @@ def train(argv: list[str]) -> int:
         *trainer_args,
     ]
     print("equivalent command: " + shlex.join(["torchrun", *flags, *program]), flush=True)
-    # Check the input here, once, before starting processes that would all fail alike.
     from .config import TrainInputError
-    from .train import preflight
 
     try:
         # "auto" defers to DDP_LESSON_BACKEND, as every rank will: check that too
         chosen, _ = choose_backend(opts.nproc_per_node, backend)
-        preflight(program[2:], world_size=opts.nproc_per_node * opts.nnodes,
-                  prog="ddp-lesson train")
+        preflight(program[2:], world_size=opts.nproc_per_node * opts.nnodes)
     except (TrainInputError, ValueError) as exc:
         print(f"ddp-lesson train: error: {exc}", file=sys.stderr)
         return 2

@@ -1,17 +1,13 @@
 """The training job's configuration: one dataclass, the command line built from it, and the
-numbers that follow from it. Parsing and arithmetic only: no file, folder, dataset or
-checkpoint is touched here (``tests/train/test_config_no_io.py``).
+numbers that follow from it. Parsing and arithmetic only, local to the calling process: no
+file, folder, dataset or checkpoint is touched here (``tests/train/test_config_no_io.py``).
 
-:class:`TrainConfig` has one field per flag of ``python -m ddp_lesson.train`` (a note per
-field becomes the flag's ``--help``); :func:`parse_config` turns a command line into a
-checked config; :func:`derived_values` gives the numbers that follow from it at a world size
-(global batch, steps per epoch, effective learning rate). Bad input raises
-:class:`TrainInputError` with a message that names the values. What reads the disk lives
-with what it reads: the data sets in :mod:`ddp_lesson.data` (``load_datasets``), the resume
-plan in :mod:`ddp_lesson.checkpoint` (``inspect_resume``), the output folder and the
-launcher's preflight in :mod:`ddp_lesson.train` (``preflight``).
-
-Nothing here communicates: every function is local to the calling process.
+:class:`TrainConfig` has one field per flag of ``python -m ddp_lesson.train`` (its note is the
+flag's ``--help``); :func:`parse_config` turns a command line into a checked config;
+:func:`derived_values` gives the numbers that follow at a world size. Bad input raises
+:class:`TrainInputError` naming the values. What reads the disk lives with what it reads:
+:func:`ddp_lesson.data.load_datasets`, :func:`ddp_lesson.checkpoint.resume_plan`,
+:func:`ddp_lesson.cli.preflight`.
 """
 from __future__ import annotations
 
@@ -41,9 +37,9 @@ AMP_MODES = ("off", "bf16", "fp16")
 class TrainInputError(Exception):
     """Bad input the user can fix (flags, data folder, checkpoint, output folder).
 
-    ``main`` prints the message as one line, ``error: <message>``, on rank 0 and exits with
-    status 2, without a traceback. Raised on every rank alike (decisions taken on rank 0
-    are broadcast first), so no rank is left waiting in a collective.
+    ``main`` prints it as one line, ``error: <message>``, on rank 0 and exits with status 2.
+    Raised on every rank alike (rank 0's decisions are shared first): no rank waits in a
+    collective.
     """
 
 def _note(help_: str, *flags: str, **argparse_kwargs) -> dict:
@@ -238,11 +234,7 @@ class _OneLineParser(argparse.ArgumentParser):
 
 
 def build_parser(prog: str = "python -m ddp_lesson.train") -> argparse.ArgumentParser:
-    """The command line, built from :class:`TrainConfig`'s fields (one flag per field).
-
-    ``prog`` is the command the user typed, which error lines name (``ddp-lesson train``
-    when the CLI checks a trainer command line before launching it).
-    """
+    """The command line, one flag per :class:`TrainConfig` field; error lines name ``prog``."""
     parser = _OneLineParser(
         prog=prog,
         description="Data-parallel DeepLab training (synthetic Cityscapes-like scenes by "
@@ -264,9 +256,8 @@ def parse_config(argv: list[str] | None = None,
     """Parse ``argv`` (default ``sys.argv[1:]``) into a checked :class:`TrainConfig`.
 
     Raises:
-        SystemExit: unknown flag or invalid value: one line ``prog: error: <message with
-            the numbers>`` on stderr, exit status 2. The message names the flags as the
-            user typed them (``-b/--batch-size must be >= 1, got 0``; :func:`flag_words`).
+        SystemExit: an unknown flag or invalid value: one line ``prog: error: <message>`` on
+            stderr naming the flags as typed (``-b/--batch-size must be >= 1, got 0``), status 2.
     """
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser(prog)
@@ -278,11 +269,9 @@ def parse_config(argv: list[str] | None = None,
 
 
 def flag_words(message: str, argv: list[str], parser: argparse.ArgumentParser) -> str:
-    """``message`` (a :class:`TrainConfig` check) with its field names written as flags.
-
-    A field the user typed is named as typed (``--batch-size``; a short spelling with its
-    long one, ``-b/--batch-size``), any other by its long flag. Names with an underscore are
-    replaced wherever they stand; one-word names (``epochs``, ``lr``) only at the start.
+    """``message`` (a :class:`TrainConfig` check) with its field names written as flags: as the
+    user typed them (``-b/--batch-size`` for a short spelling), else the long flag. Names with an
+    underscore are replaced anywhere, one-word names (``epochs``, ``lr``) only at the start.
     """
     shown = {}
     for action in parser._actions:
@@ -306,33 +295,23 @@ def flag_words(message: str, argv: list[str], parser: argparse.ArgumentParser) -
 
 def derived_values(cfg: TrainConfig, world_size: int, num_train: int | None = None,
                    layout: DataLayout | None = None) -> dict:
-    """The numbers that follow from the config and the world size (no process group needed).
+    """The numbers that follow from the config at ``world_size`` ranks (no process group needed).
 
-    With ``drop_last=False`` the training sampler pads the dataset to a multiple of
-    ``world_size`` by repeating samples, so every rank gets ``ceil(N / world_size)``
-    samples and takes the same number of steps (a rank that stepped fewer times would leave
-    its peers waiting in an all_reduce); a rank's last micro-batch may be short. With
-    ``drop_last=True`` the sampler cuts the tail (``N // R`` per rank) and the loader drops
-    each rank's last short batch. A step is ``grad_accum_steps`` micro-batches; the last
-    step of an epoch may hold fewer.
-
-    A run resumed at another world size keeps the micro-batches of the run that started it
-    (``layout``, :mod:`ddp_lesson.layout`): the same steps and global batch, with
-    ``grad_accum_steps`` K' = K x R / R' micro-batches per rank and step.
-
-    Args:
-        cfg: the config.
-        world_size: number of ranks R (R' when resuming at another world size).
-        num_train: dataset length N (default ``cfg.num_train``; the real folder may hold
-            fewer files).
-        layout: the micro-batches' layout (default: the one of a run starting at
-            ``world_size`` with ``cfg.grad_accum_steps``).
+    With ``drop_last=False`` the sampler pads the dataset to a multiple of R by repeating
+    samples: every rank gets ``ceil(N / R)`` and takes the same number of steps (a rank with
+    fewer would leave its peers in an all_reduce), its last micro-batch maybe short. With
+    ``drop_last=True`` the sampler cuts the tail (``N // R`` each) and the loader each rank's
+    last short batch. A step is ``grad_accum_steps`` micro-batches, the epoch's last maybe fewer.
+    A run resumed at another world size keeps ``layout``, the micro-batches of the run that
+    started it (:mod:`ddp_lesson.layout`): same steps and global batch, K' = K x R / R'
+    micro-batches per rank and step. ``num_train`` defaults to ``cfg.num_train`` (a real folder
+    may hold fewer files), ``layout`` to a run starting at ``world_size``.
 
     Returns:
-        dict with world_size, batch_size (per rank and micro-batch), global_batch
-        (``B x R x K``), samples_per_rank (the most any rank reads), samples_per_epoch (all
-        ranks, padding included), steps_per_epoch (optimizer steps), grad_accum_steps (per
-        rank, this world size's), micro_batches_per_epoch (per rank) and effective_lr.
+        dict with world_size, batch_size (per micro-batch), global_batch (``B x R x K``),
+        samples_per_rank (the most any rank reads), samples_per_epoch (all ranks, padding
+        included), steps_per_epoch, grad_accum_steps (per rank, at this world size),
+        micro_batches_per_epoch (per rank) and effective_lr.
 
     Raises:
         ValueError: ``world_size < 1``, or ``layout`` cannot be dealt to ``world_size`` ranks.

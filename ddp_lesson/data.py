@@ -1,31 +1,21 @@
 """Cityscapes-like data: procedural street scenes (the default) and the real folder layout.
 
-The lessons train a segmentation net on *Cityscapes* (Cordts et al., CVPR 2016): street
-photos where every pixel carries one of 19 evaluated classes (its *trainId*, 0..18) or 255,
-"ignore". The real data set is 11 GB behind a login, so the default is
-:class:`SyntheticCityscapes`: cheap street scenes drawn from a seeded generator (sky, a
-skyline of buildings, a road in perspective with sidewalks, trees, poles with signs, cars,
-people, an ego-vehicle strip marked ignore) with the same classes, colours, return format
-and normalisation. When you have the real thing, :class:`CityscapesFolder` reads its folder
-layout instead, and :func:`make_datasets` picks one or the other.
+The lessons train a segmentation net on *Cityscapes* (Cordts et al., CVPR 2016): street photos
+whose every pixel carries one of 19 evaluated classes (its *trainId*, 0..18) or 255, "ignore".
+The real set is 11 GB behind a login, so the default is :class:`SyntheticCityscapes`: street
+scenes drawn from a seeded generator with the same classes, colours, return format and
+normalisation. :class:`CityscapesFolder` reads the real folder layout; :func:`make_datasets`
+picks one.
 
-Why determinism per index matters for data parallelism: under DDP every rank builds its own
-copy of the dataset and a ``DistributedSampler`` hands each rank a disjoint list of indices.
-That only partitions the data if index ``i`` means the same sample on every rank, in every
-DataLoader worker, whatever was read before. So sample ``i`` is drawn from its own generator,
-``numpy.random.default_rng([seed, split, i])``, never from a shared stream whose state
-depends on the order of access.
+Under DDP every rank builds its own copy of the dataset and the sampler hands each rank
+different indices: that partitions the data only if index ``i`` means the same sample on
+every rank and worker, whatever was read before. So sample ``i`` comes from its own generator,
+``numpy.random.default_rng([seed, split, i])``.
 
-Return format (both data sets), for ``size = (H, W)``:
-
-* ``image``: float32 tensor ``(3, H, W)``, RGB in [0, 1] then normalised per channel with
-  :data:`CITYSCAPES_MEAN` / :data:`CITYSCAPES_STD` (the statistics of the Cityscapes train
-  images), so it is roughly zero-mean, unit-variance;
-* ``target``: int64 tensor ``(H, W)`` of trainIds in 0..18, or :data:`IGNORE_INDEX` (255)
-  for pixels no loss or metric should count (``CrossEntropyLoss(ignore_index=255)``).
-
-The class names, the labelId -> trainId table and the colours come from the official
-definitions in ``cityscapesscripts.helpers.labels``, not from a copy typed here.
+Both data sets return, for ``size = (H, W)``: ``image``, float32 ``(3, H, W)``, RGB in [0, 1]
+normalised per channel with :data:`CITYSCAPES_MEAN` / :data:`CITYSCAPES_STD`; ``target``,
+int64 ``(H, W)``, trainIds 0..18 or :data:`IGNORE_INDEX` (255). Class names, the labelId ->
+trainId table and the colours come from ``cityscapesscripts.helpers.labels``.
 """
 from __future__ import annotations
 
@@ -64,11 +54,10 @@ __all__ = [
 
 
 def _evaluated_labels() -> list:
-    """The official labels that have a trainId in 0..18, sorted by trainId.
+    """The official labels with a trainId in 0..18, by trainId.
 
     Raises:
-        RuntimeError: if the installed cityscapesscripts does not define trainIds 0..18
-            exactly once each (a table this module cannot trust).
+        RuntimeError: the installed cityscapesscripts does not define 0..18 once each.
     """
     rows = sorted((l for l in _cs_labels.labels if 0 <= l.trainId < IGNORE_INDEX),
                   key=lambda l: l.trainId)
@@ -119,18 +108,12 @@ _STD = np.array(CITYSCAPES_STD, dtype=np.float32)
 # --------------------------------------------------------------------------------------
 
 def label_ids_to_train_ids(label_ids: np.ndarray) -> np.ndarray:
-    """Map an array of Cityscapes labelIds to trainIds with the official table.
-
-    Args:
-        label_ids: integer array of any shape (e.g. ``(H, W)`` read from a
-            ``*_gtFine_labelIds.png``), values in 0..255.
-
-    Returns:
-        uint8 array of the same shape: trainIds 0..18, or 255 for ids that are not
-        evaluated (trainId 255 or -1 in the table) and for ids the table does not define.
+    """Map Cityscapes labelIds (any shape, values 0..255, e.g. a ``*_gtFine_labelIds.png``) to
+    trainIds with the official table: a uint8 array of the same shape, 255 for ids not evaluated
+    or not defined.
 
     Raises:
-        ValueError: if a value lies outside 0..255.
+        ValueError: a value outside 0..255.
     """
     label_ids = np.asarray(label_ids)
     if label_ids.dtype != np.uint8:
@@ -142,17 +125,11 @@ def label_ids_to_train_ids(label_ids: np.ndarray) -> np.ndarray:
 
 
 def colorize_target(target) -> np.ndarray:
-    """Paint a trainId map with the official Cityscapes colours, for figures.
-
-    Args:
-        target: ``(H, W)`` integer tensor or array of trainIds 0..18 or 255 (a target, or a
-            prediction ``logits.argmax(0)``).
-
-    Returns:
-        uint8 array ``(H, W, 3)``, RGB; ignore pixels (255) are black.
+    """Paint an ``(H, W)`` trainId map (tensor or array, 0..18 or 255) with the official colours:
+    uint8 ``(H, W, 3)`` RGB, ignore pixels black.
 
     Raises:
-        ValueError: if ``target`` is not 2-D or holds a value other than 0..18 and 255.
+        ValueError: ``target`` is not 2-D or holds a value other than 0..18 and 255.
     """
     if isinstance(target, torch.Tensor):
         target = target.detach().cpu().numpy()
@@ -168,29 +145,18 @@ def colorize_target(target) -> np.ndarray:
 
 
 def normalize_image(rgb: np.ndarray) -> torch.Tensor:
-    """Turn an RGB image in [0, 1] into the network's input.
-
-    Args:
-        rgb: float array ``(H, W, 3)``, values in [0, 1].
-
-    Returns:
-        float32 tensor ``(3, H, W)``: ``(rgb - CITYSCAPES_MEAN) / CITYSCAPES_STD`` per channel.
+    """An RGB image ``(H, W, 3)`` in [0, 1] as the network's input: float32 ``(3, H, W)``,
+    ``(rgb - CITYSCAPES_MEAN) / CITYSCAPES_STD`` per channel.
     """
     chw = ((np.asarray(rgb, dtype=np.float32) - _MEAN) / _STD).transpose(2, 0, 1)
     return torch.from_numpy(np.ascontiguousarray(chw))
 
 
 def denormalize_image(image: torch.Tensor) -> np.ndarray:
-    """Undo :func:`normalize_image`, for showing an input image in a figure.
-
-    Args:
-        image: float tensor ``(3, H, W)`` as returned by the data sets.
-
-    Returns:
-        uint8 array ``(H, W, 3)``, RGB.
+    """Undo :func:`normalize_image` for a figure: ``(3, H, W)`` -> uint8 ``(H, W, 3)`` RGB.
 
     Raises:
-        ValueError: if ``image`` is not ``(3, H, W)``.
+        ValueError: ``image`` is not ``(3, H, W)``.
     """
     if image.ndim != 3 or image.shape[0] != 3:
         raise ValueError(f"image must be (3, H, W), got shape {tuple(image.shape)}")
@@ -476,16 +442,8 @@ def _draw_ego_vehicle(s: _Scene) -> None:
 
 def render_scene(rng: np.random.Generator, height: int,
                  width: int) -> tuple[np.ndarray, np.ndarray]:
-    """Draw one synthetic street scene.
-
-    Args:
-        rng: the generator to draw from; the result depends only on its state.
-        height: image height in pixels (>= 16).
-        width: image width in pixels (>= 16).
-
-    Returns:
-        ``(rgb, label)``: float32 ``(height, width, 3)`` RGB in [0, 1], and uint8
-        ``(height, width)`` trainIds 0..18 or 255.
+    """Draw one synthetic street scene, ``height`` x ``width`` pixels (each >= 16), from ``rng``
+    alone: ``(rgb, label)``, float32 ``(H, W, 3)`` in [0, 1] and uint8 ``(H, W)`` trainIds.
     """
     s = _Scene(rng, height, width)
     _draw_sky_and_skyline(s)
@@ -502,31 +460,27 @@ def render_scene(rng: np.random.Generator, height: int,
     return np.clip(rgb, 0.0, 1.0), s.label
 
 
-class SyntheticCityscapes(Dataset):
+class _Cityscapes(Dataset):
+    """What both data sets share: class names, normalisation, colours (:func:`colorize_target`)."""
+
+    classes = CITYSCAPES_CLASSES
+    mean, std = CITYSCAPES_MEAN, CITYSCAPES_STD
+    colorize = staticmethod(colorize_target)
+
+
+class SyntheticCityscapes(_Cityscapes):
     """Procedural Cityscapes-like street scenes with per-pixel trainId targets.
 
-    Sample ``i`` is drawn from ``numpy.random.default_rng([seed, stream, i])`` where
-    ``stream`` is 0 for ``split="train"``, 1 for ``"val"``, 2 for ``"test"``: it is the same
-    whichever process, DataLoader worker or access order asks for it, and the splits never
-    share a sample. One 64x128 sample takes about a millisecond to draw.
-
-    Across a data set the scenes contain road, sidewalk, building, wall, fence, pole,
-    traffic light, traffic sign, vegetation, terrain, sky, person, rider, car, truck, bus,
-    train, motorcycle and bicycle (the last few rarely, as in real streets), and an
-    ego-vehicle strip along the bottom edge labelled :data:`IGNORE_INDEX`.
-
-    Args:
-        num_samples: number of samples (>= 0).
-        size: ``(H, W)`` in pixels, each >= 16. Default ``(64, 128)``, Cityscapes' 1:2 shape.
-        seed: non-negative int; different seeds give different scenes.
-        split: ``"train"``, ``"val"`` or ``"test"``; selects the seed stream.
+    Sample ``i`` is drawn from ``numpy.random.default_rng([seed, stream, i])`` (``stream`` 0, 1, 2
+    for ``split`` "train", "val", "test"): the same whichever process, worker or access order
+    asks, and the splits share no sample. About a millisecond per 64x128 sample. The scenes hold
+    all 19 classes (train, motorcycle and bicycle rarely) and an ego-vehicle strip along the
+    bottom labelled :data:`IGNORE_INDEX`. ``size`` is ``(H, W)``, each >= 16 (default
+    ``(64, 128)``, Cityscapes' 1:2 shape); ``dataset[i]`` is ``(image, target)`` as above.
 
     Raises:
-        ValueError: for a negative or non-int ``num_samples`` or ``seed``, a bad ``size``
-            or an unknown ``split``.
-
-    ``dataset[i]`` returns ``(image, target)``: float32 ``(3, H, W)`` normalised with
-    :data:`CITYSCAPES_MEAN`/:data:`CITYSCAPES_STD`, and int64 ``(H, W)`` in 0..18 or 255.
+        ValueError: a negative or non-int ``num_samples`` or ``seed``, a bad ``size``, an
+            unknown ``split``.
     """
 
     def __init__(self, num_samples: int, size: Sequence[int] = (64, 128), seed: int = 0,
@@ -542,29 +496,20 @@ class SyntheticCityscapes(Dataset):
         self.size = _check_size(size, minimum=16)
         self.seed = int(seed)
         self.split = split
-        self.classes = CITYSCAPES_CLASSES
-        self.mean, self.std = CITYSCAPES_MEAN, CITYSCAPES_STD
 
     def __len__(self) -> int:
         return self.num_samples
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Draw sample ``index``.
-
-        Returns:
-            ``(image, target)``: float32 ``(3, H, W)`` and int64 ``(H, W)``.
+        """Draw sample ``index``: float32 ``(3, H, W)`` and int64 ``(H, W)``.
 
         Raises:
-            IndexError: if ``index`` is outside ``[-len, len)``.
+            IndexError: ``index`` outside ``[-len, len)``.
         """
         index = _check_index(index, self.num_samples, type(self).__name__)
         rng = np.random.default_rng([self.seed, _SPLIT_STREAM[self.split], index])
         rgb, label = render_scene(rng, *self.size)
         return normalize_image(rgb), torch.from_numpy(label.astype(np.int64))
-
-    def colorize(self, target) -> np.ndarray:
-        """Official Cityscapes colours for a trainId map; see :func:`colorize_target`."""
-        return colorize_target(target)
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(num_samples={self.num_samples}, size={self.size}, "
@@ -585,30 +530,20 @@ def _layout(root: Path, split: str) -> str:
             f"{root}/gtFine/{split}/<city>/<city>_<seq>_<frame>{_LABEL_SUFFIX}")
 
 
-class CityscapesFolder(Dataset):
+class CityscapesFolder(_Cityscapes):
     """The real Cityscapes fine annotations, read from the official folder layout.
 
-    Expects ``root/leftImg8bit/{split}/{city}/{city}_{seq}_{frame}_leftImg8bit.png`` and,
-    for each image, ``root/gtFine/{split}/{city}/{city}_{seq}_{frame}_gtFine_labelIds.png``
-    (as unpacked from ``leftImg8bit_trainvaltest.zip`` and ``gtFine_trainvaltest.zip``).
-    labelIds are mapped to trainIds with the official table (:data:`LABEL_ID_TO_TRAIN_ID`).
-    Samples are sorted by file name, so index ``i`` is the same file on every rank.
-
-    Args:
-        root: the folder holding ``leftImg8bit/`` and ``gtFine/``.
-        split: ``"train"``, ``"val"`` or ``"test"`` (any folder name under leftImg8bit/).
-        size: ``None`` to keep the files' size (1024x2048), or ``(H, W)`` to resize: the
-            image bilinearly, the labels with nearest neighbour (so no invented ids).
-        max_samples: keep only the first ``max_samples`` files (``None``: all).
+    Expects ``root/leftImg8bit/{split}/{city}/{city}_{seq}_{frame}_leftImg8bit.png`` and, for
+    each, ``root/gtFine/{split}/{city}/{city}_{seq}_{frame}_gtFine_labelIds.png`` (as unpacked
+    from the official zips); labelIds become trainIds (:data:`LABEL_ID_TO_TRAIN_ID`). Sorted by
+    file name, so index ``i`` is the same file on every rank. ``size``: None keeps 1024x2048,
+    ``(H, W)`` resizes (the image bilinearly, the labels nearest-neighbour); ``max_samples``
+    keeps the first files only. ``dataset[i]`` is as :class:`SyntheticCityscapes`'s.
 
     Raises:
-        FileNotFoundError: if ``root`` or its split folder is missing (names the expected
-            layout), if the split holds no images, or if an image has no label file (names
-            both).
-        ValueError: for a bad ``size`` or ``max_samples``.
-
-    ``dataset[i]`` returns ``(image, target)`` in the same format as
-    :class:`SyntheticCityscapes`.
+        FileNotFoundError: ``root`` or its split folder missing (names the layout), no images,
+            or an image without its label file (names both).
+        ValueError: a bad ``size`` or ``max_samples``.
     """
 
     def __init__(self, root, split: str = "train", size: Sequence[int] | None = None,
@@ -619,8 +554,6 @@ class CityscapesFolder(Dataset):
         if max_samples is not None and (isinstance(max_samples, bool) or not isinstance(
                 max_samples, (int, np.integer)) or max_samples < 0):
             raise ValueError(f"max_samples must be None or an int >= 0, got {max_samples!r}")
-        self.classes = CITYSCAPES_CLASSES
-        self.mean, self.std = CITYSCAPES_MEAN, CITYSCAPES_STD
         self.files = self._find_pairs()[:max_samples]
 
     def _find_pairs(self) -> list[tuple[Path, Path]]:
@@ -649,15 +582,11 @@ class CityscapesFolder(Dataset):
         return len(self.files)
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Read, resize and normalise sample ``index``.
-
-        Returns:
-            ``(image, target)``: float32 ``(3, H, W)`` and int64 ``(H, W)`` in 0..18 or 255.
+        """Read, resize and normalise sample ``index``: float32 ``(3, H, W)``, int64 ``(H, W)``.
 
         Raises:
-            IndexError: if ``index`` is outside ``[-len, len)``.
-            ValueError: if the label file is not single-channel or its size differs from the
-                image's (names both files and sizes).
+            IndexError: ``index`` outside ``[-len, len)``.
+            ValueError: the label file is not single-channel or not the image's size (names both).
         """
         from PIL import Image
 
@@ -681,10 +610,6 @@ class CityscapesFolder(Dataset):
         target = label_ids_to_train_ids(np.asarray(label))
         return normalize_image(rgb), torch.from_numpy(target.astype(np.int64))
 
-    def colorize(self, target) -> np.ndarray:
-        """Official Cityscapes colours for a trainId map; see :func:`colorize_target`."""
-        return colorize_target(target)
-
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(root={str(self.root)!r}, split={self.split!r}, "
                 f"size={self.size}, len={len(self)})")
@@ -692,23 +617,14 @@ class CityscapesFolder(Dataset):
 
 def make_datasets(num_train: int | None, num_val: int | None, size: Sequence[int] | None,
                   seed: int, data_root=None) -> tuple[Dataset, Dataset]:
-    """The train and validation sets the lessons and ``ddp_lesson.train`` use.
-
-    Args:
-        num_train: number of training samples. For the real folder, a cap (``None``: all).
-        num_val: number of validation samples. For the real folder, a cap (``None``: all).
-        size: ``(H, W)`` in pixels. For the real folder ``None`` keeps 1024x2048.
-        seed: seed of the synthetic scenes (train and val use different streams, so they
-            share no sample); unused for the real folder.
-        data_root: ``None`` for synthetic scenes, else the Cityscapes root folder.
-
-    Returns:
-        ``(train_ds, val_ds)``: two :class:`SyntheticCityscapes` (splits "train" and
-        "val") or two :class:`CityscapesFolder` (splits "train" and "val").
+    """``(train_ds, val_ds)`` for the lessons and ``ddp_lesson.train``: two
+    :class:`SyntheticCityscapes` (``data_root`` None; train and val from different streams) or
+    two :class:`CityscapesFolder` (splits "train" and "val"; ``num_train``/``num_val`` are caps,
+    None for all, and ``size`` None keeps 1024x2048).
 
     Raises:
-        ValueError: for a synthetic set without a sample count or with a bad size or seed.
-        FileNotFoundError: as :class:`CityscapesFolder` does.
+        ValueError: synthetic data without a sample count, or a bad size or seed.
+        FileNotFoundError: as :class:`CityscapesFolder`.
     """
     if data_root is None:
         if num_train is None or num_val is None or size is None:
@@ -724,7 +640,7 @@ def load_datasets(cfg) -> tuple[Dataset, Dataset]:
     """``(train, val)`` for a :class:`~ddp_lesson.config.TrainConfig` (:func:`make_datasets`).
 
     Raises:
-        TrainInputError: a missing or malformed ``--data-root`` folder (named), or bad sizes.
+        TrainInputError: a missing or malformed ``--data-root`` (named), or bad sizes.
     """
     try:
         return make_datasets(cfg.num_train, cfg.num_val, cfg.size, cfg.seed,

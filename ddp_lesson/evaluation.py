@@ -1,25 +1,20 @@
 """Exact distributed evaluation: every sample counted exactly once, at any world size.
 
-Two things go wrong when a validation metric is computed over ranks (docs/pitfalls.md A3, A5, A10):
+Two things go wrong when a validation metric is computed over ranks (docs/pitfalls.md A3, A5,
+A10):
 
-1. **Padding.** ``DistributedSampler`` pads the shards to equal length by repeating samples,
-   so a metric over the gathered shards counts those samples twice. N=10, R=3, a model right
-   on every sample but index 0: the padded shards hold 12 entries, index 0 twice, and the
-   accuracy comes out 10/12 = 0.833 instead of 9/10 = 0.9 (:func:`naive_padded_accuracy`).
-   With ``shuffle=True`` which samples repeat changes with the epoch, so even the wrong number
-   is not reproducible (A5).
-2. **Means of means.** Without padding the shards differ in length (4, 3, 3), and the mean of
-   the per-rank accuracies weights a sample on a short shard more: (3/4 + 3/3 + 3/3) / 3 =
-   0.917, again not 0.9 (:func:`mean_of_rank_accuracies`).
+1. **Padding.** ``DistributedSampler`` pads the shards to equal length by repeating samples.
+   N=10, R=3, a model right on every sample but index 0: the padded shards hold 12 entries,
+   index 0 twice, and the accuracy comes out 10/12 = 0.833 instead of 9/10 = 0.9
+   (:func:`naive_padded_accuracy`); with ``shuffle=True`` the repeats change each epoch (A5).
+2. **Means of means.** Unpadded shards differ in length (4, 3, 3), and the mean of per-rank
+   accuracies, (3/4 + 3/3 + 3/3) / 3 = 0.917, is again not 0.9 (:func:`mean_of_rank_accuracies`).
 
 The cure (:func:`evaluate_exact`): unpadded shards
-(:class:`ddp_lesson.sampler.DistributedEvalSampler`: rank r takes ``range(r, N, R)``), and each
-rank keeps *sums and counts* — correct predictions, counted targets, a confusion matrix — that
-are all-reduced once, at the end; the ratio is taken after the sum. Integer sums do not depend
-on the order of addition, so the result equals a single-process evaluation exactly, at world
-size 1, 2, 3 or any other. Because the shards are uneven, the loop must run no collective per
-batch (A10): the ranks with fewer batches would leave the others waiting. The trainer's mIoU
-(``ddp_lesson.train``) is this function's, with a confusion matrix.
+(:class:`ddp_lesson.sampler.DistributedEvalSampler`, rank r takes ``range(r, N, R)``), integer
+sums and counts all-reduced once at the end, the ratio taken after the sum: a single-process
+evaluation exactly, at any world size. No collective per batch (A10): ranks with fewer batches
+would leave the others waiting. The trainer's mIoU is this function's, with a confusion matrix.
 
 Sources: pytorch/pytorch#25162 and #22584 (padding skews validation), mosaicml/composer PR
 #2218 ("exact eval"), pytorch/vision#4559 (shuffled eval sampler).
@@ -57,20 +52,13 @@ def naive_padded_accuracy(correct: Sequence[bool], num_replicas: int, shuffle: b
                           seed: int = 0, epoch: int = 0) -> float:
     """The A3 bug: accuracy over every rank's *padded* ``DistributedSampler`` shard.
 
-    Simulates R ranks in one process: each rank evaluates the indices
-    ``DistributedSampler(N, R, rank, shuffle, seed)`` yields at ``epoch`` (padded to
-    ``ceil(N/R)`` each), and the per-sample results of all ranks are pooled. Padded repeats
-    count twice, so the result depends on R (and, with ``shuffle``, on seed and epoch: A5).
-    Since every padded shard has the same length, this equals the mean of the per-rank
-    accuracies too. No process group.
-
-    Args:
-        correct: ``correct[i]`` is whether the model is right on dataset index i (length N).
-        num_replicas: world size R, ``>= 1``.
-        shuffle, seed, epoch: the sampler's settings (``shuffle=False`` as in A3).
+    Simulates R ranks in one process: each evaluates what ``DistributedSampler(N, R, rank,
+    shuffle, seed)`` yields at ``epoch`` (``ceil(N/R)`` indices each), and all results are
+    pooled, so padded repeats count twice and the result depends on R (and, shuffled, on seed and
+    epoch: A5). ``correct[i]``: whether the model is right on index i. No process group.
 
     Returns:
-        (correct entries) / (R * ceil(N / R)), a float in [0, 1].
+        (correct entries) / (R * ceil(N / R)), in [0, 1].
 
     Raises:
         ValueError: ``correct`` is empty or ``num_replicas < 1``.
@@ -86,17 +74,9 @@ def naive_padded_accuracy(correct: Sequence[bool], num_replicas: int, shuffle: b
 def mean_of_rank_accuracies(correct: Sequence[bool], num_replicas: int) -> float:
     """The other bug: unpadded shards, but the per-rank accuracies are averaged.
 
-    Each rank r evaluates ``range(r, N, R)`` (no repeats) and reports its own accuracy; the
-    R accuracies are averaged. When R does not divide N the shards differ in length, so a
-    sample on a short shard weighs more and the mean is not the dataset's accuracy. A rank
-    with an empty shard (N < R) has no accuracy and is left out. No process group.
-
-    Args:
-        correct: per-index correctness, length N.
-        num_replicas: world size R, ``>= 1``.
-
-    Returns:
-        Mean over ranks with a non-empty shard of (correct on the shard) / (shard length).
+    Rank r evaluates ``range(r, N, R)`` and reports its own accuracy; when R does not divide N a
+    sample on a short shard weighs more. Ranks with an empty shard (N < R) are left out. No
+    process group.
 
     Raises:
         ValueError: ``correct`` is empty or ``num_replicas < 1``.
@@ -108,18 +88,9 @@ def mean_of_rank_accuracies(correct: Sequence[bool], num_replicas: int) -> float
 
 
 def sharded_exact_accuracy(correct: Sequence[bool], num_replicas: int) -> float:
-    """The cure, simulated in one process: unpadded shards, sums and counts added, then divided.
-
-    Each rank r counts ``(correct, count)`` over ``range(r, N, R)``; the pairs are summed
-    (what one ``all_reduce`` does) and divided once. Equals ``sum(correct) / N`` for every
-    R. No process group.
-
-    Args:
-        correct: per-index correctness, length N.
-        num_replicas: world size R, ``>= 1``.
-
-    Returns:
-        (sum over ranks of correct) / (sum over ranks of count).
+    """The cure, simulated in one process: each rank's ``(correct, count)`` over
+    ``range(r, N, R)`` summed (what one ``all_reduce`` does), then divided: ``sum(correct) / N``
+    for every R. No process group.
 
     Raises:
         ValueError: ``correct`` is empty or ``num_replicas < 1``.
@@ -142,17 +113,9 @@ def _reduce_device(device=None):
 def exact_accuracy(correct: int, count: int, device=None) -> float:
     """Global accuracy from this rank's ``(correct, count)``: sums all-reduced, then divided.
 
-    A synchronisation point (one ``all_reduce`` of two int64 numbers); every rank must call
-    it and every rank gets the same result. Not a mean of per-rank accuracies: with shards
-    of different lengths that would be wrong (:func:`mean_of_rank_accuracies`).
-
-    Args:
-        correct: correct predictions on this rank's shard.
-        count: predictions counted on this rank's shard (``>= correct``).
-        device: where to reduce; default CUDA under NCCL, else CPU.
-
-    Returns:
-        ``sum(correct) / sum(count)`` over ranks; NaN when no rank counted anything.
+    One ``all_reduce`` of two int64 numbers (on ``device``; default CUDA under NCCL, else CPU):
+    every rank must call it, and every rank gets ``sum(correct) / sum(count)``, NaN when no rank
+    counted anything.
 
     Raises:
         ValueError: ``correct`` or ``count`` negative, or ``correct > count``.
@@ -171,21 +134,11 @@ def exact_accuracy(correct: int, count: int, device=None) -> float:
 class ExactEval:
     """The result of :func:`evaluate_exact`, the same on every rank.
 
-    Attributes:
-        correct: correct predictions, summed over ranks (targets equal to ``ignore_index``
-            are not counted).
-        count: counted targets (samples for classification, non-void pixels for
-            segmentation), summed over ranks.
-        num_samples: dataset items evaluated, summed over ranks: ``len(dataset)`` with the
-            exact sampler, more with ``padded=True``.
-        local_num_samples: items this rank evaluated (its shard length).
-        local_correct, local_count: this rank's own sums before the reduction.
-        accuracy: ``correct / count`` (NaN when ``count == 0``).
-        confusion: ``(C, C)`` int64 CPU tensor summed over ranks, or None without
-            ``num_classes``.
-        miou: mean IoU from ``confusion`` (classes absent from target and prediction left
-            out), or None.
-        per_class_iou: float64 ``(C,)`` tensor with NaN for absent classes, or None.
+    ``correct``, ``count`` (counted targets: samples, or non-void pixels) and ``num_samples``
+    (items, ``len(dataset)`` unless ``padded``) are summed over ranks; ``local_*`` are this rank's
+    own. ``accuracy = correct / count`` (NaN when 0). With ``num_classes``: ``confusion``, a
+    ``(C, C)`` int64 CPU tensor summed over ranks, ``miou`` and ``per_class_iou`` (float64
+    ``(C,)``, NaN for absent classes); else None.
     """
 
     correct: int
@@ -207,42 +160,33 @@ def evaluate_exact(predict: Callable, dataset, *, num_classes: int | None = None
     """Evaluate ``predict`` over a dataset split across ranks, counting each sample once.
 
     Each rank runs over its :class:`ddp_lesson.sampler.DistributedEvalSampler` shard
-    (``range(rank, N, R)``: no padding, no shuffling, so order and repeats cannot change the
-    result, A5), accumulating integer sums — correct predictions, counted targets, items and
-    (with ``num_classes``) a confusion matrix. After the loop the sums are packed into one
-    int64 vector and all-reduced **once**; accuracy and mIoU are computed from the totals.
-    The result equals a single-process evaluation exactly, for any world size.
+    (``range(rank, N, R)``, no padding, no shuffling: A5), summing correct predictions, counted
+    targets, items and (with ``num_classes``) a confusion matrix; the sums are packed into one
+    int64 vector and all-reduced **once**, then accuracy and mIoU computed: a single-process
+    evaluation exactly, at any world size.
 
-    Synchronisation: exactly one ``all_reduce`` at the end, on every rank; none per batch,
-    because shard lengths differ by up to one and a per-batch collective would hang the
-    ranks with more batches (A10). Without a process group it reduces nothing: with
-    ``num_replicas``/``rank`` not given it evaluates the whole dataset in this process;
-    with them given, only that rank's shard (useful to look at one rank's share).
+    Synchronisation: that one ``all_reduce``, none per batch (shards differ by up to one: A10).
+    Without a process group nothing is reduced: the whole dataset, or the shard of the given
+    ``num_replicas``/``rank``.
 
     Args:
-        predict: ``predict(inputs) -> predictions``, called under ``torch.no_grad()``;
-            ``predictions`` must have the shape of the batch's targets (class indices:
-            ``(B,)`` for classification, ``(B, H, W)`` for segmentation), e.g.
-            ``lambda x: model(x).argmax(1)``.
-        dataset: a map-style dataset of ``(input, target)`` pairs; ``target`` holds class
-            indices (int) or ``ignore_index``.
-        num_classes: C; when given, a confusion matrix and mIoU are computed too.
-        batch_size: items per batch on each rank.
-        ignore_index: target value that counts nowhere (Cityscapes "void" = 255).
-        device: where inputs, targets and the reduction go; default CUDA under NCCL
-            (``torch.cuda.current_device()``), else CPU.
+        predict: ``predict(inputs)`` under ``torch.no_grad()``, returning class indices shaped
+            like the batch's targets (``(B,)`` or ``(B, H, W)``), e.g. ``model(x).argmax(1)``.
+        dataset: a map-style dataset of ``(input, target)`` pairs.
+        num_classes: C; when given, a confusion matrix and mIoU too.
+        batch_size, collate_fn, num_workers: the ``DataLoader``'s, on each rank.
+        ignore_index: the target value that counts nowhere (Cityscapes "void" = 255).
+        device: where inputs, targets and the reduction go; default CUDA under NCCL, else CPU.
         num_replicas, rank: override the process group's world size and rank.
-        padded: use the *padded* ``DistributedSampler(shuffle=False)`` instead — reproduces
-            the A3 bug, for teaching; never for real evaluation.
-        collate_fn: passed to the ``DataLoader``.
-        num_workers: the ``DataLoader``'s worker processes (0: load in this process).
+        padded: the *padded* ``DistributedSampler(shuffle=False)`` instead: the A3 bug, for
+            teaching only.
 
     Returns:
         An :class:`ExactEval`, identical on every rank.
 
     Raises:
-        ValueError: a batch's predictions and targets differ in shape, or a label is out of
-            ``[0, num_classes)`` (from :func:`ddp_lesson.metrics.confusion_matrix`).
+        ValueError: predictions and targets differ in shape, or a label is outside
+            ``[0, num_classes)`` (:func:`ddp_lesson.metrics.confusion_matrix`).
     """
     import torch
     from torch.utils.data import DataLoader

@@ -1,33 +1,27 @@
 """Resuming at another world size: a run's micro-batches, dealt to any number of ranks.
 
-A data-parallel run at world size ``R``, with ``K`` accumulation steps of micro-batches of ``B``
-samples per rank (a :class:`~ddp_lesson.sampler.DistributedSampler` and a ``DataLoader``, as
-``ddp_lesson.train`` had them), reads each epoch's padded permutation in order:
+A run at world size ``R`` with ``K`` accumulation steps of micro-batches of ``B`` samples per
+rank (a :class:`~ddp_lesson.sampler.DistributedSampler` and a ``DataLoader``) reads each
+epoch's padded permutation ``order`` in order: rank ``r``'s micro-batch ``m`` is
+``order[r::R][m·B:(m+1)·B]``, so the micro-batches ``m`` of all ranks are the entries
+``[m·B·R, (m+1)·B·R)``, and optimizer step ``s`` (micro-batches ``s·K … s·K + K - 1``) the
+entries ``[s·G, (s+1)·G)``, ``G = B·R·K`` the global batch. After ``s`` steps the epoch's
+**cursor** is ``s·G`` samples.
 
-* rank ``r``'s micro-batch ``m`` of the epoch is ``shard_r[m·B:(m+1)·B]`` with
-  ``shard_r = order[r::R]`` (the sampler deals strided, the loader cuts the shard in B's), so
-  the micro-batches ``m`` of all ranks together are the entries ``[m·B·R, (m+1)·B·R)``;
-* optimizer step ``s`` is the micro-batches ``m = s·K … s·K + K - 1``: the entries
-  ``[s·G, (s+1)·G)`` with ``G = B·R·K`` the global batch. After ``s`` steps the epoch's
-  **cursor** is ``s·G`` samples.
+Number a step's micro-batches ``g = k·R + r``. At ``R'`` ranks the step is dealt as
+``K' = K·R / R'`` micro-batches per rank, rank ``r'`` taking ``g = k'·R' + r'``: at ``R' = R``
+the sampler and loader exactly; at any ``R'`` the same groups of samples (BatchNorm normalises
+the same batches), the same gradient sum and global batch. What changes is the order of that
+sum and BatchNorm's running statistics, which each rank updates with its own micro-batches.
 
-Within a step, number the micro-batches ``g = k·R + r`` (``k`` the micro-batch of the step,
-``r`` the rank). At ``R'`` ranks the same step is dealt as ``K' = K·R / R'`` micro-batches per
-rank: rank ``r'`` takes ``g = k'·R' + r'`` for ``k' = 0 … K'-1``. At ``R' = R`` this is the
-sampler and loader exactly; at any ``R'`` every micro-batch is the same group of samples
-(BatchNorm in train mode normalises the same batches), the step's gradient is a sum over the
-same groups and the global batch is still ``G``. What changes is the order of that sum
-(the all-reduce adds ranks, a rank adds its micro-batches locally) and BatchNorm's running
-statistics, which each rank updates with its own micro-batches.
-
-:class:`DataLayout` is ``(N, R, K, B, drop_last, seed)`` of the run's first start; a resumed
-run keeps it whatever its own world size (the checkpoint carries it).
-:class:`LayoutBatchSampler` gives one rank its micro-batches. Nothing here communicates.
+:class:`DataLayout` is ``(N, R, K, B, drop_last, seed)`` of the run's first start, which a
+resumed run keeps (the checkpoint carries it); :class:`LayoutBatchSampler` gives one rank its
+micro-batches. Nothing here communicates.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from torch.utils.data import Sampler
 
@@ -172,15 +166,6 @@ class DataLayout:
         return [shard[m * b:m * b + self.micro_batch_size(m)]
                 for m in range(first, first + count) for shard in shards]
 
-    def rank_micro_batches(self, shards: list[list[int]], step: int, world_size: int,
-                           rank: int) -> list[list[int]]:
-        """Rank ``rank``'s micro-batches of ``step`` at ``world_size`` ranks: ``g = k'·R' + r'``."""
-        return self.step_groups(shards, step)[rank::world_size]
-
-    def state(self) -> dict:
-        """Plain values for a checkpoint (``torch.load(weights_only=True)`` reads them)."""
-        return asdict(self)
-
 
 class LayoutBatchSampler(Sampler[list[int]]):
     """One rank's micro-batches of a :class:`DataLayout` at ``world_size`` ranks (a batch sampler).
@@ -213,7 +198,8 @@ class LayoutBatchSampler(Sampler[list[int]]):
     def __iter__(self):
         shards = self.layout.epoch_shards(self.epoch)
         for step in range(self.start_step, self.layout.steps_per_epoch):
-            yield from self.layout.rank_micro_batches(shards, step, self.world_size, self.rank)
+            # rank r' of R' takes the micro-batches g = k'·R' + r'
+            yield from self.layout.step_groups(shards, step)[self.rank::self.world_size]
 
     def __len__(self) -> int:
         return sum(self.micro_batches_in_step(s)

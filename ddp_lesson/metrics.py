@@ -1,23 +1,16 @@
 """Segmentation metrics that stay exact under data parallelism: confusion matrix, IoU, mIoU.
 
-Why a confusion matrix and not a per-rank mIoU? mIoU is a ratio of *counts* (for each class
-c: true positives / (true positives + false positives + false negatives)), and a mean of
-ratios computed on different shards is not the ratio of the whole: rank 0's mIoU averaged
-with rank 1's mIoU is *not* the mIoU of the validation set. Counts, however, add up. So each
-rank counts (true class, predicted class) pairs for its own samples into a ``(C, C)``
-confusion matrix, the matrices are summed across ranks with one ``all_reduce``, and the IoU
-is computed once from the sum.
+mIoU is a ratio of *counts* (per class c: true positives / (true positives + false positives
++ false negatives)), and a mean of ratios computed on different shards is not the ratio of the
+whole. Counts add up: each rank counts (true class, predicted class) pairs for its samples into
+a ``(C, C)`` confusion matrix, one ``all_reduce`` sums the matrices, and the IoU is computed
+once from the sum. With :class:`ddp_lesson.sampler.DistributedEvalSampler` (each validation
+sample on exactly one rank) the summed matrix is the single-process matrix, element for element,
+at any world size; torch's padding ``DistributedSampler`` would count repeated samples twice
+(tests/evaluation/test_metrics.py checks the equality at 2 and 3 ranks).
 
-Exactness: :class:`ddp_lesson.sampler.DistributedEvalSampler` gives every validation sample
-to exactly one rank (no padding, no duplicates), and integer sums do not depend on the order
-they are added in. So the summed matrix is the single-process matrix, element for element,
-and the mIoU is the same at any world size (1, 2, 3, ...). torch's ``DistributedSampler``
-would not do: it pads the shards to equal length by repeating samples, which counts those
-samples twice (tests/evaluation/test_metrics.py checks the exact equality with 2 and 3 ranks).
-
-Definitions follow the Cityscapes benchmark (Cordts et al., CVPR 2016, "Semantic
-Segmentation: IoU = TP / (TP + FP + FN)"); pixels labelled ``ignore_index`` (255, "void")
-count nowhere.
+Definitions follow the Cityscapes benchmark (Cordts et al., CVPR 2016, "IoU = TP / (TP + FP +
+FN)"); pixels labelled ``ignore_index`` (255, "void") count nowhere.
 """
 from __future__ import annotations
 
@@ -35,24 +28,17 @@ def confusion_matrix(pred: torch.Tensor, target: torch.Tensor, num_classes: int,
                      ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
     """Count (true class, predicted class) pairs over all non-ignored pixels.
 
-    One ``bincount`` over ``target * C + pred`` does it: each pair gets its own bin, and
-    reshaping the ``C*C`` bins gives the matrix. Works on any device; the result stays on
-    ``pred``'s device (keep it there for an NCCL ``all_reduce``).
-
-    Args:
-        pred: predicted class indices, any shape, e.g. ``(N, H, W)`` = ``logits.argmax(1)``.
-        target: true class indices, same shape as ``pred``, values in ``[0, num_classes)``
-            or ``ignore_index``.
-        num_classes: C.
-        ignore_index: target value whose pixels are left out (they count nowhere).
+    One ``bincount`` over ``target * C + pred``, reshaped ``(C, C)``; the result stays on
+    ``pred``'s device (keep it there for an NCCL ``all_reduce``). ``pred`` and ``target``: class
+    indices of the same shape (e.g. ``(N, H, W)``, ``logits.argmax(1)``), ``target`` in
+    ``[0, num_classes)`` or ``ignore_index``.
 
     Returns:
-        int64 tensor ``(C, C)``: ``cm[t, p]`` = number of pixels of true class ``t``
-        predicted as ``p`` (rows = true class, columns = predicted class).
+        int64 ``(C, C)``: ``cm[t, p]`` = pixels of true class ``t`` predicted as ``p``.
 
     Raises:
-        ValueError: shapes differ, ``num_classes < 1``, or a label is out of range
-            ("target has label 19, outside [0, 18] and not ignore_index 255").
+        ValueError: shapes differ, ``num_classes < 1``, or a label out of range ("target has
+            label 19, outside [0, 18] and not ignore_index 255").
     """
     if num_classes < 1:
         raise ValueError(f"num_classes must be >= 1, got {num_classes}")
@@ -74,22 +60,17 @@ def confusion_matrix(pred: torch.Tensor, target: torch.Tensor, num_classes: int,
 
 
 def miou_from_confusion(cm: torch.Tensor) -> tuple[float, torch.Tensor, float]:
-    """Mean IoU, per-class IoU and pixel accuracy from a confusion matrix.
+    """Mean IoU, per-class IoU and pixel accuracy from a ``(C, C)`` confusion matrix (rows = true
+    class, summed over batches and ranks).
 
-    ``IoU_c = cm[c, c] / (row_c + col_c - cm[c, c])``: true positives over true positives +
-    false negatives (rest of row c) + false positives (rest of column c). A class that never
-    occurs in the target nor in the prediction has ``0 / 0``: its IoU is NaN and it is left
-    out of the mean (counting it as 0 or 1 would reward or punish a model for a class the
-    data never showed). A class that occurs and is never hit has IoU 0 and does count.
-
-    Args:
-        cm: ``(C, C)`` confusion matrix, rows = true class (from :func:`confusion_matrix`,
-            summed over batches and ranks).
+    ``IoU_c = cm[c, c] / (row_c + col_c - cm[c, c])``. A class absent from target and prediction
+    has ``0 / 0``: IoU NaN, left out of the mean (0 or 1 would reward or punish a model for a
+    class the data never showed); a class present and never hit has IoU 0 and counts.
 
     Returns:
-        ``(miou, per_class_iou, pixel_accuracy)``: ``miou`` a float (NaN when no class is
-        present), ``per_class_iou`` a float64 ``(C,)`` CPU tensor with NaN for absent
-        classes, ``pixel_accuracy`` = correct pixels / counted pixels (NaN when empty).
+        ``(miou, per_class_iou, pixel_accuracy)``: a float (NaN when no class is present), a
+        float64 ``(C,)`` CPU tensor (NaN for absent classes), correct / counted pixels (NaN
+        when empty).
 
     Raises:
         ValueError: ``cm`` is not square 2-D.

@@ -1,45 +1,28 @@
 """torchrun --standalone --nproc-per-node 2 -m ddp_lesson.train --epochs 6
 
-The seed program (DeepLab on Cityscapes with DistributedDataParallel), done right.
+The seed program (DeepLab on Cityscapes with DistributedDataParallel) done right: one process
+per rank, each with a full model, training on its shard of every epoch, DDP averaging the
+gradients in ``backward()``. What changed from the seed is notebook 06's table (and
+``notebooks/deep/06_the_seed_repaired.ipynb``, step by step): every hyper-parameter declared,
+``LOCAL_RANK`` from torchrun, ``set_epoch``, ``ignore_index=255``, the loss over the *global*
+batch's labelled pixels (docs/pitfalls.md B5), exact validation, one backend rule, atomic
+checkpoints and an exact resume (mid-epoch, at another world size: :mod:`ddp_lesson.layout`),
+accumulation with ``no_sync``, SyncBN, AMP and clipping. Bad input stops with one line
+``error: ...`` naming the values (exit status 2, any checkpoint untouched). ``python -m
+ddp_lesson.train`` runs one plain process: no process group, no wrapper, the same lines.
 
-One process per rank, started by torchrun; each rank holds a full copy of the model, trains
-on its own shard of every epoch, and DDP averages the gradients with an ``all_reduce`` during
-``backward()``, so every rank takes the same optimizer step. What changed from the seed
-(notebook 06's table; ``notebooks/deep/06_the_seed_repaired.ipynb`` repairs it step by step):
-every hyper-parameter declared; ``LOCAL_RANK`` from torchrun (the legacy ``--local_rank``
-still accepted); ``set_epoch`` every epoch; no ``find_unused_parameters``;
-``ignore_index=255``; the loss averaged over the *global* batch's labelled pixels (one small
-all_reduce per step, docs/pitfalls.md B5); exact validation (each sample on one rank, the
-confusion matrices summed); the backend by one rule (:mod:`ddp_lesson.env`); atomic
-checkpoints and an exact resume, mid-epoch and at another world size R' (the run keeps its
-micro-batches, :mod:`ddp_lesson.layout`, C8; bit for bit on CPU with gloo, on GPUs within a
-tolerance, docs/gpus.md "Determinism"); ``--sync-bn``, ``--grad-accum-steps`` (``no_sync`` on
-all but the last micro-batch), ``--lr-scaling``, ``--ddp torch|naive|bucketed``,
-``--bucket-cap-mb``, ``--static-graph``, ``--gradient-as-bucket-view``, ``--amp bf16|fp16``
-(one GradScaler per process, checkpointed) and ``--clip-grad-norm MAX`` (once per optimizer
-step, after unscaling). Bad input stops with one line that names the values (``error:
-...``), exit status 2, and leaves any checkpoint untouched.
-
-Also runs as a single process, ``python -m ddp_lesson.train``: world size 1, no process
-group, no DDP wrapper, same numbers printed. Rank 0 prints the derived values at start, one
-line per epoch, and writes ``{out}/summary.json`` at the end.
-
-Read top to bottom: one optimizer step (:func:`train_step`: the global-count loss,
-accumulation with ``no_sync``, :class:`Precision` for AMP and clipping), then the
-:class:`Trainer` (data, model, wrapper, checkpoints, evaluation, the loop), then the entry
-(:func:`preflight`, :func:`main`). The flags and the numbers derived from them are in
-:mod:`ddp_lesson.config`; the exact validation in :func:`ddp_lesson.evaluation.evaluate_exact`.
+Read top to bottom: one optimizer step (:func:`train_step`, :class:`Precision`), the
+:class:`Trainer` (data, model, checkpoints, evaluation, :meth:`Trainer.fit`), the entry
+(:func:`main`). Flags: :mod:`ddp_lesson.config`; printed lines and ``summary.json``:
+:mod:`ddp_lesson.report`; the launcher's preflight: :func:`ddp_lesson.cli.preflight`.
 """
 from __future__ import annotations
 
 import contextlib
 import gc
-import json
 import math
 import os
-import signal
 import sys
-import tempfile
 import time
 from dataclasses import asdict
 from typing import NamedTuple
@@ -52,17 +35,17 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from . import env as dist_env
+from . import faults
 from .checkpoint import (
     CHECKPOINT_FILE,
     CHECKPOINT_FORMAT,
     CHECKPOINT_VERSION,
-    atomic_write,
     capture_rng_state,
     decide_on_rank0,
-    inspect_resume,
     layout_problem,
     load_checkpoint,
     restore_rng_state,
+    resume_plan,
     run_on_rank0,
     save_checkpoint,
     strip_module_prefix,
@@ -83,12 +66,20 @@ from .evaluation import evaluate_exact
 from .layout import LayoutBatchSampler
 from .metrics import miou_from_confusion
 from .models import build_model
+from .report import (
+    epoch_line,
+    epoch_stats,
+    resume_lines,
+    run_summary,
+    start_lines,
+    write_json_atomic,
+)
 from .syncbn import convert_sync_batchnorm
 
 # Trainer.step calls train_step through this module's globals, so a test can replace
 # ``ddp_lesson.train.train_step`` to simulate a crash.
 __all__ = ["Precision", "StepRecord", "Trainer", "accumulate_gradients",
-           "cuda_bf16_native", "main", "model_logits", "preflight", "sum_over_ranks",
+           "cuda_bf16_native", "main", "model_logits", "sum_over_ranks",
            "train_step", "wrap_model"]
 
 # --------------------------------------------------------------------------- one step
@@ -96,24 +87,16 @@ __all__ = ["Precision", "StepRecord", "Trainer", "accumulate_gradients",
 _AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def sum_over_ranks(t: torch.Tensor) -> torch.Tensor:
-    """Sum a CPU tensor over ranks; returns a CPU tensor (a synchronisation point).
-
-    Every rank must call it with a tensor of the same shape and dtype; without a process
-    group it returns a copy.
-    """
-    # NCCL reduces CUDA tensors only; gloo is happy with CPU ones.
-    return all_reduce_sum(t.to(reduce_device())).cpu()
-
-
 def _sum_over_ranks_in_place(t: torch.Tensor) -> torch.Tensor:
-    """Sum ``t`` over ranks; the result stays on ``t``'s device (no read to the host).
-
-    Under NCCL with ``t`` on the rank's GPU and under gloo with ``t`` on the CPU there is no
-    copy at all; without a process group it is a copy. Every rank must call it alike.
-    """
+    """Sum ``t`` over ranks, the result on ``t``'s device: no read to the host, no copy when
+    ``t`` is where the backend reduces (synchronises; every rank alike)."""
     where = reduce_device() if group_active() else t.device
     return all_reduce_sum(t.to(where)).to(t.device)
+
+
+def sum_over_ranks(t: torch.Tensor) -> torch.Tensor:
+    """Sum ``t`` over ranks, the result on the CPU (synchronises; every rank alike)."""
+    return all_reduce_sum(t.to(reduce_device())).cpu()  # NCCL reduces CUDA tensors only
 
 
 def model_logits(model, images):
@@ -129,34 +112,21 @@ def _phase(timer, name):
 
 
 class Precision:
-    """Mixed precision and gradient clipping for :func:`train_step` (one per process).
+    """Mixed precision and gradient clipping for :func:`train_step` (one per process, local).
 
-    ``amp="bf16"`` / ``"fp16"`` runs each forward under ``torch.autocast(device_type,
-    dtype)``; the loss is computed in float32 from the logits. ``"fp16"`` also needs a
-    ``torch.amp.GradScaler`` (one per process, built here unless one is given): the loss is
-    multiplied by the scale before backward, so small fp16 gradients do not flush to zero;
-    before the optimizer step the gradients are unscaled, checked for inf/NaN, and the step is
-    skipped (and the scale halved) when there are any; after ``growth_interval`` good steps
-    the scale doubles (torch/amp/grad_scaler.py). bf16 has fp32's exponent range: no scaler.
-
-    ``clip_grad_norm > 0`` clips the total L2 norm of the gradients to that value with
-    ``torch.nn.utils.clip_grad_norm_``, after ``scaler.unscale_(optimizer)`` under fp16 (the
-    norm of *scaled* gradients would be compared with the limit otherwise), once per optimizer
-    step: after the last micro-batch's backward, the one that all-reduces, so the norm is the
-    norm of the averaged gradient and the same, bit for bit, on every rank.
-
-    After each step :attr:`grad_norm` holds the total norm before clipping, a 0-d float32
-    tensor on the gradients' device (None when not clipping: read it at a logging boundary,
-    ``float(...)`` waits for the GPU), and :attr:`skipped` whether the scaler skipped the
-    step. Local to the process; the norm needs no communication because the gradients are
-    already all-reduced. Host reads: none per step without fp16; under fp16 torch's
-    ``GradScaler.step`` itself reads the inf/NaN flags to the host (``.item()`` in
-    ``_maybe_opt_step``, torch/amp/grad_scaler.py); :attr:`skipped` comes from an optimizer
-    step post-hook (a fused optimizer's from the scale, read to the host).
+    ``amp="bf16"``/``"fp16"`` runs each forward under ``torch.autocast``; the loss is computed
+    in float32. ``"fp16"`` adds a ``torch.amp.GradScaler`` (bf16 has fp32's exponent range):
+    the loss is scaled before backward so small gradients do not flush to zero, a step with
+    inf/NaN gradients is skipped and the scale halved (torch/amp/grad_scaler.py, whose
+    ``_maybe_opt_step`` reads the inf/NaN flags to the host). ``clip_grad_norm > 0`` clips the
+    total L2 norm once per step, after the last (all-reducing) backward and ``unscale_``: the
+    averaged gradient's norm, the same bit for bit on every rank. After each step
+    :attr:`grad_norm` holds it before clipping (a 0-d tensor on the gradients' device; None
+    without clipping) and :attr:`skipped` whether the scaler skipped the step.
 
     Raises:
         ValueError: ``amp`` not in :data:`AMP_MODES`, ``clip_grad_norm < 0``, or autocast
-            not available for ``device_type`` and the dtype.
+            not available for ``device_type`` and the dtype (:func:`amp_unavailable`).
     """
 
     def __init__(self, amp: str = "off", device_type: str = "cpu",
@@ -191,12 +161,7 @@ class Precision:
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
 
     def step(self, optimizer, parameters) -> None:
-        """Unscale (fp16), measure and clip (``clip_grad_norm > 0``), then step the optimizer.
-
-        Under fp16 ``scaler.step`` skips ``optimizer.step()`` when any gradient is inf/NaN
-        and ``scaler.update()`` then halves the scale; :attr:`skipped` says so (read from an
-        optimizer step post-hook: whether ``optimizer.step()`` ran).
-        """
+        """Unscale (fp16), measure and clip (``clip_grad_norm > 0``), then step the optimizer."""
         self.grad_norm = None
         if self.scaler is not None and self.clip_grad_norm > 0:
             self.scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
@@ -240,13 +205,8 @@ class Precision:
 def amp_unavailable(amp: str, device_type: str) -> str | None:
     """Why autocast in ``amp`` cannot run on ``device_type``, or None when it can (local).
 
-    bf16 on CUDA needs a GPU that computes in bfloat16 natively (:func:`cuda_bf16_native`:
-    compute capability 8 and up, Ampere and later). ``torch.cuda.is_bf16_supported()`` with
-    its default ``including_emulation=True`` is not that test: it also answers True when a
-    bfloat16 tensor can merely be created on the device (torch/cuda/__init__.py,
-    ``is_bf16_supported`` and ``_check_bf16_tensor_supported``), which a T4 (7.5) allows, and
-    cuDNN has no bfloat16 convolutions there. On CPU torch 2.13 autocasts to bf16 and fp16
-    (``torch.amp.autocast_mode.is_autocast_available``).
+    bf16 on CUDA needs native bfloat16 (:func:`cuda_bf16_native`); on CPU torch 2.13
+    autocasts to bf16 and fp16 (``torch.amp.autocast_mode.is_autocast_available``).
     """
     if amp == "off":
         return None
@@ -261,11 +221,10 @@ def amp_unavailable(amp: str, device_type: str) -> str | None:
 def cuda_bf16_native() -> bool:
     """True when the current CUDA device computes in bfloat16 natively (local, no sync).
 
-    ``torch.cuda.is_bf16_supported(including_emulation=False)``: True on ROCm, False without
-    CUDA, else compute capability >= 8 (torch/cuda/__init__.py, ``is_bf16_supported``). An
-    older torch whose ``is_bf16_supported`` takes no ``including_emulation`` raises
-    TypeError: then the same test is made here from ``torch.version.hip`` and the device's
-    compute capability (``torch.cuda.get_device_properties(...).major``).
+    ``torch.cuda.is_bf16_supported(including_emulation=False)`` (torch/cuda/__init__.py): True
+    on ROCm, False without CUDA, else compute capability >= 8; the default ``True`` also says
+    True where a bfloat16 tensor can merely be created (``_check_bf16_tensor_supported``: a T4,
+    7.5). A torch without that argument raises TypeError: the same test is made here.
     """
     try:
         return bool(torch.cuda.is_bf16_supported(including_emulation=False))
@@ -277,29 +236,15 @@ def cuda_bf16_native() -> bool:
         return torch.cuda.get_device_properties(torch.cuda.current_device()).major >= 8
 
 
-# --------------------------------------------------------------------------- one step
-
 def accumulate_gradients(model, micro_batches, compute_loss, timer=None,
                          backward=None) -> None:
     """Forward and backward over ``K`` micro-batches, all-reducing gradients only on the last.
 
-    Micro-batches ``0 .. K-2`` run inside ``model.no_sync()`` (when the wrapper has it):
-    their gradients accumulate locally in ``.grad``; the last one runs normally, and its
-    backward all-reduces the accumulated sums (docs/pitfalls.md B4: sync on the *last*
-    micro-batch, or the ranks end with different gradients). Forward *and* backward go inside
-    ``no_sync``: torch's DDP decides during forward whether the next backward syncs.
-
-    Args:
-        model: the (wrapped) model.
-        micro_batches: a list of batches.
-        compute_loss: ``compute_loss(model, batch) -> scalar tensor`` to backpropagate,
-            already scaled (e.g. divided by the global count).
-        timer: optional :class:`~ddp_lesson.bench.scaling.StepTimer` (phases "forward" and
-            "backward").
-        backward: ``backward(loss)`` (default ``loss.backward()``), e.g.
-            :meth:`Precision.backward`, which multiplies by the GradScaler's scale.
-
-    Synchronises in the last backward (DDP's gradient all_reduce).
+    Micro-batches ``0 .. K-2`` run forward *and* backward inside ``model.no_sync()`` (torch's
+    DDP decides in forward whether the next backward syncs): their gradients accumulate
+    locally, the last backward all-reduces the sums (docs/pitfalls.md B4). ``compute_loss(model,
+    batch)`` returns the scaled loss; ``backward(loss)`` defaults to ``loss.backward()``;
+    ``timer``: an optional StepTimer. Synchronises in the last backward.
     """
     last = len(micro_batches) - 1
     for i, batch in enumerate(micro_batches):
@@ -319,42 +264,22 @@ def train_step(model, optimizer, micro_batches, world_size: int, scheduler=None,
                ) -> tuple[torch.Tensor, torch.Tensor]:
     """One optimizer step on the global batch: mean cross-entropy over its labelled pixels.
 
-    Every rank sums the per-pixel losses of its micro-batches and divides by the number of
-    labelled (not ``IGNORE_INDEX``) pixels in the *global* batch (all micro-batches of all
-    ranks, one all_reduce), times ``world_size`` because DDP then averages over ranks. The
-    gradient is then exactly the single-process gradient of the mean loss over the
-    concatenated batch, whatever the share of void pixels on each rank; a per-rank mean
-    would weight a rank's pixels by its own count instead.
-
-    Args:
-        model: the wrapped model (or a bare one in a single process).
-        optimizer: steps once; gradients are zeroed first.
-        micro_batches: list of ``(images (B, 3, H, W), target (B, H, W))`` on the model's
-            device.
-        world_size: R, the number of ranks DDP averages over.
-        scheduler: stepped once after the optimizer, if given, and only when the optimizer
-            stepped: a step the fp16 GradScaler skipped (inf/NaN gradients) does not consume
-            the schedule, so the first real step runs with the schedule's first value and torch
-            does not warn "Detected call of `lr_scheduler.step()` before `optimizer.step()`"
-            (``LRScheduler.step``, torch/optim/lr_scheduler.py). Accelerate does the same
-            (``AcceleratedScheduler.step`` returns when an optimizer's ``step_was_skipped``,
-            src/accelerate/scheduler.py).
-        timer: optional :class:`~ddp_lesson.bench.scaling.StepTimer` (phases comm, forward,
-            backward, optimizer).
-        precision: optional :class:`Precision`: autocast for the forwards, the GradScaler,
-            clipping after the last (all-reducing) backward; it records the step's gradient
-            norm and whether the step was skipped. None: plain fp32, no clipping.
+    Each rank sums its micro-batches' per-pixel losses and divides by the labelled (not
+    ``IGNORE_INDEX``) pixels of the *global* batch (one all_reduce), times ``world_size``
+    because DDP then averages: exactly the single-process gradient of the mean over the
+    concatenated batch, whatever each rank's share of void pixels. ``micro_batches``:
+    ``(images (B, 3, H, W), target (B, H, W))`` pairs on the model's device; ``scheduler``
+    steps only when the optimizer did (a step the fp16 GradScaler skipped does not consume
+    the schedule: ``LRScheduler.step`` warns otherwise; Accelerate's
+    ``AcceleratedScheduler.step`` does the same); ``timer``: an optional StepTimer (phases
+    comm, forward, backward, optimizer); ``precision``: a :class:`Precision`, None for fp32.
 
     Returns:
-        ``(local_loss_sum, local_pixel_count)``: this rank's summed per-pixel loss (a 0-d
-        float64 tensor) and its labelled pixel count (0-d int64), both on the batch's device
-        (sum both over ranks and divide for the global mean; ``float(...)`` reads them).
+        ``(local_loss_sum, local_pixel_count)``: this rank's summed loss (0-d float64, summed
+        in float32 per micro-batch) and labelled pixel count (0-d int64) on the batch's device.
 
-    Synchronises: one all_reduce of the pixel count, DDP's gradient all_reduce. Reads
-    nothing to the host (no ``.item()``, ``float(tensor)``): on CUDA the step is queued
-    and the CPU runs ahead, the pixel count and the scale stay on the GPU; under fp16 torch's
-    GradScaler reads its inf/NaN flags (see :class:`Precision`). The loss is summed in float32
-    whatever the forward's dtype, and the micro-batches' sums added in order in float64.
+    Synchronises: the pixel count's all_reduce and DDP's. Reads nothing to the host (under
+    fp16 the GradScaler reads its flags).
     """
     if not micro_batches:
         raise ValueError("train_step needs at least 1 micro-batch, got 0")
@@ -388,137 +313,48 @@ def train_step(model, optimizer, micro_batches, world_size: int, scheduler=None,
     return sum(s.double() for s in sums), local_count
 
 
-
 class StepRecord(NamedTuple):
-    """One optimizer step's loss: ``loss_sum / pixel_count`` is the step's mean loss.
+    """One optimizer step: ``loss_sum / pixel_count`` is its mean loss.
 
-    In :attr:`Trainer.step_log` both numbers are summed over ranks (the global batch's)
-    and are floats; pending records, not yet reduced, hold this rank's own as 0-d tensors
-    on the rank's device (and ``grad_norm`` as a tensor), read at the next flush, so a step
-    reads nothing to the host.
+    In :attr:`Trainer.step_log` the numbers are floats summed over ranks; a pending record
+    holds this rank's own as 0-d tensors on its device, read at the next flush.
     """
 
     epoch: int
     step_in_epoch: int
     loss_sum: float
     pixel_count: float
-    #: total gradient norm before clipping (``--clip-grad-norm``; None without): the norm of
-    #: the all-reduced gradients, the same on every rank, kept as this rank computed it
+    #: norm of the all-reduced gradients before clipping (``--clip-grad-norm``; else None)
     grad_norm: float | None = None
     #: True when the fp16 GradScaler skipped this step (inf/NaN in the gradients)
     skipped: bool = False
 
 
-# --------------------------------------------------------------------------- small helpers
-
-def set_threads_from_env() -> None:
-    """Set torch's intra-op threads to ``OMP_NUM_THREADS`` when it is set; never synchronises."""
-    # torchrun sets OMP_NUM_THREADS=1 (with a warning) and our launcher does so quietly; make
-    # torch's intra-op pool follow it, so N processes on N cores do not oversubscribe them.
-    raw = os.environ.get("OMP_NUM_THREADS", "")
-    if raw.isdigit() and int(raw) >= 1:
-        torch.set_num_threads(int(raw))
-
-
-def _sync_buffers(module) -> None:
-    """Give every rank rank 0's buffers (BatchNorm running stats) before evaluating.
-
-    Why: BatchNorm's running mean/var are buffers, updated locally by each rank's own batches.
-    DDP copies rank 0's buffers to the others at the start of every training forward, but the
-    last step's update happens after that copy, so after training the ranks differ by one
-    step. Broadcasting makes every rank evaluate the very same model.
-    """
-    if group_active() and dist.get_world_size() > 1:
-        for buf in module.buffers():
-            dist.broadcast(buf, src=0)
-
-
-def _json_safe(obj):
-    """``obj`` with every NaN/inf float replaced by None (JSON has no such numbers)."""
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {k: _json_safe(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_json_safe(v) for v in obj]
-    return obj
-
-
-def _write_json_atomic(path: str, obj: dict) -> None:
-    # A reader never sees half a file, and an interrupted run leaves the previous summary intact.
-    def write(fh):
-        # a diverged run (loss NaN) still gets its summary: non-finite values become null
-        json.dump(_json_safe(obj), fh, indent=2, allow_nan=False)
-        fh.write("\n")
-
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    atomic_write(path, write, binary=False)
-
-
-def _failure_marker(cfg: TrainConfig) -> str:
-    """``{out}/simulated_failure_step{K}.done``, the fault injector's "done" file."""
-    return os.path.join(cfg.out, f"simulated_failure_step{cfg.simulate_failure_at_step}.done")
-
-
-def _finite_or_none(x):
-    return None if (x is None or not math.isfinite(x)) else float(x)
-
-
-def _step_stats(rows: list, cfg: TrainConfig) -> dict:
-    """An epoch's gradient-norm and skipped-step figures, for its history entry.
-
-    With ``--clip-grad-norm``: ``grad_norm_mean`` and ``grad_norm_max`` over the epoch's
-    steps with a finite norm (None when there is none), and ``clipped_steps`` (norm above
-    MAX); with ``--amp fp16``: ``skipped_steps``, the steps the GradScaler skipped. Nothing
-    otherwise, so runs without these flags keep their history as before.
-    """
-    stats = {}
-    if cfg.clip_grad_norm is not None:
-        norms = [
-            r.grad_norm for r in rows if r.grad_norm is not None and math.isfinite(r.grad_norm)
-        ]
-        stats["grad_norm_mean"] = sum(norms) / len(norms) if norms else None
-        stats["grad_norm_max"] = max(norms) if norms else None
-        stats["clipped_steps"] = sum(n > cfg.clip_grad_norm for n in norms)
-    if cfg.amp == "fp16":
-        stats["skipped_steps"] = sum(bool(r.skipped) for r in rows)
-    return stats
-
-
 # --------------------------------------------------------------------------- the trainer
 
 class Trainer:
-    """Everything one rank needs to train: data, model, wrapper, optimizer, schedule, state.
+    """Everything one rank needs to train, built on every rank after ``init_distributed``.
 
-    Built on every rank (after ``init_distributed``); :meth:`fit` runs the epochs with
-    checkpoints and evaluation. The pieces are public so that benchmarks and notebooks can
-    drive single steps (:meth:`batches`, :meth:`step`).
-
-    Attributes:
-        cfg, env, device, derived: the config, this rank's DistEnv, torch device, and
-            :func:`derived_values`.
-        layout, batch_sampler: the micro-batches (:class:`~ddp_lesson.layout.DataLayout` of
-            the run that started training: ``layout=(R, K)`` when it is not this one, R ranks
-            and K accumulation steps) and this rank's share of them.
-        module: the bare model (what checkpoints hold); model: the wrapped one.
-        optimizer, scheduler: SGD and a LambdaLR (constant or poly).
-        precision: the :class:`~ddp_lesson.train.Precision` (``--amp``, the fp16 GradScaler,
-            ``--clip-grad-norm``), one per process.
-        epoch, step_in_epoch, global_step: where training stands (the resume point).
-        history: one dict per finished epoch (train_loss, val_miou, ...).
-        step_log: one :class:`StepRecord` per optimizer step, summed over ranks
-            (``loss_sum / pixel_count`` is the step's global mean loss).
+    :meth:`fit` runs the epochs; benchmarks and tests drive single steps (:meth:`batches`,
+    :meth:`step`). ``layout=(R, K)``: ranks and accumulation steps of the run a checkpoint
+    continues, when not this one's. Attributes: ``cfg``, ``env``, ``device``, ``derived``
+    (:func:`~ddp_lesson.config.derived_values`); ``layout`` (the run's micro-batches,
+    :class:`~ddp_lesson.layout.DataLayout`) and ``batch_sampler`` (this rank's share);
+    ``module`` (bare, what checkpoints hold) and ``model`` (wrapped); ``optimizer`` (SGD),
+    ``scheduler`` (LambdaLR), ``precision``; ``epoch``, ``step_in_epoch``, ``global_step``
+    (the resume point); ``history`` (one dict per epoch); ``step_log`` (one
+    :class:`StepRecord` per step, summed over ranks).
 
     Raises:
-        TrainInputError: bad data folder, zero steps per epoch, an unavailable wrapper, a
-            ``layout`` this world size cannot share.
+        TrainInputError: bad data folder, zero steps per epoch, ``--amp`` unavailable, an
+            unavailable wrapper, a ``layout`` this world size cannot share.
     """
 
     def __init__(self, cfg: TrainConfig, env, device=None, layout: tuple[int, int] | None = None):
         self.cfg, self.env = cfg, env
         self.device = torch.device(env.device if device is None else device)
-        self.num_classes = NUM_CLASSES
-        train_ds, val_ds = load_datasets(cfg)
+        check_amp(cfg, self.device.type)
+        train_ds, self.val_set = load_datasets(cfg)
         # The micro-batches of the run that started training (R, K): this run's own, or, when
         # it resumes a checkpoint written at another world size, that run's (ddp_lesson.layout).
         r, k = layout if layout is not None else (env.world_size, cfg.grad_accum_steps)
@@ -528,9 +364,8 @@ class Trainer:
             raise TrainInputError(problem)
         self.derived = derived_values(cfg, env.world_size, len(train_ds), self.layout)
         check_steps(cfg, self.derived, len(train_ds))
-        # This rank's micro-batches of each epoch (a new shuffle each epoch, seeded seed +
-        # epoch, the same on every rank), from the step set in batches(): at R = the layout's
-        # world size exactly what a DistributedSampler and a DataLoader of batch B yield.
+        # This rank's micro-batches of each epoch (shuffled with seed + epoch, the same on every
+        # rank): at the layout's world size exactly a DistributedSampler's and a DataLoader's.
         self.batch_sampler = LayoutBatchSampler(self.layout, env.world_size, env.rank)
         # Own generator: iter(loader) draws a seed from it, not from the global RNG, so an
         # epoch restarted mid-way leaves the global RNG as an unbroken one would.
@@ -539,8 +374,6 @@ class Trainer:
             generator=torch.Generator().manual_seed(cfg.seed),
             num_workers=cfg.workers, pin_memory=self.device.type == "cuda",
             persistent_workers=cfg.workers > 0)
-        self.val_set = val_ds  # evaluated by evaluation.evaluate_exact, unpadded shards
-        self.num_train = len(train_ds)
         if len(self.train_loader) != self.derived["micro_batches_per_epoch"]:
             raise RuntimeError(
                 f"micro-batches per epoch: the loader has {len(self.train_loader)}"
@@ -554,14 +387,9 @@ class Trainer:
                                          lr=self.derived["effective_lr"],
                                          momentum=cfg.momentum, weight_decay=cfg.weight_decay)
         total = cfg.epochs * self.derived["steps_per_epoch"]
-        if cfg.lr_schedule == "poly":
-            def factor(step, total=total):
-                return max(0.0, 1.0 - step / total) ** 0.9
-        else:
-            def factor(step):
-                return 1.0
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, factor)
-        check_amp(cfg, self.device.type)
+        poly = cfg.lr_schedule == "poly"  # DeepLab's (1 - step/total)**0.9, else constant
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda step: max(0.0, 1.0 - step / total) ** 0.9 if poly else 1.0)
         self.precision = Precision(cfg.amp, self.device.type, cfg.clip_grad_norm or 0.0)
         self.epoch, self.step_in_epoch, self.global_step = 0, 0, 0
         self.history: list[dict] = []
@@ -572,32 +400,22 @@ class Trainer:
 
     # ---- model
     def _build_model(self):
-        cfg, env = self.cfg, self.env
+        cfg = self.cfg
         # Same seed on every rank: identical initial weights (DDP would broadcast rank 0's
-        # anyway, but this also makes a 1-process run start from the same weights as an
-        # N-process run).
+        # anyway, but a 1-process run then starts from the same weights as an N-process run).
         torch.manual_seed(cfg.seed)
-        module = build_model(cfg.model, num_classes=self.num_classes, width=cfg.width)
+        module = build_model(cfg.model, num_classes=NUM_CLASSES, width=cfg.width)
         module = module.to(self.device)
-        if cfg.sync_bn:
-            # After moving to the device, before wrapping (the wrapper must see the final
-            # layers): docs/pitfalls.md B11.
-            if self.device.type == "cuda":
-                module = torch.nn.SyncBatchNorm.convert_sync_batchnorm(module)
-            else:
-                module = convert_sync_batchnorm(module)
-        return module, wrap_model(module, cfg.ddp, env, self.device, cfg.bucket_cap_mb,
+        if cfg.sync_bn:  # after .to(device), before wrapping: docs/pitfalls.md B11
+            module = (torch.nn.SyncBatchNorm.convert_sync_batchnorm
+                      if self.device.type == "cuda" else convert_sync_batchnorm)(module)
+        return module, wrap_model(module, cfg.ddp, self.env, self.device, cfg.bucket_cap_mb,
                                   cfg.static_graph, cfg.gradient_as_bucket_view)
 
     # ---- data
     def batches(self, epoch: int, start_step: int = 0):
-        """Yield this epoch's steps from ``start_step`` on, each a list of up to K' micro-batches.
-
-        Sets the batch sampler's epoch (a new shuffle each epoch, the same on every rank) and
-        its first step: the steps before it, ``layout.cursor(start_step)`` samples of the
-        epoch's permutation, were taken. Yields ``(step_in_epoch, micro_batches,
-        data_seconds)``, tensors on the rank's device.
-        """
+        """Yield ``(step_in_epoch, micro_batches, data_seconds)`` for this epoch's steps from
+        ``start_step`` on (the steps before it were taken), tensors on the rank's device."""
         self.batch_sampler.set_epoch(epoch)
         self.batch_sampler.start_step = start_step
         it = iter(self.train_loader)
@@ -612,10 +430,8 @@ class Trainer:
             yield step, group, time.perf_counter() - start
 
     def step(self, micro_batches, timer=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """One optimizer step (see :func:`train_step`); advances the counters.
-
-        Returns this rank's ``(loss_sum, pixel_count)``, 0-d tensors on its device.
-        """
+        """One optimizer step (:func:`train_step`); advances the counters and returns this
+        rank's ``(loss_sum, pixel_count)``, 0-d tensors on its device."""
         self.model.train()
         precision = self.precision if self.precision.active else None
         result = train_step(self.model, self.optimizer, micro_batches, self.env.world_size,
@@ -628,10 +444,8 @@ class Trainer:
         return result
 
     def _flush_losses(self) -> None:
-        """Sum the pending per-step (loss_sum, count) over ranks into :attr:`step_log` (sync).
-
-        The one read to the host for these steps: their sums and gradient norms, at once.
-        """
+        """Sum the pending steps' (loss_sum, count) over ranks into :attr:`step_log` (sync):
+        the one read to the host for these steps' sums and gradient norms."""
         if not self._pending:  # the same on every rank: they step in lockstep
             return
         local = torch.stack([torch.stack([torch.as_tensor(p.loss_sum, dtype=torch.float64),
@@ -649,34 +463,19 @@ class Trainer:
         return os.path.join(self.cfg.out, CHECKPOINT_FILE)
 
     def checkpoint_state(self, rng_states) -> dict:
-        """The checkpoint dict for the current position (built on rank 0; no communication).
+        """The checkpoint for the current position (built on rank 0; no communication).
 
-        Entries: ``format``/``version`` (what this file is), ``model`` (the bare module's
-        state_dict, no ``module.`` prefix), ``optimizer`` (SGD state: momentum buffers),
-        ``scheduler`` (LambdaLR state), ``epoch`` (the epoch in progress, 0-based; equal to
-        ``epochs`` when training is done), ``step_in_epoch`` (optimizer steps of that epoch
-        already taken), ``global_step``, ``sampler`` (seed, epoch, shuffle, drop_last and
-        num_replicas: the world size whose sampler deals the micro-batches), ``cursor`` (the
-        epoch, the samples of its padded permutation already read, and the micro-batches'
-        layout: world_size R, grad_accum_steps K and batch_size B of the run that started
-        training, :mod:`ddp_lesson.layout`), ``rng`` (every rank's generators, in rank
-        order), ``config`` (the TrainConfig as a dict), ``world_size`` (the processes that
-        wrote it),
-        ``history`` (per-epoch results), ``step_log`` (per-step global loss sums and pixel
-        counts, gradient norms, skipped flags), ``scaler`` (the fp16 GradScaler's
-        ``state_dict``: scale and growth tracker; None without ``--amp fp16``) and ``torch``
-        (the version that wrote it).
-
-        Args:
-            rng_states: list of :func:`ddp_lesson.checkpoint.capture_rng_state` results, one
-                per rank.
+        ``model``: the bare module's state_dict (B12); ``epoch``: the epoch in progress
+        (``epochs`` when done), ``step_in_epoch`` its steps taken; ``cursor``: the samples of
+        its padded permutation read and the layout (R, K, B) of the run that started training;
+        ``rng``: every rank's generators (``rng_states``, in rank order); ``scaler``: the fp16
+        GradScaler's state. Plain types only: ``torch.load(weights_only=True)`` reads it.
         """
-
         lay = self.layout
         return {
             "format": CHECKPOINT_FORMAT,
             "version": CHECKPOINT_VERSION,
-            "model": self.module.state_dict(),  # the bare model: no "module." prefix (B12)
+            "model": self.module.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "epoch": self.epoch,
@@ -684,8 +483,6 @@ class Trainer:
             "global_step": self.global_step,
             "sampler": {"seed": self.cfg.seed, "epoch": self.epoch, "shuffle": True,
                         "drop_last": self.cfg.drop_last, "num_replicas": lay.world_size},
-            # where the epoch stands, for any world size: the samples of its padded
-            # permutation already read, and the micro-batches' layout (R, K, B)
             "cursor": {"epoch": self.epoch, "samples": lay.cursor(self.step_in_epoch),
                        "world_size": lay.world_size, "grad_accum_steps": lay.grad_accum_steps,
                        "batch_size": lay.batch_size},
@@ -693,14 +490,13 @@ class Trainer:
             "config": asdict(self.cfg),
             "world_size": self.env.world_size,
             "history": self.history,
-            "step_log": [list(r) for r in self.step_log],  # plain lists: weights_only loads
+            "step_log": [list(r) for r in self.step_log],
             "scaler": self.precision.state_dict(),  # same on every rank: one per process
-            "torch": str(torch.__version__),  # a plain str: weights_only loads only plain types
+            "torch": str(torch.__version__),
         }
 
     def save(self) -> None:
         """Write the checkpoint (all ranks call it; rank 0 writes; synchronises, B14)."""
-
         self._flush_losses()
         rng = capture_rng_state()
         if group_active() and dist.get_world_size() > 1:
@@ -708,10 +504,7 @@ class Trainer:
             dist.all_gather_object(states, rng)  # every rank's generators, for exact resume
         else:
             states = [rng]
-        hook = None
-        if (self.cfg.simulate_failure_during_save and self.env.is_main
-                and self.global_step >= self.cfg.simulate_failure_at_step):
-            hook = lambda tmp: self._simulated_failure("during the checkpoint write")  # noqa: E731
+        hook = faults.during_save(self.cfg, self.env.rank, self.global_step)
         try:
             # the state is built on rank 0 inside the protocol: an error there reaches every rank
             save_checkpoint(None, self.checkpoint_path, before_replace=hook,
@@ -719,51 +512,10 @@ class Trainer:
         except OSError as exc:
             raise TrainInputError(str(exc)) from None
 
-    # ---- fault injection (--simulate-failure-at-step)
-    @property
-    def failure_marker(self) -> str:
-        """``{out}/simulated_failure_step{K}.done``: written just before the simulated kill."""
-        return _failure_marker(self.cfg)
-
-    def _simulated_failure(self, where: str) -> None:
-        """Kill this process with SIGKILL, once per ``--out`` (the marker makes a restart run on).
-
-        The marker is written (and fsync'ed) BEFORE the kill: a SIGKILL leaves no chance to
-        write it afterwards, and without it the restarted job would die at the same step again.
-        SIGKILL, not an exception: no ``finally``, no atexit, no flushing, as when the kernel's
-        OOM killer or a lost machine ends a worker.
-        """
-        if os.path.exists(self.failure_marker):
-            return
-        with open(self.failure_marker, "w") as fh:
-            fh.write(f"rank {self.env.rank} killed {where} at global step {self.global_step}\n")
-            fh.flush()
-            os.fsync(fh.fileno())
-        if self.cfg.simulate_node_loss:  # the whole node: its torchrun agent (our parent) too
-            print(f"simulated failure: rank {self.env.rank} kills its torchrun agent and itself "
-                  f"(SIGKILL) {where} at global step {self.global_step}: node lost", flush=True)
-            os.kill(os.getppid(), signal.SIGKILL)
-        else:
-            print(f"simulated failure: rank {self.env.rank} kills itself (SIGKILL) {where} at "
-                  f"global step {self.global_step}", flush=True)
-        os.kill(os.getpid(), signal.SIGKILL)
-
-    def _maybe_fail_after_step(self) -> None:
-        cfg = self.cfg
-        if (cfg.simulate_failure_at_step and not cfg.simulate_failure_during_save
-                and self.global_step == cfg.simulate_failure_at_step
-                and self.env.rank == cfg.failure_rank):
-            self._simulated_failure("after the step")
-
     def try_resume(self) -> bool:
-        """Resume from ``{out}/checkpoint.pt`` when there is one (and not ``--no-resume``).
-
-        Rank 0 decides whether the file exists and broadcasts the answer (B14); then every rank
-        loads the file itself, mapped to its own device. Synchronises (a broadcast). The file
-        was checked before the Trainer was built (:func:`check_out_and_checkpoint`, on rank 0).
-
-        Returns:
-            True when training state was restored.
+        """Resume from ``{out}/checkpoint.pt`` if there is one (and not ``--no-resume``); True
+        when state was restored. Rank 0 decides whether the file exists (B14); every rank then
+        loads it, mapped to its own device. Synchronises.
 
         Raises:
             TrainInputError: (every rank) the checkpoint's cursor does not match this layout.
@@ -799,15 +551,11 @@ class Trainer:
     def _settle_ddp_buckets(self) -> None:
         """Give a resumed torch DDP the bucket layout the interrupted run had (synchronises).
 
-        Why: torch's DDP lays out its gradient buckets in parameter order at construction,
-        then, after the first backward, rebuilds them in the order gradients became ready.
-        The interrupted run was using the rebuilt layout; a fresh wrapper would use the
-        initial one for its first step. The all-reduce sums each element in an order that
-        depends on where it sits in the bucket (with 3 or more ranks), so that one step would
-        differ in the last bit. One forward and backward of a zero batch, with the gradients
-        thrown away and the buffers put back, lets DDP record the order and rebuild exactly
-        as before, without changing any state. (With 2 ranks a + b is the same either way; the
-        package's wrappers never rebuild.)
+        torch's DDP rebuilds its buckets after the first backward, in the order gradients became
+        ready; with 3 or more ranks an element's place in its bucket decides the order of the
+        all-reduce's sum, so a fresh wrapper's first step would differ in the last bit. One
+        forward and backward of a zero batch (gradients dropped, buffers restored) lets it
+        rebuild as before, changing no state. The package's wrappers never rebuild.
         """
         if not isinstance(self.model, DistributedDataParallel):
             return
@@ -824,22 +572,25 @@ class Trainer:
     # ---- evaluation
     def validate(self) -> tuple[float, float]:
         """Exact mIoU and pixel accuracy over the whole validation set (synchronises)."""
-        # Evaluate the bare module: DDP's forward may sync buffers, a collective, and ranks
-        # hold different numbers of validation batches.
-        _sync_buffers(self.module)
+        # Rank 0's BatchNorm statistics everywhere: DDP broadcasts them at each training
+        # forward, but the last step updated them after that, on each rank alone.
+        if group_active() and dist.get_world_size() > 1:
+            for buf in self.module.buffers():
+                dist.broadcast(buf, src=0)
+        # The bare module: DDP's forward may sync buffers, a collective, and ranks hold
+        # different numbers of validation batches.
         self.module.eval()
 
         def predict(images):
             return model_logits(self.module, images).argmax(1)
 
-        # Each rank evaluates its DistributedEvalSampler shard (every sample exactly once, no
-        # collective per batch), then the integer counts are summed over ranks once.
-        result = evaluate_exact(predict, self.val_set, num_classes=self.num_classes,
+        # Each rank evaluates its unpadded shard (every sample once, no collective per batch);
+        # the integer counts are summed over ranks once.
+        result = evaluate_exact(predict, self.val_set, num_classes=NUM_CLASSES,
                                 batch_size=self.cfg.batch_size, ignore_index=IGNORE_INDEX,
                                 device=self.device, num_replicas=self.env.world_size,
                                 rank=self.env.rank, num_workers=self.cfg.workers)
-        miou, per_class, pixel_acc = miou_from_confusion(result.confusion)
-        self.per_class_iou = per_class
+        miou, self.per_class_iou, pixel_acc = miou_from_confusion(result.confusion)
         return miou, pixel_acc
 
     # ---- the loop
@@ -884,7 +635,7 @@ class Trainer:
                 if (cfg.checkpoint_every_steps and not last_of_epoch
                         and self.global_step % cfg.checkpoint_every_steps == 0):
                     self.save()
-                self._maybe_fail_after_step()
+                faults.after_step(cfg, env.rank, self.global_step)
             train_seconds += time.perf_counter() - start
             bar.close()
             if stopped:
@@ -899,83 +650,13 @@ class Trainer:
             train_loss = (sum(r.loss_sum for r in rows)
                           / max(sum(r.pixel_count for r in rows), 1.0))
             miou, pixel_acc = self.validate()
-            entry = {"epoch": epoch + 1, "train_loss": train_loss, "val_miou": miou,
-                     "val_pixel_accuracy": pixel_acc}
-            entry.update(_step_stats(rows, cfg))
-            self.history.append(entry)
-            extra = ""
-            if entry.get("grad_norm_max") is not None:
-                extra += (f"  grad_norm mean {entry['grad_norm_mean']:.4g} "
-                          f"max {entry['grad_norm_max']:.4g}")
-            if cfg.amp == "fp16":
-                extra += f"  skipped {entry['skipped_steps']}"
-            print0(f"epoch {epoch + 1}/{cfg.epochs}  train_loss {train_loss:.4f}  "
-                   f"val_mIoU {miou:.4f}  pixel_acc {pixel_acc:.4f}" + extra, env=env)
+            self.history.append({"epoch": epoch + 1, "train_loss": train_loss, "val_miou": miou,
+                                 "val_pixel_accuracy": pixel_acc, **epoch_stats(rows, cfg)})
+            print0(epoch_line(self.history[-1], cfg), env=env)
             self.epoch, self.step_in_epoch = epoch + 1, 0
             self.save()
         return {"train_seconds": train_seconds, "train_samples": train_samples,
                 "stopped": stopped}
-
-    # ---- the run's record
-    def summary(self, facts: dict, wall_start: float) -> dict:
-        """The run's ``summary.json`` content, built on every rank (no communication).
-
-        Args:
-            facts: what :meth:`fit` returned (train_seconds, train_samples, stopped).
-            wall_start: ``time.perf_counter()`` when the job started (for ``wall_s``).
-
-        Non-finite numbers (a diverged run) are None in the per-epoch entries, and
-        ``diverged`` says so.
-        """
-        cfg, env, d = self.cfg, self.env, self.derived
-        last = self.history[-1] if self.history else {}
-        return {
-            "world_size": env.world_size,
-            "backend": env.backend,
-            "backend_reason": env.reason,
-            "device": self.device.type,
-            "epochs": cfg.epochs,
-            "batch_size": cfg.batch_size,
-            "global_batch": d["global_batch"],
-            "grad_accum_steps": d["grad_accum_steps"],  # this run's K' (per rank and step)
-            # the micro-batches' layout: R, K of the run that started training
-            "layout": {"world_size": self.layout.world_size,
-                       "grad_accum_steps": self.layout.grad_accum_steps},
-            "steps_per_epoch": d["steps_per_epoch"],
-            "samples_per_epoch": d["samples_per_epoch"],
-            "effective_lr": d["effective_lr"],
-            "global_step": self.global_step,
-            "stopped_early": facts["stopped"],
-            "resumed_from": self.resumed_from,
-            "final_train_loss": _finite_or_none(last.get("train_loss")),
-            # True when the loss became NaN/inf (e.g. too large a learning rate): the numbers
-            # below are then null, not a crash at the very end of the run
-            "diverged": not math.isfinite(last.get("train_loss", 0.0)),
-            "val_miou": _finite_or_none(last.get("val_miou")),
-            "val_pixel_accuracy": _finite_or_none(last.get("val_pixel_accuracy")),
-            "per_class_iou": ([_finite_or_none(v) for v in self.per_class_iou.tolist()]
-                              if self.per_class_iou is not None else None),
-            "history": [{k: _finite_or_none(v) if isinstance(v, float) else v
-                         for k, v in h.items()} for h in self.history],
-            "step_losses": [r.loss_sum / r.pixel_count if r.pixel_count > 0 else None
-                            for r in self.step_log],
-            # --clip-grad-norm: each step's total gradient norm before clipping (this rank's
-            # own computation; every rank's is the same, bit for bit); None without clipping
-            "grad_norms": [_finite_or_none(r.grad_norm) for r in self.step_log],
-            # --amp fp16: steps the GradScaler skipped (inf/NaN gradients; they step neither
-            # the optimizer nor the learning-rate schedule, train_step) and its final scale
-            "skipped_steps": [r.epoch * d["steps_per_epoch"] + r.step_in_epoch + 1
-                              for r in self.step_log if r.skipped],
-            "amp_scale": (self.precision.scaler.get_scale()
-                          if self.precision.scaler is not None else None),
-            "samples_per_s": (facts["train_samples"] / facts["train_seconds"]
-                              if facts["train_seconds"] > 0 else None),
-            "wall_s": time.perf_counter() - wall_start,
-            "checkpoint": self.checkpoint_path,
-            "config": asdict(cfg),
-            "torch": str(torch.__version__),
-        }
-
 
 def wrap_model(module, kind: str, env, device, bucket_cap_mb: float | None = None,
                static_graph: bool = False, gradient_as_bucket_view: bool = False):
@@ -1018,173 +699,53 @@ def wrap_model(module, kind: str, env, device, bucket_cap_mb: float | None = Non
 
 # --------------------------------------------------------------------------- entry point
 
-def _start_lines(trainer: Trainer) -> list[str]:
-    cfg, env, d = trainer.cfg, trainer.env, trainer.derived
-    k = d["grad_accum_steps"]
-    made_of = f"{cfg.batch_size} x {env.world_size}" + (f" x {k} accumulation steps"
-                                                         if k > 1 else "")
-    extras = [f"ddp {cfg.ddp}" if env.distributed else "no DDP wrapper (1 process)"]
-    if cfg.sync_bn:
-        extras.append("sync-bn")
-    if env.distributed and cfg.ddp != "naive" and cfg.bucket_cap_mb is not None:
-        extras.append(f"bucket-cap-mb {cfg.bucket_cap_mb:g}")
-    extras += [flag for flag, on in (("static-graph", cfg.static_graph),
-                                     ("gradient-as-bucket-view", cfg.gradient_as_bucket_view))
-               if on and env.distributed]
-    if cfg.amp != "off":
-        extras.append(f"amp {cfg.amp}" + (" (GradScaler)" if cfg.amp == "fp16" else ""))
-    if cfg.clip_grad_norm is not None:
-        extras.append(f"clip-grad-norm {cfg.clip_grad_norm:g}")
-    # One fact per line, each short enough to stay one line in a notebook (100 characters
-    # with its [rank 0] prefix).
-    return [
-        f"world_size {env.world_size}  backend {env.backend}  device {trainer.device.type}",
-        f"backend choice: {env.reason}",
-        f"batch per rank {cfg.batch_size}  global batch {d['global_batch']} (= {made_of})",
-        f"steps per epoch {d['steps_per_epoch']}  samples per epoch {d['samples_per_epoch']} "
-        f"({d['samples_per_rank']} per rank)",
-        f"lr {d['effective_lr']:.6g} (--lr {cfg.lr:g} at base global batch {cfg.base_batch}, "
-        f"--lr-scaling {cfg.lr_scaling})",
-        f"schedule {cfg.lr_schedule}  " + "  ".join(extras),
-    ]
-
-
-def _resize_lines(trainer: Trainer) -> list[str]:
-    """What a run resumed at another world size keeps (nothing to say at the same one)."""
-    lay, d = trainer.layout, trainer.derived
-    if lay.world_size == trainer.env.world_size:
-        return []
-    return [f"world size {lay.world_size} -> {trainer.env.world_size}: the same micro-batches "
-            f"of {lay.batch_size}, {d['grad_accum_steps']} per rank and step "
-            f"(was {lay.grad_accum_steps})",
-            f"global batch {d['global_batch']} kept; cursor at sample "
-            f"{lay.cursor(trainer.step_in_epoch)} of {d['samples_per_epoch']} this epoch"]
+def set_threads_from_env() -> None:
+    """Set torch's intra-op threads to ``OMP_NUM_THREADS`` when it is set; never synchronises."""
+    # torchrun sets OMP_NUM_THREADS=1 (with a warning) and our launcher does so quietly; make
+    # torch's intra-op pool follow it, so N processes on N cores do not oversubscribe them.
+    raw = os.environ.get("OMP_NUM_THREADS", "")
+    if raw.isdigit() and int(raw) >= 1:
+        torch.set_num_threads(int(raw))
 
 
 def check_amp(cfg: TrainConfig, device_type: str) -> None:
-    """Raise TrainInputError when ``--amp`` cannot run on ``device_type`` (e.g. bf16 on a GPU
-    without bfloat16). Local: no communication."""
+    """Raise TrainInputError when ``--amp`` cannot run on ``device_type`` (local)."""
     problem = amp_unavailable(cfg.amp, device_type)
     if problem:
         raise TrainInputError(problem)
 
 
-def check_out_writable(out: str) -> str | None:
-    """None when ``out`` can be created and written, else a one-line reason."""
-    try:
-        os.makedirs(out, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=out, prefix=".write-test-"):
-            pass
-    except OSError as exc:
-        return f"--out {out!r} cannot be written: {exc.strerror or exc}"
-    return None
-
-
-def bare_model_state(cfg: TrainConfig):
-    """The ``state_dict`` of a freshly built bare model for ``cfg`` (names and shapes)."""
-    return build_model(cfg.model, num_classes=NUM_CLASSES, width=cfg.width).state_dict()
-
-
-def check_out_and_checkpoint(cfg: TrainConfig, world_size: int):
-    """``(problem, (R, K))``: why ``--out`` or the checkpoint there stops this run (None when
-    nothing does), and the layout of the run the checkpoint continues (None without one).
-
-    Checks a writable ``--out``, a checkpoint this run can resume from
-    (:func:`~ddp_lesson.checkpoint.inspect_resume`) and ``--failure-rank`` inside the world
-    size. Local: reads and writes the disk, no collective.
-    """
-    problem, layout = check_out_writable(cfg.out), None
-    path = os.path.join(cfg.out, CHECKPOINT_FILE)
-    if problem is None and not cfg.no_resume and os.path.exists(path):
-        problem, layout = inspect_resume(path, cfg, world_size, bare_model_state(cfg))
-    # a simulated failure that already happened (its marker is written) needs no rank:
-    # the restart of a job that lost that rank's node runs on without it
-    if (problem is None and cfg.simulate_failure_at_step and cfg.failure_rank >= world_size
-            and not os.path.exists(_failure_marker(cfg))):
-        problem = (f"--failure-rank {cfg.failure_rank} is outside [0, "
-                   f"{world_size - 1}] (world size {world_size})")
-    return problem, layout
-
-
-def preflight(argv: list[str] | None, world_size: int,
-              prog: str = "python -m ddp_lesson.train") -> TrainConfig:
-    """Check a trainer command line before starting any process (for launchers such as the CLI).
-
-    Runs, in the calling process and without a process group, the checks every rank would
-    run at start: flags, the backend, ``--amp`` on that device, the data folder, at least one
-    step per epoch, a writable ``--out``, and a checkpoint there that this run can resume
-    from. A launcher that calls it reports bad input in one line instead of starting
-    ``world_size`` processes that all fail.
-
-    Args:
-        argv: the trainer's flags.
-        world_size: the number of processes the job will have.
-        prog: the command the user typed, named in a bad flag's error line.
-
-    Returns:
-        The parsed :class:`~ddp_lesson.config.TrainConfig`.
-
-    Raises:
-        SystemExit: a bad flag (one line printed by the parser, status 2).
-        TrainInputError: any other bad input (message names the values).
-    """
-    cfg = parse_config(argv, prog)
-    if world_size < 1:
-        raise TrainInputError(f"the job needs at least 1 process, got {world_size}")
-    try:
-        backend, _ = dist_env.choose_backend(world_size,
-                                             None if cfg.backend == "auto" else cfg.backend)
-    except ValueError as exc:
-        raise TrainInputError(str(exc)) from None
-    check_amp(cfg, "cuda" if backend == "nccl" else "cpu")
-    n = len(load_datasets(cfg)[0])
-    check_steps(cfg, derived_values(cfg, world_size, n), n)
-    problem, layout = check_out_and_checkpoint(cfg, world_size)
-    if problem is None and layout is not None:
-        problem = layout_problem(os.path.join(cfg.out, CHECKPOINT_FILE),
-                                 layout_for(cfg, n, *layout), world_size)
-    if problem:
-        raise TrainInputError(problem)
-    return cfg
+def check_start(cfg: TrainConfig, world_size: int):
+    """``(problem, (R, K))``: why ``--out``, the checkpoint there or ``--failure-rank`` stops
+    this run (None when nothing does), and the layout of the run the checkpoint continues
+    (None without one): :func:`~ddp_lesson.checkpoint.resume_plan`. Local: disk only."""
+    problem, layout = resume_plan(cfg, world_size, lambda: build_model(
+        cfg.model, num_classes=NUM_CLASSES, width=cfg.width).state_dict())
+    return problem or faults.failure_rank_problem(cfg, world_size), layout
 
 
 def _run(cfg: TrainConfig, env, wall_start: float) -> dict:
     def check():  # before anything is built or printed: a bad --out or checkpoint fails fast
         # rank 0, before any write: remove what killed writers left
         sweep_temporaries(os.path.join(cfg.out, CHECKPOINT_FILE), only_dead=False)
-        return check_out_and_checkpoint(cfg, env.world_size)
+        return check_start(cfg, env.world_size)
 
     # rank 0 decides, all ranks act; layout: (R, K) of the run a checkpoint continues
     problem, layout = decide_on_rank0(check)
     if problem:
         raise TrainInputError(problem)
     trainer = Trainer(cfg, env, layout=layout)
-    if cfg.local_rank is not None:
-        # Same rule as env.resolve_local_rank: the LOCAL_RANK variable wins over the flag.
-        resolved = dist_env.resolve_local_rank([f"--local-rank={cfg.local_rank}"])
-        print0(f"note: --local_rank={cfg.local_rank} is the legacy torch.distributed.launch "
-               f"flag; torchrun sets LOCAL_RANK (rank 0 uses local rank {resolved}), so the "
-               f"flag is not needed", env=env)
-    for line in _start_lines(trainer):
+    for line in start_lines(trainer):
         print0(line, env=env)
-    if trainer.try_resume():
-        steps = trainer.derived["steps_per_epoch"]
-        if trainer.epoch >= cfg.epochs:
-            print0(f"resuming from {trainer.checkpoint_path}: all {cfg.epochs} epochs done; "
-                   "nothing left to train (--no-resume starts over)", env=env)
-        else:
-            print0(f"resuming from {trainer.checkpoint_path}: epoch {trainer.epoch + 1}/"
-                   f"{cfg.epochs}, step {trainer.step_in_epoch}/{steps} (global step "
-                   f"{trainer.global_step})", env=env)
-        for line in _resize_lines(trainer):
-            print0(line, env=env)
+    for line in resume_lines(trainer) if trainer.try_resume() else []:
+        print0(line, env=env)
     facts = trainer.fit()
     if trainer.per_class_iou is None and trainer.history and not facts["stopped"]:
         trainer.validate()  # a finished run resumed: evaluate once more for the summary
-    summary = trainer.summary(facts, wall_start)
+    summary = run_summary(trainer, facts, wall_start)
     path = os.path.join(cfg.out, "summary.json")
     # rank 0 writes; every rank returns once it is on disk, or raises if the write failed
-    run_on_rank0(lambda: _write_json_atomic(path, summary), f"write {path}")
+    run_on_rank0(lambda: write_json_atomic(path, summary), f"write {path}")
     print0(f"wrote {path}", env=env)
     return summary
 
@@ -1201,15 +762,13 @@ def _fail(exc: BaseException, env, owns_group: bool):
 
 
 def main(argv: list[str] | None = None) -> dict:
-    """Run the training job (every rank runs this). Returns the summary dict on every rank.
+    """Run the training job on every rank; returns the summary dict on every rank.
 
-    Joins the process group unless the caller already did (then leaves it as found).
-    Synchronises at init, at every step (pixel count and gradient all_reduce), at every
-    checkpoint, after each epoch (loss and confusion-matrix reductions) and at cleanup.
+    Joins the process group unless the caller did (then leaves it as found). Synchronises at
+    init, every step, every checkpoint, after each epoch and at cleanup.
 
     Raises:
-        SystemExit: status 2 for bad input, after one line ``error: ...`` on rank 0's
-            stderr (flags, backend, data folder, checkpoint, output folder, zero steps).
+        SystemExit: status 2 for bad input, after one line ``error: ...`` on rank 0's stderr.
     """
     wall_start = time.perf_counter()
     cfg = parse_config(argv)

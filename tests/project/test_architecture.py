@@ -27,7 +27,7 @@ LAYERS = {
     "lesson core": ["sampler", "layout", "collectives", "zero", "syncbn", "gradients",
                     "flight", "evaluation", "metrics", "memory", "checkpoint", "commsim",
                     "cost_model"],
-    "trainer": ["config", "train", "data", "models", "gpt"],
+    "trainer": ["config", "train", "report", "faults", "data", "models", "gpt"],
     "display": ["viz", "widgets"],
     "programs": ["labs", "bench", "convert", "seedfix", "cli", ""],  # "" = __init__
     # what runs and judges a candidate, knowing no exercise: it never imports the catalogue

@@ -3,7 +3,7 @@ any checkpoint already in --out left byte for byte as it was.
 
 Most cases run the trainer's ``main`` in this process (a single process, no torchrun); the
 multi-rank cases (more ranks than samples, a bad checkpoint seen by every rank) share one
-3-rank torchrun launch. ``preflight`` (what a launcher can run before starting processes)
+3-rank torchrun launch. ``cli.preflight`` (what a launcher can run before starting processes)
 is checked on the same cases.
 """
 import json
@@ -127,7 +127,7 @@ def test_bf16_where_the_device_cannot_do_it(monkeypatch, capsys, tmp_path):
     assert line == "error: --amp bf16: autocast is not available on device type 'cpu'"
     assert not (tmp_path / "checkpoint.pt").exists()
     with pytest.raises(config.TrainInputError, match="^--amp bf16: autocast is not available"):
-        train.preflight(TINY + ["--amp", "bf16", "--out", str(tmp_path)], world_size=2)
+        cli.preflight(TINY + ["--amp", "bf16", "--out", str(tmp_path)], world_size=2)
     # the launcher refuses it before starting any process
     monkeypatch.setattr(cli.subprocess, "Popen", lambda *a, **k: pytest.fail("processes started"))
     assert cli.main(["train", "--nproc-per-node", "2", "--amp", "bf16"]) == 2
@@ -268,11 +268,11 @@ def test_epoch_without_steps_is_refused_before_the_run():
     with pytest.raises(config.TrainInputError,
                        match=r"^no training steps: 2 training samples on 3 ranks with "
                              r"--drop-last give each rank 0 samples; use at most 2 ranks"):
-        train.preflight(["--num-train", "2", "--drop-last"], world_size=3)
+        cli.preflight(["--num-train", "2", "--drop-last"], world_size=3)
     with pytest.raises(config.TrainInputError,
                        match=r"^no training steps: 10 training samples on 2 ranks give 5 per "
                              r"rank, fewer than one batch of 8 with --drop-last"):
-        train.preflight(["--num-train", "10", "--drop-last", "-b", "8"], world_size=2)
+        cli.preflight(["--num-train", "10", "--drop-last", "-b", "8"], world_size=2)
 
 
 # ---- data folder -------------------------------------------------------------------------
@@ -301,7 +301,7 @@ def test_bad_data_root(case, message, tmp_path, capsys):
     line = _fails(TINY + ["--data-root", str(root), "--out", str(tmp_path / "o")], capsys)
     assert line.startswith(message.format(root=root).replace("\\", "")), line
     with pytest.raises(config.TrainInputError):
-        train.preflight(TINY + ["--data-root", str(root), "--out", str(tmp_path / "o")], 2)
+        cli.preflight(TINY + ["--data-root", str(root), "--out", str(tmp_path / "o")], 2)
 
 
 # ---- output folder and checkpoints -------------------------------------------------------
@@ -382,9 +382,9 @@ def test_checkpoint_of_another_model_or_config(flags, message, tmp_path, good_ch
     assert line.endswith("resume with the same settings, or pass --no-resume to start over")
     assert path.read_bytes() == before
     with pytest.raises(config.TrainInputError, match="does not"):
-        train.preflight(argv, world_size=1)
+        cli.preflight(argv, world_size=1)
     # the checkpoint is fine for the run that wrote it
-    assert train.preflight(TINY + ["--out", str(out)], world_size=1).width == 4
+    assert cli.preflight(TINY + ["--out", str(out)], world_size=1).width == 4
 
 
 def test_world_size_of_the_checkpoint(tmp_path, good_checkpoint):
@@ -394,7 +394,7 @@ def test_world_size_of_the_checkpoint(tmp_path, good_checkpoint):
     out.mkdir()
     (out / "checkpoint.pt").write_bytes(good_checkpoint.read_bytes())
     with pytest.raises(config.TrainInputError) as exc:
-        train.preflight(TINY + ["--out", str(out)], world_size=2)
+        cli.preflight(TINY + ["--out", str(out)], world_size=2)
     assert str(exc.value) == (
         f"checkpoint {out}/checkpoint.pt cannot resume at 2 processes: a step holds K x R = "
         "1 x 1 = 1 micro-batch (R=1 process, K=1 accumulation step), which R'=2 processes "
@@ -414,15 +414,15 @@ def test_another_world_size_that_divides_k_x_r(tmp_path):
     # 16 samples, B=4, K=2 on 1 process: 4 micro-batches, 2 steps; stopped after the first
     flags = TINY + ["--num-train", "16", "--grad-accum-steps", "2"]
     path = _stopped(tmp_path, flags)
-    assert train.preflight(flags + ["--out", str(tmp_path)], world_size=2).grad_accum_steps == 2
+    assert cli.preflight(flags + ["--out", str(tmp_path)], world_size=2).grad_accum_steps == 2
     with pytest.raises(config.TrainInputError, match=r"cannot resume at 3 processes: a step "
                        r"holds K x R = 2 x 1 = 2 micro-batches .* use 1 or 2 processes, or"):
-        train.preflight(flags + ["--out", str(tmp_path)], world_size=3)
+        cli.preflight(flags + ["--out", str(tmp_path)], world_size=3)
     # 12 samples: 3 micro-batches, the last step holds 1, which 2 processes cannot share
     short = TINY + ["--num-train", "12", "--grad-accum-steps", "2"]
     _stopped(tmp_path / "short", short)
     with pytest.raises(config.TrainInputError) as exc:
-        train.preflight(short + ["--out", str(tmp_path / "short")], world_size=2)
+        cli.preflight(short + ["--out", str(tmp_path / "short")], world_size=2)
     assert str(exc.value) == (
         f"checkpoint {tmp_path}/short/checkpoint.pt cannot resume at 2 processes: the epoch's "
         "last step holds 1 micro-batch (3 per rank and epoch at R=1, K=2), which R'=2 "
@@ -433,7 +433,7 @@ def test_another_world_size_that_divides_k_x_r(tmp_path):
     with pytest.raises(config.TrainInputError, match=r"cannot resume at 2 processes: with "
                        r"--sync-bn BatchNorm's statistics span the micro-batches of the R=1 "
                        r"ranks at the same moment"):
-        train.preflight(sync + ["--out", str(tmp_path / "sync")], world_size=2)
+        cli.preflight(sync + ["--out", str(tmp_path / "sync")], world_size=2)
     assert path.exists()
 
 

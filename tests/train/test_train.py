@@ -307,12 +307,12 @@ class TestMultiProcess:
 
 def test_a_diverged_run_still_writes_its_summary(tmp_path):
     """A NaN loss (too large a learning rate) must not crash the run at its very end."""
-    from ddp_lesson.train import _write_json_atomic
+    from ddp_lesson.report import write_json_atomic
 
     path = tmp_path / "summary.json"
-    _write_json_atomic(str(path), {"final_train_loss": float("nan"), "diverged": True,
-                                   "step_losses": [1.0, float("inf"), None],
-                                   "history": [{"train_loss": float("-inf")}]})
+    write_json_atomic(str(path), {"final_train_loss": float("nan"), "diverged": True,
+                                  "step_losses": [1.0, float("inf"), None],
+                                  "history": [{"train_loss": float("-inf")}]})
     assert json.loads(path.read_text()) == {"final_train_loss": None, "diverged": True,
                                             "step_losses": [1.0, None, None],
                                             "history": [{"train_loss": None}]}
