@@ -221,19 +221,12 @@ def amp_unavailable(amp: str, device_type: str) -> str | None:
 def cuda_bf16_native() -> bool:
     """True when the current CUDA device computes in bfloat16 natively (local, no sync).
 
-    ``torch.cuda.is_bf16_supported(including_emulation=False)`` (torch/cuda/__init__.py): True
-    on ROCm, False without CUDA, else compute capability >= 8; the default ``True`` also says
-    True where a bfloat16 tensor can merely be created (``_check_bf16_tensor_supported``: a T4,
-    7.5). A torch without that argument raises TypeError: the same test is made here.
+    ``torch.cuda.is_bf16_supported(including_emulation=False)`` (torch/cuda/__init__.py, the
+    argument exists on every torch in the range): True on ROCm, False without CUDA, else compute
+    capability >= 8; the default ``True`` also says True where a bfloat16 tensor can merely be
+    created (``_check_bf16_tensor_supported``: a T4, 7.5).
     """
-    try:
-        return bool(torch.cuda.is_bf16_supported(including_emulation=False))
-    except TypeError:  # an older torch: no including_emulation argument
-        if torch.version.hip:
-            return True
-        if not torch.cuda.is_available():
-            return False
-        return torch.cuda.get_device_properties(torch.cuda.current_device()).major >= 8
+    return bool(torch.cuda.is_bf16_supported(including_emulation=False))
 
 
 def accumulate_gradients(model, micro_batches, compute_loss, timer=None,

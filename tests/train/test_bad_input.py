@@ -164,28 +164,6 @@ def test_bf16_guard_refuses_an_emulating_gpu_like_a_t4(monkeypatch):
     assert train.amp_unavailable("bf16", "cuda") is None
 
 
-def test_bf16_guard_on_a_torch_without_including_emulation(monkeypatch):
-    """Where ``is_bf16_supported`` takes no argument, the guard reads the compute capability."""
-    def old_is_bf16_supported():
-        return True  # what an emulating T4 answers there
-
-    class Props:
-        major = 7
-
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", old_is_bf16_supported)
-    monkeypatch.setattr(torch.version, "hip", None)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: Props)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, **k: "Tesla T4")
-    monkeypatch.setattr(torch.amp.autocast_mode, "is_autocast_available", lambda device: True)
-    assert train.cuda_bf16_native() is False
-    assert train.amp_unavailable("bf16", "cuda").startswith("--amp bf16: this GPU (Tesla T4)")
-    Props.major = 8
-    assert train.cuda_bf16_native() is True
-    assert train.amp_unavailable("bf16", "cuda") is None
-
-
 def test_flag_errors_come_before_any_process(capsys, monkeypatch):
     monkeypatch.setattr(cli.subprocess, "Popen", lambda *a, **k: pytest.fail("processes started"))
     for args, message in (
