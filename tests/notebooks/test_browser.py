@@ -34,12 +34,13 @@ downloaded. Then:
   status line as text (no widget, no "Error displaying widget"), the cell no longer running,
   and none of its processes is left.
 
-Screenshots (``browser_open_NN.png`` per notebook, 02 run, the explorer, the long cell
+Screenshots (``browser_open_NN.png`` per notebook opened, 02 run, the explorer, the long cell
 interrupted and restarted) are kept under ``$DDP_LESSON_ARTIFACTS`` (default ``runs/artifacts/``,
 git-ignored) and their paths printed. Where Chromium (``$DDP_LESSON_CHROMIUM``, default
-``/usr/bin/chromium``) or the ``playwright`` module is missing, every test here is skipped
-with the reason. The finaliser shuts the server down and ends every process it started --
-kernels and torchrun workers included -- even when a test fails.
+``/usr/bin/chromium``) or the ``playwright`` module is missing, every test that drives the
+page is skipped with the reason (the server's and the representatives' checks still run). The
+finaliser shuts the server down and ends every process it started -- kernels and torchrun
+workers included -- even when a test fails.
 """
 from __future__ import annotations
 
@@ -257,9 +258,10 @@ def populate_root(root: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def lab(chromium, tmp_path_factory):
+def lab(tmp_path_factory):
     """A JupyterLab server on 127.0.0.1 serving a temp copy of the README's root (README, docs,
-    notebooks); shut down after."""
+    notebooks); shut down after. It needs no browser: the tests that only talk to the server
+    run where Chromium is missing."""
     base = tmp_path_factory.mktemp("jupyterlab")
     populate_root(base / "root")
     with lab_server(base) as server:
