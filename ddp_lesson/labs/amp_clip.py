@@ -41,6 +41,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from ddp_lesson.data import NUM_CLASSES, make_datasets
+from ddp_lesson.labs import gather
 from ddp_lesson.models import build_model
 from ddp_lesson.train import Precision, sum_over_ranks, train_step
 
@@ -91,8 +92,7 @@ def _global_loss(loss_sum: torch.Tensor, count: torch.Tensor) -> float:
 
 def _same_on_every_rank(values: list[float]) -> bool:
     """True when every rank holds exactly these values (an all_gather; a collective)."""
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, [float(v) for v in values])
+    gathered = gather([float(v) for v in values])
     return all(g == gathered[0] for g in gathered)
 
 
@@ -271,9 +271,7 @@ def main(argv=None) -> dict:
     res = {"world_size": dist.get_world_size(), "precision": precision_runs(),
            "scaler": scaler_run(), "clip": clip_run()}
     report(res, dist.get_rank())
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, res["scaler"])
-    res["scaler_by_rank"] = everyone
+    res["scaler_by_rank"] = gather(res["scaler"])
     if args.out and dist.get_rank() == 0:
         from pathlib import Path
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -97,11 +97,10 @@ def main(n: int = 10) -> None:
     Synchronises: each :func:`evaluate_exact` call (one all_reduce) and one
     ``all_gather_object`` of the per-rank accuracies.
     """
-    import torch.distributed as dist
-
     from ..env import cleanup, init_distributed
     from ..evaluation import evaluate_exact
     from ..sampler import DistributedEvalSampler, DistributedSampler
+    from . import gather
 
     env = init_distributed(timeout=60)
     R = env.world_size
@@ -116,8 +115,7 @@ def main(n: int = 10) -> None:
     exact = evaluate_exact(predict, dataset, device=env.device)
     # each rank's own accuracy on its unpadded shard, then the (wrong) mean of them
     local_acc = exact.local_correct / exact.local_count if exact.local_count else None
-    accs = [None] * R
-    dist.all_gather_object(accs, local_acc)
+    accs = gather(local_acc)
     if env.is_main:
         single = sum(int(predict(x[None])[0] == y) for x, y in dataset) / len(dataset)
         print(f"N={n}, R={R}, model wrong on index 0 only")

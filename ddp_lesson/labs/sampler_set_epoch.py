@@ -56,9 +56,8 @@ def main(n: int = 8, epochs: int = 3, seed: int = 0) -> None:
 
     Synchronises: one ``all_gather_object`` (and the process group's setup and teardown).
     """
-    import torch.distributed as dist
-
     from ..env import cleanup, init_distributed
+    from . import gather
 
     env = init_distributed(timeout=60)
     R = env.world_size
@@ -67,8 +66,7 @@ def main(n: int = 8, epochs: int = 3, seed: int = 0) -> None:
     print(f"my epochs are all the same without set_epoch: "
           f"{all(o == without[0] for o in without)}; "
           f"all different with it: {len({tuple(o) for o in with_}) == epochs}")
-    gathered = [None] * R
-    dist.all_gather_object(gathered, (without, with_))
+    gathered = gather((without, with_))
     if env.is_main:
         print(f"N={n}, {R} ranks, shuffle=True, seed={seed}: indices each rank got, per epoch")
         width = R * (len(_fmt(without[0])) + 4)

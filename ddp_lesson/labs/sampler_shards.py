@@ -19,6 +19,8 @@ from __future__ import annotations
 import argparse
 from collections import Counter
 
+from ddp_lesson.labs import gather
+
 
 def local_shard(n: int, shuffle: bool = True, seed: int = 0, epoch: int = 0,
                 drop_last: bool = False, batch_size: int = 2) -> list[int]:
@@ -45,12 +47,7 @@ def gather_shards(n: int, shuffle: bool = True, seed: int = 0, epoch: int = 0,
     A collective (``all_gather_object``): every rank must call it with its own arguments.
     Ranks may pass different ``seed``/``epoch`` to show what that breaks (A2).
     """
-    import torch.distributed as dist
-
-    mine = local_shard(n, shuffle, seed, epoch, drop_last)
-    shards = [None] * dist.get_world_size()
-    dist.all_gather_object(shards, mine)
-    return shards
+    return gather(local_shard(n, shuffle, seed, epoch, drop_last))
 
 
 def partition_facts(shards: list[list[int]], n: int) -> dict:

@@ -27,6 +27,8 @@ import argparse
 import torch
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
+from ddp_lesson.labs import gather
+
 
 class CountingStream(IterableDataset):
     """The items ``0, 1, ..., n - 1``, one after another: a stand-in for lines of a corpus."""
@@ -57,14 +59,6 @@ class AugmentedItems(Dataset):
         return i, worker, int(torch.randint(0, 100, ()).item())
 
 
-def _gather(obj) -> list:
-    import torch.distributed as dist
-
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
-
-
 # --------------------------------------------------------------------------- part 1: stream
 
 def stream_part(env, n: int = 103, workers: int = 2, batch_size: int = 5) -> None:
@@ -88,7 +82,7 @@ def stream_part(env, n: int = 103, workers: int = 2, batch_size: int = 5) -> Non
     mine = [i for b in batches for i in b]
     per_worker = [sum(1 for i in mine if i % (R * workers) == env.rank * workers + w)
                   for w in range(workers)]
-    gathered = _gather((mine, len(batches), per_worker))
+    gathered = gather((mine, len(batches), per_worker))
     say(f"a stream of {n} items, {R} ranks x {workers} DataLoader workers = {R * workers} "
         f"readers; batch {batch_size}")
     for r, (items, nb, pw) in enumerate(gathered):
@@ -98,7 +92,7 @@ def stream_part(env, n: int = 103, workers: int = 2, batch_size: int = 5) -> Non
     say(f"every item 0..{n - 1} exactly once across ranks and workers: "
         f"{everything == list(range(n))}")
     plain = [i for b in loader(CountingStream(n)) for i in b.tolist()]  # no split at all
-    copies = _gather(plain.count(0))
+    copies = gather(plain.count(0))
     say(f"without IterableShard each worker reads it all: item 0 comes {sum(copies)} times "
         f"({copies} per rank)")
 
@@ -110,7 +104,7 @@ def stream_part(env, n: int = 103, workers: int = 2, batch_size: int = 5) -> Non
         say(f"  -> rank {most}'s all_reduce number {counts[most]} has no partner: "
             "it waits until the timeout")
     steps, reduced = _equalised_loop(batches)
-    done = _gather((steps, reduced))
+    done = gather((steps, reduced))
     say("equalised: each step first an all_reduce(MIN) of 'I still have a batch'")
     say(f"  steps per rank {[s for s, _ in done]}, gradient all_reduces per rank "
         f"{[g for _, g in done]}: they match")
@@ -197,7 +191,7 @@ def seeds_part(env, seed: int = 0) -> None:
                                 seed + env.rank)]:
         indices, draws = worker_draws(env.rank, R, loader_seed, global_seed=seed,
                                       sampler_seed=seed)
-        gathered = _gather((indices, draws))
+        gathered = gather((indices, draws))
         results[title] = gathered
         say(title + ":")
         for r, (_, d) in enumerate(gathered):

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import argparse
 
+from ddp_lesson.labs import gather
+
 #: Weight 2.0 for items 0..49, 1.0 for items 50..99: a 2:1 split whose effect a count of one
 #: epoch shows plainly (about 2/3 of the draws from the first half).
 WEIGHTS = [2.0] * 50 + [1.0] * 50
@@ -28,14 +30,6 @@ def one_epoch(sampler, batch_size: int = 10) -> list[int]:
 
     loader = DataLoader(range(len(WEIGHTS)), batch_size=batch_size, sampler=sampler)
     return [i for batch in loader for i in batch.tolist()]
-
-
-def _gather(obj) -> list:
-    import torch.distributed as dist
-
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
 
 
 def _interleave(shards: list[list[int]]) -> list[int]:
@@ -62,12 +56,12 @@ def main(num_samples: int = 100, seed: int = 0) -> None:
     R = env.world_size
     say = print if env.is_main else (lambda *a, **k: None)
     sampler = DistributedWeightedSampler(WEIGHTS, num_samples, seed=seed)
-    shards = _gather(one_epoch(sampler))
-    draws = _gather(sampler.padded_draw())           # each rank's view of the whole draw
-    lengths = _gather(len(sampler))
+    shards = gather(one_epoch(sampler))
+    draws = gather(sampler.padded_draw())           # each rank's view of the whole draw
+    lengths = gather(len(sampler))
     sampler.set_epoch(1)
-    shards1 = _gather(one_epoch(sampler))
-    draws1 = _gather(sampler.padded_draw())
+    shards1 = gather(one_epoch(sampler))
+    draws1 = gather(sampler.padded_draw())
 
     padded = draws[0]
     say(f"weights 2.0 for items 0-49, 1.0 for 50-99; num_samples={num_samples}, R={R}, "
@@ -88,7 +82,7 @@ def main(num_samples: int = 100, seed: int = 0) -> None:
     # the trap: a DistributedSampler sees only len() of what it wraps
     trap = TorchDistributedSampler(WeightedRandomSampler(WEIGHTS, num_samples),
                                    num_replicas=R, rank=env.rank, shuffle=False)
-    trapped = _gather(list(trap))
+    trapped = gather(list(trap))
     say(f"torch's DistributedSampler(WeightedRandomSampler(w, {num_samples}), shuffle=False):")
     say(f"  rank 0: {_fmt(trapped[0], 6)}: positions, not weighted draws")
     positions = all(t == [p % num_samples for p in range(r, len(padded), R)]

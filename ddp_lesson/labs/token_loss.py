@@ -48,6 +48,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ddp_lesson.env import cleanup, init_distributed, print0, reduce_device
 from ddp_lesson.gpt import GPTConfig, TinyGPT, load_corpus
+from ddp_lesson.labs import gather
 
 METHODS = ("micro-batch mean", "padded positions", "rank token count", "global token count")
 IGNORE = -100
@@ -166,10 +167,9 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--json", action="store_true", help="also one JSON line per rank")
     opts = p.parse_args(argv)
-    env = init_distributed(timeout=60)
+    init_distributed(timeout=60)
     res = run()
-    every = [None] * env.world_size
-    dist.all_gather_object(every, res)
+    every = gather(res)
     print0(f"valid tokens per micro-batch, by rank: {[r['tokens_per_micro_batch'] for r in every]}")
     print0(f"valid tokens in the global batch: {res['tokens_global']}")
     for method, m in res["methods"].items():

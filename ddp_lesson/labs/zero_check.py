@@ -29,6 +29,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ddp_lesson.core.zero1 import Zero1Optimizer
 from ddp_lesson.env import cleanup, init_distributed
 from ddp_lesson.gpt import TinyGPT, get_batch, load_corpus
+from ddp_lesson.labs import gather
 from ddp_lesson.memory import optimizer_state_bytes
 
 RTOL = 1e-6
@@ -100,8 +101,7 @@ def start_lab(description: str, default_steps: int, argv=None):
 
 def say_bytes_per_rank(say, env, mine: int, full: int, what: str, of: str) -> list[int]:
     """All-gather each rank's byte count (a collective) and print it against ``full``."""
-    all_bytes = [None] * env.world_size
-    dist.all_gather_object(all_bytes, mine)
+    all_bytes = gather(mine)
     for r, b in enumerate(all_bytes):
         say(f"rank {r} {what}: {b:,} bytes = {b / full:.3f} of {of} "
             f"(x world_size: {b * env.world_size / full:.3f})")

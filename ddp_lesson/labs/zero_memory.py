@@ -16,11 +16,11 @@ ZeRO-2 has no implementation here: its row is the formula's. One line per row of
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from ddp_lesson.env import cleanup
 from ddp_lesson.gpt import TinyGPT
+from ddp_lesson.labs import gather
 from ddp_lesson.labs.fsdp_tinygpt import shard_tinygpt
 from ddp_lesson.labs.zero_check import (
     HPARAMS,
@@ -42,8 +42,7 @@ def measured(model, opt, data, env) -> list[int]:
     params = list(model.parameters())
     mine = [sum(local_bytes(p) for p in params), sum(local_bytes(p.grad) for p in params),
             optimizer_state_bytes(opt)]
-    every = [None] * env.world_size
-    dist.all_gather_object(every, mine)
+    every = gather(mine)
     return [max(r[i] for r in every) for i in range(3)]
 
 

@@ -11,20 +11,19 @@ def per_rank_gradients_figure(
 ):
     """Each rank's shard gradient, their average, and the full-batch gradient, per parameter.
 
-    Bars: rank r's gradient entries (one colour per rank). Black bar outline: the average of
-    the ranks' gradients (what the all-reduce delivers). Red x: the gradient of the mean loss
-    on the whole global batch — it sits exactly on the average for equal shards. Each entry is
-    divided by its largest |shard value|, so an entry of 0.01 is as legible as one of 5 (the
-    scaling is linear: the average still lands on the full-batch gradient).
+    Bars: rank r's gradient entries. Black outline: the ranks' average (what the all-reduce
+    delivers). Red x: the gradient of the mean loss on the whole global batch, on the average
+    for equal shards. Each entry is divided by its largest |shard value| (linear: the average
+    still lands on the full-batch gradient), so 0.01 reads as well as 5.
 
     Args:
-        shard_grads: list of R 1-D tensors (flattened gradients, one per rank).
+        shard_grads: R 1-D tensors (flattened gradients, one per rank).
         full_grad: 1-D tensor, the single-process gradient on the global batch.
         max_params: how many leading entries to draw (None: all).
         figsize: inches.
 
     Returns:
-        The ``Figure`` (one Axes). No process group needed.
+        The ``Figure`` (one Axes). No process group.
 
     Raises:
         ValueError: no gradients, or gradients of different lengths.
