@@ -2,16 +2,12 @@
 
     torchrun --standalone --nproc-per-node 3 -m ddp_lesson.labs.sampler_weighted
 
-Class imbalance is usually handled with ``torch.utils.data.WeightedRandomSampler``, which has
-no distributed form. Every rank here builds a :class:`ddp_lesson.sampler.DistributedWeightedSampler`
-(reading rank and world size from the process group) over 100 items, the first 50 with weight
-2.0 and the last 50 with 1.0, runs one epoch of a ``DataLoader`` over it, and the shards and
-each rank's view of the whole draw are gathered with ``all_gather_object``. Rank 0 prints the
-facts: every rank drew the same list, interleaving the shards gives back the padded draw,
-``set_epoch`` changes the draw on every rank together, and the weights show in the counts.
-Then the silent trap: torch's ``DistributedSampler(WeightedRandomSampler(...))`` deals out
-*positions* ``0..99``, and the weights are never used. Notebook 02's deep dive on weighted
-sampling runs this with ``%%torchrun --nproc-per-node 3``.
+``torch.utils.data.WeightedRandomSampler`` has no distributed form. Every rank runs one epoch
+of a :class:`ddp_lesson.sampler.DistributedWeightedSampler` over 100 items (:data:`WEIGHTS`);
+rank 0 prints that every rank drew the same list, that the interleaved shards give back the
+padded draw, that ``set_epoch`` changes the draw everywhere together, and the weights in the
+counts. Then the silent trap: torch's ``DistributedSampler(WeightedRandomSampler(...))``
+deals out *positions* ``0..99``, never using the weights. Notebook 02's deep dive runs it.
 """
 from __future__ import annotations
 
@@ -43,8 +39,7 @@ def _fmt(xs: list[int], k: int = 10) -> str:
 
 def main(num_samples: int = 100, seed: int = 0) -> None:
     """Run under torchrun (3 processes in the notebook); rank 0 prints, every rank checks.
-
-    Synchronises: five ``all_gather_object`` calls, plus setup and teardown.
+    Synchronises: six ``all_gather_object`` calls, plus setup and teardown.
     """
     from torch.utils.data import DistributedSampler as TorchDistributedSampler
     from torch.utils.data import WeightedRandomSampler

@@ -2,18 +2,16 @@
 
     torchrun --standalone --nproc-per-node 2 -m ddp_lesson.labs.zero_check
 
-Every rank builds the same :class:`ddp_lesson.gpt.TinyGPT` from the same seed three times,
-wraps each copy in torch's ``DistributedDataParallel`` and trains it for ``--steps`` AdamW
-steps on its slice of the same global character batches, with three optimizers:
+Every rank builds the same :class:`ddp_lesson.gpt.TinyGPT` three times, each in torch's
+``DistributedDataParallel``, and trains ``--steps`` AdamW steps on its slice of the same
+global batches with: ``torch.optim.AdamW`` (unsharded baseline);
+:class:`ddp_lesson.core.zero1.Zero1Optimizer` (ours, the core notebook 08 prints; DDP has
+averaged the gradients: ``average_gradients = False``); torch's
+``torch.distributed.optim.ZeroRedundancyOptimizer``.
 
-* ``torch.optim.AdamW`` on every rank (the unsharded baseline: full state everywhere);
-* :class:`ddp_lesson.core.zero1.Zero1Optimizer` (ours, ZeRO stage 1, the core notebook 08
-  prints; DDP has averaged the gradients, so ``average_gradients = False``);
-* ``torch.distributed.optim.ZeroRedundancyOptimizer`` (torch's ZeRO stage 1).
-
-It prints facts: equality of the weights (``allclose`` with rtol 1e-6), each rank's measured
-optimizer-state bytes against the unsharded figure, and a save/load round trip of the
-consolidated state dict. Lines are ``key: value`` so tests can read them.
+Printed as ``key: value`` lines for the tests: weights equal (``allclose``, rtol 1e-6), each
+rank's optimizer-state bytes against the unsharded figure, and a save/load round trip of the
+consolidated state dict.
 """
 from __future__ import annotations
 
@@ -83,10 +81,9 @@ def zero1_behind_ddp(model) -> Zero1Optimizer:
 
 def start_lab(description: str, default_steps: int, argv=None):
     """What the ZeRO and FSDP labs share: ``--steps``, the process group, the corpus, a rank-0
-    printer and the baseline they compare against, DDP + AdamW.
+    printer and their baseline, DDP + AdamW. Synchronises (the group's join).
 
-    Returns ``(steps, env, corpus, say, (ref, ref_ddp, ref_opt))``. Joining the group is a
-    synchronisation point.
+    Returns ``(steps, env, corpus, say, (ref, ref_ddp, ref_opt))``.
     """
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--steps", type=int, default=default_steps)

@@ -2,16 +2,13 @@
 
     torchrun --standalone --nproc-per-node 2 -m ddp_lesson.labs.zero_memory
 
-Every rank builds :class:`ddp_lesson.gpt.TinyGPT` three ways from the same seed, fp32 with
-AdamW: torch's DDP with ``torch.optim.AdamW`` (every state whole on every rank), DDP with
-:class:`ddp_lesson.core.zero1.Zero1Optimizer` (ZeRO-1: the optimizer state sharded), and
-``fully_shard`` on each block and then the root (FSDP2 = ZeRO-3: parameters, gradients and
-optimizer state sharded). After one training step, with the gradients kept, each rank
-measures the parameters, gradients and optimizer state it holds (a DTensor's local shard:
-:func:`ddp_lesson.memory.local_bytes`); rank 0 prints the largest rank's bytes of each, and
-:func:`ddp_lesson.memory.memory_per_rank`'s prediction for fp32 AdamW (4 + 4 + 8 bytes per
-parameter) plus AdamW's 4-byte ``step`` per tensor, which the ZeRO paper's count leaves out.
-ZeRO-2 has no implementation here: its row is the formula's. One line per row of the table.
+TinyGPT, fp32 AdamW, three ways from the same seed: DDP + ``torch.optim.AdamW``; DDP +
+:class:`ddp_lesson.core.zero1.Zero1Optimizer` (ZeRO-1); ``fully_shard`` on each block and the
+root (FSDP2 = ZeRO-3). After one step, gradients kept, each rank measures the parameters,
+gradients and optimizer state it holds (a DTensor's local shard,
+:func:`ddp_lesson.memory.local_bytes`); rank 0 prints the largest rank's bytes against
+:func:`ddp_lesson.memory.memory_per_rank` (4 + 4 + 8 bytes per parameter, plus AdamW's 4-byte
+``step`` per tensor, which the ZeRO paper leaves out). ZeRO-2 is the formula's row only.
 """
 from __future__ import annotations
 
