@@ -78,8 +78,7 @@ def allreduce_bandwidth_figure(rows, figsize=(MIN_WIDTH_IN, 3.8)):
         ticks = sorted(
             {r["size_bytes"] for r in rows if r["nprocs"] == R and r["size_bytes"] >= lo}
         )
-        ax.set_xticks(ticks)
-        ax.set_xticklabels([_size_label(t) for t in ticks], rotation=45, fontsize=SMALL_PT)
+        ax.set_xticks(ticks, [_size_label(t) for t in ticks], rotation=45, fontsize=SMALL_PT)
         ax.minorticks_off()
         ax.set_xlabel("tensor size", fontsize=LABEL_PT)
         ax.tick_params(labelsize=SMALL_PT)

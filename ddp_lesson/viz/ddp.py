@@ -60,9 +60,9 @@ def ddp_timeline_figure(panels, figsize=(7, 3.4), align: bool = True):
                 ax.broken_barh([(shift + rec.backward_end_s * 1e3, rec.exposed_s * 1e3)],
                                (y - 0.5, 1.0), facecolors="none", edgecolors="red",
                                hatch="///", linewidth=0.8, gid="exposed")
-        ax.set_yticks(range(len(records)))
-        ax.set_yticklabels([f"rank {len(records) - 1 - i}" for i in range(len(records))],
-                           fontsize=SMALL_PT)
+        ax.set_yticks(range(len(records)),
+                      [f"rank {len(records) - 1 - i}" for i in range(len(records))],
+                      fontsize=SMALL_PT)
         ax.set_ylim(-0.6, len(records) - 0.4)
         if align:
             from ..commsim import job_exposed_s
@@ -161,9 +161,8 @@ def ddp_benchmark_figure(rows, figsize=(7, 3)):
             if r.get("exposed_share") not in (None, ""):
                 ax.text(i, med[i] * 0.3, f"exposed\n{float(r['exposed_share']):.0%}",
                         ha="center", va="center", fontsize=SMALL_PT, color="white")
-        ax.set_xticks(range(len(mine)))
-        ax.set_xticklabels([n.replace("-no-overlap", "\nno overlap") for n in names],
-                           fontsize=SMALL_PT)
+        ax.set_xticks(range(len(mine)), [n.replace("-no-overlap", "\nno overlap") for n in names],
+                      fontsize=SMALL_PT)
         ax.set_ylabel("steps/s (median; bars: min..max)", fontsize=LABEL_PT)
         ax.tick_params(labelsize=SMALL_PT)
         described = [r for r in mine if r.get("latency_ms") not in (None, "")]

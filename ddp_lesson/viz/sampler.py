@@ -107,8 +107,6 @@ def sampler_heatmap(n: int, num_replicas: int, shuffle: bool = False, seed: int 
         ax.text(0.5, 0.5, "every rank gets 0 samples", ha="center", va="center",
                 transform=ax.transAxes, fontsize=TITLE_PT)
         ax.set_xticks([])
-        ax.set_yticks(range(R))
-        ax.set_yticklabels([f"rank {r}" for r in range(R)], fontsize=SMALL_PT)
         ax.set_ylim(R - 0.5, -0.5)
     else:
         grid = np.array(lay.shards, dtype=float)
@@ -128,10 +126,8 @@ def sampler_heatmap(n: int, num_replicas: int, shuffle: bool = False, seed: int 
                     ax.add_patch(Rectangle((j - 0.5, r - 0.5), 1, 1, fill=False,
                                            edgecolor="red", linewidth=2, hatch="//",
                                            gid="padding"))
-        ax.set_xticks(range(k))
-        ax.set_xticklabels([str(j) for j in range(k)], fontsize=SMALL_PT)
-        ax.set_yticks(range(R))
-        ax.set_yticklabels([f"rank {r}" for r in range(R)], fontsize=SMALL_PT)
+        ax.set_xticks(range(k), [str(j) for j in range(k)], fontsize=SMALL_PT)
+    ax.set_yticks(range(R), [f"rank {r}" for r in range(R)], fontsize=SMALL_PT)
     notes = []
     if lay.padding:
         notes.append(f"red hatched = padding, repeats of {sorted(set(lay.padding))}")

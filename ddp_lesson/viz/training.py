@@ -101,8 +101,7 @@ def scaling_figure(rows, figsize=(8, 3)):
             bx.bar(i, h, bottom=bottom, color=color, label=phase if i == 0 else None)
             bottom += h
         bottoms.append(bottom)
-    bx.set_xticks(range(len(bars)))
-    bx.set_xticklabels(labels, fontsize=SMALL_PT)
+    bx.set_xticks(range(len(bars)), labels, fontsize=SMALL_PT)
     bx.set_xlabel("mode (w = weak, s = strong) and R")
     bx.set_ylabel("ms per step")
     bx.set_title("where a step's time goes (rank 0)", fontsize=LABEL_PT)
@@ -149,8 +148,7 @@ def lr_recipe_figure(rows, figsize=(9, 3.4)):
                         marker="o", color=color, capsize=3)
             seeds = [float(x) for x in r["eval_loss_per_seed"].split()]
             ax.plot([i + 0.18] * len(seeds), seeds, ".", color=color, ms=3, alpha=0.7)
-        ax.set_xticks(range(len(rs)))
-        ax.set_xticklabels([lr_recipe_tick(r, small) for r in rs], fontsize=SMALL_PT)
+        ax.set_xticks(range(len(rs)), [lr_recipe_tick(r, small) for r in rs], fontsize=SMALL_PT)
         ax.set_title(names.get(opt, opt), fontsize=LABEL_PT)
         ax.set_xlabel("global batch (sequences), learning rate")
         ax.grid(alpha=0.3, axis="y")
