@@ -2,11 +2,10 @@
 
     torchrun --standalone --nproc-per-node 3 -m ddp_lesson.labs.collectives_check
 
-Every rank runs every case (dtypes int32/int64/float32/float64, sizes from 0 to a few
-thousand elements including numel < world size and odd sizes, ops SUM/AVG/PRODUCT/MIN/MAX,
-contiguous and strided tensors, subgroups of other sizes with ``--group-sizes 1,2,3``).
-Integers must match torch's result bit for bit; floats within float rounding (the sums are
-added in a different order). Rank 0 prints one line per world size and variant:
+Every rank runs every case: int32/int64/float32/float64; 0 to a few thousand elements (numel
+< world size, odd sizes); SUM/AVG/PRODUCT/MIN/MAX; contiguous and strided; subgroups with
+``--group-sizes 1,2,3``. Integers must match torch bit for bit, floats within rounding
+(another summation order). Rank 0 prints a line per world size and variant:
 ``world of 3, ring: 162 cases, bit-equal ints: True, floats within rounding: True``.
 """
 from __future__ import annotations

@@ -2,12 +2,11 @@
 
     torchrun --standalone --nproc-per-node 2 -m ddp_lesson.labs.job_failures raise
 
-Modes (rank 1 misbehaves; rank 0 is healthy): ``raise`` (an exception, main under ``@record``),
-``raise-unrecorded`` (the same without ``@record``), ``kill`` (SIGKILL, as the OOM killer),
-``hang`` (rank 1 stuck outside any collective; rank 0's ``monitored_barrier`` names it),
-``shape`` (``all_reduce`` of 2 elements against 3) and ``unused`` (a DDP model whose forward
-skips a layer on rank 1). :func:`run_plain` launches it with ``python -m torch.distributed.run``
-and returns what torchrun printed, volatile values masked (:func:`mask`).
+Rank 1 misbehaves per mode: ``raise`` (an exception, main under ``@record``),
+``raise-unrecorded`` (without ``@record``), ``kill`` (SIGKILL, as the OOM killer), ``hang``
+(stuck outside any collective; rank 0's ``monitored_barrier`` names it), ``shape``
+(``all_reduce`` of 2 elements against 3), ``unused`` (a DDP model whose forward skips a
+layer on rank 1). :func:`run_plain` launches it and returns torchrun's output, masked.
 """
 from __future__ import annotations
 
