@@ -130,12 +130,10 @@ def _explorer_class():
     import ipywidgets as W
 
     class SamplerExplorer(_text_form()):
-        """Sliders and toggles for a DistributedSampler; redraws the heatmap and the text.
-
-        Controls (set ``.value``): ``n``, ``world_size``, ``epoch``, ``seed`` (IntSliders),
-        ``shuffle``, ``drop_last``, ``call_set_epoch`` (Checkboxes). Views: ``image`` (the
-        heatmap PNG, when ``show_figure``), ``report`` (HTML), ``text``. ``set(**values)``
-        changes several controls with one redraw; ``redraws`` counts redraws.
+        """:func:`sampler_explorer`'s widget. Controls (set ``.value``): ``n``, ``world_size``,
+        ``epoch``, ``seed``, ``shuffle``, ``drop_last``, ``call_set_epoch``. Views: ``image`` (the
+        heatmap PNG, when ``show_figure``), ``report`` (HTML), ``text``. ``set(**values)`` changes
+        several controls with one redraw; ``redraws`` counts redraws.
         """
 
         def __init__(self, initial: dict, show_figure, max_n, max_world_size, max_epoch):
@@ -211,9 +209,8 @@ def sampler_explorer(n: int = 10, world_size: int = 3, epoch: int = 0, seed: int
     """An explorer of how ``DistributedSampler`` deals a dataset out to ranks.
 
     Sliders for N, world size, epoch and seed; toggles for shuffle, drop_last and "call
-    set_epoch". Every change redraws the rank x position heatmap
-    (:func:`ddp_lesson.viz.sampler.sampler_heatmap`) and the text of :func:`sampler_report`.
-    Nothing communicates (pure index arithmetic).
+    set_epoch". Every change redraws the heatmap (:func:`ddp_lesson.viz.sampler.sampler_heatmap`)
+    and the text of :func:`sampler_report`. Nothing communicates.
 
     Args:
         n, world_size, epoch, seed, shuffle, drop_last, call_set_epoch: initial settings.
@@ -221,9 +218,8 @@ def sampler_explorer(n: int = 10, world_size: int = 3, epoch: int = 0, seed: int
         max_n, max_world_size, max_epoch: slider ranges.
 
     Returns:
-        A ``SamplerExplorer`` (an ``ipywidgets.VBox``); display it, or drive its controls
-        (``explorer.n.value = 11``, ``explorer.set(shuffle=True, epoch=2)``) and read
-        ``explorer.text``.
+        A ``SamplerExplorer`` (an ``ipywidgets.VBox``): display it, or drive it
+        (``explorer.n.value = 11``, ``explorer.set(shuffle=True, epoch=2)``) and read ``.text``.
 
     Raises:
         ValueError: an initial value outside its slider's range (named with the numbers).
@@ -245,13 +241,9 @@ def _stepper_class():
     import ipywidgets as W
 
     class RingAllReduceStepper(_text_form()):
-        """Step through a ring all-reduce: every rank's chunks after each of the 2(R-1) steps.
-
-        Controls: ``world_size`` and ``step`` (IntSliders). Views: ``view`` (an HTML table,
-        ranks x chunks, coloured by how many ranks' inputs a chunk sums), ``text``
-        (:func:`ddp_lesson.viz.collectives.ring_state_text`). ``states``: the
-        :class:`ddp_lesson.collectives.RingState` list of
-        :func:`ddp_lesson.collectives.simulate_ring_all_reduce`; ``state`` the one shown.
+        """:func:`ring_allreduce_stepper`'s widget. Controls: ``world_size``, ``step``. Views:
+        ``view`` (HTML table), ``text`` (:func:`ddp_lesson.viz.collectives.ring_state_text`);
+        ``states``, the simulated states; ``state``, the one shown.
         """
 
         def __init__(self, world_size, step, values, max_world_size):
@@ -309,17 +301,16 @@ def ring_allreduce_stepper(world_size: int = 3, step: int = 0, values=None,
                            max_world_size: int = 6):
     """A step-by-step picture of the ring all-reduce (reduce-scatter, then all-gather).
 
-    Every rank's chunks after each of the 2(R-1) steps: which chunk moved where, what each
-    rank holds, which ranks' inputs are summed into it. The states come from
-    :func:`ddp_lesson.collectives.simulate_ring_all_reduce`, on the schedule
-    (:func:`~ddp_lesson.collectives.ring_send_chunk`) that
+    Every rank's chunks after each of the 2(R-1) steps: which chunk moved where, what each rank
+    holds, which ranks' inputs it sums. The states are
+    :func:`ddp_lesson.collectives.simulate_ring_all_reduce`'s, on the schedule
     :func:`~ddp_lesson.collectives.ring_all_reduce` runs with real send/recv. Nothing
     communicates.
 
     Args:
         world_size: number of ranks R (1 .. max_world_size).
         step: initial step, 0 (inputs) .. 2(R-1) (done).
-        values: ``values[rank]`` = that rank's numbers (default: rank r holds
+        values: ``values[rank]``, that rank's numbers (default: rank r holds
             ``[1, 2, ..., R] · 10^r``, so the sums read digit by digit: 111, 222, 333).
         max_world_size: the world-size slider's maximum.
 
@@ -346,8 +337,7 @@ def _roofline_class():
     import ipywidgets as W
 
     class RooflineCalculator(_text_form()):
-        """A form over :func:`ddp_lesson.cost_model.roofline_report`: hardware preset, batch per
-        GPU, share of peak FLOP/s and bytes per gradient; ``text`` is the report on show."""
+        """:func:`roofline_calculator`'s widget; ``text`` is the report on show."""
 
         def __init__(self, model, inputs, hardware, batch_per_gpu, mfu, grad_bytes_per_param):
             from .cost_model import HARDWARE
@@ -390,16 +380,16 @@ def _roofline_class():
 
 def roofline_calculator(model, inputs=None, hardware="h100", batch_per_gpu: int = 32,
                         mfu: float = 1.0, grad_bytes_per_param: int = 4):
-    """An ipywidgets form: the compute-bound batch and predicted efficiency of ``model``.
+    """An ipywidgets form over :func:`ddp_lesson.cost_model.roofline_report`: the compute-bound
+    batch and predicted efficiency of ``model``.
 
-    Args as :func:`ddp_lesson.cost_model.roofline_report` (``model``: an ``nn.Module`` with an
-    example batch ``inputs``, or a parameter count; ``hardware``: a preset's key or your own
-    ``Hardware(...)``, listed as "custom"). Nothing communicates; FLOPs are counted
-    again (one forward and backward of ``inputs``) at every change.
+    Args as ``roofline_report`` (``model``: an ``nn.Module`` with an example batch ``inputs``,
+    or a parameter count; ``hardware``: a preset's key or your own ``Hardware(...)``, listed as
+    "custom"). Nothing communicates; FLOPs are counted again at every change.
 
     Returns:
-        A ``RooflineCalculator`` (``ipywidgets.VBox``); set ``.batch_per_gpu.value`` and read
-        ``.text``.
+        A ``RooflineCalculator`` (``ipywidgets.VBox``) with controls ``hardware``,
+        ``batch_per_gpu``, ``mfu``, ``grad_bytes``; read ``.text``.
 
     Raises:
         KeyError: an unknown hardware preset.

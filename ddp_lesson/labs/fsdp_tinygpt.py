@@ -32,7 +32,7 @@ from ddp_lesson.env import cleanup
 from ddp_lesson.gpt import TinyGPT
 from ddp_lesson.labs.zero_check import (
     HPARAMS,
-    global_batch,
+    rank_rows,
     say_bytes_per_rank,
     start_lab,
     train_steps,
@@ -111,9 +111,7 @@ def traffic(record: list, world_size: int) -> dict:
 
 def one_step(model, opt, data, step, env):
     """One training step on this rank's slice (no loss averaging: no extra collective)."""
-    x, y = global_batch(data, step, 4, 32, env.world_size)
-    sl = slice(env.rank * 4, (env.rank + 1) * 4)
-    _, loss = model(x[sl].to(env.device), y[sl].to(env.device))
+    _, loss = model(*rank_rows(data, step, env))
     loss.backward()
     opt.step()
     opt.zero_grad()

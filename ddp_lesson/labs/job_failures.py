@@ -21,6 +21,7 @@ import time
 import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 MODES = ("raise", "raise-unrecorded", "kill", "hang", "shape", "unused")
 #: Seconds rank 0's ``monitored_barrier`` waits in ``hang``; rank 1 sleeps 10 times longer.
@@ -44,8 +45,6 @@ def _unused(rank: int) -> None:
     forward raises, its first reduction unfinished (``reducer.cpp``,
     ``Reducer::ensure_prior_reduction_finished``); rank 0 waits for it until rank 1 is gone.
     """
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
     ddp = DDP(_TwoLayers(skip=rank == 1))
     for _ in range(2):
         ddp(torch.ones(2, 4)).sum().backward()

@@ -17,6 +17,10 @@ import time
 import torch
 import torch.distributed as dist
 
+from ddp_lesson.cost_model import flops_per_sample
+from ddp_lesson.env import cleanup, init_distributed
+from ddp_lesson.gpt import TinyGPT
+
 
 def _median_s(fn, device: str, repeats: int = 5) -> float:
     device = torch.device(device)
@@ -33,10 +37,6 @@ def _median_s(fn, device: str, repeats: int = 5) -> float:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from ddp_lesson.cost_model import flops_per_sample
-    from ddp_lesson.env import cleanup, init_distributed
-    from ddp_lesson.gpt import TinyGPT
-
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--batch", type=int, default=8, help="sequences per rank (default 8)")
     args = p.parse_args(argv)

@@ -17,6 +17,11 @@ import argparse
 import torch
 from torch.utils.data import Dataset
 
+from ddp_lesson.env import cleanup, init_distributed
+from ddp_lesson.evaluation import evaluate_exact
+from ddp_lesson.labs import gather
+from ddp_lesson.sampler import DistributedEvalSampler, DistributedSampler
+
 
 class ToyClassification(Dataset):
     """Item i is ``(tensor(i), tensor(i % num_classes))``: the input *is* the index; with
@@ -92,11 +97,6 @@ def main(n: int = 10) -> None:
 
     Synchronises: each :func:`evaluate_exact` (one all_reduce), one ``all_gather_object``.
     """
-    from ..env import cleanup, init_distributed
-    from ..evaluation import evaluate_exact
-    from ..sampler import DistributedEvalSampler, DistributedSampler
-    from . import gather
-
     env = init_distributed(timeout=60)
     R = env.world_size
     dataset = ToyClassification(n)

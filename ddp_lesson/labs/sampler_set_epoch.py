@@ -13,16 +13,18 @@ from __future__ import annotations
 
 import argparse
 
+from torch.utils.data import DataLoader
+
+from ddp_lesson.env import cleanup, init_distributed
+from ddp_lesson.labs import gather
+from ddp_lesson.sampler import DistributedSampler
+
 
 def epoch_orders(n: int, num_replicas: int, rank: int, epochs: int, seed: int,
                  call_set_epoch: bool, batch_size: int = 2) -> list[list[int]]:
     """The indices this rank's DataLoader yields in each of ``epochs`` epochs (local: the
     sampler is told ``num_replicas`` and ``rank``). Returns ``orders[e]``, epoch ``e``'s indices.
     """
-    from torch.utils.data import DataLoader
-
-    from ..sampler import DistributedSampler
-
     dataset = range(n)  # item i is the integer i, so a batch shows which indices it holds
     sampler = DistributedSampler(dataset, num_replicas=num_replicas, rank=rank,
                                  shuffle=True, seed=seed)
@@ -49,9 +51,6 @@ def main(n: int = 8, epochs: int = 3, seed: int = 0) -> None:
     """Run under torchrun: every rank runs both loops; rank 0 prints the orders and the facts.
     Synchronises: one ``all_gather_object`` (and the group's setup and teardown).
     """
-    from ..env import cleanup, init_distributed
-    from . import gather
-
     env = init_distributed(timeout=60)
     R = env.world_size
     without = epoch_orders(n, R, env.rank, epochs, seed, call_set_epoch=False)

@@ -14,7 +14,11 @@ from __future__ import annotations
 import argparse
 from collections import Counter
 
+from torch.utils.data import DataLoader
+
+from ddp_lesson.env import cleanup, init_distributed
 from ddp_lesson.labs import gather
+from ddp_lesson.sampler import DistributedSampler
 
 
 def local_shard(n: int, shuffle: bool = True, seed: int = 0, epoch: int = 0,
@@ -22,10 +26,6 @@ def local_shard(n: int, shuffle: bool = True, seed: int = 0, epoch: int = 0,
     """The indices this rank's DataLoader yields in one epoch (needs a process group: the
     sampler reads ``num_replicas`` and ``rank`` from it, a local query).
     """
-    from torch.utils.data import DataLoader
-
-    from ..sampler import DistributedSampler
-
     dataset = range(n)
     sampler = DistributedSampler(dataset, shuffle=shuffle, seed=seed, drop_last=drop_last)
     sampler.set_epoch(epoch)
@@ -72,8 +72,6 @@ def main(seed: int = 0, epoch: int = 0) -> None:
     """Run under torchrun (best with 3 processes); rank 0 prints the four settings.
     Synchronises: one ``all_gather_object`` per setting, plus setup and teardown.
     """
-    from ..env import cleanup, init_distributed
-
     env = init_distributed(timeout=60)
     R = env.world_size
     # 4R - 2 is not a multiple of an odd R >= 3; 4R - 1 is not a multiple of an even R

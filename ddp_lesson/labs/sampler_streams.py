@@ -21,9 +21,12 @@ from __future__ import annotations
 import argparse
 
 import torch
-from torch.utils.data import Dataset, IterableDataset, get_worker_info
+import torch.distributed as dist
+from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
 
+from ddp_lesson.env import cleanup, init_distributed, reduce_device
 from ddp_lesson.labs import gather
+from ddp_lesson.sampler import DistributedSampler, IterableShard
 
 
 class CountingStream(IterableDataset):
@@ -61,11 +64,6 @@ def stream_part(env, n: int = 103, workers: int = 2, batch_size: int = 5) -> Non
     Synchronises: ``all_gather_object`` (three times) and one ``all_reduce`` per step of the
     equalised loop, plus one per batch of its stand-in gradient.
     """
-    import torch.distributed as dist
-    from torch.utils.data import DataLoader
-
-    from ..sampler import IterableShard
-
     R = env.world_size
     say = print if env.is_main else (lambda *a, **k: None)
 
@@ -111,10 +109,6 @@ def _equalised_loop(batches: list[list[int]]) -> tuple[int, int]:
 
     Returns ``(steps, all_reduces of the stand-in gradient)``, equal on every rank.
     """
-    import torch.distributed as dist
-
-    from ..env import reduce_device
-
     device = reduce_device()  # cuda:LOCAL_RANK under NCCL (CUDA tensors only), else cpu
     it = iter(batches)
     steps = reduced = 0
@@ -143,10 +137,6 @@ def worker_draws(rank: int, num_replicas: int, loader_seed: int | None, global_s
     Returns:
         ``(indices, {worker: [draws in order]})``.
     """
-    from torch.utils.data import DataLoader
-
-    from ..sampler import DistributedSampler
-
     data = AugmentedItems(n)
     sampler = DistributedSampler(data, num_replicas=num_replicas, rank=rank, seed=sampler_seed)
     generator = None if loader_seed is None else torch.Generator().manual_seed(loader_seed)
@@ -198,8 +188,6 @@ def seeds_part(env, seed: int = 0) -> None:
 
 def main(part: str = "all", seed: int = 0) -> None:
     """Run under torchrun (2 processes in the notebook); ``part``: stream, seeds or all."""
-    from ..env import cleanup, init_distributed
-
     env = init_distributed(timeout=60)
     if part in ("stream", "all"):
         stream_part(env)

@@ -13,7 +13,12 @@ from __future__ import annotations
 
 import argparse
 
+from torch.utils.data import DataLoader, WeightedRandomSampler
+from torch.utils.data import DistributedSampler as TorchDistributedSampler
+
+from ddp_lesson.env import cleanup, init_distributed
 from ddp_lesson.labs import gather
+from ddp_lesson.sampler import DistributedWeightedSampler
 
 #: Weight 2.0 for items 0..49, 1.0 for items 50..99: a 2:1 split whose effect a count of one
 #: epoch shows plainly (about 2/3 of the draws from the first half).
@@ -22,8 +27,6 @@ WEIGHTS = [2.0] * 50 + [1.0] * 50
 
 def one_epoch(sampler, batch_size: int = 10) -> list[int]:
     """The dataset indices this rank's DataLoader yields for one epoch (local)."""
-    from torch.utils.data import DataLoader
-
     loader = DataLoader(range(len(WEIGHTS)), batch_size=batch_size, sampler=sampler)
     return [i for batch in loader for i in batch.tolist()]
 
@@ -41,12 +44,6 @@ def main(num_samples: int = 100, seed: int = 0) -> None:
     """Run under torchrun (3 processes in the notebook); rank 0 prints, every rank checks.
     Synchronises: six ``all_gather_object`` calls, plus setup and teardown.
     """
-    from torch.utils.data import DistributedSampler as TorchDistributedSampler
-    from torch.utils.data import WeightedRandomSampler
-
-    from ..env import cleanup, init_distributed
-    from ..sampler import DistributedWeightedSampler
-
     env = init_distributed(timeout=60)
     R = env.world_size
     say = print if env.is_main else (lambda *a, **k: None)

@@ -40,6 +40,14 @@ def global_batch(data, step: int, batch_per_rank: int, block_size: int, world_si
     return get_batch(data, batch_per_rank * world_size, block_size, g)
 
 
+def rank_rows(data, step: int, env, batch_per_rank: int = 4, block_size: int = 32):
+    """This rank's ``(B, T)`` rows of the step's global batch, inputs and targets, on its
+    device (local)."""
+    x, y = global_batch(data, step, batch_per_rank, block_size, env.world_size)
+    rows = slice(env.rank * batch_per_rank, (env.rank + 1) * batch_per_rank)
+    return x[rows].to(env.device), y[rows].to(env.device)
+
+
 def make_ddp(env, vocab_size):
     torch.manual_seed(0)
     model = TinyGPT(vocab_size=vocab_size).to(env.device)
@@ -51,9 +59,7 @@ def train_steps(ddp, opt, data, steps, start, env, batch_per_rank=4, block_size=
     """``steps`` steps from step ``start``; returns the losses averaged over ranks (floats)."""
     losses = []
     for step in range(start, start + steps):
-        x, y = global_batch(data, step, batch_per_rank, block_size, env.world_size)
-        sl = slice(env.rank * batch_per_rank, (env.rank + 1) * batch_per_rank)
-        _, loss = ddp(x[sl].to(env.device), y[sl].to(env.device))
+        _, loss = ddp(*rank_rows(data, step, env, batch_per_rank, block_size))
         loss.backward()
         opt.step()
         opt.zero_grad()

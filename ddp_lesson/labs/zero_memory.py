@@ -21,8 +21,8 @@ from ddp_lesson.labs import gather
 from ddp_lesson.labs.fsdp_tinygpt import shard_tinygpt
 from ddp_lesson.labs.zero_check import (
     HPARAMS,
-    global_batch,
     make_ddp,
+    rank_rows,
     start_lab,
     zero1_behind_ddp,
 )
@@ -32,9 +32,7 @@ from ddp_lesson.memory import local_bytes, memory_per_rank, optimizer_state_byte
 def measured(model, opt, data, env) -> list[int]:
     """One step on this rank's rows, gradients kept; ``[params, grads, optimizer]`` bytes
     this rank holds, each the largest over the ranks (a collective)."""
-    x, y = global_batch(data, 0, 4, 32, env.world_size)
-    rows = slice(env.rank * 4, (env.rank + 1) * 4)
-    model(x[rows].to(env.device), y[rows].to(env.device))[1].backward()
+    model(*rank_rows(data, 0, env))[1].backward()
     opt.step()
     params = list(model.parameters())
     mine = [sum(local_bytes(p) for p in params), sum(local_bytes(p.grad) for p in params),

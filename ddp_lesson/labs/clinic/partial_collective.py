@@ -2,11 +2,12 @@
 
     torchrun --nproc-per-node 2 -m ddp_lesson.labs.clinic.partial_collective [--fixed]
 
-The bug: rank 0 logs a global metric with an ``all_reduce`` inside ``if rank == 0:`` and
-waits for peers that never enter it: 30 minutes by gloo's default timeout (NCCL: 10); with
-``init_distributed(timeout=5)`` gloo raises after 5 s ("Timed out waiting ... for recv
-operation"), or at once when the peer has left ("Connection closed by peer"). The fix: every
-rank calls every collective, in the same order; only the *printing* is rank 0's.
+The bug: rank 0 logs a global metric with an ``all_reduce`` inside ``if rank == 0:``. Rank 0
+waits in the collective for peers that never enter it. With gloo's default timeout it would
+wait 30 minutes (NCCL's: 10); with ``init_distributed(timeout=5)`` gloo raises after 5 s on
+rank 0 ("Timed out waiting ... for recv operation"), or at once when the peer has left
+("Connection closed by peer"). The fix: every rank calls every collective, in the same order;
+only the *printing* is guarded by ``if rank == 0``.
 """
 from __future__ import annotations
 
