@@ -4,7 +4,7 @@
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from .style import LABEL_PT, SMALL_PT, TITLE_PT, finish, subplots
 
@@ -20,24 +20,21 @@ class SamplerLayout:
     *padding* when ``p >= N`` (a wrapped-round repeat of an earlier index).
 
     Attributes:
-        n, num_replicas: dataset length N, world size R.
+        num_replicas: world size R.
         num_samples: indices per rank (``len(sampler)``); ``total_size = num_samples * R``.
         shards: ``shards[r]`` = the indices rank r yields, in order.
         is_padding: ``is_padding[r][j]`` True when ``shards[r][j]`` is a padded repeat.
         padding: the padded indices, in padded-order position order.
         dropped: indices cut by ``drop_last=True`` (not seen this epoch).
-        order: the global order before padding/cutting (length N).
     """
 
-    n: int
     num_replicas: int
     num_samples: int
     total_size: int
     shards: list[list[int]]
     is_padding: list[list[bool]]
-    padding: list[int] = field(default_factory=list)
-    dropped: list[int] = field(default_factory=list)
-    order: list[int] = field(default_factory=list)
+    padding: list[int]
+    dropped: list[int]
 
 
 def sampler_layout(n: int, num_replicas: int, shuffle: bool = False, seed: int = 0,
@@ -52,22 +49,19 @@ def sampler_layout(n: int, num_replicas: int, shuffle: bool = False, seed: int =
     Raises:
         ValueError: ``n < 0`` or ``num_replicas < 1``.
     """
-    from ..sampler import global_order, num_samples_per_rank, padded_order, shard_indices
+    from ..sampler import global_order, num_samples_per_rank, padded_order
 
-    num_samples = num_samples_per_rank(n, num_replicas, drop_last)
-    total_size = num_samples * num_replicas
+    R = num_replicas
+    num_samples = num_samples_per_rank(n, R, drop_last)
+    total_size = num_samples * R
     order = global_order(n, shuffle, seed, epoch)
-    padded = padded_order(n, num_replicas, shuffle, seed, epoch, drop_last)
-    shards = [shard_indices(n, num_replicas, r, shuffle, seed, epoch, drop_last)
-              for r in range(num_replicas)]
-    is_padding = [[j * num_replicas + r >= n for j in range(num_samples)]
-                  for r in range(num_replicas)]
+    padded = padded_order(n, R, shuffle, seed, epoch, drop_last)  # total_size entries
     return SamplerLayout(
-        n=n, num_replicas=num_replicas, num_samples=num_samples, total_size=total_size,
-        shards=shards, is_padding=is_padding,
+        num_replicas=R, num_samples=num_samples, total_size=total_size,
+        shards=[padded[r::R] for r in range(R)],  # rank r: every R-th entry from r
+        is_padding=[[j * R + r >= n for j in range(num_samples)] for r in range(R)],
         padding=padded[n:] if total_size > n else [],
         dropped=order[total_size:] if total_size < n else [],
-        order=order,
     )
 
 
