@@ -9,15 +9,10 @@ micro-batches (``no_sync`` on all but the last) of B padded sequences of TinyGPT
 micro-batch's summed loss ``S_j`` (``n_j`` valid tokens) are compared with one process's
 gradient of the mean over every valid token:
 
-===================  ==========================================  ===========================
-normalisation        micro-batch loss                            equal to one process when
-===================  ==========================================  ===========================
-micro-batch mean     ``S_j / n_j / K``                           every micro-batch has the
-                                                                 same number of tokens
-padded positions     ``S_j / (K * B * T)``                       there is no padding
-rank token count     ``S_j / n_rank``                            every rank has the same count
-global token count   ``S_j * R / n_global``                      always
-===================  ==========================================  ===========================
+* micro-batch mean, ``S_j / n_j / K``: equal when every micro-batch has as many tokens;
+* padded positions, ``S_j / (K * B * T)``: equal when there is no padding;
+* rank token count, ``S_j / n_rank``: equal when every rank has the same count;
+* global token count, ``S_j * R / n_global``: always equal.
 
 ``n_global`` is one ``all_reduce`` before the backwards; ``R`` undoes DDP's division by the
 world size (the fix of huggingface/transformers#34191, huggingface/trl#3231,
