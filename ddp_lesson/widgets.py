@@ -91,14 +91,10 @@ def sampler_report(n: int, world_size: int, epoch: int = 0, seed: int = 0,
                      f"whatever the loop's epoch)")
     for r in range(R):
         lines.append(f"rank {r}: {_fmt(lay.shards[r], lay.is_padding[r])}")
-    if lay.padding:
-        lines.append(f"padding (* = a repeat: seen more than once this epoch): {_fmt(lay.padding)}")
-    else:
-        lines.append("padding: none")
-    if lay.dropped:
-        lines.append(f"dropped (not seen this epoch): {_fmt(sorted(lay.dropped))}")
-    else:
-        lines.append("dropped: none")
+    lines.append(f"padding (* = a repeat: seen more than once this epoch): {_fmt(lay.padding)}"
+                 if lay.padding else "padding: none")
+    lines.append(f"dropped (not seen this epoch): {_fmt(sorted(lay.dropped))}"
+                 if lay.dropped else "dropped: none")
     if k == 0 and n > 0:
         lines.append("every rank gets 0 samples: an epoch runs zero steps")
     return "\n".join(lines)

@@ -90,11 +90,6 @@ def _same_on_every_rank(values: list[float]) -> bool:
     return all(g == gathered[0] for g in gathered)
 
 
-def _weights_same_on_every_rank(module) -> bool:
-    flat = torch.cat([p.detach().reshape(-1) for p in module.parameters()]).double()
-    return _same_on_every_rank(flat.tolist())
-
-
 def precision_runs(steps: int = STEPS) -> dict:
     """The same training in fp32, bf16 and fp16 (+ GradScaler) (a collective).
 
@@ -164,7 +159,8 @@ def scaler_run(steps: int = SCALER_STEPS, inject_rank: int = INJECT_RANK,
         res["skipped"].append(precision.skipped)
         res["local_finite"].append(state["local_finite"])
         res["reduced_finite"].append(reduced["finite"])
-    res["weights_same"] = _weights_same_on_every_rank(module)
+    flat = torch.cat([p.detach().reshape(-1) for p in module.parameters()]).double()
+    res["weights_same"] = _same_on_every_rank(flat.tolist())
     return res
 
 

@@ -11,6 +11,7 @@ Every rank runs every case: int32/int64/float32/float64; 0 to a few thousand ele
 from __future__ import annotations
 
 import argparse
+import functools
 
 import torch
 import torch.distributed as dist
@@ -85,11 +86,10 @@ def main(argv=None) -> None:
     env = init_distributed(timeout=60)
     R, rank = env.world_size, env.rank
     variants = {
-        "ring": lambda t, op, g: ring_all_reduce(t, op, g),
-        "pipelined ring": lambda t, op, g: pipelined_ring_all_reduce(
-            t, op, g, piece_numel=args.piece_numel
-        ),
-        "naive": lambda t, op, g: naive_all_reduce(t, op, g),
+        "ring": ring_all_reduce,
+        "pipelined ring": functools.partial(pipelined_ring_all_reduce,
+                                            piece_numel=args.piece_numel),
+        "naive": naive_all_reduce,
     }
     dtypes = (torch.int64, torch.float32) if args.quick else DTYPES
     sub_sizes = [int(k) for k in args.group_sizes.split(",") if k.strip()]

@@ -55,8 +55,8 @@ def allreduce_bandwidth_figure(rows, figsize=(MIN_WIDTH_IN, 3.8)):
         raise ValueError("no benchmark rows to draw")
     nprocs = sorted({r["nprocs"] for r in rows})
     fig, axes = subplots(1, len(nprocs), figsize=figsize, sharey=True, squeeze=False)
-    lo = min(r["size_bytes"] for r in rows if r["method"] not in ("sendrecv", "shift")) \
-        if any(r["method"] not in ("sendrecv", "shift") for r in rows) else 0
+    lo = min((r["size_bytes"] for r in rows if r["method"] not in ("sendrecv", "shift")),
+             default=0)
     for ax, R in zip(axes[0], nprocs):
         for method, style in _METHOD_STYLE.items():
             pts = sorted((r["size_bytes"], r["busbw_GBps"], r.get("busbw_GBps_min"),
