@@ -32,9 +32,8 @@ def _input(numel: int, dtype: torch.dtype, rank: int, seed: int, op: str) -> tor
     return torch.randint(-hi, hi, (numel,), generator=g, dtype=dtype)
 
 
-def _ok(
-    mine: torch.Tensor, ref: torch.Tensor, inputs_abs_sum: torch.Tensor, world_size: int
-) -> bool:
+def _ok(mine: torch.Tensor, ref: torch.Tensor, inputs_abs_sum: torch.Tensor,
+        world_size: int) -> bool:
     if not mine.dtype.is_floating_point:
         return torch.equal(mine, ref)
     # within rounding: |Δ| <= R · eps · Σ|x| (a bound on any summation order's error)
@@ -99,9 +98,8 @@ def main(argv=None) -> None:
         group = None if k == R else dist.new_group(list(range(k)))  # every rank must call it
         if rank >= k:
             continue
-        sizes = sorted(
-            {0, 1, 2, max(1, k - 1), k, k + 1, 7, 13, 1000} | (set() if args.quick else {4099})
-        )
+        sizes = sorted({0, 1, 2, max(1, k - 1), k, k + 1, 7, 13, 1000}
+                       | (set() if args.quick else {4099}))
         where = "world" if group is None else "subgroup"
         for label, fn in variants.items():
             n, iok, fok = run_cases(fn, k, rank, sizes, group=group, dtypes=dtypes)

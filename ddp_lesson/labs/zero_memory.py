@@ -19,13 +19,7 @@ from ddp_lesson.env import cleanup
 from ddp_lesson.gpt import TinyGPT
 from ddp_lesson.labs import gather
 from ddp_lesson.labs.fsdp_tinygpt import shard_tinygpt
-from ddp_lesson.labs.zero_check import (
-    HPARAMS,
-    make_ddp,
-    rank_rows,
-    start_lab,
-    zero1_behind_ddp,
-)
+from ddp_lesson.labs.zero_check import HPARAMS, make_ddp, rank_rows, start_lab, zero1_behind_ddp
 from ddp_lesson.memory import local_bytes, memory_per_rank, optimizer_state_bytes
 
 

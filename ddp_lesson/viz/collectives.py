@@ -75,9 +75,8 @@ def allreduce_bandwidth_figure(rows, figsize=(MIN_WIDTH_IN, 3.8)):
         note = f" ({R} procs on {cpus} cores)" if R > cpus else ""
         ax.set_title(f"R = {R}{note}", fontsize=LABEL_PT)
         ax.set_xscale("log", base=2)
-        ticks = sorted(
-            {r["size_bytes"] for r in rows if r["nprocs"] == R and r["size_bytes"] >= lo}
-        )
+        ticks = sorted({r["size_bytes"] for r in rows
+                        if r["nprocs"] == R and r["size_bytes"] >= lo})
         ax.set_xticks(ticks, [_size_label(t) for t in ticks], rotation=45, fontsize=SMALL_PT)
         ax.minorticks_off()
         ax.set_xlabel("tensor size", fontsize=LABEL_PT)
@@ -258,9 +257,8 @@ def ring_state_html(state: RingState) -> str:
     """
     full = frozenset(range(state.world_size))
     arrived = {(d, c) for _, d, c in state.moves}
-    head = "".join(
-        f"<th style='padding:2px 8px'>chunk {c}</th>" for c in range(len(state.values[0]))
-    )
+    head = "".join(f"<th style='padding:2px 8px'>chunk {c}</th>"
+                   for c in range(len(state.values[0])))
     rows = []
     for r, row in enumerate(state.values):
         cells = []

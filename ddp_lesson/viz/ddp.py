@@ -71,9 +71,8 @@ def ddp_timeline_figure(panels, figsize=(7, 3.4), align: bool = True):
             what = "after the last rank's backward"
         else:
             exposed, what = max(r.exposed_s for r in records) * 1e3, "on the slowest rank"
-        ax.set_title(
-            f"{title}: {exposed:.0f} ms of communication exposed {what}", fontsize=SMALL_PT
-        )
+        ax.set_title(f"{title}: {exposed:.0f} ms of communication exposed {what}",
+                     fontsize=SMALL_PT)
         ax.tick_params(labelsize=SMALL_PT)
     axes[-1, 0].set_xlabel("ms since the first rank's forward returned" if align
                            else "ms since the end of forward", fontsize=SMALL_PT)
@@ -178,34 +177,26 @@ def ddp_benchmark_figure(rows, figsize=(7, 3)):
 
 #: The rows of :func:`reducer_map_figure`: (stage, our BucketedDDP, torch's C++ Reducer).
 REDUCER_MAP = [
-    (
-        "1 · a gradient is\naccumulated",
-        "p.register_post_accumulate_grad_hook(hook)\n→ _grad_ready(i):\n  _pending[bucket] -= 1",
-        "AccumulateGrad post-hook →\nReducer::autograd_hook(i) →\n"
-        "mark_variable_ready_dense(i): copy\n.grad × 1/div_factor_ into its bucket\n"
-        "view (a plain copy if a hook is set)",
-    ),
-    (
-        "2 · a bucket is\nready",
-        "pending == 0 → _launch(b): torch.cat\nthe .grads into _flat[b]; _send ÷ R\n"
-        "(in bucket order on every rank)",
-        "pending == 0 (its views were\nfilled at step 1) →\n"
-        "mark_bucket_ready (in bucket order)",
-    ),
-    (
-        "3 · all-reduce",
-        "comm_hook(flat, group) → work (.wait())\ndefault: dist.all_reduce(flat,\n"
-        "  async_op=True), a SUM",
-        "all_reduce_bucket → run_comm_hook(\n  GradBucket) → Future[Tensor];\n"
-        "a registered hook divides itself",
-    ),
-    (
-        "4 · end of\nbackward",
-        "queue_callback(_after_backward):\nwait every bucket,\ncopy _flat[b] → .grad",
-        "queue_callback(finalize_backward):\nwait the futures, copy into .grad\n"
-        "(a view: no copy). Rebuilt once, before\nforward 2 (static_graph: 3); never\n"
-        "with find_unused_parameters=True",
-    ),
+    ("1 · a gradient is\naccumulated",
+     "p.register_post_accumulate_grad_hook(hook)\n→ _grad_ready(i):\n  _pending[bucket] -= 1",
+     "AccumulateGrad post-hook →\nReducer::autograd_hook(i) →\n"
+     "mark_variable_ready_dense(i): copy\n.grad × 1/div_factor_ into its bucket\n"
+     "view (a plain copy if a hook is set)"),
+    ("2 · a bucket is\nready",
+     "pending == 0 → _launch(b): torch.cat\nthe .grads into _flat[b]; _send ÷ R\n"
+     "(in bucket order on every rank)",
+     "pending == 0 (its views were\nfilled at step 1) →\n"
+     "mark_bucket_ready (in bucket order)"),
+    ("3 · all-reduce",
+     "comm_hook(flat, group) → work (.wait())\ndefault: dist.all_reduce(flat,\n"
+     "  async_op=True), a SUM",
+     "all_reduce_bucket → run_comm_hook(\n  GradBucket) → Future[Tensor];\n"
+     "a registered hook divides itself"),
+    ("4 · end of\nbackward",
+     "queue_callback(_after_backward):\nwait every bucket,\ncopy _flat[b] → .grad",
+     "queue_callback(finalize_backward):\nwait the futures, copy into .grad\n"
+     "(a view: no copy). Rebuilt once, before\nforward 2 (static_graph: 3); never\n"
+     "with find_unused_parameters=True"),
 ]
 
 

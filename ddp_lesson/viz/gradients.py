@@ -6,9 +6,8 @@ from .style import LABEL_PT, SMALL_PT, finish, subplots
 __all__ = ["per_rank_gradients_figure"]
 
 
-def per_rank_gradients_figure(
-    shard_grads, full_grad, max_params: int | None = None, figsize=(7, 3)
-):
+def per_rank_gradients_figure(shard_grads, full_grad, max_params: int | None = None,
+                              figsize=(7, 3)):
     """Each rank's shard gradient, their average, and the full-batch gradient, per parameter.
 
     Bars: rank r's gradient entries. Black outline: the ranks' average (what the all-reduce
@@ -58,15 +57,9 @@ def per_rank_gradients_figure(
     ax.set_xticks(xs)
     ax.set_xlabel("parameter entry", fontsize=SMALL_PT)
     ax.set_ylabel("gradient ÷ largest |shard|", fontsize=SMALL_PT)
-    ax.set_title(
-        f"{R} shard gradients, their average and the full-batch gradient", fontsize=LABEL_PT
-    )
+    ax.set_title(f"{R} shard gradients, their average and the full-batch gradient",
+                 fontsize=LABEL_PT)
     ax.tick_params(labelsize=SMALL_PT)
-    ax.legend(
-        fontsize=SMALL_PT,
-        ncol=min(R + 2, 6),
-        loc="upper center",
-        bbox_to_anchor=(0.5, -0.18),
-        frameon=False,
-    )
+    ax.legend(fontsize=SMALL_PT, ncol=min(R + 2, 6), loc="upper center",
+              bbox_to_anchor=(0.5, -0.18), frameon=False)
     return finish(fig)
