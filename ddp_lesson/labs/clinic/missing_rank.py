@@ -5,7 +5,7 @@
 The bug: the world size comes from the program's own configuration (here one more than
 torchrun started, as a config saying 3 GPUs for a job that got 2), not torchrun's
 ``WORLD_SIZE``, so ``init_process_group`` waits for a rank that does not exist: 30 minutes on
-gloo by default (NCCL: 10); with a short timeout the store raises, naming how many joined.
+gloo by default (NCCL's: 10); with a short timeout the store raises, naming how many joined.
 The fix: rank and world size from torchrun's variables (``ddp_lesson.env.read_env``).
 """
 from __future__ import annotations
