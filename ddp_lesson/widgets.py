@@ -137,6 +137,9 @@ def _explorer_class():
             for name, desc, lo, hi in (("n", "N (samples)", 0, max_n),
                                        ("world_size", "world size", 1, max_world_size),
                                        ("epoch", "epoch", 0, max_epoch), ("seed", "seed", 0, 99)):
+                if not lo <= initial[name] <= hi:
+                    raise ValueError(f"{name}={initial[name]} is outside the slider range "
+                                     f"[{lo}, {hi}]")
                 setattr(self, name, W.IntSlider(value=initial[name], min=lo, max=hi,
                                                 description=desc, style=style))
             for name, desc in (("shuffle", "shuffle"), ("drop_last", "drop_last"),
@@ -220,10 +223,6 @@ def sampler_explorer(n: int = 10, world_size: int = 3, epoch: int = 0, seed: int
     Raises:
         ValueError: an initial value outside its slider's range (named with the numbers).
     """
-    for name, value, lo, hi in (("n", n, 0, max_n), ("world_size", world_size, 1, max_world_size),
-                                ("epoch", epoch, 0, max_epoch), ("seed", seed, 0, 99)):
-        if not lo <= value <= hi:
-            raise ValueError(f"{name}={value} is outside the slider range [{lo}, {hi}]")
     initial = {"n": n, "world_size": world_size, "epoch": epoch, "seed": seed,
                "shuffle": shuffle, "drop_last": drop_last, "call_set_epoch": call_set_epoch}
     return _explorer_class()(initial, show_figure, max_n, max_world_size, max_epoch)
