@@ -1,22 +1,40 @@
 """ipywidgets explorers for the notebooks.
 
-Each explorer is an ipywidgets container that can be built without a display (in a test, a
-plain Python process): its controls are ordinary widget traits that code can set, and what it
-shows is also available as plain text (``.text``), so tests drive it without a browser. Its
-``repr`` is short and constant for given settings, because nbval compares a displayed widget's
-text form. ipywidgets and matplotlib are imported when an explorer is built, not at import.
+Each explorer is an ipywidgets container that builds without a display (a test, a plain
+Python process): its controls are ordinary widget traits that code can set, and ``.text`` holds
+what it shows as plain text. Its text form (what nbval compares, and what a stored notebook
+shows without its kernel) is fixed by the initial settings. ipywidgets and matplotlib are
+imported when an explorer is built, not at import.
 
-Explorers: :func:`sampler_explorer` (notebook 02); ring all-reduce stepper (notebook 03);
-:func:`roofline_calculator` (notebook 09).
+Explorers: :func:`sampler_explorer` (notebook 02); :func:`ring_allreduce_stepper` (notebook 03);
+:func:`shard_calculator` (notebook 08's deep dive); :func:`roofline_calculator` (notebook 09).
 """
 from __future__ import annotations
 
 import functools
+import html
 
-__all__ = [
-    "sampler_report",
-    "sampler_explorer",
-]
+__all__ = ["sampler_report", "sampler_explorer", "ring_allreduce_stepper",
+           "roofline_calculator", "shard_calculator"]
+
+
+@functools.cache
+def _text_form():
+    """The explorers' base: an ``ipywidgets.VBox`` whose text form is ``self.header()`` and
+    ``self.text`` (not the Python repr)."""
+    import ipywidgets as W
+
+    class TextForm(W.VBox):
+        def _repr_mimebundle_(self, **kwargs):
+            bundle = super()._repr_mimebundle_(**kwargs)
+            bundle["text/plain"] = self.header() + "\n" + self.text
+            return bundle
+
+    return TextForm
+
+
+def _pre(text: str) -> str:
+    return f"<pre>{html.escape(text)}</pre>"
 
 
 # =========================================================================== sampler explorer
@@ -32,16 +50,13 @@ def sampler_report(n: int, world_size: int, epoch: int = 0, seed: int = 0,
                    call_set_epoch: bool = True) -> str:
     """What every rank's ``DistributedSampler`` yields in one epoch, as plain text.
 
-    The text :func:`sampler_explorer` shows. ``epoch`` is the training loop's epoch; the
-    sampler only sees it when ``call_set_epoch`` is True (otherwise it keeps epoch 0, case
-    A1). Padded repeats are marked ``*``. Pure: no process group, no synchronisation.
+    ``epoch`` is the loop's epoch; the sampler sees it only when ``call_set_epoch`` (else it
+    keeps epoch 0, case A1). Padded repeats are marked ``*``. Pure: no process group.
 
     Args:
         n: dataset length N, ``>= 0``.
         world_size: number of ranks R (``num_replicas``), ``>= 1``.
-        epoch: the loop's epoch.
-        seed: the sampler's seed (the same on every rank).
-        shuffle, drop_last: the sampler's flags.
+        epoch, seed, shuffle, drop_last: the loop's epoch and the sampler's settings.
         call_set_epoch: whether the loop calls ``sampler.set_epoch(epoch)``.
 
     Returns:
@@ -76,24 +91,27 @@ def sampler_report(n: int, world_size: int, epoch: int = 0, seed: int = 0,
                      f"whatever the loop's epoch)")
     for r in range(R):
         lines.append(f"rank {r}: {_fmt(lay.shards[r], lay.is_padding[r])}")
-    if lay.padding:
-        lines.append(f"padding (* = a repeat: seen more than once this epoch): {_fmt(lay.padding)}")
-    else:
-        lines.append("padding: none")
-    if lay.dropped:
-        lines.append(f"dropped (not seen this epoch): {_fmt(sorted(lay.dropped))}")
-    else:
-        lines.append("dropped: none")
+    lines.append(f"padding (* = a repeat: seen more than once this epoch): {_fmt(lay.padding)}"
+                 if lay.padding else "padding: none")
+    lines.append(f"dropped (not seen this epoch): {_fmt(sorted(lay.dropped))}"
+                 if lay.dropped else "dropped: none")
     if k == 0 and n > 0:
         lines.append("every rank gets 0 samples: an epoch runs zero steps")
     return "\n".join(lines)
 
 
-def _png(fig) -> bytes:
+def _heatmap_png(v: dict) -> bytes:
+    """The heatmap for the settings ``v`` (as ``SamplerExplorer.values()``) as PNG bytes; the
+    sampler sees the loop's epoch only when ``set_epoch`` is called."""
     import io
 
     import matplotlib.pyplot as plt
 
+    from .viz.sampler import sampler_heatmap
+
+    epoch = v["epoch"] if v["call_set_epoch"] else 0
+    fig = sampler_heatmap(v["n"], v["world_size"], v["shuffle"], v["seed"], epoch,
+                          v["drop_last"])
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=80)
     plt.close(fig)
@@ -103,58 +121,30 @@ def _png(fig) -> bytes:
 _CONTROLS = ("n", "world_size", "epoch", "seed", "shuffle", "drop_last", "call_set_epoch")
 
 
-def _sampler_controls(W, initial: dict, max_n: int, max_world_size: int,
-                      max_epoch: int) -> dict:
-    """The explorer's controls by name (:data:`_CONTROLS`): four IntSliders (N, world size,
-    epoch, seed) with their ranges and three Checkboxes, set to ``initial[name]``. ``W`` is
-    the ``ipywidgets`` module."""
-    style = {"description_width": "90px"}
-    return {
-        "n": W.IntSlider(value=initial["n"], min=0, max=max_n, description="N (samples)",
-                         style=style),
-        "world_size": W.IntSlider(value=initial["world_size"], min=1, max=max_world_size,
-                                  description="world size", style=style),
-        "epoch": W.IntSlider(value=initial["epoch"], min=0, max=max_epoch,
-                             description="epoch", style=style),
-        "seed": W.IntSlider(value=initial["seed"], min=0, max=99, description="seed",
-                            style=style),
-        "shuffle": W.Checkbox(value=initial["shuffle"], description="shuffle"),
-        "drop_last": W.Checkbox(value=initial["drop_last"], description="drop_last"),
-        "call_set_epoch": W.Checkbox(value=initial["call_set_epoch"],
-                                     description="call set_epoch"),
-    }
-
-
-def _heatmap_png(v: dict) -> bytes:
-    """The rank x position heatmap for the settings ``v`` (as ``SamplerExplorer.values()``),
-    as PNG bytes. The sampler sees the loop's epoch only when ``set_epoch`` is called."""
-    from .viz.sampler import sampler_heatmap
-
-    epoch = v["epoch"] if v["call_set_epoch"] else 0
-    return _png(sampler_heatmap(v["n"], v["world_size"], v["shuffle"], v["seed"], epoch,
-                                v["drop_last"]))
-
-
 @functools.cache
 def _explorer_class():
     import ipywidgets as W
 
-    class SamplerExplorer(W.VBox):
-        """Sliders and toggles for a DistributedSampler; redraws the heatmap and the text.
-
-        Controls (ipywidgets, set ``.value`` to drive them): ``n``, ``world_size``,
-        ``epoch``, ``seed`` (IntSliders), ``shuffle``, ``drop_last``, ``call_set_epoch``
-        (Checkboxes). Views: ``image`` (an ``ipywidgets.Image`` holding the heatmap PNG,
-        when ``show_figure``), ``report`` (an ``ipywidgets.HTML``), ``text`` (the report as
-        plain text). ``set(**values)`` changes several controls with one redraw;
-        ``redraws`` counts redraws.
+    class SamplerExplorer(_text_form()):
+        """:func:`sampler_explorer`'s widget. Controls (set ``.value``): ``n``, ``world_size``,
+        ``epoch``, ``seed``, ``shuffle``, ``drop_last``, ``call_set_epoch``. Views: ``image`` (the
+        heatmap PNG, when ``show_figure``), ``report`` (HTML), ``text``. ``set(**values)`` changes
+        several controls with one redraw; ``redraws`` counts redraws.
         """
 
-        def __init__(self, initial: dict, show_figure, limits: dict):
-            controls = _sampler_controls(W, initial, **limits)
-            for name in _CONTROLS:
-                setattr(self, name, controls[name])
-            self.show_figure = show_figure
+        def __init__(self, initial: dict, show_figure, max_n, max_world_size, max_epoch):
+            style = {"description_width": "90px"}
+            for name, desc, lo, hi in (("n", "N (samples)", 0, max_n),
+                                       ("world_size", "world size", 1, max_world_size),
+                                       ("epoch", "epoch", 0, max_epoch), ("seed", "seed", 0, 99)):
+                if not lo <= initial[name] <= hi:
+                    raise ValueError(f"{name}={initial[name]} is outside the slider range "
+                                     f"[{lo}, {hi}]")
+                setattr(self, name, W.IntSlider(value=initial[name], min=lo, max=hi,
+                                                description=desc, style=style))
+            for name, desc in (("shuffle", "shuffle"), ("drop_last", "drop_last"),
+                               ("call_set_epoch", "call set_epoch")):
+                setattr(self, name, W.Checkbox(value=initial[name], description=desc))
             self.image = W.Image(format="png") if show_figure else None
             self.report = W.HTML()
             self.text = ""
@@ -192,11 +182,9 @@ def _explorer_class():
 
         def refresh(self) -> None:
             """Recompute the text and redraw the heatmap from the controls."""
-            import html
-
             v = self.values()
             self.text = sampler_report(**v)
-            self.report.value = f"<pre>{html.escape(self.text)}</pre>"
+            self.report.value = _pre(self.text)
             if self.image is not None:
                 self.image.value = _heatmap_png(v)
             self.redraws += 1
@@ -207,14 +195,8 @@ def _explorer_class():
                     f"epoch={v['epoch']}, seed={v['seed']}, shuffle={v['shuffle']}, "
                     f"drop_last={v['drop_last']}, set_epoch={v['call_set_epoch']})")
 
-        def _repr_mimebundle_(self, **kwargs):
-            # What a reader sees where the widget cannot be drawn (a stored notebook opened
-            # without its kernel, GitHub): the report as text, not the Python repr. Fixed
-            # by the initial settings, so nbval's replay compares it exactly.
-            bundle = super()._repr_mimebundle_(**kwargs)
-            bundle["text/plain"] = ("sampler explorer (run the notebook to move its "
-                                    "sliders)\n" + self.text)
-            return bundle
+        def header(self) -> str:
+            return "sampler explorer (run the notebook to move its sliders)"
 
     return SamplerExplorer
 
@@ -226,10 +208,8 @@ def sampler_explorer(n: int = 10, world_size: int = 3, epoch: int = 0, seed: int
     """An explorer of how ``DistributedSampler`` deals a dataset out to ranks.
 
     Sliders for N, world size, epoch and seed; toggles for shuffle, drop_last and "call
-    set_epoch". Every change redraws the rank x position heatmap
-    (:func:`ddp_lesson.viz.sampler.sampler_heatmap`) and the text of :func:`sampler_report`: each
-    rank's indices, the padded repeats and the dropped indices. Constructible without a
-    display; nothing communicates (pure index arithmetic).
+    set_epoch". Every change redraws the heatmap (:func:`ddp_lesson.viz.sampler.sampler_heatmap`)
+    and the text of :func:`sampler_report`. Nothing communicates.
 
     Args:
         n, world_size, epoch, seed, shuffle, drop_last, call_set_epoch: initial settings.
@@ -237,21 +217,15 @@ def sampler_explorer(n: int = 10, world_size: int = 3, epoch: int = 0, seed: int
         max_n, max_world_size, max_epoch: slider ranges.
 
     Returns:
-        A ``SamplerExplorer`` (an ``ipywidgets.VBox``); display it, or drive its controls
-        (``explorer.n.value = 11``, ``explorer.set(shuffle=True, epoch=2)``) and read
-        ``explorer.text``.
+        A ``SamplerExplorer`` (an ``ipywidgets.VBox``): display it, or drive it
+        (``explorer.n.value = 11``, ``explorer.set(shuffle=True, epoch=2)``) and read ``.text``.
 
     Raises:
         ValueError: an initial value outside its slider's range (named with the numbers).
     """
-    for name, value, lo, hi in (("n", n, 0, max_n), ("world_size", world_size, 1, max_world_size),
-                                ("epoch", epoch, 0, max_epoch), ("seed", seed, 0, 99)):
-        if not lo <= value <= hi:
-            raise ValueError(f"{name}={value} is outside the slider range [{lo}, {hi}]")
     initial = {"n": n, "world_size": world_size, "epoch": epoch, "seed": seed,
                "shuffle": shuffle, "drop_last": drop_last, "call_set_epoch": call_set_epoch}
-    limits = {"max_n": max_n, "max_world_size": max_world_size, "max_epoch": max_epoch}
-    return _explorer_class()(initial, show_figure, limits)
+    return _explorer_class()(initial, show_figure, max_n, max_world_size, max_epoch)
 
 
 # ============================================================ ring all-reduce stepper (notebook 03)
@@ -261,15 +235,10 @@ def sampler_explorer(n: int = 10, world_size: int = 3, epoch: int = 0, seed: int
 def _stepper_class():
     import ipywidgets as W
 
-    class RingAllReduceStepper(W.VBox):
-        """Step through a ring all-reduce: every rank's chunks after each of the 2(R-1) steps.
-
-        Controls: ``world_size`` and ``step`` (IntSliders; set ``.value`` to drive them).
-        Views: ``view`` (an ``ipywidgets.HTML`` table, ranks x chunks, coloured by how many
-        ranks' inputs a chunk already sums), ``text`` (the same as plain text, from
-        :func:`ddp_lesson.viz.collectives.ring_state_text`). ``states`` is the list of
-        :class:`ddp_lesson.collectives.RingState` from
-        :func:`ddp_lesson.collectives.simulate_ring_all_reduce`; ``state`` the one shown.
+    class RingAllReduceStepper(_text_form()):
+        """:func:`ring_allreduce_stepper`'s widget. Controls: ``world_size``, ``step``. Views:
+        ``view`` (HTML table), ``text`` (:func:`ddp_lesson.viz.collectives.ring_state_text`);
+        ``states``, the simulated states; ``state``, the one shown.
         """
 
         def __init__(self, world_size, step, values, max_world_size):
@@ -316,14 +285,9 @@ def _stepper_class():
             return (f"RingAllReduceStepper(world_size={self.world_size.value}, "
                     f"step={self.step.value} of {len(self.states) - 1})")
 
-        def _repr_mimebundle_(self, **kwargs):
-            # What a reader sees where the widget cannot be drawn (a stored notebook opened
-            # without its kernel, GitHub): the step on show as text, not the Python repr.
-            bundle = super()._repr_mimebundle_(**kwargs)
-            bundle["text/plain"] = (f"ring all-reduce stepper, world size "
-                                    f"{self.world_size.value} (run the notebook to move its "
-                                    f"sliders)\n" + self.text)
-            return bundle
+        def header(self) -> str:
+            return (f"ring all-reduce stepper, world size {self.world_size.value} (run the "
+                    f"notebook to move its sliders)")
 
     return RingAllReduceStepper
 
@@ -332,17 +296,16 @@ def ring_allreduce_stepper(world_size: int = 3, step: int = 0, values=None,
                            max_world_size: int = 6):
     """A step-by-step picture of the ring all-reduce (reduce-scatter, then all-gather).
 
-    Shows every rank's chunks after each of the 2(R-1) steps: which chunk moved where, what
-    each rank holds, and which ranks' inputs are already summed into it. The states come from
-    :func:`ddp_lesson.collectives.simulate_ring_all_reduce` — the same schedule
-    (:func:`~ddp_lesson.collectives.ring_send_chunk`) that
-    :func:`~ddp_lesson.collectives.ring_all_reduce` runs with real send/recv. Constructible
-    without a display; nothing communicates.
+    Every rank's chunks after each of the 2(R-1) steps: which chunk moved where, what each rank
+    holds, which ranks' inputs it sums. The states are
+    :func:`ddp_lesson.collectives.simulate_ring_all_reduce`'s, on the schedule
+    :func:`~ddp_lesson.collectives.ring_all_reduce` runs with real send/recv. Nothing
+    communicates.
 
     Args:
         world_size: number of ranks R (1 .. max_world_size).
         step: initial step, 0 (inputs) .. 2(R-1) (done).
-        values: ``values[rank]`` = that rank's numbers (default: rank r holds
+        values: ``values[rank]``, that rank's numbers (default: rank r holds
             ``[1, 2, ..., R] · 10^r``, so the sums read digit by digit: 111, 222, 333).
         max_world_size: the world-size slider's maximum.
 
@@ -361,9 +324,6 @@ def ring_allreduce_stepper(world_size: int = 3, step: int = 0, values=None,
     return _stepper_class()(world_size, step, values, max_world_size)
 
 
-__all__ += ["ring_allreduce_stepper"]
-
-
 # ================================================================ roofline calculator (notebook 09)
 
 
@@ -371,9 +331,8 @@ __all__ += ["ring_allreduce_stepper"]
 def _roofline_class():
     import ipywidgets as W
 
-    class RooflineCalculator(W.VBox):
-        """A form over :func:`ddp_lesson.cost_model.roofline_report`: hardware preset, batch per
-        GPU, share of peak FLOP/s and bytes per gradient; ``text`` is the report on show."""
+    class RooflineCalculator(_text_form()):
+        """:func:`roofline_calculator`'s widget; ``text`` is the report on show."""
 
         def __init__(self, model, inputs, hardware, batch_per_gpu, mfu, grad_bytes_per_param):
             from .cost_model import HARDWARE
@@ -400,38 +359,32 @@ def _roofline_class():
 
         def refresh(self) -> None:
             """Recompute the report from the controls."""
-            import html
-
             from .cost_model import roofline_report
 
             self.text = roofline_report(self._model, self.hardware.value,
                                         batch_per_gpu=self.batch_per_gpu.value,
                                         inputs=self._inputs, mfu=self.mfu.value,
                                         grad_bytes_per_param=self.grad_bytes.value)
-            self.view.value = f"<pre>{html.escape(self.text)}</pre>"
+            self.view.value = _pre(self.text)
 
-        def _repr_mimebundle_(self, **kwargs):
-            # The static text form nbval compares: the report for the initial settings.
-            bundle = super()._repr_mimebundle_(**kwargs)
-            bundle["text/plain"] = "roofline calculator (run the notebook to change it)\n" + \
-                self.text
-            return bundle
+        def header(self) -> str:
+            return "roofline calculator (run the notebook to change it)"
 
     return RooflineCalculator
 
 
 def roofline_calculator(model, inputs=None, hardware="h100", batch_per_gpu: int = 32,
                         mfu: float = 1.0, grad_bytes_per_param: int = 4):
-    """An ipywidgets form: the compute-bound batch and predicted efficiency of ``model``.
+    """An ipywidgets form over :func:`ddp_lesson.cost_model.roofline_report`: the compute-bound
+    batch and predicted efficiency of ``model``.
 
-    Args as :func:`ddp_lesson.cost_model.roofline_report` (``model``: an ``nn.Module`` with an
-    example batch ``inputs``, or a parameter count; ``hardware``: a preset's key or your own
-    ``Hardware(...)``, listed as "custom"). Nothing communicates; FLOPs are counted
-    again (one forward and backward of ``inputs``) at every change.
+    Args as ``roofline_report`` (``model``: an ``nn.Module`` with an example batch ``inputs``,
+    or a parameter count; ``hardware``: a preset's key or your own ``Hardware(...)``, listed as
+    "custom"). Nothing communicates; FLOPs are counted again at every change.
 
     Returns:
-        A ``RooflineCalculator`` (``ipywidgets.VBox``); set ``.batch_per_gpu.value`` and read
-        ``.text``.
+        A ``RooflineCalculator`` (``ipywidgets.VBox``) with controls ``hardware``,
+        ``batch_per_gpu``, ``mfu``, ``grad_bytes``; read ``.text``.
 
     Raises:
         KeyError: an unknown hardware preset.
@@ -443,9 +396,6 @@ def roofline_calculator(model, inputs=None, hardware="h100", batch_per_gpu: int 
             raise KeyError(f"unknown hardware {hardware!r}; presets are {sorted(HARDWARE)}")
         hardware = HARDWARE[hardware]
     return _roofline_class()(model, inputs, hardware, batch_per_gpu, mfu, grad_bytes_per_param)
-
-
-__all__ += ["roofline_calculator"]
 
 
 # ====================================================== FSDP decision calculator (notebook 08)
@@ -467,28 +417,23 @@ def shard_calculator(params_billion: float = 7.5, activation_gb: float = 20.0,
     boxes = [W.FloatText(value=v, description=d, style={"description_width": "140px"})
              for v, d in zip((params_billion, activation_gb, world_size, gpu_gb), names)]
 
-    class ShardCalculator(W.VBox):
+    class ShardCalculator(_text_form()):
         def refresh(self, change=None) -> None:
             psi, act, R, gpu = (b.value for b in boxes)
             try:
                 self.text = "\n".join(decision_lines(psi * 1e9, act * 1e9, int(R), gpu * 1e9))
             except ValueError as exc:   # shown, not raised inside a widget callback
                 self.text = f"cannot compute: {exc}"
-            self.children[1].value = f"<pre>{self.text}</pre>"
+            self.children[1].value = _pre(self.text)
 
         def __repr__(self) -> str:
             return "ShardCalculator(" + ", ".join(f"{b.value:g}" for b in boxes) + ")"
 
-        def _repr_mimebundle_(self, **kwargs):
-            bundle = super()._repr_mimebundle_(**kwargs)
-            bundle["text/plain"] = "shard calculator (run the notebook to edit)\n" + self.text
-            return bundle
+        def header(self) -> str:
+            return "shard calculator (run the notebook to edit)"
 
     calc = ShardCalculator(children=[W.VBox(boxes), W.HTML()])
     calc.refresh()
     for b in boxes:
         b.observe(calc.refresh, names="value")
     return calc
-
-
-__all__ += ["shard_calculator"]

@@ -4,32 +4,26 @@ Shown in ``notebooks/deep/06_scaling_and_mixed_precision.ipynb``, section 2.
 
     torchrun --standalone --nproc-per-node 2 -m ddp_lesson.labs.amp_clip [--out FILE]
 
-Three scenarios, each a collective (every rank runs them in the same order), on the
-trainer's own step (:func:`ddp_lesson.train.train_step` with a
-:class:`ddp_lesson.train.Precision`) and torch's ``DistributedDataParallel``, with the small
-``tiny`` segmentation net on a fixed global batch of synthetic scenes (each rank its slice):
+Three scenarios on the trainer's own step (:func:`ddp_lesson.train.train_step`, a
+:class:`ddp_lesson.train.Precision`) under torch's ``DistributedDataParallel``, the ``tiny``
+segmentation net, a fixed global batch of synthetic scenes (each rank its slice); each is a
+collective:
 
-1. :func:`precision_runs`: the same 6 steps in fp32, in bf16 autocast and in fp16 autocast
-   with a GradScaler: the losses follow one another closely, not bit for bit.
-2. :func:`scaler_run`: fp16 with a ``GradScaler`` started small (scale 1024, doubling after 2
-   good steps) so the scale grows within a few steps; at step 5 ONE rank's backward produces
-   an inf in one gradient. DDP all-reduces the gradients *before* the scaler looks at them,
-   so the inf reaches every rank, every rank's scaler finds it, and every rank skips that
-   step and halves its scale: the ranks stay identical without exchanging a word about it.
-3. :func:`clip_run`: clipping after ``scaler.unscale_(optimizer)``: the norm of the scaled
-   gradients is exactly ``scale`` times the true one (a power of two), which is why clipping
-   must come after unscaling; the norm before clipping is the same on every rank, bit for bit
-   (the gradients are already averaged), checked with an all_gather.
+1. :func:`precision_runs`: 6 steps in fp32, bf16 autocast, fp16 with a GradScaler: the
+   losses follow one another closely, not bit for bit.
+2. :func:`scaler_run`: fp16 with a small ``GradScaler`` (1024, doubling after 2 good steps);
+   at step 5 ONE rank's backward makes an inf. DDP all-reduces the gradients *before* the
+   scaler looks, so every rank finds the inf, skips the step and halves its scale: the ranks
+   stay identical without a word about it.
+3. :func:`clip_run`: clipping after ``scaler.unscale_``: the scaled norm is exactly
+   ``scale`` times the true one, and the norm before clipping is bit-identical on every rank
+   (checked with an all_gather).
 
-``main`` prints facts, rounded so that the output is the same on every machine: the
-scenarios 1 and 3 on rank 0, scenario 2 on every rank (each rank's own view). With ``--out``
-rank 0 writes every number as JSON for the tests. Sources: ``torch/amp/grad_scaler.py``
-(``unscale_``, ``step`` skips ``optimizer.step()`` when ``found_inf``, ``update``'s backoff
-and growth), ``torch/nn/utils/clip_grad.py``.
-
-Run on its own, ``main`` joins a gloo group on any machine (``init_distributed(backend="gloo")``):
-its tensors and models are CPU tensors, which NCCL refuses ("Tensors must be CUDA and dense",
-``ProcessGroupNCCL.cpp``); the deep dive's cell says ``--backend gloo`` for the same reason.
+``main`` prints rounded facts (the same on every machine): scenarios 1 and 3 on rank 0, 2 on
+every rank; ``--out``: rank 0 writes every number as JSON. Sources:
+``torch/amp/grad_scaler.py`` (``unscale_``, ``step`` skips when ``found_inf``, ``update``),
+``torch/nn/utils/clip_grad.py``. ``main`` joins a gloo group on any machine: its tensors are
+CPU tensors, which NCCL refuses ("Tensors must be CUDA and dense", ``ProcessGroupNCCL.cpp``).
 """
 from __future__ import annotations
 
@@ -41,6 +35,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from ddp_lesson.data import NUM_CLASSES, make_datasets
+from ddp_lesson.labs import gather
 from ddp_lesson.models import build_model
 from ddp_lesson.train import Precision, sum_over_ranks, train_step
 
@@ -76,7 +71,7 @@ def _batch():
 
 
 def _model():
-    """The tiny net, seeded (the same on every rank), wrapped in torch's DDP, and SGD."""
+    """The tiny net, seeded (the same on every rank), in torch's DDP, and SGD."""
     torch.manual_seed(0)
     module = build_model("tiny", num_classes=NUM_CLASSES, width=8)
     ddp = DistributedDataParallel(module)
@@ -91,22 +86,16 @@ def _global_loss(loss_sum: torch.Tensor, count: torch.Tensor) -> float:
 
 def _same_on_every_rank(values: list[float]) -> bool:
     """True when every rank holds exactly these values (an all_gather; a collective)."""
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, [float(v) for v in values])
+    gathered = gather([float(v) for v in values])
     return all(g == gathered[0] for g in gathered)
 
 
-def _weights_same_on_every_rank(module) -> bool:
-    flat = torch.cat([p.detach().reshape(-1) for p in module.parameters()]).double()
-    return _same_on_every_rank(flat.tolist())
-
-
 def precision_runs(steps: int = STEPS) -> dict:
-    """The same training in fp32, bf16 and fp16 (+ GradScaler): global loss per step.
+    """The same training in fp32, bf16 and fp16 (+ GradScaler) (a collective).
 
     Returns:
-        ``{"fp32": [loss per step], "bf16": [...], "fp16": [...]}``, each loss the mean over
-        the global batch's labelled pixels (the same on every rank).
+        ``{"fp32": [loss per step], "bf16": [...], "fp16": [...]}``, each the mean over the
+        global batch's labelled pixels (the same on every rank).
     """
     batch = _batch()
     out = {}
@@ -125,14 +114,12 @@ def scaler_run(steps: int = SCALER_STEPS, inject_rank: int = INJECT_RANK,
                inject_step: int = INJECT_STEP) -> dict:
     """fp16 with a small GradScaler; one rank's backward makes an inf at ``inject_step``.
 
-    The inf is written into one element of the classifier's weight gradient on
-    ``inject_rank`` by a tensor hook, i.e. in that rank's backward, before DDP's all_reduce
-    (a hook on the parameter runs before the gradient reaches DDP's bucket).
+    A tensor hook writes the inf into the classifier's weight gradient on ``inject_rank``, in
+    that rank's backward, before DDP's all_reduce. A collective.
 
-    Returns this rank's view: ``{"rank", "scale_before": [scale at each step],
-    "scale_after": [...], "skipped": [bool per step], "local_finite": [bool per step: this
-    rank's own classifier gradient before the all_reduce], "reduced_finite": [bool per step:
-    after it], "weights_same": bool (all ranks, at the end), "losses": [...]}``.
+    Returns this rank's view: ``{"rank", "scale_before", "scale_after", "skipped",
+    "local_finite" (own gradient, before the all_reduce), "reduced_finite" (after it),
+    "losses"}``, each a list per step, and ``"weights_same"`` (all ranks, at the end).
     """
     rank = dist.get_rank()
     batch = _batch()
@@ -172,18 +159,18 @@ def scaler_run(steps: int = SCALER_STEPS, inject_rank: int = INJECT_RANK,
         res["skipped"].append(precision.skipped)
         res["local_finite"].append(state["local_finite"])
         res["reduced_finite"].append(reduced["finite"])
-    res["weights_same"] = _weights_same_on_every_rank(module)
+    flat = torch.cat([p.detach().reshape(-1) for p in module.parameters()]).double()
+    res["weights_same"] = _same_on_every_rank(flat.tolist())
     return res
 
 
 def clip_run(steps: int = 4, max_norm: float = CLIP) -> dict:
-    """fp16 + GradScaler + clipping, the recipe written out: scale, backward, unscale_, clip.
+    """fp16 + GradScaler + clipping written out: scale, backward, unscale_, clip (a collective).
 
     Returns:
-        ``{"scaled_norms": [norm of the scaled gradients per step], "norms": [norm after
-        unscale_, i.e. before clipping], "scales": [scale per step], "clipped_norms": [norm
-        after clipping], "same_on_every_rank": bool (norms, bit for bit, via all_gather),
-        "max_norm": max_norm}``.
+        Per step ``"scaled_norms"``, ``"norms"`` (after unscale_, before clipping),
+        ``"scales"``, ``"clipped_norms"``; ``"same_on_every_rank"`` (the norms, bit for bit);
+        ``"max_norm"``.
     """
     batch = _batch()
     module, ddp, opt = _model()
@@ -218,9 +205,8 @@ def clip_run(steps: int = 4, max_norm: float = CLIP) -> dict:
 # --------------------------------------------------------------------------- report
 
 def report(res: dict, rank: int) -> None:
-    """Print the facts (rounded): scenarios 1 and 3 on rank 0, scenario 2 on every rank.
-
-    Lines stay under 92 characters (the launcher adds ``[rank N] ``).
+    """Print the rounded facts: scenarios 1 and 3 on rank 0, 2 on every rank (lines under 92
+    characters: the launcher adds ``[rank N] ``).
     """
     R = res["world_size"]
     if rank == 0:
@@ -271,9 +257,7 @@ def main(argv=None) -> dict:
     res = {"world_size": dist.get_world_size(), "precision": precision_runs(),
            "scaler": scaler_run(), "clip": clip_run()}
     report(res, dist.get_rank())
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, res["scaler"])
-    res["scaler_by_rank"] = everyone
+    res["scaler_by_rank"] = gather(res["scaler"])
     if args.out and dist.get_rank() == 0:
         from pathlib import Path
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

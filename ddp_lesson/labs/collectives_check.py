@@ -2,16 +2,16 @@
 
     torchrun --standalone --nproc-per-node 3 -m ddp_lesson.labs.collectives_check
 
-Every rank runs every case (dtypes int32/int64/float32/float64, sizes from 0 to a few
-thousand elements including numel < world size and odd sizes, ops SUM/AVG/PRODUCT/MIN/MAX,
-contiguous and strided tensors, subgroups of other sizes with ``--group-sizes 1,2,3``).
-Integers must match torch's result bit for bit; floats within float rounding (the sums are
-added in a different order). Rank 0 prints one line per world size and variant:
+Every rank runs every case: int32/int64/float32/float64; 0 to a few thousand elements (numel
+< world size, odd sizes); SUM/AVG/PRODUCT/MIN/MAX; contiguous and strided; subgroups with
+``--group-sizes 1,2,3``. Integers must match torch bit for bit, floats within rounding
+(another summation order). Rank 0 prints a line per world size and variant:
 ``world of 3, ring: 162 cases, bit-equal ints: True, floats within rounding: True``.
 """
 from __future__ import annotations
 
 import argparse
+import functools
 
 import torch
 import torch.distributed as dist
@@ -32,9 +32,8 @@ def _input(numel: int, dtype: torch.dtype, rank: int, seed: int, op: str) -> tor
     return torch.randint(-hi, hi, (numel,), generator=g, dtype=dtype)
 
 
-def _ok(
-    mine: torch.Tensor, ref: torch.Tensor, inputs_abs_sum: torch.Tensor, world_size: int
-) -> bool:
+def _ok(mine: torch.Tensor, ref: torch.Tensor, inputs_abs_sum: torch.Tensor,
+        world_size: int) -> bool:
     if not mine.dtype.is_floating_point:
         return torch.equal(mine, ref)
     # within rounding: |Δ| <= R · eps · Σ|x| (a bound on any summation order's error)
@@ -86,11 +85,10 @@ def main(argv=None) -> None:
     env = init_distributed(timeout=60)
     R, rank = env.world_size, env.rank
     variants = {
-        "ring": lambda t, op, g: ring_all_reduce(t, op, g),
-        "pipelined ring": lambda t, op, g: pipelined_ring_all_reduce(
-            t, op, g, piece_numel=args.piece_numel
-        ),
-        "naive": lambda t, op, g: naive_all_reduce(t, op, g),
+        "ring": ring_all_reduce,
+        "pipelined ring": functools.partial(pipelined_ring_all_reduce,
+                                            piece_numel=args.piece_numel),
+        "naive": naive_all_reduce,
     }
     dtypes = (torch.int64, torch.float32) if args.quick else DTYPES
     sub_sizes = [int(k) for k in args.group_sizes.split(",") if k.strip()]
@@ -100,9 +98,8 @@ def main(argv=None) -> None:
         group = None if k == R else dist.new_group(list(range(k)))  # every rank must call it
         if rank >= k:
             continue
-        sizes = sorted(
-            {0, 1, 2, max(1, k - 1), k, k + 1, 7, 13, 1000} | (set() if args.quick else {4099})
-        )
+        sizes = sorted({0, 1, 2, max(1, k - 1), k, k + 1, 7, 13, 1000}
+                       | (set() if args.quick else {4099}))
         where = "world" if group is None else "subgroup"
         for label, fn in variants.items():
             n, iok, fok = run_cases(fn, k, rank, sizes, group=group, dtypes=dtypes)

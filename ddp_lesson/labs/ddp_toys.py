@@ -1,20 +1,9 @@
-"""Tiny models and data for the DDP lessons: frozen layer, tied weight, unused branch, BatchNorm.
+"""Tiny models and data for the DDP lessons, each toy isolating one thing a gradient-averaging
+wrapper must get right: a frozen layer, a tied weight, an unused branch, BatchNorm's buffers,
+a layer used on some calls only (docs/pitfalls.md B1).
 
-Each toy isolates one thing a gradient-averaging wrapper must get right:
-
-* :class:`FrozenToy` — a layer with ``requires_grad=False`` in the middle: it gets no
-  gradient and must not be all-reduced (nor waited for).
-* :class:`TiedToy` — one ``Parameter`` used by two layers (like tied input/output
-  embeddings): autograd sums both uses into one ``.grad``, which must be reduced *once*.
-* :class:`UnusedToy` — a branch ``aux`` that forward never calls: it needs
-  ``find_unused_parameters=True`` (or an error that names it).
-* :class:`BatchNormToy` — BatchNorm's running statistics are *buffers*: broadcast from rank 0,
-  never averaged.
-* :class:`TwoLayer` — layers ``a`` and ``b``; ``forward(x, use_b)`` decides per call whether
-  ``b`` takes part (docs/pitfalls.md B1).
-
-Data: :func:`toy_batch` gives the same global batch on every rank for a step;
-:func:`shard` cuts out one rank's contiguous rows. Everything is deterministic under a seed.
+Data: :func:`toy_batch`, the same global batch on every rank for a step; :func:`shard`, one
+rank's contiguous rows. Deterministic under a seed.
 """
 from __future__ import annotations
 
@@ -31,7 +20,8 @@ NUM_CLASSES = 3
 
 class FrozenToy(nn.Module):
     """``Linear(4, 8) -> ReLU -> frozen Linear(8, 8) -> ReLU -> Linear(8, 3)``;
-    ``(B, 4) -> (B, 3)``."""
+    ``(B, 4) -> (B, 3)``. The frozen layer gets no gradient: never all-reduced nor waited for.
+    """
 
     def __init__(self):
         super().__init__()
@@ -45,10 +35,10 @@ class FrozenToy(nn.Module):
 
 
 class TiedToy(nn.Module):
-    """``inp -> mid1 -> mid2 -> head`` where ``mid2.weight`` *is* ``mid1.weight``;
-    ``(B, 4) -> (B, 3)``.
+    """``inp -> mid1 -> mid2 -> head``, ``mid2.weight`` *is* ``mid1.weight``; ``(B, 4) -> (B, 3)``.
 
-    ``named_parameters()`` lists the shared weight once, as ``mid1.weight``.
+    As tied embeddings: autograd sums both uses into one ``.grad``, to reduce *once*;
+    ``named_parameters()`` lists it once, as ``mid1.weight``.
     """
 
     def __init__(self):
@@ -64,7 +54,9 @@ class TiedToy(nn.Module):
 
 
 class UnusedToy(nn.Module):
-    """``trunk -> head``, plus a branch ``aux`` that forward never calls; ``(B, 4) -> (B, 3)``."""
+    """``trunk -> head``, plus a branch ``aux`` that forward never calls; ``(B, 4) -> (B, 3)``.
+    It needs ``find_unused_parameters=True`` (or an error that names it).
+    """
 
     def __init__(self):
         super().__init__()
@@ -77,7 +69,9 @@ class UnusedToy(nn.Module):
 
 
 class BatchNormToy(nn.Module):
-    """``Linear(4, 8) -> BatchNorm1d(8) -> ReLU -> Linear(8, 3)``; ``(B, 4) -> (B, 3)``, B >= 2."""
+    """``Linear(4, 8) -> BatchNorm1d(8) -> ReLU -> Linear(8, 3)``; ``(B, 4) -> (B, 3)``, B >= 2.
+    The running statistics are *buffers*: broadcast from rank 0, never averaged.
+    """
 
     def __init__(self):
         super().__init__()
@@ -112,10 +106,8 @@ TOYS: dict[str, tuple[type[nn.Module], bool]] = {
 
 
 def toy_batch(step: int, global_batch: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """The global batch of ``step``: ``x`` of shape ``(global_batch, 4)``, ``y`` class ids
-    ``(global_batch,)``.
-
-    Same on every rank (a private generator seeded with ``seed * 1000 + step``).
+    """The global batch of ``step``: ``x`` ``(global_batch, 4)``, class ids ``y``
+    ``(global_batch,)``; the same on every rank (a generator seeded ``seed * 1000 + step``).
     """
     g = torch.Generator().manual_seed(seed * 1000 + step)
     x = torch.randn(global_batch, IN_FEATURES, generator=g)

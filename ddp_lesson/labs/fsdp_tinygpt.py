@@ -2,23 +2,21 @@
 
     torchrun --standalone --nproc-per-node 2 -m ddp_lesson.labs.fsdp_tinygpt
 
-Every rank builds the same :class:`ddp_lesson.gpt.TinyGPT` twice from the same seed. One copy
-is wrapped in ``DistributedDataParallel``; on the other, ``fully_shard`` (PyTorch's FSDP2,
-``torch.distributed.fsdp``) is applied to each transformer block and then to the whole model,
-which turns every parameter into a ``DTensor`` sharded along dimension 0 across the ranks
-(ZeRO stage 3: parameters, gradients and AdamW states all sharded). Forward all-gathers a
-block's parameters just before it runs and frees them after; backward reduce-scatters the
-gradients. Both train for ``--steps`` AdamW steps on the same batches; the lab prints the
-losses (rounded), whether they match, and each rank's measured parameter bytes. Works on CPU
-with gloo and on GPUs with NCCL. Source: https://pytorch.org/docs/stable/distributed.fsdp.fully_shard.html
+Every rank builds the same :class:`ddp_lesson.gpt.TinyGPT` twice: one in
+``DistributedDataParallel``, one with ``fully_shard`` (PyTorch's FSDP2) on each block and then
+the model, which makes every parameter a ``DTensor`` sharded on dim 0 (ZeRO-3: parameters,
+gradients, AdamW states). Forward all-gathers a block's parameters just before it runs and
+frees them after; backward reduce-scatters the gradients. Both train ``--steps`` AdamW steps
+on the same batches; printed: the losses (rounded), whether they match, each rank's
+parameter bytes. CPU with gloo or GPUs with NCCL. Source:
+https://pytorch.org/docs/stable/distributed.fsdp.fully_shard.html
 
-Then one more training step of each is *counted*: every collective FSDP2 calls
-(``torch.distributed.all_gather_single`` / ``reduce_scatter_single``, which
-``torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py`` calls through the module) is
-wrapped to record its full (unsharded) size, DDP's bucket all-reduces are counted by a
-communication hook, and a forward pre-hook on each block measures the parameter bytes held
-unsharded while that block runs. The ring model turns sizes into bytes sent per rank:
-all-gather and reduce-scatter send ``(R-1)/R`` of the full size, all-reduce ``2(R-1)/R``.
+Then one more step of each is *counted*: FSDP2's collectives (``all_gather_single`` /
+``reduce_scatter_single``, called through the module by
+``torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py``) by wrapping them, DDP's bucket
+all-reduces by a comm hook, and the unsharded parameter bytes by a forward pre-hook per
+block. Ring model: all-gather and reduce-scatter send ``(R-1)/R`` of the full size,
+all-reduce ``2(R-1)/R``.
 """
 from __future__ import annotations
 
@@ -34,7 +32,7 @@ from ddp_lesson.env import cleanup
 from ddp_lesson.gpt import TinyGPT
 from ddp_lesson.labs.zero_check import (
     HPARAMS,
-    global_batch,
+    rank_rows,
     say_bytes_per_rank,
     start_lab,
     train_steps,
@@ -62,9 +60,8 @@ COUNTED = {"all_gather_single": 1, "reduce_scatter_single": 1,
 def count_collectives(record: list):
     """Wrap :data:`COUNTED` in ``torch.distributed``; append ``(name, full_bytes)`` per call.
 
-    ``full_bytes`` is the larger of the output and input tensors (the unsharded size). Calls
-    that go through the module attribute are seen (FSDP2's are); C++ callers such as DDP's
-    Reducer are not. Restores the originals on exit.
+    ``full_bytes``: the largest tensor argument (the unsharded size). Only calls through the
+    module attribute are seen (FSDP2's; not DDP's C++ Reducer). Restores them on exit.
     """
     saved = {name: getattr(dist, name) for name in COUNTED}
 
@@ -114,19 +111,17 @@ def traffic(record: list, world_size: int) -> dict:
 
 def one_step(model, opt, data, step, env):
     """One training step on this rank's slice (no loss averaging: no extra collective)."""
-    x, y = global_batch(data, step, 4, 32, env.world_size)
-    sl = slice(env.rank * 4, (env.rank + 1) * 4)
-    _, loss = model(x[sl].to(env.device), y[sl].to(env.device))
+    _, loss = model(*rank_rows(data, step, env))
     loss.backward()
     opt.step()
     opt.zero_grad()
 
 
 def measure_traffic(say, env, corpus, ref_ddp, ref_opt, model, opt, full_bytes, step):
-    """Count one step of DDP and of FSDP2 (see the module docstring) and print it.
+    """Count one step of DDP and of FSDP2 (module docstring) and print it.
 
-    Returns ``(ddp, fsdp, during)``: :func:`traffic` of each, and the unsharded parameter
-    bytes at each block's forward pre-hook. Leaves DDP with a comm hook registered.
+    Returns ``(ddp, fsdp, during)``: :func:`traffic` of each, and the unsharded parameter bytes
+    at each block's forward pre-hook. Leaves DDP with a comm hook registered.
     """
     ddp_record, fsdp_record, during = [], [], []
     ref_ddp.register_comm_hook(None, counting_allreduce_hook(ddp_record))

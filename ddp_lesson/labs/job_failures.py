@@ -2,12 +2,11 @@
 
     torchrun --standalone --nproc-per-node 2 -m ddp_lesson.labs.job_failures raise
 
-Modes (rank 1 misbehaves; rank 0 is healthy): ``raise`` (an exception, main under ``@record``),
-``raise-unrecorded`` (the same without ``@record``), ``kill`` (SIGKILL, as the OOM killer),
-``hang`` (rank 1 stuck outside any collective; rank 0's ``monitored_barrier`` names it),
-``shape`` (``all_reduce`` of 2 elements against 3) and ``unused`` (a DDP model whose forward
-skips a layer on rank 1). :func:`run_plain` launches it with ``python -m torch.distributed.run``
-and returns what torchrun printed, volatile values masked (:func:`mask`).
+Rank 1 misbehaves per mode: ``raise`` (an exception, main under ``@record``),
+``raise-unrecorded`` (without ``@record``), ``kill`` (SIGKILL, as the OOM killer), ``hang``
+(stuck outside any collective; rank 0's ``monitored_barrier`` names it), ``shape``
+(``all_reduce`` of 2 elements against 3), ``unused`` (a DDP model whose forward skips a
+layer on rank 1). :func:`run_plain` launches it and returns torchrun's output, masked.
 """
 from __future__ import annotations
 
@@ -22,6 +21,7 @@ import time
 import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 MODES = ("raise", "raise-unrecorded", "kill", "hang", "shape", "unused")
 #: Seconds rank 0's ``monitored_barrier`` waits in ``hang``; rank 1 sleeps 10 times longer.
@@ -29,8 +29,7 @@ BARRIER_S = 2
 
 
 class _TwoLayers(torch.nn.Module):
-    """``used`` in every forward; ``skipped`` on rank 0 only (times 0), never on rank 1: a
-    branch that only some ranks take."""
+    """``used`` in every forward; ``skipped`` too on rank 0 (times 0), never on rank 1."""
 
     def __init__(self, skip: bool):
         super().__init__()
@@ -42,12 +41,10 @@ class _TwoLayers(torch.nn.Module):
 
 
 def _unused(rank: int) -> None:
-    """Two DDP steps of :class:`_TwoLayers` (``find_unused_parameters=False``, the default):
-    rank 1's second forward raises, since its first step's reduction never finished
-    (torch/csrc/distributed/c10d/reducer.cpp, ``Reducer::ensure_prior_reduction_finished``);
-    rank 0 waits for that reduction until rank 1 is gone."""
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
+    """Two DDP steps of :class:`_TwoLayers` (``find_unused_parameters=False``): rank 1's second
+    forward raises, its first reduction unfinished (``reducer.cpp``,
+    ``Reducer::ensure_prior_reduction_finished``); rank 0 waits for it until rank 1 is gone.
+    """
     ddp = DDP(_TwoLayers(skip=rank == 1))
     for _ in range(2):
         ddp(torch.ones(2, 4)).sum().backward()
@@ -76,8 +73,9 @@ def _work(mode: str) -> None:
 
 @record
 def _recorded(mode: str) -> None:
-    """:func:`_work` under ``@record``: an exception is written, with its traceback, to the
-    file torchrun names in ``TORCHELASTIC_ERROR_FILE``, and torchrun's summary shows it."""
+    """:func:`_work` under ``@record``: an exception and its traceback go to torchrun's
+    ``TORCHELASTIC_ERROR_FILE``, and torchrun's summary shows it.
+    """
     _work(mode)
 
 
@@ -123,12 +121,12 @@ def run_plain(mode: str, *flags: str, env: dict | None = None, timeout: float = 
 
     Args:
         mode: one of :data:`MODES`.
-        flags: torchrun's own flags, put before the program (``"--log-dir", "runs/x"``).
+        flags: torchrun's own flags, before the program (``"--log-dir", "runs/x"``).
         env: variables added to this process's environment (``TORCH_DISTRIBUTED_DEBUG``).
         timeout: wall-clock seconds before the launch is killed.
 
     Returns:
-        (torchrun's exit code, its stdout and stderr merged and :func:`mask` ed).
+        (torchrun's exit code, its stdout and stderr merged, :func:`mask` ed).
 
     Raises:
         ValueError: an unknown ``mode`` (names the known ones).
@@ -154,8 +152,9 @@ def summary(text: str) -> list[str]:
 
 def failures(text: str) -> dict:
     """torchrun's failure summary as ``{rank: {"exitcode", "error_file", "says"}}`` (``says``:
-    the exception's first line, or the traceback field itself: "Signal 9 (SIGKILL) received by
-    PID PID"), plus ``"root"``: the rank under "Root Cause (first observed failure)"."""
+    the exception's first line, or the traceback field itself, "Signal 9 (SIGKILL) received by
+    PID PID"), and ``"root"``: the rank under "Root Cause (first observed failure)".
+    """
     table, entry, root_next = {}, {}, False
     for line in summary(text):
         key, _, value = (part.strip() for part in line.partition(": "))

@@ -3,10 +3,8 @@
     torchrun --nproc-per-node 2 --max-restarts 1 -m ddp_lesson.train $TINY --out runs/nb07/killed \\
         --simulate-failure-at-step 5 --failure-rank 1
 
-:data:`TINY` is a 4-steps-per-epoch job (32 samples, 2 ranks, batch 4, 2 epochs, a checkpoint
-every 2 global steps); :data:`JOBS` the extra flags of each run. :func:`commands` prints them as
-torchrun command lines, :func:`run_jobs` starts them at once (gloo), :func:`story` keeps the
-lines of a run that tell what happened, :func:`same_weights` compares two runs' checkpoints.
+:data:`TINY`: 4 steps per epoch (32 samples, 2 ranks, batch 4), 2 epochs, a checkpoint every
+2 global steps; :data:`JOBS`: each run's extra flags.
 """
 from __future__ import annotations
 
@@ -27,8 +25,9 @@ KEEP = ("simulated failure", "[restart", "resuming from", "world_size")
 
 
 def commands(root: str = "runs/nb07") -> list[str]:
-    """Each run of :data:`JOBS` as the torchrun command that starts it: one line, then its
-    extra flags on the next (``$TINY`` stands for :data:`TINY`)."""
+    """Each run of :data:`JOBS` as its torchrun command line, its extra flags on the next line
+    (``$TINY`` stands for :data:`TINY`).
+    """
     lines = ["TINY=" + " ".join(TINY)]
     for name, (restarts, extra) in JOBS.items():
         again = f" --max-restarts {restarts}" if restarts else ""
@@ -41,8 +40,9 @@ def commands(root: str = "runs/nb07") -> list[str]:
 
 def run_jobs(root: str = "runs/nb07", timeout: float = 300.0) -> dict:
     """Start every run of :data:`JOBS` at once (2 processes each, gloo) and wait for all:
-    ``{name: TorchrunResult}``. They mostly wait for restarts, so together they take about as
-    long as the slowest. Raises what :func:`ddp_lesson.launch.run_torchrun_many` raises."""
+    ``{name: TorchrunResult}`` (about as long as the slowest). Raises what
+    :func:`ddp_lesson.launch.run_torchrun_many` raises.
+    """
     from ..launch import run_torchrun_many
 
     return run_torchrun_many({

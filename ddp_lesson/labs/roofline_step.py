@@ -2,11 +2,11 @@
 
     torchrun --nproc-per-node 2 -m ddp_lesson.labs.roofline_step
 
-TinyGPT (notebook 08's, vocabulary 103) on ``--batch`` sequences of 32 tokens per rank. Each rank
-times backward alone (``retain_graph``) and an all-reduce of one buffer as large as all the
-gradients, median of 5 after a warm-up; the slowest rank's medians (an all-reduce MAX) are
-printed by rank 0 with the FLOPs torch's ``FlopCounterMode`` counts. Lines with timings start
-with ``measured`` (they vary from run to run; the notebooks' sanitizer masks what follows).
+TinyGPT (notebook 08's, vocabulary 103), ``--batch`` sequences of 32 tokens per rank. Each
+rank times backward alone (``retain_graph``) and an all-reduce of one buffer the size of all
+gradients, median of 5 after a warm-up; rank 0 prints the slowest rank's medians (all-reduce
+MAX) with ``FlopCounterMode``'s FLOPs. Timing lines start with ``measured`` (the notebooks'
+sanitizer masks the rest).
 """
 from __future__ import annotations
 
@@ -16,6 +16,10 @@ import time
 
 import torch
 import torch.distributed as dist
+
+from ddp_lesson.cost_model import flops_per_sample
+from ddp_lesson.env import cleanup, init_distributed
+from ddp_lesson.gpt import TinyGPT
 
 
 def _median_s(fn, device: str, repeats: int = 5) -> float:
@@ -33,10 +37,6 @@ def _median_s(fn, device: str, repeats: int = 5) -> float:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from ddp_lesson.cost_model import flops_per_sample
-    from ddp_lesson.env import cleanup, init_distributed
-    from ddp_lesson.gpt import TinyGPT
-
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--batch", type=int, default=8, help="sequences per rank (default 8)")
     args = p.parse_args(argv)

@@ -2,19 +2,13 @@
 
     torchrun --standalone --nproc-per-node 3 -m ddp_lesson.labs.sampler_eval --dataset-len 10
 
-A toy classifier that is right on every sample except index 0 is evaluated over the ranks
-three ways (docs/pitfalls.md A3, A10):
-
-* over the padded ``DistributedSampler(shuffle=False)`` shards: the repeats count twice
-  (N=10, R=3: 10/12 = 0.833);
-* over unpadded ``DistributedEvalSampler`` shards, averaging each rank's accuracy: the short
-  shards weigh more ((3/4 + 3/3 + 3/3) / 3 = 0.917);
-* with :func:`ddp_lesson.evaluation.evaluate_exact`: unpadded shards, correct and count
-  summed with one ``all_reduce``, divided once: 9/10 = 0.9, the single-process value.
-
-Also home to the toy datasets the evaluation tests use (:class:`ToyClassification`,
-:class:`ToySegmentation` and :func:`toy_segmenter`). Notebook 02 runs this with
-``%%torchrun --nproc-per-node 3``.
+A toy classifier wrong only on index 0, evaluated three ways (docs/pitfalls.md A3, A10):
+padded ``DistributedSampler(shuffle=False)`` shards count the repeats twice (N=10, R=3:
+10/12 = 0.833); a mean of each rank's accuracy on unpadded ``DistributedEvalSampler`` shards
+overweights the short shards ((3/4 + 3/3 + 3/3) / 3 = 0.917);
+:func:`ddp_lesson.evaluation.evaluate_exact` sums correct and count with one ``all_reduce``
+and divides once: 9/10 = 0.9, the single-process value. Notebook 02 runs it on 3 ranks.
+Also home to the toy datasets of the evaluation tests.
 """
 from __future__ import annotations
 
@@ -23,11 +17,18 @@ import argparse
 import torch
 from torch.utils.data import Dataset
 
+from ddp_lesson.env import cleanup, init_distributed
+from ddp_lesson.evaluation import evaluate_exact
+from ddp_lesson.labs import gather
+from ddp_lesson.sampler import DistributedEvalSampler, DistributedSampler
+
 
 class ToyClassification(Dataset):
-    """Item i is ``(tensor(i), tensor(i % num_classes))``: the input *is* the index.
+    """Item i is ``(tensor(i), tensor(i % num_classes))``: the input *is* the index; with
+    :meth:`predictor`, a model with chosen mistakes.
 
-    Pair it with :meth:`predictor` to get a model with a chosen set of mistakes.
+    Raises:
+        ValueError: ``n < 0`` or ``num_classes < 2``.
     """
 
     def __init__(self, n: int, num_classes: int = 2):
@@ -60,9 +61,9 @@ class ToyClassification(Dataset):
 class ToySegmentation(Dataset):
     """Small deterministic "scenes": item i is ``(image (1, H, W) float32, target (H, W) int64)``.
 
-    The target holds classes ``0..C-1`` with about 10% void pixels (255); the image is the
-    class number plus noise in [-0.9, 0.9], so :func:`toy_segmenter` (round the image) makes
-    some mistakes. Item i depends only on ``(seed, i)``, not on the order items are read.
+    The target holds classes ``0..C-1`` (skewed frequencies) and about 10% void pixels (255);
+    the image is the class plus noise in [-0.9, 0.9], so :func:`toy_segmenter` makes some
+    mistakes. Item i depends only on ``(seed, i)``.
     """
 
     def __init__(self, n: int, size=(6, 8), num_classes: int = 4, seed: int = 0):
@@ -94,15 +95,8 @@ def toy_segmenter(images: torch.Tensor, num_classes: int = 4) -> torch.Tensor:
 def main(n: int = 10) -> None:
     """Run under torchrun (3 processes for the A3 numbers); rank 0 prints the comparison.
 
-    Synchronises: each :func:`evaluate_exact` call (one all_reduce) and one
-    ``all_gather_object`` of the per-rank accuracies.
+    Synchronises: each :func:`evaluate_exact` (one all_reduce), one ``all_gather_object``.
     """
-    import torch.distributed as dist
-
-    from ..env import cleanup, init_distributed
-    from ..evaluation import evaluate_exact
-    from ..sampler import DistributedEvalSampler, DistributedSampler
-
     env = init_distributed(timeout=60)
     R = env.world_size
     dataset = ToyClassification(n)
@@ -116,8 +110,7 @@ def main(n: int = 10) -> None:
     exact = evaluate_exact(predict, dataset, device=env.device)
     # each rank's own accuracy on its unpadded shard, then the (wrong) mean of them
     local_acc = exact.local_correct / exact.local_count if exact.local_count else None
-    accs = [None] * R
-    dist.all_gather_object(accs, local_acc)
+    accs = gather(local_acc)
     if env.is_main:
         single = sum(int(predict(x[None])[0] == y) for x, y in dataset) / len(dataset)
         print(f"N={n}, R={R}, model wrong on index 0 only")

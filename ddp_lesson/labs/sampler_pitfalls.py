@@ -1,14 +1,10 @@
-"""Deliberately broken sampler pieces, kept for the critical reading of the
-seed script (notebook 02's deep dive on edge cases).
+"""Deliberately broken sampler pieces from the seed script (notebook 02's deep dive on edge
+cases), each reproducing one defect for a cell and a test to show:
 
-Nothing here is meant for use: each object reproduces one defect so that a cell (and a test)
-can show exactly what breaks and where.
-
-* :class:`NestedLenSampler` — ``__len__`` written *inside* ``__iter__``, after its
-  ``return``: the nested ``def`` is never executed, the class has no ``__len__``, and
-  ``len(sampler)`` / ``len(loader)`` raise ``TypeError``.
-* :func:`one_shot_padding` — the old padding ``indices += indices[:pad]``, which comes up
-  short when the padding is longer than the dataset (N < R/2, docs/pitfalls.md A7).
+* :class:`NestedLenSampler`: ``__len__`` written inside ``__iter__``, after its ``return``;
+  the class has no ``__len__``, and ``len(sampler)`` / ``len(loader)`` raise ``TypeError``.
+* :func:`one_shot_padding`: the old ``indices += indices[:pad]``, short when the padding is
+  longer than the dataset (N < R/2, docs/pitfalls.md A7).
 
 Run it to see both: ``python -m ddp_lesson.labs.sampler_pitfalls``.
 """
@@ -20,11 +16,10 @@ import math
 class NestedLenSampler:
     """A padded, strided sampler whose ``__len__`` is indented one level too deep.
 
-    It yields the right indices (the same as ``DistributedSampler(shuffle=False)``), so a
-    ``for batch in loader`` loop works and the bug stays hidden, until something asks for a
-    length: ``len(sampler)``, ``len(loader)``, a progress bar's total, a scheduler's
-    ``steps_per_epoch``. Each raises ``TypeError: object of type 'NestedLenSampler' has no
-    len()`` (tqdm swallows it and shows no total).
+    It yields the right indices (``DistributedSampler(shuffle=False)``'s), so a loop over the
+    loader hides the bug until something asks for a length (``len(loader)``, a progress bar's
+    total, a scheduler's ``steps_per_epoch``): ``TypeError: object of type 'NestedLenSampler'
+    has no len()`` (tqdm swallows it and shows no total).
     """
 
     def __init__(self, n: int, num_replicas: int, rank: int):
@@ -51,9 +46,8 @@ def one_shot_padding(n: int, num_replicas: int) -> list[int]:
         num_replicas: world size R.
 
     Returns:
-        The padded list; its length is ``total_size = R * ceil(N / R)`` only when
-        ``pad <= N``. N=3, R=7: pad is 4, but ``[0, 1, 2][:4]`` has 3 entries, so the list
-        has 6 entries, not 7, and the old ``assert len(indices) == total_size`` fails.
+        The padded list, ``total_size = R * ceil(N / R)`` long only when ``pad <= N``: N=3, R=7
+        pads 4 with ``[0, 1, 2][:4]``, 6 entries, not 7 (the old ``assert`` fails).
     """
     total_size = math.ceil(n / num_replicas) * num_replicas
     indices = list(range(n))

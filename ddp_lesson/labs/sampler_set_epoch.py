@@ -3,32 +3,28 @@
     torchrun --standalone --nproc-per-node 2 -m ddp_lesson.labs.sampler_set_epoch \\
         --dataset-len 8 --epochs 3
 
-Every rank builds a shuffled :class:`ddp_lesson.sampler.DistributedSampler` and a
-``DataLoader`` on a dataset of ``n`` integers, and runs the epoch loop twice: once without
-calling ``sampler.set_epoch(epoch)`` (the seed script's loop) and once with it. The indices each
-rank receives are gathered on rank 0, which prints them side by side: without ``set_epoch``
-every epoch repeats epoch 0 (the generator is seeded with ``seed + 0`` each time, docs/pitfalls.md
-A1); with it every epoch is a new permutation, and each epoch still covers the dataset exactly
-once over all ranks. Notebook 02 runs this with ``%%torchrun --nproc-per-node 2``.
+Every rank runs the epoch loop of a ``DataLoader`` over a shuffled
+:class:`ddp_lesson.sampler.DistributedSampler` twice, without ``sampler.set_epoch(epoch)``
+(the seed script's loop) and with it; rank 0 prints the gathered indices side by side.
+Without, every epoch repeats epoch 0 (seeded ``seed + 0``, docs/pitfalls.md A1); with, each
+epoch is a new permutation that still covers the dataset once. Notebook 02 runs it.
 """
 from __future__ import annotations
 
 import argparse
 
+from torch.utils.data import DataLoader
+
+from ddp_lesson.env import cleanup, init_distributed
+from ddp_lesson.labs import gather
+from ddp_lesson.sampler import DistributedSampler
+
 
 def epoch_orders(n: int, num_replicas: int, rank: int, epochs: int, seed: int,
                  call_set_epoch: bool, batch_size: int = 2) -> list[list[int]]:
-    """The indices this rank's DataLoader yields in each of ``epochs`` epochs.
-
-    Local work only (no collective): the sampler is told ``num_replicas`` and ``rank``.
-
-    Returns:
-        ``orders[e]`` = the dataset indices of epoch ``e`` on this rank, in order.
+    """The indices this rank's DataLoader yields in each of ``epochs`` epochs (local: the
+    sampler is told ``num_replicas`` and ``rank``). Returns ``orders[e]``, epoch ``e``'s indices.
     """
-    from torch.utils.data import DataLoader
-
-    from ..sampler import DistributedSampler
-
     dataset = range(n)  # item i is the integer i, so a batch shows which indices it holds
     sampler = DistributedSampler(dataset, num_replicas=num_replicas, rank=rank,
                                  shuffle=True, seed=seed)
@@ -53,13 +49,8 @@ def _fmt(xs) -> str:
 
 def main(n: int = 8, epochs: int = 3, seed: int = 0) -> None:
     """Run under torchrun: every rank runs both loops; rank 0 prints the orders and the facts.
-
-    Synchronises: one ``all_gather_object`` (and the process group's setup and teardown).
+    Synchronises: one ``all_gather_object`` (and the group's setup and teardown).
     """
-    import torch.distributed as dist
-
-    from ..env import cleanup, init_distributed
-
     env = init_distributed(timeout=60)
     R = env.world_size
     without = epoch_orders(n, R, env.rank, epochs, seed, call_set_epoch=False)
@@ -67,8 +58,7 @@ def main(n: int = 8, epochs: int = 3, seed: int = 0) -> None:
     print(f"my epochs are all the same without set_epoch: "
           f"{all(o == without[0] for o in without)}; "
           f"all different with it: {len({tuple(o) for o in with_}) == epochs}")
-    gathered = [None] * R
-    dist.all_gather_object(gathered, (without, with_))
+    gathered = gather((without, with_))
     if env.is_main:
         print(f"N={n}, {R} ranks, shuffle=True, seed={seed}: indices each rank got, per epoch")
         width = R * (len(_fmt(without[0])) + 4)

@@ -2,35 +2,30 @@
 
     torchrun --standalone --nproc-per-node 3 -m ddp_lesson.labs.sampler_shards
 
-Every rank builds a :class:`ddp_lesson.sampler.DistributedSampler` (reading its rank and the
-world size from the process group, as a training script does), runs one epoch of a
-``DataLoader`` over it, and the lists are gathered on every rank with ``all_gather_object``.
-Rank 0 prints them with the facts that matter: are the shards *disjoint* (no sample seen
-twice) and do they *cover the dataset* (no sample missed)? Four settings:
-
-1. N divisible by R, every rank on the same seed and epoch: disjoint and covering;
-2. N not divisible by R (``drop_last=False``): covering, but the padding repeats samples;
-3. the same with ``drop_last=True``: disjoint, but the tail is dropped;
-4. every rank seeding with its own rank (docs/pitfalls.md A2): overlaps *and* misses.
-Notebook 02 runs this with ``%%torchrun --nproc-per-node 3``.
+Every rank runs one epoch of a ``DataLoader`` over a
+:class:`ddp_lesson.sampler.DistributedSampler` (rank and world size from the process group);
+rank 0 prints the gathered lists and whether they are *disjoint* and *cover the dataset*, in
+four settings: N divisible by R; not divisible (padding repeats samples); with
+``drop_last=True`` (the tail dropped); every rank seeding with its own rank
+(docs/pitfalls.md A2: overlaps *and* misses). Notebook 02 runs it on 3 ranks.
 """
 from __future__ import annotations
 
 import argparse
 from collections import Counter
 
+from torch.utils.data import DataLoader
+
+from ddp_lesson.env import cleanup, init_distributed
+from ddp_lesson.labs import gather
+from ddp_lesson.sampler import DistributedSampler
+
 
 def local_shard(n: int, shuffle: bool = True, seed: int = 0, epoch: int = 0,
                 drop_last: bool = False, batch_size: int = 2) -> list[int]:
-    """The indices this rank's DataLoader yields in one epoch (local; needs a process group).
-
-    ``num_replicas`` and ``rank`` are left to the sampler, which reads them from the default
-    process group (a local query, not a collective).
+    """The indices this rank's DataLoader yields in one epoch (needs a process group: the
+    sampler reads ``num_replicas`` and ``rank`` from it, a local query).
     """
-    from torch.utils.data import DataLoader
-
-    from ..sampler import DistributedSampler
-
     dataset = range(n)
     sampler = DistributedSampler(dataset, shuffle=shuffle, seed=seed, drop_last=drop_last)
     sampler.set_epoch(epoch)
@@ -40,26 +35,18 @@ def local_shard(n: int, shuffle: bool = True, seed: int = 0, epoch: int = 0,
 
 def gather_shards(n: int, shuffle: bool = True, seed: int = 0, epoch: int = 0,
                   drop_last: bool = False) -> list[list[int]]:
-    """Every rank's one-epoch index list, on every rank: ``shards[r]`` is rank r's.
-
-    A collective (``all_gather_object``): every rank must call it with its own arguments.
-    Ranks may pass different ``seed``/``epoch`` to show what that breaks (A2).
+    """Every rank's one-epoch index list, on every rank: ``shards[r]`` is rank r's. A
+    collective; ranks may pass different ``seed``/``epoch`` to show what that breaks (A2).
     """
-    import torch.distributed as dist
-
-    mine = local_shard(n, shuffle, seed, epoch, drop_last)
-    shards = [None] * dist.get_world_size()
-    dist.all_gather_object(shards, mine)
-    return shards
+    return gather(local_shard(n, shuffle, seed, epoch, drop_last))
 
 
 def partition_facts(shards: list[list[int]], n: int) -> dict:
-    """Disjoint? Covering? Which samples repeat, which are missed? Pure, no process group.
+    """Disjoint? Covering? Which samples repeat, which are missed? Pure.
 
     Returns:
-        dict with ``disjoint`` (no index in two places), ``covers`` (every index of
-        ``range(n)`` somewhere), ``repeated`` (sorted extra occurrences: an index seen k
-        times appears k-1 times), ``missing`` (sorted indices seen nowhere), ``total``.
+        ``disjoint``, ``covers`` (every index of ``range(n)`` somewhere), ``repeated`` (sorted
+        extra occurrences: an index seen k times appears k-1 times), ``missing``, ``total``.
     """
     counts = Counter(i for shard in shards for i in shard)
     repeated = sorted(i for i, c in counts.items() for _ in range(c - 1))
@@ -83,11 +70,8 @@ def _report(title: str, shards: list[list[int]], n: int) -> None:
 
 def main(seed: int = 0, epoch: int = 0) -> None:
     """Run under torchrun (best with 3 processes); rank 0 prints the four settings.
-
     Synchronises: one ``all_gather_object`` per setting, plus setup and teardown.
     """
-    from ..env import cleanup, init_distributed
-
     env = init_distributed(timeout=60)
     R = env.world_size
     # 4R - 2 is not a multiple of an odd R >= 3; 4R - 1 is not a multiple of an even R

@@ -2,30 +2,31 @@
 
     torchrun --standalone --nproc-per-node 2 -m ddp_lesson.labs.sampler_streams --part all
 
-Two parts, each on every rank with a ``DataLoader`` of 2 worker processes:
+Two parts, each with a ``DataLoader`` of 2 workers on every rank (notebook 02's deep dive,
+``notebooks/deep/02_weighted_streams_and_seeds.ipynb``, runs both in one cell):
 
-* ``stream``: a stream of 103 items (an ``IterableDataset``: no indices, no sampler) read
-  through :class:`ddp_lesson.sampler.IterableShard`, which gives reader ``rank * W + worker``
-  every ``R * W``-th item. Gathered on rank 0: every item exactly once; without the split,
-  each of the R * W readers would read everything. The shards are uneven (52 and 51 items,
-  12 and 11 batches of 5), so a loop with one collective per batch would leave rank 0's last
-  all_reduce without a partner; the lab runs the cure (each step, an all_reduce with MIN of
-  "I still have a batch") and counts each rank's collectives.
-* ``seeds``: the random numbers an augmentation draws in each DataLoader worker, with the
-  same ``torch.manual_seed(0)`` on every rank (rank r and rank r' draw the *same* numbers:
-  torch seeds worker w with ``base_seed + w``, and ``base_seed`` comes from the rank's seeded
-  generator), and with the DataLoader's generator seeded ``seed + rank`` (all differ), while
-  the sampler's seed stays the same on every rank (the shards stay a partition).
-
-Notebook 02's deep dive (``notebooks/deep/02_weighted_streams_and_seeds.ipynb``) runs both parts
-in one ``%%torchrun --nproc-per-node 2`` cell.
+* ``stream``: 103 items of an ``IterableDataset`` read through
+  :class:`ddp_lesson.sampler.IterableShard` (reader ``rank * W + worker`` takes every
+  ``R * W``-th item): every item exactly once; without it every reader reads everything.
+  The shards are uneven (12 and 11 batches of 5), so one collective per batch would leave
+  rank 0's last without a partner; the cure (an all_reduce MIN of "I still have a batch"
+  each step) is run and each rank's collectives counted.
+* ``seeds``: an augmentation's draws in each worker with ``torch.manual_seed(0)`` on every
+  rank (the ranks draw the *same* numbers: worker w is seeded ``base_seed + w``, drawn from
+  the rank's seeded generator), then with the DataLoader's generator seeded ``seed + rank``
+  (all differ); the sampler's seed stays the same everywhere (a partition).
 """
 from __future__ import annotations
 
 import argparse
 
 import torch
-from torch.utils.data import Dataset, IterableDataset, get_worker_info
+import torch.distributed as dist
+from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
+
+from ddp_lesson.env import cleanup, init_distributed, reduce_device
+from ddp_lesson.labs import gather
+from ddp_lesson.sampler import DistributedSampler, IterableShard
 
 
 class CountingStream(IterableDataset):
@@ -39,10 +40,8 @@ class CountingStream(IterableDataset):
 
 
 class AugmentedItems(Dataset):
-    """Item ``i`` is ``(i, worker id, an "augmentation" draw torch.randint(0, 100))``.
-
-    The draw stands for a random crop or flip: it uses the torch generator of the process
-    that loads the item, which in a DataLoader worker is seeded ``base_seed + worker_id``.
+    """Item ``i`` is ``(i, worker id, an "augmentation" draw torch.randint(0, 100))``, drawn
+    from the loading process's generator (a worker's: seeded ``base_seed + worker_id``).
     """
 
     def __init__(self, n: int) -> None:
@@ -57,27 +56,14 @@ class AugmentedItems(Dataset):
         return i, worker, int(torch.randint(0, 100, ()).item())
 
 
-def _gather(obj) -> list:
-    import torch.distributed as dist
-
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
-
-
 # --------------------------------------------------------------------------- part 1: stream
 
 def stream_part(env, n: int = 103, workers: int = 2, batch_size: int = 5) -> None:
     """Read a stream split by IterableShard; rank 0 prints the partition and the batch counts.
 
-    Synchronises: ``all_gather_object`` (twice) and one ``all_reduce`` per step of the
-    equalised loop, plus one ``all_reduce`` per batch of its stand-in gradient.
+    Synchronises: ``all_gather_object`` (three times) and one ``all_reduce`` per step of the
+    equalised loop, plus one per batch of its stand-in gradient.
     """
-    import torch.distributed as dist
-    from torch.utils.data import DataLoader
-
-    from ..sampler import IterableShard
-
     R = env.world_size
     say = print if env.is_main else (lambda *a, **k: None)
 
@@ -88,7 +74,7 @@ def stream_part(env, n: int = 103, workers: int = 2, batch_size: int = 5) -> Non
     mine = [i for b in batches for i in b]
     per_worker = [sum(1 for i in mine if i % (R * workers) == env.rank * workers + w)
                   for w in range(workers)]
-    gathered = _gather((mine, len(batches), per_worker))
+    gathered = gather((mine, len(batches), per_worker))
     say(f"a stream of {n} items, {R} ranks x {workers} DataLoader workers = {R * workers} "
         f"readers; batch {batch_size}")
     for r, (items, nb, pw) in enumerate(gathered):
@@ -98,7 +84,7 @@ def stream_part(env, n: int = 103, workers: int = 2, batch_size: int = 5) -> Non
     say(f"every item 0..{n - 1} exactly once across ranks and workers: "
         f"{everything == list(range(n))}")
     plain = [i for b in loader(CountingStream(n)) for i in b.tolist()]  # no split at all
-    copies = _gather(plain.count(0))
+    copies = gather(plain.count(0))
     say(f"without IterableShard each worker reads it all: item 0 comes {sum(copies)} times "
         f"({copies} per rank)")
 
@@ -110,7 +96,7 @@ def stream_part(env, n: int = 103, workers: int = 2, batch_size: int = 5) -> Non
         say(f"  -> rank {most}'s all_reduce number {counts[most]} has no partner: "
             "it waits until the timeout")
     steps, reduced = _equalised_loop(batches)
-    done = _gather((steps, reduced))
+    done = gather((steps, reduced))
     say("equalised: each step first an all_reduce(MIN) of 'I still have a batch'")
     say(f"  steps per rank {[s for s, _ in done]}, gradient all_reduces per rank "
         f"{[g for _, g in done]}: they match")
@@ -119,15 +105,10 @@ def stream_part(env, n: int = 103, workers: int = 2, batch_size: int = 5) -> Non
 
 
 def _equalised_loop(batches: list[list[int]]) -> tuple[int, int]:
-    """Step while *every* rank has a batch: each step one all_reduce(MIN) of a flag first.
+    """Step while *every* rank has a batch (first an all_reduce MIN of a flag each step).
 
-    Returns ``(steps taken, all_reduces of the stand-in gradient)``; both equal on every
-    rank, which is what lets the per-batch collective match up.
+    Returns ``(steps, all_reduces of the stand-in gradient)``, equal on every rank.
     """
-    import torch.distributed as dist
-
-    from ..env import reduce_device
-
     device = reduce_device()  # cuda:LOCAL_RANK under NCCL (CUDA tensors only), else cpu
     it = iter(batches)
     steps = reduced = 0
@@ -149,18 +130,13 @@ def worker_draws(rank: int, num_replicas: int, loader_seed: int | None, global_s
                  sampler_seed: int = 0) -> tuple[list[int], dict[int, list[int]]]:
     """One epoch on this rank: its indices and each worker's augmentation draws (local).
 
-    ``torch.manual_seed(global_seed)`` is called just before the epoch (as "seed
-    everything" code does); with ``loader_seed`` the DataLoader gets its own generator
-    seeded with it, from which ``iter(loader)`` draws the workers' ``base_seed`` instead of
-    from the global generator. The sampler is seeded ``sampler_seed`` on every rank.
+    ``torch.manual_seed(global_seed)`` just before the epoch; with ``loader_seed`` the
+    DataLoader gets its own generator, from which ``iter(loader)`` draws the workers'
+    ``base_seed``. The sampler is seeded ``sampler_seed`` on every rank.
 
     Returns:
         ``(indices, {worker: [draws in order]})``.
     """
-    from torch.utils.data import DataLoader
-
-    from ..sampler import DistributedSampler
-
     data = AugmentedItems(n)
     sampler = DistributedSampler(data, num_replicas=num_replicas, rank=rank, seed=sampler_seed)
     generator = None if loader_seed is None else torch.Generator().manual_seed(loader_seed)
@@ -176,11 +152,9 @@ def worker_draws(rank: int, num_replicas: int, loader_seed: int | None, global_s
 
 
 def _check_worker_seed(worker_id: int) -> None:
-    """A worker_init_fn: what torch gave this worker (``get_worker_info``), checked.
-
-    torch seeds ``random``, ``torch`` and (when installed) ``numpy`` in each worker from
-    ``seed = base_seed + worker_id`` before this runs (``torch/utils/data/_utils/worker.py``);
-    other libraries' generators are the place to seed here, from ``info.seed``.
+    """A worker_init_fn checking what torch gave this worker: ``random``, ``torch`` and
+    ``numpy`` are seeded ``base_seed + worker_id`` before it runs
+    (``torch/utils/data/_utils/worker.py``); seed other libraries here, from ``info.seed``.
     """
     info = get_worker_info()
     assert info.id == worker_id and torch.initial_seed() == info.seed, (worker_id, info.seed)
@@ -197,7 +171,7 @@ def seeds_part(env, seed: int = 0) -> None:
                                 seed + env.rank)]:
         indices, draws = worker_draws(env.rank, R, loader_seed, global_seed=seed,
                                       sampler_seed=seed)
-        gathered = _gather((indices, draws))
+        gathered = gather((indices, draws))
         results[title] = gathered
         say(title + ":")
         for r, (_, d) in enumerate(gathered):
@@ -214,8 +188,6 @@ def seeds_part(env, seed: int = 0) -> None:
 
 def main(part: str = "all", seed: int = 0) -> None:
     """Run under torchrun (2 processes in the notebook); ``part``: stream, seeds or all."""
-    from ..env import cleanup, init_distributed
-
     env = init_distributed(timeout=60)
     if part in ("stream", "all"):
         stream_part(env)

@@ -2,20 +2,23 @@
 
     torchrun --standalone --nproc-per-node 3 -m ddp_lesson.labs.sampler_weighted
 
-Class imbalance is usually handled with ``torch.utils.data.WeightedRandomSampler``, which has
-no distributed form. Every rank here builds a :class:`ddp_lesson.sampler.DistributedWeightedSampler`
-(reading rank and world size from the process group) over 100 items, the first 50 with weight
-2.0 and the last 50 with 1.0, runs one epoch of a ``DataLoader`` over it, and the shards and
-each rank's view of the whole draw are gathered with ``all_gather_object``. Rank 0 prints the
-facts: every rank drew the same list, interleaving the shards gives back the padded draw,
-``set_epoch`` changes the draw on every rank together, and the weights show in the counts.
-Then the silent trap: torch's ``DistributedSampler(WeightedRandomSampler(...))`` deals out
-*positions* ``0..99``, and the weights are never used. Notebook 02's deep dive on weighted
-sampling runs this with ``%%torchrun --nproc-per-node 3``.
+``torch.utils.data.WeightedRandomSampler`` has no distributed form. Every rank runs one epoch
+of a :class:`ddp_lesson.sampler.DistributedWeightedSampler` over 100 items (:data:`WEIGHTS`);
+rank 0 prints that every rank drew the same list, that the interleaved shards give back the
+padded draw, that ``set_epoch`` changes the draw everywhere together, and the weights in the
+counts. Then the silent trap: torch's ``DistributedSampler(WeightedRandomSampler(...))``
+deals out *positions* ``0..99``, never using the weights. Notebook 02's deep dive runs it.
 """
 from __future__ import annotations
 
 import argparse
+
+from torch.utils.data import DataLoader, WeightedRandomSampler
+from torch.utils.data import DistributedSampler as TorchDistributedSampler
+
+from ddp_lesson.env import cleanup, init_distributed
+from ddp_lesson.labs import gather
+from ddp_lesson.sampler import DistributedWeightedSampler
 
 #: Weight 2.0 for items 0..49, 1.0 for items 50..99: a 2:1 split whose effect a count of one
 #: epoch shows plainly (about 2/3 of the draws from the first half).
@@ -24,18 +27,8 @@ WEIGHTS = [2.0] * 50 + [1.0] * 50
 
 def one_epoch(sampler, batch_size: int = 10) -> list[int]:
     """The dataset indices this rank's DataLoader yields for one epoch (local)."""
-    from torch.utils.data import DataLoader
-
     loader = DataLoader(range(len(WEIGHTS)), batch_size=batch_size, sampler=sampler)
     return [i for batch in loader for i in batch.tolist()]
-
-
-def _gather(obj) -> list:
-    import torch.distributed as dist
-
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
 
 
 def _interleave(shards: list[list[int]]) -> list[int]:
@@ -49,25 +42,18 @@ def _fmt(xs: list[int], k: int = 10) -> str:
 
 def main(num_samples: int = 100, seed: int = 0) -> None:
     """Run under torchrun (3 processes in the notebook); rank 0 prints, every rank checks.
-
-    Synchronises: five ``all_gather_object`` calls, plus setup and teardown.
+    Synchronises: six ``all_gather_object`` calls, plus setup and teardown.
     """
-    from torch.utils.data import DistributedSampler as TorchDistributedSampler
-    from torch.utils.data import WeightedRandomSampler
-
-    from ..env import cleanup, init_distributed
-    from ..sampler import DistributedWeightedSampler
-
     env = init_distributed(timeout=60)
     R = env.world_size
     say = print if env.is_main else (lambda *a, **k: None)
     sampler = DistributedWeightedSampler(WEIGHTS, num_samples, seed=seed)
-    shards = _gather(one_epoch(sampler))
-    draws = _gather(sampler.padded_draw())           # each rank's view of the whole draw
-    lengths = _gather(len(sampler))
+    shards = gather(one_epoch(sampler))
+    draws = gather(sampler.padded_draw())           # each rank's view of the whole draw
+    lengths = gather(len(sampler))
     sampler.set_epoch(1)
-    shards1 = _gather(one_epoch(sampler))
-    draws1 = _gather(sampler.padded_draw())
+    shards1 = gather(one_epoch(sampler))
+    draws1 = gather(sampler.padded_draw())
 
     padded = draws[0]
     say(f"weights 2.0 for items 0-49, 1.0 for 50-99; num_samples={num_samples}, R={R}, "
@@ -88,7 +74,7 @@ def main(num_samples: int = 100, seed: int = 0) -> None:
     # the trap: a DistributedSampler sees only len() of what it wraps
     trap = TorchDistributedSampler(WeightedRandomSampler(WEIGHTS, num_samples),
                                    num_replicas=R, rank=env.rank, shuffle=False)
-    trapped = _gather(list(trap))
+    trapped = gather(list(trap))
     say(f"torch's DistributedSampler(WeightedRandomSampler(w, {num_samples}), shuffle=False):")
     say(f"  rank 0: {_fmt(trapped[0], 6)}: positions, not weighted draws")
     positions = all(t == [p % num_samples for p in range(r, len(padded), R)]

@@ -2,42 +2,32 @@
 
     torchrun --standalone --nproc-per-node 2 -m ddp_lesson.labs.token_loss [--json]
 
-A language model's loss is the mean over *valid* tokens; padding (targets ``-100``, which
-``cross_entropy`` ignores) does not count. With variable-length sequences the micro-batches of
-one rank, and the ranks, hold different numbers of valid tokens. Each rank here runs K
+A language model's loss is the mean over *valid* tokens (targets ``-100``, padding, are
+ignored), and micro-batches and ranks hold different numbers of them. Each rank runs K
 micro-batches (``no_sync`` on all but the last) of B padded sequences of TinyGPT under torch's
-``DistributedDataParallel``, which averages the ranks' gradients; every rank builds the same
-global batch from one seed and takes its slice. Four ways to normalise each micro-batch's
-summed token loss ``S_j`` (``n_j`` valid tokens) are compared with one process's gradient of the
-mean over every valid token of the global batch:
+``DistributedDataParallel``, on its slice of one global batch. Four normalisations of a
+micro-batch's summed loss ``S_j`` (``n_j`` valid tokens) are compared with one process's
+gradient of the mean over every valid token:
 
-===================  ==========================================  ===========================
-normalisation        micro-batch loss                            equal to one process when
-===================  ==========================================  ===========================
-micro-batch mean     ``S_j / n_j / K``                           every micro-batch has the
-                                                                 same number of tokens
-padded positions     ``S_j / (K * B * T)``                       there is no padding
-rank token count     ``S_j / n_rank``                            every rank has the same count
-global token count   ``S_j * R / n_global``                      always
-===================  ==========================================  ===========================
+* micro-batch mean, ``S_j / n_j / K``: equal when every micro-batch has as many tokens;
+* padded positions, ``S_j / (K * B * T)``: equal when there is no padding;
+* rank token count, ``S_j / n_rank``: equal when every rank has the same count;
+* global token count, ``S_j * R / n_global``: always equal.
 
-``n_global`` comes from one ``all_reduce`` of the ranks' counts before the step's backwards;
-the factor ``R`` undoes DDP's division by the world size. The same fix went into trainers in
-2024-26 (huggingface/transformers#34191, huggingface/trl#3231, pytorch/torchtune#1875). The
-trainer's pixel-count loss (:func:`ddp_lesson.train.train_step`) is this rule for pixels.
+``n_global`` is one ``all_reduce`` before the backwards; ``R`` undoes DDP's division by the
+world size (the fix of huggingface/transformers#34191, huggingface/trl#3231,
+pytorch/torchtune#1875; :func:`ddp_lesson.train.train_step`'s pixel count is the same rule).
+And the fp16 rule (docs/pitfalls.md B24): a scaled token-sum gradient overflows float16 when
+summed over ranks before the division by the global count, not when divided first.
 
-And the fp16 rule (docs/pitfalls.md B24 for DDP's own averaging): a token-sum gradient times a
-loss scale overflows float16 when summed over ranks before the division by the global count,
-and stays finite divided first.
-
-Prints, on rank 0, each normalisation's relative gradient error against one process and
-whether it matches (``allclose``, rtol 1e-4), then the two fp16 orders, and whether every rank
-found the same (one ``all_gather_object``); ``--json`` adds one JSON line per rank with every
-number.
+Rank 0 prints each normalisation's relative gradient error and whether it matches
+(``allclose``, rtol 1e-4), the two fp16 orders, and whether every rank found the same;
+``--json`` adds one JSON line per rank with every number.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 
@@ -48,6 +38,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ddp_lesson.env import cleanup, init_distributed, print0, reduce_device
 from ddp_lesson.gpt import GPTConfig, TinyGPT, load_corpus
+from ddp_lesson.labs import gather
 
 METHODS = ("micro-batch mean", "padded positions", "rank token count", "global token count")
 IGNORE = -100
@@ -89,7 +80,7 @@ def normalised(method: str, s, n_micro: int, n_rank: int, n_global: int, k: int,
 def ddp_gradient(base, method: str, micro, world_size: int, k: int, b: int, t: int):
     """This rank's gradient after one DDP step of ``method`` over its ``micro`` batches.
 
-    Synchronises: one all_reduce of the token count, and DDP's gradient all-reduce.
+    Synchronises: an all_reduce of the token count, and DDP's gradient all-reduce.
     """
     model = DistributedDataParallel(copy.deepcopy(base))
     counts = [int((y != IGNORE).sum()) for _, y in micro]
@@ -97,20 +88,11 @@ def ddp_gradient(base, method: str, micro, world_size: int, k: int, b: int, t: i
     total = torch.tensor([float(n_rank)], device=reduce_device())
     dist.all_reduce(total)  # the global count, known before any backward
     for j, (x, y) in enumerate(micro):
-        sync = j == len(micro) - 1
-        ctx = model.no_sync() if not sync else _nothing()
-        with ctx:
+        last = j == len(micro) - 1
+        with contextlib.nullcontext() if last else model.no_sync():
             s, n = token_sum(model, x, y)
             normalised(method, s, n, n_rank, int(total.item()), k, b, t, world_size).backward()
     return torch.cat([p.grad.flatten() for p in model.module.parameters()]), counts
-
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def run(k: int = 2, b: int = 2, block_size: int = 16, seed: int = 0) -> dict:
@@ -142,11 +124,9 @@ def run(k: int = 2, b: int = 2, block_size: int = 16, seed: int = 0) -> dict:
 
 
 def fp16_order(base, micro, n_global: int, g_ref, scale: float = 2.0 ** 16) -> dict:
-    """The fp16 rule, divide before the sum: this rank's raw token-sum gradient times a loss
-    scale (``GradScaler``'s default ``init_scale`` 2^16), all-reduced in float16 (as an fp16
-    gradient all-reduce does), once summed then divided by the global count, once divided first.
-
-    Synchronises: two all_reduce calls.
+    """The fp16 rule: this rank's token-sum gradient times a loss scale (``GradScaler``'s
+    default 2^16), all-reduced in float16, once summed then divided by the global count, once
+    divided first. Synchronises: two all_reduce calls.
     """
     model = copy.deepcopy(base)
     for x, y in micro:
@@ -166,10 +146,9 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--json", action="store_true", help="also one JSON line per rank")
     opts = p.parse_args(argv)
-    env = init_distributed(timeout=60)
+    init_distributed(timeout=60)
     res = run()
-    every = [None] * env.world_size
-    dist.all_gather_object(every, res)
+    every = gather(res)
     print0(f"valid tokens per micro-batch, by rank: {[r['tokens_per_micro_batch'] for r in every]}")
     print0(f"valid tokens in the global batch: {res['tokens_global']}")
     for method, m in res["methods"].items():

@@ -15,6 +15,8 @@ import os
 import torch
 import torch.distributed as dist
 
+from ddp_lesson.env import read_env
+
 #: Variables whose values are the same on every run of the same command, in print order.
 SHOWN = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
          "TORCHELASTIC_RESTART_COUNT", "MASTER_ADDR", "TORCHELASTIC_USE_AGENT_STORE"]
@@ -50,8 +52,6 @@ def raw_setup(backend: str) -> float:
 
 
 def main() -> None:
-    from ddp_lesson.env import read_env
-
     env = read_env()
     for line in env_lines():
         print(line)

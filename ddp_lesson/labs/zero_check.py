@@ -2,18 +2,16 @@
 
     torchrun --standalone --nproc-per-node 2 -m ddp_lesson.labs.zero_check
 
-Every rank builds the same :class:`ddp_lesson.gpt.TinyGPT` from the same seed three times,
-wraps each copy in torch's ``DistributedDataParallel`` and trains it for ``--steps`` AdamW
-steps on its slice of the same global character batches, with three optimizers:
+Every rank builds the same :class:`ddp_lesson.gpt.TinyGPT` three times, each in torch's
+``DistributedDataParallel``, and trains ``--steps`` AdamW steps on its slice of the same
+global batches with: ``torch.optim.AdamW`` (unsharded baseline);
+:class:`ddp_lesson.core.zero1.Zero1Optimizer` (ours, the core notebook 08 prints; DDP has
+averaged the gradients: ``average_gradients = False``); torch's
+``torch.distributed.optim.ZeroRedundancyOptimizer``.
 
-* ``torch.optim.AdamW`` on every rank (the unsharded baseline: full state everywhere);
-* :class:`ddp_lesson.core.zero1.Zero1Optimizer` (ours, ZeRO stage 1, the core notebook 08
-  prints; DDP has averaged the gradients, so ``average_gradients = False``);
-* ``torch.distributed.optim.ZeroRedundancyOptimizer`` (torch's ZeRO stage 1).
-
-It prints facts: equality of the weights (``allclose`` with rtol 1e-6), each rank's measured
-optimizer-state bytes against the unsharded figure, and a save/load round trip of the
-consolidated state dict. Lines are ``key: value`` so tests can read them.
+Printed as ``key: value`` lines for the tests: weights equal (``allclose``, rtol 1e-6), each
+rank's optimizer-state bytes against the unsharded figure, and a save/load round trip of the
+consolidated state dict.
 """
 from __future__ import annotations
 
@@ -29,6 +27,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ddp_lesson.core.zero1 import Zero1Optimizer
 from ddp_lesson.env import cleanup, init_distributed
 from ddp_lesson.gpt import TinyGPT, get_batch, load_corpus
+from ddp_lesson.labs import gather
 from ddp_lesson.memory import optimizer_state_bytes
 
 RTOL = 1e-6
@@ -39,6 +38,14 @@ def global_batch(data, step: int, batch_per_rank: int, block_size: int, world_si
     """The step's global batch ``(B * R, T)`` of inputs and targets, equal on every rank."""
     g = torch.Generator().manual_seed(1000 + step)
     return get_batch(data, batch_per_rank * world_size, block_size, g)
+
+
+def rank_rows(data, step: int, env, batch_per_rank: int = 4, block_size: int = 32):
+    """This rank's ``(B, T)`` rows of the step's global batch, inputs and targets, on its
+    device (local)."""
+    x, y = global_batch(data, step, batch_per_rank, block_size, env.world_size)
+    rows = slice(env.rank * batch_per_rank, (env.rank + 1) * batch_per_rank)
+    return x[rows].to(env.device), y[rows].to(env.device)
 
 
 def make_ddp(env, vocab_size):
@@ -52,9 +59,7 @@ def train_steps(ddp, opt, data, steps, start, env, batch_per_rank=4, block_size=
     """``steps`` steps from step ``start``; returns the losses averaged over ranks (floats)."""
     losses = []
     for step in range(start, start + steps):
-        x, y = global_batch(data, step, batch_per_rank, block_size, env.world_size)
-        sl = slice(env.rank * batch_per_rank, (env.rank + 1) * batch_per_rank)
-        _, loss = ddp(x[sl].to(env.device), y[sl].to(env.device))
+        _, loss = ddp(*rank_rows(data, step, env, batch_per_rank, block_size))
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -82,10 +87,9 @@ def zero1_behind_ddp(model) -> Zero1Optimizer:
 
 def start_lab(description: str, default_steps: int, argv=None):
     """What the ZeRO and FSDP labs share: ``--steps``, the process group, the corpus, a rank-0
-    printer and the baseline they compare against, DDP + AdamW.
+    printer and their baseline, DDP + AdamW. Synchronises (the group's join).
 
-    Returns ``(steps, env, corpus, say, (ref, ref_ddp, ref_opt))``. Joining the group is a
-    synchronisation point.
+    Returns ``(steps, env, corpus, say, (ref, ref_ddp, ref_opt))``.
     """
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--steps", type=int, default=default_steps)
@@ -100,8 +104,7 @@ def start_lab(description: str, default_steps: int, argv=None):
 
 def say_bytes_per_rank(say, env, mine: int, full: int, what: str, of: str) -> list[int]:
     """All-gather each rank's byte count (a collective) and print it against ``full``."""
-    all_bytes = [None] * env.world_size
-    dist.all_gather_object(all_bytes, mine)
+    all_bytes = gather(mine)
     for r, b in enumerate(all_bytes):
         say(f"rank {r} {what}: {b:,} bytes = {b / full:.3f} of {of} "
             f"(x world_size: {b * env.world_size / full:.3f})")

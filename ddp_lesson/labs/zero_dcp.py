@@ -4,19 +4,16 @@ loaded at another world size R' (notebook 08's deep dive, ``tests/zero/test_zero
     torchrun --nproc-per-node 2 -m ddp_lesson.labs.zero_dcp --steps 6 --save-at 3 --save D
     torchrun --nproc-per-node 1 -m ddp_lesson.labs.zero_dcp --steps 3 --load D --out W
 
-Every rank builds the same :class:`ddp_lesson.gpt.TinyGPT` (seed 0), wraps it in torch's
-``DistributedDataParallel`` and trains ``--steps`` AdamW steps with
-:class:`ddp_lesson.core.zero1.Zero1Optimizer` on its ``G / R`` rows of the same global batch of
-``G = 8`` sequences per step (so R = 1, 2, 4, 8 train on the same data). ``--save D`` writes
-the model and each rank's optimizer shard with :func:`ddp_lesson.zero.dcp_save`; ``--load D``
-reads them with :func:`ddp_lesson.zero.dcp_load` at this run's R and goes on from the saved
-step; ``--save-at K`` saves after K of the steps and trains on (one run gives both the
-checkpoint and the uninterrupted weights). Each rank prints one JSON line (``{"rank",
-"world_size", "step", "owned", "state_tensors"}``: what it owns and holds at the end);
-``--out W`` has rank 0 write the final weights, ``--dump-loaded F`` the optimizer state as
-loaded (consolidated on rank 0, torch's format) before any step. The model and each batch are
-built on the CPU and moved to ``env.device`` (``cuda:LOCAL_RANK`` under NCCL); the weights are
-written from the CPU.
+Every rank trains the same :class:`ddp_lesson.gpt.TinyGPT` (seed 0) in torch's
+``DistributedDataParallel`` with :class:`ddp_lesson.core.zero1.Zero1Optimizer`, ``--steps``
+AdamW steps on its ``G / R`` rows of the same ``G = 8`` sequences per step (R = 1, 2, 4, 8
+see the same data). ``--save D`` writes the model and each rank's shard
+(:func:`ddp_lesson.zero.dcp_save`), after ``--save-at K`` steps if given; ``--load D`` reads
+them at this R (:func:`ddp_lesson.zero.dcp_load`) and goes on from the saved step. Each rank
+prints one JSON line (``{"rank", "world_size", "step", "owned", "state_tensors"}``);
+``--out W``: rank 0 writes the final weights (from the CPU); ``--dump-loaded F``: the state as
+loaded (consolidated on rank 0, torch's format). Tensors are built on the CPU, then moved
+to ``env.device``.
 """
 from __future__ import annotations
 
@@ -102,8 +99,12 @@ def main(argv=None) -> None:
 
 
 def compare(resumed, uninterrupted, tolerance: float = 1e-4) -> dict:
-    """Final weights of two runs (files from ``--out``): prints and returns the largest
-    ``|Δw|`` below ``tolerance`` and whether every tensor is bit-identical. Local."""
+    """Final weights of two runs (``--out`` files): prints and returns whether the largest
+    ``|Δw|`` is below ``tolerance`` and whether every tensor is bit-identical. Local.
+
+    Raises:
+        ValueError: the files hold different numbers of tensors.
+    """
     a, b = torch.load(resumed), torch.load(uninterrupted)
     if a.keys() != b.keys():
         raise ValueError(f"{resumed} has {len(a)} tensors, {uninterrupted} {len(b)}")

@@ -2,48 +2,36 @@
 
     torchrun --standalone --nproc-per-node 2 -m ddp_lesson.labs.zero_memory
 
-Every rank builds :class:`ddp_lesson.gpt.TinyGPT` three ways from the same seed, fp32 with
-AdamW: torch's DDP with ``torch.optim.AdamW`` (every state whole on every rank), DDP with
-:class:`ddp_lesson.core.zero1.Zero1Optimizer` (ZeRO-1: the optimizer state sharded), and
-``fully_shard`` on each block and then the root (FSDP2 = ZeRO-3: parameters, gradients and
-optimizer state sharded). After one training step, with the gradients kept, each rank
-measures the parameters, gradients and optimizer state it holds (a DTensor's local shard:
-:func:`ddp_lesson.memory.local_bytes`); rank 0 prints the largest rank's bytes of each, and
-:func:`ddp_lesson.memory.memory_per_rank`'s prediction for fp32 AdamW (4 + 4 + 8 bytes per
-parameter) plus AdamW's 4-byte ``step`` per tensor, which the ZeRO paper's count leaves out.
-ZeRO-2 has no implementation here: its row is the formula's. One line per row of the table.
+TinyGPT, fp32 AdamW, three ways from the same seed: DDP + ``torch.optim.AdamW``; DDP +
+:class:`ddp_lesson.core.zero1.Zero1Optimizer` (ZeRO-1); ``fully_shard`` on each block and the
+root (FSDP2 = ZeRO-3). After one step, gradients kept, each rank measures the parameters,
+gradients and optimizer state it holds (a DTensor's local shard,
+:func:`ddp_lesson.memory.local_bytes`); rank 0 prints the largest rank's bytes against
+:func:`ddp_lesson.memory.memory_per_rank` (4 + 4 + 8 bytes per parameter, plus AdamW's 4-byte
+``step`` per tensor, which the ZeRO paper leaves out). ZeRO-2 is the formula's row only.
 """
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from ddp_lesson.env import cleanup
 from ddp_lesson.gpt import TinyGPT
+from ddp_lesson.labs import gather
 from ddp_lesson.labs.fsdp_tinygpt import shard_tinygpt
-from ddp_lesson.labs.zero_check import (
-    HPARAMS,
-    global_batch,
-    make_ddp,
-    start_lab,
-    zero1_behind_ddp,
-)
+from ddp_lesson.labs.zero_check import HPARAMS, make_ddp, rank_rows, start_lab, zero1_behind_ddp
 from ddp_lesson.memory import local_bytes, memory_per_rank, optimizer_state_bytes
 
 
 def measured(model, opt, data, env) -> list[int]:
     """One step on this rank's rows, gradients kept; ``[params, grads, optimizer]`` bytes
     this rank holds, each the largest over the ranks (a collective)."""
-    x, y = global_batch(data, 0, 4, 32, env.world_size)
-    rows = slice(env.rank * 4, (env.rank + 1) * 4)
-    model(x[rows].to(env.device), y[rows].to(env.device))[1].backward()
+    model(*rank_rows(data, 0, env))[1].backward()
     opt.step()
     params = list(model.parameters())
     mine = [sum(local_bytes(p) for p in params), sum(local_bytes(p.grad) for p in params),
             optimizer_state_bytes(opt)]
-    every = [None] * env.world_size
-    dist.all_gather_object(every, mine)
+    every = gather(mine)
     return [max(r[i] for r in every) for i in range(3)]
 
 

@@ -1,8 +1,6 @@
-"""The ring all-reduce and the collectives' bandwidth (notebook 03).
-
-Figures of the measured bus bandwidth and of the alpha-beta cost model, the ring's states as
-small panels, and the text and HTML renderings of one ring state that the stepper widget
-(:func:`ddp_lesson.widgets.ring_allreduce_stepper`) shows.
+"""The ring all-reduce and the collectives' bandwidth (notebook 03): measured bus bandwidth,
+the alpha-beta cost model, the ring's states as panels, and one ring state as text and HTML
+(for :func:`ddp_lesson.widgets.ring_allreduce_stepper`).
 """
 from __future__ import annotations
 
@@ -38,19 +36,17 @@ def allreduce_bandwidth_figure(rows, figsize=(MIN_WIDTH_IN, 3.8)):
     """Bus bandwidth against message size, one panel per process count
     (``benchmarks/allreduce.csv``).
 
-    All-reduce methods are drawn as bus bandwidth (algbw · 2(R-1)/R, nccl-tests'
-    PERFORMANCE.md) so they can be read against the link: the grey lines are the measured
-    send/recv bandwidth per direction (dashed: ranks 0 and 1 alone; dotted: every rank
-    sending at once). Lines join the medians over repeats; the shaded band around each spans
-    min..max (where the rows have ``busbw_GBps_min``/``_max``). The legend sits below the
-    panels, so it covers no line.
+    All-reduces are drawn as bus bandwidth (algbw · 2(R-1)/R, nccl-tests' PERFORMANCE.md), to
+    read against the link: grey lines are the measured send/recv bandwidth per direction
+    (dashed: ranks 0 and 1 alone; dotted: every rank at once). Lines join the medians; shaded
+    bands span min..max (where the rows have ``busbw_GBps_min``/``_max``).
 
     Args:
         rows: dicts as :func:`ddp_lesson.bench.allreduce.read_results` returns.
         figsize: inches.
 
     Returns:
-        The ``Figure`` (one Axes per process count).
+        The ``Figure`` (one Axes per process count; the legend below them).
 
     Raises:
         ValueError: no rows.
@@ -59,8 +55,8 @@ def allreduce_bandwidth_figure(rows, figsize=(MIN_WIDTH_IN, 3.8)):
         raise ValueError("no benchmark rows to draw")
     nprocs = sorted({r["nprocs"] for r in rows})
     fig, axes = subplots(1, len(nprocs), figsize=figsize, sharey=True, squeeze=False)
-    lo = min(r["size_bytes"] for r in rows if r["method"] not in ("sendrecv", "shift")) \
-        if any(r["method"] not in ("sendrecv", "shift") for r in rows) else 0
+    lo = min((r["size_bytes"] for r in rows if r["method"] not in ("sendrecv", "shift")),
+             default=0)
     for ax, R in zip(axes[0], nprocs):
         for method, style in _METHOD_STYLE.items():
             pts = sorted((r["size_bytes"], r["busbw_GBps"], r.get("busbw_GBps_min"),
@@ -79,11 +75,9 @@ def allreduce_bandwidth_figure(rows, figsize=(MIN_WIDTH_IN, 3.8)):
         note = f" ({R} procs on {cpus} cores)" if R > cpus else ""
         ax.set_title(f"R = {R}{note}", fontsize=LABEL_PT)
         ax.set_xscale("log", base=2)
-        ticks = sorted(
-            {r["size_bytes"] for r in rows if r["nprocs"] == R and r["size_bytes"] >= lo}
-        )
-        ax.set_xticks(ticks)
-        ax.set_xticklabels([_size_label(t) for t in ticks], rotation=45, fontsize=SMALL_PT)
+        ticks = sorted({r["size_bytes"] for r in rows
+                        if r["nprocs"] == R and r["size_bytes"] >= lo})
+        ax.set_xticks(ticks, [_size_label(t) for t in ticks], rotation=45, fontsize=SMALL_PT)
         ax.minorticks_off()
         ax.set_xlabel("tensor size", fontsize=LABEL_PT)
         ax.tick_params(labelsize=SMALL_PT)
@@ -97,13 +91,11 @@ def cost_model_figure(rows, figsize=(MIN_WIDTH_IN, 3.8)):
     """The α-β model of naive, tree and ring all-reduce against measured all-reduce times.
 
     α and β are fitted to the two-rank send/recv times
-    (:func:`ddp_lesson.cost_model.fit_alpha_beta`),
-    then the model's curves (:func:`~ddp_lesson.cost_model.naive_allreduce_time`,
-    ``tree_allreduce_time``, ``ring_allreduce_time``) are drawn for each process count with
-    the measured times of gloo, the ring and the pipelined ring as points.
+    (:func:`ddp_lesson.cost_model.fit_alpha_beta`); the model's curves are drawn per process
+    count with the measured times of gloo, the ring and the pipelined ring as points.
 
     Args:
-        rows: dicts as :func:`ddp_lesson.bench.allreduce.read_results` returns (needs
+        rows: dicts as :func:`ddp_lesson.bench.allreduce.read_results` returns (with
             ``sendrecv`` rows).
         figsize: inches.
 
@@ -165,18 +157,17 @@ def cost_model_figure(rows, figsize=(MIN_WIDTH_IN, 3.8)):
 
 
 def ring_allreduce_steps_figure(world_size: int = 3, figsize=None):
-    """The ring all-reduce step by step, as a static picture: reduce-scatter, then all-gather.
+    """The ring all-reduce step by step: reduce-scatter, then all-gather.
 
-    One panel per state of :func:`ddp_lesson.collectives.simulate_ring_all_reduce` (step 0:
-    the inputs, then each of the 2(R-1) steps). In a panel, a row per rank and a column per
-    chunk; each cell shows the chunk's value and, after Σ, the ranks summed into it. Colours:
-    grey = only the rank's own input, yellow = partly summed, green = summed over every rank;
-    a thick border marks the chunk that arrived in this step, and the line under the panel
-    lists the step's messages (``r0→r1 c0``: rank 0 sent chunk 0 to rank 1).
+    One panel per state of :func:`ddp_lesson.collectives.simulate_ring_all_reduce` (step 0,
+    the inputs, then the 2(R-1) steps); a row per rank, a column per chunk, each cell its value
+    and, after Σ, the ranks summed into it. Grey: own input only; yellow: partly summed; green:
+    summed over every rank; a thick border: arrived this step. Under each panel, the step's
+    messages (``r0→r1 c0``: rank 0 sent chunk 0 to rank 1).
 
     Args:
-        world_size: R, 2 to 6 (one panel per step: 2R-1 panels).
-        figsize: inches; default about 2 inches per panel, at least
+        world_size: R, 2 to 6.
+        figsize: inches; default about 2 per panel, at least
             :data:`~ddp_lesson.viz.style.MIN_WIDTH_IN`.
 
     Returns:
@@ -228,9 +219,9 @@ def ring_allreduce_steps_figure(world_size: int = 3, figsize=None):
 
 
 def _numbers(values) -> str:
-    """``(1.0, 2.5)`` -> ``"[1, 2.5]"``, in the format of
-    :func:`ddp_lesson.collectives.holdings_line`, so the stepper and notebook 03's printed
-    holdings show the same numbers alike."""
+    """``(1.0, 2.5)`` -> ``"[1, 2.5]"``, as :func:`ddp_lesson.collectives.holdings_line`
+    writes numbers (the stepper and notebook 03's holdings alike).
+    """
     from ..collectives import format_values
 
     return format_values(list(values))
@@ -245,10 +236,8 @@ def _state_title(state: RingState) -> str:
 
 
 def ring_state_text(state: RingState) -> str:
-    """Plain-text picture of one :class:`~ddp_lesson.collectives.RingState`: a row per rank,
-    a column per chunk.
-
-    Each cell shows the chunk's numbers and, after ``Σ``, the ranks summed into it.
+    """One :class:`~ddp_lesson.collectives.RingState` as text: a row per rank, a column per
+    chunk, each cell the chunk's numbers and, after ``Σ``, the ranks summed into it.
     """
     lines = [_state_title(state)]
     if state.moves:
@@ -263,16 +252,13 @@ def ring_state_text(state: RingState) -> str:
 
 
 def ring_state_html(state: RingState) -> str:
-    """HTML table of one :class:`~ddp_lesson.collectives.RingState` (the stepper widget's picture).
-
-    Green: a chunk summed over every rank; yellow: partly summed; grey: only the rank's own
-    input. A bold border marks the chunk that arrived at this step.
+    """One :class:`~ddp_lesson.collectives.RingState` as an HTML table (the stepper's picture):
+    green, summed over every rank; yellow, partly; grey, own input; bold border, arrived now.
     """
     full = frozenset(range(state.world_size))
     arrived = {(d, c) for _, d, c in state.moves}
-    head = "".join(
-        f"<th style='padding:2px 8px'>chunk {c}</th>" for c in range(len(state.values[0]))
-    )
+    head = "".join(f"<th style='padding:2px 8px'>chunk {c}</th>"
+                   for c in range(len(state.values[0])))
     rows = []
     for r, row in enumerate(state.values):
         cells = []

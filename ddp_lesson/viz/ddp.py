@@ -17,26 +17,24 @@ def _as_step_record(rec):
 def ddp_timeline_figure(panels, figsize=(7, 3.4), align: bool = True):
     """Per-rank timeline of one training step: backward, gradient-ready ticks, all-reduces.
 
-    One panel per scenario (e.g. NaiveDDP, buckets without overlap, buckets with overlap),
-    sharing the time axis. In each, every rank has two lanes: the upper one is backward
-    (grey bar from the end of forward to the end of autograd, a tick where each gradient was
-    accumulated), the lower one its all-reduces (alternating colours, one box per bucket or
-    per parameter) and, hatched in red, the time between the end of that rank's backward
-    and the moment its ``backward()`` returned with averaged gradients (communication, or
-    waiting for a slower rank). Each panel's title gives the job's exposed communication
-    (:func:`ddp_lesson.commsim.job_exposed_s`).
+    One panel per scenario (e.g. NaiveDDP, buckets without and with overlap), sharing the time
+    axis. Each rank has two lanes: backward (grey bar from the end of forward to the end of
+    autograd, a tick per accumulated gradient) and its all-reduces (a box per bucket or
+    parameter), with, hatched in red, the time from the end of its backward until
+    ``backward()`` returned averaged gradients (communication, or waiting for a slower rank).
+    Titles give the job's exposed communication (:func:`ddp_lesson.commsim.job_exposed_s`).
 
     Args:
-        panels: ``[(title, records), ...]`` where ``records`` holds one
+        panels: ``[(title, records), ...]``, ``records`` one
             :class:`ddp_lesson.commsim.StepRecord` (or its ``to_dict()``) per rank, in rank order.
         figsize: inches.
-        align: shift each rank by its ``t0_s`` (when its forward returned, on the machine's
-            monotonic clock) so that the ranks share one time axis, starting at the earliest
-            rank; False: every rank starts at 0 (use for ranks on different machines).
+        align: shift each rank by its ``t0_s`` (when its forward returned, monotonic clock) onto
+            one time axis from the earliest rank; False: every rank starts at 0 (ranks on
+            different machines).
 
     Returns:
-        The ``Figure``, one Axes per panel. Exposed spans are patches with
-        ``gid == "exposed"``, all-reduce boxes ``gid == "comm"``.
+        The ``Figure``, one Axes per panel; exposed spans have ``gid == "exposed"``, all-reduce
+        boxes ``gid == "comm"``.
     """
     from matplotlib.patches import Patch
 
@@ -62,9 +60,9 @@ def ddp_timeline_figure(panels, figsize=(7, 3.4), align: bool = True):
                 ax.broken_barh([(shift + rec.backward_end_s * 1e3, rec.exposed_s * 1e3)],
                                (y - 0.5, 1.0), facecolors="none", edgecolors="red",
                                hatch="///", linewidth=0.8, gid="exposed")
-        ax.set_yticks(range(len(records)))
-        ax.set_yticklabels([f"rank {len(records) - 1 - i}" for i in range(len(records))],
-                           fontsize=SMALL_PT)
+        ax.set_yticks(range(len(records)),
+                      [f"rank {len(records) - 1 - i}" for i in range(len(records))],
+                      fontsize=SMALL_PT)
         ax.set_ylim(-0.6, len(records) - 0.4)
         if align:
             from ..commsim import job_exposed_s
@@ -73,9 +71,8 @@ def ddp_timeline_figure(panels, figsize=(7, 3.4), align: bool = True):
             what = "after the last rank's backward"
         else:
             exposed, what = max(r.exposed_s for r in records) * 1e3, "on the slowest rank"
-        ax.set_title(
-            f"{title}: {exposed:.0f} ms of communication exposed {what}", fontsize=SMALL_PT
-        )
+        ax.set_title(f"{title}: {exposed:.0f} ms of communication exposed {what}",
+                     fontsize=SMALL_PT)
         ax.tick_params(labelsize=SMALL_PT)
     axes[-1, 0].set_xlabel("ms since the first rank's forward returned" if align
                            else "ms since the end of forward", fontsize=SMALL_PT)
@@ -91,15 +88,15 @@ def bucket_sweep_figure(predicted, measured=None, figsize=(MIN_WIDTH_IN, 3.4)):
     """Exposed communication against bucket cap: the cost model's curve and measured points.
 
     Args:
-        predicted: rows of :func:`ddp_lesson.cost_model.predict_bucket_sweep` (the last row, with
-            ``cap_mb=None``, is NaiveDDP and is drawn as a horizontal line).
-        measured: optional ``[(cap_mb, exposed_s), ...]`` (several per cap allowed);
-            ``cap_mb=None`` marks NaiveDDP measurements.
+        predicted: rows of :func:`ddp_lesson.cost_model.predict_bucket_sweep` (its last row,
+            ``cap_mb=None``, is NaiveDDP: a horizontal line).
+        measured: optional ``[(cap_mb, exposed_s), ...]`` (several per cap allowed;
+            ``cap_mb=None``: NaiveDDP).
         figsize: inches.
 
     Returns:
-        The ``Figure`` (one Axes, log-scaled x). The model's line has ``gid == "model"``,
-        the measured points ``gid == "measured"``.
+        The ``Figure`` (log-scaled x); the model's line has ``gid == "model"``, the measured
+        points ``gid == "measured"``.
     """
 
     fig, ax = subplots(figsize=figsize)
@@ -140,14 +137,12 @@ def ddp_benchmark_figure(rows, figsize=(7, 3)):
     """Steps/s of torch's DDP, NaiveDDP and BucketedDDP, without and with a simulated link.
 
     Args:
-        rows: rows of ``benchmarks/ddp.csv`` (:func:`ddp_lesson.bench.ddp.read_results`):
-            ``variant``, ``link``, ``steps_per_s`` (median), ``steps_per_s_min``/``_max``,
-            ``exposed_share``.
+        rows: rows of ``benchmarks/ddp.csv`` (:func:`ddp_lesson.bench.ddp.read_results`).
         figsize: inches.
 
     Returns:
-        The ``Figure``: left, no link; right, under the link, each bar labelled with its
-        exposed-communication share where measured. Error bars span min..max over rounds.
+        The ``Figure``: left no link, right under the link; bars labelled with their exposed
+        communication share where measured, error bars min..max over rounds.
     """
 
     fig, axes = subplots(1, 2, figsize=figsize)
@@ -165,9 +160,8 @@ def ddp_benchmark_figure(rows, figsize=(7, 3)):
             if r.get("exposed_share") not in (None, ""):
                 ax.text(i, med[i] * 0.3, f"exposed\n{float(r['exposed_share']):.0%}",
                         ha="center", va="center", fontsize=SMALL_PT, color="white")
-        ax.set_xticks(range(len(mine)))
-        ax.set_xticklabels([n.replace("-no-overlap", "\nno overlap") for n in names],
-                           fontsize=SMALL_PT)
+        ax.set_xticks(range(len(mine)), [n.replace("-no-overlap", "\nno overlap") for n in names],
+                      fontsize=SMALL_PT)
         ax.set_ylabel("steps/s (median; bars: min..max)", fontsize=LABEL_PT)
         ax.tick_params(labelsize=SMALL_PT)
         described = [r for r in mine if r.get("latency_ms") not in (None, "")]
@@ -183,55 +177,44 @@ def ddp_benchmark_figure(rows, figsize=(7, 3)):
 
 #: The rows of :func:`reducer_map_figure`: (stage, our BucketedDDP, torch's C++ Reducer).
 REDUCER_MAP = [
-    (
-        "1 · a gradient is\naccumulated",
-        "p.register_post_accumulate_grad_hook(hook)\n→ _grad_ready(i):\n  _pending[bucket] -= 1",
-        "AccumulateGrad post-hook →\nReducer::autograd_hook(i) →\n"
-        "mark_variable_ready_dense(i): copy\n.grad × 1/div_factor_ into its bucket\n"
-        "view (a plain copy if a hook is set)",
-    ),
-    (
-        "2 · a bucket is\nready",
-        "pending == 0 → _launch(b): torch.cat\nthe .grads into _flat[b]; _send ÷ R\n"
-        "(in bucket order on every rank)",
-        "pending == 0 (its views were\nfilled at step 1) →\n"
-        "mark_bucket_ready (in bucket order)",
-    ),
-    (
-        "3 · all-reduce",
-        "comm_hook(flat, group) → work (.wait())\ndefault: dist.all_reduce(flat,\n"
-        "  async_op=True), a SUM",
-        "all_reduce_bucket → run_comm_hook(\n  GradBucket) → Future[Tensor];\n"
-        "a registered hook divides itself",
-    ),
-    (
-        "4 · end of\nbackward",
-        "queue_callback(_after_backward):\nwait every bucket,\ncopy _flat[b] → .grad",
-        "queue_callback(finalize_backward):\nwait the futures, copy into .grad\n"
-        "(a view: no copy). Rebuilt once, before\nforward 2 (static_graph: 3); never\n"
-        "with find_unused_parameters=True",
-    ),
+    ("1 · a gradient is\naccumulated",
+     "p.register_post_accumulate_grad_hook(hook)\n→ _grad_ready(i):\n  _pending[bucket] -= 1",
+     "AccumulateGrad post-hook →\nReducer::autograd_hook(i) →\n"
+     "mark_variable_ready_dense(i): copy\n.grad × 1/div_factor_ into its bucket\n"
+     "view (a plain copy if a hook is set)"),
+    ("2 · a bucket is\nready",
+     "pending == 0 → _launch(b): torch.cat\nthe .grads into _flat[b]; _send ÷ R\n"
+     "(in bucket order on every rank)",
+     "pending == 0 (its views were\nfilled at step 1) →\n"
+     "mark_bucket_ready (in bucket order)"),
+    ("3 · all-reduce",
+     "comm_hook(flat, group) → work (.wait())\ndefault: dist.all_reduce(flat,\n"
+     "  async_op=True), a SUM",
+     "all_reduce_bucket → run_comm_hook(\n  GradBucket) → Future[Tensor];\n"
+     "a registered hook divides itself"),
+    ("4 · end of\nbackward",
+     "queue_callback(_after_backward):\nwait every bucket,\ncopy _flat[b] → .grad",
+     "queue_callback(finalize_backward):\nwait the futures, copy into .grad\n"
+     "(a view: no copy). Rebuilt once, before\nforward 2 (static_graph: 3); never\n"
+     "with find_unused_parameters=True"),
 ]
 
 
 def reducer_map_figure(figsize=(11, 5.4)):
     """Our ``BucketedDDP`` (ddp_lesson/core/bucketed_ddp.py) beside torch's C++ ``Reducer``.
 
-    Four rows (:data:`REDUCER_MAP`): a parameter's gradient is accumulated (a hook after
-    gradient accumulation), its bucket is ready, the bucket is all-reduced, backward ends
-    (a callback queued on autograd's engine finalizes). torch rebuilds its buckets once, in
-    the order gradients became ready, before the 2nd forward (with ``static_graph``, the 3rd;
-    with ``find_unused_parameters=True`` never: ``_BucketCapacityConfig`` and
-    ``_pre_forward``; shown by ``tests/ddp/test_ddp_buckets.py``). Sources: ``torch/nn/parallel/
-    distributed.py`` and ``torch/csrc/distributed/c10d/reducer.hpp`` (torch 2.13).
+    Four rows (:data:`REDUCER_MAP`): a gradient is accumulated, its bucket is ready, the bucket
+    is all-reduced, backward ends. torch rebuilds its buckets once, in gradient-ready order,
+    before the 2nd forward (``static_graph``: the 3rd; ``find_unused_parameters=True``: never;
+    ``_BucketCapacityConfig``, ``_pre_forward``; ``tests/ddp/test_ddp_buckets.py``). Sources:
+    ``torch/nn/parallel/distributed.py``, ``torch/csrc/distributed/c10d/reducer.hpp`` (2.13).
 
     Args:
-        figsize: inches; at the figure's 80 dpi the default is 880 px wide. Every text is
-            at least 9 pt.
+        figsize: inches (80 dpi: the default is 880 px wide); no text under 9 pt.
 
     Returns:
-        The ``Figure`` (one Axes, axis off); each box's text artist has ``gid``
-        ``"stage{k}"``, ``"ours{k}"`` or ``"torch{k}"``. Pure drawing, no process group.
+        The ``Figure`` (axis off); each box's text has ``gid`` ``"stage{k}"``, ``"ours{k}"``
+        or ``"torch{k}"``.
     """
     import matplotlib.pyplot as plt
     from matplotlib.patches import FancyBboxPatch

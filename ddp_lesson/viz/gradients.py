@@ -6,25 +6,23 @@ from .style import LABEL_PT, SMALL_PT, finish, subplots
 __all__ = ["per_rank_gradients_figure"]
 
 
-def per_rank_gradients_figure(
-    shard_grads, full_grad, max_params: int | None = None, figsize=(7, 3)
-):
+def per_rank_gradients_figure(shard_grads, full_grad, max_params: int | None = None,
+                              figsize=(7, 3)):
     """Each rank's shard gradient, their average, and the full-batch gradient, per parameter.
 
-    Bars: rank r's gradient entries (one colour per rank). Black bar outline: the average of
-    the ranks' gradients (what the all-reduce delivers). Red x: the gradient of the mean loss
-    on the whole global batch — it sits exactly on the average for equal shards. Each entry is
-    divided by its largest |shard value|, so an entry of 0.01 is as legible as one of 5 (the
-    scaling is linear: the average still lands on the full-batch gradient).
+    Bars: rank r's gradient entries. Black outline: the ranks' average (what the all-reduce
+    delivers). Red x: the gradient of the mean loss on the whole global batch, on the average
+    for equal shards. Each entry is divided by its largest |shard value| (linear: the average
+    still lands on the full-batch gradient), so 0.01 reads as well as 5.
 
     Args:
-        shard_grads: list of R 1-D tensors (flattened gradients, one per rank).
+        shard_grads: R 1-D tensors (flattened gradients, one per rank).
         full_grad: 1-D tensor, the single-process gradient on the global batch.
         max_params: how many leading entries to draw (None: all).
         figsize: inches.
 
     Returns:
-        The ``Figure`` (one Axes). No process group needed.
+        The ``Figure`` (one Axes). No process group.
 
     Raises:
         ValueError: no gradients, or gradients of different lengths.
@@ -59,15 +57,9 @@ def per_rank_gradients_figure(
     ax.set_xticks(xs)
     ax.set_xlabel("parameter entry", fontsize=SMALL_PT)
     ax.set_ylabel("gradient ÷ largest |shard|", fontsize=SMALL_PT)
-    ax.set_title(
-        f"{R} shard gradients, their average and the full-batch gradient", fontsize=LABEL_PT
-    )
+    ax.set_title(f"{R} shard gradients, their average and the full-batch gradient",
+                 fontsize=LABEL_PT)
     ax.tick_params(labelsize=SMALL_PT)
-    ax.legend(
-        fontsize=SMALL_PT,
-        ncol=min(R + 2, 6),
-        loc="upper center",
-        bbox_to_anchor=(0.5, -0.18),
-        frameon=False,
-    )
+    ax.legend(fontsize=SMALL_PT, ncol=min(R + 2, 6), loc="upper center",
+              bbox_to_anchor=(0.5, -0.18), frameon=False)
     return finish(fig)

@@ -7,18 +7,19 @@ __all__ = ["data_movement_per_step", "data_movement_figure"]
 
 
 def data_movement_per_step(world_size: int) -> dict[str, list[tuple[str, float]]]:
-    """Bytes one rank sends per training step, in units of the parameter bytes, ring model.
+    """Bytes one rank sends per training step, in units of the parameter bytes (ring model).
 
-    An all-gather or a reduce-scatter of a tensor of ``Psi`` bytes sends ``(R-1)/R * Psi``
-    per rank, an all-reduce twice that (notebook 03); broadcasting each owner's ``1/R`` of
-    the parameters makes every rank receive ``(R-1)/R * Psi``. Gradients and parameters are
-    assumed the same dtype. Pure arithmetic.
+    An all-gather or reduce-scatter of ``Psi`` bytes sends ``(R-1)/R * Psi`` per rank, an
+    all-reduce twice that (notebook 03); broadcasting each owner's ``1/R`` of the parameters,
+    ``(R-1)/R * Psi`` received per rank. Gradients and parameters of one dtype. Pure.
 
     Returns:
-        scheme -> [(collective, units), ...]: DDP (all-reduce), ZeRO-1 as in this series and in
-        torch's ``ZeroRedundancyOptimizer`` (all-reduce, then a broadcast of the parameters),
-        ZeRO-1 as in the paper (reduce-scatter, all-gather), FSDP / ZeRO-3 (all-gather in
-        forward, again in backward, reduce-scatter).
+        scheme -> [(collective, units), ...]: DDP; ZeRO-1 as here and in torch's
+        ``ZeroRedundancyOptimizer`` (all-reduce, broadcast); ZeRO-1 as in the paper
+        (reduce-scatter, all-gather); FSDP / ZeRO-3 (all-gather twice, reduce-scatter).
+
+    Raises:
+        ValueError: ``world_size < 1``.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")

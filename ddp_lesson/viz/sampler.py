@@ -4,7 +4,7 @@
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from .style import LABEL_PT, SMALL_PT, TITLE_PT, finish, subplots
 
@@ -14,70 +14,54 @@ __all__ = ["SamplerLayout", "sampler_layout", "sampler_heatmap", "assignment_ove
 @dataclass
 class SamplerLayout:
     """Where every dataset index goes in one epoch of a
-    :class:`ddp_lesson.sampler.DistributedSampler`.
+    :class:`ddp_lesson.sampler.DistributedSampler` (built by :func:`sampler_layout`).
 
-    Built by :func:`sampler_layout` from the package's pure index functions (no process
-    group). Position ``j`` of rank ``r`` is entry ``p = j * R + r`` of the padded global
-    order; it is *padding* when ``p >= N`` (a wrapped-round repeat of an earlier index).
+    Position ``j`` of rank ``r`` is entry ``p = j * R + r`` of the padded global order; it is
+    *padding* when ``p >= N`` (a wrapped-round repeat of an earlier index).
 
     Attributes:
-        n: dataset length N.
         num_replicas: world size R.
-        num_samples: indices per rank (``len(sampler)`` on every rank).
-        total_size: ``num_samples * R``.
-        shards: ``shards[r]`` = the indices rank r yields, in order (length num_samples).
+        num_samples: indices per rank (``len(sampler)``); ``total_size = num_samples * R``.
+        shards: ``shards[r]`` = the indices rank r yields, in order.
         is_padding: ``is_padding[r][j]`` True when ``shards[r][j]`` is a padded repeat.
-        padding: the padded (repeated) indices in padded-order position order.
-        dropped: indices of the global order cut by ``drop_last=True`` (not seen this epoch).
-        order: the global order before padding/cutting (length N).
+        padding: the padded indices, in padded-order position order.
+        dropped: indices cut by ``drop_last=True`` (not seen this epoch).
     """
 
-    n: int
     num_replicas: int
     num_samples: int
     total_size: int
     shards: list[list[int]]
     is_padding: list[list[bool]]
-    padding: list[int] = field(default_factory=list)
-    dropped: list[int] = field(default_factory=list)
-    order: list[int] = field(default_factory=list)
+    padding: list[int]
+    dropped: list[int]
 
 
 def sampler_layout(n: int, num_replicas: int, shuffle: bool = False, seed: int = 0,
                    epoch: int = 0, drop_last: bool = False) -> SamplerLayout:
     """Every rank's shard for one epoch, with padding and dropped indices marked.
 
-    Pure index arithmetic from :mod:`ddp_lesson.sampler` (same indices as torch's
-    ``DistributedSampler`` with ``set_epoch(epoch)``); no process group, no synchronisation.
-
-    Args:
-        n: dataset length N, ``>= 0``.
-        num_replicas: world size R, ``>= 1``.
-        shuffle, seed, epoch, drop_last: as in ``DistributedSampler`` (``epoch`` is the value
-            the sampler holds, i.e. what ``set_epoch`` last set).
-
-    Returns:
-        A :class:`SamplerLayout`.
+    Pure index arithmetic from :mod:`ddp_lesson.sampler` (torch's ``DistributedSampler``'s
+    indices after ``set_epoch(epoch)``); no process group. Args as ``DistributedSampler``
+    (``n >= 0`` its dataset length, ``num_replicas >= 1``; ``epoch`` the sampler's). Returns a
+    :class:`SamplerLayout`.
 
     Raises:
         ValueError: ``n < 0`` or ``num_replicas < 1``.
     """
-    from ..sampler import global_order, num_samples_per_rank, padded_order, shard_indices
+    from ..sampler import global_order, num_samples_per_rank, padded_order
 
-    num_samples = num_samples_per_rank(n, num_replicas, drop_last)
-    total_size = num_samples * num_replicas
+    R = num_replicas
+    num_samples = num_samples_per_rank(n, R, drop_last)
+    total_size = num_samples * R
     order = global_order(n, shuffle, seed, epoch)
-    padded = padded_order(n, num_replicas, shuffle, seed, epoch, drop_last)
-    shards = [shard_indices(n, num_replicas, r, shuffle, seed, epoch, drop_last)
-              for r in range(num_replicas)]
-    is_padding = [[j * num_replicas + r >= n for j in range(num_samples)]
-                  for r in range(num_replicas)]
+    padded = padded_order(n, R, shuffle, seed, epoch, drop_last)  # total_size entries
     return SamplerLayout(
-        n=n, num_replicas=num_replicas, num_samples=num_samples, total_size=total_size,
-        shards=shards, is_padding=is_padding,
+        num_replicas=R, num_samples=num_samples, total_size=total_size,
+        shards=[padded[r::R] for r in range(R)],  # rank r: every R-th entry from r
+        is_padding=[[j * R + r >= n for j in range(num_samples)] for r in range(R)],
         padding=padded[n:] if total_size > n else [],
         dropped=order[total_size:] if total_size < n else [],
-        order=order,
     )
 
 
@@ -85,20 +69,18 @@ def sampler_heatmap(n: int, num_replicas: int, shuffle: bool = False, seed: int 
                     epoch: int = 0, drop_last: bool = False, figsize=None, annotate=None):
     """Rank x position grid of one epoch's assignment, padded repeats outlined and hatched.
 
-    Row ``r`` is what rank ``r`` yields, left to right; each cell is coloured and labelled
-    with its dataset index. Padded repeats (``drop_last=False``) get a red hatched outline;
-    indices cut by ``drop_last=True`` are listed under the grid. Same indices as torch's
-    ``DistributedSampler``; no process group.
+    Row ``r`` is what rank ``r`` yields; each cell is coloured and labelled with its dataset
+    index. Padded repeats get a red hatched outline; indices cut by ``drop_last=True`` are
+    listed under the grid. No process group.
 
     Args:
         n, num_replicas, shuffle, seed, epoch, drop_last: as :func:`sampler_layout`.
-        figsize: inches; default grows with the grid, about (6, 0.9 + 0.45 R).
+        figsize: inches; default about (6, 0.9 + 0.45 R).
         annotate: write the index in each cell; default when the grid has <= 200 cells.
 
     Returns:
-        The ``Figure`` (one Axes). Its image holds the ``(R, num_samples)`` index matrix
-        (``fig.axes[0].images[0].get_array()``); padding outlines are patches with
-        ``gid == "padding"``.
+        The ``Figure``. Its image holds the ``(R, num_samples)`` index matrix
+        (``fig.axes[0].images[0].get_array()``); padding outlines have ``gid == "padding"``.
 
     Raises:
         ValueError: ``n < 0`` or ``num_replicas < 1``.
@@ -119,8 +101,6 @@ def sampler_heatmap(n: int, num_replicas: int, shuffle: bool = False, seed: int 
         ax.text(0.5, 0.5, "every rank gets 0 samples", ha="center", va="center",
                 transform=ax.transAxes, fontsize=TITLE_PT)
         ax.set_xticks([])
-        ax.set_yticks(range(R))
-        ax.set_yticklabels([f"rank {r}" for r in range(R)], fontsize=SMALL_PT)
         ax.set_ylim(R - 0.5, -0.5)
     else:
         grid = np.array(lay.shards, dtype=float)
@@ -140,10 +120,8 @@ def sampler_heatmap(n: int, num_replicas: int, shuffle: bool = False, seed: int 
                     ax.add_patch(Rectangle((j - 0.5, r - 0.5), 1, 1, fill=False,
                                            edgecolor="red", linewidth=2, hatch="//",
                                            gid="padding"))
-        ax.set_xticks(range(k))
-        ax.set_xticklabels([str(j) for j in range(k)], fontsize=SMALL_PT)
-        ax.set_yticks(range(R))
-        ax.set_yticklabels([f"rank {r}" for r in range(R)], fontsize=SMALL_PT)
+        ax.set_xticks(range(k), [str(j) for j in range(k)], fontsize=SMALL_PT)
+    ax.set_yticks(range(R), [f"rank {r}" for r in range(R)], fontsize=SMALL_PT)
     notes = []
     if lay.padding:
         notes.append(f"red hatched = padding, repeats of {sorted(set(lay.padding))}")
@@ -158,26 +136,20 @@ def assignment_over_epochs(n: int, num_replicas: int, epochs: int = 3, seed: int
                            drop_last: bool = False, figsize=(6, 3)):
     """Which rank gets each dataset index, epoch after epoch, without and with ``set_epoch``.
 
-    Two panels, rows = epochs, columns = dataset index, colour = the rank that receives the
-    index (shuffle=True). Left: the loop never calls ``set_epoch``, so the sampler keeps
-    epoch 0 and every row is the same. Right: ``set_epoch(e)`` before epoch ``e``, so the
-    permutation is reseeded with ``seed + e`` and every index moves between ranks. An index
-    that a rank also gets as padding is marked with a white dot (it has two owners); an
-    index cut by ``drop_last`` is grey. The legend names the ranks' colours, and the dot and
-    the grey when the figure has them.
+    Two panels (shuffle=True), rows = epochs, columns = dataset index, colour = the receiving
+    rank. Left: no ``set_epoch``, every row the same (epoch 0). Right: ``set_epoch(e)``
+    reseeds with ``seed + e`` and indices move between ranks. A white dot marks an index also
+    dealt as padding (two owners); grey, an index cut by ``drop_last``. No process group.
 
     Args:
-        n: dataset length N (columns).
-        num_replicas: world size R.
+        n, num_replicas: dataset length N (columns) and world size R.
         epochs: number of epochs (rows).
-        seed: the sampler's seed.
-        drop_last: the sampler's ``drop_last``.
+        seed, drop_last: the sampler's.
         figsize: inches.
 
     Returns:
-        The ``Figure`` with two Axes; ``fig.axes[i].images[0].get_array()`` is the
-        ``(epochs, N)`` owner matrix (masked where dropped), panel 0 without, 1 with
-        ``set_epoch``. No process group.
+        The ``Figure``; ``fig.axes[i].images[0].get_array()`` is the ``(epochs, N)`` owner
+        matrix (masked where dropped), panel 0 without, 1 with ``set_epoch``.
 
     Raises:
         ValueError: ``n < 1`` or ``num_replicas < 1``.

@@ -24,8 +24,6 @@ TITLE_PT = 11
 def subplots(nrows: int = 1, ncols: int = 1, figsize=(MIN_WIDTH_IN, 3.2), **kwargs):
     """``plt.subplots`` in the series' style: :data:`DPI`, at least :data:`MIN_WIDTH_IN` wide
     (a narrower ``figsize`` is scaled up, keeping its aspect), default font :data:`LABEL_PT`.
-
-    Every figure function of :mod:`ddp_lesson.viz` starts here and ends with :func:`finish`.
     """
     import matplotlib.pyplot as plt
 

@@ -9,16 +9,14 @@ __all__ = ["torchrun_topology_figure"]
 def torchrun_topology_figure(nnodes: int = 2, nproc_per_node: int = 4, figsize=(11, 4.6)):
     """torchrun -> agents -> workers -> process group, on ``nnodes`` x ``nproc_per_node``.
 
-    One torchrun per node starts that node's *agent* (torch's ``LocalElasticAgent``), which
-    starts and watches ``nproc_per_node`` workers. The agents meet at the rendezvous endpoint
-    (``--rdzv-endpoint``); the workers' ``init_process_group`` meets at the store named by
-    ``MASTER_ADDR:MASTER_PORT``. Every worker box shows ``RANK`` (``node * nproc_per_node +
-    local_rank``) and ``LOCAL_RANK``. Sources: torch 2.13, ``torch/distributed/run.py`` and
-    ``elastic/agent/server/local_elastic_agent.py``.
+    One torchrun per node starts its *agent* (``LocalElasticAgent``), which starts and watches
+    the node's workers. The agents meet at ``--rdzv-endpoint``; the workers'
+    ``init_process_group`` at the store ``MASTER_ADDR:MASTER_PORT``. Each worker box shows
+    ``RANK`` (``node * nproc_per_node + local_rank``) and ``LOCAL_RANK``. Sources: torch 2.13,
+    ``torch/distributed/run.py``, ``elastic/agent/server/local_elastic_agent.py``.
 
     Returns:
-        The ``Figure``; each worker's text artist has gid ``"worker{RANK}"`` and each agent's
-        ``"agent{node}"``. Pure drawing, no process group.
+        The ``Figure``; worker texts have gid ``"worker{RANK}"``, agents ``"agent{node}"``.
     """
     from matplotlib.patches import FancyBboxPatch
 

@@ -1,10 +1,10 @@
-"""The trainer's results (notebook 06 and its deep dive): loss curves, masks, the scaling study;
+"""The trainer's results (notebook 06 and its deep dive): loss curves, the scaling study;
 the learning-rate recipe's experiment (notebook 01's deep dive)."""
 from __future__ import annotations
 
 from .style import LABEL_PT, SMALL_PT, TITLE_PT, finish, subplots
 
-__all__ = ["loss_curves_figure", "masks_figure", "scaling_figure", "lr_recipe_figure"]
+__all__ = ["loss_curves_figure", "scaling_figure", "lr_recipe_figure"]
 
 
 def loss_curves_figure(curves, title: str = "training loss per optimizer step",
@@ -12,14 +12,12 @@ def loss_curves_figure(curves, title: str = "training loss per optimizer step",
     """Loss curves overlaid, one line per run, x = optimizer step (1-based).
 
     Args:
-        curves: ``{label: [loss per step, ...]}`` (e.g. ``summary["step_losses"]`` of runs
-            with 1 and 2 processes at the same global batch). Later lines are drawn dashed
-            so that curves that coincide stay visible.
-        title: title of the loss axes.
-        reference: a label of ``curves``; when given, a second panel shows every other
-            curve's ``|loss - reference loss|`` per step on a log scale (curves that look
-            the same on the left may differ by 1e-7 or by 1e-3: the right panel tells).
-        figsize: default ``(6, 3)``, or ``(9, 3)`` with a reference panel.
+        curves: ``{label: [loss per step, ...]}`` (e.g. ``summary["step_losses"]`` of runs on
+            1 and 2 processes); later lines dashed, so coinciding curves stay visible.
+        title: the loss panel's title.
+        reference: a label of ``curves``; adds a panel of every other curve's
+            ``|loss - reference loss|`` per step, log scale (1e-7 apart or 1e-3 apart).
+        figsize: default ``(6, 3)``, ``(9, 3)`` with a reference panel.
 
     Returns:
         The figure.
@@ -56,47 +54,15 @@ def loss_curves_figure(curves, title: str = "training loss per optimizer step",
     return finish(fig)
 
 
-def masks_figure(images, targets, preds, figsize=None):
-    """Image, ground truth and prediction side by side, in the official Cityscapes colours.
-
-    Args:
-        images: ``(N, 3, H, W)`` normalised images (as the data sets return them).
-        targets: ``(N, H, W)`` trainIds 0..18 or 255 (void, drawn black).
-        preds: ``(N, H, W)`` predicted trainIds (``logits.argmax(1)``).
-        figsize: default ``(6, 1.1 * N + 0.4)``.
-
-    Returns:
-        The figure: one row per sample, columns image | ground truth | prediction.
-    """
-
-    from ..data import colorize_target, denormalize_image
-
-    n = len(images)
-    fig, axes = subplots(n, 3, figsize=figsize or (6, 1.1 * n + 0.4), squeeze=False)
-    for i in range(n):
-        panels = (denormalize_image(images[i]), colorize_target(targets[i]),
-                  colorize_target(preds[i]))
-        for j, (ax, panel) in enumerate(zip(axes[i], panels)):
-            ax.imshow(panel, interpolation="nearest")
-            ax.set_xticks([])
-            ax.set_yticks([])
-            if i == 0:
-                ax.set_title(("image", "ground truth", "prediction")[j], fontsize=LABEL_PT)
-    return finish(fig)
-
-
 def scaling_figure(rows, figsize=(8, 3)):
     """The scaling study: samples/s against processes (left), step-time breakdown (right).
 
     Args:
-        rows: rows of ``benchmarks/scaling.csv`` (:func:`ddp_lesson.bench.scaling.read_csv`):
-            mode, nprocs, samples_per_s, samples_per_s_min/max, efficiency and the phase
-            seconds data_s, forward_s, backward_s, comm_exposed_s, optimizer_s, other_s.
+        rows: rows of ``benchmarks/scaling.csv`` (:func:`ddp_lesson.bench.scaling.read_csv`).
 
     Returns:
-        The figure. Left: measured samples/s per mode with min-max bars over repeats, and the
-        ideal line (R x the 1-process rate). Right: one stacked bar per (mode, R), the
-        median seconds per step in each phase.
+        The figure. Left: samples/s per mode, min-max bars, the ideal line (R x the 1-process
+        rate). Right: per (mode, R), the median seconds per step in each phase, stacked.
     """
 
     phases = ("data", "forward", "backward", "comm_exposed", "optimizer", "other")
@@ -135,8 +101,7 @@ def scaling_figure(rows, figsize=(8, 3)):
             bx.bar(i, h, bottom=bottom, color=color, label=phase if i == 0 else None)
             bottom += h
         bottoms.append(bottom)
-    bx.set_xticks(range(len(bars)))
-    bx.set_xticklabels(labels, fontsize=SMALL_PT)
+    bx.set_xticks(range(len(bars)), labels, fontsize=SMALL_PT)
     bx.set_xlabel("mode (w = weak, s = strong) and R")
     bx.set_ylabel("ms per step")
     bx.set_title("where a step's time goes (rank 0)", fontsize=LABEL_PT)
@@ -146,22 +111,22 @@ def scaling_figure(rows, figsize=(8, 3)):
 
 def lr_recipe_tick(row, base_batch: int) -> str:
     """A row's tick label: ``8\nlr x0.5`` at the base batch, ``32\nsqrt`` at a larger one,
-    with ``no warm-up`` under it where there was none."""
+    then ``no warm-up`` where there was none.
+    """
     what = f"lr x{row['lr_mult']:g}" if row["global_batch"] == base_batch else row["rule"]
     return f"{row['global_batch']}\n{what}" + ("" if row["warmup"] else "\nno warm-up")
 
 
 def lr_recipe_figure(rows, figsize=(9, 3.4)):
-    """The learning-rate recipe's experiment: final evaluation loss per configuration, one
+    """The learning-rate recipe's experiment: final evaluation loss per configuration, a
     panel per optimizer.
 
     Args:
         rows: rows of ``benchmarks/lr_recipe.csv`` (:func:`ddp_lesson.bench.lr_recipe.read_csv`).
 
     Returns:
-        The figure: each configuration's mean over seeds (a point), its min-max (a bar) and
-        every seed (small dots); the grey band is the smallest batch at the base learning rate
-        (min-max), the reference the larger batch tries to reach with the same samples.
+        The figure: per configuration the mean over seeds (point), min-max (bar) and each seed
+        (dots); the grey band, the smallest batch at the base learning rate (min-max).
     """
     opts = list(dict.fromkeys(r["optimizer"] for r in rows))
     fig, axes = subplots(1, len(opts), figsize=figsize, squeeze=False, sharey=True)
@@ -183,8 +148,7 @@ def lr_recipe_figure(rows, figsize=(9, 3.4)):
                         marker="o", color=color, capsize=3)
             seeds = [float(x) for x in r["eval_loss_per_seed"].split()]
             ax.plot([i + 0.18] * len(seeds), seeds, ".", color=color, ms=3, alpha=0.7)
-        ax.set_xticks(range(len(rs)))
-        ax.set_xticklabels([lr_recipe_tick(r, small) for r in rs], fontsize=SMALL_PT)
+        ax.set_xticks(range(len(rs)), [lr_recipe_tick(r, small) for r in rs], fontsize=SMALL_PT)
         ax.set_title(names.get(opt, opt), fontsize=LABEL_PT)
         ax.set_xlabel("global batch (sequences), learning rate")
         ax.grid(alpha=0.3, axis="y")

@@ -147,23 +147,6 @@ def test_loss_curves_figure_draws_the_curves_and_differences():
     plt.close(fig)
 
 
-def test_masks_figure_uses_the_cityscapes_palette():
-    from ddp_lesson.data import TRAIN_ID_COLORS
-    from ddp_lesson.viz.training import masks_figure
-
-    images = torch.zeros(2, 3, 4, 6)
-    targets = torch.full((2, 4, 6), 255)
-    targets[0, 0, 0] = 0  # road
-    preds = torch.full((2, 4, 6), 13)  # car
-    fig = masks_figure(images, targets, preds)
-    assert len(fig.axes) == 6
-    truth = fig.axes[1].get_images()[0].get_array()
-    pred = fig.axes[2].get_images()[0].get_array()
-    assert tuple(truth[0, 0]) == TRAIN_ID_COLORS[0] and tuple(truth[1, 1]) == (0, 0, 0)
-    assert tuple(pred[2, 3]) == TRAIN_ID_COLORS[13]
-    plt.close(fig)
-
-
 def test_scaling_figure_draws_every_row():
     from ddp_lesson.viz.training import scaling_figure
 

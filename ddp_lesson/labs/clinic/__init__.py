@@ -1,24 +1,20 @@
 """The hang clinic: small broken data-parallel programs that end in a clear error, not a hang.
 
-Each module runs under torchrun (``-m ddp_lesson.labs.clinic.<name>``), joins the group with
-a 5 s timeout (``init_distributed(timeout=5, backend="gloo")``: gloo raises after the process
-group's timeout instead of gloo's default 30 minutes (NCCL's: 10); gloo on a GPU machine too,
-since the cases build CPU tensors, which NCCL refuses), registers a faulthandler stack dump on
-SIGUSR1,
-takes ``--fixed`` to run the repaired program, and with ``--flight-dir DIR``
-leaves each rank's flight record in ``DIR`` (written while the case hangs,
-:class:`ddp_lesson.flight.HangWatch`; ``--flight-stacks`` adds the callers' file:line):
+Each case runs under torchrun (``-m ddp_lesson.labs.clinic.<name>``), joins a gloo group
+(gloo on GPUs too: the cases build CPU tensors, which NCCL refuses) whose collectives time
+out after 5 s (gloo's default: 30 minutes; NCCL's: 10), dumps its stacks on SIGUSR1, runs the
+repaired program with ``--fixed``, and with ``--flight-dir DIR`` leaves each rank's flight
+record in ``DIR`` (written while it hangs, :class:`ddp_lesson.flight.HangWatch`;
+``--flight-stacks`` adds the callers' file:line). The cases:
 
 * :mod:`.partial_collective`: a collective only some ranks call;
 * :mod:`.shape_mismatch`: ``all_reduce`` with different shapes on different ranks;
-* :mod:`.uneven_batches`: ranks with different numbers of batches under DDP, fixed with
-  ``torch.distributed.algorithms.Join``;
+* :mod:`.uneven_batches`: ranks with different numbers of batches under DDP (fix: ``Join``);
 * :mod:`.model_mismatch`: a model that differs between ranks (DDP's constructor refuses it);
 * :mod:`.missing_rank`: a world size that does not match the launch, so one rank never joins.
 
-:mod:`.fixed` runs every repaired program in one job. :func:`run_all` starts several clinic
-launches at once (their timeouts overlap instead of adding up). Notebook 07 runs them and
-reads the errors; tests/launch/test_clinic.py asserts each error.
+:mod:`.fixed` runs every repaired program in one job; :func:`run_all` starts several
+launches at once. Notebook 07 reads their errors; tests/launch/test_clinic.py asserts them.
 """
 from __future__ import annotations
 
@@ -41,7 +37,7 @@ SIGNATURES = (
 
 
 def diagnose(result) -> str:
-    """Name what ended a clinic run, from the ranks' stderr: the first of :data:`SIGNATURES`
+    """What ended a clinic run, from the ranks' stderr: the first of :data:`SIGNATURES`
     found, ``"finished"`` when every rank exited 0, else ``"other error"``.
 
     Args:
@@ -74,13 +70,11 @@ def telling_line(name: str, result) -> str:
     """The stable part of the error line that names what ended a broken clinic run.
 
     The ranks' stderr is searched in rank order for :data:`TELLING`'s pattern; torch's
-    ``[rankN]:`` prefix, gloo's source location (``[/path/to/file.cc:78]``), the operation it
-    waited for and anything after it are left out, so the text holds no paths, ports or
-    addresses. The timeout in milliseconds is the program's ``--timeout`` (5 s by default:
-    ``5000ms``).
+    ``[rankN]:`` prefix, gloo's source location, the awaited operation and what follows are
+    left out (no paths, ports or addresses). The timeout in ms is ``--timeout`` (``5000ms``).
 
     Args:
-        name: a key of :data:`TELLING` (one of :data:`CASES`).
+        name: one of :data:`CASES`.
         result: the case's :class:`ddp_lesson.launch.TorchrunResult` (``check=False``).
 
     Returns:
@@ -102,11 +96,8 @@ def telling_line(name: str, result) -> str:
 
 
 def split_cases(lines: list[str]) -> dict[str, list[str]]:
-    """One rank's output lines of :mod:`.fixed`, cut at its ``== <case>`` headers.
-
-    Returns:
-        ``{case: [its lines]}`` in the order the cases ran; lines before the first header
-        are dropped.
+    """One rank's output lines of :mod:`.fixed` as ``{case: [its lines]}``, cut at its
+    ``== <case>`` headers, in the order the cases ran (lines before the first header dropped).
     """
     cases: dict[str, list[str]] = {}
     current = None
@@ -121,28 +112,24 @@ def split_cases(lines: list[str]) -> dict[str, list[str]]:
 def run_all(runs: dict, *, timeout: float = 120.0, nproc_per_node: int = 2) -> dict:
     """Start several clinic launches at once and wait for all: ``{label: TorchrunResult}``.
 
-    Each run is a :func:`ddp_lesson.launch.run_torchrun` of a clinic module (gloo,
-    ``check=False``) in a thread of its own; the launches share nothing but the machine (each
-    has its own rendezvous store, ports and folder). What the broken cases mostly do is wait
-    for their timeout, so started together they take about as long as the slowest one. In a
-    notebook one live status line counts the finished runs; the results come back in the
-    order of ``runs`` (not of finishing), so what a cell prints from them is deterministic.
-    No case can restart, so every one runs on torchrun's shared workers' store (every rank a
-    client: ``missing_rank``'s error is the others' wait for the missing rank's key, whatever
-    the machine's load; see :func:`ddp_lesson.launch.launch_env`).
+    Each is a :func:`ddp_lesson.launch.run_torchrun` of a clinic module (gloo, ``check=False``)
+    in a thread of its own, with its own store, ports and folder; the broken cases mostly wait
+    for their timeout, so together they take about as long as the slowest. In a notebook one
+    live line counts the finished runs; results come back in the order of ``runs``, so what a
+    cell prints is deterministic. Every rank is a client of torchrun's shared store (no case can
+    restart), so ``missing_rank``'s error is the others' wait for its key whatever the load
+    (:func:`ddp_lesson.launch.launch_env`).
 
     Args:
         runs: ``{label: (module, args)}`` or ``{label: (module, args, extra_env)}``, module
-            relative to ``ddp_lesson.labs.clinic`` (``"shape_mismatch"``), ``extra_env`` a dict
-            of variables added to this process's environment for that run.
-        timeout: wall-clock seconds for each run (:func:`run_torchrun`'s ``timeout``).
+            relative to ``ddp_lesson.labs.clinic``, ``extra_env`` variables added for that run.
+        timeout: wall-clock seconds for each run.
         nproc_per_node: processes per run.
 
     Raises:
-        ddp_lesson.launch.TorchrunTimeout: a run outlived ``timeout`` (raised once all
-            runs are done).
-        ddp_lesson.launch.TorchrunInterrupted: an interrupt; every process of every run
-            is ended first (:func:`ddp_lesson.launch.run_torchrun_many`).
+        ddp_lesson.launch.TorchrunTimeout: a run outlived ``timeout`` (raised once all are done).
+        ddp_lesson.launch.TorchrunInterrupted: an interrupt; every process of every run is
+            ended first (:func:`ddp_lesson.launch.run_torchrun_many`).
     """
     import os
 

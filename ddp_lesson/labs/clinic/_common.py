@@ -33,11 +33,10 @@ STUCK_AT = 0.5
 
 
 def flight_recorder(args, rank: int):
-    """With ``--flight-dir``: a :class:`ddp_lesson.flight.HangWatch` that writes this rank's
-    flight record to ``DIR/trace_<rank>`` once the rank is stuck in a collective for
-    ``STUCK_AT * --timeout`` seconds, or when its ``finish()`` is called (every rank leaves a
-    record, the one that went on too); None without ``--flight-dir``. Local, no
-    communication."""
+    """With ``--flight-dir``: a :class:`ddp_lesson.flight.HangWatch` writing this rank's
+    record to ``DIR/trace_<rank>`` once it is stuck in a collective for ``STUCK_AT * --timeout``
+    seconds, or at ``finish()`` (every rank leaves one); else None. Local.
+    """
     if not args.flight_dir:
         return None
     from ...flight import HangWatch
@@ -49,13 +48,11 @@ def flight_recorder(args, rank: int):
 def start(timeout: float):
     """Join the group, then give its collectives a short timeout; dump stacks on SIGUSR1.
 
-    The group is joined with :data:`JOIN_TIMEOUT_S` and a barrier (every rank is up), then
-    every later collective gets ``timeout`` seconds
-    (``torch.distributed.distributed_c10d._set_pg_timeout``, what torch's own
-    ``dist.breakpoint`` uses to change a live group's timeout; gloo honours it).
-    ``faulthandler.register(SIGUSR1)``: ``kill -USR1 <pid>`` on a stuck worker prints where
-    each of its threads is (the Python line of the collective it waits in) without ending it.
-    Synchronises ranks. Returns the :class:`ddp_lesson.env.DistEnv`.
+    The join gets :data:`JOIN_TIMEOUT_S` and a barrier; later collectives ``timeout`` seconds
+    (``distributed_c10d._set_pg_timeout``, as torch's ``dist.breakpoint`` changes a live group's
+    timeout; gloo honours it). ``kill -USR1 <pid>`` prints where each thread of a stuck worker
+    is, without ending it (``faulthandler``). Synchronises ranks. Returns the
+    :class:`ddp_lesson.env.DistEnv`.
     """
     import datetime
     import faulthandler
@@ -77,11 +74,11 @@ def start(timeout: float):
 
 
 def main(doc: str, run, argv=None) -> None:
-    """A case program's entry point: parse ``argv`` (:func:`parse`), join the group
-    (:func:`start`), start the flight-record dump (:func:`flight_recorder`), ``run(env,
-    fixed)``, wait for the dump, leave the group. Synchronises ranks. When ``run`` raises
-    and a record is kept: print the error, write the record, wait (at most
-    :data:`JOIN_TIMEOUT_S`) until every rank's record is final, exit 1."""
+    """A case's entry point: parse ``argv``, join (:func:`start`), start the flight record,
+    ``run(env, fixed)``, leave the group. Synchronises ranks. When ``run`` raises and a record is
+    kept: print the error, write the record, wait (at most :data:`JOIN_TIMEOUT_S`) until every
+    rank's record is final, exit 1.
+    """
     import sys
     import traceback
 

@@ -2,11 +2,9 @@
 
     torchrun --nproc-per-node 2 -m ddp_lesson.labs.clinic.fixed [--timeout 10]
 
-One process group for all five repaired programs (``run(env, fixed=True)`` of each case
-module, in :data:`ddp_lesson.labs.clinic.CASES` order): they leave the group healthy, so one
-start-up serves them all. Each case's output is preceded by a line ``== <case>`` on every
-rank; :func:`ddp_lesson.labs.clinic.split_cases` cuts a rank's lines at those headers. A
-barrier ends every case, so the next one starts on every rank together.
+One process group for the five repaired programs (``run(env, fixed=True)``, in
+:data:`ddp_lesson.labs.clinic.CASES` order), each preceded by ``== <case>`` on every rank
+(:func:`ddp_lesson.labs.clinic.split_cases`) and ended by a barrier.
 """
 from __future__ import annotations
 

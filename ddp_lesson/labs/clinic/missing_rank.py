@@ -2,19 +2,18 @@
 
     torchrun --nproc-per-node 2 -m ddp_lesson.labs.clinic.missing_rank [--fixed]
 
-The bug: the program takes its world size from its own configuration (here: one more than
-torchrun started, as when a config says 3 GPUs and the job got 2) instead of torchrun's
-``WORLD_SIZE``. ``init_process_group`` then waits for a rank that does not exist. With the
-default timeout, a 30-minute hang on gloo (NCCL's: 10); with a short one the store raises,
-naming how many ranks joined. The fix: take rank and world size from torchrun's variables
-(``ddp_lesson.env.read_env``), never from a config or a hard-coded number.
+The bug: the world size comes from the program's own configuration (here one more than
+torchrun started, as a config saying 3 GPUs for a job that got 2), not torchrun's
+``WORLD_SIZE``, so ``init_process_group`` waits for a rank that does not exist: 30 minutes on
+gloo by default (NCCL's: 10); with a short timeout the store raises, naming how many joined.
+The fix: rank and world size from torchrun's variables (``ddp_lesson.env.read_env``).
 """
 from __future__ import annotations
 
 
 def run(env, fixed: bool) -> None:
-    """The repaired program on an already joined group of torchrun's ``WORLD_SIZE`` (what
-    ``--fixed`` joins); the broken one needs a group of its own (:func:`main`).
+    """The repaired program on a joined group of torchrun's ``WORLD_SIZE`` (what ``--fixed``
+    joins); the broken one needs a group of its own (:func:`main`).
 
     Raises:
         ValueError: ``fixed`` is False.

@@ -2,14 +2,12 @@
 
     torchrun --nproc-per-node 2 -m ddp_lesson.labs.clinic.model_mismatch [--fixed]
 
-The bug: the model's width comes from something that differs between ranks (here the rank
-itself; in practice a config read per host, a random architecture choice without a common
-seed, a rank-dependent branch). DDP's constructor compares the parameter shapes of all ranks
-and refuses at once, before any step: "DDP expects same model across all ranks, but Rank 0
-has 2 params, while rank 1 has inconsistent 2 params" / "appears not to match sizes of the
-same param in process 0" (names the parameter). Without DDP (a hand-written all_reduce of
-gradients), the same bug gives the mismatched-shape hang of clinic case 2. The fix: build the
-model from the same settings on every rank (broadcast the config from rank 0).
+The bug: the model's width depends on the rank (in practice: a config read per host, an
+unseeded random architecture, a rank-dependent branch). DDP's constructor compares the
+ranks' parameter shapes and refuses before any step ("... appears not to match sizes of the
+same param in process 0", naming the parameter); a hand-written gradient all_reduce would
+hang instead (clinic case 2). The fix: build the model from the same settings everywhere
+(broadcast the config from rank 0).
 """
 from __future__ import annotations
 

@@ -2,16 +2,12 @@
 
     torchrun --nproc-per-node 2 -m ddp_lesson.labs.clinic.shape_mismatch [--fixed]
 
-The bug: each rank reduces a tensor sized by its own data (here ``rank + 2`` numbers: per-rank
-counts of something whose length differs between ranks). A collective requires the same shape
-and dtype on every rank; gloo does not check it. The rank with the shorter tensor may even
-return, with numbers summed over the wrong elements (no error for it!), while the rank with
-the longer one waits for data that never comes and raises after the timeout ("Timed out
-waiting 5000ms for recv operation"); the symptom then shows up in a later, innocent
-collective. With
-``TORCH_DISTRIBUTED_DEBUG=DETAIL`` torch checks every collective first and names the
-mismatch: "Detected mismatch between collectives on ranks. Rank 0 is running collective:
-... TensorShape=[2] ..., but Rank 1 is running collective: ... TensorShape=[3]".
+The bug: each rank reduces a tensor sized by its own data (``rank + 2`` numbers). gloo does
+not check shapes: the shorter rank may return with sums over the wrong elements (no error!),
+the longer one waits and raises after the timeout ("Timed out waiting 5000ms for recv
+operation"), or a later, innocent collective fails. ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` checks
+every collective first: "Detected mismatch between collectives on ranks. Rank 0 is running
+collective: ... TensorShape=[2] ..., but Rank 1 is running collective: ... TensorShape=[3]".
 The fix: agree on the shape first (all_reduce the lengths with MAX and pad), or gather
 variable-sized data with ``all_gather_object``.
 """
