@@ -12,8 +12,7 @@ batch with every variant, from the same seed:
   (:class:`~ddp_lesson.core.naive_ddp.NaiveDDP`), ``bucketed``
   (:class:`~ddp_lesson.core.bucketed_ddp.BucketedDDP`, torch's default buckets unless
   ``--bucket-cap-mb``: a 1 MiB first bucket, then 25 MiB; the stored ``benchmarks/ddp.csv`` was
-  measured with ``--bucket-cap-mb 25``, one bucket, as its ``bucket_cap_mb`` column says, and
-  with the drop-in wrappers the package had until commit 0a30d30, not the cores);
+  measured with ``--bucket-cap-mb 25``, one bucket, as its ``bucket_cap_mb`` column says);
 * under a :class:`~ddp_lesson.commsim.SimulatedLink` (default α = 0.5 ms, 100 MB/s): ``torch``
   (the link as a DDP communication hook), ``naive``, ``bucketed`` with overlap and
   ``bucketed`` without overlap (both with ``--link-bucket-cap-mb``, several buckets);
