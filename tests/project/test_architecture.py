@@ -116,6 +116,30 @@ def test_no_module_imports_a_higher_layer():
     assert bad == []
 
 
+def _documented_imports() -> dict[str, set[str]]:
+    """docs/architecture.md's "imports from the package" table: module -> what it imports
+    (backticked names outside parentheses; ``nothing`` for none)."""
+    text = (PKG.parent / "docs" / "architecture.md").read_text()
+    table = text.split("| module | imports from the package |", 1)[1].split("\n\n", 1)[0]
+    rows = {}
+    for line in table.strip().splitlines()[1:]:
+        left, right = line.split("|")[1:3]
+        deps = set(re.findall(r"`([\w.]+)`", re.sub(r"\([^)]*\)", "", right)))
+        for m in re.findall(r"`([\w.]+)`", re.sub(r"\([^)]*\)", "", left)):
+            rows[m] = deps
+    return rows
+
+
+def test_architecture_import_table_matches_the_code():
+    # a deleted module (ddp_lesson.ddp) or a changed import must not linger in the table
+    rows = _documented_imports()
+    assert {"env", "train", "viz.ddp"} <= set(rows)  # the reader sees the table
+    gone = sorted(m for m in rows if m not in MODULES)
+    assert gone == [], f"docs/architecture.md lists modules that do not exist: {gone}"
+    wrong = {m: (sorted(d), sorted(GRAPH[m])) for m, d in rows.items() if d != GRAPH[m]}
+    assert wrong == {}, "docs/architecture.md's import table (documented, actual) differs"
+
+
 def _package_of(module: str) -> str:
     return module.rsplit(".", 1)[0] if "." in module else ""
 
