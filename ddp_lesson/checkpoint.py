@@ -295,6 +295,15 @@ def decide_on_rank0(decide: Callable[[], Any], timeout_s: float = RANK0_WAIT_S) 
     """:func:`run_on_rank0` for a question whose answer must be the same on every rank ("does the
     checkpoint exist?"): a slow shared file system could answer each rank differently, and ranks
     on different paths deadlock in mismatched collectives (KempnerInstitute/KempnerForge#49).
+
+    ``decide``: no arguments, returns a picklable value. Returns rank 0's result on every rank.
+    Synchronises: the others wait up to ``timeout_s`` seconds through the store, not in a
+    collective (reading a large checkpoint may outlast the group's timeout); call it on every
+    rank. Without a group of more than one rank it is ``decide()``.
+
+    Raises:
+        Whatever ``decide()`` raised (on rank 0); :class:`Rank0Error` naming it and
+        TimeoutError after ``timeout_s`` (on the others).
     """
     return run_on_rank0(decide, "check the checkpoint", timeout_s)
 
@@ -363,7 +372,9 @@ def default_map_location(environ=None) -> str:
 def load_checkpoint(path: str, map_location=None) -> dict:
     """Read and check a checkpoint written by :func:`save_checkpoint` (local: each rank reads it).
 
-    ``map_location``: anything ``torch.load`` accepts; None means :func:`default_map_location`.
+    ``map_location``: anything ``torch.load`` accepts; None means :func:`default_map_location`
+(``cuda:LOCAL_RANK`` or cpu: ``torch.load`` is never given None, which would put every
+rank's copy of a file saved on GPU 0 on GPU 0). No synchronisation.
     Returns the checkpoint dict, holding every key of :data:`REQUIRED_KEYS`.
 
     Raises:

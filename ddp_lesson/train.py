@@ -95,7 +95,11 @@ def _sum_over_ranks_in_place(t: torch.Tensor) -> torch.Tensor:
 
 
 def sum_over_ranks(t: torch.Tensor) -> torch.Tensor:
-    """Sum ``t`` over ranks, the result on the CPU (synchronises; every rank alike)."""
+    """Sum ``t`` over ranks; returns a new CPU tensor of the same shape and dtype.
+
+    Synchronises: every rank calls it with the same shape and dtype. Without a process group
+    it returns a copy (:func:`ddp_lesson.env.all_reduce_sum`).
+    """
     return all_reduce_sum(t.to(reduce_device())).cpu()  # NCCL reduces CUDA tensors only
 
 
@@ -161,7 +165,15 @@ class Precision:
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
 
     def step(self, optimizer, parameters) -> None:
-        """Unscale (fp16), measure and clip (``clip_grad_norm > 0``), then step the optimizer."""
+        """Unscale (fp16), measure and clip (``clip_grad_norm > 0``), then step the optimizer.
+
+        Call it after backward, on gradients already all-reduced: no collective of its own
+        (every rank computes the same norm). ``parameters``: the optimizer's. Sets
+        :attr:`grad_norm` (0-d tensor on the device: the L2 norm before clipping, None
+        without clipping) and :attr:`skipped`: under fp16 ``scaler.step`` skips
+        ``optimizer.step()`` when a gradient is inf/NaN, and ``scaler.update()`` then halves
+        the scale (``torch/amp/grad_scaler.py``).
+        """
         self.grad_norm = None
         if self.scaler is not None and self.clip_grad_norm > 0:
             self.scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
