@@ -1,4 +1,5 @@
-"""Write the numbers docs/benchmarks.md quotes from the stored CSVs (``benchmarks/*.csv``).
+"""Write the numbers docs/benchmarks.md and README.md quote from the stored CSVs
+(``benchmarks/*.csv``).
 
     python tools/bench_numbers.py            # rewrite every marked number in the text
     python tools/bench_numbers.py --check    # exit 1, naming each number that differs
@@ -18,6 +19,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "benchmarks.md"
+#: every file whose marked numbers this tool writes (README: the loads the runs were measured at)
+DOCS = (DOC, ROOT / "README.md")
 MARK = re.compile(r"<!-- n:(\w+) -->(.*?)<!-- /n -->")
 
 
@@ -80,12 +83,14 @@ def main(argv=None) -> int:
     sys.path.insert(0, str(ROOT))
     from ddp_lesson.bench.claims import load
 
-    tables, text = load(ROOT), DOC.read_text()
+    tables = load(ROOT)
     if args.check:
-        diff = differences(text, tables)
-        print("\n".join(diff) or "docs/benchmarks.md quotes the CSVs")
+        diff = [f"{doc.relative_to(ROOT)}: {d}" for doc in DOCS
+                for d in differences(doc.read_text(), tables)]
+        print("\n".join(diff) or "docs/benchmarks.md and README.md quote the CSVs")
         return 1 if diff else 0
-    DOC.write_text(render(text, tables))
+    for doc in DOCS:
+        doc.write_text(render(doc.read_text(), tables))
     return 0
 
 

@@ -132,6 +132,14 @@ def test_the_numbers_docs_benchmarks_quotes_are_the_csvs():
     assert {name for name, _ in tool.MARK.findall(text)} == set(tool.NUMBERS)
 
 
+def test_the_loads_the_readme_quotes_are_the_csvs():
+    """The README says under what load each stored benchmark ran (ddp.csv was re-measured)."""
+    tool = _bench_numbers()
+    text = (ROOT / "README.md").read_text()
+    assert {"load_allreduce", "load_scaling", "load_ddp"} <= {n for n, _ in tool.MARK.findall(text)}
+    assert tool.differences(text, TABLES) == []
+
+
 def test_bench_numbers_computes_each_number_from_the_rows():
     tool = _bench_numbers()
     ddp = [{"variant": v, "link": True, "exposed_ms": e, "exposed_ms_min": lo,
