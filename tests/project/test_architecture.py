@@ -140,6 +140,20 @@ def test_architecture_import_table_matches_the_code():
     assert wrong == {}, "docs/architecture.md's import table (documented, actual) differs"
 
 
+def test_readme_layout_names_the_package_as_it_is():
+    """README's Layout block: ``core/ (...)`` lists every core module, and each ``name (...)``
+    it describes is a module or package of ``ddp_lesson`` (``ddp`` was deleted)."""
+    text = (PKG.parent / "README.md").read_text().split("## Layout", 1)[1]
+    block = text.split("```", 2)[1].split("\nnotebooks/", 1)[0]
+    block = re.sub(r"\s+", " ", block.split("the package:", 1)[1])
+    core = re.search(r"core/ \([^:]*: ([^)]*)\)", block).group(1)
+    assert sorted(core.split(", ")) == sorted(m.split(".", 1)[1] for m in MODULES
+                                               if m.startswith("core."))
+    described = re.findall(r"(?:^|, )([a-z_]+)/? \(", block)
+    assert {"env", "train", "viz", "labs"} <= set(described)  # the reader sees the block
+    assert [n for n in described if n not in MODULES] == []
+
+
 def _package_of(module: str) -> str:
     return module.rsplit(".", 1)[0] if "." in module else ""
 
