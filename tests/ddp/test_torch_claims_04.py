@@ -235,10 +235,11 @@ def test_claim19_unused_parameter_run_torch_with_the_flag_the_core_without():
     stored = stream_text("deep/04_ddp_edge_cases.ipynb", "unused_parameters(wrapper")
     lines = [line for line in stored.splitlines() if line.startswith("[rank")]
     assert lines == [
-        "[rank 0] DistributedDataParallel, find_unused_parameters=True:",
+        "[rank 0] DistributedDataParallel (find_unused_parameters=True):",
         "[rank 0]   b on rank 0 only: b.weight.grad[0, 0] = 1.0",
         "[rank 0]   b unused everywhere: b.weight.grad is None",
-        "[rank 0] BucketedDDP, find_unused_parameters=False:",
+        # the core has no find_unused_parameters (it sends zeros): the label must not say so
+        "[rank 0] BucketedDDP (no such flag: it sends zeros):",
         "[rank 0]   b on rank 0 only: b.weight.grad[0, 0] = 1.0",
         "[rank 0]   b unused everywhere: b.weight.grad max |g| = 0.0",
         "[rank 0] rank 0's own gradient was 2.0: rank 1 sent zeros for b"]
