@@ -350,9 +350,12 @@ class Trainer:
     (the resume point); ``history`` (one dict per epoch); ``step_log`` (one
     :class:`StepRecord` per step, summed over ranks).
 
+    Construction synchronises: the wrapper broadcasts rank 0's parameters and buffers
+    (:func:`wrap_model`).
+
     Raises:
-        TrainInputError: bad data folder, zero steps per epoch, ``--amp`` unavailable, an
-            unavailable wrapper, a ``layout`` this world size cannot share.
+        TrainInputError: bad data folder, zero steps per epoch, ``--amp`` unavailable, a
+            ``layout`` this world size cannot share.
     """
 
     def __init__(self, cfg: TrainConfig, env, device=None, layout: tuple[int, int] | None = None):
