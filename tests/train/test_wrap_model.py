@@ -3,8 +3,10 @@
 One 2-rank torchrun launch: :func:`ddp_lesson.train.wrap_model` returns the classes of
 ``ddp_lesson/core/``, and the trainer with each wrapper (BatchNorm model, gradient accumulation
 through ``no_sync()``) writes the same checkpoint, parameters and BatchNorm buffers, bit for bit,
-with the same losses and validation scores. With 2 ranks an averaged element is one addition,
-``a/2 + b/2``, whatever bucket carries it, so equality is exact.
+with the same losses and validation scores; so do a run stopped under one wrapper and resumed
+under another, and runs with ``--amp bf16 --clip-grad-norm --sync-bn``. With 2 ranks an
+averaged element is one addition, ``a/2 + b/2``, whatever bucket carries it, so equality is
+exact.
 """
 import json
 
@@ -44,6 +46,26 @@ for kind in ("naive", "bucketed"):
 res["buffers"] = sorted({k.rsplit(".", 1)[1] for k, _ in build_model("deeplab", width=4)
                          .named_buffers()})
 res["steps"] = summaries["torch"]["steps_per_epoch"]
+# a checkpoint holds the bare module: a run stopped under one wrapper resumes under another
+def wrapper(kind):
+    return (cap if kind != "naive" else []) + ["--ddp", kind]
+for a, b in (("torch", "naive"), ("bucketed", "torch")):
+    out = f"resume_{a}_{b}"
+    train.main(base + wrapper(a) + ["--out", out, "--max-steps", "1"])
+    s = train.main(base + wrapper(b) + ["--out", out])
+    got = torch.load(f"{out}/checkpoint.pt", weights_only=True)["model"]
+    res[out] = {"differ": [k for k in ref if not torch.equal(ref[k], got[k])],
+                "losses": s["step_losses"] == summaries["torch"]["step_losses"]}
+# the trainer's other options with the cores: bf16 autocast, clipping, SyncBatchNorm
+extra = ["--amp", "bf16", "--clip-grad-norm", "0.5", "--sync-bn"]
+opts = {kind: train.main(base + extra + wrapper(kind) + ["--out", f"opts_{kind}"])
+        for kind in ("torch", "naive", "bucketed")}
+ref_opts = torch.load("opts_torch/checkpoint.pt", weights_only=True)["model"]
+for kind in ("naive", "bucketed"):
+    got = torch.load(f"opts_{kind}/checkpoint.pt", weights_only=True)["model"]
+    res[f"opts_{kind}"] = {"differ": [k for k in ref_opts if not torch.equal(ref_opts[k], got[k])],
+                           "losses": opts[kind]["step_losses"] == opts["torch"]["step_losses"],
+                           "norms": opts[kind]["grad_norms"] == opts["torch"]["grad_norms"]}
 print(json.dumps(res))
 import gc
 gc.collect()
@@ -67,3 +89,9 @@ def test_naive_and_bucketed_train_what_torchs_ddp_trains(tmp_path):
     assert res["buffers"] == ["num_batches_tracked", "running_mean", "running_var"]
     for kind in ("naive", "bucketed"):
         assert res[kind] == {"keys": True, "differ": [], "losses": True, "history": True}, kind
+    # resumed under another wrapper: the weights and losses of the uninterrupted run
+    for key in ("resume_torch_naive", "resume_bucketed_torch"):
+        assert res[key] == {"differ": [], "losses": True}, key
+    # --amp bf16 --clip-grad-norm --sync-bn: the cores train what torch's DDP trains
+    for kind in ("naive", "bucketed"):
+        assert res[f"opts_{kind}"] == {"differ": [], "losses": True, "norms": True}, kind
