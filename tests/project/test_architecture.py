@@ -140,6 +140,22 @@ def test_architecture_import_table_matches_the_code():
     assert wrong == {}, "docs/architecture.md's import table (documented, actual) differs"
 
 
+def test_architecture_states_todays_edges_between_layers():
+    text = re.sub(r"\s+", " ", (PKG.parent / "docs" / "architecture.md").read_text())
+    said = text.split("Today's real edges between layers", 1)[1].split(": ", 1)[1]
+    said = said.split(". Within the lower layers", 1)[0]
+    documented = {}
+    for part in said.split("; "):
+        src, dsts = part.split(" → ")
+        documented[src] = set(dsts.split(", "))
+    actual: dict[str, set[str]] = {}
+    for m, deps in GRAPH.items():
+        for d in deps:
+            if layer_of(m) != layer_of(d):
+                actual.setdefault(layer_of(m), set()).add(layer_of(d))
+    assert documented == actual
+
+
 def test_readme_layout_names_the_package_as_it_is():
     """README's Layout block: ``core/ (...)`` lists every core module, and each ``name (...)``
     it describes is a module or package of ``ddp_lesson`` (``ddp`` was deleted)."""
