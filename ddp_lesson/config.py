@@ -197,6 +197,8 @@ class TrainConfig:
             (clip_ok, f"clip_grad_norm must be a finite number > 0 (leave the flag out for no "
                       f"clipping), got {self.clip_grad_norm}"),
             finite_positive("bucket_cap_mb", unset_ok=True),
+            (self.bucket_cap_mb is None or self.bucket_cap_mb * 2**20 < math.inf,
+             f"bucket_cap_mb {self.bucket_cap_mb} MiB is more bytes than a float holds"),
             (self.ddp != "naive" or self.bucket_cap_mb is None,
              f"bucket_cap_mb {self.bucket_cap_mb or 0:g} needs --ddp torch or bucketed: "
              "NaiveDDP has no buckets (it all-reduces each gradient on its own)"),

@@ -41,9 +41,9 @@ def bucket_size_limits(bucket_cap_mb: float | None = None) -> list[int]:
 
     None (torch's default): ``[dist._DEFAULT_FIRST_BUCKET_BYTES, 25 MiB]``, read now (1 MiB
     unless changed): the first bucket closes early. An explicit cap: ``[cap]`` for every
-    bucket. Raises ValueError for a negative or non-finite cap.
+    bucket. Raises ValueError for a negative or non-finite cap (in bytes: 1e308 MiB is too).
     """
-    if bucket_cap_mb is not None and not 0 <= bucket_cap_mb < float("inf"):
+    if bucket_cap_mb is not None and not 0 <= bucket_cap_mb * MB < float("inf"):
         raise ValueError(f"bucket_cap_mb must be a finite number >= 0, got {bucket_cap_mb}")
     cap = int((DEFAULT_CAP_MB if bucket_cap_mb is None else bucket_cap_mb) * MB)
     first = dist._DEFAULT_FIRST_BUCKET_BYTES if bucket_cap_mb is None else cap

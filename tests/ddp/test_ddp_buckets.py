@@ -93,9 +93,9 @@ def test_assign_buckets_rejects_bad_arguments():
         assign_buckets([4], 10, ["a", "b"])
     with pytest.raises(ValueError, match="order must list each of the 2 indices once"):
         assign_buckets([4, 4], 10, order=[0, 0])
-    for bad in (-1, math.inf, math.nan):
+    for bad in (-1, math.inf, math.nan, 1e308):  # 1e308 MiB: an infinite number of bytes
         with pytest.raises(ValueError, match=f"bucket_cap_mb must be a finite number >= 0, "
-                                             f"got {bad}"):
+                                             f"got {bad}".replace("+", r"\+")):
             bucket_size_limits(bad)
 
 

@@ -20,7 +20,10 @@ TINY = ["--epochs", "1", "--num-train", "8", "--num-val", "2", "-b", "4", "--siz
 
 
 @pytest.fixture(autouse=True)
-def single_process_env(monkeypatch):
+def single_process_env(monkeypatch, tmp_path):
+    # An empty working folder: a test that leaves --out at its default (runs/main) must not meet
+    # the checkpoint the README's quickstart wrote there, nor leave a folder behind.
+    monkeypatch.chdir(tmp_path)
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID",
                  "DDP_LESSON_BACKEND"):
         monkeypatch.delenv(name, raising=False)
@@ -71,6 +74,7 @@ def good_checkpoint(tmp_path_factory):
     (["--clip-grad-norm", "nan"], "--clip-grad-norm must be a finite number > 0"),
     (["--bucket-cap-mb", "0"], "--bucket-cap-mb must be a finite number > 0, got 0.0"),
     (["--bucket-cap-mb", "-4"], "--bucket-cap-mb must be a finite number > 0, got -4.0"),
+    (["--bucket-cap-mb", "1e308"], "--bucket-cap-mb 1e+308 MiB is more bytes than a float holds"),
     (["--ddp", "naive", "--bucket-cap-mb", "5"],
      "--bucket-cap-mb 5 needs --ddp torch or bucketed: NaiveDDP has no buckets"),
     (["--ddp", "naive", "--static-graph"],
