@@ -43,7 +43,7 @@ __all__ = [
     "ring_bytes_sent_per_rank", "bus_factor", "algbw", "busbw", "fit_alpha_beta",
     "predict_overlap", "model_ready_times", "predict_bucket_sweep",
     "Hardware", "HARDWARE", "flops_per_sample", "compute_bound_batch", "predict_step",
-    "roofline_report",
+    "hardware_preset", "roofline_report",
 ]
 
 
@@ -391,10 +391,23 @@ def predict_step(flops: tuple[float, float], grad_bytes: float, batch_per_gpu: f
             "efficiency": compute / (compute + exposed)}
 
 
+def hardware_preset(hardware: Hardware | str) -> Hardware:
+    """``hardware`` itself, or the :data:`HARDWARE` preset its key names.
+
+    Raises:
+        KeyError: an unknown preset (the known ones are named).
+    """
+    if isinstance(hardware, str):
+        if hardware not in HARDWARE:
+            raise KeyError(f"unknown hardware {hardware!r}; presets are {sorted(HARDWARE)}")
+        hardware = HARDWARE[hardware]
+    return hardware
+
+
 def roofline_report(model, hardware: Hardware | str = "h100", world_sizes=(2, 8, 64),
                     batch_per_gpu: int = 32, inputs: tuple | None = None,
                     tokens_per_sample: int = 1, grad_bytes_per_param: int = 4,
-                    mfu: float = 1.0) -> str:
+                    mfu: float = 1.0, flops: tuple[float, float] | None = None) -> str:
     """The calculator: compute-bound batch and predicted efficiency for a model on hardware.
 
     Args:
@@ -405,6 +418,8 @@ def roofline_report(model, hardware: Hardware | str = "h100", world_sizes=(2, 8,
         world_sizes: GPU counts to predict (a count the hardware cannot hold gets a line).
         grad_bytes_per_param: 4 (fp32 parameters, also under autocast) or 2 (bf16).
         batch_per_gpu, mfu: samples per GPU per step (efficiency), share of peak FLOP/s.
+        flops: with ``inputs``, ``flops_per_sample(model, inputs)`` if already counted (the
+            calculator counts once, not at every change of a control).
 
     Returns:
         Short lines, one fact each. Nothing communicates.
@@ -412,14 +427,11 @@ def roofline_report(model, hardware: Hardware | str = "h100", world_sizes=(2, 8,
     Raises:
         KeyError: an unknown preset (the known ones are named).
     """
-    if isinstance(hardware, str):
-        if hardware not in HARDWARE:
-            raise KeyError(f"unknown hardware {hardware!r}; presets are {sorted(HARDWARE)}")
-        hardware = HARDWARE[hardware]
+    hardware = hardware_preset(hardware)
     params = model if isinstance(model, (int, float)) else sum(
         p.numel() for p in model.parameters() if p.requires_grad)
     if inputs is not None:
-        flops, how = flops_per_sample(model, inputs), "FlopCounterMode"
+        flops, how = flops or flops_per_sample(model, inputs), "FlopCounterMode"
     else:
         flops, how = (2 * params * tokens_per_sample, 4 * params * tokens_per_sample), "2P/4P"
     grad = params * grad_bytes_per_param

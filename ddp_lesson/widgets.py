@@ -335,9 +335,11 @@ def _roofline_class():
         """:func:`roofline_calculator`'s widget; ``text`` is the report on show."""
 
         def __init__(self, model, inputs, hardware, batch_per_gpu, mfu, grad_bytes_per_param):
-            from .cost_model import HARDWARE
+            from .cost_model import HARDWARE, flops_per_sample
 
             self._model, self._inputs = model, inputs
+            # no control changes the model's FLOPs: counted once (a count runs its backward)
+            self._flops = flops_per_sample(model, inputs) if inputs is not None else None
             style = {"description_width": "110px"}
             options = [(k, HARDWARE[k]) for k in sorted(HARDWARE)]
             if hardware not in HARDWARE.values():  # the learner's own Hardware(...)
@@ -364,7 +366,8 @@ def _roofline_class():
             self.text = roofline_report(self._model, self.hardware.value,
                                         batch_per_gpu=self.batch_per_gpu.value,
                                         inputs=self._inputs, mfu=self.mfu.value,
-                                        grad_bytes_per_param=self.grad_bytes.value)
+                                        grad_bytes_per_param=self.grad_bytes.value,
+                                        flops=self._flops)
             self.view.value = _pre(self.text)
 
         def header(self) -> str:
@@ -380,7 +383,7 @@ def roofline_calculator(model, inputs=None, hardware="h100", batch_per_gpu: int 
 
     Args as ``roofline_report`` (``model``: an ``nn.Module`` with an example batch ``inputs``,
     or a parameter count; ``hardware``: a preset's key or your own ``Hardware(...)``, listed as
-    "custom"). Nothing communicates; FLOPs are counted again at every change.
+    "custom"). Nothing communicates; FLOPs are counted once, when it is built.
 
     Returns:
         A ``RooflineCalculator`` (``ipywidgets.VBox``) with controls ``hardware``,
@@ -389,13 +392,10 @@ def roofline_calculator(model, inputs=None, hardware="h100", batch_per_gpu: int 
     Raises:
         KeyError: an unknown hardware preset.
     """
-    from .cost_model import HARDWARE
+    from .cost_model import hardware_preset
 
-    if isinstance(hardware, str):
-        if hardware not in HARDWARE:
-            raise KeyError(f"unknown hardware {hardware!r}; presets are {sorted(HARDWARE)}")
-        hardware = HARDWARE[hardware]
-    return _roofline_class()(model, inputs, hardware, batch_per_gpu, mfu, grad_bytes_per_param)
+    return _roofline_class()(model, inputs, hardware_preset(hardware), batch_per_gpu, mfu,
+                             grad_bytes_per_param)
 
 
 # ====================================================== FSDP decision calculator (notebook 08)

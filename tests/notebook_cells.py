@@ -126,5 +126,6 @@ def concept_checks(notebook: str) -> list[tuple[str, str]]:
 
 def numbers_in(text: str) -> list[float]:
     """The numbers written in ``text`` (a concept check's answer), in order: ``"0.2: 8 × 64"``
-    gives ``[0.2, 8.0, 64.0]``."""
-    return [float(n) for n in re.findall(r"\d+(?:\.\d+)?", text)]
+    gives ``[0.2, 8.0, 64.0]``; thousands separators are read (``"1,024"``: 1024.0), and
+    exponents (``"3.5e9"``)."""
+    return [float(n) for n in re.findall(r"\d+(?:\.\d+)?(?:e\d+)?", text.replace(",", ""))]

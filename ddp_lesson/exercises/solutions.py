@@ -29,6 +29,7 @@ from ..core.ring import ring_all_reduce as ring_all_reduce  # 03.6's reference
 from ..core.sampler import DistributedSampler as DistributedSampler  # 02.1's reference
 from ..core.zero1 import Zero1Optimizer as Zero1Optimizer  # 08.5's reference
 from ..evaluation import exact_accuracy as exact_accuracy  # 02.4's reference
+from ..memory import per_rank_bytes
 
 
 def local_rank_from_rank(rank: int, nproc_per_node: int) -> int:
@@ -132,13 +133,7 @@ def min_ranks_zero3(num_params: float, gpu_bytes: float) -> int:
     return max(1, math.ceil(16 * num_params / gpu_bytes))
 
 
-def bytes_per_rank(num_params: float, activation_bytes: float, world_size: int,
-                   stage: int) -> float:
-    """08.6: Mixed-precision Adam's 2 + 2 + 12 bytes per parameter, each piece divided by the
-    world size from its stage on, plus this rank's activations (never divided)."""
-    p, g, o, R = 2 * num_params, 2 * num_params, 12 * num_params, world_size
-    return ((p / R if stage >= 3 else p) + (g / R if stage >= 2 else g)
-            + (o / R if stage >= 1 else o) + activation_bytes)
+bytes_per_rank = per_rank_bytes  # 08.6's reference: the package's own rule
 
 
 def gather_flat(shard: torch.Tensor, total_numel: int) -> torch.Tensor:

@@ -26,6 +26,7 @@ from ddp_lesson.commsim import Recorder
 from ddp_lesson.core.bucketed_ddp import BucketedDDP
 from ddp_lesson.core.naive_ddp import NaiveDDP
 from ddp_lesson.env import reduce_device
+from ddp_lesson.labs import gather
 from ddp_lesson.labs.ddp_toys import IN_FEATURES, TwoLayer
 
 __all__ = ["Scalar", "MICRO_GRADS", "no_sync_accumulation", "unused_parameters",
@@ -284,8 +285,7 @@ def main(argv=None) -> None:
         name = wrapper.__name__
         for order in ("correct", "buggy"):
             grad, syncs = no_sync_accumulation(wrapper, order)
-            grads = [0.0, 0.0]
-            dist.all_gather_object(grads, grad)
+            grads = gather(grad)
             print0(f"{name} B4 {order}: w.grad per rank {grads}, synchronised backwards {syncs}")
         kind, value = unused_parameters(wrapper, False, b_on_ranks=(0,))
         print0(f"{name} B1, b on rank 0 only: b.weight.grad[0, 0] = "

@@ -67,9 +67,6 @@ def _without_main(name):
     return data
 
 
-spawn.get_preparation_data = _without_main
-
-
 class ForkedAgent:
     """A forked agent, as the launcher uses a ``subprocess.Popen``: ``pid`` (also its process
     group's id), ``returncode`` (None while it runs), :meth:`poll` and :meth:`wait_exit`."""
@@ -127,6 +124,9 @@ def spawn_agent(cmd: list[str], env: dict, cwd, out_fd: int, ready=None
         return None
     with _lock:
         if not _state:
+            # patched here, not at import: a kernel that only loads the extension keeps the
+            # standard library as it is (the server only ever starts agents)
+            spawn.get_preparation_data = _without_main
             ctx = multiprocessing.get_context("forkserver")
             ctx.set_forkserver_preload(_PRELOAD)
             _state.update(ctx=ctx, import_env={k: os.environ.get(k) for k in IMPORT_TIME},

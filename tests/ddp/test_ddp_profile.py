@@ -32,6 +32,26 @@ def test_the_deep_dive_prints_the_buckets_and_the_first_attempt_is_refused():
     assert "you counted all of the all-reduce time: backward hid part of it" in verdict
 
 
+def test_the_deep_dives_measured_lines_are_consistent():
+    """The two cells whose numbers vary from run to run (nbval ignores their output): what
+    they stored obeys the rules that hold on any run."""
+    import re
+
+    exposed = re.findall(r"rank (\d): all-reduce ([\d.]+) ms, exposed ([\d.]+) ms, (\d+)% of",
+                         stream_text(NB, "e = exposed_comm(traces[r])"))
+    assert [r for r, *_ in exposed] == ["0", "1"]
+    for _, comm, hidden_not, share in exposed:
+        assert 0 <= float(hidden_not) <= float(comm) and 0 <= int(share) <= 100
+    agree = re.findall(r"rank (\d): trace ([\d.]+) - idle ([\d.]+) \+ late ([\d.]+) ms; "
+                       r"recorder ([\d.]+) ms; agree: (\w+)",
+                       stream_text(NB, "import compare_with_recorder"))
+    assert [r for r, *_ in agree] == ["0", "1"]
+    for _, trace, idle, late, recorder, ok in agree:
+        gap = float(trace) - float(idle) + float(late) - float(recorder)
+        # each printed figure is rounded to 0.05 ms: four of them, 0.2 ms at most
+        assert ok == "True" and abs(gap) <= ddp_profile.AGREE_MS + 0.2
+
+
 @pytest.mark.slow
 def test_a_profiled_step_on_two_ranks(tmp_path):
     from ddp_lesson.launch import run_torchrun

@@ -124,13 +124,15 @@ def test_the_launchers_script_is_not_run_again_and_the_server_ends_with_it(tmp_p
     driver.write_text(
         "import multiprocessing.forkserver as fs, os\n"
         "from ddp_lesson.launch import run_torchrun\n"
+        "import multiprocessing.spawn as sp\n"  # importing the launcher patches nothing yet
+        "print('stdlib', sp.get_preparation_data.__module__ == 'multiprocessing.spawn')\n"
         "print('driver ran', flush=True)\n"
         "r = run_torchrun(code='print(1)', nproc_per_node=1, timeout=90, live=False)\n"
         "print(r.rank_lines(0), fs._forkserver._forkserver_pid, flush=True)\n"
         "os._exit(0)\n")  # no clean-up of ours: as a SIGKILL leaves it
     out = subprocess.run([sys.executable, str(driver)], capture_output=True, text=True,
                          timeout=90, check=True).stdout
-    assert out.count("driver ran") == 1 and "['1']" in out
+    assert out.count("driver ran") == 1 and "['1']" in out and "stdlib True" in out
     server = int(out.split()[-1])
     deadline = time.monotonic() + 15
     while alive(server) and time.monotonic() < deadline:

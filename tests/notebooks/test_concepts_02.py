@@ -1,16 +1,10 @@
 """Notebook 02's concept checks: each number an answer states is what the core sampler gives."""
 from __future__ import annotations
 
-import re
-
-from notebook_cells import concept_checks
+from notebook_cells import concept_checks, numbers_in
 
 from ddp_lesson.core.sampler import DistributedSampler
 from ddp_lesson.sampler import padding_count
-
-
-def _first_number(text: str) -> int:
-    return int(re.search(r"\d[\d,]*", text).group().replace(",", ""))
 
 
 def test_notebook_02_concept_answers():
@@ -20,8 +14,8 @@ def test_notebook_02_concept_answers():
     assert "N = 1,000" in q1 and "R = 16" in q1 and "drop_last=False" in q1
     per_rank = {d: {len(DistributedSampler(range(1000), 16, r, drop_last=d)) for r in range(16)}
                 for d in (False, True)}
-    assert per_rank == {False: {_first_number(a1)}, True: {_first_number(a2)}}
+    assert per_rank == {False: {numbers_in(a1)[0]}, True: {numbers_in(a2)[0]}}
     assert "drop_last=True" in q2
     assert "N = 3" in q3 and "R = 8" in q3
-    assert _first_number(a3) == padding_count(3, 8)
+    assert numbers_in(a3)[0] == padding_count(3, 8)
     assert padding_count(3, 8) == 8 * len(DistributedSampler(range(3), 8, 0)) - 3

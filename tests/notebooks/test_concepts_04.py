@@ -7,10 +7,8 @@ sizes from the model itself. No process group.
 """
 from __future__ import annotations
 
-import re
-
 import torch
-from notebook_cells import concept_checks
+from notebook_cells import concept_checks, numbers_in
 
 from ddp_lesson.commsim import SimulatedLink
 from ddp_lesson.core.buckets import MB, ddp_buckets
@@ -18,10 +16,6 @@ from ddp_lesson.labs.ddp_hooks import small_mlp
 from ddp_lesson.models import build_model
 
 NB = "04_ddp_from_scratch.ipynb"
-
-
-def _first_number(text: str) -> float:
-    return float(re.search(r"\d[\d,]*(?:\.\d+)?", text).group().replace(",", ""))
 
 
 def _deeplab_nbytes() -> list[int]:
@@ -40,7 +34,7 @@ def test_bucket_count_for_the_small_mlp_at_100_bytes():
     assert "128, 32, 256, 32, 32 and 4 bytes" in question and "100 bytes" in question
     buckets = ddp_buckets(sizes, 100 / MB)
     assert buckets == [[5, 4, 3, 2], [1, 0]]            # 4 + 32 + 32 + 256, then 32 + 128
-    assert _first_number(answer) == len(buckets) == 2
+    assert numbers_in(answer)[0] == len(buckets) == 2
 
 
 def test_latency_of_naive_ddp_on_deeplab_over_four_ranks():
@@ -49,7 +43,7 @@ def test_latency_of_naive_ddp_on_deeplab_over_four_ranks():
     assert len(nbytes) == 43 and "43 tensors" in question and "R = 4" in question
     link = SimulatedLink(latency_s=0.5e-3, bandwidth_bytes_per_s=100e6)
     latency_ms = sum(link.cost_s(0, 4) for _ in nbytes) * 1e3   # zero bytes: α terms only
-    assert round(latency_ms, 1) == _first_number(answer) == 129.0
+    assert round(latency_ms, 1) == numbers_in(answer)[0] == 129.0
 
 
 def test_one_all_reduce_of_deeplab_over_four_ranks():
@@ -58,5 +52,5 @@ def test_one_all_reduce_of_deeplab_over_four_ranks():
     assert sum(nbytes) == 1_149_964 and "1,149,964 bytes" in question
     link = SimulatedLink(latency_s=0.5e-3, bandwidth_bytes_per_s=100e6)
     ms = link.cost_s(sum(nbytes), 4) * 1e3
-    assert round(ms, 1) == _first_number(answer) == 20.2
+    assert round(ms, 1) == numbers_in(answer)[0] == 20.2
     assert round(link.cost_s(0, 4) * 1e3, 1) == 3.0 and "6 α = 3 ms" in answer

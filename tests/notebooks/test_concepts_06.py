@@ -2,17 +2,11 @@
 (``ddp_lesson.config.derived_values``, ``layout_for``), never a number typed into the test."""
 from __future__ import annotations
 
-import re
-
-from notebook_cells import concept_checks
+from notebook_cells import concept_checks, numbers_in
 
 from ddp_lesson.config import derived_values, layout_for, parse_config
 
 NB = "06_training_the_seed_model.ipynb"
-
-
-def _numbers(text: str) -> list[float]:
-    return [float(n.replace(",", "")) for n in re.findall(r"\d[\d,]*(?:\.\d+)?", text)]
 
 
 def test_three_answered_checks():
@@ -25,7 +19,7 @@ def test_global_batch_and_steps_per_epoch():
     cfg = parse_config(["--num-train", "1024", "-b", "8", "--grad-accum-steps", "2"])
     d = derived_values(cfg, world_size=4)
     # "Global batch 8 × 4 × 2 = 64; 1,024 / 64 = 16 steps per epoch."
-    assert _numbers(answer) == [8, 4, 2, d["global_batch"], 1024, d["global_batch"],
+    assert numbers_in(answer) == [8, 4, 2, d["global_batch"], 1024, d["global_batch"],
                                 d["steps_per_epoch"]]
 
 
@@ -35,7 +29,7 @@ def test_learning_rate_of_that_run():
     cfg = parse_config(["--num-train", "1024", "-b", "8", "--grad-accum-steps", "2",
                         "--lr", "0.05", "--base-batch", "16", "--lr-scaling", "linear"])
     d = derived_values(cfg, world_size=4)
-    assert _numbers(answer)[:4] == [0.05, d["global_batch"], 16, d["effective_lr"]]
+    assert numbers_in(answer)[:4] == [0.05, d["global_batch"], 16, d["effective_lr"]]
 
 
 def test_resumed_on_one_process():
@@ -46,5 +40,5 @@ def test_resumed_on_one_process():
     resumed = derived_values(cfg, world_size=1, layout=layout_for(cfg, 64, 2, 1))
     k, g = resumed["grad_accum_steps"], resumed["global_batch"]
     # "2 micro-batches of 4 per step (K' = K·R/R' = 2): global batch 8, as before."
-    assert _numbers(answer) == [k, 4, k, g]
+    assert numbers_in(answer) == [k, 4, k, g]
     assert g == derived_values(cfg, world_size=2)["global_batch"]

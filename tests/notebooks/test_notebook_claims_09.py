@@ -169,18 +169,30 @@ def test_deep_dive_numbers_and_prose():
     ratios = stream_text(deep, "measured / predicted")
     assert "2 ranks, 64 MiB: measured / predicted = 1.18" in ratios
     assert "4 ranks, 64 MiB: measured / predicted = 2.34" in ratios
+    ratio = {(int(r), int(mib)): float(v) for r, mib, v in re.findall(
+        r"(\d) ranks, +(\d+) MiB: measured / predicted = ([\d.]+)", ratios)}
+    # prose: "On 2 ranks, 64 MiB is within 20 % and 1 MiB is not"; 4 ranks "over twice"
+    assert 0.8 <= ratio[2, 64] <= 1.2 and not 0.8 <= ratio[2, 1] <= 1.2 and ratio[4, 64] > 2
     step = stream_text(deep, "exposed communication: predicted").splitlines()
+    step_pred, step_meas = (float(x) for x in re.findall(r"[\d.]+", step[0]))
+    assert 0.8 <= step_meas / step_pred <= 1.2  # prose: "The step is within 20 %"
     pred, meas = (float(x) for x in re.findall(r"[\d.]+", step[1]))
     assert meas > 10 * pred  # prose: "over ten times the all-reduce"
     sweep = stream_text(deep, "predict_bucket_sweep(sizes")
     assert re.search(r"25 MB:  74 messages, exposed  0\.97 ms", sweep)  # "about a millisecond"
     assert "4096 MB:   1 messages, exposed 11.17 ms" in sweep  # "the whole 11 ms"
+    hidden = [float(ms) for mb, ms in re.findall(r"(\d+) MB: +\d+ messages, exposed +([\d.]+)",
+                                                   sweep) if 25 <= int(mb) <= 400]
+    assert hidden and all(0.5 <= ms <= 1.5 for ms in hidden)  # "25 to 400 MB ... a millisecond"
     assert "h100-200g 64 GPUs: efficiency 17% at peak, 39% at mfu 0.4" in stream_text(
         deep, 'for key in ("h100", "a100", "h100-200g")')
     nb = nbformat.read(NOTEBOOKS / deep, as_version=4)
     prose = " ".join(" ".join(c.source.split()) for c in nb.cells if c.cell_type == "markdown")
     for claim in ("0.6 ms of all-reduce against 70 ms of backward", "(0.82 of the line rate)",
-                  "0.97 TF32, 0.84 mixed precision", "over ten times the all-reduce"):
+                  "0.97 TF32, 0.84 mixed precision", "over ten times the all-reduce",
+                  "64 MiB is within 20 % and 1 MiB is not", "The step is within 20 %",
+                  "25 to 400 MB hide all but about a millisecond",
+                  "64 MiB takes over twice the model's time"):
         assert claim in prose, claim
 
 

@@ -23,6 +23,21 @@ def test_calculator_follows_its_controls():
     assert plain == "roofline calculator (run the notebook to change it)\n" + want
 
 
+def test_calculator_counts_the_flops_once(monkeypatch):
+    """No control changes the model's FLOPs: built once, the count is not run again."""
+    import ddp_lesson.cost_model as cm
+
+    calls = []
+    count = cm.flops_per_sample
+    monkeypatch.setattr(cm, "flops_per_sample", lambda *a: calls.append(1) or count(*a))
+    model, x = torch.nn.Linear(64, 64), torch.randn(4, 64)
+    calc = roofline_calculator(model, (x,), hardware="a100", batch_per_gpu=16)
+    calc.batch_per_gpu.value, calc.mfu.value, calc.grad_bytes.value = 64, 0.5, 2
+    assert len(calls) == 1
+    assert calc.text == roofline_report(model, "a100", batch_per_gpu=64, inputs=(x,), mfu=0.5,
+                                        grad_bytes_per_param=2)
+
+
 def test_calculator_names_the_presets():
     with pytest.raises(KeyError, match="presets are \\['a100', 'h100', 'h100-200g', 't4x2'\\]"):
         roofline_calculator(1e6, hardware="v100")
